@@ -1,0 +1,128 @@
+// The indexer engine of one indexer worker (CPU backend): the paged index-key cache of its
+// sequences, SPIN per full layer, scoring, top-K and deferred speculative updates (DESIGN.md 4).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "indexer_service/index_key_cache.h"
+#include "indexer_service/scoring.h"
+#include "indexer_service/spin.h"
+
+namespace dsa {
+
+/// Shapes and capacity of one indexer worker.
+struct IndexerOptions {
+  int64_t capacity_blocks = 0;  // pool size in 64-slot blocks, shared by all sequences and layers
+  int num_heads = 64;           // H of the indexer query
+  int head_dim = 128;           // D of index keys and queries
+};
+
+/// Per-sequence settings.
+struct SequenceOptions {
+  int num_layers = 1;  // full layers with an indexer (index-key cache and SPIN state each)
+  int top_k = 2048;    // K, >= 1
+  SpinConfig spin;
+};
+
+/// The outcome of one Select.
+struct SelectResult {
+  int top_k = 0;
+  /// int32 [num_rows, top_k], row-major; best first, -1 padding.
+  std::vector<int32_t> selections;
+  /// fp32 [num_rows, blocks.size() * 64]: the scores of the scored blocks, as ScoreBlocks lays them
+  /// out (-inf beyond a row's position). Filled only when requested.
+  std::vector<float> scores;
+  /// The scored logical blocks (sorted).
+  std::vector<int32_t> blocks;
+  int64_t blocks_scored = 0;   // blocks.size()
+  int64_t blocks_visible = 0;  // ceil(N_t / 64) for the last row
+  bool all_blocks = false;     // every visible block was scored (SPIN off, warm-up, N_t <= K)
+};
+
+/// Thread-safe (one mutex; a Select scores with all cores).
+class Indexer {
+ public:
+  /// INVALID_ARGUMENT for a negative capacity or num_heads / head_dim outside [1, 1024].
+  static absl::StatusOr<std::unique_ptr<Indexer>> Create(const IndexerOptions& options);
+
+  const IndexerOptions& options() const { return options_; }
+
+  /// Creates an empty sequence. ALREADY_EXISTS; INVALID_ARGUMENT (num_layers < 1, top_k < 1, SPIN
+  /// settings out of range).
+  absl::Status CreateSequence(uint64_t sequence_id, const SequenceOptions& options);
+  /// Creates a sequence whose layers start with `source_id`'s first num_prefix_slots slots, sharing
+  /// their blocks (num_prefix_slots a multiple of 64). Errors as CreateSequence plus NOT_FOUND
+  /// (source) and INVALID_ARGUMENT (prefix length, layer count mismatch).
+  absl::Status CreateSequenceFromPrefix(uint64_t sequence_id, const SequenceOptions& options,
+                                        uint64_t source_id, int64_t num_prefix_slots);
+
+  /// Appends index keys fp32 [num_keys, head_dim] to one layer (prefill, restore, or a decode
+  /// step's new keys). Errors: NOT_FOUND, INVALID_ARGUMENT (layer, shape, non-finite),
+  /// RESOURCE_EXHAUSTED (pool full; nothing written), FAILED_PRECONDITION (a speculative step is
+  /// awaiting Commit).
+  absl::Status AppendIndexKeys(uint64_t sequence_id, int layer, std::span<const float> keys,
+                               int64_t num_keys);
+
+  /// Selects the top-K slots for one row (a decode step) or d+1 verifier rows (positions t..t+d,
+  /// strictly increasing) of one sequence at one layer: SPIN plan, scoring of the chosen blocks,
+  /// top-K per row. One row updates the EMAs at once; several rows defer the update to Commit().
+  /// Each row's key must already be appended (position < the layer's slot count).
+  /// Errors: NOT_FOUND; INVALID_ARGUMENT (layer, no rows, query or weight shape, non-finite query or
+  /// weight, positions not strictly increasing or negative); OUT_OF_RANGE (position >= slots);
+  /// FAILED_PRECONDITION (this layer already has a step awaiting Commit).
+  absl::StatusOr<SelectResult> Select(uint64_t sequence_id, int layer,
+                                      std::span<const IndexerRow> rows, bool return_scores = false);
+
+  /// Ends a speculative step: `accepted` draft tokens were accepted (0..d). For every layer with a
+  /// pending step, replays rows 0..accepted in order into the EMAs (or row 0 only under
+  /// kRow0 update) and drops the others; truncates every layer's cache to t + accepted + 1 slots.
+  /// Errors: NOT_FOUND; FAILED_PRECONDITION (nothing pending); OUT_OF_RANGE (accepted < 0 or > d).
+  absl::Status Commit(uint64_t sequence_id, int accepted);
+
+  /// Starts a new turn: every layer's EMAs reset and the next Select is a warm-up (paper 3.2).
+  /// Errors: NOT_FOUND; FAILED_PRECONDITION (a speculative step is pending).
+  absl::Status BeginTurn(uint64_t sequence_id);
+
+  /// Drops the sequence and its blocks. NOT_FOUND if unknown.
+  absl::Status Release(uint64_t sequence_id);
+
+  /// Slots filled at (sequence, layer). NOT_FOUND, INVALID_ARGUMENT.
+  absl::StatusOr<int64_t> NumSlots(uint64_t sequence_id, int layer) const;
+  /// A copy of the SPIN state of (sequence, layer), for tests and tools. NOT_FOUND, INVALID_ARGUMENT.
+  absl::StatusOr<SpinState> GetSpinState(uint64_t sequence_id, int layer) const;
+  CacheUsage Usage() const;
+  int64_t num_sequences() const;
+
+ private:
+  struct PendingStep {
+    std::vector<int64_t> positions;
+    std::vector<int32_t> blocks;
+    std::vector<float> scores;  // [rows, blocks * 64]
+  };
+  struct SequenceState {
+    SequenceOptions options;
+    std::vector<SpinState> spin;        // per layer
+    std::vector<PendingStep> pending;   // per layer; empty positions = none
+    int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
+    int pending_rows = 0;
+  };
+  explicit Indexer(const IndexerOptions& options, IndexKeyCache cache)
+      : options_(options), cache_(std::move(cache)) {}
+  absl::Status ValidateSequenceOptions(const SequenceOptions& options) const;
+  absl::StatusOr<SequenceState*> Find(uint64_t sequence_id);
+  absl::StatusOr<const SequenceState*> Find(uint64_t sequence_id) const;
+
+  IndexerOptions options_;
+  mutable std::mutex mutex_;
+  IndexKeyCache cache_;
+  absl::flat_hash_map<uint64_t, SequenceState> sequences_;
+};
+
+}  // namespace dsa

@@ -1,0 +1,23 @@
+// Top-K selection with DSA's rules (DESIGN.md 4.1): the K highest scores, ties to the lower slot,
+// best first, -inf and NaN masked, -1 padding, never a slot beyond the row's position.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace dsa {
+
+/// Selects the top `k` slots of one row in expected linear time (introselect, then a sort of the
+/// k winners: O(n + k log k)).
+///
+/// - scores: fp32 [n]; entry e is the score of slot SlotOf(e), where SlotOf(e) =
+///   logical_blocks[e / 64] * 64 + e % 64 when `logical_blocks` is non-empty (then n must be
+///   logical_blocks.size() * 64) and e itself otherwise.
+/// - max_slot: the row's position t; slots above it are never selected.
+/// - selection (out): int32 [k], best first; ties in score go to the lower slot; entries beyond the
+///   number of selectable slots (finite score, slot <= max_slot) are -1. NaN counts as -inf and
+///   -inf is never selected. Entries of logical_blocks must be distinct.
+void SelectTopK(std::span<const float> scores, std::span<const int32_t> logical_blocks,
+                int64_t max_slot, std::span<int32_t> selection);
+
+}  // namespace dsa
