@@ -72,10 +72,10 @@ class SpinState {
   /// BeginTurn() is the warm-up: it scores every block and clears the warm-up flag.
   BlockPlan Plan(std::span<const int64_t> positions);
 
-  /// Applies step 8 for one row at `position`: for every scored slot i <= position (entries of
-  /// `scores` that are not -inf/NaN are ignored only if the slot is beyond the position),
-  /// V[i] = a V[i] + (1 - a) z[i] and D[position - i] likewise. `scores` is fp32
-  /// [blocks.size() * 64] laid out as ScoreBlocks' output for this row.
+  /// Applies step 8 for one row at `position`: for every scored slot i <= position (a finite
+  /// entry of `scores`), V[i] = a V[i] + (1 - a) z[i] and D[position - i] likewise; unscored slots
+  /// keep their values. `blocks` are the scored logical blocks and `scores` is fp32
+  /// [blocks.size() * 64], laid out as ScoreBlocks' output for this row.
   void Update(int64_t position, std::span<const int32_t> blocks, std::span<const float> scores);
 
   /// Multi-turn reset (paper 3.2): V, D and the block EMAs go to zero; the next Plan is a warm-up.

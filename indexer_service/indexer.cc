@@ -1,0 +1,263 @@
+// The CPU indexer engine (see indexer.h).
+#include "indexer_service/indexer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "indexer_service/topk.h"
+
+namespace dsa {
+namespace {
+
+absl::Status CheckFinite(std::span<const float> values, const char* what, size_t row) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " of row ", row, " has a non-finite value at index ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& options) {
+  if (options.num_heads < 1 || options.num_heads > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_heads must be in [1, 1024], got ", options.num_heads));
+  }
+  auto cache = IndexKeyCache::Create(options.capacity_blocks, options.head_dim);
+  if (!cache.ok()) return cache.status();
+  return std::unique_ptr<Indexer>(new Indexer(options, std::move(*cache)));
+}
+
+absl::Status Indexer::ValidateSequenceOptions(const SequenceOptions& options) const {
+  if (options.num_layers < 1 || options.num_layers > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers must be in [1, 4096], got ", options.num_layers));
+  }
+  if (options.top_k < 1 || options.top_k > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, 2^20], got ", options.top_k));
+  }
+  return ValidateSpinConfig(options.spin);
+}
+
+absl::StatusOr<Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id) {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  return &it->second;
+}
+
+absl::StatusOr<const Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id) const {
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  return &it->second;
+}
+
+absl::Status Indexer::CreateSequence(uint64_t sequence_id, const SequenceOptions& options) {
+  if (auto s = ValidateSequenceOptions(options); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (auto s = cache_.AddSequence(sequence_id, options.num_layers); !s.ok()) return s;
+  SequenceState state;
+  state.options = options;
+  for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(options.spin, options.top_k, l);
+  state.pending.resize(options.num_layers);
+  sequences_.emplace(sequence_id, std::move(state));
+  return absl::OkStatus();
+}
+
+absl::Status Indexer::CreateSequenceFromPrefix(uint64_t sequence_id, const SequenceOptions& options,
+                                               uint64_t source_id, int64_t num_prefix_slots) {
+  if (auto s = ValidateSequenceOptions(options); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (auto s = cache_.AddSequenceWithPrefix(sequence_id, options.num_layers, source_id,
+                                            num_prefix_slots);
+      !s.ok()) {
+    return s;
+  }
+  SequenceState state;
+  state.options = options;
+  for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(options.spin, options.top_k, l);
+  state.pending.resize(options.num_layers);
+  sequences_.emplace(sequence_id, std::move(state));
+  return absl::OkStatus();
+}
+
+absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span<const float> keys,
+                                      int64_t num_keys) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto state = Find(sequence_id);
+  if (!state.ok()) return state.status();
+  if ((*state)->pending_rows > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence ", sequence_id, " has a speculative step awaiting Commit; append after it"));
+  }
+  return cache_.Append(sequence_id, layer, keys, num_keys);
+}
+
+absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
+                                             std::span<const IndexerRow> rows, bool return_scores) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  SequenceState& state = **found;
+  auto view = cache_.View(sequence_id, layer);
+  if (!view.ok()) return view.status();
+  if (rows.empty()) return absl::InvalidArgumentError("select needs at least one row");
+  const size_t query_size = static_cast<size_t>(options_.num_heads) * options_.head_dim;
+  std::vector<int64_t> positions;
+  positions.reserve(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (rows[r].query.size() != query_size) {
+      return absl::InvalidArgumentError(absl::StrCat("indexer query of row ", r, " has ",
+                                                     rows[r].query.size(), " values, expected H ",
+                                                     options_.num_heads, " x D ", options_.head_dim));
+    }
+    if (rows[r].head_weights.size() != static_cast<size_t>(options_.num_heads)) {
+      return absl::InvalidArgumentError(absl::StrCat("head weights of row ", r, " have ",
+                                                     rows[r].head_weights.size(), " values, expected ",
+                                                     options_.num_heads));
+    }
+    if (auto s = CheckFinite(rows[r].query, "indexer query", r); !s.ok()) return s;
+    if (auto s = CheckFinite(rows[r].head_weights, "head weights", r); !s.ok()) return s;
+    if (rows[r].position < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("row ", r, " has negative position ", rows[r].position));
+    }
+    if (r > 0 && rows[r].position <= rows[r - 1].position) {
+      return absl::InvalidArgumentError(absl::StrCat("positions must be strictly increasing: row ", r,
+                                                     " at ", rows[r].position, " after ",
+                                                     rows[r - 1].position));
+    }
+    if (rows[r].position >= view->num_slots) {
+      return absl::OutOfRangeError(absl::StrCat("row ", r, " at position ", rows[r].position,
+                                                " but layer ", layer, " holds ", view->num_slots,
+                                                " slots; append the row's index key first"));
+    }
+    positions.push_back(rows[r].position);
+  }
+  PendingStep& pending = state.pending[layer];
+  if (!pending.positions.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " of sequence ", sequence_id,
+                                                      " has a speculative step awaiting Commit"));
+  }
+  if (state.pending_rows > 0 &&
+      (static_cast<int>(rows.size()) != state.pending_rows || positions[0] != state.pending_first_position)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this speculative step has ", state.pending_rows, " rows from position ",
+        state.pending_first_position, "; got ", rows.size(), " rows from ", positions[0]));
+  }
+
+  SpinState& spin = state.spin[layer];
+  BlockPlan plan = spin.Plan(positions);
+  SelectResult result;
+  result.top_k = state.options.top_k;
+  result.blocks = std::move(plan.blocks);
+  result.blocks_scored = static_cast<int64_t>(result.blocks.size());
+  result.blocks_visible = plan.visible_blocks;
+  result.all_blocks = plan.all_blocks;
+  std::vector<float> scores(rows.size() * result.blocks.size() * kBlockSize);
+  ScoreBlocks(*view, result.blocks, rows, options_.num_heads, scores);
+  result.selections.resize(rows.size() * result.top_k);
+  const size_t row_stride = result.blocks.size() * kBlockSize;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    SelectTopK(std::span<const float>(scores.data() + r * row_stride, row_stride), result.blocks,
+               positions[r],
+               std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
+  }
+  if (rows.size() == 1) {
+    spin.Update(positions[0], result.blocks, scores);
+  } else {
+    pending.positions = positions;
+    pending.blocks = result.blocks;
+    pending.scores = scores;
+    state.pending_rows = static_cast<int>(rows.size());
+    state.pending_first_position = positions[0];
+  }
+  if (return_scores) result.scores = std::move(scores);
+  return result;
+}
+
+absl::Status Indexer::Commit(uint64_t sequence_id, int accepted) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  SequenceState& state = **found;
+  if (state.pending_rows == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", sequence_id, " has no speculative step to commit"));
+  }
+  if (accepted < 0 || accepted >= state.pending_rows) {
+    return absl::OutOfRangeError(absl::StrCat("accepted ", accepted, " outside [0, ",
+                                              state.pending_rows - 1, "] draft tokens"));
+  }
+  const size_t replay_rows =
+      state.options.spin.spec_update == SpecUpdatePolicy::kRow0 ? 1 : static_cast<size_t>(accepted) + 1;
+  const int64_t keep_slots = state.pending_first_position + accepted + 1;
+  for (int l = 0; l < state.options.num_layers; ++l) {
+    PendingStep& pending = state.pending[l];
+    if (!pending.positions.empty()) {
+      const size_t row_stride = pending.blocks.size() * kBlockSize;
+      for (size_t r = 0; r < replay_rows; ++r) {
+        state.spin[l].Update(pending.positions[r], pending.blocks,
+                             std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
+      }
+      pending = PendingStep{};
+    }
+    auto slots = cache_.NumSlots(sequence_id, l);
+    if (slots.ok() && *slots > keep_slots) {
+      if (auto s = cache_.Truncate(sequence_id, l, keep_slots); !s.ok()) return s;
+    }
+  }
+  state.pending_rows = 0;
+  state.pending_first_position = -1;
+  return absl::OkStatus();
+}
+
+absl::Status Indexer::BeginTurn(uint64_t sequence_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  if ((*found)->pending_rows > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", sequence_id, " has a speculative step awaiting Commit"));
+  }
+  for (SpinState& spin : (*found)->spin) spin.BeginTurn();
+  return absl::OkStatus();
+}
+
+absl::Status Indexer::Release(uint64_t sequence_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sequences_.contains(sequence_id)) {
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  }
+  if (auto s = cache_.RemoveSequence(sequence_id); !s.ok()) return s;
+  sequences_.erase(sequence_id);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> Indexer::NumSlots(uint64_t sequence_id, int layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cache_.NumSlots(sequence_id, layer);
+}
+
+absl::StatusOr<SpinState> Indexer::GetSpinState(uint64_t sequence_id, int layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  if (layer < 0 || layer >= (*found)->options.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
+  }
+  return (*found)->spin[layer];
+}
+
+CacheUsage Indexer::Usage() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cache_.Usage();
+}
+
+int64_t Indexer::num_sequences() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int64_t>(sequences_.size());
+}
+
+}  // namespace dsa
