@@ -1,0 +1,36 @@
+// The CUDA backend's capability check (see device_info.h).
+#include <cstring>
+
+#include "indexer_service/cuda/device_info.h"
+
+namespace dsa::cuda {
+
+cudaError_t CountDevices(int* count) {
+  *count = 0;
+  const cudaError_t error = cudaGetDeviceCount(count);
+  if (error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    *count = 0;
+    return cudaSuccess;
+  }
+  return error;
+}
+
+cudaError_t GetDeviceInfo(int ordinal, DeviceInfo* info) {
+  cudaDeviceProp prop{};
+  const cudaError_t error = cudaGetDeviceProperties(&prop, ordinal);
+  if (error != cudaSuccess) return error;
+  info->ordinal = ordinal;
+  info->sm_major = prop.major;
+  info->sm_minor = prop.minor;
+  info->num_sms = prop.multiProcessorCount;
+  info->global_memory_bytes = prop.totalGlobalMem;
+  std::strncpy(info->name, prop.name, sizeof(info->name) - 1);
+  return cudaSuccess;
+}
+
+bool CanRunIndexerKernels(const DeviceInfo& info) {
+  return info.sm_major == 9 && info.sm_minor == 0;
+}
+
+}  // namespace dsa::cuda

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Configures and builds the project into build/ (Release, Ninja, ccache when present).
+# Extra arguments go to the CMake configure step, e.g. -DDSA_ENABLE_CUDA=OFF.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${DSA_BUILD_DIR:-build}
+jobs=${DSA_BUILD_JOBS:-$(nproc)}
+mkdir -p "$build_dir"
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >"$build_dir/configure.log" 2>&1 || {
+  cat "$build_dir/configure.log" >&2
+  exit 1
+}
+cmake --build "$build_dir" -j "$jobs"
