@@ -1,6 +1,9 @@
 // The block pool (see block_pool.h).
 #include "indexer_service/block_pool.h"
 
+#include <algorithm>
+#include <functional>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
@@ -13,7 +16,8 @@ BlockPool::BlockPool(int64_t capacity_blocks, int head_dim)
       storage_(block_bytes_ * static_cast<size_t>(capacity_blocks)),
       ref_counts_(capacity_blocks, 0) {
   free_list_.reserve(capacity_blocks);
-  for (int64_t b = capacity_blocks - 1; b >= 0; --b) free_list_.push_back(static_cast<int32_t>(b));
+  // Ascending ids form a valid min-heap under std::greater.
+  for (int64_t b = 0; b < capacity_blocks; ++b) free_list_.push_back(static_cast<int32_t>(b));
 }
 
 absl::StatusOr<std::vector<int32_t>> BlockPool::Allocate(int64_t count) {
@@ -25,6 +29,7 @@ absl::StatusOr<std::vector<int32_t>> BlockPool::Allocate(int64_t count) {
   }
   std::vector<int32_t> blocks(count);
   for (int64_t i = 0; i < count; ++i) {
+    std::pop_heap(free_list_.begin(), free_list_.end(), std::greater<int32_t>());
     blocks[i] = free_list_.back();
     free_list_.pop_back();
     ref_counts_[blocks[i]] = 1;
@@ -39,7 +44,10 @@ void BlockPool::Retain(int32_t block_id) {
 
 void BlockPool::Release(int32_t block_id) {
   DSA_CHECK(ref_counts_[block_id] > 0, "release of a free block");
-  if (--ref_counts_[block_id] == 0) free_list_.push_back(block_id);
+  if (--ref_counts_[block_id] == 0) {
+    free_list_.push_back(block_id);
+    std::push_heap(free_list_.begin(), free_list_.end(), std::greater<int32_t>());
+  }
 }
 
 }  // namespace dsa
