@@ -16,6 +16,17 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// ceil and floor of a product of a setting (rho, gamma) and a block count, immune to the product
+// landing a few ulps past the integer it equals in decimal arithmetic: (1 - 0.7) * 10 evaluates to
+// 3.0000000000000004, whose plain ceil would be 4. The slack (1e-12 relative) is far above fp64
+// rounding and far below any real fractional part.
+int64_t CeilOfProduct(double x) {
+  return static_cast<int64_t>(std::ceil(x - 1e-12 * std::max(1.0, std::fabs(x))));
+}
+int64_t FloorOfProduct(double x) {
+  return static_cast<int64_t>(std::floor(x + 1e-12 * std::max(1.0, std::fabs(x))));
+}
+
 absl::Status CheckUnitInterval(const char* name, double value) {
   if (!std::isfinite(value) || value < 0.0 || value >= 1.0) {
     return absl::InvalidArgumentError(absl::StrCat(name, " must be in [0, 1), got ", value));
@@ -111,8 +122,8 @@ SpinState::SpinState(const SpinConfig& config, int top_k, int layer)
 
 int64_t SpinState::BlockBudget(int64_t visible_blocks, int top_k, double target_block_sparsity) {
   const int64_t floor_blocks = CeilDiv(top_k, kBlockSize);
-  const int64_t kept = static_cast<int64_t>(
-      std::ceil((1.0 - target_block_sparsity) * static_cast<double>(visible_blocks)));
+  const int64_t kept =
+      CeilOfProduct((1.0 - target_block_sparsity) * static_cast<double>(visible_blocks));
   return std::min(visible_blocks, std::max(floor_blocks, kept));
 }
 
@@ -214,14 +225,13 @@ std::vector<int32_t> SpinState::PlanRow(int64_t position) const {
     }
     const int64_t budget = static_cast<int64_t>(chosen.size());
     const int64_t n_explore = std::min<int64_t>(
-        static_cast<int64_t>(std::floor(config_.exploration_fraction * budget + 0.5)),
-        num_blocks - budget);
+        FloorOfProduct(config_.exploration_fraction * budget + 0.5), num_blocks - budget);
     Explore(position, n_explore, predicted, taken, chosen);
   } else {
     const int64_t budget = BlockBudget(num_blocks, top_k_, config_.target_block_sparsity);  // step 3
     const int64_t capacity = budget - static_cast<int64_t>(chosen.size());
-    const int64_t n_explore = std::min<int64_t>(
-        static_cast<int64_t>(std::floor(config_.exploration_fraction * budget + 0.5)), capacity);
+    const int64_t n_explore =
+        std::min<int64_t>(FloorOfProduct(config_.exploration_fraction * budget + 0.5), capacity);
     Explore(position, n_explore, predicted, taken, chosen);                          // step 5
     TakeBest(predicted, budget - static_cast<int64_t>(chosen.size()), taken, chosen);  // step 6
   }
