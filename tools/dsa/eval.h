@@ -15,7 +15,7 @@ namespace dsa {
 
 /// What to evaluate. Sizes are in slots (tokens visible to the indexer).
 struct EvalOptions {
-  int64_t context_slots = 16384;  // prefill length N (a multiple of 64: prefill blocks are shared)
+  int64_t context_slots = 32768;  // prefill length N (a multiple of 64: prefill blocks are shared)
   int decode_steps = 128;         // decode positions after the prefill (per configuration)
   int num_layers = 4;             // full layers of the pattern model
   int num_heads = 64;             // H
