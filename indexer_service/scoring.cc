@@ -3,9 +3,16 @@
 #include "indexer_service/scoring.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DSA_SCORING_X86 1
+#endif
 
 #include "common/fp8.h"
 
@@ -38,6 +45,120 @@ void ScoreTile(const float* __restrict keys_t, const float* __restrict scales,
   for (int s = 0; s < kBlockSize; ++s) out[s] = scales[s] * total[s];
 }
 
+// Decodes the fp8 codes of one block (slot-major [kBlockSize, head_dim]) into `keys_t`, fp32
+// [head_dim, kBlockSize] transposed; slots >= `filled` decode as 0. Exact: the decode table.
+void DecodeBlockScalar(const uint8_t* codes, int head_dim, int64_t filled, float* keys_t) {
+  const float* table = Fp8E4m3DecodeTable();
+  for (int s = 0; s < kBlockSize; ++s) {
+    const uint8_t* key = codes + static_cast<size_t>(s) * head_dim;
+    for (int d = 0; d < head_dim; ++d) {
+      keys_t[static_cast<size_t>(d) * kBlockSize + s] = s < filled ? table[key[d]] : 0.0f;
+    }
+  }
+}
+
+#if DSA_SCORING_X86
+// Eight E4M3 codes (the low 8 bytes) to fp32 with integer arithmetic: normal codes (exponent field
+// e >= 1) map to fp32 bits sign | (code & 0x7f) << 20 plus a rebias of 120 << 23; subnormals
+// (e == 0, mantissa m) are m * 2^-9 (exact, and a normal fp32, so FTZ/DAZ cannot touch them);
+// 0x7f/0xff take `nan_bits` with the code's sign. Checked against the table once at start-up.
+__attribute__((target("avx2"))) inline __m256 DecodeFp8x8(__m128i codes, __m256i nan_bits) {
+  const __m256i code = _mm256_cvtepu8_epi32(codes);
+  const __m256i magnitude_code = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal =
+      _mm256_add_epi32(_mm256_slli_epi32(magnitude_code, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 subnormal =
+      _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude_code), _mm256_set1_ps(0x1p-9f));
+  __m256i magnitude = _mm256_blendv_epi8(normal, _mm256_castps_si256(subnormal),
+                                         _mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude_code));
+  magnitude = _mm256_blendv_epi8(magnitude, nan_bits,
+                                 _mm256_cmpeq_epi32(magnitude_code, _mm256_set1_epi32(0x7f)));
+  return _mm256_castsi256_ps(_mm256_or_si256(magnitude, sign));
+}
+
+// DecodeBlockScalar with AVX2: 8 slots x 8 dims at a time, decoded by rows then transposed 8 x 8 in
+// registers. Dims beyond the last multiple of 8 go through the table.
+__attribute__((target("avx2"))) void DecodeBlockAvx2(const uint8_t* codes, int head_dim,
+                                                     int64_t filled, float* keys_t,
+                                                     uint32_t nan_bits) {
+  static constexpr uint8_t kZeroCodes[8] = {};
+  const __m256i nan_vector = _mm256_set1_epi32(static_cast<int>(nan_bits));
+  const int vector_dims = head_dim & ~7;
+  for (int s0 = 0; s0 < kBlockSize; s0 += 8) {
+    const uint8_t* slot_codes[8];
+    for (int i = 0; i < 8; ++i) {
+      slot_codes[i] = s0 + i < filled ? codes + static_cast<size_t>(s0 + i) * head_dim : nullptr;
+    }
+    for (int d0 = 0; d0 < vector_dims; d0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* src = slot_codes[i] ? slot_codes[i] + d0 : kZeroCodes;
+        r[i] = DecodeFp8x8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)), nan_vector);
+      }
+      // 8 x 8 transpose: r[i] holds dims d0..d0+7 of slot s0+i; afterwards r[j] holds slots
+      // s0..s0+7 of dim d0+j.
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+      float* dst = keys_t + static_cast<size_t>(d0) * kBlockSize + s0;
+      _mm256_storeu_ps(dst + 0 * kBlockSize, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(dst + 1 * kBlockSize, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(dst + 2 * kBlockSize, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(dst + 3 * kBlockSize, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(dst + 4 * kBlockSize, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(dst + 5 * kBlockSize, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(dst + 6 * kBlockSize, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(dst + 7 * kBlockSize, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+  if (vector_dims < head_dim) {
+    const float* table = Fp8E4m3DecodeTable();
+    for (int s = 0; s < kBlockSize; ++s) {
+      const uint8_t* key = codes + static_cast<size_t>(s) * head_dim;
+      for (int d = vector_dims; d < head_dim; ++d) {
+        keys_t[static_cast<size_t>(d) * kBlockSize + s] = s < filled ? table[key[d]] : 0.0f;
+      }
+    }
+  }
+}
+
+// The NaN bits DecodeFp8x8 gives 0x7f, or 0 when the AVX2 decode must not be used: no AVX2, or
+// any of the 256 codes decodes differently from the table (bit for bit).
+uint32_t Avx2DecodeNanBits() {
+  if (!__builtin_cpu_supports("avx2")) return 0;
+  const float* table = Fp8E4m3DecodeTable();
+  const uint32_t nan_bits = std::bit_cast<uint32_t>(table[0x7f]) & 0x7fffffffu;
+  if (nan_bits == 0) return 0;
+  // One block whose slot s holds codes s * 4 .. s * 4 + 3 in dims 0..3 (and 0 elsewhere): all 256.
+  std::vector<uint8_t> codes(static_cast<size_t>(kBlockSize) * 8, 0);
+  for (int c = 0; c < 256; ++c)
+    codes[static_cast<size_t>(c / 4) * 8 + c % 4] = static_cast<uint8_t>(c);
+  std::vector<float> decoded(static_cast<size_t>(8) * kBlockSize), expected(decoded.size());
+  DecodeBlockAvx2(codes.data(), 8, kBlockSize, decoded.data(), nan_bits);
+  DecodeBlockScalar(codes.data(), 8, kBlockSize, expected.data());
+  if (std::memcmp(decoded.data(), expected.data(), decoded.size() * sizeof(float)) != 0) return 0;
+  return nan_bits;
+}
+#endif
+
+// DecodeBlockScalar's result, with AVX2 where the CPU has it and the start-up check passed.
+void DecodeBlock(const uint8_t* codes, int head_dim, int64_t filled, float* keys_t) {
+#if DSA_SCORING_X86
+  static const uint32_t nan_bits = Avx2DecodeNanBits();
+  if (nan_bits != 0) {
+    DecodeBlockAvx2(codes, head_dim, filled, keys_t, nan_bits);
+    return;
+  }
+#endif
+  DecodeBlockScalar(codes, head_dim, filled, keys_t);
+}
+
 }  // namespace
 
 void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blocks,
@@ -45,7 +166,6 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
   const int head_dim = cache.pool->head_dim();
   const int64_t num_blocks = static_cast<int64_t>(logical_blocks.size());
   const int64_t row_stride = num_blocks * kBlockSize;
-  const float* table = Fp8E4m3DecodeTable();
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel
@@ -59,12 +179,7 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
       const float* block_scales = cache.pool->scales(block);
       const int64_t first_slot = logical * kBlockSize;
       const int64_t filled = std::min<int64_t>(kBlockSize, cache.num_slots - first_slot);
-      for (int s = 0; s < kBlockSize; ++s) {
-        const uint8_t* key = codes + static_cast<size_t>(s) * head_dim;
-        for (int d = 0; d < head_dim; ++d) {
-          keys_t[static_cast<size_t>(d) * kBlockSize + s] = s < filled ? table[key[d]] : 0.0f;
-        }
-      }
+      DecodeBlock(codes, head_dim, filled, keys_t.data());
       float scales[kBlockSize];
       for (int s = 0; s < kBlockSize; ++s) scales[s] = s < filled ? block_scales[s] : 0.0f;
       for (size_t r = 0; r < rows.size(); ++r) {
