@@ -54,7 +54,7 @@ class BlockPool {
   size_t block_bytes_;
   std::vector<uint8_t> storage_;
   std::vector<int32_t> ref_counts_;
-  std::vector<int32_t> free_list_;  // a min-heap (std::greater) so the lowest free id is taken first
+  std::vector<int32_t> free_list_;  // a min-heap (std::greater): the lowest free id comes first
 };
 
 }  // namespace dsa
