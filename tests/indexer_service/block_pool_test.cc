@@ -1,13 +1,14 @@
 // Tests of the block pool and the paged index-key cache (indexer_service/block_pool.h,
 // index_key_cache.h; DESIGN.md 4.1). Expected codes, scales, block ids and reference counts are
 // worked out by hand in the comments; the byte layout is read straight from the pool memory.
+#include "indexer_service/block_pool.h"
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "indexer_service/block_pool.h"
 #include "indexer_service/index_key_cache.h"
 
 namespace dsa {
@@ -126,7 +127,8 @@ std::vector<float> HandKeys(int64_t first_slot, int64_t count) {
 }
 
 // Reads slot `slot` of a (sequence, layer) straight from the pool bytes at the DESIGN.md 4.1
-// layout: block base + (slot % 64) * D for the codes, base + 64 * D + 4 * (slot % 64) for the scale.
+// layout: block base + (slot % 64) * D for the codes, base + 64 * D + 4 * (slot % 64) for the
+// scale.
 void ExpectSlotHolds(const KeyCacheView& view, int64_t slot, const HandKey& expected) {
   const int32_t block = view.block_table[slot / 64];
   const uint8_t* base = view.pool->keys(0) + view.pool->block_bytes() * block;
@@ -245,7 +247,8 @@ TEST(IndexKeyCacheTest, FullPoolIsResourceExhaustedWithNothingHalfWritten) {
   ASSERT_TRUE(cache.Append(1, 0, HandKeys(0, 100), 100).ok());  // blocks 0, 1 (36 slots in 1)
   const KeyCacheView before_view = *cache.View(1, 0);
   const size_t pool_bytes = before_view.pool->block_bytes() * 3;
-  const std::vector<uint8_t> before_bytes(before_view.pool->keys(0), before_view.pool->keys(0) + pool_bytes);
+  const std::vector<uint8_t> before_bytes(before_view.pool->keys(0),
+                                          before_view.pool->keys(0) + pool_bytes);
   const CacheUsage before = cache.Usage();
   EXPECT_EQ(cache.BlocksNeeded(1, 0, 100), 2);  // ceil(200 / 64) - 2
 
@@ -258,7 +261,8 @@ TEST(IndexKeyCacheTest, FullPoolIsResourceExhaustedWithNothingHalfWritten) {
   EXPECT_EQ(after.free_blocks, before.free_blocks);
   EXPECT_EQ(after.shared_blocks, before.shared_blocks);
   EXPECT_EQ(cache.View(1, 0)->block_table.size(), 2u);
-  const std::vector<uint8_t> after_bytes(before_view.pool->keys(0), before_view.pool->keys(0) + pool_bytes);
+  const std::vector<uint8_t> after_bytes(before_view.pool->keys(0),
+                                         before_view.pool->keys(0) + pool_bytes);
   EXPECT_TRUE(before_bytes == after_bytes) << "the pool memory changed on a failed append";
 
   // A smaller append that fits (one more block) succeeds and lands at slot 100.
@@ -334,9 +338,12 @@ TEST(IndexKeyCacheTest, PrefixErrors) {
   const CacheUsage before = cache.Usage();
   EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 9, 64).code(), StatusCode::kNotFound);
   EXPECT_EQ(cache.AddSequenceWithPrefix(1, 2, 1, 64).code(), StatusCode::kAlreadyExists);
-  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 1, 1, 64).code(), StatusCode::kInvalidArgument);  // layers
-  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 1, 100).code(), StatusCode::kInvalidArgument);  // multiple
-  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 1, 128).code(), StatusCode::kInvalidArgument);  // layer 1 has 64
+  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 1, 1, 64).code(),
+            StatusCode::kInvalidArgument);  // layers
+  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 1, 100).code(),
+            StatusCode::kInvalidArgument);  // multiple
+  EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 1, 128).code(),
+            StatusCode::kInvalidArgument);  // layer 1 has 64
   EXPECT_EQ(cache.AddSequenceWithPrefix(2, 2, 1, -64).code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(cache.Contains(2));
   const CacheUsage after = cache.Usage();

@@ -1,8 +1,10 @@
 // Tests of the indexer engine (indexer_service/indexer.h; DESIGN.md 4 and 5): selections against a
-// naive reference (quantize + decode + triple loop, full-sort top-K), SPIN through the engine (rho = 0
-// equals all-keep, EMAs change only for scored slots, deferred speculative updates replayed on
+// naive reference (quantize + decode + triple loop, full-sort top-K), SPIN through the engine (rho
+// = 0 equals all-keep, EMAs change only for scored slots, deferred speculative updates replayed on
 // Commit), the DSA edge cases, and precise statuses for bad requests that leave the state unchanged
 // (checked against a fresh twin that never saw the bad request).
+#include "indexer_service/indexer.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,7 +19,6 @@
 
 #include "common/fp8.h"
 #include "gtest/gtest.h"
-#include "indexer_service/indexer.h"
 
 namespace dsa {
 namespace {
@@ -61,7 +62,8 @@ struct Query {
 
 Query RandomQuery(std::mt19937& rng, int num_heads, int head_dim) {
   std::uniform_real_distribution<float> positive(0.1f, 1.0f);
-  Query q{RandomValues(rng, static_cast<size_t>(num_heads) * head_dim), std::vector<float>(num_heads)};
+  Query q{RandomValues(rng, static_cast<size_t>(num_heads) * head_dim),
+          std::vector<float>(num_heads)};
   for (float& w : q.weights) w = positive(rng);
   return q;
 }
@@ -73,11 +75,13 @@ std::vector<double> NaiveScores(const std::vector<float>& keys, int head_dim, in
   std::vector<double> out(position + 1);
   std::vector<uint8_t> codes(head_dim);
   for (int64_t i = 0; i <= position; ++i) {
-    const float scale = QuantizeIndexKey(std::span<const float>(keys.data() + i * head_dim, head_dim), codes);
+    const float scale =
+        QuantizeIndexKey(std::span<const float>(keys.data() + i * head_dim, head_dim), codes);
     double total = 0.0;
     for (int h = 0; h < num_heads; ++h) {
       double dot = 0.0;
-      for (int d = 0; d < head_dim; ++d) dot += static_cast<double>(q.query[h * head_dim + d]) * DecodeFp8E4m3(codes[d]);
+      for (int d = 0; d < head_dim; ++d)
+        dot += static_cast<double>(q.query[h * head_dim + d]) * DecodeFp8E4m3(codes[d]);
       total += q.weights[h] * std::max(dot, 0.0);
     }
     out[i] = scale * total;
@@ -131,10 +135,13 @@ void ExpectRowMatchesReference(const SelectResult& result, size_t row, int64_t p
       }
     }
   }
-  ASSERT_EQ(RowSelection(result, row), FullSortTopK(scores, result.blocks, position, result.top_k)) << where;
+  ASSERT_EQ(RowSelection(result, row), FullSortTopK(scores, result.blocks, position, result.top_k))
+      << where;
 }
 
-float At(const std::vector<float>& v, int64_t i) { return i < static_cast<int64_t>(v.size()) ? v[i] : 0.0f; }
+float At(const std::vector<float>& v, int64_t i) {
+  return i < static_cast<int64_t>(v.size()) ? v[i] : 0.0f;
+}
 
 // The EMA of DESIGN.md 4.2 step 8 for one row, written out: for every scored slot i <= position.
 void HandEma(std::vector<float>& v, std::vector<float>& d, float a, int64_t position,
@@ -152,12 +159,15 @@ void HandEma(std::vector<float>& v, std::vector<float>& d, float a, int64_t posi
   }
 }
 
-// EMA vectors equal within 4 fp32 epsilons relative, missing entries reading as zero; reports the first mismatch.
-void ExpectSameEma(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+// EMA vectors equal within 4 fp32 epsilons relative, missing entries reading as zero; reports the
+// first mismatch.
+void ExpectSameEma(const std::vector<float>& got, const std::vector<float>& want,
+                   const std::string& what) {
   const size_t n = std::max(got.size(), want.size());
   for (size_t i = 0; i < n; ++i) {
     const float g = At(got, i), w = At(want, i);
-    if (std::fabs(g - w) > 4.0f * std::numeric_limits<float>::epsilon() * std::max(std::fabs(g), std::fabs(w))) {
+    if (std::fabs(g - w) >
+        4.0f * std::numeric_limits<float>::epsilon() * std::max(std::fabs(g), std::fabs(w))) {
       ADD_FAILURE() << what << "[" << i << "]: got " << g << ", want " << w;
       return;
     }
@@ -197,14 +207,16 @@ TEST(IndexerTest, CreateSequenceValidatesOptions) {
   EXPECT_EQ(indexer->CreateSequence(2, bad).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(indexer->CreateSequence(2, Options(0, 0.4)).code(), StatusCode::kInvalidArgument);
   for (double rho : {1.0, -0.1, 1.5}) {
-    EXPECT_EQ(indexer->CreateSequence(2, Options(16, rho)).code(), StatusCode::kInvalidArgument) << rho;
+    EXPECT_EQ(indexer->CreateSequence(2, Options(16, rho)).code(), StatusCode::kInvalidArgument)
+        << rho;
   }
   for (double decay : {1.0, -0.5}) {
     bad = Options(16, 0.4);
     bad.spin.ema_decay = decay;
     EXPECT_EQ(indexer->CreateSequence(2, bad).code(), StatusCode::kInvalidArgument) << decay;
   }
-  EXPECT_EQ(indexer->CreateSequence(2, Options(16, 0.4, true, 1, 1.0)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(indexer->CreateSequence(2, Options(16, 0.4, true, 1, 1.0)).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(indexer->num_sequences(), 1);
   EXPECT_EQ(indexer->NumSlots(2, 0).status().code(), StatusCode::kNotFound);
 }
@@ -320,7 +332,7 @@ TEST(IndexerTest, EmaChangesOnlyForScoredSlots) {
       EXPECT_EQ(result->blocks_visible, 32);
       EXPECT_EQ(result->blocks_scored, 16);
       EXPECT_FALSE(result->all_blocks);
-      EXPECT_EQ(result->blocks.front(), 0);   // the sink block
+      EXPECT_EQ(result->blocks.front(), 0);  // the sink block
       EXPECT_EQ(result->blocks.back(), 31);  // the newest block
       ++pruned_steps;
     }
@@ -350,7 +362,8 @@ TEST(IndexerTest, ExplorationDrawsRepeatForTheSameSeed) {
   ASSERT_TRUE(indexer->CreateSequence(3, Options(K, 0.5, true, 1, 0.3, 8)).ok());
   std::mt19937 rng(19);
   const std::vector<float> keys = RandomValues(rng, 2000 * D);
-  for (uint64_t id = 1; id <= 3; ++id) ASSERT_TRUE(indexer->AppendIndexKeys(id, 0, keys, 2000).ok());
+  for (uint64_t id = 1; id <= 3; ++id)
+    ASSERT_TRUE(indexer->AppendIndexKeys(id, 0, keys, 2000).ok());
   int differ = 0;
   for (int64_t position = 1990; position < 2000; ++position) {
     const Query q = RandomQuery(rng, H, D);
@@ -379,9 +392,13 @@ TEST(IndexerTest, ConcurrentSelectsOnDifferentSequencesMatchSerialOnes) {
   auto drive = [&](Indexer& indexer, int t, std::vector<std::vector<int32_t>>& out) {
     const uint64_t id = 100 + t;
     EXPECT_TRUE(indexer.CreateSequence(id, Options(K, 0.5)).ok());
-    EXPECT_TRUE(indexer.AppendIndexKeys(id, 0, std::span<const float>(keys[t].data(), 500 * D), 500).ok());
+    EXPECT_TRUE(
+        indexer.AppendIndexKeys(id, 0, std::span<const float>(keys[t].data(), 500 * D), 500).ok());
     for (int s = 0; s < kSteps; ++s) {
-      EXPECT_TRUE(indexer.AppendIndexKeys(id, 0, std::span<const float>(keys[t].data() + (500 + s) * D, D), 1).ok());
+      EXPECT_TRUE(
+          indexer
+              .AppendIndexKeys(id, 0, std::span<const float>(keys[t].data() + (500 + s) * D, D), 1)
+              .ok());
       auto result = SelectOne(indexer, id, 0, queries[t][s], 500 + s, false);
       EXPECT_TRUE(result.ok());
       out.push_back(result.ok() ? result->selections : std::vector<int32_t>{});
@@ -392,7 +409,8 @@ TEST(IndexerTest, ConcurrentSelectsOnDifferentSequencesMatchSerialOnes) {
   for (int t = 0; t < kThreads; ++t) drive(*serial_indexer, t, serial[t]);
   auto shared_indexer = MakeIndexer(100, H, D);
   std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) threads.emplace_back([&, t] { drive(*shared_indexer, t, parallel[t]); });
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] { drive(*shared_indexer, t, parallel[t]); });
   for (std::thread& thread : threads) thread.join();
   for (int t = 0; t < kThreads; ++t) EXPECT_EQ(parallel[t], serial[t]) << "thread " << t;
   EXPECT_EQ(shared_indexer->num_sequences(), kThreads);
@@ -411,9 +429,13 @@ TEST(IndexerTest, VerifierRowsDeferUpdatesUntilCommit) {
     ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.4)).ok());
     std::mt19937 rng(4);
     std::vector<float> keys = RandomValues(rng, 5000 * D);
-    ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 4997 * D), 4997).ok());
-    ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 4996).ok());  // warm-up at t = 4996
-    ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 4997 * D, 3 * D), 3).ok());
+    ASSERT_TRUE(
+        indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 4997 * D), 4997).ok());
+    ASSERT_TRUE(
+        SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 4996).ok());  // warm-up at t = 4996
+    ASSERT_TRUE(
+        indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 4997 * D, 3 * D), 3)
+            .ok());
     ASSERT_EQ(*indexer->NumSlots(1, 0), 5000);
 
     const SpinState before = GetSpin(*indexer, 1, 0);
@@ -430,13 +452,15 @@ TEST(IndexerTest, VerifierRowsDeferUpdatesUntilCommit) {
     EXPECT_EQ(result->blocks.back(), 78);
     for (size_t r = 0; r < 3; ++r) {
       const int64_t position = 4997 + static_cast<int64_t>(r);
-      ExpectRowMatchesReference(*result, r, position, keys, D, qs[r], H, "row " + std::to_string(r));
+      ExpectRowMatchesReference(*result, r, position, keys, D, qs[r], H,
+                                "row " + std::to_string(r));
       const std::vector<int32_t> selection = RowSelection(*result, r);
       EXPECT_LE(*std::max_element(selection.begin(), selection.end()), position);
       std::set<int32_t> distinct(selection.begin(), selection.end());
       distinct.erase(-1);
-      EXPECT_EQ(distinct.size(), static_cast<size_t>(std::count_if(selection.begin(), selection.end(),
-                                                                   [](int32_t s) { return s >= 0; })));
+      EXPECT_EQ(distinct.size(),
+                static_cast<size_t>(std::count_if(selection.begin(), selection.end(),
+                                                  [](int32_t s) { return s >= 0; })));
     }
     // Deferred: the EMAs did not move.
     SpinState pending = GetSpin(*indexer, 1, 0);
@@ -448,7 +472,8 @@ TEST(IndexerTest, VerifierRowsDeferUpdatesUntilCommit) {
 
     // Hand-rolled replay of rows 0..accepted, in order, from the pre-step state.
     std::vector<float> v = before.vertical(), d = before.diagonal();
-    for (int r = 0; r <= accepted; ++r) HandEma(v, d, 0.5f, 4997 + r, result->blocks, RowScores(*result, r));
+    for (int r = 0; r <= accepted; ++r)
+      HandEma(v, d, 0.5f, 4997 + r, result->blocks, RowScores(*result, r));
     const SpinState after = GetSpin(*indexer, 1, 0);
     ExpectSameEma(after.vertical(), v, "V");
     ExpectSameEma(after.diagonal(), d, "D");
@@ -461,8 +486,8 @@ TEST(IndexerTest, VerifierRowsDeferUpdatesUntilCommit) {
     ExpectSameEma(after.vertical(), by_rows.vertical(), "V vs row-by-row Update");
     ExpectSameEma(after.diagonal(), by_rows.diagonal(), "D vs row-by-row Update");
     // Rejected rows never touch the EMAs: slots and offsets only they could reach stay zero. Slot
-    // 4997 + r + 1 .. 4999 is visible only to rows beyond r; offset 4999 (slot 0 from t = 4999) only
-    // to row 2, offset 4998 only to rows 1 and 2.
+    // 4997 + r + 1 .. 4999 is visible only to rows beyond r; offset 4999 (slot 0 from t = 4999)
+    // only to row 2, offset 4998 only to rows 1 and 2.
     for (int64_t slot = 4997 + accepted + 1; slot <= 4999; ++slot) {
       EXPECT_EQ(At(after.vertical(), slot), 0.0f) << "V[" << slot << "]";
     }
@@ -493,13 +518,19 @@ TEST(IndexerTest, CommitEqualsRunningTheRowsOneByOne) {
   ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5, true, 2)).ok());
   std::mt19937 rng(5);
   std::vector<float> keys0 = RandomValues(rng, 1504 * D), keys1 = RandomValues(rng, 1504 * D);
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys0.data(), 1500 * D), 1500).ok());
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 1, std::span<const float>(keys1.data(), 1500 * D), 1500).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys0.data(), 1500 * D), 1500).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 1, std::span<const float>(keys1.data(), 1500 * D), 1500).ok());
   for (int layer = 0; layer < 2; ++layer) {
     ASSERT_TRUE(SelectOne(*indexer, 1, layer, RandomQuery(rng, H, D), 1499).ok());
   }
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys0.data() + 1500 * D, 4 * D), 4).ok());
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 1, std::span<const float>(keys1.data() + 1500 * D, 4 * D), 4).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys0.data() + 1500 * D, 4 * D), 4)
+          .ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 1, std::span<const float>(keys1.data() + 1500 * D, 4 * D), 4)
+          .ok());
   std::vector<SpinState> before;
   std::vector<SelectResult> results;
   for (int layer = 0; layer < 2; ++layer) {
@@ -523,8 +554,9 @@ TEST(IndexerTest, CommitEqualsRunningTheRowsOneByOne) {
     SpinState by_rows = before[layer];
     for (int r = 0; r <= 2; ++r) {
       HandEma(v, d, 0.5f, 1500 + r, results[layer].blocks, RowScores(results[layer], r));
-      by_rows.Update(1500 + r, results[layer].blocks,
-                     std::span<const float>(RowScores(results[layer], r), results[layer].blocks.size() * 64));
+      by_rows.Update(
+          1500 + r, results[layer].blocks,
+          std::span<const float>(RowScores(results[layer], r), results[layer].blocks.size() * 64));
     }
     const SpinState after = GetSpin(*indexer, 1, layer);
     ExpectSameEma(after.vertical(), v, "V layer " + std::to_string(layer));
@@ -545,7 +577,8 @@ TEST(IndexerTest, Row0UpdatePolicyReplaysRowZeroOnly) {
   std::vector<float> keys = RandomValues(rng, 700 * D);
   ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, keys, 700).ok());
   const Query qs[] = {RandomQuery(rng, H, D), RandomQuery(rng, H, D), RandomQuery(rng, H, D)};
-  const IndexerRow rows[] = {{qs[0].query, qs[0].weights, 697}, {qs[1].query, qs[1].weights, 698},
+  const IndexerRow rows[] = {{qs[0].query, qs[0].weights, 697},
+                             {qs[1].query, qs[1].weights, 698},
                              {qs[2].query, qs[2].weights, 699}};
   auto result = indexer->Select(1, 0, rows, true);
   ASSERT_TRUE(result.ok());
@@ -607,7 +640,8 @@ TEST(IndexerTest, ReluZerosFillTheSelection) {
   EXPECT_EQ(result->blocks_visible, 131);
   EXPECT_EQ(result->blocks_scored, 79);
   std::set<int32_t> scored(result->blocks.begin(), result->blocks.end());
-  for (int32_t w : winners) ASSERT_TRUE(scored.count(w / 64)) << "winner block " << w / 64 << " skipped";
+  for (int32_t w : winners)
+    ASSERT_TRUE(scored.count(w / 64)) << "winner block " << w / 64 << " skipped";
   expected = winners;
   for (int32_t block : result->blocks) {
     for (int32_t i = block * 64; i < block * 64 + 64 && i <= 8320 && expected.size() < 2048; ++i) {
@@ -662,17 +696,19 @@ TEST(IndexerTest, ShortContextsSelectEverySlotOnceAndPruneNothing) {
 
 TEST(IndexerTest, PruningStartsOnlyAboveK) {
   // K = 2048, rho = 0.5. N = 2,048 (after the warm-up): every block. N = 2,049: B = 33,
-  // m = min(33, max(32, ceil(16.5))) = 32, so one full block is skipped; with the newest block holding
-  // one slot, 31 x 64 + 1 = 1,985 slots are scored and the selection ends in 63 x -1.
+  // m = min(33, max(32, ceil(16.5))) = 32, so one full block is skipped; with the newest block
+  // holding one slot, 31 x 64 + 1 = 1,985 slots are scored and the selection ends in 63 x -1.
   const int H = 2, D = 8, K = 2048;
   auto indexer = MakeIndexer(40, H, D);
   ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5)).ok());
   std::mt19937 rng(10);
   std::vector<float> keys = RandomValues(rng, 2049 * D);
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 2047 * D), 2047).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 2047 * D), 2047).ok());
   ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 2046).ok());  // warm-up
 
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 2047 * D, D), 1).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 2047 * D, D), 1).ok());
   Query q = RandomQuery(rng, H, D);
   auto result = SelectOne(*indexer, 1, 0, q, 2047);
   ASSERT_TRUE(result.ok());
@@ -684,7 +720,8 @@ TEST(IndexerTest, PruningStartsOnlyAboveK) {
   for (int i = 0; i < 2048; ++i) ASSERT_EQ(sorted[i], i);
   ExpectRowMatchesReference(*result, 0, 2047, keys, D, q, H, "N 2048");
 
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 2048 * D, D), 1).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 2048 * D, D), 1).ok());
   q = RandomQuery(rng, H, D);
   result = SelectOne(*indexer, 1, 0, q, 2048);
   ASSERT_TRUE(result.ok());
@@ -711,7 +748,9 @@ TEST(IndexerTest, ContextOf257Slots) {
   EXPECT_EQ(result->blocks, (std::vector<int32_t>{0, 1, 2, 3, 4}));
   EXPECT_EQ(result->blocks_visible, 5);
   ASSERT_EQ(result->scores.size(), 5u * 64);
-  EXPECT_EQ(std::count_if(result->scores.begin(), result->scores.end(), [](float z) { return std::isfinite(z); }), 257);
+  EXPECT_EQ(std::count_if(result->scores.begin(), result->scores.end(),
+                          [](float z) { return std::isfinite(z); }),
+            257);
   EXPECT_TRUE(std::isfinite(result->scores[4 * 64]));
   for (int s = 1; s < 64; ++s) EXPECT_EQ(result->scores[4 * 64 + s], -kInf);
   EXPECT_EQ(*std::max_element(result->selections.begin(), result->selections.end()), 256);
@@ -736,7 +775,8 @@ TEST(IndexerTest, PrefixSharedSequenceSelectsOverTheSharedKeys) {
   ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, keys1, 200).ok());
   EXPECT_EQ(indexer->CreateSequenceFromPrefix(2, Options(K, 0.4, false), 1, 100).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(indexer->CreateSequenceFromPrefix(2, Options(K, 0.4, false), 9, 128).code(), StatusCode::kNotFound);
+  EXPECT_EQ(indexer->CreateSequenceFromPrefix(2, Options(K, 0.4, false), 9, 128).code(),
+            StatusCode::kNotFound);
   EXPECT_EQ(indexer->CreateSequenceFromPrefix(2, Options(K, 0.4, false, 2), 1, 128).code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(indexer->CreateSequenceFromPrefix(1, Options(K, 0.4, false), 1, 128).code(),
@@ -789,14 +829,19 @@ TEST(IndexerTest, FullPoolIsResourceExhaustedAndNothingChanges) {
   ASSERT_TRUE(indexer->CreateSequence(1, Options(64, 0.4)).ok());
   std::mt19937 rng(14);
   std::vector<float> keys = RandomValues(rng, 300 * D);
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 100 * D), 100).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 100 * D), 100).ok());
   const CacheUsage before = indexer->Usage();
-  EXPECT_EQ(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 100 * D, 100 * D), 100).code(),
-            StatusCode::kResourceExhausted);
+  EXPECT_EQ(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 100 * D, 100 * D), 100)
+          .code(),
+      StatusCode::kResourceExhausted);
   EXPECT_EQ(*indexer->NumSlots(1, 0), 100);
   EXPECT_EQ(indexer->Usage().used_blocks, before.used_blocks);
   EXPECT_EQ(indexer->Usage().free_blocks, before.free_blocks);
-  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 100 * D, 50 * D), 50).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 100 * D, 50 * D), 50)
+          .ok());
   EXPECT_EQ(*indexer->NumSlots(1, 0), 150);
   const Query q = RandomQuery(rng, H, D);
   auto result = SelectOne(*indexer, 1, 0, q, 149);
@@ -869,7 +914,8 @@ std::unique_ptr<Indexer> BuildForBadRequests(bool pending_step) {
 
 // The good request after each bad one: one row at 599 on each layer (with pending_step: Commit(1)
 // first), compared field by field with the twin.
-void ExpectSameAnswerAsTwin(Indexer& indexer, Indexer& twin, bool pending_step, const std::string& what) {
+void ExpectSameAnswerAsTwin(Indexer& indexer, Indexer& twin, bool pending_step,
+                            const std::string& what) {
   if (pending_step) {
     ASSERT_TRUE(indexer.Commit(1, 1).ok()) << what;
     ASSERT_TRUE(twin.Commit(1, 1).ok()) << what;
@@ -902,7 +948,8 @@ absl::Status SelectRows(Indexer& indexer, uint64_t id, int layer, std::vector<in
   for (size_t r = 0; r < positions.size(); ++r) qs.push_back(RandomQuery(rng, kH, kD));
   if (spoil) spoil(qs);
   std::vector<IndexerRow> rows;
-  for (size_t r = 0; r < positions.size(); ++r) rows.push_back({qs[r].query, qs[r].weights, positions[r]});
+  for (size_t r = 0; r < positions.size(); ++r)
+    rows.push_back({qs[r].query, qs[r].weights, positions[r]});
   return indexer.Select(id, layer, rows).status();
 }
 
@@ -917,40 +964,68 @@ absl::Status Append(Indexer& indexer, uint64_t id, int layer, int64_t num_keys, 
 std::vector<BadRequest> BadRequestsWithoutPendingStep() {
   return {
       {"query too short", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query.pop_back(); }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query.pop_back(); });
+       }},
       {"query too long", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query.push_back(1.0f); }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query.push_back(1.0f); });
+       }},
       {"weights too short", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].weights.pop_back(); }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].weights.pop_back(); });
+       }},
       {"NaN in query", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query[3] = kNaN; }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].query[3] = kNaN; });
+       }},
       {"inf in weights", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].weights[1] = kInf; }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599}, [](auto& q) { q[0].weights[1] = kInf; });
+       }},
       {"NaN in the last verifier row", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {597, 598, 599}, [](auto& q) { q[2].query[0] = kNaN; }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {597, 598, 599}, [](auto& q) { q[2].query[0] = kNaN; });
+       }},
       {"no rows", StatusCode::kInvalidArgument, [](Indexer& x) { return SelectRows(x, 1, 0, {}); }},
-      {"equal positions", StatusCode::kInvalidArgument, [](Indexer& x) { return SelectRows(x, 1, 0, {598, 598}); }},
+      {"equal positions", StatusCode::kInvalidArgument,
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {598, 598});
+       }},
       {"decreasing positions", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {599, 598}); }},
-      {"negative position", StatusCode::kInvalidArgument, [](Indexer& x) { return SelectRows(x, 1, 0, {-1}); }},
-      {"position at the slot count", StatusCode::kOutOfRange, [](Indexer& x) { return SelectRows(x, 1, 0, {600}); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {599, 598});
+       }},
+      {"negative position", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return SelectRows(x, 1, 0, {-1}); }},
+      {"position at the slot count", StatusCode::kOutOfRange,
+       [](Indexer& x) { return SelectRows(x, 1, 0, {600}); }},
       {"last verifier row beyond slots", StatusCode::kOutOfRange,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {598, 599, 600}); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {598, 599, 600});
+       }},
       {"select layer out of range", StatusCode::kInvalidArgument,
        [](Indexer& x) { return SelectRows(x, 1, 2, {599}); }},
-      {"select unknown sequence", StatusCode::kNotFound, [](Indexer& x) { return SelectRows(x, 7, 0, {599}); }},
-      {"NaN in keys", StatusCode::kInvalidArgument, [](Indexer& x) { return Append(x, 1, 0, 4, 4 * kD, kNaN); }},
-      {"inf in keys", StatusCode::kInvalidArgument, [](Indexer& x) { return Append(x, 1, 1, 4, 4 * kD, -kInf); }},
-      {"key shape", StatusCode::kInvalidArgument, [](Indexer& x) { return Append(x, 1, 0, 4, 4 * kD - 1); }},
+      {"select unknown sequence", StatusCode::kNotFound,
+       [](Indexer& x) { return SelectRows(x, 7, 0, {599}); }},
+      {"NaN in keys", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return Append(x, 1, 0, 4, 4 * kD, kNaN); }},
+      {"inf in keys", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return Append(x, 1, 1, 4, 4 * kD, -kInf); }},
+      {"key shape", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return Append(x, 1, 0, 4, 4 * kD - 1); }},
       {"append layer out of range", StatusCode::kInvalidArgument,
        [](Indexer& x) { return Append(x, 1, -1, 1, kD); }},
-      {"append unknown sequence", StatusCode::kNotFound, [](Indexer& x) { return Append(x, 7, 0, 1, kD); }},
-      {"pool full", StatusCode::kResourceExhausted, [](Indexer& x) { return Append(x, 1, 0, 129, 129 * kD); }},
+      {"append unknown sequence", StatusCode::kNotFound,
+       [](Indexer& x) { return Append(x, 7, 0, 1, kD); }},
+      {"pool full", StatusCode::kResourceExhausted,
+       [](Indexer& x) { return Append(x, 1, 0, 129, 129 * kD); }},
       {"duplicate sequence", StatusCode::kAlreadyExists,
        [](Indexer& x) { return x.CreateSequence(1, Options(16, 0.0, false, 1)); }},
       {"duplicate sequence from prefix", StatusCode::kAlreadyExists,
        [](Indexer& x) { return x.CreateSequenceFromPrefix(1, Options(kK, 0.5, true, 2), 1, 64); }},
-      {"rho 1", StatusCode::kInvalidArgument, [](Indexer& x) { return x.CreateSequence(2, Options(kK, 1.0)); }},
+      {"rho 1", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return x.CreateSequence(2, Options(kK, 1.0)); }},
       {"rho negative", StatusCode::kInvalidArgument,
        [](Indexer& x) { return x.CreateSequence(2, Options(kK, -0.25)); }},
       {"decay 1", StatusCode::kInvalidArgument,
@@ -973,9 +1048,11 @@ std::vector<BadRequest> BadRequestsWithoutPendingStep() {
        [](Indexer& x) { return x.CreateSequenceFromPrefix(2, Options(kK, 0.5, true, 1), 1, 64); }},
       {"prefix unknown source", StatusCode::kNotFound,
        [](Indexer& x) { return x.CreateSequenceFromPrefix(2, Options(kK, 0.5, true, 2), 9, 64); }},
-      {"commit with nothing pending", StatusCode::kFailedPrecondition, [](Indexer& x) { return x.Commit(1, 0); }},
+      {"commit with nothing pending", StatusCode::kFailedPrecondition,
+       [](Indexer& x) { return x.Commit(1, 0); }},
       {"commit unknown sequence", StatusCode::kNotFound, [](Indexer& x) { return x.Commit(7, 0); }},
-      {"begin turn unknown sequence", StatusCode::kNotFound, [](Indexer& x) { return x.BeginTurn(7); }},
+      {"begin turn unknown sequence", StatusCode::kNotFound,
+       [](Indexer& x) { return x.BeginTurn(7); }},
       {"release unknown sequence", StatusCode::kNotFound, [](Indexer& x) { return x.Release(7); }},
   };
 }
@@ -984,16 +1061,24 @@ std::vector<BadRequest> BadRequestsWithPendingStep() {
   return {
       {"accepted above d", StatusCode::kOutOfRange, [](Indexer& x) { return x.Commit(1, 3); }},
       {"accepted negative", StatusCode::kOutOfRange, [](Indexer& x) { return x.Commit(1, -1); }},
-      {"append while pending", StatusCode::kFailedPrecondition, [](Indexer& x) { return Append(x, 1, 1, 1, kD); }},
-      {"begin turn while pending", StatusCode::kFailedPrecondition, [](Indexer& x) { return x.BeginTurn(1); }},
+      {"append while pending", StatusCode::kFailedPrecondition,
+       [](Indexer& x) { return Append(x, 1, 1, 1, kD); }},
+      {"begin turn while pending", StatusCode::kFailedPrecondition,
+       [](Indexer& x) { return x.BeginTurn(1); }},
       {"select the pending layer again", StatusCode::kFailedPrecondition,
-       [](Indexer& x) { return SelectRows(x, 1, 0, {597, 598, 599}); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {597, 598, 599});
+       }},
       {"other layer, other row count", StatusCode::kInvalidArgument,
        [](Indexer& x) { return SelectRows(x, 1, 1, {599}); }},
       {"other layer, other first position", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 1, {596, 597, 598}); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 1, {596, 597, 598});
+       }},
       {"bad row on the other layer", StatusCode::kInvalidArgument,
-       [](Indexer& x) { return SelectRows(x, 1, 1, {597, 598, 599}, [](auto& q) { q[1].weights[0] = kNaN; }); }},
+       [](Indexer& x) {
+         return SelectRows(x, 1, 1, {597, 598, 599}, [](auto& q) { q[1].weights[0] = kNaN; });
+       }},
   };
 }
 

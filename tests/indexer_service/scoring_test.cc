@@ -1,6 +1,8 @@
 // Tests of the CPU index scorer (indexer_service/scoring.h; DESIGN.md 2 and 4.1): a hand-computed
 // 2-slot, 2-head, D = 4 case, the -inf masking rules, and a comparison with a naive triple loop on
 // independently quantized and decoded keys (double accumulation) over a grid of shapes.
+#include "indexer_service/scoring.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,7 +14,6 @@
 #include "common/fp8.h"
 #include "gtest/gtest.h"
 #include "indexer_service/index_key_cache.h"
-#include "indexer_service/scoring.h"
 
 namespace dsa {
 namespace {
@@ -49,7 +50,8 @@ TEST(ScoringTest, TwoSlotsTwoHeadsByHand) {
   ScoreBlocks(view, blocks, std::span<const IndexerRow>(&row, 1), 2, scores);
   EXPECT_FLOAT_EQ(scores[0], 4.125f);
   EXPECT_FLOAT_EQ(scores[1], 3.0f);
-  for (int s = 2; s < 64; ++s) EXPECT_EQ(scores[s], -kInf) << "slot " << s << " is beyond num_slots";
+  for (int s = 2; s < 64; ++s)
+    EXPECT_EQ(scores[s], -kInf) << "slot " << s << " is beyond num_slots";
 }
 
 TEST(ScoringTest, RowsSeeOnlyUpToTheirPosition) {
@@ -118,7 +120,8 @@ TEST(ScoringTest, BlocksInAnyOrderAndAPartialLastBlock) {
         if (slot > position || slot >= num_slots) {
           EXPECT_EQ(got, -kInf) << "row " << r << " slot " << slot;
         } else {
-          EXPECT_NEAR(got, expected[slot], 1e-6f * expected[slot]) << "row " << r << " slot " << slot;
+          EXPECT_NEAR(got, expected[slot], 1e-6f * expected[slot])
+              << "row " << r << " slot " << slot;
         }
       }
     }
@@ -207,7 +210,8 @@ TEST(ScoringTest, MatchesNaiveReferenceOnRandomInputs) {
         weights.push_back(std::move(w));
         (void)position;
       }
-      for (size_t r = 0; r < queries.size(); ++r) rows.push_back({queries[r], weights[r], positions[r]});
+      for (size_t r = 0; r < queries.size(); ++r)
+        rows.push_back({queries[r], weights[r], positions[r]});
       // Every block, in a shuffled order.
       std::vector<int32_t> blocks((N + 63) / 64);
       for (size_t j = 0; j < blocks.size(); ++j) blocks[j] = static_cast<int32_t>(j);
@@ -218,7 +222,8 @@ TEST(ScoringTest, MatchesNaiveReferenceOnRandomInputs) {
 
       for (size_t r = 0; r < rows.size(); ++r) {
         std::vector<double> magnitudes;
-        const std::vector<double> ref = NaiveScores(keys, N, D, queries[r], weights[r], H, &magnitudes);
+        const std::vector<double> ref =
+            NaiveScores(keys, N, D, queries[r], weights[r], H, &magnitudes);
         const double row_max = *std::max_element(ref.begin(), ref.end());
         for (size_t j = 0; j < blocks.size(); ++j) {
           for (int s = 0; s < 64; ++s) {
@@ -230,8 +235,10 @@ TEST(ScoringTest, MatchesNaiveReferenceOnRandomInputs) {
             }
             ASSERT_TRUE(std::isfinite(got)) << "slot " << slot;
             const double err = std::fabs(static_cast<double>(got) - ref[slot]);
-            if (magnitudes[slot] > 0.0) max_normalized = std::max(max_normalized, err / magnitudes[slot]);
-            else ASSERT_EQ(got, 0.0f);
+            if (magnitudes[slot] > 0.0)
+              max_normalized = std::max(max_normalized, err / magnitudes[slot]);
+            else
+              ASSERT_EQ(got, 0.0f);
             if (!mixed_sign_weights && ref[slot] >= 1e-3 * row_max) {
               max_relative = std::max(max_relative, err / ref[slot]);
             }

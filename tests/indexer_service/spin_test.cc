@@ -1,7 +1,9 @@
 // Tests of SPIN's state (indexer_service/spin.h; DESIGN.md 4.2, SPIN paper section 3): config
 // validation, the block budget over a grid against exact integer arithmetic, hand-computed plans
-// (forced blocks, max pooling of max(V, D), ties to the lower block), warm-up, exploration count and
-// determinism, the EMA update against a hand-rolled EMA, and the verifier-row union.
+// (forced blocks, max pooling of max(V, D), ties to the lower block), warm-up, exploration count
+// and determinism, the EMA update against a hand-rolled EMA, and the verifier-row union.
+#include "indexer_service/spin.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "indexer_service/spin.h"
 
 namespace dsa {
 namespace {
@@ -110,9 +111,9 @@ TEST(SpinConfigTest, ParseNames) {
 // Budget
 
 TEST(SpinBudgetTest, HandValues) {
-  EXPECT_EQ(SpinState::BlockBudget(10, 2048, 0.4), 10);   // min(10, max(32, 6))
-  EXPECT_EQ(SpinState::BlockBudget(100, 2048, 0.4), 60);  // max(32, 60)
-  EXPECT_EQ(SpinState::BlockBudget(33, 2048, 0.5), 32);   // max(32, ceil(16.5) = 17)
+  EXPECT_EQ(SpinState::BlockBudget(10, 2048, 0.4), 10);      // min(10, max(32, 6))
+  EXPECT_EQ(SpinState::BlockBudget(100, 2048, 0.4), 60);     // max(32, 60)
+  EXPECT_EQ(SpinState::BlockBudget(33, 2048, 0.5), 32);      // max(32, ceil(16.5) = 17)
   EXPECT_EQ(SpinState::BlockBudget(2048, 2048, 0.4), 1229);  // ceil(1228.8)
   EXPECT_EQ(SpinState::BlockBudget(1000, 64, 0.9), 100);
   EXPECT_EQ(SpinState::BlockBudget(1000, 65, 0.999), 2);  // ceil(65 / 64) = 2 beats ceil(1.0)
@@ -121,8 +122,8 @@ TEST(SpinBudgetTest, HandValues) {
   EXPECT_EQ(SpinState::BlockBudget(7, 1, 0.0), 7);
 }
 
-// m_t = min(B, max(ceil(K / 64), ceil((1 - rho) B))) with rho = p / 100 in exact integer arithmetic:
-// ceil((100 - p) B / 100).
+// m_t = min(B, max(ceil(K / 64), ceil((1 - rho) B))) with rho = p / 100 in exact integer
+// arithmetic: ceil((100 - p) B / 100).
 TEST(SpinBudgetTest, GridAgainstIntegerArithmetic) {
   int mismatches = 0;
   for (int p = 0; p < 100; ++p) {
@@ -269,12 +270,15 @@ TEST(SpinPlanTest, PoolingOptions) {
     config.pooling = pooling;
     SpinState state(config, 64, 0);
     const std::vector<int32_t> block1 = {1};
-    state.Update(127, block1, BlockScores(block1, 127, [](int64_t i) { return static_cast<float>(i - 64); }));
+    state.Update(127, block1,
+                 BlockScores(block1, 127, [](int64_t i) { return static_cast<float>(i - 64); }));
     const std::vector<float> predicted = state.PredictBlockScores(127);
     ASSERT_EQ(predicted.size(), 2u);
     EXPECT_EQ(predicted[0], 0.0f);
     // max: 63 / 2; top-4 mean: (63 + 62 + 61 + 60) / 8 = 30.75; mean: (0 + ... + 63) / 128 = 15.75.
-    const float expected = pooling == BlockPooling::kMax ? 31.5f : pooling == BlockPooling::kTop4Mean ? 30.75f : 15.75f;
+    const float expected = pooling == BlockPooling::kMax        ? 31.5f
+                           : pooling == BlockPooling::kTop4Mean ? 30.75f
+                                                                : 15.75f;
     EXPECT_FLOAT_EQ(predicted[1], expected);
   }
 }
@@ -287,7 +291,8 @@ TEST(SpinPlanTest, PartialNewestBlockPoolsOnlyVisibleSlots) {
   config.pooling = BlockPooling::kMean;
   SpinState state(config, 64, 0);
   const std::vector<int32_t> block2 = {2};
-  state.Update(129, block2, BlockScores(block2, 129, [](int64_t i) { return i == 128 ? 6.0f : 2.0f; }));
+  state.Update(129, block2,
+               BlockScores(block2, 129, [](int64_t i) { return i == 128 ? 6.0f : 2.0f; }));
   const std::vector<float> predicted = state.PredictBlockScores(129);
   ASSERT_EQ(predicted.size(), 3u);
   EXPECT_FLOAT_EQ(predicted[2], 2.0f);
@@ -311,49 +316,51 @@ TEST(SpinPlanTest, RandomStatesForcedBlocksBudgetAndFill) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
   for (double gamma : {0.0, 0.05, 0.3}) {
-  for (double rho : {0.0, 0.3, 0.5, 0.8}) {
-    for (int top_k : {64, 256}) {
-      SpinState state(Config(rho, gamma, 17), top_k, 0);
-      PlanOne(state, 3000);  // warm-up
-      // A few random partial updates so V and D are non-trivial.
-      for (int step = 0; step < 4; ++step) {
-        const int64_t position = 1500 + 300 * step;
-        std::vector<int32_t> blocks;
-        for (int32_t j = 0; j <= position / 64; ++j) {
-          if (uniform(rng) < 0.5f) blocks.push_back(j);
+    for (double rho : {0.0, 0.3, 0.5, 0.8}) {
+      for (int top_k : {64, 256}) {
+        SpinState state(Config(rho, gamma, 17), top_k, 0);
+        PlanOne(state, 3000);  // warm-up
+        // A few random partial updates so V and D are non-trivial.
+        for (int step = 0; step < 4; ++step) {
+          const int64_t position = 1500 + 300 * step;
+          std::vector<int32_t> blocks;
+          for (int32_t j = 0; j <= position / 64; ++j) {
+            if (uniform(rng) < 0.5f) blocks.push_back(j);
+          }
+          std::vector<float> scores = BlockScores(
+              blocks, position, [&](int64_t) { return uniform(rng) < 0.9f ? 0.0f : uniform(rng); });
+          state.Update(position, blocks, scores);
         }
-        std::vector<float> scores = BlockScores(blocks, position, [&](int64_t) {
-          return uniform(rng) < 0.9f ? 0.0f : uniform(rng);
-        });
-        state.Update(position, blocks, scores);
-      }
-      for (int64_t position : {2500LL, 2600LL, 3001LL, 3100LL, 4000LL}) {
-        const int64_t b = position / 64 + 1;
-        const BlockPlan plan = PlanOne(state, position);
-        const std::vector<int32_t>& blocks = plan.row_blocks[0];
-        if (position + 1 <= top_k) continue;
-        const int64_t m = std::min<int64_t>(b, std::max<int64_t>((top_k + 63) / 64,
-                                                                 static_cast<int64_t>(std::ceil((1 - rho) * b - 1e-9))));
-        EXPECT_EQ(static_cast<int64_t>(blocks.size()), m) << "rho " << rho << " t " << position;
-        EXPECT_TRUE(std::is_sorted(blocks.begin(), blocks.end()));
-        EXPECT_EQ(std::set<int32_t>(blocks.begin(), blocks.end()).size(), blocks.size());
-        EXPECT_EQ(blocks.front(), 0);
-        EXPECT_EQ(blocks.back(), b - 1);
-        EXPECT_EQ(plan.blocks, blocks);
-        const std::vector<float> s = ReferenceBlockScores(state, position);
-        EXPECT_EQ(state.PredictBlockScores(position), s);
-        if (gamma != 0.0) continue;
-        // gamma = 0: the rest is exactly the m - 2 best S among blocks 1..B-2 (ties: lower block).
-        std::vector<int32_t> middle = Iota(1, static_cast<int32_t>(b - 2));
-        std::stable_sort(middle.begin(), middle.end(), [&](int32_t x, int32_t y) { return s[x] > s[y]; });
-        std::vector<int32_t> expected(middle.begin(), middle.begin() + (m - 2));
-        expected.push_back(0);
-        expected.push_back(static_cast<int32_t>(b - 1));
-        std::sort(expected.begin(), expected.end());
-        EXPECT_EQ(blocks, expected) << "rho " << rho << " K " << top_k << " t " << position;
+        for (int64_t position : {2500LL, 2600LL, 3001LL, 3100LL, 4000LL}) {
+          const int64_t b = position / 64 + 1;
+          const BlockPlan plan = PlanOne(state, position);
+          const std::vector<int32_t>& blocks = plan.row_blocks[0];
+          if (position + 1 <= top_k) continue;
+          const int64_t m = std::min<int64_t>(
+              b, std::max<int64_t>((top_k + 63) / 64,
+                                   static_cast<int64_t>(std::ceil((1 - rho) * b - 1e-9))));
+          EXPECT_EQ(static_cast<int64_t>(blocks.size()), m) << "rho " << rho << " t " << position;
+          EXPECT_TRUE(std::is_sorted(blocks.begin(), blocks.end()));
+          EXPECT_EQ(std::set<int32_t>(blocks.begin(), blocks.end()).size(), blocks.size());
+          EXPECT_EQ(blocks.front(), 0);
+          EXPECT_EQ(blocks.back(), b - 1);
+          EXPECT_EQ(plan.blocks, blocks);
+          const std::vector<float> s = ReferenceBlockScores(state, position);
+          EXPECT_EQ(state.PredictBlockScores(position), s);
+          if (gamma != 0.0) continue;
+          // gamma = 0: the rest is exactly the m - 2 best S among blocks 1..B-2 (ties: lower
+          // block).
+          std::vector<int32_t> middle = Iota(1, static_cast<int32_t>(b - 2));
+          std::stable_sort(middle.begin(), middle.end(),
+                           [&](int32_t x, int32_t y) { return s[x] > s[y]; });
+          std::vector<int32_t> expected(middle.begin(), middle.begin() + (m - 2));
+          expected.push_back(0);
+          expected.push_back(static_cast<int32_t>(b - 1));
+          std::sort(expected.begin(), expected.end());
+          EXPECT_EQ(blocks, expected) << "rho " << rho << " K " << top_k << " t " << position;
+        }
       }
     }
-  }
   }
 }
 
@@ -405,10 +412,10 @@ TEST(SpinPlanTest, BlockAgeExplorationTakesTheLeastRecentlyScoredBlocks) {
 
 // With V = D = 0 after the warm-up every S is 0, so the fill takes the lowest free blocks. Then
 // the plan minus the forced blocks is E (explored) plus a fill F = the lowest blocks not in E; the
-// longest run 1, 2, ..., L in the plan holds F and maybe some of E, and every block above the run is
-// explored. So u = |plan \ ({0, B-1} + run)| <= n_explore, with equality whenever no explored block
-// fell into the run; over 40 seeds that happens for some seed (each explored block lands in the run
-// with probability about m / B).
+// longest run 1, 2, ..., L in the plan holds F and maybe some of E, and every block above the run
+// is explored. So u = |plan \ ({0, B-1} + run)| <= n_explore, with equality whenever no explored
+// block fell into the run; over 40 seeds that happens for some seed (each explored block lands in
+// the run with probability about m / B).
 int64_t ExploredAboveRun(const std::vector<int32_t>& blocks, int64_t num_blocks) {
   std::set<int32_t> chosen(blocks.begin(), blocks.end());
   int32_t run = 0;
@@ -428,17 +435,17 @@ TEST(SpinExplorationTest, CountIsRoundedGammaTimesBudgetCappedByCapacity) {
   };
   // K = 64, so m = ceil((1 - rho) B); n_explore = min(floor(gamma m + 0.5), m - 2).
   const Case cases[] = {
-      {400, 0.9, 0.05, 40, 2},     // 0.05 * 40 = 2
-      {400, 0.9, 0.1, 40, 4},      //
-      {400, 0.9, 0.25, 40, 10},    //
-      {400, 0.95, 0.05, 20, 1},    // 1.0 + 0.5 -> 1
-      {400, 0.95, 0.2, 20, 4},     //
-      {400, 0.95, 0.5, 20, 10},    //
-      {400, 0.99, 0.5, 4, 2},      // 2, capacity 2
-      {400, 0.99, 0.9, 4, 2},      // floor(4.1) = 4 capped by capacity 4 - 2 = 2
-      {400, 0.995, 0.5, 2, 0},     // capacity 0
-      {400, 0.9, 0.0, 40, 0},      //
-      {400, 0.975, 0.25, 10, 3},   // 2.5 + 0.5 -> 3 (a half rounds up)
+      {400, 0.9, 0.05, 40, 2},       // 0.05 * 40 = 2
+      {400, 0.9, 0.1, 40, 4},        //
+      {400, 0.9, 0.25, 40, 10},      //
+      {400, 0.95, 0.05, 20, 1},      // 1.0 + 0.5 -> 1
+      {400, 0.95, 0.2, 20, 4},       //
+      {400, 0.95, 0.5, 20, 10},      //
+      {400, 0.99, 0.5, 4, 2},        // 2, capacity 2
+      {400, 0.99, 0.9, 4, 2},        // floor(4.1) = 4 capped by capacity 4 - 2 = 2
+      {400, 0.995, 0.5, 2, 0},       // capacity 0
+      {400, 0.9, 0.0, 40, 0},        //
+      {400, 0.975, 0.25, 10, 3},     // 2.5 + 0.5 -> 3 (a half rounds up)
       {4000, 0.9775, 0.35, 90, 32},  // 0.35 * 90 = 31.5 -> 32
   };
   for (const Case& c : cases) {
@@ -449,7 +456,8 @@ TEST(SpinExplorationTest, CountIsRoundedGammaTimesBudgetCappedByCapacity) {
       PlanOne(state, position);  // warm-up, no update: V = D = 0
       const BlockPlan plan = PlanOne(state, position);
       const std::vector<int32_t>& blocks = plan.row_blocks[0];
-      ASSERT_EQ(static_cast<int64_t>(blocks.size()), c.m) << "rho " << c.rho << " gamma " << c.gamma;
+      ASSERT_EQ(static_cast<int64_t>(blocks.size()), c.m)
+          << "rho " << c.rho << " gamma " << c.gamma;
       EXPECT_EQ(std::set<int32_t>(blocks.begin(), blocks.end()).size(), blocks.size());
       EXPECT_EQ(blocks.front(), 0);
       EXPECT_EQ(blocks.back(), c.num_blocks - 1);
@@ -512,7 +520,8 @@ TEST(SpinUpdateTest, HandRolledEma) {
   SpinState state(config, 64, 0);
   // Step 1 at position 70 over block 1 (slots 64..70 visible): z(i) = i - 60.
   const std::vector<int32_t> block1 = {1};
-  state.Update(70, block1, BlockScores(block1, 70, [](int64_t i) { return static_cast<float>(i - 60); }));
+  state.Update(70, block1,
+               BlockScores(block1, 70, [](int64_t i) { return static_cast<float>(i - 60); }));
   for (int64_t i = 0; i < 64; ++i) EXPECT_EQ(At(state.vertical(), i), 0.0f) << i;
   for (int64_t i = 64; i <= 70; ++i) EXPECT_EQ(At(state.vertical(), i), 0.25f * (i - 60)) << i;
   // D[70 - i] = 0.25 (i - 60) for i in 64..70: D[0..6] = 2.5, 2.25, ..., 1.0; D[7..] = 0.
@@ -538,7 +547,8 @@ TEST(SpinUpdateTest, HandRolledEma) {
     if (i == 65 || i == 3) continue;
     d[71 - i] = 0.75f * d[71 - i] + 0.25f * 4.0f;
   }
-  for (int64_t o = 0; o < 80; ++o) EXPECT_FLOAT_EQ(At(state.diagonal(), o), d[o]) << "D[" << o << "]";
+  for (int64_t o = 0; o < 80; ++o)
+    EXPECT_FLOAT_EQ(At(state.diagonal(), o), d[o]) << "D[" << o << "]";
 }
 
 TEST(SpinUpdateTest, SlotsBeyondThePositionAreIgnored) {

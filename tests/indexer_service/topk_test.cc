@@ -1,6 +1,8 @@
 // Tests of top-K selection (indexer_service/topk.h; DESIGN.md 4.1): hand cases, the DSA edge
 // cases (ReLU-zero ties, -inf padding, max_slot), and a comparison with a full sort on random
 // scores with ties, -inf and NaN, blocked and unblocked.
+#include "indexer_service/topk.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,7 +12,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "indexer_service/topk.h"
 
 namespace dsa {
 namespace {
@@ -87,13 +88,14 @@ TEST(TopKTest, ReluZerosFillTheSelectionWithoutMinusOne) {
 }
 
 TEST(TopKTest, LogicalBlocksMapEntriesToSlots) {
-  // Two scored blocks given as {3, 1}: entry e < 64 is slot 192 + e, entry e >= 64 is slot 64 + e - 64.
+  // Two scored blocks given as {3, 1}: entry e < 64 is slot 192 + e, entry e >= 64 is slot 64 + e
+  // - 64.
   std::vector<float> s(128, -kInf);
-  s[0] = 1.0f;   // slot 192
-  s[5] = 4.0f;   // slot 197
-  s[63] = 2.0f;  // slot 255
-  s[64] = 3.0f;  // slot 64
-  s[100] = 4.0f; // slot 100
+  s[0] = 1.0f;    // slot 192
+  s[5] = 4.0f;    // slot 197
+  s[63] = 2.0f;   // slot 255
+  s[64] = 3.0f;   // slot 64
+  s[100] = 4.0f;  // slot 100
   EXPECT_EQ(TopK(s, {3, 1}, 1000, 6), (std::vector<int32_t>{100, 197, 64, 255, 192, -1}));
   // max_slot 196 cuts block 3 after slot 196.
   EXPECT_EQ(TopK(s, {3, 1}, 196, 4), (std::vector<int32_t>{100, 64, 192, -1}));
@@ -105,8 +107,8 @@ TEST(TopKTest, KOfOne) {
 }
 
 // The reference: every selectable (score, slot) pair sorted fully by (score desc, slot asc).
-std::vector<int32_t> FullSortTopK(const std::vector<float>& scores, const std::vector<int32_t>& blocks,
-                                  int64_t max_slot, int k) {
+std::vector<int32_t> FullSortTopK(const std::vector<float>& scores,
+                                  const std::vector<int32_t>& blocks, int64_t max_slot, int k) {
   std::vector<std::pair<float, int32_t>> all;
   for (size_t e = 0; e < scores.size(); ++e) {
     const int64_t slot = blocks.empty() ? static_cast<int64_t>(e) : blocks[e / 64] * 64LL + e % 64;
@@ -149,7 +151,8 @@ TEST(TopKTest, MatchesFullSortOnRandomScores) {
           const int64_t max_slot = trial == 0 ? span - 1 : max_slot_dist(rng);
           const std::vector<int32_t> got = TopK(s, blocks, max_slot, k);
           ASSERT_EQ(got, FullSortTopK(s, blocks, max_slot, k))
-              << "blocks " << num_blocks << " blocked " << blocked << " k " << k << " max_slot " << max_slot;
+              << "blocks " << num_blocks << " blocked " << blocked << " k " << k << " max_slot "
+              << max_slot;
           ++cases;
         }
       }
