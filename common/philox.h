@@ -37,6 +37,18 @@ DSA_HOST_DEVICE inline PhiloxCounter Philox4x32(PhiloxCounter counter, PhiloxKey
   return counter;
 }
 
+/// Mixes two 64-bit values into one seed (SplitMix64's finalizer over a ^ mix(b)): the exploration
+/// key of a sequence is MixSeed(configured seed, sequence id), so sequences draw independently and
+/// a run repeats for the same seed and ids.
+DSA_HOST_DEVICE inline uint64_t MixSeed(uint64_t a, uint64_t b) {
+  auto finalize = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  return finalize(a ^ finalize(b + 0x9E3779B97F4A7C15ull));
+}
+
 /// Maps a uniform uint32 to [0, range) by the multiply-shift method (bias below range / 2^32).
 DSA_HOST_DEVICE inline uint32_t UniformBelow(uint32_t random_word, uint32_t range) {
   return static_cast<uint32_t>((static_cast<uint64_t>(random_word) * range) >> 32);

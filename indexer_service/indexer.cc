@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/philox.h"
 #include "indexer_service/topk.h"
 
 namespace dsa {
@@ -54,15 +55,22 @@ absl::StatusOr<const Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id
   return &it->second;
 }
 
+void Indexer::AddSequenceState(uint64_t sequence_id, const SequenceOptions& options) {
+  SequenceState state;
+  state.options = options;
+  // Exploration is seeded per sequence (DESIGN.md 4.2 step 5): the configured seed mixed with the id.
+  SpinConfig spin = options.spin;
+  spin.seed = MixSeed(options.spin.seed, sequence_id);
+  for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(spin, options.top_k, l);
+  state.pending.resize(options.num_layers);
+  sequences_.emplace(sequence_id, std::move(state));
+}
+
 absl::Status Indexer::CreateSequence(uint64_t sequence_id, const SequenceOptions& options) {
   if (auto s = ValidateSequenceOptions(options); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mutex_);
   if (auto s = cache_.AddSequence(sequence_id, options.num_layers); !s.ok()) return s;
-  SequenceState state;
-  state.options = options;
-  for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(options.spin, options.top_k, l);
-  state.pending.resize(options.num_layers);
-  sequences_.emplace(sequence_id, std::move(state));
+  AddSequenceState(sequence_id, options);
   return absl::OkStatus();
 }
 
@@ -75,11 +83,7 @@ absl::Status Indexer::CreateSequenceFromPrefix(uint64_t sequence_id, const Seque
       !s.ok()) {
     return s;
   }
-  SequenceState state;
-  state.options = options;
-  for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(options.spin, options.top_k, l);
-  state.pending.resize(options.num_layers);
-  sequences_.emplace(sequence_id, std::move(state));
+  AddSequenceState(sequence_id, options);
   return absl::OkStatus();
 }
 

@@ -28,6 +28,8 @@ struct IndexerOptions {
 struct SequenceOptions {
   int num_layers = 1;  // full layers with an indexer (index-key cache and SPIN state each)
   int top_k = 2048;    // K, >= 1
+  /// SPIN settings; the exploration draws use MixSeed(spin.seed, sequence id), so sequences with
+  /// the same configured seed still draw independently, and a rerun with the same ids repeats.
   SpinConfig spin;
 };
 
@@ -116,6 +118,7 @@ class Indexer {
   explicit Indexer(const IndexerOptions& options, IndexKeyCache cache)
       : options_(options), cache_(std::move(cache)) {}
   absl::Status ValidateSequenceOptions(const SequenceOptions& options) const;
+  void AddSequenceState(uint64_t sequence_id, const SequenceOptions& options);
   absl::StatusOr<SequenceState*> Find(uint64_t sequence_id);
   absl::StatusOr<const SequenceState*> Find(uint64_t sequence_id) const;
 

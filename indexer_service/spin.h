@@ -69,7 +69,9 @@ class SpinState {
   /// Chooses the blocks to score for verifier rows at `positions` (strictly increasing, >= 0; a
   /// plain decode step has one row). Steps 1-6 of DESIGN.md 4.2 per row, then the union (or row 0's
   /// mask with each row's newest block, under kRow0Sharing). The first call after construction or
-  /// BeginTurn() is the warm-up: it scores every block and clears the warm-up flag.
+  /// BeginTurn() is the warm-up: it scores every block and clears the warm-up flag. The two forced
+  /// blocks are taken even when m_t < 2 (only possible with K <= 64), so a row never loses its sink
+  /// or its own newest block; then the plan holds 2 blocks.
   BlockPlan Plan(std::span<const int64_t> positions);
 
   /// Applies step 8 for one row at `position`: for every scored slot i <= position (a finite

@@ -351,31 +351,39 @@ TEST(IndexerTest, EmaChangesOnlyForScoredSlots) {
   EXPECT_EQ(pruned_steps, 9);
 }
 
-TEST(IndexerTest, ExplorationDrawsRepeatForTheSameSeed) {
-  // Three sequences with the same keys and queries; 1 and 2 share seed 7, 3 has seed 8. With
-  // gamma = 0.3 and m = 16 of 32 blocks, 5 blocks a step are random: 1 and 2 must choose the same
-  // blocks every step, 3 must differ at some step.
+TEST(IndexerTest, ExplorationDrawsRepeatForTheSameSeedAndSequence) {
+  // Exploration is seeded per sequence: sequence 1 in two engines with seed 7 draws the same blocks
+  // every step; sequence 2 with the same seed 7, and sequence 1 with seed 8, must differ at some
+  // step. gamma = 0.3 and m = 16 of 32 blocks: 5 blocks a step are random.
   const int H = 2, D = 8, K = 64;
-  auto indexer = MakeIndexer(120, H, D);
+  auto indexer = MakeIndexer(200, H, D);
+  auto twin = MakeIndexer(200, H, D);
   ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5, true, 1, 0.3, 7)).ok());
   ASSERT_TRUE(indexer->CreateSequence(2, Options(K, 0.5, true, 1, 0.3, 7)).ok());
-  ASSERT_TRUE(indexer->CreateSequence(3, Options(K, 0.5, true, 1, 0.3, 8)).ok());
+  ASSERT_TRUE(twin->CreateSequence(1, Options(K, 0.5, true, 1, 0.3, 7)).ok());
+  ASSERT_TRUE(twin->CreateSequence(3, Options(K, 0.5, true, 1, 0.3, 8)).ok());
   std::mt19937 rng(19);
   const std::vector<float> keys = RandomValues(rng, 2000 * D);
-  for (uint64_t id = 1; id <= 3; ++id)
+  for (uint64_t id = 1; id <= 2; ++id) {
     ASSERT_TRUE(indexer->AppendIndexKeys(id, 0, keys, 2000).ok());
-  int differ = 0;
+  }
+  ASSERT_TRUE(twin->AppendIndexKeys(1, 0, keys, 2000).ok());
+  ASSERT_TRUE(twin->AppendIndexKeys(3, 0, keys, 2000).ok());
+  int differ_sequence = 0, differ_seed = 0;
   for (int64_t position = 1990; position < 2000; ++position) {
     const Query q = RandomQuery(rng, H, D);
     auto a = SelectOne(*indexer, 1, 0, q, position, false);
-    auto b = SelectOne(*indexer, 2, 0, q, position, false);
-    auto c = SelectOne(*indexer, 3, 0, q, position, false);
-    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
-    EXPECT_EQ(a->blocks, b->blocks) << position;
-    EXPECT_EQ(a->selections, b->selections) << position;
-    if (a->blocks != c->blocks) ++differ;
+    auto a_twin = SelectOne(*twin, 1, 0, q, position, false);
+    auto other_sequence = SelectOne(*indexer, 2, 0, q, position, false);
+    auto other_seed = SelectOne(*twin, 3, 0, q, position, false);
+    ASSERT_TRUE(a.ok() && a_twin.ok() && other_sequence.ok() && other_seed.ok());
+    EXPECT_EQ(a->blocks, a_twin->blocks) << position;
+    EXPECT_EQ(a->selections, a_twin->selections) << position;
+    if (a->blocks != other_sequence->blocks) ++differ_sequence;
+    if (a->blocks != other_seed->blocks) ++differ_seed;
   }
-  EXPECT_GE(differ, 5);
+  EXPECT_GE(differ_sequence, 5);
+  EXPECT_GE(differ_seed, 5);
 }
 
 TEST(IndexerTest, ConcurrentSelectsOnDifferentSequencesMatchSerialOnes) {
