@@ -19,40 +19,96 @@
 namespace dsa {
 namespace {
 
-// Scores one decoded block for one row: out[s] = scale[s] * sum_h w[h] * ReLU(sum_d q[h][d] k[d][s]).
-// `keys_t` is fp32 [head_dim, kBlockSize] (transposed so the 64 slots are contiguous).
+// Eight fp32 lanes; the x86-64-v3 clone of ScoreTile keeps them in ymm registers, the default
+// clone in pairs of xmm registers. Only referenced through pointers and references, so no 32-byte
+// vector crosses a call (whose ABI would differ between the clones).
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes8Unaligned __attribute__((vector_size(32), aligned(4)));
+
+// The decoded tile of one block is fp32 [kBlockSize / kSlotsPerPass, head_dim, kSlotsPerPass]:
+// per pass of 16 slots, a contiguous [head_dim, 16] panel (8 KiB at D = 128) that stays in L1
+// while every head is scored against it.
+constexpr int kSlotsPerPass = 16;
+constexpr int kVectorsPerPass = kSlotsPerPass / 8;
+
+inline size_t TileIndex(int d, int s, int head_dim) {
+  return (static_cast<size_t>(s / kSlotsPerPass) * head_dim + d) * kSlotsPerPass +
+         s % kSlotsPerPass;
+}
+
+// Adds w_i * ReLU(q_i . k) to total for kHeads heads i, in order, over one panel: the panel rows
+// are loaded once for kHeads heads (register tiling: 2 * kHeads accumulators), and every lane
+// accumulates d ascending inside a head.
+template <int kHeads>
+inline void AccumulateHeads(const float* __restrict panel, const float* __restrict query,
+                            const float* __restrict head_weights, int head_dim,
+                            Lanes8 (&total)[kVectorsPerPass]) {
+  Lanes8 dot[kHeads][kVectorsPerPass] = {};
+  for (int d = 0; d < head_dim; ++d) {
+    Lanes8 key[kVectorsPerPass];
+    for (int v = 0; v < kVectorsPerPass; ++v) {
+      key[v] = *reinterpret_cast<const Lanes8Unaligned*>(panel + d * kSlotsPerPass + 8 * v);
+    }
+    for (int i = 0; i < kHeads; ++i) {
+      const float qd = query[static_cast<size_t>(i) * head_dim + d];
+      for (int v = 0; v < kVectorsPerPass; ++v) dot[i][v] += qd * key[v];
+    }
+  }
+  for (int i = 0; i < kHeads; ++i) {
+    for (int v = 0; v < kVectorsPerPass; ++v) {
+      // std::max(dot, 0.0f) lane by lane: NaN and -0 pass through unchanged, as there.
+      const Lanes8 relu = dot[i][v] < 0.0f ? Lanes8{} : dot[i][v];
+      total[v] += head_weights[i] * relu;
+    }
+  }
+}
+
+// Scores one decoded block for one row:
+//   out[s] = scale[s] * sum_h w[h] * ReLU(sum_d q[h][d] k[d][s]),
+// `tile` being the block decoded as TileIndex lays it out. Every lane accumulates in the order of
+// the plain loops (d ascending inside a head, h ascending), so the scores do not depend on the
+// tiling (6 heads a step, then 4, 2, 1 for the rest).
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-void ScoreTile(const float* __restrict keys_t, const float* __restrict scales,
+void ScoreTile(const float* __restrict tile, const float* __restrict scales,
                const float* __restrict query, const float* __restrict head_weights, int num_heads,
                int head_dim, float* __restrict out) {
-  float total[kBlockSize] = {};
-  for (int h = 0; h < num_heads; ++h) {
-    float dot[kBlockSize] = {};
-    const float* q = query + static_cast<size_t>(h) * head_dim;
-    for (int d = 0; d < head_dim; ++d) {
-      const float qd = q[d];
-      const float* k = keys_t + static_cast<size_t>(d) * kBlockSize;
-#pragma omp simd
-      for (int s = 0; s < kBlockSize; ++s) dot[s] += qd * k[s];
+  for (int s0 = 0; s0 < kBlockSize; s0 += kSlotsPerPass) {
+    const float* panel = tile + TileIndex(0, s0, head_dim);
+    Lanes8 total[kVectorsPerPass] = {};
+    int h = 0;
+    for (; h + 6 <= num_heads; h += 6) {
+      AccumulateHeads<6>(panel, query + static_cast<size_t>(h) * head_dim, head_weights + h,
+                         head_dim, total);
     }
-    const float w = head_weights[h];
-#pragma omp simd
-    for (int s = 0; s < kBlockSize; ++s) total[s] += w * std::max(dot[s], 0.0f);
+    for (; h + 4 <= num_heads; h += 4) {
+      AccumulateHeads<4>(panel, query + static_cast<size_t>(h) * head_dim, head_weights + h,
+                         head_dim, total);
+    }
+    for (; h + 2 <= num_heads; h += 2) {
+      AccumulateHeads<2>(panel, query + static_cast<size_t>(h) * head_dim, head_weights + h,
+                         head_dim, total);
+    }
+    for (; h < num_heads; ++h) {
+      AccumulateHeads<1>(panel, query + static_cast<size_t>(h) * head_dim, head_weights + h,
+                         head_dim, total);
+    }
+    for (int v = 0; v < kVectorsPerPass; ++v) {
+      *reinterpret_cast<Lanes8Unaligned*>(out + s0 + 8 * v) =
+          *reinterpret_cast<const Lanes8Unaligned*>(scales + s0 + 8 * v) * total[v];
+    }
   }
-#pragma omp simd
-  for (int s = 0; s < kBlockSize; ++s) out[s] = scales[s] * total[s];
 }
 
-// Decodes the fp8 codes of one block (slot-major [kBlockSize, head_dim]) into `keys_t`, fp32
-// [head_dim, kBlockSize] transposed; slots >= `filled` decode as 0. Exact: the decode table.
-void DecodeBlockScalar(const uint8_t* codes, int head_dim, int64_t filled, float* keys_t) {
+// Decodes the fp8 codes of one block (slot-major [kBlockSize, head_dim]) into `tile` (fp32, laid
+// out by TileIndex); slots >= `filled` decode as 0. Exact: the decode table.
+void DecodeBlockScalar(const uint8_t* codes, int head_dim, int64_t filled, float* tile) {
   const float* table = Fp8E4m3DecodeTable();
   for (int s = 0; s < kBlockSize; ++s) {
     const uint8_t* key = codes + static_cast<size_t>(s) * head_dim;
     for (int d = 0; d < head_dim; ++d) {
-      keys_t[static_cast<size_t>(d) * kBlockSize + s] = s < filled ? table[key[d]] : 0.0f;
+      tile[TileIndex(d, s, head_dim)] = s < filled ? table[key[d]] : 0.0f;
     }
   }
 }
@@ -80,7 +136,7 @@ __attribute__((target("avx2"))) inline __m256 DecodeFp8x8(__m128i codes, __m256i
 // DecodeBlockScalar with AVX2: 8 slots x 8 dims at a time, decoded by rows then transposed 8 x 8 in
 // registers. Dims beyond the last multiple of 8 go through the table.
 __attribute__((target("avx2"))) void DecodeBlockAvx2(const uint8_t* codes, int head_dim,
-                                                     int64_t filled, float* keys_t,
+                                                     int64_t filled, float* tile,
                                                      uint32_t nan_bits) {
   static constexpr uint8_t kZeroCodes[8] = {};
   const __m256i nan_vector = _mm256_set1_epi32(static_cast<int>(nan_bits));
@@ -106,15 +162,15 @@ __attribute__((target("avx2"))) void DecodeBlockAvx2(const uint8_t* codes, int h
       const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
       const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
       const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-      float* dst = keys_t + static_cast<size_t>(d0) * kBlockSize + s0;
-      _mm256_storeu_ps(dst + 0 * kBlockSize, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(dst + 1 * kBlockSize, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(dst + 2 * kBlockSize, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(dst + 3 * kBlockSize, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(dst + 4 * kBlockSize, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(dst + 5 * kBlockSize, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(dst + 6 * kBlockSize, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(dst + 7 * kBlockSize, _mm256_permute2f128_ps(u3, u7, 0x31));
+      float* dst = tile + TileIndex(d0, s0, head_dim);  // dim d0 + j at dst + j * kSlotsPerPass
+      _mm256_storeu_ps(dst + 0 * kSlotsPerPass, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(dst + 1 * kSlotsPerPass, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(dst + 2 * kSlotsPerPass, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(dst + 3 * kSlotsPerPass, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(dst + 4 * kSlotsPerPass, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(dst + 5 * kSlotsPerPass, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(dst + 6 * kSlotsPerPass, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(dst + 7 * kSlotsPerPass, _mm256_permute2f128_ps(u3, u7, 0x31));
     }
   }
   if (vector_dims < head_dim) {
@@ -122,7 +178,7 @@ __attribute__((target("avx2"))) void DecodeBlockAvx2(const uint8_t* codes, int h
     for (int s = 0; s < kBlockSize; ++s) {
       const uint8_t* key = codes + static_cast<size_t>(s) * head_dim;
       for (int d = vector_dims; d < head_dim; ++d) {
-        keys_t[static_cast<size_t>(d) * kBlockSize + s] = s < filled ? table[key[d]] : 0.0f;
+        tile[TileIndex(d, s, head_dim)] = s < filled ? table[key[d]] : 0.0f;
       }
     }
   }
@@ -148,15 +204,15 @@ uint32_t Avx2DecodeNanBits() {
 #endif
 
 // DecodeBlockScalar's result, with AVX2 where the CPU has it and the start-up check passed.
-void DecodeBlock(const uint8_t* codes, int head_dim, int64_t filled, float* keys_t) {
+void DecodeBlock(const uint8_t* codes, int head_dim, int64_t filled, float* tile) {
 #if DSA_SCORING_X86
   static const uint32_t nan_bits = Avx2DecodeNanBits();
   if (nan_bits != 0) {
-    DecodeBlockAvx2(codes, head_dim, filled, keys_t, nan_bits);
+    DecodeBlockAvx2(codes, head_dim, filled, tile, nan_bits);
     return;
   }
 #endif
-  DecodeBlockScalar(codes, head_dim, filled, keys_t);
+  DecodeBlockScalar(codes, head_dim, filled, tile);
 }
 
 }  // namespace
@@ -170,7 +226,7 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
 
 #pragma omp parallel
   {
-    std::vector<float> keys_t(static_cast<size_t>(head_dim) * kBlockSize);
+    std::vector<float> tile(static_cast<size_t>(head_dim) * kBlockSize);
 #pragma omp for schedule(dynamic, 4)
     for (int64_t j = 0; j < num_blocks; ++j) {
       const int64_t logical = logical_blocks[j];
@@ -179,7 +235,7 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
       const float* block_scales = cache.pool->scales(block);
       const int64_t first_slot = logical * kBlockSize;
       const int64_t filled = std::min<int64_t>(kBlockSize, cache.num_slots - first_slot);
-      DecodeBlock(codes, head_dim, filled, keys_t.data());
+      DecodeBlock(codes, head_dim, filled, tile.data());
       float scales[kBlockSize];
       for (int s = 0; s < kBlockSize; ++s) scales[s] = s < filled ? block_scales[s] : 0.0f;
       for (size_t r = 0; r < rows.size(); ++r) {
@@ -189,8 +245,8 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
           std::fill(out, out + kBlockSize, kMinusInf);
           continue;
         }
-        ScoreTile(keys_t.data(), scales, rows[r].query.data(), rows[r].head_weights.data(),
-                  num_heads, head_dim, out);
+        ScoreTile(tile.data(), scales, rows[r].query.data(), rows[r].head_weights.data(), num_heads,
+                  head_dim, out);
         for (int64_t s = visible; s < kBlockSize; ++s) out[s] = kMinusInf;
       }
     }
