@@ -1,18 +1,20 @@
 // CPU benchmark of the indexer's two hot paths (DESIGN.md 4.1, 7): the scan (ScoreBlocks over every
 // block of a row, H = 64, D = 128, fp8 paged keys) and the top-K (SelectTopK, K = 2048), at 16K,
 // 128K and 1M slots, with the floors and peers each figure is compared with in the same run.
+// Run it through bench/run_cpu_bench.sh, which writes docs/results/cpu_bench.{json,md}.
 //
-// Benchmarks (names are what bench/run_cpu_bench.sh parses):
-//   Scan/<slots>/<threads>            one row, every block; slots/s, slots/s per core, key bytes/s
-//   ScanVerifier4/<slots>/<threads>   4 verifier rows at t-3..t sharing one key read
-//   PeerScanNaive/<slots>             peer: a scalar per-slot reference of the same formula, 1 thread
-//   FloorReadBandwidth/<threads>      floor: streaming read of 512 MiB (bytes/s -> slots/s at 132 B)
-//   FloorFmaPeak/<threads>            floor: AVX2 FMA peak (FLOP/s -> slots/s at 2*H*D FLOP a slot)
-//   TopK/<dist>/<slots>/<layout>      SelectTopK; dist 0 = relu_tail, 1 = uniform_distinct;
-//                                     layout 0 = contiguous slots (as SPIN calls it),
-//                                     1 = block list (as the indexer calls it after a scan)
-//   PeerTopKPartialSort/<dist>/<slots>    peer: filter + std::partial_sort of (score, slot) pairs
-//   PeerTopKIntroselect/<dist>/<slots>    peer: filter + std::nth_element + sort of the K winners
+// Benchmarks (the names bench/run_cpu_bench.sh parses):
+//   Scan/<slots>/<threads>           one row, every block
+//   ScanVerifier4/<slots>/<threads>  4 verifier rows at t-3..t sharing one key read
+//   PeerScanNaive/<slots>            peer: scalar per-slot loop of the same formula, 1 thread
+//   FloorReadBandwidth/<threads>     floor: streaming read of 512 MiB (-> slots/s at 132 B)
+//   FloorFmaPeak/<threads>           floor: AVX2 FMA peak (-> slots/s at 2 * H * D FLOP)
+//   TopK/<dist>/<slots>/<layout>     SelectTopK; dist 0 relu_tail, 1 uniform_distinct; layout
+//                                    0 contiguous slots (as SPIN calls it), 1 block list (as
+//                                    the indexer calls it after a scan)
+//   PeerTopKPartialSort/<dist>/<slots>  peer: gather pairs, std::partial_sort
+//   PeerTopKIntroselect/<dist>/<slots>  peer: gather pairs, nth_element, sort the K winners
+// Every benchmark reports wall time and the CPU time of the whole process (all threads).
 // All inputs come from fixed seeds; key and query norms are checked non-zero; every SelectTopK
 // result is checked against the partial-sort peer and a sample of every scan against the naive
 // reference before timing (a mismatch fails the benchmark instead of timing a wrong answer).
@@ -49,7 +51,7 @@ namespace {
 constexpr int kNumHeads = 64;
 constexpr int kHeadDim = 128;
 constexpr int kTopK = 2048;
-constexpr int kVerifierRows = 4;  // draft length 3: rows at t-3..t
+constexpr int kVerifierRows = 4;                                // draft length 3: rows at t-3..t
 constexpr int64_t kKeyBytesPerSlot = kHeadDim + sizeof(float);  // 132: fp8 key + fp32 scale
 constexpr int64_t kSlotCounts[] = {16 * 1024, 128 * 1024, 1024 * 1024};
 constexpr int64_t kAppendChunkSlots = 16 * 1024;
@@ -91,7 +93,8 @@ const ScanInput& GetScanInput(int64_t num_slots) {
       keys[i] = normal(rng);
       key_norm += static_cast<double>(keys[i]) * keys[i];
     }
-    if (!input->cache->Append(1, 0, std::span<const float>(keys.data(), count * kHeadDim), count).ok()) {
+    if (!input->cache->Append(1, 0, std::span<const float>(keys.data(), count * kHeadDim), count)
+             .ok()) {
       std::abort();
     }
   }
@@ -110,11 +113,13 @@ const ScanInput& GetScanInput(int64_t num_slots) {
   for (float& w : input->head_weights) w = normal(rng) / std::sqrt(static_cast<float>(kNumHeads));
   if (key_norm == 0.0 || query_norm == 0.0) std::abort();  // never benchmark zeros
   for (int r = 0; r < kVerifierRows; ++r) {
-    input->rows.push_back(IndexerRow{
-        std::span<const float>(input->queries.data() + static_cast<size_t>(r) * kNumHeads * kHeadDim,
-                               kNumHeads * kHeadDim),
-        std::span<const float>(input->head_weights.data() + static_cast<size_t>(r) * kNumHeads, kNumHeads),
-        num_slots - kVerifierRows + r});
+    input->rows.push_back(
+        IndexerRow{std::span<const float>(
+                       input->queries.data() + static_cast<size_t>(r) * kNumHeads * kHeadDim,
+                       kNumHeads * kHeadDim),
+                   std::span<const float>(
+                       input->head_weights.data() + static_cast<size_t>(r) * kNumHeads, kNumHeads),
+                   num_slots - kVerifierRows + r});
   }
   input->scores.resize(static_cast<size_t>(kVerifierRows) * num_blocks * kBlockSize);
   slot = std::move(input);
@@ -147,7 +152,8 @@ float ScoreTolerance(const ScanInput& input, const IndexerRow& row, int64_t slot
   double magnitude = 0.0;
   for (int h = 0; h < kNumHeads; ++h) {
     double dot = 0.0;
-    for (int d = 0; d < kHeadDim; ++d) dot += std::fabs(row.query[h * kHeadDim + d] * table[key[d]]);
+    for (int d = 0; d < kHeadDim; ++d)
+      dot += std::fabs(row.query[h * kHeadDim + d] * table[key[d]]);
     magnitude += std::fabs(row.head_weights[h]) * dot;
   }
   return static_cast<float>(1e-5 * scale * magnitude) + 1e-30f;
@@ -183,7 +189,8 @@ bool CheckScanSample(const ScanInput& input, int num_rows) {
 
 void SetScanCounters(benchmark::State& state, int64_t num_slots, int num_rows, int threads) {
   const double slots = static_cast<double>(num_slots);
-  state.counters["slots_per_s"] = benchmark::Counter(slots, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["slots_per_s"] =
+      benchmark::Counter(slots, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["slots_per_s_per_core"] =
       benchmark::Counter(slots / threads, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["row_slots_per_s"] =
@@ -197,7 +204,8 @@ void RunScan(benchmark::State& state, int num_rows) {
   const int threads = static_cast<int>(state.range(1));
   ScanInput& input = const_cast<ScanInput&>(GetScanInput(num_slots));
   const std::span<const IndexerRow> rows(input.rows.data() + kVerifierRows - num_rows, num_rows);
-  const std::span<float> scores(input.scores.data(), static_cast<size_t>(num_rows) * input.logical_blocks.size() * kBlockSize);
+  const std::span<float> scores(input.scores.data(), static_cast<size_t>(num_rows) *
+                                                         input.logical_blocks.size() * kBlockSize);
   const int saved_threads = omp_get_max_threads();
   omp_set_num_threads(threads);
   ScoreBlocks(input.view, input.logical_blocks, rows, kNumHeads, scores);  // warm-up and check
@@ -223,7 +231,8 @@ void BM_PeerScanNaive(benchmark::State& state) {
   ScanInput& input = const_cast<ScanInput&>(GetScanInput(num_slots));
   const IndexerRow& row = input.rows[kVerifierRows - 1];
   for (auto _ : state) {
-    for (int64_t slot = 0; slot < num_slots; ++slot) input.scores[slot] = NaiveScore(input, row, slot);
+    for (int64_t slot = 0; slot < num_slots; ++slot)
+      input.scores[slot] = NaiveScore(input, row, slot);
     benchmark::DoNotOptimize(input.scores.data());
     benchmark::ClobberMemory();
   }
@@ -251,8 +260,8 @@ void BM_FloorReadBandwidth(benchmark::State& state) {
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(kBytes));
   state.counters["threads"] = threads;
-  state.counters["slots_per_s"] = benchmark::Counter(
-      static_cast<double>(kBytes) / kKeyBytesPerSlot, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["slots_per_s"] = benchmark::Counter(static_cast<double>(kBytes) / kKeyBytesPerSlot,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -289,7 +298,8 @@ void BM_FloorFmaPeak(benchmark::State& state) {
   }
   const double flop = 160.0 * kIterations * threads;
   state.counters["threads"] = threads;
-  state.counters["flop_per_s"] = benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["flop_per_s"] =
+      benchmark::Counter(flop, benchmark::Counter::kIsIterationInvariantRate);
   // The scan's arithmetic: one multiply and one add per (head, dim) of a slot.
   state.counters["slots_per_s"] = benchmark::Counter(flop / (2.0 * kNumHeads * kHeadDim),
                                                      benchmark::Counter::kIsIterationInvariantRate);
@@ -328,7 +338,8 @@ const std::vector<float>& GetScores(ScoreDist dist, int64_t n) {
     std::vector<int64_t> perm(n);
     std::iota(perm.begin(), perm.end(), 1);
     std::shuffle(perm.begin(), perm.end(), rng);
-    for (int64_t i = 0; i < n; ++i) scores[i] = static_cast<float>(static_cast<double>(perm[i]) / n);
+    for (int64_t i = 0; i < n; ++i)
+      scores[i] = static_cast<float>(static_cast<double>(perm[i]) / n);
   }
   if (std::none_of(scores.begin(), scores.end(), [](float s) { return s != 0.0f; })) std::abort();
   return scores;
@@ -364,7 +375,8 @@ void PeerTopK(std::span<const float> scores, std::span<int32_t> selection, bool 
   }
   const size_t taken = std::min(k, candidates.size());
   if (use_introselect) {
-    if (candidates.size() > k) std::nth_element(candidates.begin(), candidates.begin() + k, candidates.end(), Better);
+    if (candidates.size() > k)
+      std::nth_element(candidates.begin(), candidates.begin() + k, candidates.end(), Better);
     std::sort(candidates.begin(), candidates.begin() + taken, Better);
   } else {
     std::partial_sort(candidates.begin(), candidates.begin() + taken, candidates.end(), Better);
@@ -374,7 +386,8 @@ void PeerTopK(std::span<const float> scores, std::span<int32_t> selection, bool 
 }
 
 void SetTopKCounters(benchmark::State& state, int64_t n) {
-  state.counters["scores_per_s"] = benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["scores_per_s"] =
+      benchmark::Counter(static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_TopK(benchmark::State& state) {
@@ -382,7 +395,8 @@ void BM_TopK(benchmark::State& state) {
   const int64_t n = state.range(1);
   const bool blocked = state.range(2) != 0;
   const std::vector<float>& scores = GetScores(dist, n);
-  const std::span<const int32_t> blocks = blocked ? std::span<const int32_t>(GetBlockList(n)) : std::span<const int32_t>();
+  const std::span<const int32_t> blocks =
+      blocked ? std::span<const int32_t>(GetBlockList(n)) : std::span<const int32_t>();
   std::vector<int32_t> selection(kTopK), expected(kTopK);
   std::vector<Candidate> scratch;
   PeerTopK(scores, expected, false, scratch);
@@ -431,30 +445,61 @@ void RegisterAll() {
   if (all_cores > 1) thread_counts.push_back(all_cores);
   for (int64_t slots : kSlotCounts) {
     for (int64_t threads : thread_counts) {
-      benchmark::RegisterBenchmark("Scan", BM_Scan)->Args({slots, threads})->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark("Scan", BM_Scan)
+          ->Args({slots, threads})
+          ->UseRealTime()
+          ->MeasureProcessCPUTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
   for (int64_t slots : kSlotCounts) {
     for (int64_t threads : thread_counts) {
       benchmark::RegisterBenchmark("ScanVerifier4", BM_ScanVerifier4)
-          ->Args({slots, threads})->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+          ->Args({slots, threads})
+          ->UseRealTime()
+          ->MeasureProcessCPUTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
   // The scalar peer is ~20x slower: 16K and 128K slots are enough to show its rate.
   for (int64_t slots : {kSlotCounts[0], kSlotCounts[1]}) {
-    benchmark::RegisterBenchmark("PeerScanNaive", BM_PeerScanNaive)->Arg(slots)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("PeerScanNaive", BM_PeerScanNaive)
+        ->Arg(slots)
+        ->UseRealTime()
+        ->MeasureProcessCPUTime()
+        ->Unit(benchmark::kMillisecond);
   }
   for (int64_t threads : thread_counts) {
-    benchmark::RegisterBenchmark("FloorReadBandwidth", BM_FloorReadBandwidth)->Arg(threads)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark("FloorFmaPeak", BM_FloorFmaPeak)->Arg(threads)->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("FloorReadBandwidth", BM_FloorReadBandwidth)
+        ->Arg(threads)
+        ->UseRealTime()
+        ->MeasureProcessCPUTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("FloorFmaPeak", BM_FloorFmaPeak)
+        ->Arg(threads)
+        ->UseRealTime()
+        ->MeasureProcessCPUTime()
+        ->Unit(benchmark::kMillisecond);
   }
   for (int64_t dist : {0, 1}) {
     for (int64_t slots : kSlotCounts) {
       for (int64_t layout : {0, 1}) {
-        benchmark::RegisterBenchmark("TopK", BM_TopK)->Args({dist, slots, layout})->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMicrosecond);
+        benchmark::RegisterBenchmark("TopK", BM_TopK)
+            ->Args({dist, slots, layout})
+            ->UseRealTime()
+            ->MeasureProcessCPUTime()
+            ->Unit(benchmark::kMicrosecond);
       }
-      benchmark::RegisterBenchmark("PeerTopKPartialSort", BM_PeerTopKPartialSort)->Args({dist, slots})->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMicrosecond);
-      benchmark::RegisterBenchmark("PeerTopKIntroselect", BM_PeerTopKIntroselect)->Args({dist, slots})->UseRealTime()->MeasureProcessCPUTime()->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("PeerTopKPartialSort", BM_PeerTopKPartialSort)
+          ->Args({dist, slots})
+          ->UseRealTime()
+          ->MeasureProcessCPUTime()
+          ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("PeerTopKIntroselect", BM_PeerTopKIntroselect)
+          ->Args({dist, slots})
+          ->UseRealTime()
+          ->MeasureProcessCPUTime()
+          ->Unit(benchmark::kMicrosecond);
     }
   }
   benchmark::AddCustomContext("cpu_model", CpuModel());

@@ -39,7 +39,8 @@ export BENCH_COMPILER=$("${COMPILER:-c++}" --version | head -1)
 export BENCH_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 export BENCH_COMMIT=$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- indexer_service bench || echo "+local changes")
 export BENCH_LOAD="$LOAD_BEFORE (before) / $LOAD_AFTER (after)"
-export BENCH_COMMAND="REPETITIONS=$REPETITIONS FILTER='$FILTER' bench/run_cpu_bench.sh $* -> ${COMMAND[*]#"$ROOT/"}"
+DISPLAYED=("${COMMAND[@]//"$ROOT/"/}")
+export BENCH_COMMAND="REPETITIONS=$REPETITIONS FILTER='$FILTER' bench/run_cpu_bench.sh $* (runs: ${DISPLAYED[*]})"
 
 python3 - "$MARKDOWN" <<'PYTHON'
 """Turns the benchmark JSON into docs/results/cpu_bench.md (standard library only)."""
@@ -111,7 +112,8 @@ caches = ", ".join(
     (f" x{int(ctx.get('num_cpus', 1)) // c['num_sharing']}" if c.get("num_sharing") else "")
     for c in ctx.get("caches", []))
 out(f"| caches | {caches} |")
-out(f"| compiler | {os.environ['BENCH_COMPILER']} (Release: -O3; scan kernel target_clones x86-64-v3/default) |")
+out(f"| compiler | {os.environ['BENCH_COMPILER']}, Release (-O3), generic x86-64 build; the AVX2 "
+    "paths (scan kernel target_clones x86-64-v3, fp8 decode, top-K filter) are chosen at run time |")
 out(f"| date | {os.environ['BENCH_DATE']} |")
 out(f"| commit | {os.environ['BENCH_COMMIT']} |")
 out(f"| load average | {os.environ['BENCH_LOAD']} |")
