@@ -18,7 +18,8 @@ float DecodeBits(uint8_t code) {
   } else if (exponent == 0) {
     magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m * 2^-6 / 8
   } else {
-    magnitude = std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, static_cast<int>(exponent) - 7);
+    magnitude =
+        std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, static_cast<int>(exponent) - 7);
   }
   return sign ? -magnitude : magnitude;
 }
@@ -46,8 +47,8 @@ uint8_t EncodeFp8E4m3(float value) {
     // Below 2^-6 the result is subnormal: x * 2^9 (exact) rounded to the nearest-even integer is
     // the subnormal mantissa; a result of 8 is the smallest normal code, 2^-6.
     const float scaled = std::bit_cast<float>(bits) * 512.0f;  // exact (power of two)
-    const float rounded = std::nearbyint(scaled);               // default mode: nearest-even
-    return sign | static_cast<uint8_t>(rounded);                // 8 (=2^-6) becomes the smallest normal
+    const float rounded = std::nearbyint(scaled);              // default mode: nearest-even
+    return sign | static_cast<uint8_t>(rounded);  // 8 (=2^-6) becomes the smallest normal
   }
   // Normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits.
   const uint32_t mantissa_odd = (bits >> 20) & 1u;

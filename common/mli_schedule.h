@@ -13,15 +13,16 @@ namespace dsa {
 
 /// Immutable schedule over `num_layers` layers (0-based). Thread-safe (const after creation).
 ///
-/// F is the set of full layers (they run an indexer); p(l) is the nearest full layer at or before l;
-/// pi_k(f) steps back k positions along F; layer l attends the selection of
-/// sigma(l) = pi_k(p(l)), except that the first k full layers, which have no such predecessor,
-/// attend their own (so no layer ever attends an uninitialized selection).
+/// F is the set of full layers (they run an indexer); p(l) is the nearest full layer at or before
+/// l; pi_k(f) steps back k positions along F; layer l attends the selection of sigma(l) =
+/// pi_k(p(l)), except that the first k full layers, which have no such predecessor, attend their
+/// own (so no layer ever attends an uninitialized selection).
 class MliSchedule {
  public:
   /// Every r-th layer, starting at 0, is full (retention 1/r). Errors: INVALID_ARGUMENT when
   /// num_layers < 1, retention_stride < 1 or lag_depth < 0.
-  static absl::StatusOr<MliSchedule> FromRetention(int num_layers, int retention_stride, int lag_depth);
+  static absl::StatusOr<MliSchedule> FromRetention(int num_layers, int retention_stride,
+                                                   int lag_depth);
 
   /// `pattern` has one character per layer, 'F' (full) or 'S' (shared), e.g. "FSSSFSSS".
   /// Errors: INVALID_ARGUMENT when the pattern is empty, has another character, starts with 'S',
@@ -39,10 +40,11 @@ class MliSchedule {
   int NearestFullLayer(int layer) const;
   /// sigma(l) = pi_k(p(l)) (the layer whose selection `layer` attends). Requires a valid layer.
   int AttendedLayer(int layer) const;
-  /// The layers that attend full layer f's selection, in increasing order (empty for a shared layer).
+  /// The layers that attend full layer f's selection, in increasing order (empty for a shared
+  /// layer).
   std::vector<int> Consumers(int full_layer) const;
-  /// The first layer that needs full layer f's selection (pi_k^{-1}(f) in the paper; the earliest of
-  /// Consumers(f)); -1 when no layer attends it (the last k full layers' selections are unused).
+  /// The first layer that needs full layer f's selection (pi_k^{-1}(f) in the paper; the earliest
+  /// of Consumers(f)); -1 when no layer attends it (the last k full layers' selections are unused).
   int DeadlineLayer(int full_layer) const;
   /// The schedule as a pattern string, e.g. "FSSSFSSS".
   std::string Pattern() const;

@@ -1,6 +1,6 @@
 // Philox4x32-10, the counter-based generator of Salmon et al. (SC'11, "Random123"), used for SPIN's
-// seeded exploration (DESIGN.md 4.2 step 5) so the CPU and the GPU draw the same numbers from the same
-// (key, counter). Header-only and usable from host and device code (no dependencies).
+// seeded exploration (DESIGN.md 4.2 step 5) so the CPU and the GPU draw the same numbers from the
+// same (key, counter). Header-only and usable from host and device code (no dependencies).
 #pragma once
 
 #include <array>
@@ -21,7 +21,8 @@ struct PhiloxKey {
   uint32_t k[2];
 };
 
-/// Ten rounds of Philox4x32 on `counter` under `key`; returns four independent uniform uint32 words.
+/// Ten rounds of Philox4x32 on `counter` under `key`; returns four independent uniform uint32
+/// words.
 DSA_HOST_DEVICE inline PhiloxCounter Philox4x32(PhiloxCounter counter, PhiloxKey key) {
   constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
@@ -30,7 +31,8 @@ DSA_HOST_DEVICE inline PhiloxCounter Philox4x32(PhiloxCounter counter, PhiloxKey
     const uint64_t p1 = static_cast<uint64_t>(kMul1) * counter.c[2];
     const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
     const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
-    counter = PhiloxCounter{{hi1 ^ counter.c[1] ^ key.k[0], lo1, hi0 ^ counter.c[3] ^ key.k[1], lo0}};
+    counter =
+        PhiloxCounter{{hi1 ^ counter.c[1] ^ key.k[0], lo1, hi0 ^ counter.c[3] ^ key.k[1], lo0}};
     key.k[0] += kWeyl0;
     key.k[1] += kWeyl1;
   }

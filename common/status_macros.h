@@ -1,4 +1,5 @@
-// Early-return helpers for absl::Status / absl::StatusOr on the host (Abseil 2022 does not ship them).
+// Early-return helpers for absl::Status / absl::StatusOr on the host (Abseil 2022 does not ship
+// them).
 #pragma once
 
 #include "absl/status/status.h"
@@ -8,10 +9,10 @@
 #define DSA_CONCAT_(a, b) DSA_CONCAT_INNER_(a, b)
 
 /// Evaluates `expr` (an absl::Status) and returns it from the calling function if it is not OK.
-#define DSA_RETURN_IF_ERROR(expr)                   \
-  do {                                              \
-    ::absl::Status dsa_status_ = (expr);            \
-    if (!dsa_status_.ok()) return dsa_status_;      \
+#define DSA_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status dsa_status_ = (expr);       \
+    if (!dsa_status_.ok()) return dsa_status_; \
   } while (false)
 
 #define DSA_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

@@ -23,7 +23,8 @@ absl::StatusOr<AcceptanceModel> AcceptanceModel::Create(double acceptance_rate, 
 
 int AcceptanceModel::Accepted(uint64_t step) const {
   const PhiloxKey key{{static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)}};
-  const PhiloxCounter counter{{static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0, 0}};
+  const PhiloxCounter counter{
+      {static_cast<uint32_t>(step), static_cast<uint32_t>(step >> 32), 0, 0}};
   const PhiloxCounter words = Philox4x32(counter, key);
   int accepted = 0;
   while (accepted < draft_length_ &&

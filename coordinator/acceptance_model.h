@@ -1,5 +1,6 @@
 // A seeded model of speculative-decoding acceptance: how many of a draft's d tokens the target
-// model accepts at each verification step (coordinator side of DESIGN.md 4.2, "Speculative decoding").
+// model accepts at each verification step (coordinator side of DESIGN.md 4.2, "Speculative
+// decoding").
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,8 @@ namespace dsa {
 class AcceptanceModel {
  public:
   /// INVALID_ARGUMENT when acceptance_rate is outside [0, 1] or draft_length outside [0, 4].
-  static absl::StatusOr<AcceptanceModel> Create(double acceptance_rate, int draft_length, uint64_t seed);
+  static absl::StatusOr<AcceptanceModel> Create(double acceptance_rate, int draft_length,
+                                                uint64_t seed);
 
   /// The number of accepted draft tokens a in [0, draft_length] at verification step `step`.
   int Accepted(uint64_t step) const;

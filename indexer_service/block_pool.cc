@@ -12,7 +12,8 @@ namespace dsa {
 
 BlockPool::BlockPool(int64_t capacity_blocks, int head_dim)
     : head_dim_(head_dim),
-      block_bytes_(static_cast<size_t>(kBlockSize) * (static_cast<size_t>(head_dim) + sizeof(float))),
+      block_bytes_(static_cast<size_t>(kBlockSize) *
+                   (static_cast<size_t>(head_dim) + sizeof(float))),
       storage_(block_bytes_ * static_cast<size_t>(capacity_blocks)),
       ref_counts_(capacity_blocks, 0) {
   free_list_.reserve(capacity_blocks);

@@ -20,12 +20,14 @@ absl::StatusOr<IndexKeyCache> IndexKeyCache::Create(int64_t capacity_blocks, int
         absl::StrCat("capacity_blocks must be in [0, 2^31), got ", capacity_blocks));
   }
   if (head_dim < 1 || head_dim > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("head_dim must be in [1, 1024], got ", head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim must be in [1, 1024], got ", head_dim));
   }
   return IndexKeyCache(BlockPool(capacity_blocks, head_dim));
 }
 
-absl::StatusOr<IndexKeyCache::LayerCache*> IndexKeyCache::FindLayer(uint64_t sequence_id, int layer) {
+absl::StatusOr<IndexKeyCache::LayerCache*> IndexKeyCache::FindLayer(uint64_t sequence_id,
+                                                                    int layer) {
   auto it = sequences_.find(sequence_id);
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
@@ -39,7 +41,7 @@ absl::StatusOr<IndexKeyCache::LayerCache*> IndexKeyCache::FindLayer(uint64_t seq
 }
 
 absl::StatusOr<const IndexKeyCache::LayerCache*> IndexKeyCache::FindLayer(uint64_t sequence_id,
-                                                                         int layer) const {
+                                                                          int layer) const {
   auto result = const_cast<IndexKeyCache*>(this)->FindLayer(sequence_id, layer);
   if (!result.ok()) return result.status();
   return *result;
@@ -74,8 +76,8 @@ absl::Status IndexKeyCache::AddSequenceWithPrefix(uint64_t sequence_id, int num_
                                                    num_layers));
   }
   if (num_prefix_slots < 0 || num_prefix_slots % kBlockSize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("prefix length ", num_prefix_slots,
-                                                   " is not a non-negative multiple of ", kBlockSize));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix length ", num_prefix_slots, " is not a non-negative multiple of ", kBlockSize));
   }
   for (const LayerCache& layer : source->second.layers) {
     if (layer.num_slots < num_prefix_slots) {
@@ -121,8 +123,8 @@ absl::Status IndexKeyCache::Append(uint64_t sequence_id, int layer, std::span<co
   }
   for (size_t i = 0; i < keys.size(); ++i) {
     if (!std::isfinite(keys[i])) {
-      return absl::InvalidArgumentError(absl::StrCat("index key ", i / head_dim, " dim ",
-                                                     i % head_dim, " is not finite"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("index key ", i / head_dim, " dim ", i % head_dim, " is not finite"));
     }
   }
   if (num_keys == 0) return absl::OkStatus();

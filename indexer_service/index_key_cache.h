@@ -43,8 +43,9 @@ class IndexKeyCache {
 
   /// Registers a sequence whose every layer starts with the first `num_prefix_slots` slots of
   /// `source_id`'s same layer, sharing those blocks (no copy). num_prefix_slots must be a multiple
-  /// of kBlockSize and at most every source layer's length; the source must have `num_layers` layers.
-  /// Errors: ALREADY_EXISTS, NOT_FOUND (source), INVALID_ARGUMENT (multiple, length, layer count).
+  /// of kBlockSize and at most every source layer's length; the source must have `num_layers`
+  /// layers. Errors: ALREADY_EXISTS, NOT_FOUND (source), INVALID_ARGUMENT (multiple, length, layer
+  /// count).
   absl::Status AddSequenceWithPrefix(uint64_t sequence_id, int num_layers, uint64_t source_id,
                                      int64_t num_prefix_slots);
 
@@ -53,7 +54,8 @@ class IndexKeyCache {
   /// partially filled last block is copied first (copy on write).
   /// Errors: NOT_FOUND (sequence), INVALID_ARGUMENT (layer out of range, keys.size() !=
   /// num_keys * head_dim, a non-finite value), RESOURCE_EXHAUSTED (not enough free blocks).
-  absl::Status Append(uint64_t sequence_id, int layer, std::span<const float> keys, int64_t num_keys);
+  absl::Status Append(uint64_t sequence_id, int layer, std::span<const float> keys,
+                      int64_t num_keys);
 
   /// Shortens layer `layer` to `num_slots` slots (dropping rejected speculative tokens), releasing
   /// blocks no longer needed. Errors: NOT_FOUND, INVALID_ARGUMENT (layer), OUT_OF_RANGE (num_slots

@@ -38,27 +38,31 @@ absl::Status Indexer::ValidateSequenceOptions(const SequenceOptions& options) co
         absl::StrCat("num_layers must be in [1, 4096], got ", options.num_layers));
   }
   if (options.top_k < 1 || options.top_k > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, 2^20], got ", options.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be in [1, 2^20], got ", options.top_k));
   }
   return ValidateSpinConfig(options.spin);
 }
 
 absl::StatusOr<Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id) {
   auto it = sequences_.find(sequence_id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
   return &it->second;
 }
 
 absl::StatusOr<const Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id) const {
   auto it = sequences_.find(sequence_id);
-  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
+  if (it == sequences_.end())
+    return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
   return &it->second;
 }
 
 void Indexer::AddSequenceState(uint64_t sequence_id, const SequenceOptions& options) {
   SequenceState state;
   state.options = options;
-  // Exploration is seeded per sequence (DESIGN.md 4.2 step 5): the configured seed mixed with the id.
+  // Exploration is seeded per sequence (DESIGN.md 4.2 step 5): the configured seed mixed with the
+  // id.
   SpinConfig spin = options.spin;
   spin.seed = MixSeed(options.spin.seed, sequence_id);
   for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(spin, options.top_k, l);
@@ -113,23 +117,24 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
   positions.reserve(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
     if (rows[r].query.size() != query_size) {
-      return absl::InvalidArgumentError(absl::StrCat("indexer query of row ", r, " has ",
-                                                     rows[r].query.size(), " values, expected H ",
-                                                     options_.num_heads, " x D ", options_.head_dim));
+      return absl::InvalidArgumentError(
+          absl::StrCat("indexer query of row ", r, " has ", rows[r].query.size(),
+                       " values, expected H ", options_.num_heads, " x D ", options_.head_dim));
     }
     if (rows[r].head_weights.size() != static_cast<size_t>(options_.num_heads)) {
       return absl::InvalidArgumentError(absl::StrCat("head weights of row ", r, " have ",
-                                                     rows[r].head_weights.size(), " values, expected ",
-                                                     options_.num_heads));
+                                                     rows[r].head_weights.size(),
+                                                     " values, expected ", options_.num_heads));
     }
     if (auto s = CheckFinite(rows[r].query, "indexer query", r); !s.ok()) return s;
     if (auto s = CheckFinite(rows[r].head_weights, "head weights", r); !s.ok()) return s;
     if (rows[r].position < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("row ", r, " has negative position ", rows[r].position));
+      return absl::InvalidArgumentError(
+          absl::StrCat("row ", r, " has negative position ", rows[r].position));
     }
     if (r > 0 && rows[r].position <= rows[r - 1].position) {
-      return absl::InvalidArgumentError(absl::StrCat("positions must be strictly increasing: row ", r,
-                                                     " at ", rows[r].position, " after ",
+      return absl::InvalidArgumentError(absl::StrCat("positions must be strictly increasing: row ",
+                                                     r, " at ", rows[r].position, " after ",
                                                      rows[r - 1].position));
     }
     if (rows[r].position >= view->num_slots) {
@@ -144,8 +149,8 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
     return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " of sequence ", sequence_id,
                                                       " has a speculative step awaiting Commit"));
   }
-  if (state.pending_rows > 0 &&
-      (static_cast<int>(rows.size()) != state.pending_rows || positions[0] != state.pending_first_position)) {
+  if (state.pending_rows > 0 && (static_cast<int>(rows.size()) != state.pending_rows ||
+                                 positions[0] != state.pending_first_position)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "this speculative step has ", state.pending_rows, " rows from position ",
         state.pending_first_position, "; got ", rows.size(), " rows from ", positions[0]));
@@ -194,16 +199,18 @@ absl::Status Indexer::Commit(uint64_t sequence_id, int accepted) {
     return absl::OutOfRangeError(absl::StrCat("accepted ", accepted, " outside [0, ",
                                               state.pending_rows - 1, "] draft tokens"));
   }
-  const size_t replay_rows =
-      state.options.spin.spec_update == SpecUpdatePolicy::kRow0 ? 1 : static_cast<size_t>(accepted) + 1;
+  const size_t replay_rows = state.options.spin.spec_update == SpecUpdatePolicy::kRow0
+                                 ? 1
+                                 : static_cast<size_t>(accepted) + 1;
   const int64_t keep_slots = state.pending_first_position + accepted + 1;
   for (int l = 0; l < state.options.num_layers; ++l) {
     PendingStep& pending = state.pending[l];
     if (!pending.positions.empty()) {
       const size_t row_stride = pending.blocks.size() * kBlockSize;
       for (size_t r = 0; r < replay_rows; ++r) {
-        state.spin[l].Update(pending.positions[r], pending.blocks,
-                             std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
+        state.spin[l].Update(
+            pending.positions[r], pending.blocks,
+            std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
       }
       pending = PendingStep{};
     }

@@ -76,8 +76,8 @@ class Indexer {
   /// strictly increasing) of one sequence at one layer: SPIN plan, scoring of the chosen blocks,
   /// top-K per row. One row updates the EMAs at once; several rows defer the update to Commit().
   /// Each row's key must already be appended (position < the layer's slot count).
-  /// Errors: NOT_FOUND; INVALID_ARGUMENT (layer, no rows, query or weight shape, non-finite query or
-  /// weight, positions not strictly increasing or negative); OUT_OF_RANGE (position >= slots);
+  /// Errors: NOT_FOUND; INVALID_ARGUMENT (layer, no rows, query or weight shape, non-finite query
+  /// or weight, positions not strictly increasing or negative); OUT_OF_RANGE (position >= slots);
   /// FAILED_PRECONDITION (this layer already has a step awaiting Commit).
   absl::StatusOr<SelectResult> Select(uint64_t sequence_id, int layer,
                                       std::span<const IndexerRow> rows, bool return_scores = false);
@@ -97,7 +97,8 @@ class Indexer {
 
   /// Slots filled at (sequence, layer). NOT_FOUND, INVALID_ARGUMENT.
   absl::StatusOr<int64_t> NumSlots(uint64_t sequence_id, int layer) const;
-  /// A copy of the SPIN state of (sequence, layer), for tests and tools. NOT_FOUND, INVALID_ARGUMENT.
+  /// A copy of the SPIN state of (sequence, layer), for tests and tools. NOT_FOUND,
+  /// INVALID_ARGUMENT.
   absl::StatusOr<SpinState> GetSpinState(uint64_t sequence_id, int layer) const;
   CacheUsage Usage() const;
   int64_t num_sequences() const;
@@ -110,8 +111,8 @@ class Indexer {
   };
   struct SequenceState {
     SequenceOptions options;
-    std::vector<SpinState> spin;        // per layer
-    std::vector<PendingStep> pending;   // per layer; empty positions = none
+    std::vector<SpinState> spin;          // per layer
+    std::vector<PendingStep> pending;     // per layer; empty positions = none
     int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
     int pending_rows = 0;
   };

@@ -1,5 +1,6 @@
 // CPU index scoring (see scoring.h): per block, decode the fp8 keys once into a transposed fp32
-// tile, then for every row and head accumulate q_h . k over the tile with the slot as the SIMD lane.
+// tile, then for every row and head accumulate q_h . k over the tile with the slot as the SIMD
+// lane.
 #include "indexer_service/scoring.h"
 
 #include <algorithm>

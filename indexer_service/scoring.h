@@ -10,9 +10,9 @@
 
 namespace dsa {
 
-/// One query row: the indexer query q_t (fp32 [num_heads, head_dim], row-major; fp8/bf16 queries are
-/// decoded to fp32 by the caller), its head weights w_t (fp32 [num_heads], query scale folded in)
-/// and its query position t (the row sees slots 0..t).
+/// One query row: the indexer query q_t (fp32 [num_heads, head_dim], row-major; fp8/bf16 queries
+/// are decoded to fp32 by the caller), its head weights w_t (fp32 [num_heads], query scale folded
+/// in) and its query position t (the row sees slots 0..t).
 struct IndexerRow {
   std::span<const float> query;
   std::span<const float> head_weights;

@@ -86,7 +86,8 @@ void TakeBest(const std::vector<float>& rank, int64_t count, std::vector<bool>& 
 }  // namespace
 
 absl::Status ValidateSpinConfig(const SpinConfig& config) {
-  if (auto s = CheckUnitInterval("target block sparsity rho", config.target_block_sparsity); !s.ok()) {
+  if (auto s = CheckUnitInterval("target block sparsity rho", config.target_block_sparsity);
+      !s.ok()) {
     return s;
   }
   if (auto s = CheckUnitInterval("EMA decay a", config.ema_decay); !s.ok()) return s;
@@ -94,26 +95,41 @@ absl::Status ValidateSpinConfig(const SpinConfig& config) {
 }
 
 absl::Status ParseBlockPooling(const std::string& name, BlockPooling* out) {
-  if (name == "max") *out = BlockPooling::kMax;
-  else if (name == "top4") *out = BlockPooling::kTop4Mean;
-  else if (name == "mean") *out = BlockPooling::kMean;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown block pooling '", name, "' (max, top4, mean)"));
+  if (name == "max")
+    *out = BlockPooling::kMax;
+  else if (name == "top4")
+    *out = BlockPooling::kTop4Mean;
+  else if (name == "mean")
+    *out = BlockPooling::kMean;
+  else
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown block pooling '", name, "' (max, top4, mean)"));
   return absl::OkStatus();
 }
 
 absl::Status ParseBlockReduction(const std::string& name, BlockReduction* out) {
-  if (name == "a1") *out = BlockReduction::kA1;
-  else if (name == "a0") *out = BlockReduction::kA0;
-  else if (name == "a2") *out = BlockReduction::kA2;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown block reduction '", name, "' (a0, a1, a2)"));
+  if (name == "a1")
+    *out = BlockReduction::kA1;
+  else if (name == "a0")
+    *out = BlockReduction::kA0;
+  else if (name == "a2")
+    *out = BlockReduction::kA2;
+  else
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown block reduction '", name, "' (a0, a1, a2)"));
   return absl::OkStatus();
 }
 
 absl::Status ParseExplorationPolicy(const std::string& name, ExplorationPolicy* out) {
-  if (name == "random") *out = ExplorationPolicy::kRandom;
-  else if (name == "staleness") *out = ExplorationPolicy::kStalenessScore;
-  else if (name == "age") *out = ExplorationPolicy::kBlockAge;
-  else return absl::InvalidArgumentError(absl::StrCat("unknown exploration policy '", name, "' (random, staleness, age)"));
+  if (name == "random")
+    *out = ExplorationPolicy::kRandom;
+  else if (name == "staleness")
+    *out = ExplorationPolicy::kStalenessScore;
+  else if (name == "age")
+    *out = ExplorationPolicy::kBlockAge;
+  else
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown exploration policy '", name, "' (random, staleness, age)"));
   return absl::OkStatus();
 }
 
@@ -166,7 +182,8 @@ void SpinState::Explore(int64_t position, int64_t count, const std::vector<float
       if (!taken[j]) free.push_back(j);
     }
     count = std::min<int64_t>(count, static_cast<int64_t>(free.size()));
-    const PhiloxKey key{{static_cast<uint32_t>(config_.seed), static_cast<uint32_t>(config_.seed >> 32)}};
+    const PhiloxKey key{
+        {static_cast<uint32_t>(config_.seed), static_cast<uint32_t>(config_.seed >> 32)}};
     for (int64_t i = 0; i < count; ++i) {
       const PhiloxCounter counter{{static_cast<uint32_t>(position),
                                    static_cast<uint32_t>(static_cast<uint64_t>(position) >> 32),
@@ -186,7 +203,8 @@ void SpinState::Explore(int64_t position, int64_t count, const std::vector<float
   for (float s : predicted) mean += s;
   mean /= std::max<int64_t>(1, num_blocks);
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const int64_t last = j < static_cast<int64_t>(block_last_scored_.size()) ? block_last_scored_[j] : -1;
+    const int64_t last =
+        j < static_cast<int64_t>(block_last_scored_.size()) ? block_last_scored_[j] : -1;
     const float age = static_cast<float>(position - last);
     rank[j] = config_.exploration == ExplorationPolicy::kBlockAge
                   ? age
@@ -228,11 +246,12 @@ std::vector<int32_t> SpinState::PlanRow(int64_t position) const {
         FloorOfProduct(config_.exploration_fraction * budget + 0.5), num_blocks - budget);
     Explore(position, n_explore, predicted, taken, chosen);
   } else {
-    const int64_t budget = BlockBudget(num_blocks, top_k_, config_.target_block_sparsity);  // step 3
+    const int64_t budget =
+        BlockBudget(num_blocks, top_k_, config_.target_block_sparsity);  // step 3
     const int64_t capacity = budget - static_cast<int64_t>(chosen.size());
     const int64_t n_explore =
         std::min<int64_t>(FloorOfProduct(config_.exploration_fraction * budget + 0.5), capacity);
-    Explore(position, n_explore, predicted, taken, chosen);                          // step 5
+    Explore(position, n_explore, predicted, taken, chosen);                            // step 5
     TakeBest(predicted, budget - static_cast<int64_t>(chosen.size()), taken, chosen);  // step 6
   }
   std::sort(chosen.begin(), chosen.end());
@@ -246,9 +265,11 @@ BlockPlan SpinState::Plan(std::span<const int64_t> positions) {
   for (int64_t position : positions) plan.row_blocks.push_back(PlanRow(position));
   if (config_.spec_mask == SpecMaskPolicy::kRow0Sharing && positions.size() > 1) {
     plan.blocks = plan.row_blocks[0];
-    for (int64_t position : positions) plan.blocks.push_back(static_cast<int32_t>(position / kBlockSize));
+    for (int64_t position : positions)
+      plan.blocks.push_back(static_cast<int32_t>(position / kBlockSize));
   } else {
-    for (const auto& row : plan.row_blocks) plan.blocks.insert(plan.blocks.end(), row.begin(), row.end());
+    for (const auto& row : plan.row_blocks)
+      plan.blocks.insert(plan.blocks.end(), row.begin(), row.end());
   }
   std::sort(plan.blocks.begin(), plan.blocks.end());
   plan.blocks.erase(std::unique(plan.blocks.begin(), plan.blocks.end()), plan.blocks.end());
@@ -269,8 +290,10 @@ void SpinState::Update(int64_t position, std::span<const int32_t> blocks,
   }
   const bool block_level = config_.reduction == BlockReduction::kA2;
   if (block_level) {
-    if (static_cast<int64_t>(block_vertical_.size()) <= newest_block) block_vertical_.resize(newest_block + 1, 0.0f);
-    if (static_cast<int64_t>(block_diagonal_.size()) <= newest_block) block_diagonal_.resize(newest_block + 1, 0.0f);
+    if (static_cast<int64_t>(block_vertical_.size()) <= newest_block)
+      block_vertical_.resize(newest_block + 1, 0.0f);
+    if (static_cast<int64_t>(block_diagonal_.size()) <= newest_block)
+      block_diagonal_.resize(newest_block + 1, 0.0f);
   }
   float observed[kBlockSize];
   for (size_t j = 0; j < blocks.size(); ++j) {
@@ -281,7 +304,7 @@ void SpinState::Update(int64_t position, std::span<const int32_t> blocks,
       const int64_t i = first + s;
       const float z = scores[j * kBlockSize + s];
       if (i > position || !std::isfinite(z)) continue;
-      vertical_[i] = a * vertical_[i] + b * z;                            // step 8
+      vertical_[i] = a * vertical_[i] + b * z;  // step 8
       diagonal_[position - i] = a * diagonal_[position - i] + b * z;
       observed[count++] = z;
     }

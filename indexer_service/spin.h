@@ -26,16 +26,16 @@ enum class SpecUpdatePolicy { kPrefixValid, kRow0 };
 
 /// SPIN settings of one sequence (all its full layers). Defaults are the paper's end-to-end ones.
 struct SpinConfig {
-  bool enabled = true;                    // false = all-keep (every block scored)
-  double target_block_sparsity = 0.4;     // rho, in [0, 1)
-  double ema_decay = 0.5;                 // a, in [0, 1)
-  double exploration_fraction = 0.05;     // gamma, in [0, 1)
+  bool enabled = true;                 // false = all-keep (every block scored)
+  double target_block_sparsity = 0.4;  // rho, in [0, 1)
+  double ema_decay = 0.5;              // a, in [0, 1)
+  double exploration_fraction = 0.05;  // gamma, in [0, 1)
   BlockPooling pooling = BlockPooling::kMax;
   BlockReduction reduction = BlockReduction::kA1;
   ExplorationPolicy exploration = ExplorationPolicy::kRandom;
   SpecMaskPolicy spec_mask = SpecMaskPolicy::kRowLocalUnion;
   SpecUpdatePolicy spec_update = SpecUpdatePolicy::kPrefixValid;
-  uint64_t seed = 0;                      // exploration seed (mixed with layer and position)
+  uint64_t seed = 0;  // exploration seed (mixed with layer and position)
 };
 
 /// INVALID_ARGUMENT naming the field when rho, a or gamma is outside [0, 1) or not finite.
@@ -98,8 +98,12 @@ class SpinState {
   std::vector<int32_t> PlanRow(int64_t position) const;
   void Explore(int64_t position, int64_t count, const std::vector<float>& predicted,
                std::vector<bool>& taken, std::vector<int32_t>& chosen) const;
-  float V(int64_t slot) const { return slot < static_cast<int64_t>(vertical_.size()) ? vertical_[slot] : 0.0f; }
-  float D(int64_t offset) const { return offset < static_cast<int64_t>(diagonal_.size()) ? diagonal_[offset] : 0.0f; }
+  float V(int64_t slot) const {
+    return slot < static_cast<int64_t>(vertical_.size()) ? vertical_[slot] : 0.0f;
+  }
+  float D(int64_t offset) const {
+    return offset < static_cast<int64_t>(diagonal_.size()) ? diagonal_[offset] : 0.0f;
+  }
 
   SpinConfig config_;
   int top_k_;
@@ -107,9 +111,10 @@ class SpinState {
   bool warmup_pending_ = true;
   std::vector<float> vertical_;
   std::vector<float> diagonal_;
-  std::vector<float> block_vertical_;        // A2: per logical block
-  std::vector<float> block_diagonal_;        // A2: per block offset
-  std::vector<int64_t> block_last_scored_;   // position at which each block was last scored (-1 never)
+  std::vector<float> block_vertical_;  // A2: per logical block
+  std::vector<float> block_diagonal_;  // A2: per block offset
+  std::vector<int64_t>
+      block_last_scored_;  // position at which each block was last scored (-1 never)
 };
 
 }  // namespace dsa

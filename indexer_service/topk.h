@@ -15,8 +15,8 @@ namespace dsa {
 ///   logical_blocks.size() * 64) and e itself otherwise.
 /// - max_slot: the row's position t; slots above it are never selected.
 /// - selection (out): int32 [k], best first; ties in score go to the lower slot; entries beyond the
-///   number of selectable slots (score neither NaN nor -inf, slot <= max_slot) are -1. NaN counts as
-///   -inf and -inf is never selected; +inf is a legal (largest) score. Entries of logical_blocks
+///   number of selectable slots (score neither NaN nor -inf, slot <= max_slot) are -1. NaN counts
+///   as -inf and -inf is never selected; +inf is a legal (largest) score. Entries of logical_blocks
 ///   must be distinct.
 void SelectTopK(std::span<const float> scores, std::span<const int32_t> logical_blocks,
                 int64_t max_slot, std::span<int32_t> selection);

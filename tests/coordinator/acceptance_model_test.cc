@@ -10,11 +10,13 @@ namespace dsa {
 namespace {
 
 TEST(AcceptanceModel, RejectsOutOfRangeSettings) {
-  EXPECT_EQ(AcceptanceModel::Create(-0.1, 3, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AcceptanceModel::Create(-0.1, 3, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AcceptanceModel::Create(1.5, 3, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AcceptanceModel::Create(NAN, 3, 1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(AcceptanceModel::Create(0.5, 5, 1).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(AcceptanceModel::Create(0.5, -1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(AcceptanceModel::Create(0.5, -1, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(AcceptanceModel, ExtremeRatesAcceptAllOrNothing) {
@@ -39,7 +41,8 @@ TEST(AcceptanceModel, DistributionMatchesTruncatedGeometric) {
   for (int step = 0; step < n; ++step) ++counts[model->Accepted(step)];
   // P(a=0)=0.3, P(1)=0.21, P(2)=0.147, P(3)=0.343; 5 sigma of a binomial at n = 2e5 is < 0.006.
   const double expected[4] = {0.3, 0.21, 0.147, 0.343};
-  for (int a = 0; a < 4; ++a) EXPECT_NEAR(counts[a] / static_cast<double>(n), expected[a], 0.006) << a;
+  for (int a = 0; a < 4; ++a)
+    EXPECT_NEAR(counts[a] / static_cast<double>(n), expected[a], 0.006) << a;
 }
 
 TEST(AcceptanceModel, SameSeedSameDrawsOtherSeedDiffers) {

@@ -37,7 +37,8 @@ absl::Status ValidateEvalOptions(const EvalOptions& o) {
   }
   for (double gamma : o.exploration_fractions) {
     if (!(gamma >= 0.0 && gamma < 1.0)) {
-      return absl::InvalidArgumentError(absl::StrCat("exploration fraction ", gamma, " outside [0, 1)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("exploration fraction ", gamma, " outside [0, 1)"));
     }
   }
   if (o.draft_length < 0 || o.draft_length > 4) {
@@ -138,7 +139,10 @@ class Evaluator {
  public:
   Evaluator(const EvalOptions& options, const PatternModel& model, Indexer& indexer,
             DenseOracle& oracle)
-      : options_(options), model_(model), indexer_(indexer), oracle_(oracle),
+      : options_(options),
+        model_(model),
+        indexer_(indexer),
+        oracle_(oracle),
         query_(static_cast<size_t>(model.num_heads()) * model.head_dim()),
         weights_(model.num_heads()) {}
 
@@ -151,7 +155,8 @@ class Evaluator {
     std::vector<float> keys(static_cast<size_t>(options_.context_slots) * model_.head_dim());
     for (int l = 0; l < options_.num_layers; ++l) {
       DSA_RETURN_IF_ERROR(model_.IndexKeys(l, 0, options_.context_slots, keys));
-      DSA_RETURN_IF_ERROR(indexer_.AppendIndexKeys(kPrefillSequence, l, keys, options_.context_slots));
+      DSA_RETURN_IF_ERROR(
+          indexer_.AppendIndexKeys(kPrefillSequence, l, keys, options_.context_slots));
     }
     return absl::OkStatus();
   }
@@ -171,7 +176,8 @@ class Evaluator {
   }
 
   // Speculative decode: d + 1 verifier rows per step until position N + T is reached.
-  absl::Status RunSpeculative(const SpinConfig& spin, const AcceptanceModel& acceptance, Tally& tally) {
+  absl::Status RunSpeculative(const SpinConfig& spin, const AcceptanceModel& acceptance,
+                              Tally& tally) {
     const uint64_t seq = next_sequence_++;
     DSA_RETURN_IF_ERROR(StartSequence(seq, spin));
     const int rows = acceptance.draft_length() + 1;
@@ -198,7 +204,8 @@ class Evaluator {
     options.num_layers = options_.num_layers;
     options.top_k = options_.top_k;
     options.spin = spin;
-    return indexer_.CreateSequenceFromPrefix(seq, options, kPrefillSequence, options_.context_slots);
+    return indexer_.CreateSequenceFromPrefix(seq, options, kPrefillSequence,
+                                             options_.context_slots);
   }
 
   absl::Status AppendKeys(uint64_t seq, int64_t first_slot, int count) {
@@ -226,7 +233,8 @@ class Evaluator {
     for (int r = 0; r < num_rows; ++r) {
       DSA_ASSIGN_OR_RETURN(const std::vector<int32_t>* dense, oracle_.Selection(layer, t + r));
       tally.misses.push_back(MissRate(
-          std::span<const int32_t>(result.selections.data() + r * result.top_k, result.top_k), *dense));
+          std::span<const int32_t>(result.selections.data() + r * result.top_k, result.top_k),
+          *dense));
     }
     return absl::OkStatus();
   }
@@ -262,7 +270,8 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
   // The shared prefill plus one decoding sequence at a time (each holds its decode blocks and a
   // copy-on-write tail), with slack.
   indexer_options.capacity_blocks =
-      options.num_layers * (CeilDiv(max_slots, 64) + CeilDiv(options.decode_steps + rows_per_step, 64) + 4);
+      options.num_layers *
+      (CeilDiv(max_slots, 64) + CeilDiv(options.decode_steps + rows_per_step, 64) + 4);
   DSA_ASSIGN_OR_RETURN(auto indexer, Indexer::Create(indexer_options));
   Evaluator evaluator(options, model, *indexer, *oracle);
   DSA_RETURN_IF_ERROR(evaluator.Prefill());
@@ -297,34 +306,34 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
       SpinConfig spin = base;
       spin.target_block_sparsity = rho;
       spin.exploration_fraction = gamma;
-      EvalRow row{.name = absl::StrFormat("spin rho=%.2f gamma=%.2f", rho, gamma), .kind = "spin",
-                  .target_sparsity = rho, .exploration_fraction = gamma};
+      EvalRow row{.name = absl::StrFormat("spin rho=%.2f gamma=%.2f", rho, gamma),
+                  .kind = "spin",
+                  .target_sparsity = rho,
+                  .exploration_fraction = gamma};
       DSA_RETURN_IF_ERROR(run(row, [&](Tally& t) { return evaluator.RunDecode(spin, t); }));
     }
   }
   if (options.draft_length > 0) {
-    DSA_ASSIGN_OR_RETURN(AcceptanceModel acceptance,
-                         AcceptanceModel::Create(options.acceptance_rate, options.draft_length,
-                                                 options.seed));
+    DSA_ASSIGN_OR_RETURN(
+        AcceptanceModel acceptance,
+        AcceptanceModel::Create(options.acceptance_rate, options.draft_length, options.seed));
     struct Policy {
       const char* kind;
       const char* label;
       SpecMaskPolicy mask;
       SpecUpdatePolicy update;
     };
-    const Policy policies[] = {
-        {"spec-union-prefix-valid", "union + prefix-valid", SpecMaskPolicy::kRowLocalUnion,
-         SpecUpdatePolicy::kPrefixValid},
-        {"spec-row0", "row-0 sharing + row-0 update", SpecMaskPolicy::kRow0Sharing,
-         SpecUpdatePolicy::kRow0}};
+    const Policy policies[] = {{"spec-union-prefix-valid", "union + prefix-valid",
+                                SpecMaskPolicy::kRowLocalUnion, SpecUpdatePolicy::kPrefixValid},
+                               {"spec-row0", "row-0 sharing + row-0 update",
+                                SpecMaskPolicy::kRow0Sharing, SpecUpdatePolicy::kRow0}};
     {
       SpinConfig all_keep = base;
       all_keep.enabled = false;
       EvalRow row{.name = absl::StrFormat("spec d=%d all-keep", options.draft_length),
                   .kind = "spec-all-keep"};
-      DSA_RETURN_IF_ERROR(run(row, [&](Tally& t) {
-        return evaluator.RunSpeculative(all_keep, acceptance, t);
-      }));
+      DSA_RETURN_IF_ERROR(
+          run(row, [&](Tally& t) { return evaluator.RunSpeculative(all_keep, acceptance, t); }));
     }
     for (const Policy& policy : policies) {
       for (double rho : options.target_sparsities) {
@@ -335,11 +344,11 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
         spin.spec_update = policy.update;
         EvalRow row{.name = absl::StrFormat("spec d=%d %s rho=%.2f", options.draft_length,
                                             policy.label, rho),
-                    .kind = policy.kind, .target_sparsity = rho,
+                    .kind = policy.kind,
+                    .target_sparsity = rho,
                     .exploration_fraction = options.spec_exploration_fraction};
-        DSA_RETURN_IF_ERROR(run(row, [&](Tally& t) {
-          return evaluator.RunSpeculative(spin, acceptance, t);
-        }));
+        DSA_RETURN_IF_ERROR(
+            run(row, [&](Tally& t) { return evaluator.RunSpeculative(spin, acceptance, t); }));
       }
     }
   }
@@ -354,7 +363,8 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
     DSA_ASSIGN_OR_RETURN(PredictorStudyResult result, RunPredictorStudy(model, dense, study));
     report.predictor_table = FormatPredictorStudyMarkdown(result);
     auto metrics = [](const PredictorMetrics& m) {
-      return nlohmann::json{{"pearson", m.correlation}, {"recall", m.recall}, {"samples", m.num_samples}};
+      return nlohmann::json{
+          {"pearson", m.correlation}, {"recall", m.recall}, {"samples", m.num_samples}};
     };
     report.predictor_json = {{"context_slots", result.context_slots},
                              {"steps", result.num_steps},
@@ -366,9 +376,10 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
                              {"prev_iter", metrics(result.prev_iter)},
                              {"prev_iter_offset1", metrics(result.prev_iter_offset1)}};
     if (progress != nullptr) {
-      progress(absl::StrFormat("predictor study: prev-iter recall %.3f, random recall %.3f (%.1f s)",
-                               result.prev_iter.recall, result.random.recall,
-                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
+      progress(absl::StrFormat(
+          "predictor study: prev-iter recall %.3f, random recall %.3f (%.1f s)",
+          result.prev_iter.recall, result.random.recall,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()));
     }
   }
   return report;
@@ -377,12 +388,17 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
 nlohmann::json EvalReportToJson(const EvalReport& report) {
   const EvalOptions& o = report.options;
   nlohmann::json j;
-  j["options"] = {{"context_slots", o.context_slots},   {"decode_steps", o.decode_steps},
-                  {"num_layers", o.num_layers},         {"num_heads", o.num_heads},
-                  {"head_dim", o.head_dim},             {"top_k", o.top_k},
-                  {"seed", o.seed},                     {"target_sparsities", o.target_sparsities},
+  j["options"] = {{"context_slots", o.context_slots},
+                  {"decode_steps", o.decode_steps},
+                  {"num_layers", o.num_layers},
+                  {"num_heads", o.num_heads},
+                  {"head_dim", o.head_dim},
+                  {"top_k", o.top_k},
+                  {"seed", o.seed},
+                  {"target_sparsities", o.target_sparsities},
                   {"exploration_fractions", o.exploration_fractions},
-                  {"draft_length", o.draft_length},     {"acceptance_rate", o.acceptance_rate},
+                  {"draft_length", o.draft_length},
+                  {"acceptance_rate", o.acceptance_rate},
                   {"spec_exploration_fraction", o.spec_exploration_fraction}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : report.rows) {
@@ -410,19 +426,21 @@ std::string EvalReportToMarkdown(const EvalReport& report) {
       "K = %d, seed %d; speculative ablation d = %d, acceptance rate %.2f.\n\n",
       o.num_layers, o.num_heads, o.head_dim, o.context_slots, o.decode_steps, o.top_k, o.seed,
       o.draft_length, o.acceptance_rate);
-  md += "| configuration | rows | mean miss | p99 miss | realized block sparsity | blocks scored | "
-        "blocks visible | mean accepted | seconds |\n";
+  md +=
+      "| configuration | rows | mean miss | p99 miss | realized block sparsity | blocks scored | "
+      "blocks visible | mean accepted | seconds |\n";
   md += "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const EvalRow& r : report.rows) {
-    md += absl::StrFormat("| %s | %d | %.4f | %.4f | %.3f | %d | %d | %s | %.1f |\n", r.name, r.rows,
-                          r.mean_miss_rate, r.p99_miss_rate, r.realized_block_sparsity,
-                          r.blocks_scored, r.blocks_visible,
-                          r.kind.rfind("spec", 0) == 0 ? absl::StrFormat("%.2f", r.mean_accepted)
-                                                       : std::string("-"),
-                          r.seconds);
+    md += absl::StrFormat(
+        "| %s | %d | %.4f | %.4f | %.3f | %d | %d | %s | %.1f |\n", r.name, r.rows,
+        r.mean_miss_rate, r.p99_miss_rate, r.realized_block_sparsity, r.blocks_scored,
+        r.blocks_visible,
+        r.kind.rfind("spec", 0) == 0 ? absl::StrFormat("%.2f", r.mean_accepted) : std::string("-"),
+        r.seconds);
   }
   if (!report.predictor_table.empty()) {
-    md += "\nPredictor study (SPIN Table 1 protocol) on the same model:\n\n" + report.predictor_table;
+    md +=
+        "\nPredictor study (SPIN Table 1 protocol) on the same model:\n\n" + report.predictor_table;
   }
   return md;
 }

@@ -24,26 +24,28 @@ struct EvalOptions {
   uint64_t seed = 1;              // pattern model, exploration and acceptance seed
   std::vector<double> target_sparsities = {0.2, 0.3, 0.4, 0.5};
   std::vector<double> exploration_fractions = {0.0, 0.05};
-  int draft_length = 3;           // d of the speculative ablation (0 skips it)
-  double acceptance_rate = 0.7;   // per-token acceptance probability of the seeded model
-  double spec_exploration_fraction = 0.0;  // gamma in the speculative ablation (the paper's MTP study has none)
-  bool predictor_study = true;    // also run the Table-1 predictor comparison
+  int draft_length = 3;          // d of the speculative ablation (0 skips it)
+  double acceptance_rate = 0.7;  // per-token acceptance probability of the seeded model
+  double spec_exploration_fraction =
+      0.0;  // gamma in the speculative ablation (the paper's MTP study has none)
+  bool predictor_study = true;  // also run the Table-1 predictor comparison
 };
 
-/// One configuration's results. Miss rate per row = 1 - |pruned top-K n dense top-K| / |dense top-K|.
+/// One configuration's results. Miss rate per row = 1 - |pruned top-K n dense top-K| / |dense
+/// top-K|.
 struct EvalRow {
-  std::string name;         // e.g. "spin rho=0.40 gamma=0.05"
-  std::string kind;         // "all-keep", "spin", "spec-union-prefix-valid", "spec-row0"
+  std::string name;  // e.g. "spin rho=0.40 gamma=0.05"
+  std::string kind;  // "all-keep", "spin", "spec-union-prefix-valid", "spec-row0"
   double target_sparsity = 0.0;
   double exploration_fraction = 0.0;
-  int64_t rows = 0;                 // selections compared (layers x decode rows)
+  int64_t rows = 0;  // selections compared (layers x decode rows)
   double mean_miss_rate = 0.0;
   double p99_miss_rate = 0.0;
   double realized_block_sparsity = 0.0;  // 1 - sum(blocks scored) / sum(blocks visible)
-  int64_t blocks_scored = 0;        // total over all steps and layers
+  int64_t blocks_scored = 0;             // total over all steps and layers
   int64_t blocks_visible = 0;
-  double mean_accepted = 0.0;       // speculative rows only: mean accepted draft tokens per step
-  double seconds = 0.0;             // wall time of this configuration
+  double mean_accepted = 0.0;  // speculative rows only: mean accepted draft tokens per step
+  double seconds = 0.0;        // wall time of this configuration
 };
 
 struct EvalReport {
@@ -56,7 +58,8 @@ struct EvalReport {
 /// Runs every configuration. Errors: INVALID_ARGUMENT for options out of range (sizes < 1, a
 /// context not a multiple of 64, sparsities or fractions outside [0, 1), d outside [0, 4]).
 /// `progress` (may be null) receives one line per finished configuration.
-absl::StatusOr<EvalReport> RunEval(const EvalOptions& options, void (*progress)(const std::string&));
+absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
+                                   void (*progress)(const std::string&));
 
 /// The report as JSON (options, rows, predictor study) and as a markdown table.
 nlohmann::json EvalReportToJson(const EvalReport& report);

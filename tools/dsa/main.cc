@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
   dsa::EvalOptions eval;
   std::string json_path, markdown_path;
   CLI::App* eval_cmd = app.add_subcommand(
-      "eval", "Miss rate and realized block sparsity of SPIN against all-keep on the pattern model");
+      "eval",
+      "Miss rate and realized block sparsity of SPIN against all-keep on the pattern model");
   eval_cmd->add_option("--context", eval.context_slots, "Prefill length in slots (multiple of 64)")
       ->capture_default_str();
   eval_cmd->add_option("--steps", eval.decode_steps, "Decode positions per configuration")
@@ -50,21 +51,25 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   eval_cmd->add_option("--exploration", eval.exploration_fractions, "Exploration fractions gamma")
       ->capture_default_str();
-  eval_cmd->add_option("--draft-length", eval.draft_length,
-                       "Draft length d of the speculative ablation (0 skips it)")
+  eval_cmd
+      ->add_option("--draft-length", eval.draft_length,
+                   "Draft length d of the speculative ablation (0 skips it)")
       ->capture_default_str();
-  eval_cmd->add_option("--acceptance-rate", eval.acceptance_rate,
-                       "Per-token acceptance probability of the seeded acceptance model")
+  eval_cmd
+      ->add_option("--acceptance-rate", eval.acceptance_rate,
+                   "Per-token acceptance probability of the seeded acceptance model")
       ->capture_default_str();
   eval_cmd->add_flag("!--no-predictor-study", eval.predictor_study,
                      "Skip the SPIN Table-1 predictor comparison");
   eval_cmd->add_option("--json", json_path, "Write the results as JSON to this file");
-  eval_cmd->add_option("--markdown", markdown_path, "Write the results as a markdown table to this file");
+  eval_cmd->add_option("--markdown", markdown_path,
+                       "Write the results as a markdown table to this file");
 
   CLI11_PARSE(app, argc, argv);
 
   if (*eval_cmd) {
-    std::fprintf(stderr, "dsa eval: %lld-slot prefill, %d decode positions, %d layers, H=%d D=%d K=%d\n",
+    std::fprintf(stderr,
+                 "dsa eval: %lld-slot prefill, %d decode positions, %d layers, H=%d D=%d K=%d\n",
                  static_cast<long long>(eval.context_slots), eval.decode_steps, eval.num_layers,
                  eval.num_heads, eval.head_dim, eval.top_k);
     auto report = dsa::RunEval(eval, &PrintProgress);
@@ -74,7 +79,8 @@ int main(int argc, char** argv) {
     }
     const std::string markdown = dsa::EvalReportToMarkdown(*report);
     std::cout << markdown;
-    if (!json_path.empty() && !WriteFile(json_path, dsa::EvalReportToJson(*report).dump(2) + "\n")) {
+    if (!json_path.empty() &&
+        !WriteFile(json_path, dsa::EvalReportToJson(*report).dump(2) + "\n")) {
       return 1;
     }
     if (!markdown_path.empty() && !WriteFile(markdown_path, markdown)) return 1;
