@@ -17,6 +17,10 @@ cudaError_t CountDevices(int* count) {
 }
 
 cudaError_t GetDeviceInfo(int ordinal, DeviceInfo* info) {
+  // Range-check first so a bad ordinal is answered without a failing CUDA call (sanitizer-clean).
+  int count = 0;
+  if (const cudaError_t error = CountDevices(&count); error != cudaSuccess) return error;
+  if (ordinal < 0 || ordinal >= count) return cudaErrorInvalidDevice;
   cudaDeviceProp prop{};
   const cudaError_t error = cudaGetDeviceProperties(&prop, ordinal);
   if (error != cudaSuccess) return error;
