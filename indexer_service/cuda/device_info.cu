@@ -1,5 +1,5 @@
 // The CUDA backend's capability check (see device_info.h).
-#include <cstring>
+#include <cstdio>
 
 #include "indexer_service/cuda/device_info.h"
 
@@ -29,7 +29,7 @@ cudaError_t GetDeviceInfo(int ordinal, DeviceInfo* info) {
   info->sm_minor = prop.minor;
   info->num_sms = prop.multiProcessorCount;
   info->global_memory_bytes = prop.totalGlobalMem;
-  std::strncpy(info->name, prop.name, sizeof(info->name) - 1);
+  std::snprintf(info->name, sizeof(info->name), "%s", prop.name);
   return cudaSuccess;
 }
 

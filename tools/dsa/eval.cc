@@ -22,31 +22,6 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-absl::Status ValidateEvalOptions(const EvalOptions& o) {
-  if (o.context_slots < 64 || o.context_slots % 64 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("context must be a positive multiple of 64 slots, got ", o.context_slots));
-  }
-  if (o.decode_steps < 1) return absl::InvalidArgumentError("decode steps must be >= 1");
-  if (o.num_layers < 1) return absl::InvalidArgumentError("layers must be >= 1");
-  if (o.top_k < 1) return absl::InvalidArgumentError("top_k must be >= 1");
-  for (double rho : o.target_sparsities) {
-    if (!(rho >= 0.0 && rho < 1.0)) {
-      return absl::InvalidArgumentError(absl::StrCat("target sparsity ", rho, " outside [0, 1)"));
-    }
-  }
-  for (double gamma : o.exploration_fractions) {
-    if (!(gamma >= 0.0 && gamma < 1.0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("exploration fraction ", gamma, " outside [0, 1)"));
-    }
-  }
-  if (o.draft_length < 0 || o.draft_length > 4) {
-    return absl::InvalidArgumentError("draft length must be in [0, 4]");
-  }
-  return absl::OkStatus();
-}
-
 // The dense top-K of every (layer, position) row, from a cache holding every key once.
 class DenseOracle {
  public:
@@ -249,6 +224,31 @@ class Evaluator {
 };
 
 }  // namespace
+
+absl::Status ValidateEvalOptions(const EvalOptions& o) {
+  if (o.context_slots < 64 || o.context_slots % 64 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context must be a positive multiple of 64 slots, got ", o.context_slots));
+  }
+  if (o.decode_steps < 1) return absl::InvalidArgumentError("decode steps must be >= 1");
+  if (o.num_layers < 1) return absl::InvalidArgumentError("layers must be >= 1");
+  if (o.top_k < 1) return absl::InvalidArgumentError("top_k must be >= 1");
+  for (double rho : o.target_sparsities) {
+    if (!(rho >= 0.0 && rho < 1.0)) {
+      return absl::InvalidArgumentError(absl::StrCat("target sparsity ", rho, " outside [0, 1)"));
+    }
+  }
+  for (double gamma : o.exploration_fractions) {
+    if (!(gamma >= 0.0 && gamma < 1.0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("exploration fraction ", gamma, " outside [0, 1)"));
+    }
+  }
+  if (o.draft_length < 0 || o.draft_length > 4) {
+    return absl::InvalidArgumentError("draft length must be in [0, 4]");
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
                                    void (*progress)(const std::string&)) {

@@ -55,6 +55,9 @@ struct EvalReport {
   nlohmann::json predictor_json;
 };
 
+/// INVALID_ARGUMENT naming the first option out of range (see RunEval); OK otherwise.
+absl::Status ValidateEvalOptions(const EvalOptions& options);
+
 /// Runs every configuration. Errors: INVALID_ARGUMENT for options out of range (sizes < 1, a
 /// context not a multiple of 64, sparsities or fractions outside [0, 1), d outside [0, 4]).
 /// `progress` (may be null) receives one line per finished configuration.

@@ -1,8 +1,11 @@
 // `dsa`: the project's command-line tool. Subcommands: `eval` (SPIN quality against all-keep).
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <utility>
 
 #include "CLI/CLI.hpp"
 #include "tools/dsa/eval.h"
@@ -14,12 +17,23 @@ void PrintProgress(const std::string& line) {
   std::fflush(stderr);
 }
 
-bool WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
+// Opens `path` for writing now, so a bad path fails before minutes of work; empty path = none.
+bool OpenOutput(const std::string& path, std::ofstream& out) {
+  if (path.empty()) return true;
+  out.open(path);
+  if (!out) {
+    std::fprintf(stderr, "dsa: cannot write %s: %s\n", path.c_str(), std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
+bool WriteOutput(const std::string& path, std::ofstream& out, const std::string& text) {
+  if (path.empty()) return true;
   out << text;
   out.close();
   if (!out) {
-    std::fprintf(stderr, "dsa: cannot write %s\n", path.c_str());
+    std::fprintf(stderr, "dsa: writing %s failed: %s\n", path.c_str(), std::strerror(errno));
     return false;
   }
   return true;
@@ -59,15 +73,32 @@ int main(int argc, char** argv) {
       ->add_option("--acceptance-rate", eval.acceptance_rate,
                    "Per-token acceptance probability of the seeded acceptance model")
       ->capture_default_str();
-  eval_cmd->add_flag("!--no-predictor-study", eval.predictor_study,
+  bool no_predictor_study = false;
+  eval_cmd->add_flag("--no-predictor-study", no_predictor_study,
                      "Skip the SPIN Table-1 predictor comparison");
   eval_cmd->add_option("--json", json_path, "Write the results as JSON to this file");
   eval_cmd->add_option("--markdown", markdown_path,
                        "Write the results as a markdown table to this file");
 
+  // CLI11 says only "A subcommand is required" for a misspelt one: name it.
+  const std::string first = argc > 1 ? argv[1] : "";
+  const auto named_first = [&first](const CLI::App* sub) { return sub->check_name(first); };
+  if (!first.empty() && first[0] != '-' &&
+      std::as_const(app).get_subcommands(named_first).empty()) {
+    std::fprintf(stderr, "dsa: unknown subcommand '%s' (available: eval); see dsa --help\n",
+                 argv[1]);
+    return 106;
+  }
   CLI11_PARSE(app, argc, argv);
 
   if (*eval_cmd) {
+    eval.predictor_study = !no_predictor_study;
+    if (const absl::Status valid = dsa::ValidateEvalOptions(eval); !valid.ok()) {
+      std::fprintf(stderr, "dsa eval: %s\n", valid.ToString().c_str());
+      return 2;
+    }
+    std::ofstream json_out, markdown_out;
+    if (!OpenOutput(json_path, json_out) || !OpenOutput(markdown_path, markdown_out)) return 1;
     std::fprintf(stderr,
                  "dsa eval: %lld-slot prefill, %d decode positions, %d layers, H=%d D=%d K=%d\n",
                  static_cast<long long>(eval.context_slots), eval.decode_steps, eval.num_layers,
@@ -79,11 +110,10 @@ int main(int argc, char** argv) {
     }
     const std::string markdown = dsa::EvalReportToMarkdown(*report);
     std::cout << markdown;
-    if (!json_path.empty() &&
-        !WriteFile(json_path, dsa::EvalReportToJson(*report).dump(2) + "\n")) {
+    if (!WriteOutput(json_path, json_out, dsa::EvalReportToJson(*report).dump(2) + "\n") ||
+        !WriteOutput(markdown_path, markdown_out, markdown)) {
       return 1;
     }
-    if (!markdown_path.empty() && !WriteFile(markdown_path, markdown)) return 1;
   }
   return 0;
 }
