@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/philox.h"
 #include "indexer_service/topk.h"
 
@@ -67,6 +68,7 @@ void Indexer::AddSequenceState(uint64_t sequence_id, const SequenceOptions& opti
   spin.seed = MixSeed(options.spin.seed, sequence_id);
   for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(spin, options.top_k, l);
   state.pending.resize(options.num_layers);
+  state.last_position.assign(options.num_layers, -1);
   sequences_.emplace(sequence_id, std::move(state));
 }
 
@@ -82,6 +84,11 @@ absl::Status Indexer::CreateSequenceFromPrefix(uint64_t sequence_id, const Seque
                                                uint64_t source_id, int64_t num_prefix_slots) {
   if (auto s = ValidateSequenceOptions(options); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (auto source = sequences_.find(source_id);
+      source != sequences_.end() && source->second.pending_rows > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "prefix source ", source_id, " has a speculative step awaiting Commit; share after it"));
+  }
   if (auto s = cache_.AddSequenceWithPrefix(sequence_id, options.num_layers, source_id,
                                             num_prefix_slots);
       !s.ok()) {
@@ -96,9 +103,13 @@ absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span
   std::lock_guard<std::mutex> lock(mutex_);
   auto state = Find(sequence_id);
   if (!state.ok()) return state.status();
-  if ((*state)->pending_rows > 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", sequence_id, " has a speculative step awaiting Commit; append after it"));
+  // A layer whose own verifier rows await Commit takes no keys (Commit truncates it); the other
+  // layers may, since a layer's index keys depend on the layers before it in the same step.
+  if (layer >= 0 && layer < (*state)->options.num_layers &&
+      !(*state)->pending[layer].positions.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence ", sequence_id,
+                     " has a speculative step awaiting Commit; append after it"));
   }
   return cache_.Append(sequence_id, layer, keys, num_keys);
 }
@@ -144,6 +155,20 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
     }
     positions.push_back(rows[r].position);
   }
+  if (positions[0] <= state.last_position[layer]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("position ", positions[0], " is not after layer ", layer,
+                     "'s last selected position ", state.last_position[layer]));
+  }
+  if (rows.size() > 1) {
+    // Verifier rows are the d + 1 positions t..t+d whose keys were appended last.
+    if (positions.back() - positions[0] != static_cast<int64_t>(rows.size()) - 1 ||
+        positions.back() != view->num_slots - 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "verifier rows must be consecutive and end at the newest slot ", view->num_slots - 1,
+          "; got ", rows.size(), " rows from ", positions[0], " to ", positions.back()));
+    }
+  }
   PendingStep& pending = state.pending[layer];
   if (!pending.positions.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " of sequence ", sequence_id,
@@ -175,6 +200,7 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
   }
   if (rows.size() == 1) {
     spin.Update(positions[0], result.blocks, scores);
+    state.last_position[layer] = positions[0];
   } else {
     pending.positions = positions;
     pending.blocks = result.blocks;
@@ -213,10 +239,12 @@ absl::Status Indexer::Commit(uint64_t sequence_id, int accepted) {
             std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
       }
       pending = PendingStep{};
+      state.last_position[l] = keep_slots - 1;
     }
     auto slots = cache_.NumSlots(sequence_id, l);
-    if (slots.ok() && *slots > keep_slots) {
-      if (auto s = cache_.Truncate(sequence_id, l, keep_slots); !s.ok()) return s;
+    DSA_CHECK(slots.ok(), "a sequence's layer vanished during Commit");
+    if (*slots > keep_slots) {
+      DSA_CHECK(cache_.Truncate(sequence_id, l, keep_slots).ok(), "truncate within the length");
     }
   }
   state.pending_rows = 0;

@@ -61,23 +61,28 @@ class Indexer {
   absl::Status CreateSequence(uint64_t sequence_id, const SequenceOptions& options);
   /// Creates a sequence whose layers start with `source_id`'s first num_prefix_slots slots, sharing
   /// their blocks (num_prefix_slots a multiple of 64). Errors as CreateSequence plus NOT_FOUND
-  /// (source) and INVALID_ARGUMENT (prefix length, layer count mismatch).
+  /// (source), INVALID_ARGUMENT (prefix length, layer count mismatch) and FAILED_PRECONDITION (the
+  /// source has a speculative step awaiting Commit: its newest keys may still be rejected).
   absl::Status CreateSequenceFromPrefix(uint64_t sequence_id, const SequenceOptions& options,
                                         uint64_t source_id, int64_t num_prefix_slots);
 
   /// Appends index keys fp32 [num_keys, head_dim] to one layer (prefill, restore, or a decode
-  /// step's new keys). Errors: NOT_FOUND, INVALID_ARGUMENT (layer, shape, non-finite),
-  /// RESOURCE_EXHAUSTED (pool full; nothing written), FAILED_PRECONDITION (a speculative step is
-  /// awaiting Commit).
+  /// step's new keys). During a speculative step a layer takes its d + 1 draft keys before its own
+  /// Select (layer by layer, as a model computes them). Errors: NOT_FOUND, INVALID_ARGUMENT (layer,
+  /// shape, non-finite), RESOURCE_EXHAUSTED (pool full, or the layer would pass 2^31 slots; nothing
+  /// written), FAILED_PRECONDITION (this layer's verifier rows await Commit).
   absl::Status AppendIndexKeys(uint64_t sequence_id, int layer, std::span<const float> keys,
                                int64_t num_keys);
 
   /// Selects the top-K slots for one row (a decode step) or d+1 verifier rows (positions t..t+d,
-  /// strictly increasing) of one sequence at one layer: SPIN plan, scoring of the chosen blocks,
-  /// top-K per row. One row updates the EMAs at once; several rows defer the update to Commit().
-  /// Each row's key must already be appended (position < the layer's slot count).
+  /// consecutive, t+d the layer's newest slot) of one sequence at one layer: SPIN plan, scoring of
+  /// the chosen blocks, top-K per row. One row updates the EMAs at once; several rows defer the
+  /// update to Commit(). Each row's key must already be appended (position < the layer's slots),
+  /// and positions only move forward: t must be after the layer's last selected position.
   /// Errors: NOT_FOUND; INVALID_ARGUMENT (layer, no rows, query or weight shape, non-finite query
-  /// or weight, positions not strictly increasing or negative); OUT_OF_RANGE (position >= slots);
+  /// or weight, negative position, positions not strictly increasing within the call or not after
+  /// the last selected one, verifier rows not consecutive or not ending at the newest slot, a
+  /// different row set than this step's other layers); OUT_OF_RANGE (position >= slots);
   /// FAILED_PRECONDITION (this layer already has a step awaiting Commit).
   absl::StatusOr<SelectResult> Select(uint64_t sequence_id, int layer,
                                       std::span<const IndexerRow> rows, bool return_scores = false);
@@ -113,6 +118,7 @@ class Indexer {
     SequenceOptions options;
     std::vector<SpinState> spin;          // per layer
     std::vector<PendingStep> pending;     // per layer; empty positions = none
+    std::vector<int64_t> last_position;   // per layer: last selected (committed) position, -1 none
     int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
     int pending_rows = 0;
   };

@@ -7,14 +7,13 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "common/check.h"
 #include "common/philox.h"
 #include "indexer_service/block_pool.h"
 #include "indexer_service/topk.h"
 
 namespace dsa {
 namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ceil and floor of a product of a setting (rho, gamma) and a block count, immune to the product
 // landing a few ulps past the integer it equals in decimal arithmetic: (1 - 0.7) * 10 evaluates to
@@ -259,6 +258,7 @@ std::vector<int32_t> SpinState::PlanRow(int64_t position) const {
 }
 
 BlockPlan SpinState::Plan(std::span<const int64_t> positions) {
+  DSA_CHECK(!positions.empty(), "a plan needs at least one row");
   BlockPlan plan;
   plan.visible_blocks = CeilDiv(positions.back() + 1, kBlockSize);
   plan.row_blocks.reserve(positions.size());

@@ -7,8 +7,11 @@
 
 namespace dsa {
 
-/// Selects the top `k` slots of one row in expected linear time (introselect, then a sort of the
-/// k winners: O(n + k log k)).
+/// Selects the top `k` slots of one row in linear time plus O(k log k): each entry becomes one
+/// 64-bit rank (score, then slot); a threshold from a strided sample lets one SIMD pass keep only
+/// candidates at or above it (falling back to every entry when fewer than k pass, so the result
+/// never depends on the sample); radix narrowing handles heavy ties; introselect and a sort of the
+/// k winners finish.
 ///
 /// - scores: fp32 [n]; entry e is the score of slot SlotOf(e), where SlotOf(e) =
 ///   logical_blocks[e / 64] * 64 + e % 64 when `logical_blocks` is non-empty (then n must be

@@ -242,8 +242,11 @@ TEST(IndexerTest, HandCaseThroughTheEngine) {
   ASSERT_EQ(result->scores.size(), 64u);
   EXPECT_FLOAT_EQ(result->scores[0], 4.125f);
   EXPECT_FLOAT_EQ(result->scores[1], 3.0f);
-  // Row at position 0: only slot 0.
-  result = SelectOne(*indexer, 1, 0, q, 0, /*return_scores=*/false);
+  // Row at position 0 (a second sequence with the same keys: positions only move forward): only
+  // slot 0.
+  ASSERT_TRUE(indexer->CreateSequence(2, Options(4, 0.4)).ok());
+  ASSERT_TRUE(indexer->AppendIndexKeys(2, 0, keys, 2).ok());
+  result = SelectOne(*indexer, 2, 0, q, 0, /*return_scores=*/false);
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->selections, (std::vector<int32_t>{0, -1, -1, -1}));
   EXPECT_TRUE(result->scores.empty());
@@ -684,9 +687,23 @@ TEST(IndexerTest, ShortContextsSelectEverySlotOnceAndPruneNothing) {
     auto indexer = MakeIndexer(20, H, D);
     ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5)).ok());
     std::mt19937 rng(9);
+    // The context grows to n over the warm-up and two steps past it (a decode step appends its
+    // key).
     std::vector<float> keys = RandomValues(rng, n * D);
-    ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, keys, n).ok());
-    for (int step = 0; step < 3; ++step) {  // the warm-up, then two steps past it
+    ASSERT_TRUE(
+        indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), (n - 2) * D), n - 2)
+            .ok());
+    for (int step = 0; step < 3; ++step) {
+      if (step > 0) {
+        const int64_t slot = n - 3 + step;
+        ASSERT_TRUE(
+            indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + slot * D, D), 1)
+                .ok());
+      }
+      if (step < 2) {
+        ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), n - 3 + step).ok());
+        continue;
+      }
       const Query q = RandomQuery(rng, H, D);
       auto result = SelectOne(*indexer, 1, 0, q, n - 1);
       ASSERT_TRUE(result.ok());
@@ -745,7 +762,7 @@ TEST(IndexerTest, PruningStartsOnlyAboveK) {
 TEST(IndexerTest, ContextOf257Slots) {
   // 257 slots: blocks 0..3 full, block 4 holds slot 256 only. 257 finite scores, nothing past 256.
   const int H = 2, D = 8, K = 2048;
-  auto indexer = MakeIndexer(8, H, D);
+  auto indexer = MakeIndexer(10, H, D);
   ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.4)).ok());
   std::mt19937 rng(11);
   std::vector<float> keys = RandomValues(rng, 257 * D);
@@ -764,8 +781,10 @@ TEST(IndexerTest, ContextOf257Slots) {
   EXPECT_EQ(*std::max_element(result->selections.begin(), result->selections.end()), 256);
   EXPECT_EQ(std::count(result->selections.begin(), result->selections.end(), -1), K - 257);
   ExpectRowMatchesReference(*result, 0, 256, keys, D, q, H, "N 257");
-  // A row at position 200 of the same cache sees slots 0..200 only.
-  auto early = SelectOne(*indexer, 1, 0, q, 200);
+  // A row at position 200 of the same keys (a second sequence) sees slots 0..200 only.
+  ASSERT_TRUE(indexer->CreateSequence(2, Options(K, 0.5)).ok());
+  ASSERT_TRUE(indexer->AppendIndexKeys(2, 0, keys, 257).ok());
+  auto early = SelectOne(*indexer, 2, 0, q, 200);
   ASSERT_TRUE(early.ok());
   EXPECT_EQ(*std::max_element(early->selections.begin(), early->selections.end()), 200);
   EXPECT_EQ(std::count(early->selections.begin(), early->selections.end(), -1), K - 201);
@@ -819,14 +838,14 @@ TEST(IndexerTest, BeginTurnResetsTheEmasAndWarmsUpAgain) {
   std::mt19937 rng(13);
   std::vector<float> keys = RandomValues(rng, 1000 * D);
   ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, keys, 1000).ok());
-  ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999)->all_blocks);
-  EXPECT_FALSE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999)->all_blocks);
+  ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 996)->all_blocks);
+  EXPECT_FALSE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 997)->all_blocks);
   ASSERT_TRUE(indexer->BeginTurn(1).ok());
   const SpinState reset = GetSpin(*indexer, 1, 0);
   EXPECT_TRUE(reset.warmup_pending());
   for (float v : reset.vertical()) ASSERT_EQ(v, 0.0f);
   for (float v : reset.diagonal()) ASSERT_EQ(v, 0.0f);
-  EXPECT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999)->all_blocks);
+  EXPECT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 998)->all_blocks);
   EXPECT_FALSE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999)->all_blocks);
   EXPECT_EQ(indexer->BeginTurn(2).code(), StatusCode::kNotFound);
 }
@@ -920,6 +939,9 @@ std::unique_ptr<Indexer> BuildForBadRequests(bool pending_step) {
   return indexer;
 }
 
+absl::Status Append(Indexer& indexer, uint64_t id, int layer, int64_t num_keys, size_t values,
+                    float poison = 0.0f);
+
 // The good request after each bad one: one row at 599 on each layer (with pending_step: Commit(1)
 // first), compared field by field with the twin.
 void ExpectSameAnswerAsTwin(Indexer& indexer, Indexer& twin, bool pending_step,
@@ -931,7 +953,11 @@ void ExpectSameAnswerAsTwin(Indexer& indexer, Indexer& twin, bool pending_step,
   std::mt19937 rng(16);
   for (int layer = 0; layer < 2; ++layer) {
     const Query q = RandomQuery(rng, kH, kD);
-    const int64_t position = pending_step ? 598 : 599;  // Commit(1) keeps 597 + 1 + 1 slots
+    if (pending_step) {  // Commit(1) keeps 597 + 1 + 1 slots: the next decode key goes to 599
+      ASSERT_TRUE(Append(indexer, 1, layer, 1, kD).ok()) << what;
+      ASSERT_TRUE(Append(twin, 1, layer, 1, kD).ok()) << what;
+    }
+    const int64_t position = 599;
     auto got = SelectOne(indexer, 1, layer, q, position);
     auto want = SelectOne(twin, 1, layer, q, position);
     ASSERT_TRUE(got.ok()) << what << ": " << got.status();
@@ -962,7 +988,7 @@ absl::Status SelectRows(Indexer& indexer, uint64_t id, int layer, std::vector<in
 }
 
 absl::Status Append(Indexer& indexer, uint64_t id, int layer, int64_t num_keys, size_t values,
-                    float poison = 0.0f) {
+                    float poison) {
   std::mt19937 rng(18);
   std::vector<float> keys = RandomValues(rng, values);
   if (poison != 0.0f && !keys.empty()) keys[keys.size() / 2] = poison;
@@ -1004,6 +1030,16 @@ std::vector<BadRequest> BadRequestsWithoutPendingStep() {
        [](Indexer& x) {
          return SelectRows(x, 1, 0, {599, 598});
        }},
+      {"verifier rows not ending at the newest slot", StatusCode::kInvalidArgument,
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {10, 11, 12});
+       }},
+      {"verifier rows with a gap", StatusCode::kInvalidArgument,
+       [](Indexer& x) {
+         return SelectRows(x, 1, 0, {597, 599});
+       }},
+      {"append with a wrapping key count", StatusCode::kInvalidArgument,
+       [](Indexer& x) { return Append(x, 1, 0, (int64_t{1} << 61) + 1, 8); }},
       {"negative position", StatusCode::kInvalidArgument,
        [](Indexer& x) { return SelectRows(x, 1, 0, {-1}); }},
       {"position at the slot count", StatusCode::kOutOfRange,
@@ -1069,8 +1105,10 @@ std::vector<BadRequest> BadRequestsWithPendingStep() {
   return {
       {"accepted above d", StatusCode::kOutOfRange, [](Indexer& x) { return x.Commit(1, 3); }},
       {"accepted negative", StatusCode::kOutOfRange, [](Indexer& x) { return x.Commit(1, -1); }},
-      {"append while pending", StatusCode::kFailedPrecondition,
-       [](Indexer& x) { return Append(x, 1, 1, 1, kD); }},
+      {"share the prefix of a sequence with a pending step", StatusCode::kFailedPrecondition,
+       [](Indexer& x) { return x.CreateSequenceFromPrefix(9, Options(kK, 0.5, true, 2), 1, 64); }},
+      {"append to the pending layer", StatusCode::kFailedPrecondition,
+       [](Indexer& x) { return Append(x, 1, 0, 1, kD); }},
       {"begin turn while pending", StatusCode::kFailedPrecondition,
        [](Indexer& x) { return x.BeginTurn(1); }},
       {"select the pending layer again", StatusCode::kFailedPrecondition,
@@ -1121,6 +1159,86 @@ TEST(IndexerBadRequestTest, GoodRequestsStillChangeState) {
   const Snapshot after = Take(*indexer);
   EXPECT_NE(before.warmup, after.warmup);
   EXPECT_NE(before.vertical, after.vertical);
+}
+
+TEST(IndexerTest, PositionsOnlyMoveForward) {
+  // A second select at the same (or an earlier) position would update the EMAs twice.
+  const int H = 2, D = 8, K = 64;
+  auto indexer = MakeIndexer(20, H, D);
+  ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5)).ok());
+  std::mt19937 rng(21);
+  const std::vector<float> keys = RandomValues(rng, 1000 * D);
+  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, keys, 1000).ok());
+  ASSERT_TRUE(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999).ok());
+  const SpinState before = GetSpin(*indexer, 1, 0);
+  EXPECT_EQ(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 999).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(SelectOne(*indexer, 1, 0, RandomQuery(rng, H, D), 100).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(GetSpin(*indexer, 1, 0).vertical(), before.vertical());
+  EXPECT_EQ(GetSpin(*indexer, 1, 0).diagonal(), before.diagonal());
+}
+
+TEST(IndexerTest, SpeculativeStepInModelOrderEqualsAllKeysFirst) {
+  // A model computes layer 1's draft keys after layer 0's selection: append L0, select L0, append
+  // L1, select L1, commit. The answers and the committed state equal appending every layer first.
+  const int H = 2, D = 8, K = 64, kRows = 3;
+  std::mt19937 rng(22);
+  std::vector<std::vector<float>> keys = {RandomValues(rng, 1003 * D), RandomValues(rng, 1003 * D)};
+  std::vector<Query> queries;
+  for (int i = 0; i < 2 * kRows; ++i) queries.push_back(RandomQuery(rng, H, D));
+  auto rows_of = [&](int layer) {
+    std::vector<IndexerRow> rows;
+    for (int r = 0; r < kRows; ++r) {
+      const Query& q = queries[layer * kRows + r];
+      rows.push_back({q.query, q.weights, 1000 + r});
+    }
+    return rows;
+  };
+  auto drafts = [&](int layer) {
+    return std::span<const float>(keys[layer].data() + 1000 * D, kRows * D);
+  };
+  // Identical states before the step: the same prefill and the same warm-up query on both.
+  auto model_order = MakeIndexer(80, H, D);
+  auto keys_first = MakeIndexer(80, H, D);
+  for (Indexer* indexer : {model_order.get(), keys_first.get()}) {
+    ASSERT_TRUE(indexer->CreateSequence(1, Options(K, 0.5, true, 2)).ok());
+    for (int layer = 0; layer < 2; ++layer) {
+      ASSERT_TRUE(indexer
+                      ->AppendIndexKeys(1, layer,
+                                        std::span<const float>(keys[layer].data(), 1000 * D), 1000)
+                      .ok());
+      ASSERT_TRUE(SelectOne(*indexer, 1, layer, queries[0], 999).ok());  // warm-up
+    }
+  }
+  std::vector<absl::StatusOr<SelectResult>> in_model_order, with_keys_first;
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(model_order->AppendIndexKeys(1, layer, drafts(layer), kRows).ok());
+    const auto rows = rows_of(layer);
+    in_model_order.push_back(model_order->Select(1, layer, rows));
+    ASSERT_TRUE(in_model_order.back().ok()) << in_model_order.back().status();
+  }
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(keys_first->AppendIndexKeys(1, layer, drafts(layer), kRows).ok());
+  }
+  for (int layer = 0; layer < 2; ++layer) {
+    const auto rows = rows_of(layer);
+    with_keys_first.push_back(keys_first->Select(1, layer, rows));
+    ASSERT_TRUE(with_keys_first.back().ok());
+  }
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(in_model_order[layer]->selections, with_keys_first[layer]->selections) << layer;
+    EXPECT_EQ(in_model_order[layer]->blocks, with_keys_first[layer]->blocks) << layer;
+  }
+  ASSERT_TRUE(model_order->Commit(1, 1).ok());
+  ASSERT_TRUE(keys_first->Commit(1, 1).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(*model_order->NumSlots(1, layer), 1002);  // t + a + 1 = 1000 + 1 + 1
+    EXPECT_EQ(GetSpin(*model_order, 1, layer).vertical(),
+              GetSpin(*keys_first, 1, layer).vertical());
+    EXPECT_EQ(GetSpin(*model_order, 1, layer).diagonal(),
+              GetSpin(*keys_first, 1, layer).diagonal());
+  }
 }
 
 }  // namespace
