@@ -65,11 +65,13 @@ const float* Fp8E4m3DecodeTable() { return DecodeTable().data(); }
 float QuantizeIndexKey(std::span<const float> key, std::span<uint8_t> codes) {
   float amax = 0.0f;
   for (float v : key) amax = std::fmax(amax, std::fabs(v));
-  if (amax == 0.0f) {
+  const float scale = amax / kFp8E4m3Max;
+  if (!(scale > 0.0f)) {
+    // An all-zero key, or one so small (amax < 448 x the least subnormal) that its scale
+    // underflows to 0: store it as zero rather than dividing by zero (NaN codes).
     for (auto& c : codes) c = 0;
     return 0.0f;
   }
-  const float scale = amax / kFp8E4m3Max;
   for (size_t d = 0; d < key.size(); ++d) codes[d] = EncodeFp8E4m3(key[d] / scale);
   return scale;
 }

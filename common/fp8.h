@@ -12,9 +12,9 @@ inline constexpr float kFp8E4m3Max = 448.0f;
 
 /// Encodes one fp32 value as E4M3 with round-to-nearest-even. Finite values whose magnitude rounds
 /// above 448 saturate to +/-448; NaN maps to 0x7f (sign kept), +/-inf saturates to +/-448.
-/// Subnormals (|x| < 2^-6) round to multiples of 2^-9. Matches PyTorch's float8_e4m3fn cast
-/// (checked against PyTorch 2.15 on 35.6M values; releases before it gave NaN from 464 up, we
-/// saturate).
+/// Subnormals (|x| < 2^-6) round to multiples of 2^-9. Matches PyTorch's float8_e4m3fn cast: a
+/// golden table made with PyTorch 2.15 is embedded in tests/common/fp8_test.cc. Out of range we
+/// saturate; PyTorch releases before 2.15 gave NaN from 464 up (the quantizer never gets there).
 uint8_t EncodeFp8E4m3(float value);
 
 /// Decodes one E4M3 byte exactly (every E4M3 value is representable in fp32). 0x7f/0xff -> NaN.

@@ -40,12 +40,13 @@ absl::StatusOr<std::vector<int32_t>> BlockPool::Allocate(int64_t count) {
 
 void BlockPool::Retain(int32_t block_id) {
   DSA_CHECK(ref_counts_[block_id] > 0, "retain of a free block");
-  ++ref_counts_[block_id];
+  if (++ref_counts_[block_id] == 2) ++shared_blocks_;
 }
 
 void BlockPool::Release(int32_t block_id) {
   DSA_CHECK(ref_counts_[block_id] > 0, "release of a free block");
-  if (--ref_counts_[block_id] == 0) {
+  if (--ref_counts_[block_id] == 1) --shared_blocks_;
+  if (ref_counts_[block_id] == 0) {
     free_list_.push_back(block_id);
     std::push_heap(free_list_.begin(), free_list_.end(), std::greater<int32_t>());
   }

@@ -14,6 +14,9 @@ namespace dsa {
 /// Slots per block (the paged cache's page; SPIN's block size b).
 inline constexpr int kBlockSize = 64;
 
+/// ceil(a / b) for a >= 0, b > 0: e.g. the blocks that hold a slots, CeilDiv(a, kBlockSize).
+constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 /// A pool of `capacity_blocks` blocks. Block layout (bytes): kBlockSize x head_dim fp8 e4m3 index
 /// keys (slot-major), then kBlockSize fp32 scales: 132 bytes a slot at head_dim = 128.
 /// Not thread-safe: the owner serializes access.
@@ -37,6 +40,8 @@ class BlockPool {
   /// Drops a reference; the block returns to the free list at zero.
   void Release(int32_t block_id);
   int ref_count(int32_t block_id) const { return ref_counts_[block_id]; }
+  /// Allocated blocks with more than one reference (kept as a count: O(1)).
+  int64_t shared_blocks() const { return shared_blocks_; }
 
   /// fp8 e4m3 codes of block `block_id`: [kBlockSize, head_dim], slot-major.
   uint8_t* keys(int32_t block_id) { return storage_.data() + block_bytes_ * block_id; }
@@ -54,6 +59,7 @@ class BlockPool {
   size_t block_bytes_;
   std::vector<uint8_t> storage_;
   std::vector<int32_t> ref_counts_;
+  int64_t shared_blocks_ = 0;
   std::vector<int32_t> free_list_;  // a min-heap (std::greater): the lowest free id comes first
 };
 

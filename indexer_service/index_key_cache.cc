@@ -1,6 +1,8 @@
 // The paged index-key cache (see index_key_cache.h).
 #include "indexer_service/index_key_cache.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -8,11 +10,7 @@
 #include "common/fp8.h"
 
 namespace dsa {
-namespace {
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-}  // namespace
+namespace {}  // namespace
 
 absl::StatusOr<IndexKeyCache> IndexKeyCache::Create(int64_t capacity_blocks, int head_dim) {
   if (capacity_blocks < 0 || capacity_blocks > INT32_MAX) {
@@ -22,6 +20,15 @@ absl::StatusOr<IndexKeyCache> IndexKeyCache::Create(int64_t capacity_blocks, int
   if (head_dim < 1 || head_dim > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("head_dim must be in [1, 1024], got ", head_dim));
+  }
+  // The pool is allocated up front: refuse what this machine's memory cannot hold.
+  const double pool_bytes = static_cast<double>(capacity_blocks) * kBlockSize * (head_dim + 4.0);
+  const double memory_bytes =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  if (memory_bytes > 0 && pool_bytes > memory_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("an index-key cache of ", capacity_blocks, " blocks needs ",
+                     pool_bytes / (1 << 30), " GiB; this machine has ", memory_bytes / (1 << 30)));
   }
   return IndexKeyCache(BlockPool(capacity_blocks, head_dim));
 }
@@ -116,7 +123,8 @@ absl::Status IndexKeyCache::Append(uint64_t sequence_id, int layer, std::span<co
   if (!found.ok()) return found.status();
   LayerCache& cache = **found;
   const int head_dim = pool_.head_dim();
-  if (num_keys < 0 || keys.size() != static_cast<size_t>(num_keys) * head_dim) {
+  if (num_keys < 0 || keys.size() % head_dim != 0 ||
+      keys.size() / head_dim != static_cast<size_t>(num_keys)) {
     return absl::InvalidArgumentError(absl::StrCat("index keys: got ", keys.size(),
                                                    " values, expected num_keys ", num_keys,
                                                    " x head_dim ", head_dim));
@@ -128,6 +136,11 @@ absl::Status IndexKeyCache::Append(uint64_t sequence_id, int layer, std::span<co
     }
   }
   if (num_keys == 0) return absl::OkStatus();
+  // Selections are int32 slot indices: a layer holds at most 2^31 slots.
+  if (num_keys > kMaxSlots - cache.num_slots) {
+    return absl::ResourceExhaustedError(absl::StrCat("context too long: ", cache.num_slots, " + ",
+                                                     num_keys, " slots exceeds ", kMaxSlots));
+  }
   const int64_t needed = BlocksNeeded(sequence_id, layer, num_keys);
   auto allocated = pool_.Allocate(needed);
   if (!allocated.ok()) return allocated.status();
@@ -198,9 +211,7 @@ CacheUsage IndexKeyCache::Usage() const {
   usage.capacity_blocks = pool_.capacity_blocks();
   usage.free_blocks = pool_.free_blocks();
   usage.used_blocks = pool_.used_blocks();
-  for (int64_t b = 0; b < pool_.capacity_blocks(); ++b) {
-    if (pool_.ref_count(static_cast<int32_t>(b)) > 1) ++usage.shared_blocks;
-  }
+  usage.shared_blocks = pool_.shared_blocks();
   return usage;
 }
 

@@ -32,7 +32,11 @@ struct CacheUsage {
 /// Not thread-safe: the owner (Indexer) serializes access. Sequence ids are caller-chosen uint64.
 class IndexKeyCache {
  public:
-  /// capacity_blocks >= 0 and head_dim in [1, 1024]; INVALID_ARGUMENT otherwise.
+  /// Most slots one (sequence, layer) holds: selections are int32 slot indices.
+  static constexpr int64_t kMaxSlots = int64_t{1} << 31;
+
+  /// capacity_blocks in [0, 2^31) and head_dim in [1, 1024], INVALID_ARGUMENT otherwise;
+  /// RESOURCE_EXHAUSTED when the pool (allocated now) is larger than the machine's memory.
   static absl::StatusOr<IndexKeyCache> Create(int64_t capacity_blocks, int head_dim);
 
   int head_dim() const { return pool_.head_dim(); }
@@ -53,7 +57,8 @@ class IndexKeyCache {
   /// `layer` of the sequence, at slots [num_slots, num_slots + num_keys). All or nothing: a shared
   /// partially filled last block is copied first (copy on write).
   /// Errors: NOT_FOUND (sequence), INVALID_ARGUMENT (layer out of range, keys.size() !=
-  /// num_keys * head_dim, a non-finite value), RESOURCE_EXHAUSTED (not enough free blocks).
+  /// num_keys * head_dim, a non-finite value), RESOURCE_EXHAUSTED (not enough free blocks, or the
+  /// layer would pass kMaxSlots).
   absl::Status Append(uint64_t sequence_id, int layer, std::span<const float> keys,
                       int64_t num_keys);
 

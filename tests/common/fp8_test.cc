@@ -527,3 +527,26 @@ TEST(QuantizeIndexKeyTest, NegativeAmaxAndSmallValues) {
 
 }  // namespace
 }  // namespace dsa
+
+namespace dsa {
+namespace {
+
+TEST(QuantizeIndexKeyTest, KeyWhoseScaleUnderflowsIsStoredAsZero) {
+  // amax = 1e-44 (a subnormal): 1e-44 / 448 underflows to 0, and dividing by it would give NaN
+  // codes (a slot that could never be selected). It is stored like an all-zero key.
+  std::vector<float> key(8, 0.0f);
+  key[0] = 1e-44f;
+  key[3] = -5e-45f;
+  std::vector<uint8_t> codes(8, 0xaa);
+  EXPECT_EQ(QuantizeIndexKey(key, codes), 0.0f);
+  EXPECT_EQ(codes, std::vector<uint8_t>(8, 0));
+  // The smallest amax whose scale does not underflow still quantizes normally: 448 x 2^-149 gives
+  // scale 2^-149 and the amax element encodes to 448 (0x7e).
+  key.assign(8, 0.0f);
+  key[5] = 448.0f * std::ldexp(1.0f, -149);
+  EXPECT_EQ(QuantizeIndexKey(key, codes), std::ldexp(1.0f, -149));
+  EXPECT_EQ(codes[5], 0x7e);
+}
+
+}  // namespace
+}  // namespace dsa
