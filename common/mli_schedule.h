@@ -31,10 +31,13 @@ class MliSchedule {
   static absl::StatusOr<MliSchedule> FromPattern(std::string_view pattern, int lag_depth,
                                                  int expected_num_layers = -1);
 
+  /// Layers in the schedule (>= 1).
   int num_layers() const { return static_cast<int>(is_full_.size()); }
+  /// k (>= 0): a full layer attends the selection made k full layers earlier.
   int lag_depth() const { return lag_depth_; }
   /// The full layers F in increasing order.
   const std::vector<int>& full_layers() const { return full_layers_; }
+  /// Whether `layer` runs its own indexer. Requires 0 <= layer < num_layers().
   bool is_full(int layer) const { return is_full_[layer]; }
   /// p(l): the nearest full layer at or before `layer`. Requires 0 <= layer < num_layers().
   int NearestFullLayer(int layer) const;

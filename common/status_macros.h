@@ -15,6 +15,8 @@
     if (!dsa_status_.ok()) return dsa_status_; \
   } while (false)
 
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` may be a declaration, which cannot be
+// parenthesized.
 #define DSA_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                               \
   if (!tmp.ok()) return tmp.status();              \
@@ -24,3 +26,4 @@
 /// `lhs` (which may be a declaration such as `auto x`).
 #define DSA_ASSIGN_OR_RETURN(lhs, expr) \
   DSA_ASSIGN_OR_RETURN_IMPL_(DSA_CONCAT_(dsa_statusor_, __LINE__), lhs, expr)
+// NOLINTEND(bugprone-macro-parentheses)

@@ -20,8 +20,6 @@
 namespace dsa {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The dense top-K of every (layer, position) row, from a cache holding every key once.
 class DenseOracle {
  public:
@@ -247,6 +245,10 @@ absl::Status ValidateEvalOptions(const EvalOptions& o) {
   if (o.draft_length < 0 || o.draft_length > 4) {
     return absl::InvalidArgumentError("draft length must be in [0, 4]");
   }
+  SpinConfig spin;
+  DSA_RETURN_IF_ERROR(ParseBlockPooling(o.pooling, &spin.pooling));
+  DSA_RETURN_IF_ERROR(ParseBlockReduction(o.reduction, &spin.reduction));
+  DSA_RETURN_IF_ERROR(ParseExplorationPolicy(o.exploration_policy, &spin.exploration));
   return absl::OkStatus();
 }
 
@@ -295,6 +297,9 @@ absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
 
   SpinConfig base;
   base.seed = options.seed;
+  DSA_RETURN_IF_ERROR(ParseBlockPooling(options.pooling, &base.pooling));
+  DSA_RETURN_IF_ERROR(ParseBlockReduction(options.reduction, &base.reduction));
+  DSA_RETURN_IF_ERROR(ParseExplorationPolicy(options.exploration_policy, &base.exploration));
   {
     SpinConfig all_keep = base;
     all_keep.enabled = false;
@@ -399,7 +404,10 @@ nlohmann::json EvalReportToJson(const EvalReport& report) {
                   {"exploration_fractions", o.exploration_fractions},
                   {"draft_length", o.draft_length},
                   {"acceptance_rate", o.acceptance_rate},
-                  {"spec_exploration_fraction", o.spec_exploration_fraction}};
+                  {"spec_exploration_fraction", o.spec_exploration_fraction},
+                  {"pooling", o.pooling},
+                  {"reduction", o.reduction},
+                  {"exploration_policy", o.exploration_policy}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : report.rows) {
     j["rows"].push_back({{"name", r.name},
@@ -423,9 +431,10 @@ std::string EvalReportToMarkdown(const EvalReport& report) {
   const EvalOptions& o = report.options;
   std::string md = absl::StrFormat(
       "Pattern model: %d full layers, H = %d, D = %d, prefill %d slots, %d decode positions, "
-      "K = %d, seed %d; speculative ablation d = %d, acceptance rate %.2f.\n\n",
+      "K = %d, seed %d; SPIN pooling %s, reduction %s, exploration %s; speculative ablation "
+      "d = %d, acceptance rate %.2f.\n\n",
       o.num_layers, o.num_heads, o.head_dim, o.context_slots, o.decode_steps, o.top_k, o.seed,
-      o.draft_length, o.acceptance_rate);
+      o.pooling, o.reduction, o.exploration_policy, o.draft_length, o.acceptance_rate);
   md +=
       "| configuration | rows | mean miss | p99 miss | realized block sparsity | blocks scored | "
       "blocks visible | mean accepted | seconds |\n";

@@ -29,13 +29,17 @@ struct EvalOptions {
   double spec_exploration_fraction =
       0.0;  // gamma in the speculative ablation (the paper's MTP study has none)
   bool predictor_study = true;  // also run the Table-1 predictor comparison
+  // SPIN ablation options (paper 4.6), applied to every SPIN configuration.
+  std::string pooling = "max";                // "max" | "top4" | "mean"
+  std::string reduction = "a1";               // "a1" | "a0" | "a2"
+  std::string exploration_policy = "random";  // "random" | "staleness" | "age"
 };
 
 /// One configuration's results. Miss rate per row = 1 - |pruned top-K n dense top-K| / |dense
 /// top-K|.
 struct EvalRow {
   std::string name;  // e.g. "spin rho=0.40 gamma=0.05"
-  std::string kind;  // "all-keep", "spin", "spec-union-prefix-valid", "spec-row0"
+  std::string kind;  // "all-keep", "spin", "spec-all-keep", "spec-union-prefix-valid", "spec-row0"
   double target_sparsity = 0.0;
   double exploration_fraction = 0.0;
   int64_t rows = 0;  // selections compared (layers x decode rows)
@@ -59,7 +63,8 @@ struct EvalReport {
 absl::Status ValidateEvalOptions(const EvalOptions& options);
 
 /// Runs every configuration. Errors: INVALID_ARGUMENT for options out of range (sizes < 1, a
-/// context not a multiple of 64, sparsities or fractions outside [0, 1), d outside [0, 4]).
+/// context not a multiple of 64, sparsities or fractions outside [0, 1), d outside [0, 4], an
+/// unknown pooling, reduction or exploration policy name).
 /// `progress` (may be null) receives one line per finished configuration.
 absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
                                    void (*progress)(const std::string&));

@@ -41,7 +41,8 @@ bool WriteOutput(const std::string& path, std::ofstream& out, const std::string&
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
+                                   // are caught by CLI11_PARSE; others end the process.
   CLI::App app{"dsa: tools for the DSA lightning-indexer service"};
   app.require_subcommand(1);
 
@@ -72,6 +73,14 @@ int main(int argc, char** argv) {
   eval_cmd
       ->add_option("--acceptance-rate", eval.acceptance_rate,
                    "Per-token acceptance probability of the seeded acceptance model")
+      ->capture_default_str();
+  eval_cmd->add_option("--pooling", eval.pooling, "SPIN block pooling (ablation): max, top4, mean")
+      ->capture_default_str();
+  eval_cmd->add_option("--reduction", eval.reduction, "SPIN slot-to-block reduction: a1, a0, a2")
+      ->capture_default_str();
+  eval_cmd
+      ->add_option("--exploration-policy", eval.exploration_policy,
+                   "SPIN exploration policy: random, staleness, age")
       ->capture_default_str();
   bool no_predictor_study = false;
   eval_cmd->add_flag("--no-predictor-study", no_predictor_study,
