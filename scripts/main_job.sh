@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The main job: install what is missing, build, and run the SPIN quality evaluation (`dsa eval`) on
 # the pattern model with the embedded CPU default. Results go to $DSA_EVAL_OUT (default
-# docs/results/: eval.json, eval.md) and the plot to $DSA_EVAL_OUT/../eval_miss_vs_sparsity.png by
+# docs/results/: eval.json, eval.md) and the plot to eval_miss_vs_sparsity.png in the folder above it by
 # default (docs/eval_miss_vs_sparsity.png). Extra arguments go to `dsa eval` (not --json/--markdown).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${DSA_EVAL_OUT:-docs/results}
-plot=${DSA_EVAL_PLOT:-$out/../eval_miss_vs_sparsity.png}
+plot=${DSA_EVAL_PLOT:-$(dirname "$out")/eval_miss_vs_sparsity.png}
 bash scripts/bootstrap.sh
 bash scripts/build.sh
 mkdir -p "$out"
