@@ -17,18 +17,21 @@
 #include <thread>
 #include <vector>
 
-#include "common/fp8.h"
 #include "gtest/gtest.h"
+#include "tests/indexer_service/reference.h"
 
 namespace dsa {
 namespace {
 
 using ::absl::StatusCode;
+using testing_reference::FullSortTopK;
+using testing_reference::NaiveScores;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // ---------------------------------------------------------------------------------------------
-// Helpers: a test-side copy of every key appended, the naive reference, full-sort top-K, the EMA.
+// Helpers: a test-side copy of every key appended, the EMA (the naive reference and full-sort
+// top-K are in reference.h).
 
 std::unique_ptr<Indexer> MakeIndexer(int64_t capacity_blocks, int num_heads, int head_dim) {
   auto indexer = Indexer::Create({capacity_blocks, num_heads, head_dim});
@@ -68,44 +71,6 @@ Query RandomQuery(std::mt19937& rng, int num_heads, int head_dim) {
   return q;
 }
 
-// z_t[i] for slots 0..position by the DESIGN.md 2 formula on keys quantized with the DESIGN.md 4.1
-// rule (common/fp8, tested on its own) and decoded, accumulated in double.
-std::vector<double> NaiveScores(const std::vector<float>& keys, int head_dim, int64_t position,
-                                const Query& q, int num_heads) {
-  std::vector<double> out(position + 1);
-  std::vector<uint8_t> codes(head_dim);
-  for (int64_t i = 0; i <= position; ++i) {
-    const float scale =
-        QuantizeIndexKey(std::span<const float>(keys.data() + i * head_dim, head_dim), codes);
-    double total = 0.0;
-    for (int h = 0; h < num_heads; ++h) {
-      double dot = 0.0;
-      for (int d = 0; d < head_dim; ++d)
-        dot += static_cast<double>(q.query[h * head_dim + d]) * DecodeFp8E4m3(codes[d]);
-      total += q.weights[h] * std::max(dot, 0.0);
-    }
-    out[i] = scale * total;
-  }
-  return out;
-}
-
-// Full sort of every selectable (score, slot) entry by (score desc, slot asc); -1 padding.
-std::vector<int32_t> FullSortTopK(const float* scores, const std::vector<int32_t>& blocks,
-                                  int64_t max_slot, int k) {
-  std::vector<std::pair<float, int32_t>> all;
-  for (size_t e = 0; e < blocks.size() * 64; ++e) {
-    const int64_t slot = blocks[e / 64] * 64LL + static_cast<int64_t>(e % 64);
-    if (std::isnan(scores[e]) || scores[e] == -kInf || slot > max_slot) continue;
-    all.push_back({scores[e], static_cast<int32_t>(slot)});
-  }
-  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  });
-  std::vector<int32_t> out(k, -1);
-  for (int i = 0; i < k && i < static_cast<int>(all.size()); ++i) out[i] = all[i].second;
-  return out;
-}
-
 std::vector<int32_t> RowSelection(const SelectResult& result, size_t row) {
   return std::vector<int32_t>(result.selections.begin() + row * result.top_k,
                               result.selections.begin() + (row + 1) * result.top_k);
@@ -121,7 +86,8 @@ const float* RowScores(const SelectResult& result, size_t row) {
 void ExpectRowMatchesReference(const SelectResult& result, size_t row, int64_t position,
                                const std::vector<float>& keys, int head_dim, const Query& q,
                                int num_heads, const std::string& where) {
-  const std::vector<double> ref = NaiveScores(keys, head_dim, position, q, num_heads);
+  const std::vector<double> ref =
+      NaiveScores(keys, position + 1, head_dim, q.query, q.weights, num_heads);
   const double row_max = std::max(1e-30, *std::max_element(ref.begin(), ref.end()));
   const float* scores = RowScores(result, row);
   for (size_t j = 0; j < result.blocks.size(); ++j) {
@@ -135,7 +101,9 @@ void ExpectRowMatchesReference(const SelectResult& result, size_t row, int64_t p
       }
     }
   }
-  ASSERT_EQ(RowSelection(result, row), FullSortTopK(scores, result.blocks, position, result.top_k))
+  const std::span<const float> row_scores(scores, result.blocks.size() * 64);
+  ASSERT_EQ(RowSelection(result, row),
+            FullSortTopK(row_scores, result.blocks, position, result.top_k))
       << where;
 }
 
@@ -268,7 +236,7 @@ TEST(IndexerTest, DenseSelectionsMatchTheReference) {
     ExpectRowMatchesReference(*result, 0, position, keys, D, q, H, "t=" + std::to_string(position));
     // And directly against the reference scores: the selection holds the K best reference scores
     // (up to the fp32 error of the scorer).
-    const std::vector<double> ref = NaiveScores(keys, D, position, q, H);
+    const std::vector<double> ref = NaiveScores(keys, position + 1, D, q.query, q.weights, H);
     std::vector<double> sorted = ref;
     std::sort(sorted.rbegin(), sorted.rend());
     const int taken = std::min<int>(K, static_cast<int>(position + 1));

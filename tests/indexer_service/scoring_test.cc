@@ -11,13 +11,14 @@
 #include <random>
 #include <vector>
 
-#include "common/fp8.h"
 #include "gtest/gtest.h"
 #include "indexer_service/index_key_cache.h"
+#include "tests/indexer_service/reference.h"
 
 namespace dsa {
 namespace {
 
+using testing_reference::NaiveScores;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 IndexKeyCache MakeCacheWithKeys(int head_dim, const std::vector<float>& keys, int64_t num_keys,
@@ -138,35 +139,6 @@ TEST(ScoringTest, AllZeroKeyScoresZero) {
   std::vector<float> scores(64);
   ScoreBlocks(*cache.View(1, 0), blocks, std::span<const IndexerRow>(&row, 1), 1, scores);
   EXPECT_EQ(scores[0], 0.0f);
-}
-
-// The independent reference: quantize each fp32 key with the DESIGN.md 4.1 rule (common/fp8's
-// quantizer, tested on its own), decode the codes, and run the score formula as a triple loop in
-// double. Returns [num_slots] scores for one row (position ignored; the caller masks).
-std::vector<double> NaiveScores(const std::vector<float>& keys, int64_t num_slots, int head_dim,
-                                const std::vector<float>& query, const std::vector<float>& weights,
-                                int num_heads, std::vector<double>* magnitudes) {
-  std::vector<double> out(num_slots);
-  magnitudes->assign(num_slots, 0.0);
-  std::vector<uint8_t> codes(head_dim);
-  for (int64_t i = 0; i < num_slots; ++i) {
-    const float scale =
-        QuantizeIndexKey(std::span<const float>(keys.data() + i * head_dim, head_dim), codes);
-    double total = 0.0, magnitude = 0.0;
-    for (int h = 0; h < num_heads; ++h) {
-      double dot = 0.0, abs_dot = 0.0;
-      for (int d = 0; d < head_dim; ++d) {
-        const double term = static_cast<double>(query[h * head_dim + d]) * DecodeFp8E4m3(codes[d]);
-        dot += term;
-        abs_dot += std::fabs(term);
-      }
-      total += weights[h] * std::max(dot, 0.0);
-      magnitude += std::fabs(weights[h]) * abs_dot;
-    }
-    out[i] = scale * total;
-    (*magnitudes)[i] = scale * magnitude;
-  }
-  return out;
 }
 
 struct Shape {

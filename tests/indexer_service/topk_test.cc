@@ -12,10 +12,12 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/indexer_service/reference.h"
 
 namespace dsa {
 namespace {
 
+using testing_reference::FullSortTopK;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
@@ -104,24 +106,6 @@ TEST(TopKTest, LogicalBlocksMapEntriesToSlots) {
 TEST(TopKTest, KOfOne) {
   const std::vector<float> s = {0.0f, 2.0f, 2.0f};
   EXPECT_EQ(TopK(s, {}, 2, 1), (std::vector<int32_t>{1}));
-}
-
-// The reference: every selectable (score, slot) pair sorted fully by (score desc, slot asc).
-std::vector<int32_t> FullSortTopK(const std::vector<float>& scores,
-                                  const std::vector<int32_t>& blocks, int64_t max_slot, int k) {
-  std::vector<std::pair<float, int32_t>> all;
-  for (size_t e = 0; e < scores.size(); ++e) {
-    const int64_t slot = blocks.empty() ? static_cast<int64_t>(e) : blocks[e / 64] * 64LL + e % 64;
-    if (std::isnan(scores[e]) || scores[e] == -kInf || slot > max_slot) continue;
-    all.push_back({scores[e], static_cast<int32_t>(slot)});
-  }
-  std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) {
-    if (a.first != b.first) return a.first > b.first;
-    return a.second < b.second;
-  });
-  std::vector<int32_t> out(k, -1);
-  for (int i = 0; i < k && i < static_cast<int>(all.size()); ++i) out[i] = all[i].second;
-  return out;
 }
 
 TEST(TopKTest, MatchesFullSortOnRandomScores) {
