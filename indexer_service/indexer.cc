@@ -114,6 +114,28 @@ absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span
   return cache_.Append(sequence_id, layer, keys, num_keys);
 }
 
+absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t num_slots) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = Find(sequence_id);
+  if (!found.ok()) return found.status();
+  const SequenceState& state = **found;
+  if (layer < 0 || layer >= state.options.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", state.options.num_layers, ")"));
+  }
+  if (!state.pending[layer].positions.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence ", sequence_id,
+                     " has a speculative step awaiting Commit; truncate after it"));
+  }
+  if (num_slots >= 0 && num_slots <= state.last_position[layer]) {
+    return absl::FailedPreconditionError(absl::StrCat("truncating layer ", layer, " to ", num_slots,
+                                                      " slots would drop selected position ",
+                                                      state.last_position[layer]));
+  }
+  return cache_.Truncate(sequence_id, layer, num_slots);
+}
+
 absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
                                              std::span<const IndexerRow> rows, bool return_scores) {
   std::lock_guard<std::mutex> lock(mutex_);

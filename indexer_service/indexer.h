@@ -74,6 +74,13 @@ class Indexer {
   absl::Status AppendIndexKeys(uint64_t sequence_id, int layer, std::span<const float> keys,
                                int64_t num_keys);
 
+  /// Shortens one layer to `num_slots` slots, undoing appends that no Select has used yet (the
+  /// service rolls back a failed multi-chunk append with it). Only slots after the layer's last
+  /// selected position can be removed. Errors: NOT_FOUND; INVALID_ARGUMENT (layer); OUT_OF_RANGE
+  /// (num_slots < 0 or above the layer's length); FAILED_PRECONDITION (the layer has verifier
+  /// rows awaiting Commit, or num_slots would drop a selected slot).
+  absl::Status TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t num_slots);
+
   /// Selects the top-K slots for one row (a decode step) or d+1 verifier rows (positions t..t+d,
   /// consecutive, t+d the layer's newest slot) of one sequence at one layer: SPIN plan, scoring of
   /// the chosen blocks, top-K per row. One row updates the EMAs at once; several rows defer the

@@ -844,6 +844,46 @@ TEST(IndexerTest, FullPoolIsResourceExhaustedAndNothingChanges) {
   ExpectRowMatchesReference(*result, 0, 149, keys, D, q, H, "after the failed append");
 }
 
+TEST(IndexerTest, TruncateIndexKeysUndoesUnselectedAppendsOnly) {
+  const int H = 2, D = 8;
+  auto indexer = MakeIndexer(8, H, D);
+  ASSERT_TRUE(indexer->CreateSequence(1, Options(64, 0.4, true, 2)).ok());
+  std::mt19937 rng(15);
+  std::vector<float> keys = RandomValues(rng, 300 * D);
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data(), 100 * D), 100).ok());
+  const CacheUsage before = indexer->Usage();
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 100 * D, 150 * D), 150)
+          .ok());
+  EXPECT_GT(indexer->Usage().used_blocks, before.used_blocks);
+  ASSERT_TRUE(indexer->TruncateIndexKeys(1, 0, 100).ok());
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 100);
+  EXPECT_EQ(indexer->Usage().used_blocks, before.used_blocks);
+  EXPECT_EQ(indexer->Usage().free_blocks, before.free_blocks);
+
+  // Errors: unknown sequence, layer, length out of range.
+  EXPECT_EQ(indexer->TruncateIndexKeys(2, 0, 0).code(), StatusCode::kNotFound);
+  EXPECT_EQ(indexer->TruncateIndexKeys(1, 2, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(indexer->TruncateIndexKeys(1, -1, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(indexer->TruncateIndexKeys(1, 0, 101).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(indexer->TruncateIndexKeys(1, 0, -1).code(), StatusCode::kOutOfRange);
+
+  // A selected slot cannot be removed; slots after it can, and selections are unchanged.
+  const Query q = RandomQuery(rng, H, D);
+  ASSERT_TRUE(SelectOne(*indexer, 1, 0, q, 79).ok());
+  EXPECT_EQ(indexer->TruncateIndexKeys(1, 0, 79).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 100);
+  ASSERT_TRUE(indexer->TruncateIndexKeys(1, 0, 80).ok());
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 80);
+  ASSERT_TRUE(
+      indexer->AppendIndexKeys(1, 0, std::span<const float>(keys.data() + 80 * D, 20 * D), 20)
+          .ok());
+  auto result = SelectOne(*indexer, 1, 0, q, 99);
+  ASSERT_TRUE(result.ok());
+  ExpectRowMatchesReference(*result, 0, 99, keys, D, q, H, "after truncate and re-append");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad requests: precise status, no state change, and the next good request answers as on a twin.
 

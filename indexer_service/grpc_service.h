@@ -1,0 +1,98 @@
+// The gRPC adapter of the indexer worker: dsa.indexer.v1.IndexerService served over a dsa::Indexer
+// (DESIGN.md sections 3 and 5). The only place where the engine's absl::Status becomes
+// grpc::Status.
+#pragma once
+
+#include "absl/status/status.h"
+#include "dsa/indexer/v1/indexer.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "indexer_service/indexer.h"
+
+namespace dsa {
+
+/// absl::Status -> grpc::Status with the same code (Abseil's codes are gRPC's) and message.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+/// Decodes, validates and runs one SelectRequest against `indexer` (shared by Select and
+/// SelectStream; exposed for tests and in-process callers).
+///
+/// Per group: queries fp32, bf16 or fp8 e4m3fn [rows, H, D] (rows >= 1), head_weights fp32
+/// [rows, H], finite; row r is at position first_position + r. Every group is checked (tensors,
+/// sequence, layer, positions below the layer's slot count) before any is run, so such a bad
+/// group changes nothing. Errors the engine finds only while running a group (a position not after
+/// the layer's last selected one, a pending speculative step) leave the groups before it applied;
+/// the message names the group. Errors: INVALID_ARGUMENT (no groups, dtype, shape, non-finite
+/// values, layer, positions), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not yet appended),
+/// FAILED_PRECONDITION (a step awaits Commit).
+/// `response` gets request_id echoed and one GroupSelection per group, in order: selections int32
+/// [rows, K], best first, -1 padding.
+absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
+                       dsa::indexer::v1::SelectResponse* response);
+
+/// dsa.indexer.v1.IndexerService over a dsa::Indexer that the caller owns and keeps alive for the
+/// server's lifetime. Thread-safe (the engine serializes its state; calls run on gRPC's threads).
+/// Every RPC answers with the engine's status code and message unchanged.
+class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Service {
+ public:
+  explicit IndexerServiceImpl(Indexer* indexer) : indexer_(indexer) {}
+
+  /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
+  /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
+  /// off; unset optional fields and UNSPECIFIED enums take the paper's defaults. Errors:
+  /// ALREADY_EXISTS; INVALID_ARGUMENT (num_layers, top_k, SPIN values, an unknown enum value,
+  /// prefix_slots without prefix_source_id, prefix length); NOT_FOUND (prefix source);
+  /// FAILED_PRECONDITION (the prefix source has a step awaiting Commit); RESOURCE_EXHAUSTED.
+  grpc::Status CreateSequence(grpc::ServerContext* context,
+                              const dsa::indexer::v1::CreateSequenceRequest* request,
+                              dsa::indexer::v1::CreateSequenceResponse* response) override;
+
+  /// Client stream of chunks, each keys fp32, bf16 or fp8 e4m3fn [num_keys, D] for one (sequence,
+  /// layer) with first_slot equal to that layer's slot count. Chunks are validated and appended as
+  /// they arrive; on any error (or cancellation) every chunk this call appended is removed again
+  /// (Indexer::TruncateIndexKeys), so a failed call changes nothing. One append call per layer at a
+  /// time (a concurrent append to the same layer would see its first_slot refused).
+  /// Response: keys_appended over all chunks. Errors: NOT_FOUND; INVALID_ARGUMENT (dtype, shape,
+  /// non-finite key, layer); FAILED_PRECONDITION (first_slot differs from the layer's slot count,
+  /// the layer's verifier rows await Commit); RESOURCE_EXHAUSTED (pool full, layer over 2^31
+  /// slots); CANCELLED (the client went away).
+  grpc::Status AppendIndexKeys(grpc::ServerContext* context,
+                               grpc::ServerReader<dsa::indexer::v1::AppendIndexKeysRequest>* reader,
+                               dsa::indexer::v1::AppendIndexKeysResponse* response) override;
+
+  /// Selections for row groups of many sequences in one call; see RunSelect for shapes, dtypes,
+  /// atomicity and errors.
+  grpc::Status Select(grpc::ServerContext* context, const dsa::indexer::v1::SelectRequest* request,
+                      dsa::indexer::v1::SelectResponse* response) override;
+
+  /// Bidirectional stream of SelectRequests (per-layer traffic): one SelectResponse per request,
+  /// in order, each as Select would answer. The first failing request ends the stream with its
+  /// status (the responses before it were delivered); OK when the client half-closes.
+  grpc::Status SelectStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<dsa::indexer::v1::SelectResponse, dsa::indexer::v1::SelectRequest>*
+          stream) override;
+
+  /// Indexer::Commit: NOT_FOUND, FAILED_PRECONDITION (nothing pending), OUT_OF_RANGE (accepted).
+  grpc::Status Commit(grpc::ServerContext* context, const dsa::indexer::v1::CommitRequest* request,
+                      dsa::indexer::v1::CommitResponse* response) override;
+
+  /// Indexer::BeginTurn: NOT_FOUND, FAILED_PRECONDITION (a step awaits Commit).
+  grpc::Status BeginTurn(grpc::ServerContext* context,
+                         const dsa::indexer::v1::BeginTurnRequest* request,
+                         dsa::indexer::v1::BeginTurnResponse* response) override;
+
+  /// Indexer::Release: NOT_FOUND.
+  grpc::Status Release(grpc::ServerContext* context,
+                       const dsa::indexer::v1::ReleaseRequest* request,
+                       dsa::indexer::v1::ReleaseResponse* response) override;
+
+  /// The pool's usage in 64-slot blocks, the sequence count and the worker's H and D. Always OK.
+  grpc::Status GetLoad(grpc::ServerContext* context,
+                       const dsa::indexer::v1::GetLoadRequest* request,
+                       dsa::indexer::v1::GetLoadResponse* response) override;
+
+ private:
+  Indexer* indexer_;  // not owned
+};
+
+}  // namespace dsa

@@ -1,0 +1,533 @@
+// Tests of the gRPC adapter (indexer_service/grpc_service.h) against an in-process server on
+// 127.0.0.1:0: a full flow whose selections equal a twin engine called directly with the same
+// values, and bad input answered with the precise status while the server keeps serving and a
+// failed multi-chunk append leaves nothing behind.
+#include "indexer_service/grpc_service.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/fp8.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
+
+namespace dsa {
+namespace {
+
+namespace v1 = ::dsa::indexer::v1;
+using ::dsa::common::v1::DType;
+using ::dsa::common::v1::Tensor;
+
+constexpr int kH = 4, kD = 16, kK = 64;
+
+std::vector<float> RandomValues(std::mt19937& rng, size_t count) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(count);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// One row group's inputs as the engine sees them (decoded) and as the wire carries them.
+struct Rows {
+  std::vector<float> queries;  // fp32 [rows, H, D], the decoded values
+  std::vector<float> weights;  // fp32 [rows, H]
+  Tensor query_tensor;
+  Tensor weight_tensor;
+};
+
+// Queries in `dtype`: fp32 as is, bf16 with values that bf16 holds exactly, fp8 from random codes.
+Rows MakeRows(std::mt19937& rng, int num_rows, DType dtype) {
+  Rows rows;
+  const size_t n = static_cast<size_t>(num_rows) * kH * kD;
+  rows.queries = RandomValues(rng, n);
+  std::string bytes;
+  if (dtype == common::v1::DTYPE_BFLOAT16) {
+    bytes.resize(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &rows.queries[i], 4);
+      bits &= 0xffff0000u;
+      std::memcpy(&rows.queries[i], &bits, 4);
+      const auto half = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(&bytes[2 * i], &half, 2);
+    }
+  } else if (dtype == common::v1::DTYPE_FLOAT8_E4M3FN) {
+    bytes.resize(n);
+    std::uniform_int_distribution<int> code(0, 255);
+    for (size_t i = 0; i < n; ++i) {
+      uint8_t c;
+      do {
+        c = static_cast<uint8_t>(code(rng));
+      } while (!std::isfinite(Fp8E4m3DecodeTable()[c]) || std::abs(Fp8E4m3DecodeTable()[c]) > 4);
+      rows.queries[i] = Fp8E4m3DecodeTable()[c];
+      bytes[i] = static_cast<char>(c);
+    }
+  }
+  const int64_t query_shape[] = {num_rows, kH, kD};
+  if (dtype == common::v1::DTYPE_FLOAT32) {
+    EncodeFloatTensor(rows.queries, query_shape, &rows.query_tensor);
+  } else {
+    rows.query_tensor.set_dtype(dtype);
+    for (int64_t e : query_shape) rows.query_tensor.add_shape(e);
+    rows.query_tensor.set_data(bytes);
+  }
+  std::uniform_real_distribution<float> positive(0.1f, 1.0f);
+  rows.weights.resize(static_cast<size_t>(num_rows) * kH);
+  for (float& w : rows.weights) w = positive(rng);
+  const int64_t weight_shape[] = {num_rows, kH};
+  EncodeFloatTensor(rows.weights, weight_shape, &rows.weight_tensor);
+  return rows;
+}
+
+std::vector<IndexerRow> EngineRows(const Rows& rows, int64_t first_position) {
+  const size_t num_rows = rows.weights.size() / kH;
+  std::vector<IndexerRow> out(num_rows);
+  for (size_t r = 0; r < num_rows; ++r) {
+    out[r].query = std::span<const float>(rows.queries.data() + r * kH * kD, kH * kD);
+    out[r].head_weights = std::span<const float>(rows.weights.data() + r * kH, kH);
+    out[r].position = first_position + static_cast<int64_t>(r);
+  }
+  return out;
+}
+
+void AddGroup(v1::SelectRequest* request, uint64_t id, int layer, int64_t first_position,
+              const Rows& rows) {
+  v1::RowGroup* group = request->add_groups();
+  group->set_sequence_id(id);
+  group->set_layer(layer);
+  group->set_first_position(first_position);
+  *group->mutable_queries() = rows.query_tensor;
+  *group->mutable_head_weights() = rows.weight_tensor;
+}
+
+std::vector<int32_t> Selections(const v1::GroupSelection& selection) {
+  auto values = DecodeInt32Tensor(selection.selections(), std::vector<int64_t>{-1, kK}, "sel");
+  EXPECT_TRUE(values.ok()) << values.status();
+  return values.ok() ? *values : std::vector<int32_t>{};
+}
+
+v1::CreateSequenceRequest CreateRequest(uint64_t id, int num_layers, double rho) {
+  v1::CreateSequenceRequest request;
+  request.set_sequence_id(id);
+  request.set_num_layers(num_layers);
+  request.set_top_k(kK);
+  request.mutable_spin()->set_target_block_sparsity(rho);
+  request.mutable_spin()->set_seed(7);
+  return request;
+}
+
+SequenceOptions EngineOptions(int num_layers, double rho) {
+  SequenceOptions options;
+  options.num_layers = num_layers;
+  options.top_k = kK;
+  options.spin.target_block_sparsity = rho;
+  options.spin.seed = 7;
+  return options;
+}
+
+// One chunk of an AppendIndexKeys call.
+struct Chunk {
+  uint64_t sequence_id;
+  int layer;
+  int64_t first_slot;
+  std::vector<float> keys;  // fp32 [num_keys, D]
+};
+
+class GrpcServiceTest : public ::testing::Test {
+ protected:
+  void StartServer(int64_t capacity_blocks) {
+    auto indexer = Indexer::Create({capacity_blocks, kH, kD});
+    ASSERT_TRUE(indexer.ok()) << indexer.status();
+    indexer_ = std::move(*indexer);
+    auto twin = Indexer::Create({capacity_blocks, kH, kD});
+    ASSERT_TRUE(twin.ok());
+    twin_ = std::move(*twin);
+    service_ = std::make_unique<IndexerServiceImpl>(indexer_.get());
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    stub_ = v1::IndexerService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown();
+  }
+
+  grpc::Status Create(const v1::CreateSequenceRequest& request) {
+    grpc::ClientContext context;
+    v1::CreateSequenceResponse response;
+    return stub_->CreateSequence(&context, request, &response);
+  }
+
+  grpc::Status Append(const std::vector<Chunk>& chunks, int64_t* keys_appended = nullptr) {
+    grpc::ClientContext context;
+    v1::AppendIndexKeysResponse response;
+    auto writer = stub_->AppendIndexKeys(&context, &response);
+    for (const Chunk& chunk : chunks) {
+      v1::AppendIndexKeysRequest request;
+      request.set_sequence_id(chunk.sequence_id);
+      request.set_layer(chunk.layer);
+      request.set_first_slot(chunk.first_slot);
+      const int64_t shape[] = {static_cast<int64_t>(chunk.keys.size()) / kD, kD};
+      EncodeFloatTensor(chunk.keys, shape, request.mutable_keys());
+      if (!writer->Write(request)) break;  // the server ended the call early
+    }
+    writer->WritesDone();
+    grpc::Status status = writer->Finish();
+    if (keys_appended != nullptr) *keys_appended = response.keys_appended();
+    return status;
+  }
+
+  // Appends `keys` to (id, layer) on the server in chunks of `chunk_keys` and in one go on the
+  // twin.
+  void AppendBoth(uint64_t id, int layer, const std::vector<float>& keys, int64_t chunk_keys) {
+    const int64_t num_keys = static_cast<int64_t>(keys.size()) / kD;
+    const int64_t first = *twin_->NumSlots(id, layer);
+    std::vector<Chunk> chunks;
+    for (int64_t k = 0; k < num_keys; k += chunk_keys) {
+      const int64_t n = std::min(chunk_keys, num_keys - k);
+      chunks.push_back({id, layer, first + k,
+                        std::vector<float>(keys.begin() + k * kD, keys.begin() + (k + n) * kD)});
+    }
+    int64_t appended = 0;
+    ASSERT_TRUE(Append(chunks, &appended).ok());
+    EXPECT_EQ(appended, num_keys);
+    ASSERT_TRUE(twin_->AppendIndexKeys(id, layer, keys, num_keys).ok());
+  }
+
+  grpc::Status Select(const v1::SelectRequest& request, v1::SelectResponse* response) {
+    grpc::ClientContext context;
+    return stub_->Select(&context, request, response);
+  }
+
+  grpc::Status Commit(uint64_t id, int accepted) {
+    grpc::ClientContext context;
+    v1::CommitRequest request;
+    request.set_sequence_id(id);
+    request.set_accepted(accepted);
+    v1::CommitResponse response;
+    return stub_->Commit(&context, request, &response);
+  }
+
+  v1::GetLoadResponse Load() {
+    grpc::ClientContext context;
+    v1::GetLoadResponse response;
+    EXPECT_TRUE(stub_->GetLoad(&context, v1::GetLoadRequest(), &response).ok());
+    return response;
+  }
+
+  std::unique_ptr<Indexer> indexer_;  // behind the server
+  std::unique_ptr<Indexer> twin_;     // called directly with the same values
+  std::unique_ptr<IndexerServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::IndexerService::Stub> stub_;
+};
+
+TEST(ToGrpcStatusTest, SameCodeAndMessage) {
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  const grpc::Status s = ToGrpcStatus(absl::ResourceExhaustedError("pool full"));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(s.error_message(), "pool full");
+  EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("x")).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ToGrpcStatus(absl::UnavailableError("x")).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
+  StartServer(256);
+  constexpr int kLayers = 2;
+  constexpr int64_t kContext = 700;  // > K: SPIN prunes after the warm-up
+  std::mt19937 rng(3);
+  for (uint64_t id : {11u, 12u}) {
+    ASSERT_TRUE(Create(CreateRequest(id, kLayers, 0.4)).ok());
+    ASSERT_TRUE(twin_->CreateSequence(id, EngineOptions(kLayers, 0.4)).ok());
+    for (int l = 0; l < kLayers; ++l) {
+      AppendBoth(id, l, RandomValues(rng, kContext * kD), 128);
+    }
+  }
+  EXPECT_EQ(Load().sequences(), 2);
+  EXPECT_EQ(Load().used_blocks(), twin_->Usage().used_blocks);
+
+  // Decode steps: one request carries both sequences (one group each), every dtype of query.
+  int64_t position = kContext;
+  int pruned_groups = 0;  // groups where SPIN skipped blocks (so the flow covers the sparse path)
+  const DType dtypes[] = {common::v1::DTYPE_FLOAT32, common::v1::DTYPE_BFLOAT16,
+                          common::v1::DTYPE_FLOAT8_E4M3FN};
+  for (int step = 0; step < 4; ++step, ++position) {
+    for (int l = 0; l < kLayers; ++l) {
+      v1::SelectRequest request;
+      request.set_request_id(100 + step);
+      std::vector<Rows> rows;
+      for (uint64_t id : {11u, 12u}) {
+        AppendBoth(id, l, RandomValues(rng, kD), 1);
+        rows.push_back(MakeRows(rng, 1, dtypes[(step + id) % 3]));
+        AddGroup(&request, id, l, position, rows.back());
+      }
+      v1::SelectResponse response;
+      ASSERT_TRUE(Select(request, &response).ok());
+      EXPECT_EQ(response.request_id(), 100u + step);
+      ASSERT_EQ(response.selections_size(), 2);
+      for (int g = 0; g < 2; ++g) {
+        auto expected = twin_->Select(11 + g, l, EngineRows(rows[g], position));
+        ASSERT_TRUE(expected.ok());
+        EXPECT_EQ(Selections(response.selections(g)), expected->selections)
+            << "step " << step << " layer " << l << " group " << g;
+        EXPECT_EQ(response.selections(g).blocks_scored(), expected->blocks_scored);
+        EXPECT_EQ(response.selections(g).blocks_visible(), expected->blocks_visible);
+        EXPECT_EQ(response.selections(g).all_blocks(), expected->all_blocks);
+        pruned_groups += expected->blocks_scored < expected->blocks_visible ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_GT(pruned_groups, 0);
+
+  // A speculative step of sequence 11 (draft length 2, three verifier rows per layer), commit 1.
+  for (int l = 0; l < kLayers; ++l) {
+    AppendBoth(11, l, RandomValues(rng, 3 * kD), 2);
+    const Rows rows = MakeRows(rng, 3, common::v1::DTYPE_BFLOAT16);
+    v1::SelectRequest request;
+    AddGroup(&request, 11, l, position, rows);
+    v1::SelectResponse response;
+    ASSERT_TRUE(Select(request, &response).ok());
+    auto expected = twin_->Select(11, l, EngineRows(rows, position));
+    ASSERT_TRUE(expected.ok());
+    EXPECT_EQ(Selections(response.selections(0)), expected->selections) << "verifier layer " << l;
+  }
+  ASSERT_TRUE(Commit(11, 1).ok());
+  ASSERT_TRUE(twin_->Commit(11, 1).ok());
+  EXPECT_EQ(*indexer_->NumSlots(11, 0), position + 2);
+  position += 2;
+
+  // Per-layer traffic over SelectStream after the commit: one response per request, in order.
+  {
+    grpc::ClientContext context;
+    auto stream = stub_->SelectStream(&context);
+    std::vector<Rows> rows;
+    for (int l = 0; l < kLayers; ++l) {
+      AppendBoth(11, l, RandomValues(rng, kD), 1);
+      rows.push_back(MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+      v1::SelectRequest request;
+      request.set_request_id(500 + l);
+      AddGroup(&request, 11, l, position, rows.back());
+      ASSERT_TRUE(stream->Write(request));
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      v1::SelectResponse response;
+      ASSERT_TRUE(stream->Read(&response));
+      EXPECT_EQ(response.request_id(), 500u + l);
+      auto expected = twin_->Select(11, l, EngineRows(rows[l], position));
+      ASSERT_TRUE(expected.ok());
+      EXPECT_EQ(Selections(response.selections(0)), expected->selections) << "stream layer " << l;
+    }
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Finish().ok());
+  }
+
+  // BeginTurn then release both; the pool is empty again.
+  {
+    grpc::ClientContext context;
+    v1::BeginTurnRequest request;
+    request.set_sequence_id(11);
+    v1::BeginTurnResponse response;
+    EXPECT_TRUE(stub_->BeginTurn(&context, request, &response).ok());
+  }
+  for (uint64_t id : {11u, 12u}) {
+    grpc::ClientContext context;
+    v1::ReleaseRequest request;
+    request.set_sequence_id(id);
+    v1::ReleaseResponse response;
+    EXPECT_TRUE(stub_->Release(&context, request, &response).ok());
+  }
+  const v1::GetLoadResponse load = Load();
+  EXPECT_EQ(load.sequences(), 0);
+  EXPECT_EQ(load.used_blocks(), 0);
+  EXPECT_EQ(load.capacity_blocks(), 256);
+  EXPECT_EQ(load.free_blocks(), 256);
+  EXPECT_EQ(load.num_heads(), kH);
+  EXPECT_EQ(load.head_dim(), kD);
+}
+
+TEST_F(GrpcServiceTest, BadInputGetsThePreciseStatusAndTheServerKeepsServing) {
+  StartServer(8);  // 512 slots in all
+  std::mt19937 rng(5);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
+  AppendBoth(1, 0, RandomValues(rng, 100 * kD), 40);
+  const v1::GetLoadResponse before = Load();
+
+  // Duplicate: ALREADY_EXISTS with the engine's own message.
+  const grpc::Status duplicate = Create(CreateRequest(1, 1, 0.4));
+  EXPECT_EQ(duplicate.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(duplicate.error_message(), twin_->CreateSequence(1, EngineOptions(1, 0.4)).message());
+  // Bad settings and unknown enum values: INVALID_ARGUMENT.
+  v1::CreateSequenceRequest bad_create = CreateRequest(2, 1, 1.5);
+  EXPECT_EQ(Create(bad_create).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad_create = CreateRequest(2, 1, 0.4);
+  bad_create.mutable_spin()->set_pooling(static_cast<v1::BlockPooling>(42));
+  EXPECT_EQ(Create(bad_create).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad_create = CreateRequest(2, 0, 0.4);
+  EXPECT_EQ(Create(bad_create).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  // Unknown sequence: NOT_FOUND from every RPC.
+  EXPECT_EQ(Append({{99, 0, 0, RandomValues(rng, kD)}}).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Commit(99, 0).error_code(), grpc::StatusCode::NOT_FOUND);
+  {
+    v1::SelectRequest request;
+    AddGroup(&request, 99, 0, 0, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+    v1::SelectResponse response;
+    EXPECT_EQ(Select(request, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+    grpc::ClientContext context;
+    v1::ReleaseRequest release;
+    release.set_sequence_id(99);
+    v1::ReleaseResponse released;
+    EXPECT_EQ(stub_->Release(&context, release, &released).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+  }
+
+  // Queries of the wrong dtype or shape, head weights not fp32, NaN in a query, no groups,
+  // a row whose key is not appended yet.
+  auto select_status = [&](const v1::SelectRequest& request) {
+    v1::SelectResponse response;
+    return Select(request, &response).error_code();
+  };
+  {
+    Rows rows = MakeRows(rng, 1, common::v1::DTYPE_FLOAT32);
+    v1::SelectRequest request;
+    AddGroup(&request, 1, 0, 99, rows);
+    request.mutable_groups(0)->mutable_queries()->set_dtype(common::v1::DTYPE_INT32);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+    request.mutable_groups(0)->mutable_queries()->set_dtype(common::v1::DTYPE_UNSPECIFIED);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    const Rows wide = [&] {
+      Rows r;
+      r.queries = RandomValues(rng, kH * (kD + 1));
+      EncodeFloatTensor(r.queries, std::vector<int64_t>{1, kH, kD + 1}, &r.query_tensor);
+      r.weight_tensor = rows.weight_tensor;
+      return r;
+    }();
+    request.Clear();
+    AddGroup(&request, 1, 0, 99, wide);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    request.Clear();
+    AddGroup(&request, 1, 0, 99, rows);
+    request.mutable_groups(0)->mutable_queries()->mutable_data()->resize(kH * kD * 4 - 1);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    request.Clear();
+    AddGroup(&request, 1, 0, 99, rows);
+    request.mutable_groups(0)->mutable_head_weights()->set_dtype(common::v1::DTYPE_BFLOAT16);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    Rows nan_rows = rows;
+    nan_rows.queries[5] = std::numeric_limits<float>::quiet_NaN();
+    EncodeFloatTensor(nan_rows.queries, std::vector<int64_t>{1, kH, kD}, &nan_rows.query_tensor);
+    request.Clear();
+    AddGroup(&request, 1, 0, 99, nan_rows);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    request.Clear();
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    request.Clear();
+    AddGroup(&request, 1, 0, 100, rows);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::OUT_OF_RANGE);
+    request.Clear();
+    AddGroup(&request, 1, 3, 99, rows);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+
+    // A good group followed by a bad one: the bad one is caught before the good one runs.
+    request.Clear();
+    AddGroup(&request, 1, 0, 99, rows);
+    AddGroup(&request, 1, 0, 99, wide);
+    EXPECT_EQ(select_status(request), grpc::StatusCode::INVALID_ARGUMENT);
+    // Commit with nothing pending: FAILED_PRECONDITION.
+    EXPECT_EQ(Commit(1, 0).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  }
+
+  // NaN in the second chunk of an append: INVALID_ARGUMENT and the first chunk is undone.
+  {
+    std::vector<float> nan_keys = RandomValues(rng, 10 * kD);
+    nan_keys[3 * kD + 1] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_EQ(Append({{1, 0, 100, RandomValues(rng, 10 * kD)}, {1, 0, 110, nan_keys}}).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(*indexer_->NumSlots(1, 0), 100);
+    // A wrong first_slot: FAILED_PRECONDITION; a key of the wrong width: INVALID_ARGUMENT.
+    EXPECT_EQ(Append({{1, 0, 101, RandomValues(rng, kD)}}).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    {
+      grpc::ClientContext context;
+      v1::AppendIndexKeysResponse response;
+      auto writer = stub_->AppendIndexKeys(&context, &response);
+      v1::AppendIndexKeysRequest request;
+      request.set_sequence_id(1);
+      request.set_first_slot(100);
+      EncodeFloatTensor(RandomValues(rng, 2 * (kD + 1)), std::vector<int64_t>{2, kD + 1},
+                        request.mutable_keys());
+      writer->Write(request);
+      writer->WritesDone();
+      EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    }
+  }
+
+  // A context beyond capacity: the third chunk does not fit; the two before it are undone.
+  EXPECT_EQ(Append({{1, 0, 100, RandomValues(rng, 200 * kD)},
+                    {1, 0, 300, RandomValues(rng, 200 * kD)},
+                    {1, 0, 500, RandomValues(rng, 200 * kD)}})
+                .error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 100);
+  const v1::GetLoadResponse after = Load();
+  EXPECT_EQ(after.used_blocks(), before.used_blocks());
+  EXPECT_EQ(after.free_blocks(), before.free_blocks());
+  EXPECT_EQ(after.sequences(), 1);
+
+  // The server keeps serving, and the state equals the twin that never saw the bad requests.
+  AppendBoth(1, 0, RandomValues(rng, 300 * kD), 120);
+  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_FLOAT8_E4M3FN);
+  v1::SelectRequest request;
+  AddGroup(&request, 1, 0, 399, rows);
+  v1::SelectResponse response;
+  ASSERT_TRUE(Select(request, &response).ok());
+  auto expected = twin_->Select(1, 0, EngineRows(rows, 399));
+  ASSERT_TRUE(expected.ok());
+  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+}
+
+TEST_F(GrpcServiceTest, SelectStreamEndsWithTheStatusOfAFailedRequest) {
+  StartServer(8);
+  std::mt19937 rng(9);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
+  AppendBoth(1, 0, RandomValues(rng, 80 * kD), 80);
+  grpc::ClientContext context;
+  auto stream = stub_->SelectStream(&context);
+  v1::SelectRequest good;
+  AddGroup(&good, 1, 0, 79, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+  ASSERT_TRUE(stream->Write(good));
+  v1::SelectResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.selections_size(), 1);
+  v1::SelectRequest unknown;
+  AddGroup(&unknown, 42, 0, 0, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+  stream->Write(unknown);
+  EXPECT_FALSE(stream->Read(&response));
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Load().sequences(), 1);  // and the server still answers
+}
+
+}  // namespace
+}  // namespace dsa
