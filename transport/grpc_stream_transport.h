@@ -1,0 +1,51 @@
+// SelectionTransport over dsa.indexer.v1.IndexerService/SelectStream: one bidirectional gRPC stream
+// per (attention worker, indexer worker) pair; requests are written in order and answered in order.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "dsa/indexer/v1/indexer.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "transport/selection_transport.h"
+
+namespace dsa {
+
+class GrpcStreamTransport final : public SelectionTransport {
+ public:
+  /// Opens the stream on `channel` (not yet connected is fine: the first write connects).
+  explicit GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel);
+  ~GrpcStreamTransport() override;  // Close()s
+
+  absl::StatusOr<uint64_t> Submit(dsa::indexer::v1::SelectRequest request) override;
+  absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
+                                                         absl::Time deadline) override;
+  absl::Status Close() override;
+
+ private:
+  void ReadLoop();
+
+  std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<
+      grpc::ClientReaderWriter<dsa::indexer::v1::SelectRequest, dsa::indexer::v1::SelectResponse>>
+      stream_;
+  std::thread reader_;
+
+  std::mutex write_mutex_;  // one writer at a time (gRPC streams allow one outstanding write)
+  bool writes_done_ = false;
+
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable arrived_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, bool> outstanding_;  // submitted, not yet collected
+  std::map<uint64_t, dsa::indexer::v1::SelectResponse> responses_;
+  bool ended_ = false;         // the read side finished
+  absl::Status final_status_;  // the stream's status once ended_
+  bool closed_ = false;
+};
+
+}  // namespace dsa
