@@ -172,7 +172,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
-                       v1::SelectResponse* response) {
+                       v1::SelectResponse* response, IndexerMetrics* metrics) {
   if (request.groups().empty())
     return absl::InvalidArgumentError("select needs at least one group");
   std::vector<DecodedGroup> decoded(request.groups_size());
@@ -188,6 +188,7 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
       return absl::Status(result.status().code(),
                           absl::StrCat("group ", g, ": ", result.status().message()));
     }
+    if (metrics != nullptr) metrics->RecordSelect(*result);
     v1::GroupSelection* selection = response->add_selections();
     const int64_t shape[] = {static_cast<int64_t>(decoded[g].rows.size()), result->top_k};
     EncodeInt32Tensor(result->selections, shape, selection->mutable_selections());
@@ -198,6 +199,10 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   return absl::OkStatus();
 }
 
+void IndexerServiceImpl::UpdateCacheMetrics() {
+  if (metrics_ != nullptr) metrics_->SetCacheUsage(indexer_->Usage());
+}
+
 grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* /*context*/,
                                                 const v1::CreateSequenceRequest* request,
                                                 v1::CreateSequenceResponse* /*response*/) {
@@ -206,8 +211,10 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* /*context*/
   options.top_k = request->top_k();
   if (auto s = ToSpinConfig(request->spin(), &options.spin); !s.ok()) return ToGrpcStatus(s);
   if (request->has_prefix_source_id()) {
-    return ToGrpcStatus(indexer_->CreateSequenceFromPrefix(
-        request->sequence_id(), options, request->prefix_source_id(), request->prefix_slots()));
+    const absl::Status status = indexer_->CreateSequenceFromPrefix(
+        request->sequence_id(), options, request->prefix_source_id(), request->prefix_slots());
+    UpdateCacheMetrics();
+    return ToGrpcStatus(status);
   }
   if (request->prefix_slots() != 0) {
     return ToGrpcStatus(
@@ -264,8 +271,10 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
     for (auto it = touched.rbegin(); it != touched.rend(); ++it) {
       (void)indexer_->TruncateIndexKeys(it->sequence_id, it->layer, it->original_slots);
     }
+    UpdateCacheMetrics();
     return ToGrpcStatus(status);
   }
+  UpdateCacheMetrics();
   response->set_keys_appended(keys_appended);
   return grpc::Status::OK;
 }
@@ -273,7 +282,7 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
 grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* /*context*/,
                                         const v1::SelectRequest* request,
                                         v1::SelectResponse* response) {
-  return ToGrpcStatus(RunSelect(*indexer_, *request, response));
+  return ToGrpcStatus(RunSelect(*indexer_, *request, response, metrics_));
 }
 
 grpc::Status IndexerServiceImpl::SelectStream(
@@ -282,7 +291,9 @@ grpc::Status IndexerServiceImpl::SelectStream(
   v1::SelectRequest request;
   v1::SelectResponse response;
   while (stream->Read(&request)) {
-    if (auto s = RunSelect(*indexer_, request, &response); !s.ok()) return ToGrpcStatus(s);
+    if (auto s = RunSelect(*indexer_, request, &response, metrics_); !s.ok()) {
+      return ToGrpcStatus(s);
+    }
     if (!stream->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the stream");
     }
@@ -293,7 +304,9 @@ grpc::Status IndexerServiceImpl::SelectStream(
 grpc::Status IndexerServiceImpl::Commit(grpc::ServerContext* /*context*/,
                                         const v1::CommitRequest* request,
                                         v1::CommitResponse* /*response*/) {
-  return ToGrpcStatus(indexer_->Commit(request->sequence_id(), request->accepted()));
+  const absl::Status status = indexer_->Commit(request->sequence_id(), request->accepted());
+  UpdateCacheMetrics();  // Commit frees the rejected draft tokens' blocks
+  return ToGrpcStatus(status);
 }
 
 grpc::Status IndexerServiceImpl::BeginTurn(grpc::ServerContext* /*context*/,
@@ -305,13 +318,16 @@ grpc::Status IndexerServiceImpl::BeginTurn(grpc::ServerContext* /*context*/,
 grpc::Status IndexerServiceImpl::Release(grpc::ServerContext* /*context*/,
                                          const v1::ReleaseRequest* request,
                                          v1::ReleaseResponse* /*response*/) {
-  return ToGrpcStatus(indexer_->Release(request->sequence_id()));
+  const absl::Status status = indexer_->Release(request->sequence_id());
+  UpdateCacheMetrics();
+  return ToGrpcStatus(status);
 }
 
 grpc::Status IndexerServiceImpl::GetLoad(grpc::ServerContext* /*context*/,
                                          const v1::GetLoadRequest* /*request*/,
                                          v1::GetLoadResponse* response) {
   const CacheUsage usage = indexer_->Usage();
+  if (metrics_ != nullptr) metrics_->SetCacheUsage(usage);
   response->set_capacity_blocks(usage.capacity_blocks);
   response->set_used_blocks(usage.used_blocks);
   response->set_shared_blocks(usage.shared_blocks);

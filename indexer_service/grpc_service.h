@@ -7,6 +7,7 @@
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/indexer.h"
+#include "indexer_service/metrics.h"
 
 namespace dsa {
 
@@ -25,16 +26,19 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 /// values, layer, positions), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not yet appended),
 /// FAILED_PRECONDITION (a step awaits Commit).
 /// `response` gets request_id echoed and one GroupSelection per group, in order: selections int32
-/// [rows, K], best first, -1 padding.
+/// [rows, K], best first, -1 padding. `metrics` (optional) records every group that ran.
 absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
-                       dsa::indexer::v1::SelectResponse* response);
+                       dsa::indexer::v1::SelectResponse* response,
+                       IndexerMetrics* metrics = nullptr);
 
-/// dsa.indexer.v1.IndexerService over a dsa::Indexer that the caller owns and keeps alive for the
-/// server's lifetime. Thread-safe (the engine serializes its state; calls run on gRPC's threads).
-/// Every RPC answers with the engine's status code and message unchanged.
+/// dsa.indexer.v1.IndexerService over a dsa::Indexer (and optional IndexerMetrics) that the caller
+/// owns and keeps alive for the server's lifetime. Thread-safe (the engine serializes its state;
+/// calls run on gRPC's threads). Every RPC answers with the engine's status code and message
+/// unchanged. With metrics, selects are recorded and the cache gauges follow every change.
 class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Service {
  public:
-  explicit IndexerServiceImpl(Indexer* indexer) : indexer_(indexer) {}
+  explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr)
+      : indexer_(indexer), metrics_(metrics) {}
 
   /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
   /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
@@ -92,7 +96,11 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                        dsa::indexer::v1::GetLoadResponse* response) override;
 
  private:
-  Indexer* indexer_;  // not owned
+  // Sets the cache gauges from the engine's usage (no-op without metrics).
+  void UpdateCacheMetrics();
+
+  Indexer* indexer_;         // not owned
+  IndexerMetrics* metrics_;  // not owned; may be null
 };
 
 }  // namespace dsa

@@ -1,6 +1,7 @@
 // The CPU indexer engine (see indexer.h).
 #include "indexer_service/indexer.h"
 
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -204,15 +205,24 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
   }
 
   SpinState& spin = state.spin[layer];
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  auto phase_start = Clock::now();
   BlockPlan plan = spin.Plan(positions);
   SelectResult result;
+  result.phase_seconds.predict = seconds_since(phase_start);
   result.top_k = state.options.top_k;
   result.blocks = std::move(plan.blocks);
   result.blocks_scored = static_cast<int64_t>(result.blocks.size());
   result.blocks_visible = plan.visible_blocks;
   result.all_blocks = plan.all_blocks;
+  phase_start = Clock::now();
   std::vector<float> scores(rows.size() * result.blocks.size() * kBlockSize);
   ScoreBlocks(*view, result.blocks, rows, options_.num_heads, scores);
+  result.phase_seconds.scan = seconds_since(phase_start);
+  phase_start = Clock::now();
   result.selections.resize(rows.size() * result.top_k);
   const size_t row_stride = result.blocks.size() * kBlockSize;
   for (size_t r = 0; r < rows.size(); ++r) {
@@ -220,8 +230,11 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
                positions[r],
                std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
   }
+  result.phase_seconds.topk = seconds_since(phase_start);
   if (rows.size() == 1) {
+    phase_start = Clock::now();
     spin.Update(positions[0], result.blocks, scores);
+    result.phase_seconds.update = seconds_since(phase_start);
     state.last_position[layer] = positions[0];
   } else {
     pending.positions = positions;

@@ -33,6 +33,14 @@ struct SequenceOptions {
   SpinConfig spin;
 };
 
+/// Wall time of the phases of one Select (DESIGN.md 4.2 steps 2-8), seconds (steady clock).
+struct SelectPhaseSeconds {
+  double predict = 0;  // SPIN plan: block scores, budget, exploration
+  double scan = 0;     // scoring the chosen blocks
+  double topk = 0;     // top-K of every row
+  double update = 0;   // EMA update; 0 for verifier rows (deferred to Commit)
+};
+
 /// The outcome of one Select.
 struct SelectResult {
   int top_k = 0;
@@ -46,6 +54,7 @@ struct SelectResult {
   int64_t blocks_scored = 0;   // blocks.size()
   int64_t blocks_visible = 0;  // ceil(N_t / 64) for the last row
   bool all_blocks = false;     // every visible block was scored (SPIN off, warm-up, N_t <= K)
+  SelectPhaseSeconds phase_seconds;
 };
 
 /// Thread-safe (one mutex; a Select scores with all cores).

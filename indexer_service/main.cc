@@ -1,13 +1,16 @@
 // `dsa-indexer`: the indexer worker binary. Serves dsa.indexer.v1.IndexerService over one
-// dsa::Indexer (CPU backend), with grpc.health.v1 ("liveness", "readiness"), server reflection and
-// graceful shutdown on SIGTERM or SIGINT (readiness NOT_SERVING for --drain-delay-ms, then
-// Shutdown: new calls refused, in-flight ones cancelled after --shutdown-grace-ms).
+// dsa::Indexer (CPU backend), with grpc.health.v1 ("liveness", "readiness"), server reflection,
+// Prometheus /metrics (DESIGN.md section 6) and graceful shutdown on SIGTERM or SIGINT (readiness
+// NOT_SERVING for --drain-delay-ms, then Shutdown: new calls refused, in-flight ones cancelled
+// after --shutdown-grace-ms).
 #include <pthread.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,6 +21,9 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
+#include "indexer_service/metrics.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
 
 namespace {
 
@@ -43,6 +49,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   options.capacity_blocks = 4096;
   int64_t shutdown_grace_ms = 5000;
   int64_t drain_delay_ms = 0;
+  std::string metrics_listen = "127.0.0.1:0";
   app.add_option("--listen", listen,
                  "host:port to serve on; port 0 picks a free one (the bound address is printed)")
       ->capture_default_str();
@@ -60,6 +67,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "On SIGTERM: how long readiness reports NOT_SERVING while calls are still taken, "
                  "so load balancers stop routing here before the server stops")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option(
+         "--metrics-listen", metrics_listen,
+         "host:port of the Prometheus /metrics endpoint; port 0 picks a free one (printed); "
+         "empty = no endpoint")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -79,7 +91,21 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  dsa::IndexerServiceImpl service(indexer->get());
+  auto registry = std::make_shared<prometheus::Registry>();
+  dsa::IndexerMetrics metrics(*registry);
+  metrics.SetCacheUsage((*indexer)->Usage());
+  std::unique_ptr<prometheus::Exposer> exposer;
+  if (!metrics_listen.empty()) {
+    try {  // prometheus-cpp reports a bind failure by throwing
+      exposer = std::make_unique<prometheus::Exposer>(metrics_listen, 1);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dsa-indexer: cannot serve metrics on %s: %s\n", metrics_listen.c_str(),
+                   e.what());
+      return 1;
+    }
+    exposer->RegisterCollectable(registry);
+  }
+  dsa::IndexerServiceImpl service(indexer->get(), &metrics);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
@@ -99,6 +125,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   std::printf("dsa-indexer: listening on %s (capacity %lld blocks, H=%d, D=%d)\n",
               WithPort(listen, port).c_str(), static_cast<long long>(options.capacity_blocks),
               options.num_heads, options.head_dim);
+  if (exposer != nullptr && !exposer->GetListeningPorts().empty()) {
+    std::printf("dsa-indexer: metrics on http://%s/metrics\n",
+                WithPort(metrics_listen, exposer->GetListeningPorts().front()).c_str());
+  }
   std::fflush(stdout);
 
   int signal_number = 0;
@@ -111,5 +141,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(shutdown_grace_ms));
   server->Wait();
   std::fprintf(stderr, "dsa-indexer: stopped\n");
-  return 0;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  // Exit now: stopping the /metrics server (civetweb) takes over a second, which would push the
+  // exit past a short grace period, and nothing is left to release that the process exit does not.
+  std::_Exit(0);
 }

@@ -18,6 +18,7 @@
 #include "common/fp8.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {
@@ -142,6 +143,32 @@ struct Chunk {
   std::vector<float> keys;  // fp32 [num_keys, D]
 };
 
+// The value of one sample of the registry: family `name` with the given label (empty = none);
+// histograms give their sample count. -1 when absent.
+double MetricValue(prometheus::Registry& registry, const std::string& name,
+                   const std::string& label_value = "") {
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      const bool match = label_value.empty()
+                             ? metric.label.empty()
+                             : (metric.label.size() == 1 && metric.label[0].value == label_value);
+      if (!match) continue;
+      switch (family.type) {
+        case prometheus::MetricType::Counter:
+          return metric.counter.value;
+        case prometheus::MetricType::Gauge:
+          return metric.gauge.value;
+        case prometheus::MetricType::Histogram:
+          return static_cast<double>(metric.histogram.sample_count);
+        default:
+          return -1;
+      }
+    }
+  }
+  return -1;
+}
+
 class GrpcServiceTest : public ::testing::Test {
  protected:
   void StartServer(int64_t capacity_blocks) {
@@ -151,7 +178,9 @@ class GrpcServiceTest : public ::testing::Test {
     auto twin = Indexer::Create({capacity_blocks, kH, kD});
     ASSERT_TRUE(twin.ok());
     twin_ = std::move(*twin);
-    service_ = std::make_unique<IndexerServiceImpl>(indexer_.get());
+    registry_ = std::make_shared<prometheus::Registry>();
+    metrics_ = std::make_unique<IndexerMetrics>(*registry_);
+    service_ = std::make_unique<IndexerServiceImpl>(indexer_.get(), metrics_.get());
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -231,6 +260,8 @@ class GrpcServiceTest : public ::testing::Test {
 
   std::unique_ptr<Indexer> indexer_;  // behind the server
   std::unique_ptr<Indexer> twin_;     // called directly with the same values
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<IndexerMetrics> metrics_;
   std::unique_ptr<IndexerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::IndexerService::Stub> stub_;
@@ -263,6 +294,7 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
   // Decode steps: one request carries both sequences (one group each), every dtype of query.
   int64_t position = kContext;
   int pruned_groups = 0;  // groups where SPIN skipped blocks (so the flow covers the sparse path)
+  int64_t blocks_scored = 0, blocks_visible = 0, groups = 0;
   const DType dtypes[] = {common::v1::DTYPE_FLOAT32, common::v1::DTYPE_BFLOAT16,
                           common::v1::DTYPE_FLOAT8_E4M3FN};
   for (int step = 0; step < 4; ++step, ++position) {
@@ -288,10 +320,24 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
         EXPECT_EQ(response.selections(g).blocks_visible(), expected->blocks_visible);
         EXPECT_EQ(response.selections(g).all_blocks(), expected->all_blocks);
         pruned_groups += expected->blocks_scored < expected->blocks_visible ? 1 : 0;
+        blocks_scored += expected->blocks_scored;
+        blocks_visible += expected->blocks_visible;
+        ++groups;
       }
     }
   }
   EXPECT_GT(pruned_groups, 0);
+  // Metrics: one observation per group; block counters sum the groups; cache gauges follow usage.
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_blocks_scored_total"), blocks_scored);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_blocks_visible_total"), blocks_visible);
+  for (const char* phase : {"predict", "scan", "topk", "update"}) {
+    EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_select_duration_seconds", phase), groups)
+        << phase;
+  }
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "used"),
+            twin_->Usage().used_blocks);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "free"),
+            twin_->Usage().free_blocks);
 
   // A speculative step of sequence 11 (draft length 2, three verifier rows per layer), commit 1.
   for (int l = 0; l < kLayers; ++l) {
@@ -357,6 +403,8 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
   EXPECT_EQ(load.free_blocks(), 256);
   EXPECT_EQ(load.num_heads(), kH);
   EXPECT_EQ(load.head_dim(), kD);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "used"), 0);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "free"), 256);
 }
 
 TEST_F(GrpcServiceTest, BadInputGetsThePreciseStatusAndTheServerKeepsServing) {

@@ -1,0 +1,61 @@
+// Prometheus metrics of the indexer worker (see metrics.h).
+#include "indexer_service/metrics.h"
+
+#include <string>
+
+namespace dsa {
+namespace {
+
+// 10 us to 2.5 s: a top-K of one row is ~10 us, a dense scan of a long batch is ~1 s on the CPU.
+prometheus::Histogram::BucketBoundaries DurationBuckets() {
+  return {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+          1e-2, 2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1.0,  2.5};
+}
+
+}  // namespace
+
+IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
+  auto& duration = prometheus::BuildHistogram()
+                       .Name("dsa_indexer_select_duration_seconds")
+                       .Help("Wall time of each phase of a select, per row group")
+                       .Register(registry);
+  predict_seconds_ = &duration.Add({{"phase", "predict"}}, DurationBuckets());
+  scan_seconds_ = &duration.Add({{"phase", "scan"}}, DurationBuckets());
+  topk_seconds_ = &duration.Add({{"phase", "topk"}}, DurationBuckets());
+  update_seconds_ = &duration.Add({{"phase", "update"}}, DurationBuckets());
+  blocks_scored_ = &prometheus::BuildCounter()
+                        .Name("dsa_indexer_blocks_scored_total")
+                        .Help("64-slot blocks scored by selects (after SPIN pruning)")
+                        .Register(registry)
+                        .Add({});
+  blocks_visible_ = &prometheus::BuildCounter()
+                         .Name("dsa_indexer_blocks_visible_total")
+                         .Help("64-slot blocks visible to selects (what all-keep would score)")
+                         .Register(registry)
+                         .Add({});
+  auto& cache = prometheus::BuildGauge()
+                    .Name("dsa_indexer_cache_blocks")
+                    .Help("64-slot blocks of the index-key cache by state")
+                    .Register(registry);
+  used_blocks_ = &cache.Add({{"state", "used"}});
+  shared_blocks_ = &cache.Add({{"state", "shared"}});
+  free_blocks_ = &cache.Add({{"state", "free"}});
+}
+
+void IndexerMetrics::RecordSelect(const SelectResult& result) {
+  predict_seconds_->Observe(result.phase_seconds.predict);
+  scan_seconds_->Observe(result.phase_seconds.scan);
+  topk_seconds_->Observe(result.phase_seconds.topk);
+  const bool single_row = result.selections.size() == static_cast<size_t>(result.top_k);
+  if (single_row) update_seconds_->Observe(result.phase_seconds.update);
+  blocks_scored_->Increment(static_cast<double>(result.blocks_scored));
+  blocks_visible_->Increment(static_cast<double>(result.blocks_visible));
+}
+
+void IndexerMetrics::SetCacheUsage(const CacheUsage& usage) {
+  used_blocks_->Set(static_cast<double>(usage.used_blocks));
+  shared_blocks_->Set(static_cast<double>(usage.shared_blocks));
+  free_blocks_->Set(static_cast<double>(usage.free_blocks));
+}
+
+}  // namespace dsa

@@ -1,0 +1,41 @@
+// Prometheus metrics of the indexer worker (DESIGN.md section 6): select phase durations, blocks
+// scored and visible, cache blocks by state. Base units; no request-scoped labels.
+#pragma once
+
+#include "indexer_service/index_key_cache.h"
+#include "indexer_service/indexer.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace dsa {
+
+/// The indexer's metric families, registered in a caller-owned registry that outlives this object:
+/// - dsa_indexer_select_duration_seconds{phase="predict"|"scan"|"topk"|"update"} (histogram)
+/// - dsa_indexer_blocks_scored_total, dsa_indexer_blocks_visible_total (counters, 64-slot blocks)
+/// - dsa_indexer_cache_blocks{state="used"|"shared"|"free"} (gauge, 64-slot blocks)
+/// Thread-safe (prometheus-cpp metrics are).
+class IndexerMetrics {
+ public:
+  explicit IndexerMetrics(prometheus::Registry& registry);
+
+  /// Records one Select's phase times and block counts (verifier rows, whose update is deferred to
+  /// Commit, observe no update phase).
+  void RecordSelect(const SelectResult& result);
+  /// Sets the cache gauges from the pool's usage.
+  void SetCacheUsage(const CacheUsage& usage);
+
+ private:
+  prometheus::Histogram* predict_seconds_;
+  prometheus::Histogram* scan_seconds_;
+  prometheus::Histogram* topk_seconds_;
+  prometheus::Histogram* update_seconds_;
+  prometheus::Counter* blocks_scored_;
+  prometheus::Counter* blocks_visible_;
+  prometheus::Gauge* used_blocks_;
+  prometheus::Gauge* shared_blocks_;
+  prometheus::Gauge* free_blocks_;
+};
+
+}  // namespace dsa
