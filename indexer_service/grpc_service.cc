@@ -235,6 +235,11 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
   int64_t keys_appended = 0;
   const int64_t key_shape[] = {-1, indexer_->options().head_dim};
   auto append_chunk = [&](const v1::AppendIndexKeysRequest& chunk, int64_t index) -> absl::Status {
+    if (chunk.ByteSizeLong() > static_cast<size_t>(kMaxAppendChunkBytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat("chunk ", index, " is ",
+                                                       chunk.ByteSizeLong(), " bytes, over the ",
+                                                       kMaxAppendChunkBytes, "-byte chunk limit"));
+    }
     const std::string name = absl::StrCat("chunk ", index, " keys");
     DSA_ASSIGN_OR_RETURN(std::vector<float> keys, DecodeFloatTensor(chunk.keys(), key_shape, name));
     DSA_ASSIGN_OR_RETURN(int64_t slots, indexer_->NumSlots(chunk.sequence_id(), chunk.layer()));

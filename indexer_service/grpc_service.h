@@ -11,6 +11,16 @@
 
 namespace dsa {
 
+/// Largest AppendIndexKeys chunk (serialized message) the adapter takes: gRPC's 4 MiB default.
+/// A larger one is refused with RESOURCE_EXHAUSTED by the handler, which undoes the call's earlier
+/// chunks before the status is sent.
+inline constexpr int kMaxAppendChunkBytes = 4 << 20;
+/// The receive limit a server of this service sets (grpc::ServerBuilder::SetMaxReceiveMessageSize)
+/// so that chunks up to this size reach the handler and are refused deterministically as above. A
+/// message over it is failed by gRPC itself before the handler sees it; the handler then undoes
+/// the call's chunks only if gRPC has already marked the call cancelled when the stream ends.
+inline constexpr int kMaxReceiveMessageBytes = 64 << 20;
+
 /// absl::Status -> grpc::Status with the same code (Abseil's codes are gRPC's) and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
@@ -58,7 +68,7 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// Response: keys_appended over all chunks. Errors: NOT_FOUND; INVALID_ARGUMENT (dtype, shape,
   /// non-finite key, layer); FAILED_PRECONDITION (first_slot differs from the layer's slot count,
   /// the layer's verifier rows await Commit); RESOURCE_EXHAUSTED (pool full, layer over 2^31
-  /// slots); CANCELLED (the client went away).
+  /// slots, a chunk over kMaxAppendChunkBytes); CANCELLED (the client went away).
   grpc::Status AppendIndexKeys(grpc::ServerContext* context,
                                grpc::ServerReader<dsa::indexer::v1::AppendIndexKeysRequest>* reader,
                                dsa::indexer::v1::AppendIndexKeysResponse* response) override;

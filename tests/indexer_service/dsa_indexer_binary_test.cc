@@ -1,6 +1,7 @@
 // Tests of the `dsa-indexer` binary as a real process on loopback (port 0): --help, the printed
-// bound address, grpc.health.v1 liveness/readiness, the service itself, readiness NOT_SERVING while
-// draining after SIGTERM, and exit within the grace period with a stream still open.
+// bound address, grpc.health.v1 liveness/readiness, server reflection, /metrics, the service,
+// readiness NOT_SERVING while draining after SIGTERM, and exit within the grace period with a
+// stream still open.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -13,6 +14,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
 
 namespace {
@@ -114,6 +117,34 @@ int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::strin
   return response.size() == 2 && response[0] == '\x08' ? response[1] : -1;
 }
 
+// The raw bytes of a grpc.reflection.v1alpha list_services answer (no generated reflection stubs
+// are installed): request field 7 (list_services), the response holds the service names.
+std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  const grpc::internal::RpcMethod method(
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channel.get(), method, &context));
+  const std::string request = {'\x3a', '\x01', '*'};
+  grpc::Slice slice(request);
+  grpc::ByteBuffer request_buffer(&slice, 1);
+  grpc::ByteBuffer response_buffer;
+  std::string response;
+  if (stream->Write(request_buffer) && stream->Read(&response_buffer)) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response_buffer.Dump(&slices).ok());
+    for (const grpc::Slice& s : slices) {
+      response.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  stream->WritesDone();
+  (void)stream->Finish();
+  return response;
+}
+
 // GET http://address/metrics over a plain socket; the whole response, headers included.
 std::string HttpGetMetrics(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -159,6 +190,10 @@ TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {
   auto channel = grpc::CreateChannel(process.address, grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(channel, "liveness"), 1);
   EXPECT_EQ(HealthStatus(channel, "readiness"), 1);
+
+  const std::string services = ReflectionListServices(channel);
+  EXPECT_NE(services.find("dsa.indexer.v1.IndexerService"), std::string::npos) << services;
+  EXPECT_NE(services.find("grpc.health.v1.Health"), std::string::npos) << services;
 
   auto stub = v1::IndexerService::NewStub(channel);
   {

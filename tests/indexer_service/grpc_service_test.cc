@@ -5,6 +5,7 @@
 #include "indexer_service/grpc_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -185,6 +187,7 @@ class GrpcServiceTest : public ::testing::Test {
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
+    builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
@@ -551,6 +554,31 @@ TEST_F(GrpcServiceTest, BadInputGetsThePreciseStatusAndTheServerKeepsServing) {
   v1::SelectResponse response;
   ASSERT_TRUE(Select(request, &response).ok());
   auto expected = twin_->Select(1, 0, EngineRows(rows, 399));
+  ASSERT_TRUE(expected.ok());
+  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+}
+
+TEST_F(GrpcServiceTest, AChunkOverTheLimitIsRefusedAndNothingIsWritten) {
+  StartServer(64);
+  std::mt19937 rng(11);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
+  AppendBoth(1, 0, RandomValues(rng, 70 * kD), 70);
+  // One good chunk, then one of 5 MiB (over the 4 MiB chunk limit): refused, the first undone
+  // before the status reaches the client.
+  const int64_t big_keys = (int64_t{5} << 20) / (kD * 4);
+  const grpc::Status status = Append({{1, 0, 70, RandomValues(rng, 10 * kD)},
+                                      {1, 0, 80, std::vector<float>(big_keys * kD, 0.5f)}});
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 70);
+  EXPECT_EQ(Load().used_blocks(), twin_->Usage().used_blocks);
+  AppendBoth(1, 0, RandomValues(rng, 10 * kD), 10);
+  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_FLOAT32);
+  v1::SelectRequest request;
+  AddGroup(&request, 1, 0, 79, rows);
+  v1::SelectResponse response;
+  ASSERT_TRUE(Select(request, &response).ok());
+  auto expected = twin_->Select(1, 0, EngineRows(rows, 79));
   ASSERT_TRUE(expected.ok());
   EXPECT_EQ(Selections(response.selections(0)), expected->selections);
 }
