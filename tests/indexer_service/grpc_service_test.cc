@@ -583,6 +583,42 @@ TEST_F(GrpcServiceTest, AChunkOverTheLimitIsRefusedAndNothingIsWritten) {
   EXPECT_EQ(Selections(response.selections(0)), expected->selections);
 }
 
+TEST_F(GrpcServiceTest, PrefixSharingThroughCreateSequence) {
+  StartServer(32);
+  std::mt19937 rng(13);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
+  AppendBoth(1, 0, RandomValues(rng, 150 * kD), 64);
+  v1::CreateSequenceRequest shared = CreateRequest(2, 1, 0.4);
+  shared.set_prefix_source_id(1);
+  shared.set_prefix_slots(128);
+  ASSERT_TRUE(Create(shared).ok());
+  ASSERT_TRUE(twin_->CreateSequenceFromPrefix(2, EngineOptions(1, 0.4), 1, 128).ok());
+  EXPECT_EQ(Load().shared_blocks(), 2);
+  EXPECT_EQ(*indexer_->NumSlots(2, 0), 128);
+  AppendBoth(2, 0, RandomValues(rng, 10 * kD), 10);
+  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_BFLOAT16);
+  v1::SelectRequest request;
+  AddGroup(&request, 2, 0, 137, rows);
+  v1::SelectResponse response;
+  ASSERT_TRUE(Select(request, &response).ok());
+  auto expected = twin_->Select(2, 0, EngineRows(rows, 137));
+  ASSERT_TRUE(expected.ok());
+  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+
+  // prefix_slots without a source, a length that is not a multiple of 64, an unknown source.
+  v1::CreateSequenceRequest bad = CreateRequest(3, 1, 0.4);
+  bad.set_prefix_slots(64);
+  EXPECT_EQ(Create(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad.set_prefix_source_id(1);
+  bad.set_prefix_slots(100);
+  EXPECT_EQ(Create(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad.set_prefix_source_id(77);
+  bad.set_prefix_slots(64);
+  EXPECT_EQ(Create(bad).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Load().sequences(), 2);
+}
+
 TEST_F(GrpcServiceTest, SelectStreamEndsWithTheStatusOfAFailedRequest) {
   StartServer(8);
   std::mt19937 rng(9);
