@@ -22,6 +22,7 @@
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
+#include "nlohmann/json.hpp"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 
@@ -29,6 +30,18 @@ namespace {
 
 constexpr char kLiveness[] = "liveness";
 constexpr char kReadiness[] = "readiness";
+
+// One structured log line on stderr: {"ts": unix seconds, "level", "msg", fields...}.
+void Log(const char* level, const char* msg, nlohmann::json fields = nlohmann::json::object()) {
+  fields["ts"] =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  fields["level"] = level;
+  fields["msg"] = msg;
+  // Invalid UTF-8 (a flag value, a library's message) is replaced, never thrown on.
+  const std::string line = fields.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+}
 
 // "host:port" with the port replaced by `port` (the bound one when the flag asked for port 0).
 std::string WithPort(const std::string& address, int port) {
@@ -77,7 +90,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 
   auto indexer = dsa::Indexer::Create(options);
   if (!indexer.ok()) {
-    std::fprintf(stderr, "dsa-indexer: %s\n", indexer.status().ToString().c_str());
+    Log("error", "cannot create the indexer", {{"status", indexer.status().ToString()}});
     return 2;
   }
 
@@ -99,8 +112,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     try {  // prometheus-cpp reports a bind failure by throwing
       exposer = std::make_unique<prometheus::Exposer>(metrics_listen, 1);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "dsa-indexer: cannot serve metrics on %s: %s\n", metrics_listen.c_str(),
-                   e.what());
+      Log("error", "cannot serve metrics", {{"address", metrics_listen}, {"error", e.what()}});
       return 1;
     }
     exposer->RegisterCollectable(registry);
@@ -113,12 +125,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   builder.SetMaxReceiveMessageSize(dsa::kMaxReceiveMessageBytes);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "dsa-indexer: cannot listen on %s\n", listen.c_str());
+    Log("error", "cannot listen", {{"address", listen}});
     return 1;
   }
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   if (health == nullptr) {
-    std::fprintf(stderr, "dsa-indexer: no health check service\n");
+    Log("error", "no health check service");
     return 1;
   }
   health->SetServingStatus(kLiveness, true);
@@ -131,17 +143,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                 WithPort(metrics_listen, exposer->GetListeningPorts().front()).c_str());
   }
   std::fflush(stdout);
+  Log("info", "serving",
+      {{"address", WithPort(listen, port)},
+       {"capacity_blocks", options.capacity_blocks},
+       {"num_heads", options.num_heads},
+       {"head_dim", options.head_dim}});
 
   int signal_number = 0;
   sigwait(&signals, &signal_number);
-  std::fprintf(stderr, "dsa-indexer: %s: draining (delay %lld ms, grace %lld ms)\n",
-               signal_number == SIGTERM ? "SIGTERM" : "SIGINT",
-               static_cast<long long>(drain_delay_ms), static_cast<long long>(shutdown_grace_ms));
+  Log("info", "draining",
+      {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
+       {"drain_delay_ms", drain_delay_ms},
+       {"shutdown_grace_ms", shutdown_grace_ms}});
   health->SetServingStatus(kReadiness, false);
   std::this_thread::sleep_for(std::chrono::milliseconds(drain_delay_ms));
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(shutdown_grace_ms));
   server->Wait();
-  std::fprintf(stderr, "dsa-indexer: stopped\n");
+  Log("info", "stopped");
   std::fflush(stdout);
   std::fflush(stderr);
   // Exit now: stopping the /metrics server (civetweb) takes over a second, which would push the
