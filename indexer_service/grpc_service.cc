@@ -296,8 +296,13 @@ grpc::Status IndexerServiceImpl::SelectStream(
   v1::SelectRequest request;
   v1::SelectResponse response;
   while (stream->Read(&request)) {
+    // One stream carries many sequences' layers: a refused request gets its own status and the
+    // others go on.
     if (auto s = RunSelect(*indexer_, request, &response, metrics_); !s.ok()) {
-      return ToGrpcStatus(s);
+      response.Clear();
+      response.set_request_id(request.request_id());
+      response.mutable_error()->set_code(static_cast<int32_t>(s.code()));
+      response.mutable_error()->set_message(std::string(s.message()));
     }
     if (!stream->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the stream");

@@ -79,8 +79,9 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                       dsa::indexer::v1::SelectResponse* response) override;
 
   /// Bidirectional stream of SelectRequests (per-layer traffic): one SelectResponse per request,
-  /// in order, each as Select would answer. The first failing request ends the stream with its
-  /// status (the responses before it were delivered); OK when the client half-closes.
+  /// in order, each as Select would answer. A refused request is answered with its status in
+  /// SelectResponse.error (same code and message as Select's) and the stream goes on, since one
+  /// stream carries many sequences; OK when the client half-closes, CANCELLED if it goes away.
   grpc::Status SelectStream(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<dsa::indexer::v1::SelectResponse, dsa::indexer::v1::SelectRequest>*

@@ -97,6 +97,10 @@ absl::StatusOr<v1::SelectResponse> GrpcStreamTransport::Await(uint64_t request_i
     v1::SelectResponse response = std::move(it->second);
     responses_.erase(it);
     outstanding_.erase(request_id);
+    if (response.has_error()) {  // the indexer refused this request; the stream goes on
+      return absl::Status(static_cast<absl::StatusCode>(response.error().code()),
+                          response.error().message());
+    }
     return response;
   }
   outstanding_.erase(request_id);

@@ -25,8 +25,8 @@ class SelectionTransport {
   /// Blocks until the response to `request_id` arrives, then hands it over (once).
   /// Errors: DEADLINE_EXCEEDED at `deadline` (the response may still arrive and be awaited again);
   /// NOT_FOUND for an id never submitted or already collected; the indexer's own status (e.g.
-  /// INVALID_ARGUMENT, NOT_FOUND) when it refused the request and ended the stream; UNAVAILABLE
-  /// when the connection ended otherwise.
+  /// INVALID_ARGUMENT, NOT_FOUND) when it refused this request (other requests are unaffected);
+  /// UNAVAILABLE, or the stream's final status, when the connection ended before the answer.
   virtual absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
                                                                  absl::Time deadline) = 0;
 

@@ -55,7 +55,7 @@ Process Start(const std::vector<std::string>& flags) {
   EXPECT_EQ(posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), environ), 0);
   posix_spawn_file_actions_destroy(&actions);
   close(out[1]);
-  Process process{pid, ""};
+  Process process{pid, "", ""};
   // Read the first two lines: "dsa-indexer: listening on HOST:PORT (...)" and
   // "dsa-indexer: metrics on http://HOST:PORT/metrics".
   std::string line, metrics_line;

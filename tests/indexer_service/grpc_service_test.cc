@@ -619,26 +619,44 @@ TEST_F(GrpcServiceTest, PrefixSharingThroughCreateSequence) {
   EXPECT_EQ(Load().sequences(), 2);
 }
 
-TEST_F(GrpcServiceTest, SelectStreamEndsWithTheStatusOfAFailedRequest) {
+TEST_F(GrpcServiceTest, SelectStreamAnswersAFailedRequestWithItsStatusAndGoesOn) {
   StartServer(8);
   std::mt19937 rng(9);
   ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
   ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
-  AppendBoth(1, 0, RandomValues(rng, 80 * kD), 80);
+  AppendBoth(1, 0, RandomValues(rng, 82 * kD), 82);
   grpc::ClientContext context;
   auto stream = stub_->SelectStream(&context);
   v1::SelectRequest good;
+  good.set_request_id(1);
   AddGroup(&good, 1, 0, 79, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
   ASSERT_TRUE(stream->Write(good));
   v1::SelectResponse response;
   ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.request_id(), 1u);
   EXPECT_EQ(response.selections_size(), 1);
+  EXPECT_FALSE(response.has_error());
   v1::SelectRequest unknown;
+  unknown.set_request_id(2);
   AddGroup(&unknown, 42, 0, 0, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
-  stream->Write(unknown);
+  ASSERT_TRUE(stream->Write(unknown));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.request_id(), 2u);
+  EXPECT_EQ(response.selections_size(), 0);
+  EXPECT_EQ(response.error().code(), static_cast<int32_t>(grpc::StatusCode::NOT_FOUND));
+  EXPECT_NE(response.error().message().find("42"), std::string::npos) << response.error().message();
+  // The same stream still serves the good sequence.
+  v1::SelectRequest later;
+  later.set_request_id(3);
+  AddGroup(&later, 1, 0, 81, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+  ASSERT_TRUE(stream->Write(later));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.request_id(), 3u);
+  EXPECT_EQ(response.selections_size(), 1);
+  EXPECT_FALSE(response.has_error());
+  stream->WritesDone();
   EXPECT_FALSE(stream->Read(&response));
-  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(Load().sequences(), 1);  // and the server still answers
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 }  // namespace

@@ -103,19 +103,34 @@ TEST_F(TransportTest, LayersSubmittedAheadAreAwaitedLaterWithTheEnginesAnswers) 
             absl::StatusCode::kUnavailable);
 }
 
-TEST_F(TransportTest, ARefusedRequestEndsTheStreamWithTheIndexersStatus) {
+TEST_F(TransportTest, ARefusedRequestGetsTheIndexersStatusAndOthersGoOn) {
   GrpcStreamTransport transport(channel_);
   auto bad = transport.Submit(Request(99, 0, kSlots - 1));  // unknown sequence
-  ASSERT_TRUE(bad.ok());
-  EXPECT_EQ(transport.Await(*bad, absl::InfiniteFuture()).status().code(),
-            absl::StatusCode::kNotFound);
-  // The stream is gone: a new request is refused at once, and the server serves a new stream.
-  EXPECT_EQ(transport.Submit(Request(7, 0, kSlots - 1)).status().code(),
-            absl::StatusCode::kUnavailable);
-  GrpcStreamTransport fresh(channel_);
-  auto good = fresh.Submit(Request(7, 0, kSlots - 1));
-  ASSERT_TRUE(good.ok());
-  EXPECT_TRUE(fresh.Await(*good, absl::Now() + absl::Seconds(30)).ok());
+  auto good = transport.Submit(Request(7, 0, kSlots - 1));
+  ASSERT_TRUE(bad.ok() && good.ok());
+  const absl::StatusOr<v1::SelectResponse> refused = transport.Await(*bad, absl::InfiniteFuture());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(refused.status().message().find("99"), absl::string_view::npos) << refused.status();
+  auto answered = transport.Await(*good, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(answered->selections_size(), 1);
+  EXPECT_TRUE(transport.Close().ok());
+}
+
+TEST_F(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
+  GrpcStreamTransport transport(channel_);
+  server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  auto id = transport.Submit(Request(7, 0, kSlots - 1));
+  if (id.ok()) {
+    const absl::StatusCode code =
+        transport.Await(*id, absl::Now() + absl::Seconds(30)).status().code();
+    // Either the answer raced the shutdown, or the stream ended before it.
+    EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kUnavailable ||
+                code == absl::StatusCode::kCancelled)
+        << code;
+  } else {
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kUnavailable);
+  }
 }
 
 TEST_F(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswerStaysCollectable) {
