@@ -29,6 +29,10 @@ absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& o
     return absl::InvalidArgumentError(
         absl::StrCat("num_heads must be in [1, 1024], got ", options.num_heads));
   }
+  if (!(options.audit_fraction >= 0.0 && options.audit_fraction <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("audit_fraction must be in [0, 1], got ", options.audit_fraction));
+  }
   auto cache = IndexKeyCache::Create(options.capacity_blocks, options.head_dim);
   if (!cache.ok()) return cache.status();
   return std::unique_ptr<Indexer>(new Indexer(options, std::move(*cache)));
@@ -243,8 +247,35 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
     state.pending_rows = static_cast<int>(rows.size());
     state.pending_first_position = positions[0];
   }
+  if (!result.all_blocks && options_.audit_fraction > 0 &&
+      AuditDraw(sequence_id, layer, positions[0]) < options_.audit_fraction) {
+    // Dense re-score of every visible block for the audit; the EMAs never see these scores.
+    std::vector<int32_t> all(result.blocks_visible);
+    for (int64_t j = 0; j < result.blocks_visible; ++j) all[j] = static_cast<int32_t>(j);
+    std::vector<float> dense_scores(rows.size() * all.size() * kBlockSize);
+    ScoreBlocks(*view, all, rows, options_.num_heads, dense_scores);
+    std::vector<int32_t> dense(result.top_k);
+    const size_t dense_stride = all.size() * kBlockSize;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      SelectTopK(std::span<const float>(dense_scores.data() + r * dense_stride, dense_stride), all,
+                 positions[r], dense);
+      result.audit_miss_rates.push_back(SelectionMissRate(
+          std::span<const int32_t>(result.selections.data() + r * result.top_k, result.top_k),
+          dense));
+    }
+  }
   if (return_scores) result.scores = std::move(scores);
   return result;
+}
+
+double Indexer::AuditDraw(uint64_t sequence_id, int layer, int64_t position) const {
+  const uint64_t key = MixSeed(options_.audit_seed, sequence_id);
+  const PhiloxCounter counter{{static_cast<uint32_t>(position),
+                               static_cast<uint32_t>(static_cast<uint64_t>(position) >> 32),
+                               static_cast<uint32_t>(layer), 0xA0D17u}};
+  return UniformFloat(
+      Philox4x32(counter, PhiloxKey{{static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32)}})
+          .c[0]);
 }
 
 absl::Status Indexer::Commit(uint64_t sequence_id, int accepted) {

@@ -22,6 +22,11 @@ struct IndexerOptions {
   int64_t capacity_blocks = 0;  // pool size in 64-slot blocks, shared by all sequences and layers
   int num_heads = 64;           // H of the indexer query
   int head_dim = 128;           // D of index keys and queries
+  /// Fraction of pruned selects (SPIN skipped blocks) that are audited, in [0, 1]: every row is
+  /// also scored densely and its miss rate against the dense top-K reported. The draw is a pure
+  /// function of (audit_seed, sequence, layer, first position). 0 = no audit.
+  double audit_fraction = 0;
+  uint64_t audit_seed = 0;
 };
 
 /// Per-sequence settings.
@@ -55,12 +60,17 @@ struct SelectResult {
   int64_t blocks_visible = 0;  // ceil(N_t / 64) for the last row
   bool all_blocks = false;     // every visible block was scored (SPIN off, warm-up, N_t <= K)
   SelectPhaseSeconds phase_seconds;
+  /// When this select was audited (IndexerOptions::audit_fraction): per row, the miss rate of its
+  /// selection against the dense top-K of the same row; empty otherwise. Auditing costs a dense
+  /// scan and changes nothing else (the EMAs see only the pruned scores).
+  std::vector<double> audit_miss_rates;
 };
 
 /// Thread-safe (one mutex; a Select scores with all cores).
 class Indexer {
  public:
-  /// INVALID_ARGUMENT for a negative capacity or num_heads / head_dim outside [1, 1024].
+  /// INVALID_ARGUMENT for a negative capacity, num_heads / head_dim outside [1, 1024], or
+  /// audit_fraction outside [0, 1].
   static absl::StatusOr<std::unique_ptr<Indexer>> Create(const IndexerOptions& options);
 
   const IndexerOptions& options() const { return options_; }
@@ -141,6 +151,8 @@ class Indexer {
   explicit Indexer(const IndexerOptions& options, IndexKeyCache cache)
       : options_(options), cache_(std::move(cache)) {}
   absl::Status ValidateSequenceOptions(const SequenceOptions& options) const;
+  // Uniform [0, 1) draw deciding whether a select is audited.
+  double AuditDraw(uint64_t sequence_id, int layer, int64_t position) const;
   void AddSequenceState(uint64_t sequence_id, const SequenceOptions& options);
   absl::StatusOr<SequenceState*> Find(uint64_t sequence_id);
   absl::StatusOr<const SequenceState*> Find(uint64_t sequence_id) const;

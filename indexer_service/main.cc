@@ -70,6 +70,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Index-key cache size in 64-slot blocks, shared by all sequences and layers")
       ->capture_default_str();
   app.add_option("--num-heads", options.num_heads, "Indexer query heads H")->capture_default_str();
+  app.add_option("--audit-fraction", options.audit_fraction,
+                 "Fraction of pruned selects re-scored densely to export dsa_indexer_miss_rate")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--audit-seed", options.audit_seed, "Seed of the audit draws")
+      ->capture_default_str();
   app.add_option("--head-dim", options.head_dim, "Index-key and query dimension D")
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", shutdown_grace_ms,

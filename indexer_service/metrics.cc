@@ -33,6 +33,12 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
                          .Help("64-slot blocks visible to selects (what all-keep would score)")
                          .Register(registry)
                          .Add({});
+  miss_rate_ = &prometheus::BuildHistogram()
+                    .Name("dsa_indexer_miss_rate")
+                    .Help("Audited rows: fraction of the dense top-K the pruned selection lost")
+                    .Register(registry)
+                    .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.01, 0.02, 0.05, 0.1,
+                                                                     0.2, 0.3, 0.5, 0.75, 1.0});
   auto& cache = prometheus::BuildGauge()
                     .Name("dsa_indexer_cache_blocks")
                     .Help("64-slot blocks of the index-key cache by state")
@@ -50,6 +56,7 @@ void IndexerMetrics::RecordSelect(const SelectResult& result) {
   if (single_row) update_seconds_->Observe(result.phase_seconds.update);
   blocks_scored_->Increment(static_cast<double>(result.blocks_scored));
   blocks_visible_->Increment(static_cast<double>(result.blocks_visible));
+  for (double miss : result.audit_miss_rates) miss_rate_->Observe(miss);
 }
 
 void IndexerMetrics::SetCacheUsage(const CacheUsage& usage) {

@@ -15,6 +15,8 @@ namespace dsa {
 /// - dsa_indexer_select_duration_seconds{phase="predict"|"scan"|"topk"|"update"} (histogram)
 /// - dsa_indexer_blocks_scored_total, dsa_indexer_blocks_visible_total (counters, 64-slot blocks)
 /// - dsa_indexer_cache_blocks{state="used"|"shared"|"free"} (gauge, 64-slot blocks)
+/// - dsa_indexer_miss_rate (histogram of audited rows' miss rate against the dense top-K, 0..1;
+///   only rows of selects the engine audited, IndexerOptions::audit_fraction)
 /// Thread-safe (prometheus-cpp metrics are).
 class IndexerMetrics {
  public:
@@ -31,6 +33,7 @@ class IndexerMetrics {
   prometheus::Histogram* scan_seconds_;
   prometheus::Histogram* topk_seconds_;
   prometheus::Histogram* update_seconds_;
+  prometheus::Histogram* miss_rate_;
   prometheus::Counter* blocks_scored_;
   prometheus::Counter* blocks_visible_;
   prometheus::Gauge* used_blocks_;

@@ -213,4 +213,28 @@ void SelectTopK(std::span<const float> scores, std::span<const int32_t> logical_
   std::fill(selection.begin() + taken, selection.end(), -1);
 }
 
+double SelectionMissRate(std::span<const int32_t> pruned, std::span<const int32_t> dense) {
+  std::vector<int32_t> a, b;
+  for (int32_t slot : pruned) {
+    if (slot >= 0) a.push_back(slot);
+  }
+  for (int32_t slot : dense) {
+    if (slot >= 0) b.push_back(slot);
+  }
+  if (b.empty()) return 0.0;
+  std::sort(a.begin(), a.end());
+  std::sort(b.begin(), b.end());
+  size_t common = 0;
+  for (size_t i = 0, j = 0; i < a.size() && j < b.size();) {
+    if (a[i] < b[j]) {
+      ++i;
+    } else if (b[j] < a[i]) {
+      ++j;
+    } else {
+      ++common, ++i, ++j;
+    }
+  }
+  return 1.0 - static_cast<double>(common) / static_cast<double>(b.size());
+}
+
 }  // namespace dsa

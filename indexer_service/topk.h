@@ -24,4 +24,9 @@ namespace dsa {
 void SelectTopK(std::span<const float> scores, std::span<const int32_t> logical_blocks,
                 int64_t max_slot, std::span<int32_t> selection);
 
+/// Miss rate of a pruned selection against the dense one (SPIN paper section 4; DESIGN.md 2):
+/// 1 - |pruned n dense| / |dense|, over the non-negative entries of both (int32 selections with -1
+/// padding, any order). 0 when the dense selection is empty.
+double SelectionMissRate(std::span<const int32_t> pruned, std::span<const int32_t> dense);
+
 }  // namespace dsa

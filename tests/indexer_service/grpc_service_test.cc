@@ -659,5 +659,24 @@ TEST_F(GrpcServiceTest, SelectStreamAnswersAFailedRequestWithItsStatusAndGoesOn)
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
+  prometheus::Registry registry;
+  IndexerMetrics metrics(registry);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_miss_rate"), 0);
+  SelectResult result;
+  result.top_k = 4;
+  result.selections.assign(8, -1);  // two verifier rows
+  result.audit_miss_rates = {0.25, 0.5};
+  metrics.RecordSelect(result);
+  result.audit_miss_rates.clear();  // a select that was not audited observes nothing
+  metrics.RecordSelect(result);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_miss_rate"), 2);
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name == "dsa_indexer_miss_rate") {
+      EXPECT_DOUBLE_EQ(family.metric[0].histogram.sample_sum, 0.75);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dsa

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "indexer_service/topk.h"
 #include "tests/indexer_service/reference.h"
 
 namespace dsa {
@@ -1246,6 +1247,67 @@ TEST(IndexerTest, SpeculativeStepInModelOrderEqualsAllKeysFirst) {
               GetSpin(*keys_first, 1, layer).vertical());
     EXPECT_EQ(GetSpin(*model_order, 1, layer).diagonal(),
               GetSpin(*keys_first, 1, layer).diagonal());
+  }
+}
+
+TEST(IndexerTest, AuditedSelectsReportTheMissRateAgainstTheDenseTopKAndChangeNothing) {
+  // audit_fraction = 1: every pruned select is audited. The audited miss rate equals the one
+  // computed from an all-keep twin sequence's selection (the dense top-K of the same row), the
+  // warm-up (all blocks scored) is not audited, and the EMAs equal an engine without the audit.
+  const int H = 2, D = 8, K = 64;
+  IndexerOptions options{.capacity_blocks = 120, .num_heads = H, .head_dim = D};
+  auto plain = *Indexer::Create(options);
+  options.audit_fraction = 1.0;
+  options.audit_seed = 5;
+  auto audited = *Indexer::Create(options);
+  std::mt19937 rng(23);
+  const std::vector<float> keys = RandomValues(rng, 2010 * D);
+  for (Indexer* x : {plain.get(), audited.get()}) {
+    ASSERT_TRUE(x->CreateSequence(1, Options(K, 0.6, true, 1, 0.0)).ok());
+    ASSERT_TRUE(x->CreateSequence(2, Options(K, 0.6, /*enabled=*/false)).ok());
+    for (uint64_t id : {1, 2}) {
+      ASSERT_TRUE(
+          x->AppendIndexKeys(id, 0, std::span<const float>(keys.data(), 2000 * D), 2000).ok());
+    }
+  }
+  int audited_steps = 0;
+  double total_miss = 0;
+  for (int64_t t = 1999; t < 2009; ++t) {
+    if (t > 1999) {
+      for (Indexer* x : {plain.get(), audited.get()}) {
+        for (uint64_t id : {1, 2}) {
+          ASSERT_TRUE(
+              x->AppendIndexKeys(id, 0, std::span<const float>(keys.data() + t * D, D), 1).ok());
+        }
+      }
+    }
+    const Query q = RandomQuery(rng, H, D);
+    auto a = SelectOne(*audited, 1, 0, q, t, false);
+    auto p = SelectOne(*plain, 1, 0, q, t, false);
+    auto dense = SelectOne(*audited, 2, 0, q, t, false);
+    ASSERT_TRUE(a.ok() && p.ok() && dense.ok());
+    EXPECT_EQ(a->selections, p->selections);
+    EXPECT_TRUE(p->audit_miss_rates.empty());
+    if (a->all_blocks) {
+      EXPECT_TRUE(a->audit_miss_rates.empty()) << "warm-up at " << t;
+      continue;
+    }
+    ++audited_steps;
+    ASSERT_EQ(a->audit_miss_rates.size(), 1u);
+    EXPECT_DOUBLE_EQ(a->audit_miss_rates[0], SelectionMissRate(a->selections, dense->selections));
+    total_miss += a->audit_miss_rates[0];
+  }
+  EXPECT_EQ(audited_steps, 9);
+  EXPECT_GT(total_miss, 0.0);  // rho = 0.6 on random keys loses some of the dense top-K
+  EXPECT_EQ(GetSpin(*audited, 1, 0).vertical(), GetSpin(*plain, 1, 0).vertical());
+  EXPECT_EQ(GetSpin(*audited, 1, 0).diagonal(), GetSpin(*plain, 1, 0).diagonal());
+}
+
+TEST(IndexerTest, AuditFractionOutsideTheUnitIntervalIsRefused) {
+  for (double fraction : {-0.1, 1.5, std::nan("")}) {
+    IndexerOptions options{.capacity_blocks = 4, .num_heads = 2, .head_dim = 4};
+    options.audit_fraction = fraction;
+    EXPECT_EQ(Indexer::Create(options).status().code(), StatusCode::kInvalidArgument) << fraction;
   }
 }
 

@@ -145,5 +145,18 @@ TEST(TopKTest, MatchesFullSortOnRandomScores) {
   EXPECT_EQ(cases, 4 * 2 * 5 * 3);
 }
 
+TEST(SelectionMissRate, HandCases) {
+  // Pruned {1, 2, 3}, dense {2, 3, 4, 5}: 2 of 4 dense slots kept -> 0.5; order and -1 ignored.
+  const std::vector<int32_t> pruned = {3, -1, 1, 2, -1};
+  const std::vector<int32_t> dense = {5, 4, 3, 2};
+  EXPECT_DOUBLE_EQ(SelectionMissRate(pruned, dense), 0.5);
+  EXPECT_DOUBLE_EQ(SelectionMissRate(dense, dense), 0.0);
+  const std::vector<int32_t> disjoint = {7, 8};
+  EXPECT_DOUBLE_EQ(SelectionMissRate(disjoint, dense), 1.0);
+  const std::vector<int32_t> empty = {-1, -1};
+  EXPECT_DOUBLE_EQ(SelectionMissRate(pruned, empty), 0.0);
+  EXPECT_DOUBLE_EQ(SelectionMissRate(empty, dense), 1.0);
+}
+
 }  // namespace
 }  // namespace dsa

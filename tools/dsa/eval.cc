@@ -66,20 +66,6 @@ class DenseOracle {
   std::map<std::pair<int, int64_t>, std::vector<int32_t>> memo_;
 };
 
-// 1 - |selection n dense| / |dense|; both int32 [K] with -1 padding. 0 when dense is empty.
-double MissRate(std::span<const int32_t> selection, const std::vector<int32_t>& dense) {
-  std::vector<int32_t> a(selection.begin(), selection.end());
-  std::vector<int32_t> b(dense.begin(), dense.end());
-  a.erase(std::remove(a.begin(), a.end(), -1), a.end());
-  b.erase(std::remove(b.begin(), b.end(), -1), b.end());
-  if (b.empty()) return 0.0;
-  std::sort(a.begin(), a.end());
-  std::sort(b.begin(), b.end());
-  std::vector<int32_t> common;
-  std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(common));
-  return 1.0 - static_cast<double>(common.size()) / static_cast<double>(b.size());
-}
-
 // Accumulates one configuration's figures.
 struct Tally {
   std::vector<double> misses;
@@ -205,7 +191,7 @@ class Evaluator {
     tally.blocks_visible += result.blocks_visible;
     for (int r = 0; r < num_rows; ++r) {
       DSA_ASSIGN_OR_RETURN(const std::vector<int32_t>* dense, oracle_.Selection(layer, t + r));
-      tally.misses.push_back(MissRate(
+      tally.misses.push_back(SelectionMissRate(
           std::span<const int32_t>(result.selections.data() + r * result.top_k, result.top_k),
           *dense));
     }
