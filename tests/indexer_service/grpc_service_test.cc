@@ -261,6 +261,19 @@ class GrpcServiceTest : public ::testing::Test {
     return response;
   }
 
+  // One row at `position` selected over gRPC equals the same row selected on the twin engine.
+  void ExpectOneRowSelectMatchesTwin(std::mt19937& rng, DType dtype, uint64_t sequence, int layer,
+                                     int64_t position) {
+    const Rows rows = MakeRows(rng, 1, dtype);
+    v1::SelectRequest request;
+    AddGroup(&request, sequence, layer, position, rows);
+    v1::SelectResponse response;
+    ASSERT_TRUE(Select(request, &response).ok());
+    auto expected = twin_->Select(sequence, layer, EngineRows(rows, position));
+    ASSERT_TRUE(expected.ok());
+    EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+  }
+
   std::unique_ptr<Indexer> indexer_;  // behind the server
   std::unique_ptr<Indexer> twin_;     // called directly with the same values
   std::shared_ptr<prometheus::Registry> registry_;
@@ -548,14 +561,7 @@ TEST_F(GrpcServiceTest, BadInputGetsThePreciseStatusAndTheServerKeepsServing) {
 
   // The server keeps serving, and the state equals the twin that never saw the bad requests.
   AppendBoth(1, 0, RandomValues(rng, 300 * kD), 120);
-  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_FLOAT8_E4M3FN);
-  v1::SelectRequest request;
-  AddGroup(&request, 1, 0, 399, rows);
-  v1::SelectResponse response;
-  ASSERT_TRUE(Select(request, &response).ok());
-  auto expected = twin_->Select(1, 0, EngineRows(rows, 399));
-  ASSERT_TRUE(expected.ok());
-  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+  ExpectOneRowSelectMatchesTwin(rng, common::v1::DTYPE_FLOAT8_E4M3FN, 1, 0, 399);
 }
 
 TEST_F(GrpcServiceTest, AChunkOverTheLimitIsRefusedAndNothingIsWritten) {
@@ -573,14 +579,7 @@ TEST_F(GrpcServiceTest, AChunkOverTheLimitIsRefusedAndNothingIsWritten) {
   EXPECT_EQ(*indexer_->NumSlots(1, 0), 70);
   EXPECT_EQ(Load().used_blocks(), twin_->Usage().used_blocks);
   AppendBoth(1, 0, RandomValues(rng, 10 * kD), 10);
-  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_FLOAT32);
-  v1::SelectRequest request;
-  AddGroup(&request, 1, 0, 79, rows);
-  v1::SelectResponse response;
-  ASSERT_TRUE(Select(request, &response).ok());
-  auto expected = twin_->Select(1, 0, EngineRows(rows, 79));
-  ASSERT_TRUE(expected.ok());
-  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+  ExpectOneRowSelectMatchesTwin(rng, common::v1::DTYPE_FLOAT32, 1, 0, 79);
 }
 
 TEST_F(GrpcServiceTest, PrefixSharingThroughCreateSequence) {
@@ -597,14 +596,7 @@ TEST_F(GrpcServiceTest, PrefixSharingThroughCreateSequence) {
   EXPECT_EQ(Load().shared_blocks(), 2);
   EXPECT_EQ(*indexer_->NumSlots(2, 0), 128);
   AppendBoth(2, 0, RandomValues(rng, 10 * kD), 10);
-  const Rows rows = MakeRows(rng, 1, common::v1::DTYPE_BFLOAT16);
-  v1::SelectRequest request;
-  AddGroup(&request, 2, 0, 137, rows);
-  v1::SelectResponse response;
-  ASSERT_TRUE(Select(request, &response).ok());
-  auto expected = twin_->Select(2, 0, EngineRows(rows, 137));
-  ASSERT_TRUE(expected.ok());
-  EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+  ExpectOneRowSelectMatchesTwin(rng, common::v1::DTYPE_BFLOAT16, 2, 0, 137);
 
   // prefix_slots without a source, a length that is not a multiple of 64, an unknown source.
   v1::CreateSequenceRequest bad = CreateRequest(3, 1, 0.4);
