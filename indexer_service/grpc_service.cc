@@ -113,8 +113,11 @@ absl::Status CheckFinite(const std::vector<float>& values, const std::string& na
 
 // One group decoded and checked, ready to run.
 struct DecodedGroup {
-  std::vector<float> queries;  // [rows, H, D]
-  std::vector<float> weights;  // [rows, H]
+  std::vector<float> queries;   // [rows, H, D]
+  std::vector<float> weights;   // [rows, H]
+  std::vector<float> new_keys;  // [num_new_keys, D]
+  int64_t num_new_keys = 0;
+  int64_t slots_before = 0;  // the layer's slot count when the request was checked
   std::vector<IndexerRow> rows;
 };
 
@@ -146,8 +149,23 @@ absl::Status DecodeGroup(const Indexer& indexer, const v1::RowGroup& group, size
   if (!slots.ok()) {
     return absl::Status(slots.status().code(), prefix + std::string(slots.status().message()));
   }
+  decoded->slots_before = *slots;
   const int64_t last_position = group.first_position() + num_rows - 1;
-  if (last_position >= *slots) {
+  if (group.has_new_index_keys()) {
+    const int64_t key_shape[] = {-1, head_dim};
+    DSA_ASSIGN_OR_RETURN(decoded->new_keys, DecodeFloatTensor(group.new_index_keys(), key_shape,
+                                                              prefix + "new_index_keys"));
+    DSA_RETURN_IF_ERROR(CheckFinite(decoded->new_keys, prefix + "new_index_keys"));
+    decoded->num_new_keys = group.new_index_keys().shape(0);
+    const int64_t newest = *slots + decoded->num_new_keys - 1;
+    if (decoded->num_new_keys > 0 && last_position != newest) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "rows end at position ", last_position, " but with ",
+                       decoded->num_new_keys, " new index keys layer ", group.layer(),
+                       "'s newest slot is ", newest, "; rows must end at the newest slot"));
+    }
+  }
+  if (last_position >= *slots + decoded->num_new_keys) {
     return absl::OutOfRangeError(absl::StrCat(prefix, "rows up to position ", last_position,
                                               " but layer ", group.layer(), " holds ", *slots,
                                               " slots; append the rows' index keys first"));
@@ -179,12 +197,55 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   for (int g = 0; g < request.groups_size(); ++g) {
     DSA_RETURN_IF_ERROR(DecodeGroup(indexer, request.groups(g), g, &decoded[g]));
   }
+  // New index keys make a (sequence, layer)'s slot count change within the request: such a layer
+  // may appear in one group only.
+  for (int g = 0; g < request.groups_size(); ++g) {
+    for (int h = 0; h < g; ++h) {
+      const v1::RowGroup& a = request.groups(h);
+      const v1::RowGroup& b = request.groups(g);
+      if (a.sequence_id() == b.sequence_id() && a.layer() == b.layer() &&
+          (decoded[g].num_new_keys > 0 || decoded[h].num_new_keys > 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("groups ", h, " and ", g, " both address layer ", a.layer(),
+                         " of sequence ", a.sequence_id(), " and carry new index keys"));
+      }
+    }
+  }
+  // Appends first, all or none; then the selects. A group that fails to select has its own and
+  // the later groups' new keys removed again; the groups before it stay applied.
+  auto undo_appends = [&](int from) {
+    for (int g = request.groups_size() - 1; g >= from; --g) {
+      if (decoded[g].num_new_keys > 0) {
+        (void)indexer.TruncateIndexKeys(request.groups(g).sequence_id(), request.groups(g).layer(),
+                                        decoded[g].slots_before);
+      }
+    }
+  };
+  for (int g = 0; g < request.groups_size(); ++g) {
+    if (decoded[g].num_new_keys == 0) continue;
+    const v1::RowGroup& group = request.groups(g);
+    const absl::Status appended = indexer.AppendIndexKeys(
+        group.sequence_id(), group.layer(), decoded[g].new_keys, decoded[g].num_new_keys);
+    if (!appended.ok()) {
+      // Groups before g appended; g did not.
+      for (int h = g - 1; h >= 0; --h) {
+        if (decoded[h].num_new_keys > 0) {
+          (void)indexer.TruncateIndexKeys(request.groups(h).sequence_id(),
+                                          request.groups(h).layer(), decoded[h].slots_before);
+        }
+      }
+      return absl::Status(appended.code(),
+                          absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
+    }
+  }
   response->Clear();
   response->set_request_id(request.request_id());
   for (int g = 0; g < request.groups_size(); ++g) {
     const v1::RowGroup& group = request.groups(g);
     auto result = indexer.Select(group.sequence_id(), group.layer(), decoded[g].rows);
     if (!result.ok()) {
+      undo_appends(g);
+      response->Clear();
       return absl::Status(result.status().code(),
                           absl::StrCat("group ", g, ": ", result.status().message()));
     }
@@ -195,6 +256,9 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
     selection->set_blocks_scored(result->blocks_scored);
     selection->set_blocks_visible(result->blocks_visible);
     selection->set_all_blocks(result->all_blocks);
+    for (const double miss_rate : result->audit_miss_rates) {
+      selection->add_audit_miss_rates(miss_rate);
+    }
   }
   return absl::OkStatus();
 }
@@ -287,7 +351,9 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
 grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* /*context*/,
                                         const v1::SelectRequest* request,
                                         v1::SelectResponse* response) {
-  return ToGrpcStatus(RunSelect(*indexer_, *request, response, metrics_));
+  const absl::Status status = RunSelect(*indexer_, *request, response, metrics_);
+  UpdateCacheMetrics();  // new index keys may have taken blocks
+  return ToGrpcStatus(status);
 }
 
 grpc::Status IndexerServiceImpl::SelectStream(
@@ -304,6 +370,7 @@ grpc::Status IndexerServiceImpl::SelectStream(
       response.mutable_error()->set_code(static_cast<int32_t>(s.code()));
       response.mutable_error()->set_message(std::string(s.message()));
     }
+    UpdateCacheMetrics();
     if (!stream->Write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the stream");
     }

@@ -28,15 +28,22 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 /// SelectStream; exposed for tests and in-process callers).
 ///
 /// Per group: queries fp32, bf16 or fp8 e4m3fn [rows, H, D] (rows >= 1), head_weights fp32
-/// [rows, H], finite; row r is at position first_position + r. Every group is checked (tensors,
-/// sequence, layer, positions below the layer's slot count) before any is run, so such a bad
-/// group changes nothing. Errors the engine finds only while running a group (a position not after
-/// the layer's last selected one, a pending speculative step) leave the groups before it applied;
-/// the message names the group. Errors: INVALID_ARGUMENT (no groups, dtype, shape, non-finite
-/// values, layer, positions), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not yet appended),
-/// FAILED_PRECONDITION (a step awaits Commit).
+/// [rows, H], finite; row r is at position first_position + r. Optional new_index_keys fp32, bf16
+/// or fp8 e4m3fn [n, D], finite: the step's new keys, appended to the layer before its rows select
+/// (one message per layer carries a decode step); with n > 0 the rows must end at the layer's
+/// newest slot (slot count + n - 1), and no other group of the request may address that layer.
+/// Every group is checked (tensors, sequence, layer, positions below the layer's slot count plus
+/// its new keys) before anything runs, so such a bad group changes nothing. Then every group's new
+/// keys are appended, all or none (a full pool: RESOURCE_EXHAUSTED, nothing appended). Errors the
+/// engine finds only while selecting group g (a position not after the layer's last selected one,
+/// a pending speculative step) leave the groups before g applied and remove the new keys of g and
+/// the later groups; the message names the group. Errors: INVALID_ARGUMENT (no groups, dtype,
+/// shape, non-finite values, layer, positions, rows not ending at the newest slot, a layer with new
+/// keys in two groups), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not appended),
+/// FAILED_PRECONDITION (a step awaits Commit), RESOURCE_EXHAUSTED (new keys do not fit).
 /// `response` gets request_id echoed and one GroupSelection per group, in order: selections int32
-/// [rows, K], best first, -1 padding. `metrics` (optional) records every group that ran.
+/// [rows, K], best first, -1 padding; audit_miss_rates per row when the indexer audited the group.
+/// `metrics` (optional) records every group that ran.
 absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
                        dsa::indexer::v1::SelectResponse* response,
                        IndexerMetrics* metrics = nullptr);

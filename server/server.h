@@ -35,8 +35,7 @@ void AddServerFlags(CLI::App& app, ServerFlags& flags);
 
 /// One structured log line on stderr: {"ts": unix seconds, "level", "msg", fields...}. Invalid
 /// UTF-8 in a field is replaced, never thrown on. Thread-safe (one fprintf per line).
-void LogJson(const char* level, const char* msg,
-             nlohmann::json fields = nlohmann::json::object());
+void LogJson(const char* level, const char* msg, nlohmann::json fields = nlohmann::json::object());
 
 /// "host:port" with the port replaced by `port`.
 std::string AddressWithPort(const std::string& address, int port);
@@ -48,10 +47,10 @@ void BlockTerminationSignals();
 
 /// What RunServer serves.
 struct ServerSpec {
-  std::string name;                          // binary name, e.g. "dsa-attention" (logs, banner)
-  std::vector<grpc::Service*> services;      // not owned; outlive RunServer
+  std::string name;                      // binary name, e.g. "dsa-attention" (logs, banner)
+  std::vector<grpc::Service*> services;  // not owned; outlive RunServer
   std::shared_ptr<prometheus::Registry> registry;  // exposed on /metrics; may be null
-  int max_receive_message_bytes = 4 << 20;   // grpc::ServerBuilder::SetMaxReceiveMessageSize
+  int max_receive_message_bytes = 4 << 20;         // grpc::ServerBuilder::SetMaxReceiveMessageSize
   nlohmann::json banner_fields = nlohmann::json::object();  // added to the "serving" log line
   /// Called once when a drain begins (readiness already NOT_SERVING), before the drain delay:
   /// stop admitting work here. May be empty.

@@ -651,6 +651,127 @@ TEST_F(GrpcServiceTest, SelectStreamAnswersAFailedRequestWithItsStatusAndGoesOn)
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// Adds new_index_keys fp32 [n, D] to the last group of `request`.
+void SetNewKeys(v1::SelectRequest* request, const std::vector<float>& keys) {
+  const int64_t shape[] = {static_cast<int64_t>(keys.size()) / kD, kD};
+  EncodeFloatTensor(keys, shape,
+                    request->mutable_groups(request->groups_size() - 1)->mutable_new_index_keys());
+}
+
+TEST_F(GrpcServiceTest, NewIndexKeysAreAppendedBeforeTheRowsSelect) {
+  StartServer(256);
+  std::mt19937 rng(21);
+  ASSERT_TRUE(Create(CreateRequest(5, 2, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(5, EngineOptions(2, 0.4)).ok());
+  for (int layer = 0; layer < 2; ++layer) AppendBoth(5, layer, RandomValues(rng, 300 * kD), 128);
+  // Decode steps of one row, then a speculative step of three verifier rows, each carrying its
+  // new keys in the select message; the twin appends then selects.
+  int64_t position = 300;
+  for (int rows : {1, 1, 3}) {
+    for (int layer = 0; layer < 2; ++layer) {
+      const Rows r = MakeRows(rng, rows, common::v1::DTYPE_FLOAT32);
+      const std::vector<float> keys = RandomValues(rng, static_cast<size_t>(rows) * kD);
+      v1::SelectRequest request;
+      AddGroup(&request, 5, layer, position, r);
+      SetNewKeys(&request, keys);
+      v1::SelectResponse response;
+      ASSERT_TRUE(Select(request, &response).ok()) << "rows " << rows << " layer " << layer;
+      ASSERT_TRUE(twin_->AppendIndexKeys(5, layer, keys, rows).ok());
+      auto expected = twin_->Select(5, layer, EngineRows(r, position));
+      ASSERT_TRUE(expected.ok());
+      EXPECT_EQ(Selections(response.selections(0)), expected->selections);
+      EXPECT_EQ(*indexer_->NumSlots(5, layer), position + rows);
+    }
+    position += rows;
+  }
+  ASSERT_TRUE(Commit(5, 1).ok());
+  ASSERT_TRUE(twin_->Commit(5, 1).ok());
+  EXPECT_EQ(*indexer_->NumSlots(5, 0), *twin_->NumSlots(5, 0));
+  EXPECT_EQ(*indexer_->NumSlots(5, 0), 302 + 2);
+}
+
+TEST_F(GrpcServiceTest, AFailedRequestWithNewIndexKeysAppendsNothing) {
+  StartServer(12);  // 12 blocks: room for two sequences of 5 blocks and 2 spare
+  std::mt19937 rng(22);
+  for (uint64_t id : {1u, 2u}) {
+    ASSERT_TRUE(Create(CreateRequest(id, 1, 0.4)).ok());
+    ASSERT_TRUE(twin_->CreateSequence(id, EngineOptions(1, 0.4)).ok());
+    AppendBoth(id, 0, RandomValues(rng, 320 * kD), 320);  // 5 blocks each
+  }
+  auto request_for = [&](uint64_t id, int64_t position, int rows, int num_keys) {
+    v1::SelectRequest request;
+    AddGroup(&request, id, 0, position, MakeRows(rng, rows, common::v1::DTYPE_FLOAT32));
+    SetNewKeys(&request, RandomValues(rng, static_cast<size_t>(num_keys) * kD));
+    return request;
+  };
+  v1::SelectResponse response;
+  // Rows that do not end at the newest slot.
+  grpc::Status status = Select(request_for(1, 320, 1, 2), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("newest slot"), std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 320);
+  // Non-finite new keys.
+  v1::SelectRequest bad = request_for(1, 320, 1, 1);
+  std::vector<float> nan_key(kD, 0.5f);
+  nan_key[3] = std::nanf("");
+  SetNewKeys(&bad, nan_key);
+  status = Select(bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("new_index_keys"), std::string::npos);
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 320);
+  // Two groups: the first's keys fit (a sixth block), the second's 129 keys need three more blocks
+  // than the pool has left: nothing is appended, the first group's keys are removed again.
+  v1::SelectRequest both = request_for(1, 320, 1, 1);
+  v1::SelectRequest second = request_for(2, 320 + 128, 1, 129);
+  *both.add_groups() = second.groups(0);
+  status = Select(both, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(status.error_message().find("group 1 new_index_keys"), std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 320);
+  EXPECT_EQ(*indexer_->NumSlots(2, 0), 320);
+  EXPECT_EQ(Load().used_blocks(), 10);
+  // A select that fails in its second group (position not after the last selected one) keeps the
+  // first group applied and removes the second group's keys.
+  ASSERT_TRUE(Select(request_for(2, 320, 1, 1), &response).ok());  // sequence 2 selected 320
+  v1::SelectRequest replay = request_for(1, 320, 1, 1);
+  v1::SelectRequest stale;
+  AddGroup(&stale, 2, 0, 320, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));  // 320 again
+  *replay.add_groups() = stale.groups(0);
+  // Group 1 has no new keys, so its row 320 exists; the engine refuses it as not after 320.
+  status = Select(replay, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("group 1"), std::string::npos) << status.error_message();
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 321);  // group 0 ran: its key stays
+  EXPECT_EQ(*indexer_->NumSlots(2, 0), 321);
+  // The server goes on serving both sequences.
+  ASSERT_TRUE(Select(request_for(1, 321, 1, 1), &response).ok());
+  ASSERT_TRUE(Select(request_for(2, 321, 1, 1), &response).ok());
+}
+
+TEST_F(GrpcServiceTest, AnAuditedGroupCarriesItsRowsMissRates) {
+  // The fixture's server does not audit; this one audits every pruned select.
+  auto indexer = Indexer::Create({256, kH, kD, /*audit_fraction=*/1.0, /*audit_seed=*/3});
+  ASSERT_TRUE(indexer.ok());
+  ASSERT_TRUE((*indexer)->CreateSequence(9, EngineOptions(1, 0.5)).ok());
+  std::mt19937 rng(23);
+  const std::vector<float> keys = RandomValues(rng, 1000 * kD);
+  ASSERT_TRUE((*indexer)->AppendIndexKeys(9, 0, keys, 1000).ok());
+  v1::SelectResponse response;
+  for (int64_t position = 995; position < 1000; ++position) {
+    v1::SelectRequest request;
+    AddGroup(&request, 9, 0, position, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+    ASSERT_TRUE(RunSelect(**indexer, request, &response).ok());
+  }
+  // The first select is SPIN's warm-up (all blocks, not audited); the later ones are pruned.
+  ASSERT_EQ(response.selections(0).audit_miss_rates_size(), 1);
+  EXPECT_FALSE(response.selections(0).all_blocks());
+  const double miss = response.selections(0).audit_miss_rates(0);
+  EXPECT_GE(miss, 0.0);
+  EXPECT_LE(miss, 1.0);
+}
+
 TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
   prometheus::Registry registry;
   IndexerMetrics metrics(registry);
