@@ -1,0 +1,446 @@
+// The coordinator's admission and placement logic (see scheduler.h).
+#include "coordinator/scheduler.h"
+
+#include <algorithm>
+#include <tuple>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace dsa {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
+                                            std::vector<IndexerWorkerInfo> indexers,
+                                            std::vector<AttentionWorkerInfo> attentions) {
+  if (indexers.empty()) return absl::InvalidArgumentError("no indexer worker");
+  if (attentions.empty()) return absl::InvalidArgumentError("no attention worker");
+  if (options.num_full_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_full_layers must be >= 1, got ", options.num_full_layers));
+  }
+  if (options.max_queue < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queue must be >= 0, got ", options.max_queue));
+  }
+  if (options.max_running_per_attention < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_running_per_attention must be >= 1, got ",
+                                                   options.max_running_per_attention));
+  }
+  if (options.first_sequence_id == 0) {
+    return absl::InvalidArgumentError("first_sequence_id must be >= 1");
+  }
+  for (const IndexerWorkerInfo& info : indexers) {
+    if (info.capacity_blocks < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("indexer worker ", info.address, " has a negative capacity"));
+    }
+  }
+  return Scheduler(std::move(options), std::move(indexers), std::move(attentions));
+}
+
+Scheduler::Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,
+                     std::vector<AttentionWorkerInfo> attentions)
+    : options_(std::move(options)),
+      indexer_info_(std::move(indexers)),
+      attention_info_(std::move(attentions)),
+      indexers_(indexer_info_.size()),
+      attentions_(attention_info_.size()),
+      next_sequence_id_(options_.first_sequence_id) {}
+
+int64_t Scheduler::BlocksPerLayer(const SequenceDemand& demand) const {
+  return CeilDiv(demand.context_length + demand.max_new_tokens + demand.draft_length,
+                 kSlotsPerCacheBlock);
+}
+
+int64_t Scheduler::BlocksNeeded(const SequenceDemand& demand) const {
+  return options_.num_full_layers * BlocksPerLayer(demand);
+}
+
+int64_t Scheduler::KvSlots(const SequenceDemand& demand) const {
+  return demand.context_length + demand.max_new_tokens + demand.draft_length;
+}
+
+int64_t Scheduler::FreeBlocks(int indexer) const {
+  return indexer_info_[indexer].capacity_blocks -
+         options_.num_full_layers * static_cast<int64_t>(indexers_[indexer].block_refs.size());
+}
+
+int64_t Scheduler::FreeKv(int attention) const {
+  return attention_info_[attention].kv_capacity_slots - attentions_[attention].kv_reserved_slots;
+}
+
+absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
+                                                           const SequenceDemand& demand) {
+  const std::string& session = demand.session_id;
+  const Sequence* session_sequence = nullptr;
+  if (!session.empty()) {
+    if (busy_sessions_.contains(session)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session '", session, "' has a turn queued or running"));
+    }
+    auto it = session_sequences_.find(session);
+    if (it != session_sequences_.end()) {
+      session_sequence = &sequences_.at(it->second);
+      if (session_sequence->length > demand.context_length) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("session '", session, "' holds ", session_sequence->length,
+                         " slots (previous context + generated tokens); context_length ",
+                         demand.context_length, " must be at least that"));
+      }
+    }
+  }
+  const int64_t blocks = BlocksNeeded(demand);
+  int64_t largest_blocks = 0;
+  for (const IndexerWorkerInfo& info : indexer_info_) {
+    largest_blocks = std::max(largest_blocks, info.capacity_blocks);
+  }
+  if (blocks > largest_blocks) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", blocks, " index-key-cache blocks (", options_.num_full_layers,
+        " full layers x ", BlocksPerLayer(demand), " blocks of 64 slots for context ",
+        demand.context_length, " + max_new_tokens ", demand.max_new_tokens, " + draft ",
+        demand.draft_length,
+        "), more than any indexer worker's capacity (largest: ", largest_blocks, " blocks)"));
+  }
+  int64_t largest_kv = 0;
+  bool kv_unlimited = false;
+  for (const AttentionWorkerInfo& info : attention_info_) {
+    kv_unlimited = kv_unlimited || info.kv_capacity_slots <= 0;
+    largest_kv = std::max(largest_kv, info.kv_capacity_slots);
+  }
+  if (!kv_unlimited && KvSlots(demand) > largest_kv) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", KvSlots(demand),
+        " KV slots, more than any attention worker's capacity (largest: ", largest_kv, " slots)"));
+  }
+  if (queue_.empty()) {
+    std::optional<Admission> admission = TryPlace(ticket, demand);
+    if (admission.has_value()) {
+      if (!session.empty()) busy_sessions_.insert(session);
+      return admission;
+    }
+  }
+  if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", queue_.size(), " requests waiting (max_queue ", options_.max_queue, ")"));
+  }
+  queue_.push_back(Pending{ticket, demand});
+  if (!session.empty()) busy_sessions_.insert(session);
+  return std::nullopt;
+}
+
+std::vector<Admission> Scheduler::AdmitQueued() {
+  std::vector<Admission> admitted;
+  while (!queue_.empty()) {
+    std::optional<Admission> admission = TryPlace(queue_.front().ticket, queue_.front().demand);
+    if (!admission.has_value()) break;
+    queue_.pop_front();
+    admitted.push_back(*std::move(admission));
+  }
+  return admitted;
+}
+
+bool Scheduler::CancelQueued(uint64_t ticket) {
+  auto it = std::find_if(queue_.begin(), queue_.end(),
+                         [ticket](const Pending& p) { return p.ticket == ticket; });
+  if (it == queue_.end()) return false;
+  if (!it->demand.session_id.empty()) busy_sessions_.erase(it->demand.session_id);
+  queue_.erase(it);
+  return true;
+}
+
+std::vector<uint64_t> Scheduler::CancelAllQueued() {
+  std::vector<uint64_t> tickets;
+  for (const Pending& p : queue_) {
+    tickets.push_back(p.ticket);
+    if (!p.demand.session_id.empty()) busy_sessions_.erase(p.demand.session_id);
+  }
+  queue_.clear();
+  return tickets;
+}
+
+std::optional<std::vector<uint64_t>> Scheduler::PlanEvictions(int indexer, int64_t blocks,
+                                                              int attention, int64_t kv,
+                                                              uint64_t protect) const {
+  if (attentions_[attention].running >= options_.max_running_per_attention) return std::nullopt;
+  int64_t short_blocks = blocks - FreeBlocks(indexer);
+  const bool kv_limited = attention_info_[attention].kv_capacity_slots > 0;
+  int64_t short_kv = kv_limited ? kv - FreeKv(attention) : 0;
+  std::vector<uint64_t> plan;
+  if (short_blocks <= 0 && short_kv <= 0) return plan;
+  std::vector<std::pair<uint64_t, uint64_t>> candidates;  // (last used, id)
+  for (const auto& [id, s] : sequences_) {
+    if (s.state == State::kRetained && s.pins == 0 && id != protect) {
+      candidates.emplace_back(s.last_used, id);
+    }
+  }
+  std::sort(candidates.begin(), candidates.end());
+  absl::flat_hash_map<uint64_t, int> released;  // block id -> holders dropped by the plan
+  const auto& refs = indexers_[indexer].block_refs;
+  for (const auto& [unused_tick, id] : candidates) {
+    const Sequence& s = sequences_.at(id);
+    const bool frees_blocks = s.indexer == indexer && short_blocks > 0;
+    const bool frees_kv = s.attention == attention && s.kv_slots > 0 && short_kv > 0;
+    if (!frees_blocks && !frees_kv) continue;
+    if (s.indexer == indexer) {
+      int64_t freed = 0;
+      for (uint64_t block : s.blocks) {
+        int& dropped = released[block];
+        if (refs.at(block) - dropped == 1) ++freed;
+        ++dropped;
+      }
+      short_blocks -= freed * options_.num_full_layers;
+    }
+    if (s.attention == attention) short_kv -= s.kv_slots;
+    plan.push_back(id);
+    if (short_blocks <= 0 && short_kv <= 0) return plan;
+  }
+  return std::nullopt;
+}
+
+void Scheduler::DropBlocks(Sequence& sequence) {
+  auto& refs = indexers_[sequence.indexer].block_refs;
+  for (uint64_t block : sequence.blocks) {
+    auto it = refs.find(block);
+    if (--it->second == 0) refs.erase(it);
+  }
+  sequence.blocks.clear();
+}
+
+Eviction Scheduler::Evict(uint64_t sequence_id) {
+  Sequence& s = sequences_.at(sequence_id);
+  Eviction eviction{sequence_id, s.indexer, s.attention, s.kv_slots > 0};
+  DropBlocks(s);
+  attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
+  if (!s.session_id.empty()) {
+    auto it = session_sequences_.find(s.session_id);
+    if (it != session_sequences_.end() && it->second == sequence_id) session_sequences_.erase(it);
+  }
+  sequences_.erase(sequence_id);
+  return eviction;
+}
+
+std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDemand& demand) {
+  const int64_t blocks_per_layer = BlocksPerLayer(demand);
+  const int64_t kv = KvSlots(demand);
+  const int layers = options_.num_full_layers;
+  Admission admission;
+  admission.ticket = ticket;
+
+  auto session_it = demand.session_id.empty() ? session_sequences_.end()
+                                              : session_sequences_.find(demand.session_id);
+  if (session_it != session_sequences_.end()) {  // a new turn of a kept sequence
+    const uint64_t id = session_it->second;
+    Sequence& s = sequences_.at(id);
+    const int64_t extra_blocks =
+        std::max<int64_t>(0, blocks_per_layer - static_cast<int64_t>(s.blocks.size())) * layers;
+    const int64_t extra_kv = std::max<int64_t>(0, kv - s.kv_slots);
+    std::optional<std::vector<uint64_t>> plan =
+        PlanEvictions(s.indexer, extra_blocks, s.attention, extra_kv, id);
+    if (!plan.has_value()) return std::nullopt;
+    for (uint64_t victim : *plan) admission.evictions.push_back(Evict(victim));
+    auto& refs = indexers_[s.indexer].block_refs;
+    while (static_cast<int64_t>(s.blocks.size()) > blocks_per_layer) {
+      auto it = refs.find(s.blocks.back());
+      if (--it->second == 0) refs.erase(it);
+      s.blocks.pop_back();
+    }
+    while (static_cast<int64_t>(s.blocks.size()) < blocks_per_layer) {
+      s.blocks.push_back(next_block_id_);
+      refs[next_block_id_++] = 1;
+    }
+    attentions_[s.attention].kv_reserved_slots += kv - s.kv_slots;
+    s.kv_slots = kv;
+    s.state = State::kPrefilling;
+    s.draft_length = demand.draft_length;
+    s.last_used = ++tick_;
+    ++attentions_[s.attention].running;
+    admission.sequence_id = id;
+    admission.indexer = s.indexer;
+    admission.attention = s.attention;
+    admission.continue_sequence = true;
+    return admission;
+  }
+
+  // Per indexer worker: the donor sharing the longest run of leading prefix blocks.
+  struct Candidate {
+    int indexer;
+    int64_t shared_slots;
+    uint64_t donor;  // 0 = none
+    double load;
+  };
+  std::vector<Candidate> candidates;
+  const int64_t max_shared_slots =
+      demand.context_length / kSlotsPerCacheBlock * kSlotsPerCacheBlock;
+  for (int i = 0; i < static_cast<int>(indexer_info_.size()); ++i) {
+    const int64_t capacity = indexer_info_[i].capacity_blocks;
+    const double used = static_cast<double>(layers * indexers_[i].block_refs.size());
+    candidates.push_back({i, 0, 0, capacity > 0 ? used / static_cast<double>(capacity) : 1.0});
+  }
+  if (!demand.prefix_block_ids.empty() && max_shared_slots > 0) {
+    for (const auto& [id, s] : sequences_) {
+      const bool eligible =
+          (s.state == State::kRetained) || (s.state == State::kRunning && s.draft_length == 0);
+      if (!eligible) continue;
+      size_t run = 0;
+      while (run < s.whole_prefix_ids.size() && run < demand.prefix_block_ids.size() &&
+             s.whole_prefix_ids[run] == demand.prefix_block_ids[run]) {
+        ++run;
+      }
+      const int64_t shared =
+          std::min<int64_t>(static_cast<int64_t>(run) * kSlotsPerPrefixBlock, max_shared_slots);
+      Candidate& c = candidates[s.indexer];
+      if (shared > c.shared_slots || (shared == c.shared_slots && shared > 0 && id < c.donor)) {
+        c.shared_slots = shared;
+        c.donor = id;
+      }
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(b.shared_slots, a.load, a.indexer) <
+           std::tie(a.shared_slots, b.load, b.indexer);
+  });
+  std::vector<int> attention_order(attention_info_.size());
+  for (int j = 0; j < static_cast<int>(attention_order.size()); ++j) attention_order[j] = j;
+  std::stable_sort(attention_order.begin(), attention_order.end(), [this](int a, int b) {
+    return attentions_[a].running < attentions_[b].running;
+  });
+
+  for (const Candidate& c : candidates) {
+    const int64_t shared_blocks = c.shared_slots / kSlotsPerCacheBlock;
+    for (int j : attention_order) {
+      std::optional<std::vector<uint64_t>> plan =
+          PlanEvictions(c.indexer, (blocks_per_layer - shared_blocks) * layers, j, kv, c.donor);
+      if (!plan.has_value()) continue;
+      for (uint64_t victim : *plan) admission.evictions.push_back(Evict(victim));
+      const uint64_t id = next_sequence_id_++;
+      Sequence s;
+      s.indexer = c.indexer;
+      s.attention = j;
+      s.state = State::kPrefilling;
+      s.draft_length = demand.draft_length;
+      const int64_t whole = std::min<int64_t>(static_cast<int64_t>(demand.prefix_block_ids.size()),
+                                              demand.context_length / kSlotsPerPrefixBlock);
+      s.whole_prefix_ids.assign(demand.prefix_block_ids.begin(),
+                                demand.prefix_block_ids.begin() + whole);
+      s.length = 0;
+      auto& refs = indexers_[c.indexer].block_refs;
+      if (c.donor != 0) {
+        Sequence& donor = sequences_.at(c.donor);
+        for (int64_t b = 0; b < shared_blocks; ++b) {
+          s.blocks.push_back(donor.blocks[b]);
+          ++refs[donor.blocks[b]];
+        }
+        ++donor.pins;
+        donor.last_used = ++tick_;
+        s.donor = c.donor;
+        admission.prefix_source_id = c.donor;
+        admission.prefix_slots = c.shared_slots;
+      }
+      while (static_cast<int64_t>(s.blocks.size()) < blocks_per_layer) {
+        s.blocks.push_back(next_block_id_);
+        refs[next_block_id_++] = 1;
+      }
+      s.kv_slots = kv;
+      attentions_[j].kv_reserved_slots += kv;
+      ++attentions_[j].running;
+      s.session_id = demand.session_id;
+      s.last_used = ++tick_;
+      if (!demand.session_id.empty()) session_sequences_[demand.session_id] = id;
+      sequences_.emplace(id, std::move(s));
+      admission.sequence_id = id;
+      admission.indexer = c.indexer;
+      admission.attention = j;
+      return admission;
+    }
+  }
+  return std::nullopt;
+}
+
+void Scheduler::Unpin(uint64_t donor, std::vector<Eviction>& evictions) {
+  auto it = sequences_.find(donor);
+  if (it == sequences_.end()) return;
+  Sequence& s = it->second;
+  if (--s.pins == 0 && s.release_when_unpinned && s.state == State::kRetained) {
+    evictions.push_back(Evict(donor));
+  }
+}
+
+std::vector<Eviction> Scheduler::PrefillDone(uint64_t sequence_id) {
+  std::vector<Eviction> evictions;
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return evictions;
+  it->second.state = State::kRunning;
+  if (it->second.donor.has_value()) {
+    const uint64_t donor = *it->second.donor;
+    it->second.donor.reset();
+    Unpin(donor, evictions);
+  }
+  return evictions;
+}
+
+Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, int64_t length) {
+  FinishResult result;
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) return result;
+  Sequence& s = it->second;
+  if (s.state != State::kRetained) --attentions_[s.attention].running;
+  if (s.donor.has_value()) {
+    const uint64_t donor = *s.donor;
+    s.donor.reset();
+    Unpin(donor, result.evictions);
+  }
+  if (!s.session_id.empty()) busy_sessions_.erase(s.session_id);
+  s.last_used = ++tick_;
+  if (completed && !s.session_id.empty()) {
+    s.state = State::kRetained;
+    s.length = length;
+    result.release_attention = false;
+    return result;
+  }
+  if (!completed && !s.session_id.empty()) {
+    auto session = session_sequences_.find(s.session_id);
+    if (session != session_sequences_.end() && session->second == sequence_id) {
+      session_sequences_.erase(session);
+    }
+    s.session_id.clear();
+  }
+  if ((completed && options_.retain_finished) || s.pins > 0) {
+    s.state = State::kRetained;
+    if (completed) s.length = length;
+    attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
+    s.kv_slots = 0;
+    s.release_when_unpinned = !(completed && options_.retain_finished);
+    result.keep_indexer_sequence = true;
+    return result;
+  }
+  DropBlocks(s);
+  attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
+  sequences_.erase(it);
+  return result;
+}
+
+SchedulerLoad Scheduler::Load() const {
+  SchedulerLoad load;
+  load.queued = static_cast<int>(queue_.size());
+  for (const AttentionState& a : attentions_) load.running += a.running;
+  load.indexers.resize(indexer_info_.size());
+  for (size_t i = 0; i < indexer_info_.size(); ++i) {
+    load.indexers[i].capacity_blocks = indexer_info_[i].capacity_blocks;
+    load.indexers[i].used_blocks =
+        options_.num_full_layers * static_cast<int64_t>(indexers_[i].block_refs.size());
+  }
+  for (const auto& [id, s] : sequences_) {
+    if (s.state == State::kRetained) ++load.retained;
+    ++load.indexers[s.indexer].sequences;
+  }
+  return load;
+}
+
+}  // namespace dsa

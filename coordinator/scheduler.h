@@ -1,0 +1,217 @@
+// The coordinator's admission and placement logic without gRPC (docs/services.md "Coordinator"):
+// index-key-cache accounting per indexer worker, KV and running-slot accounting per attention
+// worker, the bounded FIFO queue, prefix-aware placement, retained donors and multi-turn sessions
+// with least-recently-used eviction.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+
+namespace dsa {
+
+/// Slots of one index-key-cache block (DESIGN.md 2: b = 64).
+inline constexpr int64_t kSlotsPerCacheBlock = 64;
+/// Tokens covered by one shared-prefix block id (the Mooncake trace's hash blocks).
+inline constexpr int64_t kSlotsPerPrefixBlock = 512;
+
+/// Deployment-wide settings of the scheduler.
+struct SchedulerOptions {
+  int num_full_layers = 1;             // indexer layers per sequence (attention GetInfo), >= 1
+  int max_queue = 64;                  // queued requests at most; a full queue refuses at once
+  int max_running_per_attention = 32;  // running (prefilling or decoding) sequences per worker
+  bool retain_finished = true;         // keep finished sequences' index keys as prefix donors
+  uint64_t first_sequence_id = 1;      // sequence ids are handed out from here upwards
+};
+
+/// One indexer worker as the scheduler sees it.
+struct IndexerWorkerInfo {
+  std::string address;
+  int64_t capacity_blocks = 0;  // 64-slot blocks over all layers (indexer GetLoad)
+};
+
+/// One attention worker as the scheduler sees it.
+struct AttentionWorkerInfo {
+  std::string address;
+  int64_t kv_capacity_slots = 0;  // KV slots over its sequences; <= 0 = unlimited
+};
+
+/// What a request needs (validated by the caller: context_length >= 1, max_new_tokens >= 1,
+/// draft_length 0..4, at most ceil(context_length / 512) prefix ids).
+struct SequenceDemand {
+  int64_t context_length = 1;  // tokens (slots) of the prompt
+  int64_t max_new_tokens = 1;
+  int draft_length = 0;                    // d
+  std::vector<uint64_t> prefix_block_ids;  // one per 512 tokens
+  std::string session_id;                  // empty = a one-off request
+};
+
+/// A retained sequence to drop on the workers (the scheduler has already forgotten it).
+struct Eviction {
+  uint64_t sequence_id = 0;
+  int indexer = 0;    // index into the indexer workers
+  int attention = 0;  // index into the attention workers
+  /// True for a session whose KV is still on the attention worker: release it there (without
+  /// keep_indexer_sequence, which drops the indexer sequence too). False for a donor whose KV is
+  /// gone: release its indexer sequence directly.
+  bool release_on_attention = false;
+};
+
+/// A placed request: what the coordinator sends in Prefill.
+struct Admission {
+  uint64_t ticket = 0;       // the caller's id of the request
+  uint64_t sequence_id = 0;  // new, or the session's sequence when continue_sequence
+  int indexer = 0;
+  int attention = 0;
+  std::optional<uint64_t> prefix_source_id;  // a donor on the same indexer worker
+  int64_t prefix_slots = 0;                  // multiple of 64, <= context_length
+  bool continue_sequence = false;            // extend the session's sequence (new turn)
+  std::vector<Eviction> evictions;           // to carry out before the Prefill
+};
+
+/// The index-key cache of one indexer worker by the scheduler's reservations.
+struct IndexerLoad {
+  int64_t used_blocks = 0;  // reserved (sequences' whole demand, shared blocks counted once)
+  int64_t capacity_blocks = 0;
+  int sequences = 0;  // running and retained sequences placed there
+};
+
+/// Counts for GetLoad.
+struct SchedulerLoad {
+  int queued = 0;
+  int running = 0;   // prefilling or decoding
+  int retained = 0;  // finished donors and idle sessions
+  std::vector<IndexerLoad> indexers;
+};
+
+/// Admission and placement (docs/services.md "Coordinator"). A request needs
+/// `full_layers * ceil((context + max_new_tokens + d) / 64)` index-key-cache blocks on its indexer
+/// worker, less the blocks it shares with its prefix donor (blocks are reference counted, so a
+/// block shared by several sequences is counted once and freed with its last holder), and
+/// `context + max_new_tokens + d` KV slots on its attention worker. Placement: the indexer worker
+/// holding the longest run of the request's leading prefix block ids (among retained donors, idle
+/// sessions and running sequences without speculative steps whose prefill completed; only whole
+/// 512-slot blocks of the donor's prompt), ties and misses to the least-loaded (used / capacity);
+/// the attention worker with the fewest running sequences below max_running and with KV room.
+/// Room is made by evicting retained sequences that are not pinned (a donor of a prefill in
+/// progress), least recently used first. Not thread-safe: the caller serializes every call.
+class Scheduler {
+ public:
+  /// INVALID_ARGUMENT when there is no worker of either kind, num_full_layers < 1, max_queue < 0
+  /// or max_running_per_attention < 1.
+  static absl::StatusOr<Scheduler> Create(SchedulerOptions options,
+                                          std::vector<IndexerWorkerInfo> indexers,
+                                          std::vector<AttentionWorkerInfo> attentions);
+
+  /// Blocks (over all layers) that `demand` reserves without sharing.
+  int64_t BlocksNeeded(const SequenceDemand& demand) const;
+
+  /// Admits `ticket` at once when the queue is empty and it fits (returns the admission), else
+  /// queues it (returns nullopt; AdmitQueued places it later). Errors, with nothing changed:
+  /// RESOURCE_EXHAUSTED when it is larger than any worker's whole capacity (the message gives the
+  /// blocks or slots needed and the largest capacity) or the queue is full; FAILED_PRECONDITION
+  /// when its session has a turn queued or running; INVALID_ARGUMENT when its session's sequence
+  /// is longer than the new context (previous context + generated tokens).
+  absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand);
+
+  /// Places queued requests in FIFO order while the head fits; call after anything freed room.
+  std::vector<Admission> AdmitQueued();
+
+  /// Removes a queued ticket; false if it is not queued.
+  bool CancelQueued(uint64_t ticket);
+  /// Removes every queued ticket and returns them in queue order (drain).
+  std::vector<uint64_t> CancelAllQueued();
+
+  /// The sequence's prefill completed: it becomes a prefix donor (without speculative steps) and
+  /// its own donor is unpinned. Returns evictions to carry out (a donor kept only for this
+  /// prefill, now released).
+  std::vector<Eviction> PrefillDone(uint64_t sequence_id);
+
+  /// How a finished or failed sequence leaves its attention worker.
+  struct FinishResult {
+    bool release_attention = true;       // false: a session keeps its KV (no Release at all)
+    bool keep_indexer_sequence = false;  // Release with keep_indexer_sequence
+    std::vector<Eviction> evictions;     // others to drop now
+  };
+  /// A running sequence ends. `completed` with `length` (its slots: context + generated): a
+  /// session's sequence stays whole (KV and index keys), other sequences keep their index keys
+  /// as donors when retain_finished (or while a prefill uses them as a donor), else everything is
+  /// freed. Not completed (failed, aborted): freed, and a session loses its sequence (its next turn
+  /// starts afresh), unless a prefill in progress uses it as a donor.
+  FinishResult Finish(uint64_t sequence_id, bool completed, int64_t length);
+
+  /// Current counts and reservations.
+  SchedulerLoad Load() const;
+  const std::vector<IndexerWorkerInfo>& indexers() const { return indexer_info_; }
+  const std::vector<AttentionWorkerInfo>& attentions() const { return attention_info_; }
+
+ private:
+  enum class State { kPrefilling, kRunning, kRetained };
+  struct Sequence {
+    int indexer = 0;
+    int attention = 0;
+    State state = State::kPrefilling;
+    int draft_length = 0;
+    std::vector<uint64_t> whole_prefix_ids;  // prefix ids of whole 512-slot prompt blocks
+    int64_t length = 0;                      // slots after the last completed turn
+    std::vector<uint64_t> blocks;            // reserved block ids, one per 64 slots
+    int64_t kv_slots = 0;                    // reserved KV slots on the attention worker
+    std::string session_id;
+    int pins = 0;                   // prefills in progress that share its prefix
+    std::optional<uint64_t> donor;  // pinned while this sequence prefills
+    bool release_when_unpinned = false;
+    uint64_t last_used = 0;  // LRU tick
+  };
+  struct Pending {
+    uint64_t ticket;
+    SequenceDemand demand;
+  };
+  struct IndexerState {
+    absl::flat_hash_map<uint64_t, int> block_refs;  // block id -> holders
+  };
+  struct AttentionState {
+    int64_t kv_reserved_slots = 0;
+    int running = 0;
+  };
+
+  Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,
+            std::vector<AttentionWorkerInfo> attentions);
+
+  int64_t BlocksPerLayer(const SequenceDemand& demand) const;
+  int64_t KvSlots(const SequenceDemand& demand) const;
+  int64_t FreeBlocks(int indexer) const;
+  int64_t FreeKv(int attention) const;
+  // Tries to place; on success commits the reservations and returns the admission.
+  std::optional<Admission> TryPlace(uint64_t ticket, const SequenceDemand& demand);
+  // Chooses LRU-first evictions so that `blocks` more blocks fit on `indexer` and `kv` more slots
+  // and one more running sequence fit on `attention`; nullopt if impossible. Changes nothing.
+  std::optional<std::vector<uint64_t>> PlanEvictions(int indexer, int64_t blocks, int attention,
+                                                     int64_t kv, uint64_t protect) const;
+  // Forgets a sequence's reservations; returns how to drop it on the workers.
+  Eviction Evict(uint64_t sequence_id);
+  void DropBlocks(Sequence& sequence);
+  // Unpins `donor`; appends its eviction when it was kept only for the pin.
+  void Unpin(uint64_t donor, std::vector<Eviction>& evictions);
+
+  SchedulerOptions options_;
+  std::vector<IndexerWorkerInfo> indexer_info_;
+  std::vector<AttentionWorkerInfo> attention_info_;
+  std::vector<IndexerState> indexers_;
+  std::vector<AttentionState> attentions_;
+  absl::flat_hash_map<uint64_t, Sequence> sequences_;
+  // session id -> its sequence (absent: none kept); busy sessions have a turn queued or running.
+  absl::flat_hash_map<std::string, uint64_t> session_sequences_;
+  absl::flat_hash_set<std::string> busy_sessions_;
+  std::deque<Pending> queue_;
+  uint64_t next_sequence_id_;
+  uint64_t next_block_id_ = 1;
+  uint64_t tick_ = 0;
+};
+
+}  // namespace dsa

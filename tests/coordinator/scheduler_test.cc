@@ -1,0 +1,288 @@
+// Tests of the coordinator's admission and placement logic (coordinator/scheduler.h): block math,
+// the too-large and queue-full refusals, FIFO admission, LRU eviction of retained sequences,
+// prefix-aware placement (whole 512-slot blocks, caps, donors in a speculative step), pinned
+// donors, sessions and attention-worker choice. Expected values are worked out by hand.
+#include "coordinator/scheduler.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace dsa {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+SequenceDemand Demand(int64_t context, int64_t max_new, int draft = 0,
+                      std::vector<uint64_t> prefix = {}, std::string session = "") {
+  SequenceDemand d;
+  d.context_length = context;
+  d.max_new_tokens = max_new;
+  d.draft_length = draft;
+  d.prefix_block_ids = std::move(prefix);
+  d.session_id = std::move(session);
+  return d;
+}
+
+Scheduler Make(int layers, std::vector<int64_t> capacities, int num_attention = 1,
+               int max_queue = 4, int max_running = 8, bool retain = true,
+               int64_t kv_capacity = 0) {
+  SchedulerOptions options;
+  options.num_full_layers = layers;
+  options.max_queue = max_queue;
+  options.max_running_per_attention = max_running;
+  options.retain_finished = retain;
+  std::vector<IndexerWorkerInfo> indexers;
+  for (size_t i = 0; i < capacities.size(); ++i) {
+    indexers.push_back({"indexer" + std::to_string(i), capacities[i]});
+  }
+  std::vector<AttentionWorkerInfo> attentions;
+  for (int j = 0; j < num_attention; ++j) {
+    attentions.push_back({"attention" + std::to_string(j), kv_capacity});
+  }
+  auto scheduler = Scheduler::Create(options, indexers, attentions);
+  EXPECT_TRUE(scheduler.ok()) << scheduler.status();
+  return *std::move(scheduler);
+}
+
+// Submits and expects an immediate admission.
+Admission Admit(Scheduler& s, uint64_t ticket, const SequenceDemand& demand) {
+  auto result = s.Submit(ticket, demand);
+  EXPECT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result.ok() && result->has_value()) << "ticket " << ticket << " was queued";
+  return result.ok() && result->has_value() ? **result : Admission{};
+}
+
+// Admits, prefills and completes a one-off request; returns its sequence id.
+uint64_t RunToRetained(Scheduler& s, uint64_t ticket, const SequenceDemand& demand) {
+  const Admission a = Admit(s, ticket, demand);
+  s.PrefillDone(a.sequence_id);
+  s.Finish(a.sequence_id, true, demand.context_length + demand.max_new_tokens);
+  return a.sequence_id;
+}
+
+TEST(SchedulerTest, CreateRefusesBadOptions) {
+  SchedulerOptions options;
+  EXPECT_FALSE(Scheduler::Create(options, {}, {{"a", 0}}).ok());
+  EXPECT_FALSE(Scheduler::Create(options, {{"i", 10}}, {}).ok());
+  options.num_full_layers = 0;
+  EXPECT_FALSE(Scheduler::Create(options, {{"i", 10}}, {{"a", 0}}).ok());
+}
+
+TEST(SchedulerTest, BlocksAreFullLayersTimesCeilOfContextNewTokensAndDraft) {
+  Scheduler s = Make(/*layers=*/3, {100});
+  // ceil((100 + 20 + 4) / 64) = 2 blocks per layer, 3 layers.
+  EXPECT_EQ(s.BlocksNeeded(Demand(100, 20, 4)), 6);
+  // 64 + 0 + 0 would be one block; 60 + 4 = 64 is one block; 61 + 4 is two.
+  EXPECT_EQ(s.BlocksNeeded(Demand(60, 4)), 3);
+  EXPECT_EQ(s.BlocksNeeded(Demand(61, 4)), 6);
+  Admission a = Admit(s, 1, Demand(100, 20, 4));
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 6);
+  EXPECT_EQ(s.Load().running, 1);
+  s.Finish(a.sequence_id, false, 0);  // failed: everything freed
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 0);
+  EXPECT_EQ(s.Load().running, 0);
+  EXPECT_EQ(s.Load().retained, 0);
+}
+
+TEST(SchedulerTest, LargerThanAnyWorkerIsRefusedAtOnceWithTheNumbers) {
+  Scheduler s = Make(2, {8, 6});
+  // ceil(301 / 64) = 5 blocks per layer, 10 in all; the largest worker has 8.
+  auto result = s.Submit(1, Demand(300, 1));
+  ASSERT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(result.status().message(), HasSubstr("needs 10 index-key-cache blocks"));
+  EXPECT_THAT(result.status().message(), HasSubstr("largest: 8 blocks"));
+  EXPECT_EQ(s.Load().queued, 0);
+
+  Scheduler kv = Make(1, {1000}, 2, 4, 8, true, /*kv_capacity=*/500);
+  auto kv_result = kv.Submit(1, Demand(450, 100));
+  ASSERT_EQ(kv_result.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(kv_result.status().message(), HasSubstr("needs 550 KV slots"));
+}
+
+TEST(SchedulerTest, QueuesInFifoOrderAndRefusesWhenTheQueueIsFull) {
+  Scheduler s = Make(2, {8}, 1, /*max_queue=*/2, 8, /*retain=*/false);
+  const SequenceDemand whole = Demand(200, 50);  // ceil(250 / 64) = 4 per layer: 8 blocks
+  const Admission a = Admit(s, 1, whole);
+  auto b = s.Submit(2, Demand(10, 1));  // the worker is full and nothing is retained: waits
+  ASSERT_TRUE(b.ok());
+  EXPECT_FALSE(b->has_value());
+  auto c = s.Submit(3, Demand(10, 1));
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->has_value());
+  auto d = s.Submit(4, Demand(10, 1));
+  ASSERT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(d.status().message(), HasSubstr("queue full"));
+  EXPECT_EQ(s.Load().queued, 2);
+  EXPECT_TRUE(s.AdmitQueued().empty());  // nothing freed yet
+
+  s.PrefillDone(a.sequence_id);
+  const Scheduler::FinishResult finished = s.Finish(a.sequence_id, true, 250);
+  EXPECT_TRUE(finished.release_attention);
+  EXPECT_FALSE(finished.keep_indexer_sequence);  // retain off
+  std::vector<Admission> admitted = s.AdmitQueued();
+  ASSERT_EQ(admitted.size(), 2u);
+  EXPECT_EQ(admitted[0].ticket, 2u);
+  EXPECT_EQ(admitted[1].ticket, 3u);
+  EXPECT_EQ(s.Load().queued, 0);
+}
+
+TEST(SchedulerTest, LaterRequestsWaitBehindTheQueueHead) {
+  Scheduler s = Make(1, {4}, 1, 4, 8, false);
+  const Admission a = Admit(s, 1, Demand(100, 28));         // 2 blocks
+  ASSERT_FALSE(s.Submit(2, Demand(150, 42))->has_value());  // 3 blocks: waits
+  // One block would fit now, but the queue is not empty: FIFO, so it waits too.
+  ASSERT_FALSE(s.Submit(3, Demand(10, 1))->has_value());
+  EXPECT_TRUE(s.CancelQueued(2));
+  EXPECT_FALSE(s.CancelQueued(2));
+  std::vector<Admission> admitted = s.AdmitQueued();
+  ASSERT_EQ(admitted.size(), 1u);
+  EXPECT_EQ(admitted[0].ticket, 3u);
+  s.Finish(a.sequence_id, false, 0);
+}
+
+TEST(SchedulerTest, EvictsRetainedSequencesLeastRecentlyUsedFirst) {
+  Scheduler s = Make(1, {4});
+  const uint64_t a = RunToRetained(s, 1, Demand(10, 1));  // 1 block each
+  const uint64_t b = RunToRetained(s, 2, Demand(10, 1));
+  const uint64_t c = RunToRetained(s, 3, Demand(10, 1));
+  const uint64_t d = RunToRetained(s, 4, Demand(10, 1));
+  EXPECT_EQ(s.Load().retained, 4);
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 4);
+  const Admission e = Admit(s, 5, Demand(100, 20));  // 2 blocks: the two oldest go
+  ASSERT_EQ(e.evictions.size(), 2u);
+  EXPECT_EQ(e.evictions[0].sequence_id, a);
+  EXPECT_EQ(e.evictions[1].sequence_id, b);
+  EXPECT_FALSE(e.evictions[0].release_on_attention);  // donors' KV is already gone
+  EXPECT_EQ(s.Load().retained, 2);
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 4);
+  (void)c;
+  (void)d;
+}
+
+TEST(SchedulerTest, PlacesOnTheWorkerWithTheLongestPrefixRun) {
+  Scheduler s = Make(1, {100, 100});
+  // Donor on indexer 0 (tie -> lower index) with whole blocks [1, 2] (1100 >= 2 * 512).
+  const uint64_t donor = RunToRetained(s, 1, Demand(1100, 10, 0, {1, 2, 3}));
+  // A second sequence makes indexer 0 the more loaded one.
+  const Admission r = Admit(s, 2, Demand(1500, 10, 0, {1, 2, 3}));
+  EXPECT_EQ(r.indexer, 0);
+  ASSERT_TRUE(r.prefix_source_id.has_value());
+  EXPECT_EQ(*r.prefix_source_id, donor);
+  EXPECT_EQ(r.prefix_slots, 1024);  // donor's third block is not whole in its prompt
+  // Blocks: donor 18 (ceil(1110/64)); r shares 16 of its 24 (ceil(1510/64)): 18 + 8.
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 26);
+
+  const Admission miss = Admit(s, 3, Demand(600, 10, 0, {7}));
+  EXPECT_EQ(miss.indexer, 1);  // no prefix anywhere: least loaded
+  EXPECT_FALSE(miss.prefix_source_id.has_value());
+
+  const Admission partial = Admit(s, 4, Demand(600, 10, 0, {1, 9}));
+  EXPECT_EQ(partial.indexer, 0);
+  EXPECT_EQ(partial.prefix_slots, 512);
+}
+
+TEST(SchedulerTest, PrefixSlotsAreCappedByTheContextAtAWhole64SlotBlock) {
+  Scheduler s = Make(1, {100});
+  const uint64_t donor = RunToRetained(s, 1, Demand(1024, 1, 0, {1, 2}));
+  const Admission r = Admit(s, 2, Demand(700, 1, 0, {1, 2}));
+  ASSERT_TRUE(r.prefix_source_id.has_value());
+  EXPECT_EQ(*r.prefix_source_id, donor);
+  EXPECT_EQ(r.prefix_slots, 640);  // floor(700 / 64) * 64
+  const Admission tiny = Admit(s, 3, Demand(63, 1, 0, {1}));
+  EXPECT_FALSE(tiny.prefix_source_id.has_value());  // not one whole 64-slot block
+}
+
+TEST(SchedulerTest, RunningDonorsOnlyWithoutSpeculativeStepsAndAfterPrefill) {
+  Scheduler s = Make(1, {200});
+  const Admission spec = Admit(s, 1, Demand(1024, 100, 2, {5}));
+  const Admission prefilling = Admit(s, 2, Demand(1024, 100, 0, {6}));
+  s.PrefillDone(spec.sequence_id);
+  EXPECT_FALSE(Admit(s, 3, Demand(600, 1, 0, {5})).prefix_source_id.has_value());
+  EXPECT_FALSE(Admit(s, 4, Demand(600, 1, 0, {6})).prefix_source_id.has_value());
+  s.PrefillDone(prefilling.sequence_id);
+  const Admission shared = Admit(s, 5, Demand(600, 1, 0, {6}));
+  ASSERT_TRUE(shared.prefix_source_id.has_value());
+  EXPECT_EQ(*shared.prefix_source_id, prefilling.sequence_id);
+}
+
+TEST(SchedulerTest, APinnedDonorIsNotEvictedAndIsReleasedWhenUnpinnedIfNotRetained) {
+  Scheduler s = Make(1, {40}, 1, 4, 8, /*retain=*/false);
+  const Admission donor = Admit(s, 1, Demand(1024, 64, 0, {1, 2}));  // 17 blocks
+  s.PrefillDone(donor.sequence_id);
+  const Admission user = Admit(s, 2, Demand(1024, 64, 0, {1, 2}));  // shares 16, adds 1
+  ASSERT_TRUE(user.prefix_source_id.has_value());
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 18);
+  // The donor finishes while the user's prefill still reads it: kept on the indexer.
+  Scheduler::FinishResult finished = s.Finish(donor.sequence_id, true, 1088);
+  EXPECT_TRUE(finished.keep_indexer_sequence);
+  EXPECT_EQ(s.Load().retained, 1);
+  // A request needing every free block and more cannot evict it.
+  auto big = s.Submit(3, Demand(1400, 64));  // 23 blocks; 22 free; the donor frees 1
+  ASSERT_TRUE(big.ok());
+  EXPECT_FALSE(big->has_value());
+  // Prefill done: the donor is released (retain off); its one unshared block frees and the
+  // queued request fits.
+  std::vector<Eviction> released = s.PrefillDone(user.sequence_id);
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].sequence_id, donor.sequence_id);
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 17);
+  EXPECT_EQ(s.AdmitQueued().size(), 1u);
+}
+
+TEST(SchedulerTest, SessionsContinueTheirSequenceAndAreEvictedLikeDonors) {
+  Scheduler s = Make(1, {10});
+  const Admission t1 = Admit(s, 1, Demand(100, 20, 0, {}, "chat"));
+  EXPECT_FALSE(t1.continue_sequence);
+  auto busy = s.Submit(2, Demand(200, 20, 0, {}, "chat"));
+  EXPECT_EQ(busy.status().code(), absl::StatusCode::kFailedPrecondition);
+  s.PrefillDone(t1.sequence_id);
+  Scheduler::FinishResult finished = s.Finish(t1.sequence_id, true, 120);
+  EXPECT_FALSE(finished.release_attention);  // KV and index keys stay
+  EXPECT_EQ(s.Load().retained, 1);
+
+  auto shorter = s.Submit(3, Demand(119, 20, 0, {}, "chat"));
+  EXPECT_EQ(shorter.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(shorter.status().message(), HasSubstr("holds 120 slots"));
+
+  const Admission t2 = Admit(s, 4, Demand(300, 20, 0, {}, "chat"));  // 5 blocks
+  EXPECT_TRUE(t2.continue_sequence);
+  EXPECT_EQ(t2.sequence_id, t1.sequence_id);
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 5);
+  s.PrefillDone(t2.sequence_id);
+  s.Finish(t2.sequence_id, true, 320);
+
+  // Another request needs the space: the idle session goes (released on its attention worker).
+  const Admission other = Admit(s, 5, Demand(500, 20));  // 9 blocks
+  ASSERT_EQ(other.evictions.size(), 1u);
+  EXPECT_EQ(other.evictions[0].sequence_id, t1.sequence_id);
+  EXPECT_TRUE(other.evictions[0].release_on_attention);
+  s.Finish(other.sequence_id, false, 0);
+  const Admission t3 = Admit(s, 6, Demand(400, 20, 0, {}, "chat"));
+  EXPECT_FALSE(t3.continue_sequence);  // starts afresh
+  EXPECT_NE(t3.sequence_id, t1.sequence_id);
+}
+
+TEST(SchedulerTest, AttentionWorkerWithFewestRunningAndMaxRunning) {
+  Scheduler s = Make(1, {100}, /*num_attention=*/2, 4, /*max_running=*/1);
+  const Admission a = Admit(s, 1, Demand(10, 1));
+  const Admission b = Admit(s, 2, Demand(10, 1));
+  EXPECT_EQ(a.attention, 0);
+  EXPECT_EQ(b.attention, 1);
+  auto c = s.Submit(3, Demand(10, 1));
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->has_value());  // both at max_running
+  s.Finish(b.sequence_id, true, 11);
+  std::vector<Admission> admitted = s.AdmitQueued();
+  ASSERT_EQ(admitted.size(), 1u);
+  EXPECT_EQ(admitted[0].attention, 1);
+  EXPECT_THAT(s.CancelAllQueued(), ElementsAre());
+}
+
+}  // namespace
+}  // namespace dsa
