@@ -211,8 +211,8 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
       }
     }
   }
-  // Appends first, all or none; then the selects. A group that fails to select has its own and
-  // the later groups' new keys removed again; the groups before it stay applied.
+  // Appends first, all or none; then the selects (one batch). When the batch fails, the new keys
+  // of the groups it did not apply are removed again.
   auto undo_appends = [&](int from) {
     for (int g = request.groups_size() - 1; g >= from; --g) {
       if (decoded[g].num_new_keys > 0) {
@@ -238,25 +238,28 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
                           absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
     }
   }
+  std::vector<SelectGroup> groups(request.groups_size());
+  for (int g = 0; g < request.groups_size(); ++g) {
+    groups[g] = {request.groups(g).sequence_id(), request.groups(g).layer(), decoded[g].rows};
+  }
+  size_t groups_applied = 0;
+  auto results = indexer.SelectBatch(groups, &groups_applied);
   response->Clear();
+  if (!results.ok()) {
+    undo_appends(static_cast<int>(groups_applied));
+    return results.status();
+  }
   response->set_request_id(request.request_id());
   for (int g = 0; g < request.groups_size(); ++g) {
-    const v1::RowGroup& group = request.groups(g);
-    auto result = indexer.Select(group.sequence_id(), group.layer(), decoded[g].rows);
-    if (!result.ok()) {
-      undo_appends(g);
-      response->Clear();
-      return absl::Status(result.status().code(),
-                          absl::StrCat("group ", g, ": ", result.status().message()));
-    }
-    if (metrics != nullptr) metrics->RecordSelect(*result);
+    const SelectResult& result = (*results)[g];
+    if (metrics != nullptr) metrics->RecordSelect(result);
     v1::GroupSelection* selection = response->add_selections();
-    const int64_t shape[] = {static_cast<int64_t>(decoded[g].rows.size()), result->top_k};
-    EncodeInt32Tensor(result->selections, shape, selection->mutable_selections());
-    selection->set_blocks_scored(result->blocks_scored);
-    selection->set_blocks_visible(result->blocks_visible);
-    selection->set_all_blocks(result->all_blocks);
-    for (const double miss_rate : result->audit_miss_rates) {
+    const int64_t shape[] = {static_cast<int64_t>(decoded[g].rows.size()), result.top_k};
+    EncodeInt32Tensor(result.selections, shape, selection->mutable_selections());
+    selection->set_blocks_scored(result.blocks_scored);
+    selection->set_blocks_visible(result.blocks_visible);
+    selection->set_all_blocks(result.all_blocks);
+    for (const double miss_rate : result.audit_miss_rates) {
       selection->add_audit_miss_rates(miss_rate);
     }
   }

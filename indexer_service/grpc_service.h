@@ -34,10 +34,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 /// newest slot (slot count + n - 1), and no other group of the request may address that layer.
 /// Every group is checked (tensors, sequence, layer, positions below the layer's slot count plus
 /// its new keys) before anything runs, so such a bad group changes nothing. Then every group's new
-/// keys are appended, all or none (a full pool: RESOURCE_EXHAUSTED, nothing appended). Errors the
-/// engine finds only while selecting group g (a position not after the layer's last selected one,
-/// a pending speculative step) leave the groups before g applied and remove the new keys of g and
-/// the later groups; the message names the group. Errors: INVALID_ARGUMENT (no groups, dtype,
+/// keys are appended, all or none (a full pool: RESOURCE_EXHAUSTED, nothing appended), and the
+/// groups select as one Indexer::SelectBatch (one scoring pass when their sequences differ). An
+/// engine error then (a position not after the layer's last selected one, a pending speculative
+/// step) changes nothing when the sequences differ; when a sequence has several groups, the groups
+/// before the failing one stay applied. The new keys of every group not applied are removed; the
+/// message names the group. Errors: INVALID_ARGUMENT (no groups, dtype,
 /// shape, non-finite values, layer, positions, rows not ending at the newest slot, a layer with new
 /// keys in two groups), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not appended),
 /// FAILED_PRECONDITION (a step awaits Commit), RESOURCE_EXHAUSTED (new keys do not fit).

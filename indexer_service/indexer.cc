@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/check.h"
 #include "common/philox.h"
+#include "common/status_macros.h"
 #include "indexer_service/topk.h"
 
 namespace dsa {
@@ -141,9 +142,9 @@ absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t
   return cache_.Truncate(sequence_id, layer, num_slots);
 }
 
-absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
-                                             std::span<const IndexerRow> rows, bool return_scores) {
-  std::lock_guard<std::mutex> lock(mutex_);
+absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
+                                        std::span<const IndexerRow> rows,
+                                        PreparedSelect* prepared) {
   auto found = Find(sequence_id);
   if (!found.ok()) return found.status();
   SequenceState& state = **found;
@@ -196,8 +197,7 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
           "; got ", rows.size(), " rows from ", positions[0], " to ", positions.back()));
     }
   }
-  PendingStep& pending = state.pending[layer];
-  if (!pending.positions.empty()) {
+  if (!state.pending[layer].positions.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("layer ", layer, " of sequence ", sequence_id,
                                                       " has a speculative step awaiting Commit"));
   }
@@ -207,26 +207,46 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
         "this speculative step has ", state.pending_rows, " rows from position ",
         state.pending_first_position, "; got ", rows.size(), " rows from ", positions[0]));
   }
+  prepared->sequence_id = sequence_id;
+  prepared->layer = layer;
+  prepared->state = &state;
+  prepared->view = *view;
+  prepared->rows = rows;
+  prepared->positions = std::move(positions);
+  return absl::OkStatus();
+}
 
-  SpinState& spin = state.spin[layer];
-  using Clock = std::chrono::steady_clock;
-  const auto seconds_since = [](Clock::time_point start) {
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
-  auto phase_start = Clock::now();
-  BlockPlan plan = spin.Plan(positions);
-  SelectResult result;
-  result.phase_seconds.predict = seconds_since(phase_start);
-  result.top_k = state.options.top_k;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+void Indexer::PlanSelectLocked(PreparedSelect& prepared) {
+  const auto start = Clock::now();
+  BlockPlan plan = prepared.state->spin[prepared.layer].Plan(prepared.positions);
+  SelectResult& result = prepared.result;
+  result.phase_seconds.predict = SecondsSince(start);
+  result.top_k = prepared.state->options.top_k;
   result.blocks = std::move(plan.blocks);
   result.blocks_scored = static_cast<int64_t>(result.blocks.size());
   result.blocks_visible = plan.visible_blocks;
   result.all_blocks = plan.all_blocks;
-  phase_start = Clock::now();
-  std::vector<float> scores(rows.size() * result.blocks.size() * kBlockSize);
-  ScoreBlocks(*view, result.blocks, rows, options_.num_heads, scores);
-  result.phase_seconds.scan = seconds_since(phase_start);
-  phase_start = Clock::now();
+  prepared.scores.resize(prepared.rows.size() * result.blocks.size() * kBlockSize);
+}
+
+void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
+  SelectResult& result = prepared.result;
+  SequenceState& state = *prepared.state;
+  const int layer = prepared.layer;
+  const std::span<const IndexerRow> rows = prepared.rows;
+  const std::vector<int64_t>& positions = prepared.positions;
+  std::vector<float>& scores = prepared.scores;
+  auto phase_start = Clock::now();
   result.selections.resize(rows.size() * result.top_k);
   const size_t row_stride = result.blocks.size() * kBlockSize;
   for (size_t r = 0; r < rows.size(); ++r) {
@@ -234,13 +254,14 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
                positions[r],
                std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
   }
-  result.phase_seconds.topk = seconds_since(phase_start);
+  result.phase_seconds.topk = SecondsSince(phase_start);
   if (rows.size() == 1) {
     phase_start = Clock::now();
-    spin.Update(positions[0], result.blocks, scores);
-    result.phase_seconds.update = seconds_since(phase_start);
+    state.spin[layer].Update(positions[0], result.blocks, scores);
+    result.phase_seconds.update = SecondsSince(phase_start);
     state.last_position[layer] = positions[0];
   } else {
+    PendingStep& pending = state.pending[layer];
     pending.positions = positions;
     pending.blocks = result.blocks;
     pending.scores = scores;
@@ -248,12 +269,12 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
     state.pending_first_position = positions[0];
   }
   if (!result.all_blocks && options_.audit_fraction > 0 &&
-      AuditDraw(sequence_id, layer, positions[0]) < options_.audit_fraction) {
+      AuditDraw(prepared.sequence_id, layer, positions[0]) < options_.audit_fraction) {
     // Dense re-score of every visible block for the audit; the EMAs never see these scores.
     std::vector<int32_t> all(result.blocks_visible);
     for (int64_t j = 0; j < result.blocks_visible; ++j) all[j] = static_cast<int32_t>(j);
     std::vector<float> dense_scores(rows.size() * all.size() * kBlockSize);
-    ScoreBlocks(*view, all, rows, options_.num_heads, dense_scores);
+    ScoreBlocks(prepared.view, all, rows, options_.num_heads, dense_scores);
     std::vector<int32_t> dense(result.top_k);
     const size_t dense_stride = all.size() * kBlockSize;
     for (size_t r = 0; r < rows.size(); ++r) {
@@ -265,7 +286,88 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
     }
   }
   if (return_scores) result.scores = std::move(scores);
-  return result;
+}
+
+absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
+                                             std::span<const IndexerRow> rows, bool return_scores) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PreparedSelect prepared;
+  DSA_RETURN_IF_ERROR(CheckSelectLocked(sequence_id, layer, rows, &prepared));
+  PlanSelectLocked(prepared);
+  const auto start = Clock::now();
+  ScoreBlocks(prepared.view, prepared.result.blocks, rows, options_.num_heads, prepared.scores);
+  prepared.result.phase_seconds.scan = SecondsSince(start);
+  FinishSelectLocked(prepared, return_scores);
+  return std::move(prepared.result);
+}
+
+absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const SelectGroup> groups,
+                                                               size_t* groups_applied) {
+  if (groups_applied != nullptr) *groups_applied = 0;
+  if (groups.empty()) return absl::InvalidArgumentError("select needs at least one group");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<PreparedSelect> prepared(groups.size());
+  auto group_error = [](size_t g, const absl::Status& status) {
+    return absl::Status(status.code(), absl::StrCat("group ", g, ": ", status.message()));
+  };
+  bool repeated_sequence = false;
+  for (size_t g = 0; g < groups.size() && !repeated_sequence; ++g) {
+    for (size_t h = 0; h < g; ++h) {
+      repeated_sequence = repeated_sequence || groups[g].sequence_id == groups[h].sequence_id;
+    }
+  }
+  std::vector<SelectResult> results;
+  results.reserve(groups.size());
+  if (repeated_sequence) {
+    // A sequence twice in one batch (several layers of one step, or later positions): a group's
+    // checks depend on the groups before it, so they run one after another.
+    for (size_t g = 0; g < groups.size(); ++g) {
+      PreparedSelect& p = prepared[g];
+      if (auto s = CheckSelectLocked(groups[g].sequence_id, groups[g].layer, groups[g].rows, &p);
+          !s.ok()) {
+        return group_error(g, s);
+      }
+      PlanSelectLocked(p);
+      const auto start = Clock::now();
+      ScoreBlocks(p.view, p.result.blocks, p.rows, options_.num_heads, p.scores);
+      p.result.phase_seconds.scan = SecondsSince(start);
+      FinishSelectLocked(p, false);
+      results.push_back(std::move(p.result));
+      if (groups_applied != nullptr) *groups_applied = g + 1;
+    }
+    return results;
+  }
+  // Distinct sequences: every check first (nothing changes on an error), then one scoring pass
+  // over all groups' blocks.
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (auto s =
+            CheckSelectLocked(groups[g].sequence_id, groups[g].layer, groups[g].rows, &prepared[g]);
+        !s.ok()) {
+      return group_error(g, s);
+    }
+  }
+  std::vector<ScoreJob> jobs(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    PlanSelectLocked(prepared[g]);
+    jobs[g] = {&prepared[g].view, prepared[g].result.blocks, prepared[g].rows, prepared[g].scores};
+  }
+  const auto start = Clock::now();
+  ScoreBlockBatch(jobs, options_.num_heads);
+  const double scan_seconds = SecondsSince(start);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    // The pass is shared: each group is charged its share of the scored blocks.
+    int64_t total_blocks = 0;
+    for (const ScoreJob& job : jobs)
+      total_blocks += static_cast<int64_t>(job.logical_blocks.size());
+    prepared[g].result.phase_seconds.scan =
+        total_blocks == 0 ? 0.0
+                          : scan_seconds * static_cast<double>(jobs[g].logical_blocks.size()) /
+                                static_cast<double>(total_blocks);
+    FinishSelectLocked(prepared[g], false);
+    results.push_back(std::move(prepared[g].result));
+  }
+  if (groups_applied != nullptr) *groups_applied = groups.size();
+  return results;
 }
 
 double Indexer::AuditDraw(uint64_t sequence_id, int layer, int64_t position) const {

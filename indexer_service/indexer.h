@@ -66,6 +66,13 @@ struct SelectResult {
   std::vector<double> audit_miss_rates;
 };
 
+/// One group of a batched select: rows of one sequence at one layer (see Indexer::Select).
+struct SelectGroup {
+  uint64_t sequence_id = 0;
+  int layer = 0;
+  std::span<const IndexerRow> rows;
+};
+
 /// Thread-safe (one mutex; a Select scores with all cores).
 class Indexer {
  public:
@@ -113,6 +120,18 @@ class Indexer {
   absl::StatusOr<SelectResult> Select(uint64_t sequence_id, int layer,
                                       std::span<const IndexerRow> rows, bool return_scores = false);
 
+  /// Select for a batch of groups of many sequences in one call (DESIGN.md 3: the indexer batches
+  /// rows of many sequences into one pass): each group as Select would run it, in order, with
+  /// every group's chosen blocks scored in one parallel pass. When every group has its own
+  /// sequence, all groups are checked before anything runs, so an error changes nothing. When a
+  /// sequence appears in several groups (its layers of one step), the groups run one after
+  /// another and an error in group g leaves groups 0..g-1 applied. `groups_applied` (optional)
+  /// gets the number of groups applied. Errors: Select's, with the message prefixed "group g: ";
+  /// INVALID_ARGUMENT for an empty batch. Results in group order; phase_seconds.scan of a shared
+  /// pass is split over the groups by their scored blocks.
+  absl::StatusOr<std::vector<SelectResult>> SelectBatch(std::span<const SelectGroup> groups,
+                                                        size_t* groups_applied = nullptr);
+
   /// Ends a speculative step: `accepted` draft tokens were accepted (0..d). For every layer with a
   /// pending step, replays rows 0..accepted in order into the EMAs (or row 0 only under
   /// kRow0 update) and drops the others; truncates every layer's cache to t + accepted + 1 slots.
@@ -148,6 +167,25 @@ class Indexer {
     int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
     int pending_rows = 0;
   };
+  // One select between its checks and its finish (all under mutex_).
+  struct PreparedSelect {
+    uint64_t sequence_id = 0;
+    int layer = 0;
+    SequenceState* state = nullptr;
+    KeyCacheView view;
+    std::span<const IndexerRow> rows;
+    std::vector<int64_t> positions;
+    SelectResult result;
+    std::vector<float> scores;  // [rows, blocks * 64]
+  };
+  // Every check of Select; fills prepared's sequence, view, rows and positions. Changes nothing.
+  absl::Status CheckSelectLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
+                                 PreparedSelect* prepared);
+  // SPIN's plan (clears the warm-up flag) and the score buffer.
+  void PlanSelectLocked(PreparedSelect& prepared);
+  // Top-K, EMA update or pending step, audit.
+  void FinishSelectLocked(PreparedSelect& prepared, bool return_scores);
+
   explicit Indexer(const IndexerOptions& options, IndexKeyCache cache)
       : options_(options), cache_(std::move(cache)) {}
   absl::Status ValidateSequenceOptions(const SequenceOptions& options) const;

@@ -218,19 +218,29 @@ void DecodeBlock(const uint8_t* codes, int head_dim, int64_t filled, float* tile
 
 }  // namespace
 
-void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blocks,
-                 std::span<const IndexerRow> rows, int num_heads, std::span<float> scores) {
-  const int head_dim = cache.pool->head_dim();
-  const int64_t num_blocks = static_cast<int64_t>(logical_blocks.size());
-  const int64_t row_stride = num_blocks * kBlockSize;
+void ScoreBlockBatch(std::span<const ScoreJob> jobs, int num_heads) {
+  // Work item w is block w - first_block[job] of the job whose range holds it.
+  std::vector<int64_t> first_block(jobs.size() + 1, 0);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    first_block[i + 1] = first_block[i] + static_cast<int64_t>(jobs[i].logical_blocks.size());
+  }
+  const int64_t total_blocks = first_block.back();
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 #pragma omp parallel
   {
-    std::vector<float> tile(static_cast<size_t>(head_dim) * kBlockSize);
+    std::vector<float> tile;
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t j = 0; j < num_blocks; ++j) {
-      const int64_t logical = logical_blocks[j];
+    for (int64_t w = 0; w < total_blocks; ++w) {
+      const size_t i = static_cast<size_t>(
+          std::upper_bound(first_block.begin(), first_block.end(), w) - first_block.begin() - 1);
+      const ScoreJob& job = jobs[i];
+      const KeyCacheView& cache = *job.cache;
+      const int head_dim = cache.pool->head_dim();
+      tile.resize(static_cast<size_t>(head_dim) * kBlockSize);
+      const int64_t j = w - first_block[i];
+      const int64_t row_stride = static_cast<int64_t>(job.logical_blocks.size()) * kBlockSize;
+      const int64_t logical = job.logical_blocks[j];
       const int32_t block = cache.block_table[logical];
       const uint8_t* codes = cache.pool->keys(block);
       const float* block_scales = cache.pool->scales(block);
@@ -239,19 +249,25 @@ void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blo
       DecodeBlock(codes, head_dim, filled, tile.data());
       float scales[kBlockSize];
       for (int s = 0; s < kBlockSize; ++s) scales[s] = s < filled ? block_scales[s] : 0.0f;
-      for (size_t r = 0; r < rows.size(); ++r) {
-        float* out = scores.data() + r * row_stride + j * kBlockSize;
-        const int64_t visible = std::min<int64_t>(filled, rows[r].position + 1 - first_slot);
+      for (size_t r = 0; r < job.rows.size(); ++r) {
+        float* out = job.scores.data() + r * row_stride + j * kBlockSize;
+        const int64_t visible = std::min<int64_t>(filled, job.rows[r].position + 1 - first_slot);
         if (visible <= 0) {
           std::fill(out, out + kBlockSize, kMinusInf);
           continue;
         }
-        ScoreTile(tile.data(), scales, rows[r].query.data(), rows[r].head_weights.data(), num_heads,
-                  head_dim, out);
+        ScoreTile(tile.data(), scales, job.rows[r].query.data(), job.rows[r].head_weights.data(),
+                  num_heads, head_dim, out);
         for (int64_t s = visible; s < kBlockSize; ++s) out[s] = kMinusInf;
       }
     }
   }
+}
+
+void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blocks,
+                 std::span<const IndexerRow> rows, int num_heads, std::span<float> scores) {
+  const ScoreJob job{&cache, logical_blocks, rows, scores};
+  ScoreBlockBatch(std::span<const ScoreJob>(&job, 1), num_heads);
 }
 
 }  // namespace dsa

@@ -32,6 +32,18 @@ struct IndexerRow {
 ///   or beyond cache.num_slots.
 /// Runs on all cores (OpenMP over blocks) with the widest SIMD the CPU offers. Thread-safe for
 /// concurrent calls on a cache nobody modifies.
+/// One ScoreBlocks call of a batch.
+struct ScoreJob {
+  const KeyCacheView* cache = nullptr;
+  std::span<const int32_t> logical_blocks;
+  std::span<const IndexerRow> rows;
+  std::span<float> scores;  // fp32 [rows, logical_blocks.size() * kBlockSize]
+};
+
+/// ScoreBlocks for every job, in one parallel pass over all jobs' blocks (rows of many sequences
+/// in one pass: DESIGN.md 3). Same contract and results as one ScoreBlocks call per job.
+void ScoreBlockBatch(std::span<const ScoreJob> jobs, int num_heads);
+
 void ScoreBlocks(const KeyCacheView& cache, std::span<const int32_t> logical_blocks,
                  std::span<const IndexerRow> rows, int num_heads, std::span<float> scores);
 

@@ -732,19 +732,21 @@ TEST_F(GrpcServiceTest, AFailedRequestWithNewIndexKeysAppendsNothing) {
   EXPECT_EQ(*indexer_->NumSlots(1, 0), 320);
   EXPECT_EQ(*indexer_->NumSlots(2, 0), 320);
   EXPECT_EQ(Load().used_blocks(), 10);
-  // A select that fails in its second group (position not after the last selected one) keeps the
-  // first group applied and removes the second group's keys.
+  // A select that fails in its second group (position not after the last selected one): the
+  // groups have distinct sequences, so all are checked first and nothing is applied, the first
+  // group's new key included.
   ASSERT_TRUE(Select(request_for(2, 320, 1, 1), &response).ok());  // sequence 2 selected 320
   v1::SelectRequest replay = request_for(1, 320, 1, 1);
   v1::SelectRequest stale;
   AddGroup(&stale, 2, 0, 320, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));  // 320 again
   *replay.add_groups() = stale.groups(0);
-  // Group 1 has no new keys, so its row 320 exists; the engine refuses it as not after 320.
   status = Select(replay, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("group 1"), std::string::npos) << status.error_message();
-  EXPECT_EQ(*indexer_->NumSlots(1, 0), 321);  // group 0 ran: its key stays
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 320);
   EXPECT_EQ(*indexer_->NumSlots(2, 0), 321);
+  // Sequence 1 has not selected 320: it still can.
+  ASSERT_TRUE(Select(request_for(1, 320, 1, 1), &response).ok());
   // The server goes on serving both sequences.
   ASSERT_TRUE(Select(request_for(1, 321, 1, 1), &response).ok());
   ASSERT_TRUE(Select(request_for(2, 321, 1, 1), &response).ok());

@@ -396,6 +396,117 @@ TEST(IndexerTest, ConcurrentSelectsOnDifferentSequencesMatchSerialOnes) {
   EXPECT_EQ(shared_indexer->num_sequences(), kThreads);
 }
 
+TEST(IndexerTest, SelectBatchEqualsOneSelectPerGroup) {
+  // Three sequences (one with verifier rows of d = 2 on two layers) batched per step, against a
+  // twin running one Select per group: same selections, scores, block counts and EMAs. Then errors:
+  // a bad group among distinct sequences changes nothing; with a repeated sequence the groups
+  // before the bad one are applied and counted.
+  const int H = 2, D = 8, K = 64;
+  std::mt19937 rng(31);
+  auto batched = MakeIndexer(200, H, D);
+  auto twin = MakeIndexer(200, H, D);
+  const int64_t kContext = 600;
+  for (Indexer* indexer : {batched.get(), twin.get()}) {
+    for (uint64_t id : {1u, 2u, 3u}) {
+      ASSERT_TRUE(indexer->CreateSequence(id, Options(K, 0.5, true, 2)).ok());
+    }
+  }
+  std::vector<std::vector<float>> keys;
+  for (int i = 0; i < 6; ++i) keys.push_back(RandomValues(rng, (kContext + 40) * D));
+  for (uint64_t id : {1u, 2u, 3u}) {
+    for (int layer = 0; layer < 2; ++layer) {
+      const std::vector<float>& k = keys[(id - 1) * 2 + layer];
+      for (Indexer* indexer : {batched.get(), twin.get()}) {
+        ASSERT_TRUE(indexer
+                        ->AppendIndexKeys(id, layer, std::span<const float>(k.data(), kContext * D),
+                                          kContext)
+                        .ok());
+      }
+    }
+  }
+  int64_t position = kContext;
+  for (int step = 0; step < 6; ++step) {
+    const int rows = step == 3 ? 3 : 1;  // sequence 3 verifies a draft at step 3
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<Query> queries;
+      std::vector<std::vector<IndexerRow>> row_sets(3);
+      for (uint64_t id : {1u, 2u, 3u}) {
+        const int n = id == 3 ? rows : 1;
+        const std::vector<float>& k = keys[(id - 1) * 2 + layer];
+        for (Indexer* indexer : {batched.get(), twin.get()}) {
+          const int64_t slots = *indexer->NumSlots(id, layer);
+          ASSERT_TRUE(indexer
+                          ->AppendIndexKeys(id, layer,
+                                            std::span<const float>(k.data() + slots * D, n * D), n)
+                          .ok());
+        }
+        for (int r = 0; r < n; ++r) queries.push_back(RandomQuery(rng, H, D));
+      }
+      size_t q = 0;
+      std::vector<SelectGroup> groups;
+      for (uint64_t id : {1u, 2u, 3u}) {
+        const int n = id == 3 ? rows : 1;
+        const int64_t first = *batched->NumSlots(id, layer) - n;
+        for (int r = 0; r < n; ++r, ++q) {
+          row_sets[id - 1].push_back({queries[q].query, queries[q].weights, first + r});
+        }
+        groups.push_back({id, layer, row_sets[id - 1]});
+      }
+      size_t applied = 0;
+      auto results = batched->SelectBatch(groups, &applied);
+      ASSERT_TRUE(results.ok()) << results.status();
+      EXPECT_EQ(applied, 3u);
+      for (size_t g = 0; g < groups.size(); ++g) {
+        auto expected = twin->Select(groups[g].sequence_id, layer, groups[g].rows);
+        ASSERT_TRUE(expected.ok());
+        EXPECT_EQ((*results)[g].selections, expected->selections) << "step " << step << " g " << g;
+        EXPECT_EQ((*results)[g].blocks, expected->blocks);
+        EXPECT_EQ((*results)[g].blocks_visible, expected->blocks_visible);
+      }
+    }
+    if (rows > 1) {
+      ASSERT_TRUE(batched->Commit(3, 1).ok());
+      ASSERT_TRUE(twin->Commit(3, 1).ok());
+    }
+    ++position;
+  }
+  for (uint64_t id : {1u, 2u, 3u}) {
+    for (int layer = 0; layer < 2; ++layer) {
+      ExpectSameEma(GetSpin(*batched, id, layer).vertical(), GetSpin(*twin, id, layer).vertical(),
+                    "V");
+      ExpectSameEma(GetSpin(*batched, id, layer).diagonal(), GetSpin(*twin, id, layer).diagonal(),
+                    "D");
+    }
+  }
+  // Distinct sequences, group 1 stale (its position was selected already): nothing changes.
+  const Query q1 = RandomQuery(rng, H, D), q2 = RandomQuery(rng, H, D);
+  for (uint64_t id : {1u, 2u}) {
+    const int64_t slots = *batched->NumSlots(id, 0);
+    ASSERT_TRUE(batched
+                    ->AppendIndexKeys(
+                        id, 0, std::span<const float>(keys[(id - 1) * 2].data() + slots * D, D), 1)
+                    .ok());
+  }
+  const int64_t newest1 = *batched->NumSlots(1, 0) - 1;
+  const std::vector<IndexerRow> fresh = {{q1.query, q1.weights, newest1}};
+  const std::vector<IndexerRow> stale = {{q2.query, q2.weights, newest1 - 1}};
+  const std::vector<float> v_before = GetSpin(*batched, 1, 0).vertical();
+  size_t applied = 7;
+  const std::vector<SelectGroup> bad = {{1, 0, fresh}, {2, 0, stale}};
+  auto result = batched->SelectBatch(bad, &applied);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("group 1: "), std::string::npos);
+  EXPECT_EQ(applied, 0u);
+  EXPECT_EQ(GetSpin(*batched, 1, 0).vertical(), v_before);
+  // The same sequence twice (layer 0 then a bad layer 9): group 0 is applied.
+  const std::vector<SelectGroup> repeated = {{1, 0, fresh}, {1, 9, fresh}};
+  result = batched->SelectBatch(repeated, &applied);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(applied, 1u);
+  EXPECT_NE(GetSpin(*batched, 1, 0).vertical(), v_before);
+  EXPECT_EQ(batched->SelectBatch({}, &applied).status().code(), StatusCode::kInvalidArgument);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Speculative decoding
 
