@@ -1,0 +1,114 @@
+// `dsa-attention`: the attention worker binary. Serves dsa.attention.v1.AttentionService (the
+// pattern model's layers, the MLI schedule, the KV cache, selections from the indexer workers over
+// one gRPC stream each) with grpc.health.v1 ("liveness", "readiness"), server reflection,
+// Prometheus /metrics (DESIGN.md section 6) and graceful shutdown on SIGTERM or SIGINT.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "attention_worker/metrics.h"
+#include "attention_worker/pattern_model.h"
+#include "attention_worker/service.h"
+#include "common/mli_schedule.h"
+#include "prometheus/registry.h"
+#include "server/server.h"
+
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
+                                   // are caught by CLI11_PARSE; others end the process.
+  CLI::App app{
+      "dsa-attention: the DSA attention worker (pattern model, KV cache, MLI schedule, sparse "
+      "attention over the indexer workers' selections) over gRPC"};
+  dsa::ServerFlags server_flags;
+  dsa::AddServerFlags(app, server_flags);
+  std::string layer_pattern = "FSFSFSFS";
+  int retention = 0;
+  int num_model_layers = 0;
+  int lag_depth = 1;
+  dsa::PatternModelConfig model_config;
+  dsa::AttentionWorkerOptions options;
+  uint64_t seed = 0;
+  auto* pattern_option =
+      app.add_option("--layer-pattern", layer_pattern,
+                     "Model layers, one character each: F (full, runs an indexer) or S (shared); "
+                     "must start with F")
+          ->capture_default_str();
+  auto* retention_option =
+      app.add_option("--retention", retention,
+                     "Instead of --layer-pattern: every R-th layer (from 0) is full; needs "
+                     "--num-model-layers")
+          ->excludes(pattern_option);
+  app.add_option("--num-model-layers", num_model_layers,
+                 "Model layers (with --retention; with --layer-pattern it must match the pattern)");
+  app.add_option("--lag-depth", lag_depth,
+                 "MLI lag depth k: a full layer attends the selection made k full layers earlier")
+      ->capture_default_str();
+  app.add_option("--num-heads", model_config.num_heads,
+                 "Indexer query heads H (must equal the indexer workers')")
+      ->capture_default_str();
+  app.add_option("--head-dim", model_config.head_dim,
+                 "Index-key and query dimension D (must equal the indexer workers')")
+      ->capture_default_str();
+  app.add_option("--kv-dim", options.kv_dim, "Key and value dimension of the KV cache")
+      ->capture_default_str();
+  app.add_option("--attention-heads", options.attention_heads, "Attention query heads (MQA)")
+      ->capture_default_str();
+  app.add_option("--kv-capacity-slots", options.kv_capacity_slots,
+                 "KV-cache slots over all sequences (one slot = one position of every layer)")
+      ->capture_default_str();
+  app.add_option("--prefill-threads", options.prefill_threads,
+                 "Threads generating index keys and KV rows during a prefill")
+      ->capture_default_str();
+  app.add_option("--seed", seed, "Seed of the pattern model, the KV cache and attention queries")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  dsa::BlockTerminationSignals();
+
+  absl::StatusOr<dsa::MliSchedule> schedule =
+      retention_option->count() > 0
+          ? (num_model_layers > 0
+                 ? dsa::MliSchedule::FromRetention(num_model_layers, retention, lag_depth)
+                 : absl::InvalidArgumentError("--retention needs --num-model-layers"))
+          : dsa::MliSchedule::FromPattern(layer_pattern, lag_depth,
+                                          num_model_layers > 0 ? num_model_layers : -1);
+  if (!schedule.ok()) {
+    dsa::LogJson("error", "bad model config", {{"status", schedule.status().ToString()}});
+    return 2;
+  }
+  model_config.num_layers = static_cast<int>(schedule->full_layers().size());
+  model_config.seed = seed;
+  // The pattern model's diagonals (default 4) need as many positional heads; a small H gets fewer.
+  model_config.num_diagonals = std::clamp(
+      static_cast<int>(std::lround(model_config.positional_head_fraction * model_config.num_heads)),
+      1, model_config.num_diagonals);
+  options.seed = seed;
+  auto model = dsa::PatternModel::Create(model_config);
+  if (!model.ok()) {
+    dsa::LogJson("error", "bad model config", {{"status", model.status().ToString()}});
+    return 2;
+  }
+  auto registry = std::make_shared<prometheus::Registry>();
+  dsa::AttentionMetrics metrics(*registry, schedule->num_layers());
+  const std::string pattern = schedule->Pattern();
+  auto service = dsa::AttentionServiceImpl::Create(*schedule, std::move(*model), options, &metrics);
+  if (!service.ok()) {
+    dsa::LogJson("error", "bad model config", {{"status", service.status().ToString()}});
+    return 2;
+  }
+
+  dsa::ServerSpec spec;
+  spec.name = "dsa-attention";
+  spec.services = {service->get()};
+  spec.registry = registry;
+  spec.banner_fields = {{"layer_pattern", pattern},
+                        {"lag_depth", lag_depth},
+                        {"num_heads", model_config.num_heads},
+                        {"head_dim", model_config.head_dim},
+                        {"kv_dim", options.kv_dim},
+                        {"attention_heads", options.attention_heads},
+                        {"kv_capacity_slots", options.kv_capacity_slots}};
+  spec.on_stopped = [&service] { (*service)->CloseTransports(); };
+  return dsa::RunServer(server_flags, spec);
+}
