@@ -1,14 +1,27 @@
-// `dsa`: the project's command-line tool. Subcommands: `eval` (SPIN quality against all-keep).
+// `dsa`: the project's command-line tool. Subcommands: `eval` (SPIN quality against all-keep),
+// `up` (a local cluster of the three servers) and `replay` (a production trace against a
+// coordinator).
+#include <signal.h>
+
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "CLI/CLI.hpp"
+#include "tools/dsa/cluster.h"
 #include "tools/dsa/eval.h"
+#include "tools/dsa/replay.h"
+#include "tools/dsa/trace.h"
 
 namespace {
 
@@ -37,6 +50,216 @@ bool WriteOutput(const std::string& path, std::ofstream& out, const std::string&
     return false;
   }
   return true;
+}
+
+// The cluster flags shared by `dsa up` and `dsa replay --local`; optional ones are passed on to
+// the binaries only when given.
+struct ClusterFlags {
+  int64_t startup_timeout_ms = 60000;
+  int64_t stop_timeout_ms = 15000;
+  int64_t capacity_blocks = 0;
+  double audit_fraction = 0;
+  int num_heads = 0, head_dim = 0, top_k = 0;
+  std::string layer_pattern;
+  int64_t kv_capacity_slots = 0;
+  double target_block_sparsity = 0, acceptance_rate = 0;
+  uint64_t seed = 0;
+  CLI::Option *capacity_blocks_opt = nullptr, *audit_fraction_opt = nullptr,
+              *num_heads_opt = nullptr, *head_dim_opt = nullptr, *top_k_opt = nullptr,
+              *layer_pattern_opt = nullptr, *kv_capacity_slots_opt = nullptr,
+              *target_block_sparsity_opt = nullptr, *acceptance_rate_opt = nullptr,
+              *seed_opt = nullptr;
+};
+
+void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFlags& flags) {
+  cmd->add_option("--indexers", options.num_indexers, "dsa-indexer processes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--attention-workers", options.num_attention_workers, "dsa-attention processes")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--bin-dir", options.bin_dir,
+                  "Folder of dsa-indexer, dsa-attention and dsa-coordinator (default: the folder "
+                  "of this dsa executable)");
+  cmd->add_option("--log-dir", options.log_dir,
+                  "Folder for each process's stdout and stderr log (default: a new temp folder)");
+  cmd->add_option("--startup-timeout-ms", flags.startup_timeout_ms,
+                  "Per process: time to print its address and report readiness")
+      ->capture_default_str();
+  cmd->add_option("--stop-timeout-ms", flags.stop_timeout_ms,
+                  "Per group on stop: time after SIGTERM before SIGKILL")
+      ->capture_default_str();
+  flags.capacity_blocks_opt = cmd->add_option("--capacity-blocks", flags.capacity_blocks,
+                                              "dsa-indexer: index-key cache blocks per indexer");
+  flags.audit_fraction_opt =
+      cmd->add_option("--audit-fraction", flags.audit_fraction,
+                      "dsa-indexer: fraction of pruned selects re-scored densely (miss rate)")
+          ->check(CLI::Range(0.0, 1.0));
+  flags.num_heads_opt = cmd->add_option("--num-heads", flags.num_heads,
+                                        "Indexer query heads H (dsa-indexer and dsa-attention)");
+  flags.head_dim_opt = cmd->add_option("--head-dim", flags.head_dim,
+                                       "Index-key dimension D (dsa-indexer and dsa-attention)");
+  flags.layer_pattern_opt = cmd->add_option("--layer-pattern", flags.layer_pattern,
+                                            "dsa-attention: F/S layer pattern, e.g. FSFSFSFS");
+  flags.kv_capacity_slots_opt = cmd->add_option("--kv-capacity-slots", flags.kv_capacity_slots,
+                                                "dsa-attention: KV slots over its sequences");
+  flags.top_k_opt = cmd->add_option("--top-k", flags.top_k, "dsa-coordinator: selection size K");
+  flags.target_block_sparsity_opt =
+      cmd->add_option("--target-block-sparsity", flags.target_block_sparsity,
+                      "dsa-coordinator: SPIN target block sparsity rho");
+  flags.acceptance_rate_opt =
+      cmd->add_option("--acceptance-rate", flags.acceptance_rate,
+                      "dsa-coordinator: acceptance probability of the seeded draft model");
+  flags.seed_opt = cmd->add_option("--seed", flags.seed, "dsa-attention and dsa-coordinator: seed");
+  cmd->add_option("--indexer-arg", options.indexer_args,
+                  "Extra flag for every dsa-indexer (repeat; e.g. --indexer-arg=--audit-seed)");
+  cmd->add_option("--attention-arg", options.attention_args,
+                  "Extra flag for every dsa-attention (repeat)");
+  cmd->add_option("--coordinator-arg", options.coordinator_args,
+                  "Extra flag for dsa-coordinator (repeat)");
+}
+
+// Copies the given optional flags into `options`.
+void ResolveClusterFlags(const ClusterFlags& flags, dsa::LocalClusterOptions& options) {
+  options.startup_timeout = std::chrono::milliseconds(flags.startup_timeout_ms);
+  options.stop_timeout = std::chrono::milliseconds(flags.stop_timeout_ms);
+  const auto given = [](const CLI::Option* option) { return option->count() > 0; };
+  if (given(flags.capacity_blocks_opt)) options.capacity_blocks = flags.capacity_blocks;
+  if (given(flags.audit_fraction_opt)) options.audit_fraction = flags.audit_fraction;
+  if (given(flags.num_heads_opt)) options.num_heads = flags.num_heads;
+  if (given(flags.head_dim_opt)) options.head_dim = flags.head_dim;
+  if (given(flags.layer_pattern_opt)) options.layer_pattern = flags.layer_pattern;
+  if (given(flags.kv_capacity_slots_opt)) options.kv_capacity_slots = flags.kv_capacity_slots;
+  if (given(flags.top_k_opt)) options.top_k = flags.top_k;
+  if (given(flags.target_block_sparsity_opt)) {
+    options.target_block_sparsity = flags.target_block_sparsity;
+  }
+  if (given(flags.acceptance_rate_opt)) options.acceptance_rate = flags.acceptance_rate;
+  if (given(flags.seed_opt)) options.seed = flags.seed;
+}
+
+// Blocks SIGINT and SIGTERM in this thread (and the threads it starts later), so that they are
+// taken with sigwait and the cluster is stopped in order rather than orphaned.
+sigset_t BlockStopSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
+
+void PrintCluster(const dsa::LocalCluster& cluster) {
+  for (const dsa::ClusterProcess& process : cluster.processes()) {
+    std::fprintf(stderr, "  %-18s pid %d  grpc %s  metrics %s  log %s\n", process.name.c_str(),
+                 static_cast<int>(process.pid), process.address.c_str(),
+                 process.metrics_address.c_str(), process.log_path.c_str());
+  }
+}
+
+// `dsa up`: starts the cluster, prints the coordinator address, waits for SIGINT/SIGTERM (or a
+// process dying), stops the cluster.
+int RunUp(const dsa::LocalClusterOptions& options) {
+  const sigset_t signals = BlockStopSignals();
+  auto cluster = dsa::LocalCluster::Start(options);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "dsa up: %s\n", cluster.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "dsa up: cluster ready; logs in %s\n", (*cluster)->log_dir().c_str());
+  PrintCluster(**cluster);
+  std::printf("dsa up: coordinator listening on %s\n", (*cluster)->coordinator_address().c_str());
+  std::fflush(stdout);
+  int exit_code = 0;
+  while (true) {
+    timespec period{1, 0};
+    const int signal_number = sigtimedwait(&signals, nullptr, &period);
+    if (signal_number == SIGINT || signal_number == SIGTERM) {
+      std::fprintf(stderr, "dsa up: %s, stopping the cluster\n",
+                   signal_number == SIGINT ? "SIGINT" : "SIGTERM");
+      break;
+    }
+    if (absl::Status running = (*cluster)->CheckRunning(); !running.ok()) {
+      std::fprintf(stderr, "dsa up: %s\n", running.ToString().c_str());
+      exit_code = 1;
+      break;
+    }
+  }
+  if (absl::Status stopped = (*cluster)->Stop(); !stopped.ok()) {
+    std::fprintf(stderr, "dsa up: %s\n", stopped.ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "dsa up: stopped\n");
+  return exit_code;
+}
+
+// `dsa replay`: reads and caps the trace, brings up a local cluster if asked, replays, reports.
+// Exit code 0 only when every request completed.
+int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, bool local,
+                     const dsa::LocalClusterOptions& cluster_options, const std::string& json_path,
+                     const std::string& markdown_path) {
+  const sigset_t signals = BlockStopSignals();
+  static std::atomic<bool> stop{false};
+  std::thread([signals] {
+    int signal_number = 0;
+    sigwait(&signals, &signal_number);
+    stop = true;
+  }).detach();
+  replay.stop = &stop;
+
+  std::ofstream json_out, markdown_out;
+  if (!OpenOutput(json_path, json_out) || !OpenOutput(markdown_path, markdown_out)) return 2;
+  auto trace = dsa::ReadTraceFile(trace_path);
+  if (!trace.ok()) {
+    std::fprintf(stderr, "dsa replay: %s\n", trace.status().ToString().c_str());
+    return 2;
+  }
+  const size_t trace_size = trace->size();
+  const std::vector<dsa::TraceRequest> requests = dsa::ApplyCaps(*std::move(trace), replay.caps);
+  std::fprintf(stderr, "dsa replay: %zu of %zu requests from %s\n", requests.size(), trace_size,
+               trace_path.c_str());
+
+  std::unique_ptr<dsa::LocalCluster> cluster;
+  if (local) {
+    const auto started = std::chrono::steady_clock::now();
+    auto up = dsa::LocalCluster::Start(cluster_options);
+    if (!up.ok()) {
+      std::fprintf(stderr, "dsa replay: %s\n", up.status().ToString().c_str());
+      return 2;
+    }
+    cluster = *std::move(up);
+    std::fprintf(stderr, "dsa replay: local cluster ready in %.1f s; logs in %s\n",
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+                 cluster->log_dir().c_str());
+    PrintCluster(*cluster);
+    replay.coordinator = cluster->coordinator_address();
+  }
+  replay.progress = stderr;
+  auto report = dsa::RunReplay(requests, replay);
+  int exit_code = 0;
+  if (cluster != nullptr) {
+    if (absl::Status stopped = cluster->Stop(); !stopped.ok()) {
+      std::fprintf(stderr, "dsa replay: %s\n", stopped.ToString().c_str());
+      exit_code = 1;
+    }
+  }
+  if (!report.ok()) {
+    std::fprintf(stderr, "dsa replay: %s\n", report.status().ToString().c_str());
+    return 2;
+  }
+  const std::string markdown = dsa::ReplayReportToMarkdown(*report);
+  std::cout << markdown;
+  if (!WriteOutput(json_path, json_out, dsa::ReplayReportToJson(*report).dump(2) + "\n") ||
+      !WriteOutput(markdown_path, markdown_out, markdown)) {
+    return 2;
+  }
+  if (report->failed > 0) {
+    std::fprintf(stderr, "dsa replay: %lld of %lld requests failed; first: %s\n",
+                 static_cast<long long>(report->failed), static_cast<long long>(report->requests),
+                 report->first_error.c_str());
+    return 1;
+  }
+  return exit_code;
 }
 
 }  // namespace
@@ -89,17 +312,89 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   eval_cmd->add_option("--markdown", markdown_path,
                        "Write the results as a markdown table to this file");
 
+  dsa::LocalClusterOptions up_options;
+  ClusterFlags up_flags;
+  CLI::App* up_cmd = app.add_subcommand(
+      "up",
+      "Start dsa-indexer(s), dsa-attention(s) and dsa-coordinator on loopback; stop on SIGINT");
+  AddClusterFlags(up_cmd, up_options, up_flags);
+
+  dsa::ReplayOptions replay;
+  dsa::LocalClusterOptions replay_cluster;
+  ClusterFlags replay_flags;
+  std::string trace_path, replay_json, replay_markdown;
+  bool local = false;
+  CLI::App* replay_cmd = app.add_subcommand(
+      "replay", "Replay a Mooncake (.jsonl) or Azure (.csv) trace against a coordinator");
+  replay_cmd->add_option("--trace", trace_path, "Trace file (.jsonl Mooncake, .csv Azure)")
+      ->required();
+  CLI::Option* coordinator_opt =
+      replay_cmd->add_option("--coordinator", replay.coordinator, "Coordinator host:port");
+  CLI::Option* local_opt = replay_cmd->add_flag(
+      "--local", local, "Bring up a local cluster for the run (see the cluster flags) and stop it");
+  coordinator_opt->excludes(local_opt);
+  replay_cmd
+      ->add_option("--time-scale", replay.time_scale,
+                   "Arrival times x this; 0 = as fast as --max-in-flight allows")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  replay_cmd->add_option("--limit", replay.caps.limit, "Only the first N requests (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  replay_cmd
+      ->add_option("--max-context", replay.caps.max_context,
+                   "Cap on context tokens (prefix ids cut to match; 0 = none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  replay_cmd->add_option("--max-output", replay.caps.max_output, "Cap on output tokens (0 = none)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  replay_cmd->add_option("--draft-length", replay.draft_length, "Speculative draft length d (0..4)")
+      ->check(CLI::Range(0, 4))
+      ->capture_default_str();
+  replay_cmd
+      ->add_option("--max-in-flight", replay.max_in_flight,
+                   "Concurrent Generate streams; later requests wait client-side")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  replay_cmd->add_option("--sample-ms", replay.sample_ms, "GetLoad sampling period (cache use)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  replay_cmd
+      ->add_option("--request-timeout-ms", replay.request_timeout_ms,
+                   "Deadline of each Generate stream")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  replay_cmd->add_option("--json", replay_json, "Write the report as JSON to this file");
+  replay_cmd->add_option("--markdown", replay_markdown,
+                         "Write the report as a markdown table to this file");
+  AddClusterFlags(replay_cmd, replay_cluster, replay_flags);
+
   // CLI11 says only "A subcommand is required" for a misspelt one: name it.
   const std::string first = argc > 1 ? argv[1] : "";
   const auto named_first = [&first](const CLI::App* sub) { return sub->check_name(first); };
   if (!first.empty() && first[0] != '-' &&
       std::as_const(app).get_subcommands(named_first).empty()) {
-    std::fprintf(stderr, "dsa: unknown subcommand '%s' (available: eval); see dsa --help\n",
+    std::fprintf(stderr,
+                 "dsa: unknown subcommand '%s' (available: eval, up, replay); see dsa --help\n",
                  argv[1]);
     return 106;
   }
   CLI11_PARSE(app, argc, argv);
 
+  if (*up_cmd) {
+    ResolveClusterFlags(up_flags, up_options);
+    return RunUp(up_options);
+  }
+  if (*replay_cmd) {
+    if (!local && replay.coordinator.empty()) {
+      std::fprintf(stderr, "dsa replay: give --coordinator ADDR or --local\n");
+      return 2;
+    }
+    ResolveClusterFlags(replay_flags, replay_cluster);
+    return RunReplayCommand(trace_path, replay, local, replay_cluster, replay_json,
+                            replay_markdown);
+  }
   if (*eval_cmd) {
     eval.predictor_study = !no_predictor_study;
     if (const absl::Status valid = dsa::ValidateEvalOptions(eval); !valid.ok()) {

@@ -1,0 +1,471 @@
+// Tests of `dsa replay`: the report aggregation on hand-computed records, the trace caps, and the
+// client against an in-process fake CoordinatorService (counts, the event figures, the
+// --max-in-flight limit, arrival times, a refused request), including the `dsa` binary's exit
+// status.
+#include "tools/dsa/replay.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsa/coordinator/v1/coordinator.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace dsa {
+namespace {
+
+namespace v1 = ::dsa::coordinator::v1;
+using Clock = std::chrono::steady_clock;
+
+TEST(NearestRankPercentile, HandComputed) {
+  const std::vector<double> values = {5, 1, 4, 2, 3};
+  EXPECT_EQ(NearestRankPercentile(values, 50), 3);   // rank ceil(2.5) = 3
+  EXPECT_EQ(NearestRankPercentile(values, 99), 5);   // rank ceil(4.95) = 5
+  EXPECT_EQ(NearestRankPercentile(values, 20), 1);   // rank ceil(1.0) = 1
+  EXPECT_EQ(NearestRankPercentile(values, 100), 5);  // rank 5
+  EXPECT_EQ(NearestRankPercentile({7}, 1), 7);
+  EXPECT_EQ(NearestRankPercentile({}, 50), 0);
+}
+
+RequestRecord Completed(int64_t index) {
+  RequestRecord record;
+  record.index = index;
+  record.admitted = true;
+  return record;
+}
+
+TEST(AggregateReplay, HandComputedFigures) {
+  std::vector<RequestRecord> records;
+  RequestRecord r0 = Completed(0);
+  r0.context_tokens = 1000;
+  r0.prefix_slots_reused = 512;
+  r0.client_wait_seconds = 0.5;
+  r0.ttft_seconds = 0.1;
+  r0.inter_token_seconds = {0.01, 0.03};
+  r0.generated_tokens = 5;
+  r0.drafted_tokens = 4;
+  r0.accepted_tokens = 2;
+  r0.blocks_scored = 30;
+  r0.blocks_visible = 100;
+  r0.audited_rows = 2;
+  r0.audit_miss_rate_sum = 0.1;
+  r0.selection_wait_seconds = {{0.001, 0.002}, {0.003, 0.004}};
+  records.push_back(r0);
+  RequestRecord r1 = Completed(1);
+  r1.context_tokens = 3000;
+  r1.ttft_seconds = 0.3;
+  r1.inter_token_seconds = {0.02};
+  r1.generated_tokens = 3;
+  r1.drafted_tokens = 2;
+  r1.accepted_tokens = 1;
+  r1.blocks_scored = 50;
+  r1.blocks_visible = 100;
+  r1.selection_wait_seconds = {{0.005, 0.006, 0.007}};
+  records.push_back(r1);
+  for (int64_t index : {2, 3}) {
+    RequestRecord failed;
+    failed.index = index;
+    failed.context_tokens = 9000;  // never admitted: not in the context slots
+    failed.status_code = static_cast<int>(grpc::StatusCode::RESOURCE_EXHAUSTED);
+    failed.error = "queue full";
+    records.push_back(failed);
+  }
+  RequestRecord cancelled;
+  cancelled.index = 4;
+  cancelled.status_code = static_cast<int>(grpc::StatusCode::CANCELLED);
+  records.push_back(cancelled);
+  const std::vector<CacheSample> samples = {
+      {0.0, 10, 100, 0, 0}, {0.5, 30, 100, 1, 2}, {1.0, 20, 100, 0, 1}};
+  ReplayOptions options;
+  options.caps = {20, 4096, 8};
+  options.time_scale = 0;
+  options.max_in_flight = 4;
+  options.draft_length = 2;
+
+  const ReplayReport report = AggregateReplay(records, samples, 2.0, options);
+  EXPECT_EQ(report.requests, 5);
+  EXPECT_EQ(report.completed, 2);
+  EXPECT_EQ(report.failed, 3);
+  EXPECT_EQ(report.failures_by_code,
+            (std::map<std::string, int64_t>{{"RESOURCE_EXHAUSTED", 2}, {"CANCELLED", 1}}));
+  EXPECT_EQ(report.first_error, "request 2: RESOURCE_EXHAUSTED: queue full");
+  EXPECT_DOUBLE_EQ(report.ttft_p50, 0.1);          // {0.1, 0.3}: rank ceil(1.0) = 1
+  EXPECT_DOUBLE_EQ(report.ttft_p99, 0.3);          // rank ceil(1.98) = 2
+  EXPECT_DOUBLE_EQ(report.itl_p50, 0.02);          // {0.01, 0.02, 0.03}: rank 2
+  EXPECT_DOUBLE_EQ(report.itl_p99, 0.03);          // rank 3
+  EXPECT_DOUBLE_EQ(report.client_wait_mean, 0.1);  // 0.5 / 5 records
+  EXPECT_DOUBLE_EQ(report.client_wait_max, 0.5);
+  EXPECT_EQ(report.generated_tokens, 8);
+  EXPECT_DOUBLE_EQ(report.decode_tokens_per_second, 4.0);  // 8 tokens / 2 s
+  EXPECT_EQ(report.blocks_scored, 80);
+  EXPECT_EQ(report.blocks_visible, 200);
+  EXPECT_DOUBLE_EQ(report.realized_block_sparsity, 0.6);  // 1 - 80 / 200
+  EXPECT_EQ(report.audited_rows, 2);
+  EXPECT_DOUBLE_EQ(report.audited_miss_rate, 0.05);  // 0.1 / 2
+  EXPECT_EQ(report.prefix_slots_reused, 512);
+  EXPECT_EQ(report.context_slots, 4000);
+  EXPECT_DOUBLE_EQ(report.prefix_reuse_fraction, 0.128);  // 512 / 4000
+  EXPECT_EQ(report.drafted_tokens, 6);
+  EXPECT_EQ(report.accepted_tokens, 3);
+  EXPECT_DOUBLE_EQ(report.spec_acceptance, 0.5);
+  EXPECT_DOUBLE_EQ(report.cache_used_min, 10);
+  EXPECT_DOUBLE_EQ(report.cache_used_mean, 20);
+  EXPECT_DOUBLE_EQ(report.cache_used_max, 30);
+  EXPECT_EQ(report.cache_capacity, 100);
+  ASSERT_EQ(report.selection_wait.size(), 3u);
+  EXPECT_EQ(report.selection_wait[0].steps, 3);
+  EXPECT_NEAR(report.selection_wait[0].mean_seconds, 0.003, 1e-15);  // {1, 3, 5} ms
+  EXPECT_DOUBLE_EQ(report.selection_wait[0].p99_seconds, 0.005);
+  EXPECT_NEAR(report.selection_wait[1].mean_seconds, 0.004, 1e-15);  // {2, 4, 6} ms
+  EXPECT_DOUBLE_EQ(report.selection_wait[1].p99_seconds, 0.006);
+  EXPECT_EQ(report.selection_wait[2].steps, 1);
+  EXPECT_DOUBLE_EQ(report.selection_wait[2].mean_seconds, 0.007);
+
+  const nlohmann::json json = ReplayReportToJson(report);
+  EXPECT_EQ(json["requests"]["failed"], 3);
+  EXPECT_EQ(json["requests"]["failures_by_code"]["RESOURCE_EXHAUSTED"], 2);
+  EXPECT_EQ(json["settings"]["max_context"], 4096);
+  EXPECT_EQ(json["cache_use"]["samples"].size(), 3u);
+  EXPECT_EQ(json["cache_use"]["samples"][1]["cache_blocks_used"], 30);
+  EXPECT_DOUBLE_EQ(json["indexer"]["audited_miss_rate"].get<double>(), 0.05);
+  EXPECT_EQ(json["selection_wait_per_layer"].size(), 3u);
+  const std::string markdown = ReplayReportToMarkdown(report);
+  EXPECT_NE(markdown.find("| requests completed / failed | 2 / 3 (CANCELLED: 1, "
+                          "RESOURCE_EXHAUSTED: 2) of 5 |"),
+            std::string::npos)
+      << markdown;
+  EXPECT_NE(markdown.find("0.6000 (80 of 200 blocks scored)"), std::string::npos) << markdown;
+  EXPECT_NE(markdown.find("0.0500 over 2 rows"), std::string::npos) << markdown;
+}
+
+TEST(AggregateReplay, NothingAuditedOrVisible) {
+  RequestRecord record = Completed(0);
+  record.generated_tokens = 1;
+  const ReplayReport report = AggregateReplay({record}, {}, 1.0, ReplayOptions());
+  EXPECT_EQ(report.audited_miss_rate, -1);
+  EXPECT_EQ(report.realized_block_sparsity, 0);
+  EXPECT_EQ(report.spec_acceptance, 0);
+  EXPECT_TRUE(ReplayReportToJson(report)["indexer"]["audited_miss_rate"].is_null());
+  EXPECT_NE(ReplayReportToMarkdown(report).find("| audited miss rate | not audited |"),
+            std::string::npos);
+}
+
+TEST(ApplyCaps, LimitContextPrefixIdsAndOutput) {
+  std::vector<TraceRequest> requests(3);
+  requests[0] = {0, 5000, 100, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};  // ceil(5000 / 512) = 10 ids
+  requests[1] = {10, 600, 4, {1, 11}};
+  requests[2] = {20, 7000, 9, {}};
+  const std::vector<TraceRequest> capped = ApplyCaps(requests, {2, 1100, 8});
+  ASSERT_EQ(capped.size(), 2u);
+  EXPECT_EQ(capped[0].context_tokens, 1100);
+  EXPECT_EQ(capped[0].prefix_block_ids, (std::vector<uint64_t>{1, 2, 3}));  // ceil(1100/512)
+  EXPECT_EQ(capped[0].output_tokens, 8);
+  EXPECT_EQ(capped[0].arrival_ms, 0);
+  EXPECT_EQ(capped[1].context_tokens, 600);  // under the cap: unchanged
+  EXPECT_EQ(capped[1].prefix_block_ids, (std::vector<uint64_t>{1, 11}));
+  EXPECT_EQ(capped[1].output_tokens, 4);
+  EXPECT_EQ(capped[1].arrival_ms, 10);
+
+  const std::vector<TraceRequest> exact = ApplyCaps(requests, {0, 1024, 0});
+  ASSERT_EQ(exact.size(), 3u);
+  EXPECT_EQ(exact[0].prefix_block_ids, (std::vector<uint64_t>{1, 2}));  // 1024 = 2 whole blocks
+  EXPECT_EQ(exact[2].output_tokens, 9);
+
+  const std::vector<TraceRequest> uncapped = ApplyCaps(requests, {});
+  ASSERT_EQ(uncapped.size(), 3u);
+  EXPECT_EQ(uncapped[0].context_tokens, 5000);
+  EXPECT_EQ(uncapped[0].prefix_block_ids.size(), 10u);
+  EXPECT_EQ(uncapped[0].output_tokens, 100);
+}
+
+// A fake coordinator: streams Admitted, one Tokens per step of min(2, remaining) tokens, then
+// Finished; refuses the request ids in `refuse` with RESOURCE_EXHAUSTED; records what it got and
+// how many streams were open at once.
+class FakeCoordinator final : public v1::CoordinatorService::Service {
+ public:
+  std::set<std::string> refuse;
+  std::chrono::milliseconds step_time{5};
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateEvent>* writer) override {
+    const int open = ++open_;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      max_open_ = std::max(max_open_, open);
+      received_.push_back(*request);
+      arrivals_[request->request_id()] = Clock::now();
+    }
+    struct Close {
+      std::atomic<int>& open;
+      ~Close() { --open; }
+    } close{open_};
+    if (refuse.count(request->request_id()) > 0) {
+      return {grpc::StatusCode::RESOURCE_EXHAUSTED, "the fake refuses " + request->request_id()};
+    }
+    v1::GenerateEvent admitted;
+    admitted.mutable_admitted()->set_prefix_slots_reused(512 * request->prefix_block_ids_size());
+    writer->Write(admitted);
+    int64_t position = request->context_length();
+    for (int64_t left = request->max_new_tokens(); left > 0;) {
+      std::this_thread::sleep_for(step_time);
+      if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled"};
+      const int count = static_cast<int>(std::min<int64_t>(2, left));
+      v1::GenerateEvent event;
+      v1::Tokens* tokens = event.mutable_tokens();
+      tokens->set_first_position(position);
+      tokens->set_count(count);
+      tokens->set_drafted(request->draft_length());
+      tokens->set_accepted(count - 1);
+      tokens->set_blocks_scored(3);
+      tokens->set_blocks_visible(4);
+      tokens->set_audited_rows(1);
+      tokens->set_audit_miss_rate_sum(0.25);
+      tokens->add_selection_wait_seconds(0.001);
+      tokens->add_selection_wait_seconds(0.002);
+      writer->Write(event);
+      position += count;
+      left -= count;
+    }
+    v1::GenerateEvent finished;
+    finished.mutable_finished()->set_generated_tokens(request->max_new_tokens());
+    writer->Write(finished);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest*, v1::AbortResponse*) override {
+    return {grpc::StatusCode::UNIMPLEMENTED, "fake"};
+  }
+
+  grpc::Status GetLoad(grpc::ServerContext*, const v1::GetLoadRequest*,
+                       v1::GetLoadResponse* response) override {
+    ++load_calls_;
+    response->set_running(open_);
+    response->set_cache_blocks_used(10 * open_);
+    response->set_cache_blocks_capacity(1000);
+    return grpc::Status::OK;
+  }
+
+  int max_open() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return max_open_;
+  }
+  std::vector<v1::GenerateRequest> received() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return received_;
+  }
+  Clock::time_point arrival(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return arrivals_.at(id);
+  }
+  int load_calls() const { return load_calls_; }
+
+ private:
+  std::atomic<int> open_{0};
+  std::atomic<int> load_calls_{0};
+  std::mutex mutex_;
+  int max_open_ = 0;
+  std::vector<v1::GenerateRequest> received_;
+  std::map<std::string, Clock::time_point> arrivals_;
+};
+
+class FakeCoordinatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    address_ = "127.0.0.1:" + std::to_string(port);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  // `n` requests of 3000 context tokens (6 prefix ids, capped to 4 by max_context 2000), 9 output
+  // tokens (capped to 4), arriving every `gap_ms`.
+  static std::vector<TraceRequest> Trace(int n, int64_t gap_ms) {
+    std::vector<TraceRequest> requests;
+    for (int i = 0; i < n; ++i) {
+      requests.push_back({i * gap_ms, 3000, 9, {0, 1, 2, 3, 4, 5}});
+    }
+    return requests;
+  }
+
+  FakeCoordinator fake_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+TEST_F(FakeCoordinatorTest, ReportsEveryRequestAndRespectsMaxInFlight) {
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.caps = {0, 2000, 4};
+  options.time_scale = 0;
+  options.max_in_flight = 3;
+  options.draft_length = 2;
+  options.sample_ms = 5;
+  const std::vector<TraceRequest> requests = ApplyCaps(Trace(20, 0), options.caps);
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+
+  EXPECT_EQ(report->requests, 20);
+  EXPECT_EQ(report->completed, 20);
+  EXPECT_EQ(report->failed, 0);
+  EXPECT_TRUE(report->failures_by_code.empty());
+  // 20 requests x 2 steps of 2 tokens.
+  EXPECT_EQ(report->generated_tokens, 80);
+  EXPECT_EQ(report->drafted_tokens, 80);   // 2 per step
+  EXPECT_EQ(report->accepted_tokens, 40);  // 1 per step
+  EXPECT_DOUBLE_EQ(report->spec_acceptance, 0.5);
+  EXPECT_DOUBLE_EQ(report->realized_block_sparsity, 0.25);  // 1 - 3 / 4 every step
+  EXPECT_EQ(report->audited_rows, 40);
+  EXPECT_DOUBLE_EQ(report->audited_miss_rate, 0.25);
+  EXPECT_EQ(report->prefix_slots_reused, 20 * 4 * 512);
+  EXPECT_EQ(report->context_slots, 20 * 2000);
+  ASSERT_EQ(report->selection_wait.size(), 2u);
+  EXPECT_EQ(report->selection_wait[0].steps, 40);
+  EXPECT_DOUBLE_EQ(report->selection_wait[1].mean_seconds, 0.002);
+  EXPECT_GT(report->ttft_p50, 0.004);  // at least one 5 ms step
+  EXPECT_GE(report->ttft_p99, report->ttft_p50);
+  EXPECT_GT(report->itl_p50, 0.001);  // 5 ms steps of 2 tokens: about 2.5 ms a token
+  EXPECT_GT(report->decode_tokens_per_second, 0);
+  EXPECT_GT(report->client_wait_max, 0.004);  // later requests waited for a slot
+  EXPECT_FALSE(report->cache_samples.empty());
+  EXPECT_EQ(report->cache_capacity, 1000);
+  EXPECT_LE(report->cache_used_max, 30);  // never more than 3 streams of 10 blocks
+
+  // The concurrency limit held, and was reached (20 requests all due at once).
+  EXPECT_EQ(fake_.max_open(), 3);
+  // What the coordinator got: the capped request, the draft length, unique ids.
+  const std::vector<v1::GenerateRequest> received = fake_.received();
+  ASSERT_EQ(received.size(), 20u);
+  std::set<std::string> ids;
+  for (const v1::GenerateRequest& request : received) {
+    ids.insert(request.request_id());
+    EXPECT_EQ(request.context_length(), 2000);
+    EXPECT_EQ(request.prefix_block_ids_size(), 4);
+    EXPECT_EQ(request.max_new_tokens(), 4);
+    EXPECT_EQ(request.draft_length(), 2);
+  }
+  EXPECT_EQ(ids.size(), 20u);
+}
+
+TEST_F(FakeCoordinatorTest, KeepsScaledArrivalTimes) {
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0.5;  // arrivals 0, 200, 400 ms -> 0, 100, 200 ms
+  options.max_in_flight = 8;
+  const std::vector<TraceRequest> requests = ApplyCaps(Trace(3, 200), {0, 0, 2});
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 3);
+  const double gap =
+      std::chrono::duration<double>(fake_.arrival("replay-2") - fake_.arrival("replay-0")).count();
+  EXPECT_GE(gap, 0.19);
+  EXPECT_LT(gap, 0.39);  // not the unscaled 400 ms
+  EXPECT_GE(report->wall_seconds, 0.2);
+}
+
+TEST_F(FakeCoordinatorTest, RefusedRequestIsCountedByCode) {
+  fake_.refuse = {"replay-3"};
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  options.max_in_flight = 2;
+  const std::vector<TraceRequest> requests = ApplyCaps(Trace(6, 0), {0, 1000, 2});
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 5);
+  EXPECT_EQ(report->failed, 1);
+  EXPECT_EQ(report->failures_by_code, (std::map<std::string, int64_t>{{"RESOURCE_EXHAUSTED", 1}}));
+  EXPECT_NE(report->first_error.find("request 3: RESOURCE_EXHAUSTED: the fake refuses replay-3"),
+            std::string::npos)
+      << report->first_error;
+  EXPECT_EQ(report->context_slots, 5 * 1000);  // the refused one was never admitted
+}
+
+TEST_F(FakeCoordinatorTest, StopCancelsStreamsInFlight) {
+  fake_.step_time = std::chrono::milliseconds(50);
+  std::atomic<bool> stop{false};
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  options.max_in_flight = 2;
+  options.stop = &stop;
+  std::vector<TraceRequest> requests = Trace(6, 0);
+  for (TraceRequest& request : requests) request.output_tokens = 1000;  // 25 s of 50 ms steps
+  std::thread stopper([&stop] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    stop = true;
+  });
+  const auto started = Clock::now();
+  auto report = RunReplay(requests, options);
+  stopper.join();
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - started).count(), 5.0);
+  EXPECT_EQ(report->completed, 0);
+  EXPECT_EQ(report->failed, 6);
+  EXPECT_EQ(report->failures_by_code.count("CANCELLED"), 1u);
+}
+
+// Runs the `dsa` binary; its exit code.
+int RunDsa(const std::vector<std::string>& args) {
+  std::string command = DSA_BINARY;
+  for (const std::string& arg : args) command += " '" + arg + "'";
+  command += " >/dev/null 2>&1";
+  const int status = std::system(command.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST_F(FakeCoordinatorTest, BinaryExitStatusIsNonZeroOnlyWhenARequestFailed) {
+  const std::filesystem::path dir = ::testing::TempDir();
+  const std::string trace = (dir / "replay_test_trace.jsonl").string();
+  {
+    std::ofstream out(trace);
+    for (int i = 0; i < 5; ++i) {
+      out << "{\"timestamp\": " << i << ", \"input_length\": 1000, \"output_length\": 3, "
+          << "\"hash_ids\": [0, " << i + 1 << "]}\n";
+    }
+  }
+  const std::string json = (dir / "replay_test_report.json").string();
+  EXPECT_EQ(RunDsa({"replay", "--trace", trace, "--coordinator", address_, "--time-scale", "0",
+                    "--json", json}),
+            0);
+  {
+    std::ifstream in(json);
+    const nlohmann::json report = nlohmann::json::parse(in);
+    EXPECT_EQ(report["requests"]["completed"], 5);
+    EXPECT_EQ(report["throughput"]["generated_tokens"], 15);
+    EXPECT_EQ(report["settings"]["draft_length"], 2);  // the default
+  }
+  fake_.refuse = {"replay-1"};
+  EXPECT_EQ(RunDsa({"replay", "--trace", trace, "--coordinator", address_, "--time-scale", "0",
+                    "--json", json}),
+            1);
+  {
+    std::ifstream in(json);
+    const nlohmann::json report = nlohmann::json::parse(in);
+    EXPECT_EQ(report["requests"]["failed"], 1);
+    EXPECT_EQ(report["requests"]["failures_by_code"]["RESOURCE_EXHAUSTED"], 1);
+  }
+  // Usage errors: neither --coordinator nor --local; both.
+  EXPECT_NE(RunDsa({"replay", "--trace", trace}), 0);
+  EXPECT_NE(RunDsa({"replay", "--trace", trace, "--local", "--coordinator", address_}), 0);
+}
+
+}  // namespace
+}  // namespace dsa

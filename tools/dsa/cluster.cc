@@ -1,0 +1,398 @@
+// LocalCluster: the three server binaries as child processes on loopback (posix_spawn, no shell).
+#include "tools/dsa/cluster.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
+
+extern char** environ;
+
+namespace dsa {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kStderrTailBytes = 4000;
+constexpr std::chrono::milliseconds kPollInterval{20};
+
+// A process's exit code from a wait status: the code, or 128 + the signal.
+int ExitCode(int wait_status) {
+  return WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : 128 + WTERMSIG(wait_status);
+}
+
+// Reaps `process` if it has exited; true when it has (exit_code set, pid -1).
+bool Reaped(ClusterProcess& process) {
+  if (process.pid < 0) return true;
+  int wait_status = 0;
+  const pid_t done = waitpid(process.pid, &wait_status, WNOHANG);
+  if (done == process.pid) {
+    process.exit_code = ExitCode(wait_status);
+    process.pid = -1;
+    return true;
+  }
+  return false;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The value after `marker` on its line in `text`, up to a space, a '/' (when `stop_at_slash`) or
+// the end of the line; "" when the marker or the end of its line is not there yet.
+std::string ValueAfter(const std::string& text, const std::string& marker, bool stop_at_slash) {
+  const size_t at = text.find(marker);
+  if (at == std::string::npos) return "";
+  const size_t begin = at + marker.size();
+  const size_t end_of_line = text.find('\n', begin);
+  if (end_of_line == std::string::npos) return "";  // the line is not complete yet
+  size_t end = text.find_first_of(stop_at_slash ? " /\n" : " \n", begin);
+  return text.substr(begin, end - begin);
+}
+
+// A description of `process` for error messages: name, pid, log file and the tail of its stderr.
+std::string Describe(const ClusterProcess& process) {
+  std::string tail = FileTail(process.log_path, kStderrTailBytes);
+  if (tail.empty()) tail = "(empty)\n";
+  return absl::StrCat(process.name, " (", process.binary, "); its stderr is in ", process.log_path,
+                      " and ends with:\n", tail);
+}
+
+// Spawns `binary args...` with stdout and stderr redirected to files, stdin from /dev/null, in
+// its own process group (a Ctrl-C at the terminal reaches only the parent, which stops the
+// cluster in order) and with default signal handling.
+absl::StatusOr<pid_t> Spawn(const std::string& binary, const std::vector<std::string>& args,
+                            const std::string& stdout_path, const std::string& stderr_path) {
+  std::vector<std::string> owned = {binary};
+  owned.insert(owned.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  argv.reserve(owned.size() + 1);
+  for (std::string& arg : owned) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, stderr_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  sigset_t empty_mask;
+  sigemptyset(&empty_mask);
+  sigset_t default_signals;
+  sigemptyset(&default_signals);
+  sigaddset(&default_signals, SIGINT);
+  sigaddset(&default_signals, SIGTERM);
+  sigaddset(&default_signals, SIGPIPE);
+  posix_spawnattr_setsigmask(&attributes, &empty_mask);
+  posix_spawnattr_setsigdefault(&attributes, &default_signals);
+  posix_spawnattr_setpgroup(&attributes, 0);
+  posix_spawnattr_setflags(&attributes,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = -1;
+  const int error = posix_spawn(&pid, binary.c_str(), &actions, &attributes, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attributes);
+  if (error != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", std::strerror(error)));
+  }
+  return pid;
+}
+
+}  // namespace
+
+std::string ExecutableDir() {
+  std::error_code error;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? "" : exe.parent_path().string();
+}
+
+std::string FileTail(const std::string& path, size_t max_bytes) {
+  std::string text = ReadFile(path);
+  if (text.size() <= max_bytes) return text;
+  text = text.substr(text.size() - max_bytes);
+  const size_t newline = text.find('\n');
+  return newline == std::string::npos ? text : text.substr(newline + 1);
+}
+
+// grpc.health.v1.Health/Check by hand (grpc's generated health stubs are not installed): request
+// field 1 (service name), response field 1 (status enum).
+int CheckHealth(const std::string& address, const std::string& service,
+                std::chrono::milliseconds timeout) {
+  const auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  std::string request = {'\x0a', static_cast<char>(service.size())};
+  request += service;
+  grpc::Slice slice(request);
+  grpc::ByteBuffer request_buffer(&slice, 1);
+  grpc::ByteBuffer response_buffer;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  context.set_wait_for_ready(true);  // a server still binding is not a failure yet
+  const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check",
+                                         grpc::internal::RpcMethod::NORMAL_RPC);
+  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel.get(), method, &context, request_buffer, &response_buffer);
+  if (!status.ok()) return -1;
+  std::vector<grpc::Slice> slices;
+  if (!response_buffer.Dump(&slices).ok()) return -1;
+  std::string response;
+  for (const grpc::Slice& s : slices) {
+    response.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  if (response.empty()) return 0;  // UNKNOWN, the default value
+  return response.size() == 2 && response[0] == '\x08' ? response[1] : -1;
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
+    const LocalClusterOptions& options) {
+  if (options.num_indexers < 1 || options.num_attention_workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a cluster needs at least one indexer and one attention worker (asked for ",
+                     options.num_indexers, " and ", options.num_attention_workers, ")"));
+  }
+  const std::string bin_dir = options.bin_dir.empty() ? ExecutableDir() : options.bin_dir;
+  const std::string indexer_binary = bin_dir + "/dsa-indexer";
+  const std::string attention_binary = bin_dir + "/dsa-attention";
+  const std::string coordinator_binary = bin_dir + "/dsa-coordinator";
+  for (const std::string& binary : {indexer_binary, attention_binary, coordinator_binary}) {
+    if (access(binary.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat(
+          binary, " is not an executable file (build it, or point --bin-dir at the folder)"));
+    }
+  }
+
+  std::unique_ptr<LocalCluster> cluster(new LocalCluster());
+  cluster->stop_timeout_ = options.stop_timeout;
+  if (options.log_dir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/dsa-cluster-XXXXXX";
+    if (mkdtemp(pattern.data()) == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("cannot create a log folder ", pattern, ": ", std::strerror(errno)));
+    }
+    cluster->log_dir_ = pattern;
+  } else {
+    std::error_code error;
+    std::filesystem::create_directories(options.log_dir, error);
+    if (error) {
+      return absl::InternalError(
+          absl::StrCat("cannot create the log folder ", options.log_dir, ": ", error.message()));
+    }
+    cluster->log_dir_ = options.log_dir;
+  }
+
+  const auto add = [](std::vector<std::string>& args, const char* flag, const auto& value) {
+    if (value.has_value()) {
+      args.emplace_back(flag);
+      std::ostringstream text;
+      text << *value;
+      args.push_back(text.str());
+    }
+  };
+  const auto make = [&](const std::string& name, const std::string& binary,
+                        std::vector<std::string> args) {
+    ClusterProcess process;
+    process.name = name;
+    process.binary = binary;
+    process.args = std::move(args);
+    process.stdout_path = absl::StrCat(cluster->log_dir_, "/", name, ".stdout");
+    process.log_path = absl::StrCat(cluster->log_dir_, "/", name, ".log");
+    return process;
+  };
+  const std::vector<std::string> loopback = {"--listen", "127.0.0.1:0", "--metrics-listen",
+                                             "127.0.0.1:0"};
+
+  std::vector<std::string> indexer_addresses;
+  for (int i = 0; i < options.num_indexers; ++i) {
+    std::vector<std::string> args = loopback;
+    add(args, "--capacity-blocks", options.capacity_blocks);
+    add(args, "--audit-fraction", options.audit_fraction);
+    add(args, "--num-heads", options.num_heads);
+    add(args, "--head-dim", options.head_dim);
+    args.insert(args.end(), options.indexer_args.begin(), options.indexer_args.end());
+    if (absl::Status started = cluster->StartProcess(
+            make(absl::StrCat("dsa-indexer-", i), indexer_binary, std::move(args)),
+            options.startup_timeout);
+        !started.ok()) {
+      return started;
+    }
+    indexer_addresses.push_back(cluster->processes_.back().address);
+  }
+  std::vector<std::string> attention_addresses;
+  for (int i = 0; i < options.num_attention_workers; ++i) {
+    std::vector<std::string> args = loopback;
+    add(args, "--num-heads", options.num_heads);
+    add(args, "--head-dim", options.head_dim);
+    add(args, "--layer-pattern", options.layer_pattern);
+    add(args, "--kv-capacity-slots", options.kv_capacity_slots);
+    add(args, "--seed", options.seed);
+    args.insert(args.end(), options.attention_args.begin(), options.attention_args.end());
+    if (absl::Status started = cluster->StartProcess(
+            make(absl::StrCat("dsa-attention-", i), attention_binary, std::move(args)),
+            options.startup_timeout);
+        !started.ok()) {
+      return started;
+    }
+    attention_addresses.push_back(cluster->processes_.back().address);
+  }
+  std::vector<std::string> args = loopback;
+  for (const std::string& address : indexer_addresses) {
+    args.insert(args.end(), {"--indexer", address});
+  }
+  for (const std::string& address : attention_addresses) {
+    args.insert(args.end(), {"--attention", address});
+  }
+  add(args, "--top-k", options.top_k);
+  add(args, "--target-block-sparsity", options.target_block_sparsity);
+  add(args, "--acceptance-rate", options.acceptance_rate);
+  add(args, "--seed", options.seed);
+  args.insert(args.end(), options.coordinator_args.begin(), options.coordinator_args.end());
+  if (absl::Status started = cluster->StartProcess(
+          make("dsa-coordinator", coordinator_binary, std::move(args)), options.startup_timeout);
+      !started.ok()) {
+    return started;
+  }
+  return cluster;
+}
+
+absl::Status LocalCluster::StartProcess(ClusterProcess process, std::chrono::milliseconds timeout) {
+  absl::StatusOr<pid_t> pid =
+      Spawn(process.binary, process.args, process.stdout_path, process.log_path);
+  if (!pid.ok()) return pid.status();
+  process.pid = *pid;
+  processes_.push_back(std::move(process));
+  ClusterProcess& started = processes_.back();
+  const auto deadline = Clock::now() + timeout;
+  const auto exited = [&started]() {
+    return absl::UnavailableError(absl::StrCat(started.name, " exited with code ",
+                                               started.exit_code,
+                                               " during startup: ", Describe(started)));
+  };
+
+  // 1. The printed addresses (both lines come in one flush).
+  while (started.address.empty()) {
+    if (Reaped(started)) return exited();
+    const std::string out = ReadFile(started.stdout_path);
+    started.address = ValueAfter(out, "listening on ", /*stop_at_slash=*/false);
+    started.metrics_address = ValueAfter(out, "metrics on http://", /*stop_at_slash=*/true);
+    if (!started.address.empty()) break;
+    if (Clock::now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(started.name, " printed no 'listening on' line within ", timeout.count(),
+                       " ms (stdout in ", started.stdout_path, "): ", Describe(started)));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  // 2. Readiness SERVING.
+  int health = -1;
+  while (true) {
+    if (Reaped(started)) return exited();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) break;
+    health =
+        CheckHealth(started.address, "readiness", std::min(left, std::chrono::milliseconds(1000)));
+    if (health == 1) return absl::OkStatus();
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat(started.name, " at ", started.address, " was not ready within ", timeout.count(),
+                   " ms (last grpc.health.v1 readiness answer: ",
+                   health == -1 ? "call failed" : absl::StrCat(health), "): ", Describe(started)));
+}
+
+void LocalCluster::StopGroup(const std::vector<size_t>& indices,
+                             std::chrono::milliseconds timeout) {
+  for (size_t i : indices) {
+    if (!Reaped(processes_[i])) kill(processes_[i].pid, SIGTERM);
+  }
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    bool all_done = true;
+    for (size_t i : indices) all_done = Reaped(processes_[i]) && all_done;
+    if (all_done) return;
+    if (Clock::now() > deadline) break;
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  for (size_t i : indices) {
+    ClusterProcess& process = processes_[i];
+    if (process.pid < 0) continue;
+    kill(process.pid, SIGKILL);
+    int wait_status = 0;
+    waitpid(process.pid, &wait_status, 0);
+    process.exit_code = ExitCode(wait_status);
+    process.pid = -1;
+  }
+}
+
+absl::Status LocalCluster::Stop() {
+  if (!stopped_) {
+    stopped_ = true;
+    std::vector<size_t> coordinator, attention, indexers;
+    for (size_t i = 0; i < processes_.size(); ++i) {
+      const std::string& name = processes_[i].name;
+      if (name.rfind("dsa-coordinator", 0) == 0) {
+        coordinator.push_back(i);
+      } else if (name.rfind("dsa-attention", 0) == 0) {
+        attention.push_back(i);
+      } else {
+        indexers.push_back(i);
+      }
+    }
+    StopGroup(coordinator, stop_timeout_);
+    StopGroup(attention, stop_timeout_);
+    StopGroup(indexers, stop_timeout_);
+  }
+  std::vector<std::string> bad;
+  for (const ClusterProcess& process : processes_) {
+    if (process.exit_code != 0) {
+      bad.push_back(absl::StrCat(process.name, " exited with ", process.exit_code,
+                                 process.exit_code == 128 + SIGKILL ? " (killed)" : "", "; log ",
+                                 process.log_path));
+    }
+  }
+  if (bad.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unclean stop: ", absl::StrJoin(bad, "; ")));
+}
+
+absl::Status LocalCluster::CheckRunning() {
+  for (ClusterProcess& process : processes_) {
+    if (Reaped(process)) {
+      return absl::UnavailableError(absl::StrCat(process.name, " exited with code ",
+                                                 process.exit_code, ": ", Describe(process)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+const std::string& LocalCluster::coordinator_address() const {
+  static const std::string kNone;
+  return processes_.empty() || processes_.back().name != "dsa-coordinator"
+             ? kNone
+             : processes_.back().address;
+}
+
+LocalCluster::~LocalCluster() { (void)Stop(); }
+
+}  // namespace dsa

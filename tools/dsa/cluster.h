@@ -1,0 +1,117 @@
+// `dsa up` and `dsa replay --local`: a local cluster of the three server binaries (dsa-indexer,
+// dsa-attention, dsa-coordinator) on loopback, started, probed for readiness and stopped in order.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace dsa {
+
+/// What to start. Unset optionals leave the binaries' own defaults.
+struct LocalClusterOptions {
+  int num_indexers = 1;           // dsa-indexer processes, >= 1
+  int num_attention_workers = 1;  // dsa-attention processes, >= 1
+  /// Folder holding the three binaries; empty = the folder of the running executable
+  /// (/proc/self/exe), where the build puts them side by side.
+  std::string bin_dir;
+  /// Folder for each process's stdout and stderr (`<name>.stdout`, `<name>.log`); empty = a new
+  /// temporary folder (kept after the run, so the logs can be read).
+  std::string log_dir;
+  std::chrono::milliseconds startup_timeout{60000};  // per process: address printed + readiness
+  std::chrono::milliseconds stop_timeout{15000};     // per group (coordinator, attention, indexers)
+
+  // Pass-through settings (DESIGN.md / docs/services.md flag names).
+  std::optional<int64_t> capacity_blocks;       // dsa-indexer --capacity-blocks, per indexer
+  std::optional<double> audit_fraction;         // dsa-indexer --audit-fraction
+  std::optional<int> num_heads;                 // indexer H: dsa-indexer and dsa-attention
+  std::optional<int> head_dim;                  // indexer D: dsa-indexer and dsa-attention
+  std::optional<std::string> layer_pattern;     // dsa-attention --layer-pattern
+  std::optional<int64_t> kv_capacity_slots;     // dsa-attention --kv-capacity-slots
+  std::optional<int> top_k;                     // dsa-coordinator --top-k
+  std::optional<double> target_block_sparsity;  // dsa-coordinator --target-block-sparsity
+  std::optional<double> acceptance_rate;        // dsa-coordinator --acceptance-rate
+  std::optional<uint64_t> seed;                 // dsa-attention and dsa-coordinator --seed
+  std::vector<std::string> indexer_args;        // extra flags for every dsa-indexer
+  std::vector<std::string> attention_args;      // extra flags for every dsa-attention
+  std::vector<std::string> coordinator_args;    // extra flags for dsa-coordinator
+};
+
+/// One started server process.
+struct ClusterProcess {
+  std::string name;               // "dsa-indexer-0", "dsa-attention-0", "dsa-coordinator"
+  std::string binary;             // path of the executable
+  std::vector<std::string> args;  // flags it was started with
+  pid_t pid = -1;                 // -1 once reaped
+  std::string address;            // gRPC host:port it printed
+  std::string metrics_address;    // /metrics host:port it printed ("" if none)
+  std::string stdout_path;        // its stdout (the printed addresses)
+  std::string log_path;           // its stderr (JSON log lines)
+  int exit_code = -1;             // after Stop: exit code, 128 + signal if killed; -1 = running
+};
+
+/// A running local cluster. Start brings every process up (indexers, then attention workers, then
+/// the coordinator with their addresses) or stops what it started and says which one failed.
+/// Destruction stops the cluster (Stop). Not thread-safe: one owner.
+class LocalCluster {
+ public:
+  /// Starts the cluster and waits for every process's readiness (grpc.health.v1 "readiness"
+  /// SERVING). Errors: INVALID_ARGUMENT (bad counts), NOT_FOUND (a binary missing),
+  /// DEADLINE_EXCEEDED (a process printed no address or was not ready within startup_timeout),
+  /// UNAVAILABLE (a process exited during startup); the message names the process, its log file
+  /// and the tail of its stderr.
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(const LocalClusterOptions& options);
+
+  ~LocalCluster();
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
+
+  /// SIGTERM to the coordinator, then the attention workers, then the indexers, each group waited
+  /// for up to stop_timeout (SIGKILL after that). Idempotent. OK when every process exited with
+  /// 0; otherwise INTERNAL naming the processes that did not (killed, non-zero exit).
+  absl::Status Stop();
+
+  /// OK while every process runs; UNAVAILABLE naming the first one that exited (with its exit
+  /// code, log file and stderr tail).
+  absl::Status CheckRunning();
+
+  /// The coordinator's gRPC address (host:port).
+  const std::string& coordinator_address() const;
+  /// Every process: indexers, attention workers, then the coordinator.
+  const std::vector<ClusterProcess>& processes() const { return processes_; }
+  /// Where the logs are.
+  const std::string& log_dir() const { return log_dir_; }
+
+ private:
+  LocalCluster() = default;
+  /// Spawns one process and waits for its printed address and readiness.
+  absl::Status StartProcess(ClusterProcess process, std::chrono::milliseconds timeout);
+  /// SIGTERM to processes_[i] for i in `indices`, then waits (SIGKILL past the timeout).
+  void StopGroup(const std::vector<size_t>& indices, std::chrono::milliseconds timeout);
+
+  std::vector<ClusterProcess> processes_;
+  std::string log_dir_;
+  std::chrono::milliseconds stop_timeout_{15000};
+  bool stopped_ = false;
+};
+
+/// The folder of the running executable (/proc/self/exe), or "" when it cannot be read.
+std::string ExecutableDir();
+
+/// The last `max_bytes` of a file (whole lines where possible); "" when unreadable.
+std::string FileTail(const std::string& path, size_t max_bytes);
+
+/// grpc.health.v1.Health/Check of `service` at `address` within `timeout`: 1 SERVING,
+/// 2 NOT_SERVING, 0 UNKNOWN, -1 when the call failed.
+int CheckHealth(const std::string& address, const std::string& service,
+                std::chrono::milliseconds timeout);
+
+}  // namespace dsa

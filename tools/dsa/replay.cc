@@ -1,0 +1,561 @@
+// `dsa replay`: the trace client (one thread per in-flight Generate stream, a dispatcher keeping
+// the trace's arrival times, a monitor sampling GetLoad and drawing progress) and the report.
+#include "tools/dsa/replay.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "dsa/coordinator/v1/coordinator.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace dsa {
+namespace {
+
+namespace v1 = ::dsa::coordinator::v1;
+using Clock = std::chrono::steady_clock;
+
+// A stream that ended OK without a Finished event (or short of its tokens) is a failure too.
+constexpr int kIncompleteStream = -1;
+
+double SecondsBetween(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+std::string CodeName(int code) {
+  if (code == kIncompleteStream) return "INCOMPLETE_STREAM";
+  return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+}
+
+// Runs one request's Generate stream to its end and records what it streamed.
+void RunOne(v1::CoordinatorService::Stub& stub, const TraceRequest& request, int64_t index,
+            const ReplayOptions& options, grpc::ClientContext& context, RequestRecord& record) {
+  v1::GenerateRequest generate;
+  generate.set_request_id(absl::StrCat("replay-", index));
+  generate.set_context_length(request.context_tokens);
+  for (uint64_t id : request.prefix_block_ids) generate.add_prefix_block_ids(id);
+  generate.set_max_new_tokens(request.output_tokens);
+  generate.set_draft_length(options.draft_length);
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(options.request_timeout_ms));
+  const Clock::time_point sent = Clock::now();
+  Clock::time_point last_tokens = sent;
+  bool finished = false;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateEvent>> reader = stub.Generate(&context, generate);
+  v1::GenerateEvent event;
+  while (reader->Read(&event)) {
+    const Clock::time_point now = Clock::now();
+    if (event.has_admitted()) {
+      record.admitted = true;
+      record.prefix_slots_reused = event.admitted().prefix_slots_reused();
+    } else if (event.has_tokens()) {
+      const v1::Tokens& tokens = event.tokens();
+      if (record.ttft_seconds < 0) {
+        record.ttft_seconds = SecondsBetween(sent, now);
+      } else if (tokens.count() > 0) {
+        record.inter_token_seconds.push_back(SecondsBetween(last_tokens, now) / tokens.count());
+      }
+      last_tokens = now;
+      record.generated_tokens += tokens.count();
+      record.drafted_tokens += tokens.drafted();
+      record.accepted_tokens += tokens.accepted();
+      record.blocks_scored += tokens.blocks_scored();
+      record.blocks_visible += tokens.blocks_visible();
+      record.audited_rows += tokens.audited_rows();
+      record.audit_miss_rate_sum += tokens.audit_miss_rate_sum();
+      record.selection_wait_seconds.emplace_back(tokens.selection_wait_seconds().begin(),
+                                                 tokens.selection_wait_seconds().end());
+    } else if (event.has_finished()) {
+      finished = true;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  record.status_code = static_cast<int>(status.error_code());
+  record.error = status.error_message();
+  if (status.ok() && (!finished || record.generated_tokens < request.output_tokens)) {
+    record.status_code = kIncompleteStream;
+    record.error =
+        absl::StrCat("stream ended OK with ", record.generated_tokens, " of ",
+                     request.output_tokens, " tokens", finished ? "" : " and no Finished event");
+  }
+}
+
+// Work handed from the dispatcher to the stream threads.
+struct Pending {
+  int64_t index = 0;
+  Clock::time_point arrival;
+};
+
+// The shared state of one replay.
+class ReplayRun {
+ public:
+  ReplayRun(const std::vector<TraceRequest>& requests, const ReplayOptions& options)
+      : requests_(requests),
+        options_(options),
+        channel_(grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials())),
+        stub_(v1::CoordinatorService::NewStub(channel_)),
+        records_(requests.size()) {}
+
+  absl::Status Probe() {
+    v1::GetLoadResponse load;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    context.set_wait_for_ready(true);
+    const grpc::Status status = stub_->GetLoad(&context, v1::GetLoadRequest(), &load);
+    if (!status.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("coordinator ", options_.coordinator,
+                       " did not answer GetLoad: ", status.error_message()));
+    }
+    return absl::OkStatus();
+  }
+
+  ReplayReport Run() {
+    start_ = Clock::now();
+    std::vector<std::thread> workers;
+    const int num_workers =
+        static_cast<int>(std::min<int64_t>(options_.max_in_flight, requests_.size()));
+    workers.reserve(num_workers);
+    for (int i = 0; i < num_workers; ++i) workers.emplace_back([this] { Work(); });
+    std::thread monitor([this] { Monitor(); });
+    Dispatch();
+    for (std::thread& worker : workers) worker.join();
+    const double wall_seconds = SecondsBetween(start_, Clock::now());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    wake_monitor_.notify_all();
+    monitor.join();
+    Sample();
+    return AggregateReplay(records_, samples_, wall_seconds, options_);
+  }
+
+ private:
+  bool StopRequested() const { return options_.stop != nullptr && options_.stop->load(); }
+
+  // Hands each request to the stream threads at its (scaled) arrival time.
+  void Dispatch() {
+    for (size_t i = 0; i < requests_.size(); ++i) {
+      const auto offset = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+          static_cast<double>(requests_[i].arrival_ms) * options_.time_scale / 1000.0));
+      const Clock::time_point arrival = start_ + offset;
+      std::unique_lock<std::mutex> lock(mutex_);
+      // Sleep until the arrival time, waking early only to stop.
+      wake_dispatcher_.wait_until(lock, arrival, [this] { return StopRequested(); });
+      if (StopRequested()) break;
+      queue_.push_back({static_cast<int64_t>(i), arrival});
+      wake_workers_.notify_one();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    dispatch_done_ = true;
+    wake_workers_.notify_all();
+  }
+
+  // One stream thread: runs queued requests one at a time.
+  void Work() {
+    while (true) {
+      Pending pending;
+      grpc::ClientContext context;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_workers_.wait(lock, [this] { return !queue_.empty() || dispatch_done_; });
+        if (queue_.empty()) return;
+        pending = queue_.front();
+        queue_.pop_front();
+        if (StopRequested()) {
+          records_[pending.index].index = pending.index;
+          records_[pending.index].status_code = static_cast<int>(grpc::StatusCode::CANCELLED);
+          records_[pending.index].error = "replay stopped before sending";
+          ++failed_;
+          continue;
+        }
+        contexts_.insert(&context);
+        ++in_flight_;
+      }
+      RequestRecord& record = records_[pending.index];
+      const TraceRequest& request = requests_[pending.index];
+      record.index = pending.index;
+      record.context_tokens = request.context_tokens;
+      record.max_new_tokens = request.output_tokens;
+      record.client_wait_seconds = SecondsBetween(pending.arrival, Clock::now());
+      RunOne(*stub_, request, pending.index, options_, context, record);
+      std::lock_guard<std::mutex> lock(mutex_);
+      contexts_.erase(&context);
+      --in_flight_;
+      ++(record.status_code == 0 ? completed_ : failed_);
+    }
+  }
+
+  void Sample() {
+    v1::GetLoadResponse load;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    if (!stub_->GetLoad(&context, v1::GetLoadRequest(), &load).ok()) return;
+    CacheSample sample;
+    sample.seconds = SecondsBetween(start_, Clock::now());
+    sample.cache_blocks_used = load.cache_blocks_used();
+    sample.cache_blocks_capacity = load.cache_blocks_capacity();
+    sample.queued = load.queued();
+    sample.running = load.running();
+    samples_.push_back(sample);
+  }
+
+  void DrawProgress(bool tty, bool last) {
+    long long completed = 0, failed = 0, in_flight = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      completed = completed_;
+      failed = failed_;
+      in_flight = in_flight_;
+    }
+    const auto total = static_cast<long long>(requests_.size());
+    const long long finished = completed + failed;
+    const double elapsed = SecondsBetween(start_, Clock::now());
+    if (tty) {
+      constexpr int kWidth = 30;
+      const int filled = total == 0 ? kWidth : static_cast<int>(kWidth * finished / total);
+      std::fprintf(options_.progress,
+                   "\r[%s%s] %lld/%lld done, %lld failed, %lld in flight, %.1f s",
+                   std::string(filled, '#').c_str(), std::string(kWidth - filled, '.').c_str(),
+                   finished, total, failed, in_flight, elapsed);
+      if (last) std::fputc('\n', options_.progress);
+    } else {
+      std::fprintf(options_.progress,
+                   "dsa replay: %lld/%lld done (%lld completed, %lld failed), %lld in flight, "
+                   "%.1f s\n",
+                   finished, total, completed, failed, in_flight, elapsed);
+    }
+    std::fflush(options_.progress);
+  }
+
+  // Samples GetLoad every sample_ms, draws progress, and cancels streams when asked to stop.
+  void Monitor() {
+    const bool tty = options_.progress != nullptr && isatty(fileno(options_.progress)) == 1;
+    const auto progress_period =
+        std::chrono::milliseconds(tty ? 200 : std::max(options_.progress_period_ms, 1));
+    const auto sample_period = std::chrono::milliseconds(std::max(options_.sample_ms, 1));
+    Clock::time_point next_sample = Clock::now();
+    Clock::time_point next_progress = Clock::now() + progress_period;
+    bool cancelled = false;
+    while (true) {
+      const Clock::time_point now = Clock::now();
+      if (now >= next_sample) {
+        Sample();
+        next_sample += sample_period;
+        if (next_sample < now) next_sample = now + sample_period;
+      }
+      if (options_.progress != nullptr && now >= next_progress) {
+        DrawProgress(tty, false);
+        next_progress = now + progress_period;
+      }
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (StopRequested() && !cancelled) {
+        cancelled = true;
+        for (grpc::ClientContext* context : contexts_) context->TryCancel();
+        wake_dispatcher_.notify_all();
+      }
+      if (done_) break;
+      const Clock::time_point wake =
+          std::min({next_sample, next_progress, Clock::now() + std::chrono::milliseconds(100)});
+      wake_monitor_.wait_until(lock, wake, [this] { return done_; });
+      if (done_) break;
+    }
+    if (options_.progress != nullptr) DrawProgress(tty, true);
+  }
+
+  const std::vector<TraceRequest>& requests_;
+  const ReplayOptions& options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::CoordinatorService::Stub> stub_;
+  Clock::time_point start_;
+  std::vector<RequestRecord> records_;  // one per request; each written by one stream thread
+  std::vector<CacheSample> samples_;    // written by the monitor, then by Run after it joined
+
+  std::mutex mutex_;
+  std::condition_variable wake_workers_, wake_dispatcher_, wake_monitor_;
+  std::deque<Pending> queue_;
+  std::set<grpc::ClientContext*> contexts_;  // streams in flight, for cancelling
+  bool dispatch_done_ = false;
+  bool done_ = false;
+  int64_t in_flight_ = 0, completed_ = 0, failed_ = 0;
+};
+
+double Mean(const std::vector<double>& values) {
+  if (values.empty()) return 0;
+  double sum = 0;
+  for (double v : values) sum += v;
+  return sum / static_cast<double>(values.size());
+}
+
+}  // namespace
+
+std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const ReplayCaps& caps) {
+  if (caps.limit > 0 && static_cast<int64_t>(requests.size()) > caps.limit) {
+    requests.resize(caps.limit);
+  }
+  for (TraceRequest& request : requests) {
+    if (caps.max_context > 0 && request.context_tokens > caps.max_context) {
+      request.context_tokens = caps.max_context;
+    }
+    const auto max_ids = static_cast<size_t>(
+        (request.context_tokens + kTracePrefixBlockTokens - 1) / kTracePrefixBlockTokens);
+    if (request.prefix_block_ids.size() > max_ids) request.prefix_block_ids.resize(max_ids);
+    if (caps.max_output > 0 && request.output_tokens > caps.max_output) {
+      request.output_tokens = caps.max_output;
+    }
+  }
+  return requests;
+}
+
+double NearestRankPercentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto n = static_cast<double>(values.size());
+  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * n));
+  return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
+}
+
+ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
+                             const std::vector<CacheSample>& samples, double wall_seconds,
+                             const ReplayOptions& options) {
+  ReplayReport report;
+  report.caps = options.caps;
+  report.time_scale = options.time_scale;
+  report.max_in_flight = options.max_in_flight;
+  report.draft_length = options.draft_length;
+  report.requests = static_cast<int64_t>(records.size());
+  report.wall_seconds = wall_seconds;
+
+  std::vector<double> ttft, itl, client_wait;
+  std::vector<std::vector<double>> waits_by_layer;
+  for (const RequestRecord& record : records) {
+    if (record.status_code == 0) {
+      ++report.completed;
+      if (record.ttft_seconds >= 0) ttft.push_back(record.ttft_seconds);
+      itl.insert(itl.end(), record.inter_token_seconds.begin(), record.inter_token_seconds.end());
+    } else {
+      ++report.failed;
+      ++report.failures_by_code[CodeName(record.status_code)];
+      if (report.first_error.empty()) {
+        report.first_error = absl::StrCat("request ", record.index, ": ",
+                                          CodeName(record.status_code), ": ", record.error);
+      }
+    }
+    client_wait.push_back(record.client_wait_seconds);
+    report.generated_tokens += record.generated_tokens;
+    report.blocks_scored += record.blocks_scored;
+    report.blocks_visible += record.blocks_visible;
+    report.audited_rows += record.audited_rows;
+    report.audit_miss_rate_sum += record.audit_miss_rate_sum;
+    report.drafted_tokens += record.drafted_tokens;
+    report.accepted_tokens += record.accepted_tokens;
+    if (record.admitted) {
+      report.prefix_slots_reused += record.prefix_slots_reused;
+      report.context_slots += record.context_tokens;
+    }
+    for (const std::vector<double>& step : record.selection_wait_seconds) {
+      if (step.size() > waits_by_layer.size()) waits_by_layer.resize(step.size());
+      for (size_t layer = 0; layer < step.size(); ++layer) {
+        waits_by_layer[layer].push_back(step[layer]);
+      }
+    }
+  }
+  report.ttft_p50 = NearestRankPercentile(ttft, 50);
+  report.ttft_p99 = NearestRankPercentile(ttft, 99);
+  report.itl_p50 = NearestRankPercentile(itl, 50);
+  report.itl_p99 = NearestRankPercentile(itl, 99);
+  report.client_wait_mean = Mean(client_wait);
+  report.client_wait_max =
+      client_wait.empty() ? 0 : *std::max_element(client_wait.begin(), client_wait.end());
+  report.decode_tokens_per_second =
+      wall_seconds > 0 ? static_cast<double>(report.generated_tokens) / wall_seconds : 0;
+  report.realized_block_sparsity = report.blocks_visible > 0
+                                       ? 1.0 - static_cast<double>(report.blocks_scored) /
+                                                   static_cast<double>(report.blocks_visible)
+                                       : 0;
+  report.audited_miss_rate = report.audited_rows > 0 ? report.audit_miss_rate_sum /
+                                                           static_cast<double>(report.audited_rows)
+                                                     : -1;
+  report.prefix_reuse_fraction = report.context_slots > 0
+                                     ? static_cast<double>(report.prefix_slots_reused) /
+                                           static_cast<double>(report.context_slots)
+                                     : 0;
+  report.spec_acceptance =
+      report.drafted_tokens > 0
+          ? static_cast<double>(report.accepted_tokens) / static_cast<double>(report.drafted_tokens)
+          : 0;
+  report.cache_samples = samples;
+  if (!samples.empty()) {
+    std::vector<double> used;
+    used.reserve(samples.size());
+    for (const CacheSample& sample : samples) {
+      used.push_back(static_cast<double>(sample.cache_blocks_used));
+    }
+    report.cache_used_min = *std::min_element(used.begin(), used.end());
+    report.cache_used_max = *std::max_element(used.begin(), used.end());
+    report.cache_used_mean = Mean(used);
+    report.cache_capacity = samples.back().cache_blocks_capacity;
+  }
+  for (size_t layer = 0; layer < waits_by_layer.size(); ++layer) {
+    LayerWait wait;
+    wait.layer = static_cast<int>(layer);
+    wait.steps = static_cast<int64_t>(waits_by_layer[layer].size());
+    wait.mean_seconds = Mean(waits_by_layer[layer]);
+    wait.p99_seconds = NearestRankPercentile(waits_by_layer[layer], 99);
+    report.selection_wait.push_back(wait);
+  }
+  return report;
+}
+
+absl::StatusOr<ReplayReport> RunReplay(const std::vector<TraceRequest>& requests,
+                                       const ReplayOptions& options) {
+  if (options.coordinator.empty()) return absl::InvalidArgumentError("no coordinator address");
+  if (options.max_in_flight < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-in-flight must be >= 1, not ", options.max_in_flight));
+  }
+  if (!(options.time_scale >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--time-scale must be >= 0, not ", options.time_scale));
+  }
+  if (options.draft_length < 0 || options.draft_length > 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--draft-length must be in 0..4, not ", options.draft_length));
+  }
+  if (options.sample_ms < 1 || options.request_timeout_ms < 1) {
+    return absl::InvalidArgumentError("--sample-ms and the request timeout must be >= 1 ms");
+  }
+  ReplayRun run(requests, options);
+  if (absl::Status reachable = run.Probe(); !reachable.ok()) return reachable;
+  return run.Run();
+}
+
+nlohmann::json ReplayReportToJson(const ReplayReport& report) {
+  nlohmann::json json;
+  json["settings"] = {{"limit", report.caps.limit},
+                      {"max_context", report.caps.max_context},
+                      {"max_output", report.caps.max_output},
+                      {"time_scale", report.time_scale},
+                      {"max_in_flight", report.max_in_flight},
+                      {"draft_length", report.draft_length}};
+  json["requests"] = {{"total", report.requests},
+                      {"completed", report.completed},
+                      {"failed", report.failed},
+                      {"failures_by_code", report.failures_by_code},
+                      {"first_error", report.first_error}};
+  json["wall_seconds"] = report.wall_seconds;
+  json["latency_seconds"] = {{"ttft_p50", report.ttft_p50},
+                             {"ttft_p99", report.ttft_p99},
+                             {"inter_token_p50", report.itl_p50},
+                             {"inter_token_p99", report.itl_p99},
+                             {"client_wait_mean", report.client_wait_mean},
+                             {"client_wait_max", report.client_wait_max}};
+  json["throughput"] = {{"generated_tokens", report.generated_tokens},
+                        {"decode_tokens_per_second", report.decode_tokens_per_second}};
+  json["indexer"] = {
+      {"blocks_scored", report.blocks_scored},
+      {"blocks_visible", report.blocks_visible},
+      {"realized_block_sparsity", report.realized_block_sparsity},
+      {"audited_rows", report.audited_rows},
+      {"audited_miss_rate",
+       report.audited_rows > 0 ? nlohmann::json(report.audited_miss_rate) : nlohmann::json()},
+      {"prefix_slots_reused", report.prefix_slots_reused},
+      {"context_slots", report.context_slots},
+      {"prefix_reuse_fraction", report.prefix_reuse_fraction}};
+  json["speculative_decoding"] = {{"drafted_tokens", report.drafted_tokens},
+                                  {"accepted_tokens", report.accepted_tokens},
+                                  {"acceptance", report.spec_acceptance}};
+  nlohmann::json samples = nlohmann::json::array();
+  for (const CacheSample& sample : report.cache_samples) {
+    samples.push_back({{"seconds", sample.seconds},
+                       {"cache_blocks_used", sample.cache_blocks_used},
+                       {"cache_blocks_capacity", sample.cache_blocks_capacity},
+                       {"queued", sample.queued},
+                       {"running", sample.running}});
+  }
+  json["cache_use"] = {{"used_blocks_min", report.cache_used_min},
+                       {"used_blocks_mean", report.cache_used_mean},
+                       {"used_blocks_max", report.cache_used_max},
+                       {"capacity_blocks", report.cache_capacity},
+                       {"samples", samples}};
+  nlohmann::json waits = nlohmann::json::array();
+  for (const LayerWait& wait : report.selection_wait) {
+    waits.push_back({{"layer", wait.layer},
+                     {"steps", wait.steps},
+                     {"mean_seconds", wait.mean_seconds},
+                     {"p99_seconds", wait.p99_seconds}});
+  }
+  json["selection_wait_per_layer"] = waits;
+  return json;
+}
+
+std::string ReplayReportToMarkdown(const ReplayReport& report) {
+  const auto ms = [](double seconds) { return absl::StrFormat("%.2f ms", seconds * 1e3); };
+  const auto cap = [](int64_t value) {
+    return value > 0 ? absl::StrCat(value) : std::string("none");
+  };
+  std::string failures;
+  for (const auto& [code, count] : report.failures_by_code) {
+    absl::StrAppend(&failures, failures.empty() ? " (" : ", ", code, ": ", count);
+  }
+  if (!failures.empty()) failures += ")";
+  std::string out = "| figure | value |\n|---|---|\n";
+  const auto row = [&out](const std::string& name, const std::string& value) {
+    absl::StrAppend(&out, "| ", name, " | ", value, " |\n");
+  };
+  row("caps: limit / max context / max output",
+      absl::StrCat(cap(report.caps.limit), " / ", cap(report.caps.max_context), " / ",
+                   cap(report.caps.max_output)));
+  row("time scale / max in flight / draft length",
+      absl::StrCat(report.time_scale == 0 ? "0 (as fast as possible)"
+                                          : absl::StrFormat("%g", report.time_scale),
+                   " / ", report.max_in_flight, " / ", report.draft_length));
+  row("requests completed / failed",
+      absl::StrCat(report.completed, " / ", report.failed, failures, " of ", report.requests));
+  row("wall time", absl::StrFormat("%.2f s", report.wall_seconds));
+  row("TTFT p50 / p99", absl::StrCat(ms(report.ttft_p50), " / ", ms(report.ttft_p99)));
+  row("inter-token latency p50 / p99", absl::StrCat(ms(report.itl_p50), " / ", ms(report.itl_p99)));
+  row("client-side wait (max in flight) mean / max",
+      absl::StrCat(ms(report.client_wait_mean), " / ", ms(report.client_wait_max)));
+  row("generated tokens", absl::StrCat(report.generated_tokens));
+  row("decode tokens/s (generated / wall)",
+      absl::StrFormat("%.1f", report.decode_tokens_per_second));
+  row("realized block sparsity",
+      absl::StrFormat("%.4f (%d of %d blocks scored)", report.realized_block_sparsity,
+                      report.blocks_scored, report.blocks_visible));
+  row("audited miss rate",
+      report.audited_rows > 0
+          ? absl::StrFormat("%.4f over %d rows", report.audited_miss_rate, report.audited_rows)
+          : std::string("not audited"));
+  row("prefix slots reused",
+      absl::StrFormat("%d (%.4f of %d context slots)", report.prefix_slots_reused,
+                      report.prefix_reuse_fraction, report.context_slots));
+  row("cache blocks used min / mean / max (capacity)",
+      absl::StrFormat("%.0f / %.1f / %.0f (%d), %d samples", report.cache_used_min,
+                      report.cache_used_mean, report.cache_used_max, report.cache_capacity,
+                      report.cache_samples.size()));
+  row("spec acceptance (accepted / drafted)",
+      absl::StrFormat("%.4f (%d / %d)", report.spec_acceptance, report.accepted_tokens,
+                      report.drafted_tokens));
+  for (const LayerWait& wait : report.selection_wait) {
+    row(absl::StrCat("selection wait, layer ", wait.layer, " mean / p99"),
+        absl::StrCat(ms(wait.mean_seconds), " / ", ms(wait.p99_seconds), " over ", wait.steps,
+                     " steps"));
+  }
+  return out;
+}
+
+}  // namespace dsa

@@ -1,0 +1,153 @@
+// `dsa replay`: sends a production trace (trace.h) to a coordinator's Generate at the trace's
+// arrival times, with caps and a client-side concurrency limit, and reports latency, throughput,
+// realized block sparsity, audited miss rate, prefix reuse, cache use, selection wait and
+// speculative acceptance (docs/services.md).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "tools/dsa/trace.h"
+
+namespace dsa {
+
+/// Caps on the trace's requests; 0 = no cap.
+struct ReplayCaps {
+  int64_t limit = 0;        // only the first `limit` requests
+  int64_t max_context = 0;  // context = min(input, max_context); prefix ids cut to ceil(ctx/512)
+  int64_t max_output = 0;   // max_new_tokens = min(output, max_output)
+};
+
+/// The first `caps.limit` requests of `requests`, each with its context, prefix block ids and
+/// output length capped.
+std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const ReplayCaps& caps);
+
+/// How to replay.
+struct ReplayOptions {
+  std::string coordinator;  // host:port of dsa.coordinator.v1.CoordinatorService
+  ReplayCaps caps;          // recorded in the report (the requests given are already capped)
+  double time_scale = 1.0;  // arrival time x scale; 0 = send as fast as max_in_flight allows
+  int max_in_flight = 16;   // concurrent Generate streams; later requests wait client-side
+  int draft_length = 2;     // speculative draft length d (GenerateRequest.draft_length, 0..4)
+  int sample_ms = 500;      // GetLoad sampling period for cache use over time
+  int64_t request_timeout_ms = 600000;  // deadline of each Generate stream
+  /// Progress on this stream (a redrawn bar on a TTY, else a line every progress_period_ms);
+  /// nullptr = none.
+  FILE* progress = nullptr;
+  int progress_period_ms = 5000;
+  /// Set from another thread (a signal) to stop: nothing more is sent and streams in flight are
+  /// cancelled (they count as failed, CANCELLED). May be null.
+  const std::atomic<bool>* stop = nullptr;
+};
+
+/// What one request did, from its Generate stream.
+struct RequestRecord {
+  int64_t index = 0;           // position in the (capped) trace
+  int64_t context_tokens = 0;  // as sent
+  int64_t max_new_tokens = 0;  // as sent
+  int status_code = 0;         // grpc::StatusCode of the stream (0 = OK)
+  std::string error;           // the status message when it failed
+  bool admitted = false;
+  int64_t prefix_slots_reused = 0;  // Admitted.prefix_slots_reused
+  double client_wait_seconds = 0;   // arrival -> sent (waiting for a max_in_flight slot)
+  double ttft_seconds = -1;         // sent -> first Tokens event; -1 = none came
+  /// Per Tokens event after the first: (gap since the previous event) / event's count, i.e. the
+  /// per-token inter-token latency of that step.
+  std::vector<double> inter_token_seconds;
+  int64_t generated_tokens = 0;    // sum of Tokens.count
+  int64_t drafted_tokens = 0;      // sum of Tokens.drafted
+  int64_t accepted_tokens = 0;     // sum of Tokens.accepted
+  int64_t blocks_scored = 0;       // sum of Tokens.blocks_scored
+  int64_t blocks_visible = 0;      // sum of Tokens.blocks_visible
+  int64_t audited_rows = 0;        // sum of Tokens.audited_rows
+  double audit_miss_rate_sum = 0;  // sum of Tokens.audit_miss_rate_sum
+  /// Tokens.selection_wait_seconds of every step: [steps][model layers].
+  std::vector<std::vector<double>> selection_wait_seconds;
+};
+
+/// One GetLoad sample.
+struct CacheSample {
+  double seconds = 0;  // since the replay started
+  int64_t cache_blocks_used = 0;
+  int64_t cache_blocks_capacity = 0;
+  int queued = 0;
+  int running = 0;
+};
+
+/// Mean and p99 (nearest rank) of one model layer's selection wait over all decode steps.
+struct LayerWait {
+  int layer = 0;
+  int64_t steps = 0;
+  double mean_seconds = 0;
+  double p99_seconds = 0;
+};
+
+/// The aggregated report.
+struct ReplayReport {
+  // Settings.
+  ReplayCaps caps;
+  double time_scale = 0;
+  int max_in_flight = 0;
+  int draft_length = 0;
+  // Outcomes.
+  int64_t requests = 0;
+  int64_t completed = 0;
+  int64_t failed = 0;
+  std::map<std::string, int64_t> failures_by_code;  // e.g. "RESOURCE_EXHAUSTED" -> 3
+  std::string first_error;                          // one failure's message, for the log
+  double wall_seconds = 0;
+  // Latency (seconds; nearest-rank percentiles over completed requests / their steps).
+  double ttft_p50 = 0, ttft_p99 = 0;
+  double itl_p50 = 0, itl_p99 = 0;
+  double client_wait_mean = 0, client_wait_max = 0;
+  // Throughput.
+  int64_t generated_tokens = 0;
+  double decode_tokens_per_second = 0;  // generated tokens / wall time
+  // Indexer.
+  int64_t blocks_scored = 0, blocks_visible = 0;
+  double realized_block_sparsity = 0;  // 1 - scored / visible (0 when nothing visible)
+  int64_t audited_rows = 0;
+  double audit_miss_rate_sum = 0;  // sum of the audited rows' miss rates
+  double audited_miss_rate = -1;   // audit_miss_rate_sum / audited_rows; -1 = not audited  // sum
+                                   // miss / audited rows; -1 = not audited
+  int64_t prefix_slots_reused = 0;
+  int64_t context_slots = 0;         // sum of context over admitted requests
+  double prefix_reuse_fraction = 0;  // prefix_slots_reused / context_slots
+  // Speculative decoding.
+  int64_t drafted_tokens = 0, accepted_tokens = 0;
+  double spec_acceptance = 0;  // accepted / drafted (0 when none drafted)
+  // Cache use.
+  std::vector<CacheSample> cache_samples;
+  double cache_used_min = 0, cache_used_mean = 0, cache_used_max = 0;  // blocks
+  int64_t cache_capacity = 0;                                          // blocks (last sample)
+  std::vector<LayerWait> selection_wait;                               // per model layer
+};
+
+/// Nearest-rank percentile (p in (0, 100]) of `values`: the ceil(p/100 * n)-th smallest; 0 when
+/// empty.
+double NearestRankPercentile(std::vector<double> values, double p);
+
+/// Aggregates per-request records and cache samples into the report (pure).
+ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
+                             const std::vector<CacheSample>& samples, double wall_seconds,
+                             const ReplayOptions& options);
+
+/// Replays `requests` (already capped) against options.coordinator; returns the report, or an
+/// error when the coordinator cannot be reached at all (UNAVAILABLE) or the options are bad
+/// (INVALID_ARGUMENT). Failed requests are in the report, not an error.
+absl::StatusOr<ReplayReport> RunReplay(const std::vector<TraceRequest>& requests,
+                                       const ReplayOptions& options);
+
+/// The report as JSON (every figure, the samples and per-layer waits).
+nlohmann::json ReplayReportToJson(const ReplayReport& report);
+
+/// The report as a markdown table.
+std::string ReplayReportToMarkdown(const ReplayReport& report);
+
+}  // namespace dsa
