@@ -41,12 +41,12 @@ absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
           absl::StrCat("indexer worker ", info.address, " has a negative capacity"));
     }
   }
-  return Scheduler(std::move(options), std::move(indexers), std::move(attentions));
+  return Scheduler(options, std::move(indexers), std::move(attentions));
 }
 
 Scheduler::Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,
                      std::vector<AttentionWorkerInfo> attentions)
-    : options_(std::move(options)),
+    : options_(options),
       indexer_info_(std::move(indexers)),
       attention_info_(std::move(attentions)),
       indexers_(indexer_info_.size()),
@@ -390,6 +390,7 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
   auto it = sequences_.find(sequence_id);
   if (it == sequences_.end()) return result;
   Sequence& s = it->second;
+  if (s.state == State::kReleasing) return result;
   if (s.state != State::kRetained) --attentions_[s.attention].running;
   if (s.donor.has_value()) {
     const uint64_t donor = *s.donor;
@@ -411,19 +412,30 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
     }
     s.session_id.clear();
   }
-  if ((completed && options_.retain_finished) || s.pins > 0) {
+  s.state = State::kReleasing;
+  s.retain_after_release = (completed && options_.retain_finished) || s.pins > 0;
+  if (completed) s.length = length;
+  s.release_when_unpinned = !(completed && options_.retain_finished);
+  result.keep_indexer_sequence = s.retain_after_release;
+  return result;
+}
+
+std::vector<Eviction> Scheduler::ReleaseDone(uint64_t sequence_id) {
+  std::vector<Eviction> evictions;
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end() || it->second.state != State::kReleasing) return evictions;
+  Sequence& s = it->second;
+  attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
+  s.kv_slots = 0;
+  if (s.retain_after_release) {
     s.state = State::kRetained;
-    if (completed) s.length = length;
-    attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
-    s.kv_slots = 0;
-    s.release_when_unpinned = !(completed && options_.retain_finished);
-    result.keep_indexer_sequence = true;
-    return result;
+    // The prefill that pinned it may have ended while the Release was in flight.
+    if (s.pins == 0 && s.release_when_unpinned) evictions.push_back(Evict(sequence_id));
+    return evictions;
   }
   DropBlocks(s);
-  attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
   sequences_.erase(it);
-  return result;
+  return evictions;
 }
 
 SchedulerLoad Scheduler::Load() const {

@@ -135,16 +135,24 @@ class Scheduler {
 
   /// How a finished or failed sequence leaves its attention worker.
   struct FinishResult {
-    bool release_attention = true;       // false: a session keeps its KV (no Release at all)
+    /// False: a session keeps its KV and index keys (no Release at all). True: call the attention
+    /// worker's Release, then ReleaseDone.
+    bool release_attention = true;
     bool keep_indexer_sequence = false;  // Release with keep_indexer_sequence
     std::vector<Eviction> evictions;     // others to drop now
   };
-  /// A running sequence ends. `completed` with `length` (its slots: context + generated): a
-  /// session's sequence stays whole (KV and index keys), other sequences keep their index keys
-  /// as donors when retain_finished (or while a prefill uses them as a donor), else everything is
-  /// freed. Not completed (failed, aborted): freed, and a session loses its sequence (its next turn
-  /// starts afresh), unless a prefill in progress uses it as a donor.
+  /// A running (or prefilling) sequence ends; its running slot is free at once. `completed` with
+  /// `length` (its slots: context + generated): a session's sequence stays whole (KV and index
+  /// keys), other sequences keep their index keys as donors when retain_finished (or while a
+  /// prefill uses them as a donor), else everything is freed. Not completed (failed, aborted):
+  /// freed, and a session loses its sequence (its next turn starts afresh), unless a prefill in
+  /// progress uses it as a donor. What the attention worker's Release frees (KV, index keys) stays
+  /// reserved until ReleaseDone, so no request is placed into space the workers still hold.
   FinishResult Finish(uint64_t sequence_id, bool completed, int64_t length);
+  /// The attention worker's Release of a finished sequence returned (either way): frees what
+  /// Finish said it would. Returns evictions to carry out (a donor kept only for a prefill that
+  /// has ended meanwhile). No-op for a sequence not waiting for it.
+  std::vector<Eviction> ReleaseDone(uint64_t sequence_id);
 
   /// Current counts and reservations.
   SchedulerLoad Load() const;
@@ -152,7 +160,9 @@ class Scheduler {
   const std::vector<AttentionWorkerInfo>& attentions() const { return attention_info_; }
 
  private:
-  enum class State { kPrefilling, kRunning, kRetained };
+  // kReleasing: finished, waiting for ReleaseDone (holds its reservations; neither a donor nor
+  // evictable).
+  enum class State { kPrefilling, kRunning, kReleasing, kRetained };
   struct Sequence {
     int indexer = 0;
     int attention = 0;
@@ -166,7 +176,8 @@ class Scheduler {
     int pins = 0;                   // prefills in progress that share its prefix
     std::optional<uint64_t> donor;  // pinned while this sequence prefills
     bool release_when_unpinned = false;
-    uint64_t last_used = 0;  // LRU tick
+    bool retain_after_release = false;  // kReleasing: becomes kRetained, else dropped
+    uint64_t last_used = 0;             // LRU tick
   };
   struct Pending {
     uint64_t ticket;

@@ -42,6 +42,7 @@ Scheduler Make(int layers, std::vector<int64_t> capacities, int num_attention = 
     indexers.push_back({"indexer" + std::to_string(i), capacities[i]});
   }
   std::vector<AttentionWorkerInfo> attentions;
+  attentions.reserve(num_attention);
   for (int j = 0; j < num_attention; ++j) {
     attentions.push_back({"attention" + std::to_string(j), kv_capacity});
   }
@@ -58,11 +59,18 @@ Admission Admit(Scheduler& s, uint64_t ticket, const SequenceDemand& demand) {
   return result.ok() && result->has_value() ? **result : Admission{};
 }
 
+// Finish, then ReleaseDone when the attention worker is to be released.
+Scheduler::FinishResult End(Scheduler& s, uint64_t sequence_id, bool completed, int64_t length) {
+  Scheduler::FinishResult result = s.Finish(sequence_id, completed, length);
+  if (result.release_attention) s.ReleaseDone(sequence_id);
+  return result;
+}
+
 // Admits, prefills and completes a one-off request; returns its sequence id.
 uint64_t RunToRetained(Scheduler& s, uint64_t ticket, const SequenceDemand& demand) {
   const Admission a = Admit(s, ticket, demand);
   s.PrefillDone(a.sequence_id);
-  s.Finish(a.sequence_id, true, demand.context_length + demand.max_new_tokens);
+  End(s, a.sequence_id, true, demand.context_length + demand.max_new_tokens);
   return a.sequence_id;
 }
 
@@ -84,7 +92,7 @@ TEST(SchedulerTest, BlocksAreFullLayersTimesCeilOfContextNewTokensAndDraft) {
   Admission a = Admit(s, 1, Demand(100, 20, 4));
   EXPECT_EQ(s.Load().indexers[0].used_blocks, 6);
   EXPECT_EQ(s.Load().running, 1);
-  s.Finish(a.sequence_id, false, 0);  // failed: everything freed
+  End(s, a.sequence_id, false, 0);  // failed: everything freed
   EXPECT_EQ(s.Load().indexers[0].used_blocks, 0);
   EXPECT_EQ(s.Load().running, 0);
   EXPECT_EQ(s.Load().retained, 0);
@@ -125,6 +133,10 @@ TEST(SchedulerTest, QueuesInFifoOrderAndRefusesWhenTheQueueIsFull) {
   const Scheduler::FinishResult finished = s.Finish(a.sequence_id, true, 250);
   EXPECT_TRUE(finished.release_attention);
   EXPECT_FALSE(finished.keep_indexer_sequence);  // retain off
+  // The attention worker still holds the blocks until its Release returns.
+  EXPECT_TRUE(s.AdmitQueued().empty());
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 8);
+  s.ReleaseDone(a.sequence_id);
   std::vector<Admission> admitted = s.AdmitQueued();
   ASSERT_EQ(admitted.size(), 2u);
   EXPECT_EQ(admitted[0].ticket, 2u);
@@ -143,7 +155,7 @@ TEST(SchedulerTest, LaterRequestsWaitBehindTheQueueHead) {
   std::vector<Admission> admitted = s.AdmitQueued();
   ASSERT_EQ(admitted.size(), 1u);
   EXPECT_EQ(admitted[0].ticket, 3u);
-  s.Finish(a.sequence_id, false, 0);
+  End(s, a.sequence_id, false, 0);
 }
 
 TEST(SchedulerTest, EvictsRetainedSequencesLeastRecentlyUsedFirst) {
@@ -219,7 +231,7 @@ TEST(SchedulerTest, APinnedDonorIsNotEvictedAndIsReleasedWhenUnpinnedIfNotRetain
   ASSERT_TRUE(user.prefix_source_id.has_value());
   EXPECT_EQ(s.Load().indexers[0].used_blocks, 18);
   // The donor finishes while the user's prefill still reads it: kept on the indexer.
-  Scheduler::FinishResult finished = s.Finish(donor.sequence_id, true, 1088);
+  Scheduler::FinishResult finished = End(s, donor.sequence_id, true, 1088);
   EXPECT_TRUE(finished.keep_indexer_sequence);
   EXPECT_EQ(s.Load().retained, 1);
   // A request needing every free block and more cannot evict it.
@@ -233,6 +245,22 @@ TEST(SchedulerTest, APinnedDonorIsNotEvictedAndIsReleasedWhenUnpinnedIfNotRetain
   EXPECT_EQ(released[0].sequence_id, donor.sequence_id);
   EXPECT_EQ(s.Load().indexers[0].used_blocks, 17);
   EXPECT_EQ(s.AdmitQueued().size(), 1u);
+}
+
+TEST(SchedulerTest, ADonorWhosePinEndsWhileItsReleaseIsInFlightIsReleasedAfterwards) {
+  Scheduler s = Make(1, {40}, 1, 4, 8, /*retain=*/false);
+  const Admission donor = Admit(s, 1, Demand(1024, 64, 0, {1, 2}));
+  s.PrefillDone(donor.sequence_id);
+  const Admission user = Admit(s, 2, Demand(1024, 64, 0, {1, 2}));
+  ASSERT_TRUE(user.prefix_source_id.has_value());
+  EXPECT_TRUE(s.Finish(donor.sequence_id, true, 1088).keep_indexer_sequence);
+  EXPECT_TRUE(s.PrefillDone(user.sequence_id).empty());  // the donor's Release is in flight
+  std::vector<Eviction> released = s.ReleaseDone(donor.sequence_id);
+  ASSERT_EQ(released.size(), 1u);
+  EXPECT_EQ(released[0].sequence_id, donor.sequence_id);
+  EXPECT_FALSE(released[0].release_on_attention);
+  EXPECT_EQ(s.Load().retained, 0);
+  EXPECT_EQ(s.Load().indexers[0].used_blocks, 17);
 }
 
 TEST(SchedulerTest, SessionsContinueTheirSequenceAndAreEvictedLikeDonors) {
@@ -255,14 +283,14 @@ TEST(SchedulerTest, SessionsContinueTheirSequenceAndAreEvictedLikeDonors) {
   EXPECT_EQ(t2.sequence_id, t1.sequence_id);
   EXPECT_EQ(s.Load().indexers[0].used_blocks, 5);
   s.PrefillDone(t2.sequence_id);
-  s.Finish(t2.sequence_id, true, 320);
+  EXPECT_FALSE(End(s, t2.sequence_id, true, 320).release_attention);
 
   // Another request needs the space: the idle session goes (released on its attention worker).
   const Admission other = Admit(s, 5, Demand(500, 20));  // 9 blocks
   ASSERT_EQ(other.evictions.size(), 1u);
   EXPECT_EQ(other.evictions[0].sequence_id, t1.sequence_id);
   EXPECT_TRUE(other.evictions[0].release_on_attention);
-  s.Finish(other.sequence_id, false, 0);
+  End(s, other.sequence_id, false, 0);
   const Admission t3 = Admit(s, 6, Demand(400, 20, 0, {}, "chat"));
   EXPECT_FALSE(t3.continue_sequence);  // starts afresh
   EXPECT_NE(t3.sequence_id, t1.sequence_id);
@@ -277,7 +305,7 @@ TEST(SchedulerTest, AttentionWorkerWithFewestRunningAndMaxRunning) {
   auto c = s.Submit(3, Demand(10, 1));
   ASSERT_TRUE(c.ok());
   EXPECT_FALSE(c->has_value());  // both at max_running
-  s.Finish(b.sequence_id, true, 11);
+  End(s, b.sequence_id, true, 11);
   std::vector<Admission> admitted = s.AdmitQueued();
   ASSERT_EQ(admitted.size(), 1u);
   EXPECT_EQ(admitted[0].attention, 1);

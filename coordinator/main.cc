@@ -1,0 +1,91 @@
+// `dsa-coordinator`: the router-facing coordinator binary. Serves dsa.coordinator.v1
+// (Generate, Abort, GetLoad) over the attention and indexer workers given by --attention and
+// --indexer, with grpc.health.v1 ("liveness", "readiness"), server reflection, Prometheus /metrics
+// and the SIGTERM drain (new requests UNAVAILABLE, queued ones failed, running ones finish within
+// --shutdown-grace-ms). See docs/services.md "Coordinator".
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "coordinator/metrics.h"
+#include "coordinator/service.h"
+#include "prometheus/registry.h"
+#include "server/server.h"
+
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
+                                   // are caught by CLI11_PARSE; others end the process.
+  dsa::BlockTerminationSignals();
+  CLI::App app{
+      "dsa-coordinator: the DSA serving front door (admission, prefix-aware placement, continuous "
+      "batching, speculative decoding, sessions) over attention and indexer workers"};
+  dsa::ServerFlags server_flags;
+  dsa::AddServerFlags(app, server_flags);
+  dsa::CoordinatorOptions options;
+  app.add_option("--indexer", options.indexer_addresses,
+                 "host:port of an indexer worker (repeat for several)")
+      ->required();
+  app.add_option("--attention", options.attention_addresses,
+                 "host:port of an attention worker (repeat for several)")
+      ->required();
+  app.add_option("--max-queue", options.max_queue,
+                 "Requests waiting for admission at most; a full queue refuses with "
+                 "RESOURCE_EXHAUSTED")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--max-running", options.max_running_per_attention,
+                 "Running sequences per attention worker at most")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--top-k", options.top_k, "K: slots each selection keeps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--target-block-sparsity", options.target_block_sparsity,
+                 "SPIN rho: fraction of context blocks to skip, in [0, 1)")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
+  app.add_option("--exploration-fraction", options.exploration_fraction,
+                 "SPIN gamma: fraction of the block budget drawn at random, in [0, 1)")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
+  app.add_flag("--all-keep", options.all_keep, "SPIN off: every block scored");
+  app.add_option("--acceptance-rate", options.acceptance_rate,
+                 "Per-token acceptance probability of the seeded speculative acceptance model")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--seed", options.seed, "Seed of the acceptance draws (mixed with request ids)")
+      ->capture_default_str();
+  app.add_option("--retain-finished", options.retain_finished,
+                 "Keep finished sequences' index keys as prefix donors while space allows")
+      ->capture_default_str();
+  app.add_option("--startup-timeout-ms", options.startup_timeout_ms,
+                 "How long to retry unreachable workers at startup before failing")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--rpc-timeout-ms", options.rpc_timeout_ms,
+                 "Deadline of each DecodeStep, Commit, Release and GetLoad call to a worker")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  dsa::CoordinatorMetrics metrics(*registry);
+  auto service = dsa::CoordinatorServiceImpl::Create(options, &metrics);
+  if (!service.ok()) {
+    dsa::LogJson("error", "cannot start the coordinator",
+                 {{"status", service.status().ToString()}});
+    return 2;
+  }
+  dsa::ServerSpec spec;
+  spec.name = "dsa-coordinator";
+  spec.services = {service->get()};
+  spec.registry = registry;
+  spec.banner_fields = {{"indexers", options.indexer_addresses},
+                        {"attention_workers", options.attention_addresses},
+                        {"num_full_layers", (*service)->num_full_layers()},
+                        {"max_queue", options.max_queue},
+                        {"max_running", options.max_running_per_attention}};
+  spec.on_drain = [&service] { (*service)->StartDrain(); };
+  spec.on_stopped = [&service] { (*service)->Stop(); };
+  return dsa::RunServer(server_flags, spec);
+}

@@ -1,0 +1,92 @@
+// A test double of dsa.attention.v1.AttentionService for the coordinator's tests: it keeps each
+// sequence's length and pending speculative step in memory, creates, fills (zero index keys),
+// continues and releases the sequences on the real indexer worker named in Prefill (so cache use
+// and prefix sharing are the indexer's own), records every call, and fails or slows on demand.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "dsa/attention/v1/attention.grpc.pb.h"
+#include "dsa/indexer/v1/indexer.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace dsa::testing {
+
+class FakeAttentionService final : public dsa::attention::v1::AttentionService::Service {
+ public:
+  struct Shape {
+    int num_full_layers = 2;
+    int num_heads = 4;
+    int head_dim = 16;
+    int64_t kv_capacity_slots = 0;  // 0 = unlimited
+  };
+  explicit FakeAttentionService(Shape shape) : shape_(shape) {}
+
+  grpc::Status GetInfo(grpc::ServerContext* context,
+                       const dsa::attention::v1::GetInfoRequest* request,
+                       dsa::attention::v1::GetInfoResponse* response) override;
+  grpc::Status Prefill(grpc::ServerContext* context,
+                       const dsa::attention::v1::PrefillRequest* request,
+                       dsa::attention::v1::PrefillResponse* response) override;
+  grpc::Status DecodeStep(grpc::ServerContext* context,
+                          const dsa::attention::v1::DecodeStepRequest* request,
+                          dsa::attention::v1::DecodeStepResponse* response) override;
+  grpc::Status Commit(grpc::ServerContext* context,
+                      const dsa::attention::v1::CommitRequest* request,
+                      dsa::attention::v1::CommitResponse* response) override;
+  grpc::Status Release(grpc::ServerContext* context,
+                       const dsa::attention::v1::ReleaseRequest* request,
+                       dsa::attention::v1::ReleaseResponse* response) override;
+
+  /// Sequences prefilled with this context length fail every DecodeStep they are in with
+  /// UNAVAILABLE "injected failure" (the batch fails and nothing advances, as the contract says).
+  void FailDecodeOfContext(int64_t context_length);
+  /// Every DecodeStep sleeps this long first.
+  void SetStepDelayMs(int delay_ms);
+  /// Every Prefill sleeps this long first.
+  void SetPrefillDelayMs(int delay_ms);
+
+  /// A sequence's length (slots), nullopt if unknown.
+  std::optional<int64_t> Length(uint64_t sequence_id);
+  int NumSequences();
+  std::vector<dsa::attention::v1::PrefillRequest> prefills();
+  std::vector<dsa::attention::v1::ReleaseRequest> releases();
+  std::vector<dsa::attention::v1::CommitRequest> commits();
+  int max_batch_size();
+  int decode_steps();
+
+ private:
+  struct Sequence {
+    int64_t context_length = 0;
+    int64_t length = 0;
+    int pending_rows = 0;  // > 1 while a speculative step awaits Commit
+    std::string indexer;
+  };
+  dsa::indexer::v1::IndexerService::Stub& IndexerStub(const std::string& address)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends zero keys for slots [first, last) of every layer on the indexer.
+  grpc::Status AppendKeys(dsa::indexer::v1::IndexerService::Stub& stub, uint64_t sequence_id,
+                          int64_t first, int64_t last);
+
+  const Shape shape_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Sequence> sequences_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<dsa::indexer::v1::IndexerService::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+  std::vector<dsa::attention::v1::PrefillRequest> prefills_ ABSL_GUARDED_BY(mu_);
+  std::vector<dsa::attention::v1::ReleaseRequest> releases_ ABSL_GUARDED_BY(mu_);
+  std::vector<dsa::attention::v1::CommitRequest> commits_ ABSL_GUARDED_BY(mu_);
+  std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);
+  int step_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  int prefill_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  int max_batch_size_ ABSL_GUARDED_BY(mu_) = 0;
+  int decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace dsa::testing
