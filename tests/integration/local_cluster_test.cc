@@ -1,0 +1,136 @@
+// Integration test of the three server binaries as one local cluster (dsa up's LocalCluster):
+// ~20 Mooncake requests replayed through the real coordinator, attention worker and indexer, every
+// request completed, the figures plausible, /metrics of every server free of request labels, and
+// a clean stop. Also the startup errors (a missing binary, a process that exits at once).
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/testing/server_process.h"
+#include "tools/dsa/cluster.h"
+#include "tools/dsa/replay.h"
+#include "tools/dsa/trace.h"
+
+namespace dsa {
+namespace {
+
+std::string BinDir() {
+  const std::filesystem::path indexer = DSA_INDEXER_BINARY;
+  EXPECT_EQ(indexer.parent_path(), std::filesystem::path(DSA_ATTENTION_BINARY).parent_path());
+  EXPECT_EQ(indexer.parent_path(), std::filesystem::path(DSA_COORDINATOR_BINARY).parent_path());
+  return indexer.parent_path().string();
+}
+
+LocalClusterOptions SmallCluster(const std::string& log_name) {
+  LocalClusterOptions options;
+  options.bin_dir = BinDir();
+  options.log_dir = (std::filesystem::path(::testing::TempDir()) / log_name).string();
+  options.num_indexers = 1;
+  options.num_attention_workers = 1;
+  options.capacity_blocks = 4096;
+  options.audit_fraction = 0.25;
+  options.num_heads = 8;  // a small indexer shape keeps the run short on a CPU
+  options.head_dim = 32;
+  options.top_k = 256;  // under the 4096-token contexts, so SPIN prunes
+  return options;
+}
+
+TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
+  const std::string path = std::string(DSA_TRACE_DIR) + "/mooncake_conversation_trace.jsonl";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
+  auto trace = ReadTraceFile(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const ReplayCaps caps = {20, 4096, 8};
+  const std::vector<TraceRequest> requests = ApplyCaps(*std::move(trace), caps);
+  ASSERT_EQ(requests.size(), 20u);
+  int64_t expected_tokens = 0;
+  bool shares_prefix = false;
+  std::set<uint64_t> first_ids;
+  for (const TraceRequest& request : requests) {
+    expected_tokens += request.output_tokens;
+    if (!request.prefix_block_ids.empty()) {
+      shares_prefix |= !first_ids.insert(request.prefix_block_ids[0]).second;
+    }
+  }
+
+  auto cluster = LocalCluster::Start(SmallCluster("replay"));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ASSERT_EQ((*cluster)->processes().size(), 3u);
+  for (const ClusterProcess& process : (*cluster)->processes()) {
+    EXPECT_EQ(process.address.rfind("127.0.0.1:", 0), 0u) << process.name;
+    EXPECT_FALSE(process.metrics_address.empty()) << process.name;
+    EXPECT_EQ(CheckHealth(process.address, "readiness", std::chrono::seconds(5)), 1)
+        << process.name;
+  }
+  EXPECT_EQ((*cluster)->coordinator_address(), (*cluster)->processes().back().address);
+
+  ReplayOptions options;
+  options.coordinator = (*cluster)->coordinator_address();
+  options.caps = caps;
+  options.time_scale = 0;
+  options.max_in_flight = 4;
+  options.draft_length = 2;
+  options.sample_ms = 100;
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  std::printf("%s", ReplayReportToMarkdown(*report).c_str());
+  EXPECT_EQ(report->completed, 20) << report->first_error;
+  EXPECT_EQ(report->failed, 0) << report->first_error;
+  EXPECT_EQ(report->generated_tokens, expected_tokens);
+  EXPECT_GT(report->realized_block_sparsity, 0.0);
+  EXPECT_LT(report->realized_block_sparsity, 1.0);
+  if (shares_prefix) {
+    EXPECT_GT(report->prefix_slots_reused, 0);
+  }
+  EXPECT_GT(report->drafted_tokens, 0);
+  EXPECT_LE(report->accepted_tokens, report->drafted_tokens);
+  EXPECT_GT(report->audited_rows, 0);
+  EXPECT_GE(report->audited_miss_rate, 0.0);
+  EXPECT_LE(report->audited_miss_rate, 1.0);
+  EXPECT_FALSE(report->selection_wait.empty());
+  ASSERT_FALSE(report->cache_samples.empty());
+  EXPECT_EQ(report->cache_capacity, 4096);
+  EXPECT_GT(report->cache_used_max, 0);
+  EXPECT_GT(report->ttft_p50, 0);
+
+  for (const ClusterProcess& process : (*cluster)->processes()) {
+    const std::string metrics = dsa::testing::HttpGetMetrics(process.metrics_address);
+    const std::string family = process.name.rfind("dsa-indexer", 0) == 0     ? "dsa_indexer_"
+                               : process.name.rfind("dsa-attention", 0) == 0 ? "dsa_attention_"
+                                                                             : "dsa_coordinator_";
+    EXPECT_NE(metrics.find("\n" + family), std::string::npos) << process.name << ":\n" << metrics;
+    EXPECT_EQ(metrics.find("request_id"), std::string::npos) << process.name << ":\n" << metrics;
+  }
+  const absl::Status stopped = (*cluster)->Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped;
+  for (const ClusterProcess& process : (*cluster)->processes()) {
+    EXPECT_EQ(process.exit_code, 0) << process.name;
+    EXPECT_EQ(process.pid, -1) << process.name;
+  }
+}
+
+TEST(LocalClusterTest, MissingBinaryIsNotFound) {
+  LocalClusterOptions options = SmallCluster("missing");
+  options.bin_dir = "/nonexistent-dsa-bin";
+  auto cluster = LocalCluster::Start(options);
+  EXPECT_EQ(cluster.status().code(), absl::StatusCode::kNotFound) << cluster.status();
+  EXPECT_NE(cluster.status().message().find("/nonexistent-dsa-bin/dsa-indexer"), std::string::npos);
+}
+
+TEST(LocalClusterTest, StartupFailureNamesTheProcessAndItsStderr) {
+  LocalClusterOptions options = SmallCluster("bad_flag");
+  options.attention_args = {"--no-such-flag"};
+  auto cluster = LocalCluster::Start(options);
+  ASSERT_FALSE(cluster.ok());
+  EXPECT_EQ(cluster.status().code(), absl::StatusCode::kUnavailable) << cluster.status();
+  const std::string message(cluster.status().message());
+  EXPECT_NE(message.find("dsa-attention-0 exited"), std::string::npos) << message;
+  EXPECT_NE(message.find(options.log_dir + "/dsa-attention-0.log"), std::string::npos) << message;
+  EXPECT_NE(message.find("no-such-flag"), std::string::npos) << message;  // CLI11's complaint
+}
+
+}  // namespace
+}  // namespace dsa
