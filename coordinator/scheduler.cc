@@ -285,8 +285,11 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
   }
   if (!demand.prefix_block_ids.empty() && max_shared_slots > 0) {
     for (const auto& [id, s] : sequences_) {
-      const bool eligible =
-          (s.state == State::kRetained) || (s.state == State::kRunning && s.draft_length == 0);
+      // A finished sequence whose KV Release is in flight keeps its index keys when it is to be
+      // retained, so it is a donor already.
+      const bool eligible = s.state == State::kRetained ||
+                            (s.state == State::kReleasing && s.retain_after_release) ||
+                            (s.state == State::kRunning && s.draft_length == 0);
       if (!eligible) continue;
       size_t run = 0;
       while (run < s.whole_prefix_ids.size() && run < demand.prefix_block_ids.size() &&

@@ -95,12 +95,13 @@ struct SchedulerLoad {
 /// worker, less the blocks it shares with its prefix donor (blocks are reference counted, so a
 /// block shared by several sequences is counted once and freed with its last holder), and
 /// `context + max_new_tokens + d` KV slots on its attention worker. Placement: the indexer worker
-/// holding the longest run of the request's leading prefix block ids (among retained donors, idle
-/// sessions and running sequences without speculative steps whose prefill completed; only whole
-/// 512-slot blocks of the donor's prompt), ties and misses to the least-loaded (used / capacity);
-/// the attention worker with the fewest running sequences below max_running and with KV room.
-/// Room is made by evicting retained sequences that are not pinned (a donor of a prefill in
-/// progress), least recently used first. Not thread-safe: the caller serializes every call.
+/// holding the longest run of the request's leading prefix block ids (among retained donors, also
+/// while their KV release is in flight, idle sessions and running sequences without speculative
+/// steps whose prefill completed; only whole 512-slot blocks of the donor's prompt), ties and
+/// misses to the least-loaded (used / capacity); the attention worker with the fewest running
+/// sequences below max_running and with KV room. Room is made by evicting retained sequences that
+/// are not pinned (a donor of a prefill in progress), least recently used first. Not thread-safe:
+/// the caller serializes every call.
 class Scheduler {
  public:
   /// INVALID_ARGUMENT when there is no worker of either kind, num_full_layers < 1, max_queue < 0

@@ -570,6 +570,7 @@ void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request
   Scheduler::FinishResult finish;
   uint64_t sequence_id = 0;
   int attention = 0;
+  grpc::Status final_status = status;
   {
     absl::MutexLock lock(&mu_);
     const Admission& admission = *request->admission;
@@ -580,9 +581,9 @@ void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request
     const int64_t length = request->demand.context_length + request->generated;
     finish = scheduler_.Finish(sequence_id, completed, length);
     request->phase = Phase::kEnded;
-    SetFinalLocked(*request, request->cancel_requested && !completed
-                                 ? grpc::Status(grpc::StatusCode::CANCELLED, "aborted")
-                                 : status);
+    if (request->cancel_requested && !completed) {
+      final_status = grpc::Status(grpc::StatusCode::CANCELLED, "aborted");
+    }
     UpdateGaugesLocked();
   }
   std::vector<Eviction> evictions = std::move(finish.evictions);
@@ -595,18 +596,17 @@ void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request
     av1::ReleaseResponse released;
     // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected.
     (void)attention_[attention]->stub->Release(&context, release, &released);
-  }
-  std::vector<Admission> admissions;
-  {
     absl::MutexLock lock(&mu_);
-    if (finish.release_attention) {
-      std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
-      evictions.insert(evictions.end(), more.begin(), more.end());
-    }
+    std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
+    evictions.insert(evictions.end(), more.begin(), more.end());
   }
   CarryOutEvictions(evictions);
   absl::MutexLock lock(&mu_);
+  // The stream ends only now, so that a client that saw it end finds the space accounted free
+  // (or the sequence retained) in GetLoad and in its next request's placement.
+  SetFinalLocked(*request, final_status);
   if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
 }
 
 CoordinatorServiceImpl::StepOutcome CoordinatorServiceImpl::RunStep(

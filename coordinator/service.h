@@ -75,7 +75,9 @@ absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest
 /// Failures: a DecodeStep error is retried once per sequence alone (the attention worker
 /// guarantees no sequence advanced), so only the sequences that fail on their own end, with the
 /// worker's status; the others go on. Abort and a client cancelling its stream end the request
-/// with CANCELLED at the decode loop's next iteration (queued ones at once).
+/// with CANCELLED at the decode loop's next iteration (queued ones at once). A stream's status is
+/// sent only after its sequence was released on the workers (or retained), so a client that saw
+/// the end finds that reflected in GetLoad and in the placement of its next request.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
   /// Connects to every worker: GetInfo of each attention worker (their num_full_layers must agree)

@@ -223,6 +223,19 @@ TEST(SchedulerTest, RunningDonorsOnlyWithoutSpeculativeStepsAndAfterPrefill) {
   EXPECT_EQ(*shared.prefix_source_id, prefilling.sequence_id);
 }
 
+TEST(SchedulerTest, AFinishedDonorIsUsableWhileItsKvReleaseIsInFlight) {
+  Scheduler s = Make(1, {100});
+  const Admission donor = Admit(s, 1, Demand(600, 4, 0, {3}));
+  s.PrefillDone(donor.sequence_id);
+  EXPECT_TRUE(s.Finish(donor.sequence_id, true, 604).keep_indexer_sequence);
+  const Admission user = Admit(s, 2, Demand(600, 4, 0, {3}));
+  ASSERT_TRUE(user.prefix_source_id.has_value());
+  EXPECT_EQ(*user.prefix_source_id, donor.sequence_id);
+  EXPECT_EQ(user.prefix_slots, 512);
+  EXPECT_TRUE(s.ReleaseDone(donor.sequence_id).empty());
+  EXPECT_EQ(s.Load().retained, 1);
+}
+
 TEST(SchedulerTest, APinnedDonorIsNotEvictedAndIsReleasedWhenUnpinnedIfNotRetained) {
   Scheduler s = Make(1, {40}, 1, 4, 8, /*retain=*/false);
   const Admission donor = Admit(s, 1, Demand(1024, 64, 0, {1, 2}));  // 17 blocks
