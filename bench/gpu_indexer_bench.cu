@@ -1,0 +1,250 @@
+// bench_gpu_indexer: times the GPU scan (tensor-core and CUDA-core) and top-K (K = 2048) of
+// indexer_service/cuda at rows x slots shapes (one row per sequence, H = 64, D = 128, all blocks),
+// with the HBM floor of 132 bytes a slot at the device-to-device copy bandwidth measured in the
+// same run. CUDA events around each launch after warm-up, L2 flushed before each, medians.
+// usage: bench_gpu_indexer [--shapes 1x16384,1x65536,...] [--json OUT]
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "indexer_service/cuda/scan.h"
+#include "indexer_service/cuda/topk.h"
+
+namespace {
+
+constexpr int kHeads = 64, kHeadDim = 128, kTopK = 2048, kReps = 30, kWarmup = 5;
+
+#define CHECK_CUDA(expr)                                                \
+  do {                                                                  \
+    const cudaError_t error_ = (expr);                                  \
+    if (error_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(error_));                         \
+      std::exit(1);                                                     \
+    }                                                                   \
+  } while (0)
+
+__device__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+// Random keys (codes of magnitude <= 4, never NaN) and scales in (0, 1) for every block.
+__global__ void FillPool(uint8_t* pool, int64_t num_blocks) {
+  const int64_t block_bytes = 64LL * (kHeadDim + 4);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < num_blocks * block_bytes;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t offset = i % block_bytes;
+    const uint32_t h = Hash(i);
+    if (offset < 64 * kHeadDim) {
+      pool[i] = static_cast<uint8_t>((h & 0x80u) | (h % 0x48u));  // up to exponent 9: |k| <= 3.75
+    } else if (offset % 4 == 0) {
+      const float scale = (Hash(i * 7 + 1) % 1000 + 1) * 1e-3f;
+      memcpy(pool + i, &scale, 4);
+    }
+  }
+}
+
+__global__ void FillQuery(__nv_bfloat16* query, float* weights, int rows) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+       i < int64_t{rows} * kHeads * kHeadDim; i += int64_t{gridDim.x} * blockDim.x) {
+    query[i] = __float2bfloat16((Hash(i + 99) % 2001) * 1e-3f - 1.0f);
+    if (i < int64_t{rows} * kHeads) weights[i] = (Hash(i + 5) % 2001) * 1e-3f - 1.0f;
+  }
+}
+
+template <typename T>
+T* DeviceCopy(const std::vector<T>& host) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
+  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+// Median time (us) of `launch` over kReps runs after kWarmup, the L2 flushed before each.
+template <typename F>
+double MedianUs(F launch, void* flush, size_t flush_bytes) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < kWarmup; ++i) CHECK_CUDA(launch());
+  std::vector<float> ms;
+  for (int i = 0; i < kReps; ++i) {
+    CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+    CHECK_CUDA(cudaEventRecord(start));
+    CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2] * 1e3;
+}
+
+struct Result {
+  int rows;
+  int64_t slots;
+  double scan_tc_us, scan_cc_us, topk_us, floor_us;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
+  const char* json_path = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
+    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  }
+  const size_t flush_bytes = size_t{256} << 20;
+  void* flush = nullptr;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+
+  // Copy bandwidth (read + write) of a 1 GiB device-to-device copy: the HBM ceiling of this run.
+  const size_t copy_bytes = size_t{1} << 30;
+  void *copy_src = nullptr, *copy_dst = nullptr;
+  CHECK_CUDA(cudaMalloc(&copy_src, copy_bytes));
+  CHECK_CUDA(cudaMalloc(&copy_dst, copy_bytes));
+  CHECK_CUDA(cudaMemset(copy_src, 1, copy_bytes));
+  const double copy_us = MedianUs(
+      [&] { return cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice); },
+      flush, flush_bytes);
+  const double copy_tb_s = 2.0 * copy_bytes / copy_us * 1e-6;
+  CHECK_CUDA(cudaFree(copy_src));
+  CHECK_CUDA(cudaFree(copy_dst));
+  std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
+
+  std::vector<Result> results;
+  size_t start = 0;
+  while (start < shapes.size()) {
+    size_t end = shapes.find(',', start);
+    if (end == std::string::npos) end = shapes.size();
+    const std::string shape = shapes.substr(start, end - start);
+    start = end + 1;
+    const int rows = std::atoi(shape.c_str());
+    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+    const int64_t blocks_per_row = (slots + 63) / 64;
+    const int64_t num_blocks = blocks_per_row * rows;
+
+    uint8_t* pool = nullptr;
+    CHECK_CUDA(cudaMalloc(&pool, num_blocks * 64 * (kHeadDim + 4)));
+    FillPool<<<1024, 256>>>(pool, num_blocks);
+    __nv_bfloat16* query = nullptr;
+    float* weights = nullptr;
+    CHECK_CUDA(cudaMalloc(&query, sizeof(__nv_bfloat16) * rows * kHeads * kHeadDim));
+    CHECK_CUDA(cudaMalloc(&weights, sizeof(float) * rows * kHeads));
+    FillQuery<<<256, 256>>>(query, weights, rows);
+    CHECK_CUDA(cudaGetLastError());
+
+    std::vector<int32_t> first_row(rows + 1), logical(num_blocks), tables(num_blocks);
+    std::vector<int64_t> block_offset(rows + 1), table_offset(rows), num_slots(rows, slots),
+        position(rows, slots - 1), score_offset(rows), entries(rows, blocks_per_row * 64);
+    for (int r = 0; r <= rows; ++r) {
+      first_row[r] = r;
+      block_offset[r] = r * blocks_per_row;
+    }
+    for (int r = 0; r < rows; ++r) {
+      table_offset[r] = r * blocks_per_row;
+      score_offset[r] = r * blocks_per_row * 64;
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      logical[b] = static_cast<int32_t>(b % blocks_per_row);
+      tables[b] = static_cast<int32_t>(b);
+    }
+    float* scores = nullptr;
+    int32_t* selection = nullptr;
+    CHECK_CUDA(cudaMalloc(&scores, sizeof(float) * num_blocks * 64));
+    CHECK_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * kTopK));
+
+    dsa::cuda::ScanParams scan;
+    scan.pool = pool;
+    scan.head_dim = kHeadDim;
+    scan.num_heads = kHeads;
+    scan.num_groups = rows;
+    scan.num_rows = rows;
+    scan.group_first_row = DeviceCopy(first_row);
+    scan.group_block_offset = DeviceCopy(block_offset);
+    scan.total_blocks = num_blocks;
+    scan.logical_blocks = DeviceCopy(logical);
+    scan.group_table_offset = DeviceCopy(table_offset);
+    scan.block_tables = DeviceCopy(tables);
+    scan.group_num_slots = DeviceCopy(num_slots);
+    scan.query = query;
+    scan.query_dtype = dsa::cuda::QueryDtype::kBFloat16;
+    scan.head_weights = weights;
+    scan.row_position = DeviceCopy(position);
+    scan.row_score_offset = DeviceCopy(score_offset);
+    scan.scores = scores;
+
+    dsa::cuda::TopKParams topk;
+    topk.scores = scores;
+    topk.num_rows = rows;
+    topk.row_score_offset = scan.row_score_offset;
+    topk.row_num_entries = DeviceCopy(entries);
+    topk.logical_blocks = scan.logical_blocks;
+    topk.row_block_offset = scan.group_block_offset;
+    topk.row_max_slot = scan.row_position;
+    topk.k = kTopK;
+    topk.selection = selection;
+
+    Result res{rows, slots, 0, 0, 0, 0};
+    res.scan_cc_us =
+        MedianUs([&] { return dsa::cuda::LaunchScanCudaCores(scan, nullptr); }, flush, flush_bytes);
+    res.scan_tc_us = MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); },
+                              flush, flush_bytes);
+    res.topk_us =
+        MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush, flush_bytes);
+    res.floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
+    results.push_back(res);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    for (const void* p :
+         {(const void*)pool, (const void*)query, (const void*)weights, (const void*)scores,
+          (const void*)selection, (const void*)scan.group_first_row,
+          (const void*)scan.group_block_offset, (const void*)scan.logical_blocks,
+          (const void*)scan.group_table_offset, (const void*)scan.block_tables,
+          (const void*)scan.group_num_slots, (const void*)scan.row_position,
+          (const void*)scan.row_score_offset, (const void*)topk.row_num_entries}) {
+      CHECK_CUDA(cudaFree(const_cast<void*>(p)));
+    }
+  }
+
+  std::printf("%5s %8s %10s %10s %10s %10s %8s %8s\n", "rows", "slots", "floor_us", "scan_tc_us",
+              "scan_cc_us", "topk_us", "tc/floor", "tc_TB/s");
+  for (const Result& r : results) {
+    std::printf("%5d %8lld %10.1f %10.1f %10.1f %10.1f %8.2f %8.2f\n", r.rows,
+                static_cast<long long>(r.slots), r.floor_us, r.scan_tc_us, r.scan_cc_us, r.topk_us,
+                r.scan_tc_us / r.floor_us, r.rows * r.slots * 132.0 / r.scan_tc_us * 1e-6);
+  }
+  if (json_path != nullptr) {
+    FILE* f = std::fopen(json_path, "w");
+    if (f == nullptr) return 1;
+    std::fprintf(f, "{\"copy_tb_s\": %.4f, \"results\": [\n", copy_tb_s);
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::fprintf(f,
+                   " {\"rows\": %d, \"slots\": %lld, \"floor_us\": %.2f, \"scan_tensor_core_us\": "
+                   "%.2f, \"scan_cuda_core_us\": %.2f, \"topk_us\": %.2f}%s\n",
+                   r.rows, static_cast<long long>(r.slots), r.floor_us, r.scan_tc_us, r.scan_cc_us,
+                   r.topk_us, i + 1 < results.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  CHECK_CUDA(cudaFree(flush));
+  return 0;
+}

@@ -1,0 +1,82 @@
+// Scan on the GPU: index scores z_t[i] = s_i * sum_h w_t,h * ReLU(q_t,h . k_i) (DESIGN.md 2, 4.1)
+// for a ragged batch of rows from many sequences, over a list of logical blocks per row group,
+// reading the paged fp8 index-key cache. Rows of one group (the verifier rows of one sequence)
+// share every key read. The CPU reference is ScoreBlocks (indexer_service/scoring.h).
+// Framework-free: raw device pointers, sizes, a stream, a cudaError_t back.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace dsa::cuda {
+
+/// Element type of the indexer queries.
+enum class QueryDtype : int { kFloat32 = 0, kBFloat16 = 1 };
+
+/// One scan launch. All pointers are device pointers. A group is the rows of one (sequence, layer)
+/// cache that score the same logical blocks; rows of group g are [group_first_row[g],
+/// group_first_row[g + 1]) and its blocks are logical_blocks[group_block_offset[g] ..
+/// group_block_offset[g + 1]).
+struct ScanParams {
+  /// Block pool base: blocks of 64 * (head_dim + 4) bytes (64 x head_dim fp8 e4m3 codes, then 64
+  /// fp32 scales), as block_pool.h lays them out.
+  const uint8_t* pool = nullptr;
+  /// D, values per key and per query head.
+  int head_dim = 0;
+  /// H, query heads per row.
+  int num_heads = 0;
+  /// Number of groups (>= 0) and of rows (>= 0).
+  int num_groups = 0;
+  int num_rows = 0;
+  /// int32 [num_groups + 1], non-decreasing, group_first_row[num_groups] == num_rows.
+  const int32_t* group_first_row = nullptr;
+  /// int64 [num_groups + 1], non-decreasing, from 0; the group's blocks in logical_blocks.
+  const int64_t* group_block_offset = nullptr;
+  /// Total blocks of all groups: group_block_offset[num_groups] (host copy; sets the grid).
+  int64_t total_blocks = 0;
+  /// int32 [total_blocks]: logical block ids (block j holds slots [64 j, 64 j + 64)), each < the
+  /// group's ceil(num_slots / 64); any order.
+  const int32_t* logical_blocks = nullptr;
+  /// int64 [num_groups]: where group g's block table starts in block_tables.
+  const int64_t* group_table_offset = nullptr;
+  /// int32 [...]: concatenated block tables; logical block j of group g lives in pool block
+  /// block_tables[group_table_offset[g] + j].
+  const int32_t* block_tables = nullptr;
+  /// int64 [num_groups]: filled slots of each group's cache; slots at or past it score -inf.
+  const int64_t* group_num_slots = nullptr;
+  /// [num_rows, num_heads, head_dim] row-major, fp32 or bf16 (query_dtype).
+  const void* query = nullptr;
+  QueryDtype query_dtype = QueryDtype::kFloat32;
+  /// fp32 [num_rows, num_heads]: head weights w_t (query scale folded in).
+  const float* head_weights = nullptr;
+  /// int64 [num_rows]: the row's query position t; slots above it score -inf.
+  const int64_t* row_position = nullptr;
+  /// int64 [num_rows]: first entry of row r in `scores`.
+  const int64_t* row_score_offset = nullptr;
+  /// fp32 out: row r of group g gets (group_block_offset[g + 1] - group_block_offset[g]) * 64
+  /// entries from scores[row_score_offset[r]]; entry j * 64 + s is the score of slot
+  /// logical_blocks[group_block_offset[g] + j] * 64 + s, or -inf past the row's position or the
+  /// group's filled slots (ScoreBlocks' layout).
+  float* scores = nullptr;
+};
+
+/// The CUDA-core scan (fp32 FMA, any head_dim in [1, 256], any num_heads >= 1, fp32 or bf16
+/// queries): one CTA per (group, block). On false, *why (when not null) names the reason.
+bool CanImplementScanCudaCores(const ScanParams& params, const char** why = nullptr);
+/// The tensor-core scan (bf16 mma.sync m16n8k16, fp32 accumulation; fp8 keys widened to bf16
+/// exactly): bf16 queries, head_dim 64 or 128, num_heads a multiple of 16 up to 128.
+bool CanImplementScanTensorCores(const ScanParams& params, const char** why = nullptr);
+
+/// Neither scan needs a workspace: 0 bytes.
+inline size_t ScanScratchBytes(const ScanParams&) { return 0; }
+
+/// Launches the CUDA-core scan on `stream` (asynchronous). Scores match ScoreBlocks up to fp32
+/// accumulation order. cudaErrorInvalidValue when CanImplementScanCudaCores fails.
+cudaError_t LaunchScanCudaCores(const ScanParams& params, cudaStream_t stream);
+/// Launches the tensor-core scan on `stream` (asynchronous). Same scores as ScoreBlocks with the
+/// query rounded to bf16 (exact for bf16 queries), up to accumulation order.
+/// cudaErrorInvalidValue when CanImplementScanTensorCores fails.
+cudaError_t LaunchScanTensorCores(const ScanParams& params, cudaStream_t stream);
+
+}  // namespace dsa::cuda

@@ -1,0 +1,54 @@
+// Top-K on the GPU with DSA's rules (DESIGN.md 4.1): per row, the K highest scores, ties to the
+// lower slot, best first, -inf and NaN masked, never a slot past the row's position, -1 padding.
+// Same selections as SelectTopK (indexer_service/topk.h) on the same scores. Framework-free.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace dsa::cuda {
+
+/// Largest K the kernel takes (its candidate buffer lives in shared memory).
+inline constexpr int kMaxTopK = 2048;
+
+/// One top-K launch over a ragged batch of rows. All pointers are device pointers.
+struct TopKParams {
+  /// fp32 scores; row r's entries are scores[row_score_offset[r] + e], e in [0,
+  /// row_num_entries[r]).
+  const float* scores = nullptr;
+  /// Number of rows (>= 0).
+  int num_rows = 0;
+  /// int64 [num_rows]: first entry of each row (64-bit: rows x width may pass 2^31).
+  const int64_t* row_score_offset = nullptr;
+  /// int64 [num_rows]: entries of each row, in [0, 2^31); 0 gives an all -1 selection.
+  const int64_t* row_num_entries = nullptr;
+  /// Optional int32 [...]: when not null, entry e of row r is slot
+  /// logical_blocks[row_block_offset[r] + e / 64] * 64 + e % 64 (the scan's layout; the row's
+  /// blocks are distinct); when null, entry e is slot e.
+  const int32_t* logical_blocks = nullptr;
+  /// int64 [num_rows]: where row r's blocks start in logical_blocks (unused when it is null).
+  const int64_t* row_block_offset = nullptr;
+  /// int64 [num_rows]: the row's position t; slots above it are never selected.
+  const int64_t* row_max_slot = nullptr;
+  /// K, in [1, kMaxTopK].
+  int k = 0;
+  /// int32 out [num_rows, k]: slots best first, -1 past the selectable ones.
+  int32_t* selection = nullptr;
+};
+
+/// Whether TopKParams describe a launch this kernel supports; on false, *why (when not null) names
+/// the reason.
+bool CanImplementTopK(const TopKParams& params, const char** why = nullptr);
+
+/// No workspace is needed (candidates stay in shared memory): 0 bytes.
+inline size_t TopKScratchBytes(const TopKParams&) { return 0; }
+
+/// One CTA per row: an exact radix select on 64-bit ranks (order-preserving score bits << 32 |
+/// ~slot, distinct, so ties go to the lower slot) by 11-bit histograms from the top, stopping when
+/// the K-th rank's bin is taken whole; no candidate buffer that can overflow (equal scores are
+/// separated by their slot bits); then the at most K winners are gathered and bitonic-sorted in
+/// shared memory. Asynchronous on `stream`. cudaErrorInvalidValue when CanImplementTopK fails.
+cudaError_t LaunchTopK(const TopKParams& params, cudaStream_t stream);
+
+}  // namespace dsa::cuda
