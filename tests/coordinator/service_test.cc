@@ -543,6 +543,51 @@ TEST(CoordinatorServiceTest, SharesPrefixesOnTheIndexerWorkerHoldingThem) {
   }
 }
 
+TEST(CoordinatorServiceTest, EvictsRetainedDonorsAndIdleSessionsOnTheWorkersToMakeRoom) {
+  ClusterOptions o;
+  o.capacity_blocks = 40;  // 2 layers x 20 blocks; each request below takes 2 x 10
+  Cluster cluster(o);
+  ASSERT_TRUE(Generate(cluster.stub(), Request("donor", 600, 4)).status.ok());
+  cv1::GenerateRequest turn = Request("turn", 600, 4);
+  turn.set_session_id("chat");
+  ASSERT_TRUE(Generate(cluster.stub(), turn).status.ok());
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 2);
+  EXPECT_EQ(cluster.engine().Usage().used_blocks, 2 * 2 * 10);
+  const auto prefills = cluster.fake().prefills();
+  ASSERT_EQ(prefills.size(), 2u);
+  const uint64_t donor_id = prefills[0].sequence_id();
+  const uint64_t session_id = prefills[1].sequence_id();
+  // The next request needs 20 blocks: the least recently used (the donor) goes, through the
+  // indexer's Release (its KV is already gone).
+  ASSERT_TRUE(Generate(cluster.stub(), Request("third", 600, 4)).status.ok());
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 2);
+  EXPECT_TRUE(cluster.fake().Length(session_id).has_value());  // the session is still whole
+  // And the next one evicts the idle session through the attention worker (KV and index keys).
+  ASSERT_TRUE(Generate(cluster.stub(), Request("fourth", 600, 4)).status.ok());
+  EXPECT_FALSE(cluster.fake().Length(session_id).has_value());
+  bool session_released = false;
+  int donor_releases = 0;
+  for (const auto& r : cluster.fake().releases()) {
+    if (r.sequence_id() == session_id) session_released = !r.keep_indexer_sequence();
+    if (r.sequence_id() == donor_id) {
+      ++donor_releases;  // only at its finish, keeping the index keys
+      EXPECT_TRUE(r.keep_indexer_sequence());
+    }
+  }
+  EXPECT_TRUE(session_released);
+  EXPECT_EQ(donor_releases, 1);
+  const cv1::GetLoadResponse load = Load(cluster.stub());
+  EXPECT_EQ(load.retained_sequences(), 2);
+  EXPECT_EQ(load.indexer_workers(0).sequences(), 2);
+  EXPECT_EQ(load.cache_blocks_used(), 40);
+  // The session's next turn starts afresh.
+  cv1::GenerateRequest again = Request("again", 700, 4);
+  again.set_session_id("chat");
+  const Stream s = Generate(cluster.stub(), again);
+  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+  EXPECT_FALSE(cluster.fake().prefills().back().continue_sequence());
+}
+
 TEST(CoordinatorServiceTest, SessionsContinueTheirSequenceTurnByTurn) {
   Cluster cluster;
   cv1::GenerateRequest turn1 = Request("t1", 200, 6);
