@@ -472,7 +472,8 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
       attention_[admission.attention]->wake.Signal();
     }
   }
-  if (!unpinned.empty()) {
+  if (admission.prefix_source_id.has_value()) {
+    // The donor is unpinned (evictable, or released now): queued requests may fit.
     CarryOutEvictions(unpinned);
     absl::MutexLock lock(&mu_);
     if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
@@ -735,9 +736,12 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
       }
       continue;
     }
-    // The batch failed and no sequence advanced: find the failing ones by stepping each alone.
+    // The batch failed and no sequence advanced: find the failing ones by stepping each alone,
+    // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
+    const bool hung = outcome.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     for (size_t i = 0; i < batch.size(); ++i) {
-      StepOutcome alone = batch.size() == 1 ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
+      StepOutcome alone =
+          batch.size() == 1 || hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
       if (alone.status.ok()) {
         AdvanceSequence(worker, batch[i], rows[i], alone.response.sequences(0), alone.response,
                         alone.seconds);

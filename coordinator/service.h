@@ -74,7 +74,8 @@ absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest
 ///
 /// Failures: a DecodeStep error is retried once per sequence alone (the attention worker
 /// guarantees no sequence advanced), so only the sequences that fail on their own end, with the
-/// worker's status; the others go on. Abort and a client cancelling its stream end the request
+/// worker's status; the others go on. DEADLINE_EXCEEDED (rpc_timeout_ms: a hung worker) ends the
+/// whole batch without retries. Abort and a client cancelling its stream end the request
 /// with CANCELLED at the decode loop's next iteration (queued ones at once). A stream's status is
 /// sent only after its sequence was released on the workers (or retained), so a client that saw
 /// the end finds that reflected in GetLoad and in the placement of its next request.
