@@ -1,19 +1,44 @@
 #!/usr/bin/env bash
-# The main job: install what is missing, build, and run the SPIN quality evaluation (`dsa eval`) on
-# the pattern model with the embedded CPU default. Results go to $DSA_EVAL_OUT (default
-# docs/results/: eval.json, eval.md) and the plot to eval_miss_vs_sparsity.png in the folder above it by
-# default (docs/eval_miss_vs_sparsity.png). Extra arguments go to `dsa eval` (not --json/--markdown).
+# The main job: install what is missing, build, then
+# 1. replay the Mooncake conversation trace (capped: see replay_args) through a local cluster of
+#    dsa-indexer, dsa-attention and dsa-coordinator (`dsa replay --local`), writing
+#    docs/results/replay_mooncake.json and .md; the job fails if any request fails;
+# 2. run the SPIN quality evaluation (`dsa eval`) on the pattern model, writing eval.json, eval.md
+#    and the plot eval_miss_vs_sparsity.png in the folder above (skip it with DSA_MAIN_JOB_EVAL=0).
+# Results go to $DSA_EVAL_OUT (default docs/results/). Extra arguments go to `dsa eval` (not
+# --json/--markdown); $DSA_REPLAY_ARGS replaces the replay caps below; $DSA_BUILD_DIR is the build
+# folder (default build/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${DSA_EVAL_OUT:-docs/results}
+bin=${DSA_BUILD_DIR:-build}/bin
 plot=${DSA_EVAL_PLOT:-$(dirname "$out")/eval_miss_vs_sparsity.png}
+trace=${DSA_REPLAY_TRACE:-../shared/data/traces/mooncake_conversation_trace.jsonl}
+# 250 requests, contexts capped at 8192 tokens and outputs at 32, sent as fast as 16 concurrent
+# streams allow, draft length 2; the production indexer shape (H=64, D=128, K=2048), rho=0.4; 10%
+# of pruned selects audited for the miss rate. About 2.5 minutes on 2 cores.
+read -r -a replay_args <<<"${DSA_REPLAY_ARGS:---limit 250 --max-context 8192 --max-output 32 \
+--time-scale 0 --max-in-flight 16 --draft-length 2 --capacity-blocks 16384 --audit-fraction 0.1}"
 bash scripts/bootstrap.sh
 bash scripts/build.sh
 mkdir -p "$out"
-build/bin/dsa eval --json "$out/eval.json" --markdown "$out/eval.md" "$@"
-if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
-  /usr/bin/python3 tools/plot_eval.py "$out/eval.json" "$plot"
-  echo "main job: wrote $out/eval.json, $out/eval.md and $plot"
+
+if [ -f "$trace" ]; then
+  start=$(date +%s)
+  "$bin/dsa" replay --local --trace "$trace" "${replay_args[@]}" \
+    --json "$out/replay_mooncake.json" --markdown "$out/replay_mooncake.md"
+  echo "main job: wrote $out/replay_mooncake.json and $out/replay_mooncake.md" \
+    "(replay $(($(date +%s) - start)) s)"
 else
-  echo "main job: wrote $out/eval.json and $out/eval.md (no matplotlib for the plot)" >&2
+  echo "main job: no trace at $trace (../shared/data is optional); replay skipped" >&2
+fi
+
+if [ "${DSA_MAIN_JOB_EVAL:-1}" != 0 ]; then
+  "$bin/dsa" eval --json "$out/eval.json" --markdown "$out/eval.md" "$@"
+  if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
+    /usr/bin/python3 tools/plot_eval.py "$out/eval.json" "$plot"
+    echo "main job: wrote $out/eval.json, $out/eval.md and $plot"
+  else
+    echo "main job: wrote $out/eval.json and $out/eval.md (no matplotlib for the plot)" >&2
+  fi
 fi

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -18,6 +19,7 @@
 #include <utility>
 
 #include "CLI/CLI.hpp"
+#include "nlohmann/json.hpp"
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/eval.h"
 #include "tools/dsa/replay.h"
@@ -249,8 +251,15 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   }
   const std::string markdown = dsa::ReplayReportToMarkdown(*report);
   std::cout << markdown;
-  if (!WriteOutput(json_path, json_out, dsa::ReplayReportToJson(*report).dump(2) + "\n") ||
-      !WriteOutput(markdown_path, markdown_out, markdown)) {
+  nlohmann::json json = dsa::ReplayReportToJson(*report);
+  json["trace"] = trace_path;
+  json["settings"]["indexers"] = local ? cluster_options.num_indexers : 0;
+  json["settings"]["attention_workers"] = local ? cluster_options.num_attention_workers : 0;
+  const std::string heading = "## `dsa replay` of " +
+                              std::filesystem::path(trace_path).filename().string() +
+                              (local ? " (local cluster)" : "") + "\n\n";
+  if (!WriteOutput(json_path, json_out, json.dump(2) + "\n") ||
+      !WriteOutput(markdown_path, markdown_out, heading + markdown)) {
     return 2;
   }
   if (report->failed > 0) {
