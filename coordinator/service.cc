@@ -41,6 +41,15 @@ uint64_t RequestSeed(uint64_t seed, const std::string& request_id) {
   return z ^ (z >> 31);
 }
 
+// A worker's status for a request: CANCELLED from a worker (it cancelled the call, e.g. while
+// shutting down) means the worker was lost, so UNAVAILABLE (retryable); other codes unchanged.
+grpc::Status WorkerStatus(const grpc::Status& status, const std::string& address) {
+  if (status.error_code() != grpc::StatusCode::CANCELLED) return status;
+  return {
+      grpc::StatusCode::UNAVAILABLE,
+      absl::StrCat("attention worker ", address, " cancelled the call: ", status.error_message())};
+}
+
 double Seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
@@ -622,7 +631,9 @@ CoordinatorServiceImpl::StepOutcome CoordinatorServiceImpl::RunStep(
   grpc::ClientContext context;
   context.set_deadline(RpcDeadline());
   const Clock::time_point start = Clock::now();
-  outcome.status = attention_[worker]->stub->DecodeStep(&context, step, &outcome.response);
+  outcome.status =
+      WorkerStatus(attention_[worker]->stub->DecodeStep(&context, step, &outcome.response),
+                   attention_[worker]->address);
   outcome.seconds = Seconds(Clock::now() - start);
   if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
     outcome.status = grpc::Status(grpc::StatusCode::INTERNAL,
@@ -646,7 +657,9 @@ void CoordinatorServiceImpl::AdvanceSequence(int worker, const std::shared_ptr<R
     commit.set_sequence_id(request->admission->sequence_id);
     commit.set_accepted(accepted);
     av1::CommitResponse committed;
-    const grpc::Status status = attention_[worker]->stub->Commit(&context, commit, &committed);
+    const grpc::Status status =
+        WorkerStatus(attention_[worker]->stub->Commit(&context, commit, &committed),
+                     attention_[worker]->address);
     if (!status.ok()) {
       EndSequence(request, status, /*completed=*/false);
       return;

@@ -100,6 +100,10 @@ class Cluster {
   }
 
   cv1::CoordinatorService::Stub& stub() { return *stub_; }
+  // Stops attention worker j's server (a worker lost); its fake stays for inspection.
+  void StopAttention(int j) {
+    servers_[indexer_addresses_.size() + j]->Shutdown(std::chrono::system_clock::now());
+  }
   FakeAttentionService& fake(int j = 0) { return *fakes_[j]; }
   Indexer& engine(int i = 0) { return *engines_[i]; }
   CoordinatorServiceImpl& coordinator() { return *coordinator_; }
@@ -425,6 +429,38 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
               HasSubstr("dsa_coordinator_requests_total{outcome=\"cancelled\"} 2"));
   // The id is free again.
   EXPECT_TRUE(Generate(cluster.stub(), Request("run", 10, 1)).status.ok());
+}
+
+TEST(CoordinatorServiceTest, AbortDuringPrefillReleasesTheNewSequence) {
+  Cluster cluster;
+  cluster.fake().SetPrefillDelayMs(300);
+  Stream s;
+  std::thread t([&] { s = Generate(cluster.stub(), Request("slow-prefill", 500, 10)); });
+  ASSERT_TRUE(WaitFor([&] { return cluster.fake().prefills().size() == 1; }));
+  ASSERT_TRUE(Abort(cluster.stub(), "slow-prefill").ok());
+  t.join();
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(s.TokenCount(), 0);
+  EXPECT_EQ(cluster.fake().decode_steps(), 0);
+  // Aborted, not retained: nothing left on either worker.
+  EXPECT_EQ(cluster.fake().NumSequences(), 0);
+  EXPECT_EQ(cluster.engine().Usage().used_blocks, 0);
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 0);
+}
+
+TEST(CoordinatorServiceTest, ALostAttentionWorkerFailsItsRequestsUnavailable) {
+  Cluster cluster;
+  cluster.fake().SetStepDelayMs(2);
+  Stream s;
+  std::thread t([&] { s = Generate(cluster.stub(), Request("lost", 100, 100000)); });
+  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 3; }));
+  cluster.StopAttention(0);
+  t.join();
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
+  EXPECT_GT(s.TokenCount(), 0);
+  EXPECT_EQ(Load(cluster.stub()).running(), 0);
+  // The failure is counted; the coordinator itself goes on answering.
+  EXPECT_THAT(cluster.Metrics(), HasSubstr("dsa_coordinator_requests_total{outcome=\"failed\"} 1"));
 }
 
 TEST(CoordinatorServiceTest, ClientCancellingItsStreamAbortsTheRequest) {
