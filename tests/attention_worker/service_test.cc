@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -271,17 +272,20 @@ class AttentionServiceTest : public ::testing::Test {
     return selections;
   }
 
-  // Checks the rows the service attended for `id` at positions t..t+rows-1 against the twin's
-  // selections and SparseAttention over the reference KV cache; clears the record.
+  // Checks the rows the service attended for `id` at positions t..t+rows-1 (one step) against the
+  // twin's selections and SparseAttention over the reference KV cache; removes those records.
   void ExpectAttended(uint64_t id, int64_t t, int rows,
                       const std::vector<std::vector<int32_t>>& twin_selections) {
     std::vector<Recorded> rows_of_id;
     {
       std::lock_guard<std::mutex> lock(recorded_mutex_);
+      const auto of_step = [id, t, rows](const Recorded& r) {
+        return r.sequence_id == id && r.position >= t && r.position < t + rows;
+      };
       for (Recorded& r : recorded_) {
-        if (r.sequence_id == id) rows_of_id.push_back(std::move(r));
+        if (of_step(r)) rows_of_id.push_back(r);
       }
-      std::erase_if(recorded_, [id](const Recorded& r) { return r.sequence_id == id; });
+      std::erase_if(recorded_, of_step);
     }
     ASSERT_EQ(rows_of_id.size(), static_cast<size_t>(schedule_->num_layers() * rows));
     std::vector<int> full_rank(schedule_->num_layers(), -1);
@@ -646,6 +650,65 @@ TEST_F(AttentionServiceTest, IndexKeyCacheFullDuringPrefillOrStep) {
   TwinPrefill(61, 64);
   ASSERT_TRUE(Step({{61, 1}}, &response).ok());
   ExpectAttended(61, 64, 1, TwinStep(61, 64, 1));
+}
+
+TEST_F(AttentionServiceTest, OneStepBatchesSequencesOfTwoIndexerWorkers) {
+  Start(/*indexer_blocks=*/512);
+  auto second = StartIndexer(512);
+  MustPrefill(PrefillRequest(70, 800));
+  av1::PrefillRequest request = PrefillRequest(71, 650, {3, 4});
+  request.set_indexer_worker(second->address);
+  MustPrefill(request);
+  EXPECT_EQ(indexer_->Load().sequences(), 1);
+  EXPECT_EQ(second->Load().sequences(), 1);
+  TwinPrefill(70, 800);
+  TwinPrefill(71, 650, {3, 4});
+  for (int step = 0; step < 2; ++step) {
+    av1::DecodeStepResponse response;
+    ASSERT_TRUE(Step({{71, 2}, {70, 1}}, &response).ok());
+    EXPECT_EQ(response.sequences(0).sequence_id(), 71u);
+    EXPECT_EQ(response.sequences(1).sequence_id(), 70u);
+    ExpectAttended(71, 650 + step, 2, TwinStep(71, 650 + step, 2, {3, 4}));
+    ExpectAttended(70, 800 + step, 1, TwinStep(70, 800 + step, 1));
+    ASSERT_TRUE(Commit(71, 0).ok());
+    ASSERT_TRUE(twin_->Commit(71, 0).ok());
+  }
+  EXPECT_EQ(*second->indexer->NumSlots(71, 1), 652);
+  ASSERT_TRUE(Release(71).ok());
+  EXPECT_EQ(second->Load().sequences(), 0);
+  service_->CloseTransports();  // half-closes the select streams, so the server can stop
+  second->server->Shutdown();
+}
+
+TEST_F(AttentionServiceTest, PrefillOfOneSequenceRunsBesideStepsOfOthers) {
+  Start(/*indexer_blocks=*/2048);
+  MustPrefill(PrefillRequest(80, 700));
+  MustPrefill(PrefillRequest(81, 900));
+  TwinPrefill(80, 700);
+  TwinPrefill(81, 900);
+  // Steps of 80 and 81 (two callers, one batch each) while 82 prefills 30000 slots.
+  std::vector<std::thread> threads;
+  std::vector<grpc::Status> statuses(3);
+  threads.emplace_back([&] {
+    av1::PrefillResponse response;
+    statuses[0] = Prefill(PrefillRequest(82, 30000), &response);
+  });
+  for (int s = 0; s < 2; ++s) {
+    threads.emplace_back([&, s] {
+      for (int step = 0; step < 5 && statuses[1 + s].ok(); ++step) {
+        av1::DecodeStepResponse response;
+        statuses[1 + s] = Step({{80u + s, 1}}, &response);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const grpc::Status& status : statuses) EXPECT_TRUE(status.ok()) << status.error_message();
+  for (int step = 0; step < 5; ++step) {
+    ExpectAttended(80, 700 + step, 1, TwinStep(80, 700 + step, 1));
+    ExpectAttended(81, 900 + step, 1, TwinStep(81, 900 + step, 1));
+  }
+  EXPECT_EQ(*indexer_->indexer->NumSlots(82, 2), 30000);
+  EXPECT_EQ(Info().kv_used_slots(), 705 + 905 + 30000);
 }
 
 }  // namespace
