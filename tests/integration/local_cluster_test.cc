@@ -1,7 +1,12 @@
 // Integration test of the three server binaries as one local cluster (dsa up's LocalCluster):
 // ~20 Mooncake requests replayed through the real coordinator, attention worker and indexer, every
 // request completed, the figures plausible, /metrics of every server free of request labels, and
-// a clean stop. Also the startup errors (a missing binary, a process that exits at once).
+// a clean stop. Also the startup errors (a missing binary, a process that exits at once), and the
+// `dsa up` command from start to SIGINT.
+#include <signal.h>
+#include <spawn.h>
+#include <unistd.h>
+
 #include <filesystem>
 #include <set>
 #include <string>
@@ -13,6 +18,8 @@
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/replay.h"
 #include "tools/dsa/trace.h"
+
+extern char** environ;
 
 namespace dsa {
 namespace {
@@ -130,6 +137,54 @@ TEST(LocalClusterTest, StartupFailureNamesTheProcessAndItsStderr) {
   EXPECT_NE(message.find("dsa-attention-0 exited"), std::string::npos) << message;
   EXPECT_NE(message.find(options.log_dir + "/dsa-attention-0.log"), std::string::npos) << message;
   EXPECT_NE(message.find("no-such-flag"), std::string::npos) << message;  // CLI11's complaint
+}
+
+// `dsa up` as a process: prints the coordinator address on stdout, serves, and on SIGINT stops
+// the whole cluster and exits 0.
+TEST(DsaUpTest, ServesUntilSigintThenStopsTheCluster) {
+  const std::string log_dir = (std::filesystem::path(::testing::TempDir()) / "dsa_up").string();
+  std::vector<std::string> args = {DSA_BINARY,   "up",    "--bin-dir",   BinDir(),
+                                   "--log-dir",  log_dir, "--num-heads", "8",
+                                   "--head-dim", "32",    "--top-k",     "256"};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  close(out[1]);
+  std::string line;
+  char c = 0;
+  while (read(out[0], &c, 1) == 1 && c != '\n') line.push_back(c);
+  const std::string marker = "dsa up: coordinator listening on ";
+  ASSERT_EQ(line.rfind(marker, 0), 0u) << line;
+  const std::string coordinator = line.substr(marker.size());
+  EXPECT_EQ(CheckHealth(coordinator, "readiness", std::chrono::seconds(5)), 1);
+
+  ReplayOptions options;
+  options.coordinator = coordinator;
+  options.time_scale = 0;
+  options.max_in_flight = 1;  // the second starts after the first finished (a retained donor)
+  const std::vector<TraceRequest> requests = {{0, 1000, 3, {7, 8}}, {0, 700, 2, {7, 9}}};
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 2) << report->first_error;
+  EXPECT_EQ(report->prefix_slots_reused, 512);  // the second shares block id 7 with the first
+
+  ASSERT_EQ(kill(pid, SIGINT), 0);
+  EXPECT_EQ(dsa::testing::WaitExit(pid, std::chrono::seconds(60)), 0);
+  close(out[0]);
+  EXPECT_EQ(CheckHealth(coordinator, "liveness", std::chrono::milliseconds(500)), -1);
+  for (const char* name : {"dsa-indexer-0", "dsa-attention-0", "dsa-coordinator"}) {
+    const std::string log = FileTail(log_dir + "/" + name + ".log", 100000);
+    EXPECT_NE(log.find("\"msg\":\"stopped\""), std::string::npos) << name << ":\n" << log;
+  }
 }
 
 }  // namespace
