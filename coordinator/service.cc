@@ -6,6 +6,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/time/time.h"
 
 namespace dsa {
@@ -644,28 +645,50 @@ CoordinatorServiceImpl::StepOutcome CoordinatorServiceImpl::RunStep(
   return outcome;
 }
 
-void CoordinatorServiceImpl::AdvanceSequence(int worker, const std::shared_ptr<Request>& request,
-                                             int rows, const av1::SequenceStepResult& result,
+void CoordinatorServiceImpl::ApplyStep(int worker,
+                                       const std::vector<std::shared_ptr<Request>>& batch,
+                                       const std::vector<int>& rows, const StepOutcome& outcome) {
+  // Speculative sequences: draw the accepted counts and commit them all concurrently.
+  const size_t n = batch.size();
+  std::vector<int> accepted(n, 0);
+  std::vector<grpc::Status> committed(n);
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts(n);
+  std::vector<av1::CommitRequest> commits(n);
+  std::vector<av1::CommitResponse> responses(n);
+  int num_commits = 0;
+  for (size_t i = 0; i < n; ++i) num_commits += rows[i] > 1 ? 1 : 0;
+  absl::BlockingCounter pending(num_commits);
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i] <= 1) continue;
+    Request& request = *batch[i];
+    accepted[i] = std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
+    contexts[i] = std::make_unique<grpc::ClientContext>();
+    contexts[i]->set_deadline(RpcDeadline());
+    commits[i].set_sequence_id(request.admission->sequence_id);
+    commits[i].set_accepted(accepted[i]);
+    attention_[worker]->stub->async()->Commit(contexts[i].get(), &commits[i], &responses[i],
+                                              [&committed, &pending, i](grpc::Status status) {
+                                                committed[i] = std::move(status);
+                                                pending.DecrementCount();
+                                              });
+  }
+  if (num_commits > 0) pending.Wait();
+  for (size_t i = 0; i < n; ++i) {
+    const grpc::Status status = WorkerStatus(committed[i], attention_[worker]->address);
+    if (!status.ok()) {
+      EndSequence(batch[i], status, /*completed=*/false);
+      continue;
+    }
+    AdvanceSequence(batch[i], rows[i], accepted[i], outcome.response.sequences(i), outcome.response,
+                    outcome.seconds);
+  }
+}
+
+void CoordinatorServiceImpl::AdvanceSequence(const std::shared_ptr<Request>& request, int rows,
+                                             int accepted, const av1::SequenceStepResult& result,
                                              const av1::DecodeStepResponse& response,
                                              double seconds) {
-  int accepted = 0;
-  if (rows > 1) {
-    accepted = std::min(request->acceptance->Accepted(request->verification_steps++), rows - 1);
-    grpc::ClientContext context;
-    context.set_deadline(RpcDeadline());
-    av1::CommitRequest commit;
-    commit.set_sequence_id(request->admission->sequence_id);
-    commit.set_accepted(accepted);
-    av1::CommitResponse committed;
-    const grpc::Status status =
-        WorkerStatus(attention_[worker]->stub->Commit(&context, commit, &committed),
-                     attention_[worker]->address);
-    if (!status.ok()) {
-      EndSequence(request, status, /*completed=*/false);
-      return;
-    }
-    metrics_->CountSpeculativeStep(rows - 1, accepted);
-  }
+  if (rows > 1) metrics_->CountSpeculativeStep(rows - 1, accepted);
   const int count = accepted + 1;
   const Clock::time_point now = Clock::now();
   if (request->generated == 0) {
@@ -743,10 +766,7 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
     if (batch.empty()) continue;
     StepOutcome outcome = RunStep(worker, batch, rows);
     if (outcome.status.ok()) {
-      for (size_t i = 0; i < batch.size(); ++i) {
-        AdvanceSequence(worker, batch[i], rows[i], outcome.response.sequences(i), outcome.response,
-                        outcome.seconds);
-      }
+      ApplyStep(worker, batch, rows, outcome);
       continue;
     }
     // The batch failed and no sequence advanced: find the failing ones by stepping each alone,
@@ -756,8 +776,7 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
       StepOutcome alone =
           batch.size() == 1 || hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
       if (alone.status.ok()) {
-        AdvanceSequence(worker, batch[i], rows[i], alone.response.sequences(0), alone.response,
-                        alone.seconds);
+        ApplyStep(worker, {batch[i]}, {rows[i]}, alone);
       } else {
         EndSequence(batch[i], alone.status, /*completed=*/false);
       }

@@ -182,9 +182,13 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   };
   StepOutcome RunStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
                       const std::vector<int>& rows);
-  // Handles one sequence's result of a successful step: accepted draw, Commit, Tokens event,
-  // Finished at max_new_tokens.
-  void AdvanceSequence(int worker, const std::shared_ptr<Request>& request, int rows,
+  // Applies a successful step to its batch: draws the accepted counts of speculative sequences
+  // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
+  void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
+                 const std::vector<int>& rows, const StepOutcome& outcome);
+  // One sequence's step result with `accepted` drafts committed: Tokens event, metrics, and
+  // Finished (and EndSequence) at max_new_tokens.
+  void AdvanceSequence(const std::shared_ptr<Request>& request, int rows, int accepted,
                        const dsa::attention::v1::SequenceStepResult& result,
                        const dsa::attention::v1::DecodeStepResponse& response, double seconds);
   // Ends an admitted request: scheduler Finish, attention Release, evictions, queued admissions.
