@@ -7,6 +7,7 @@
 #include "attention_worker/service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -709,6 +710,25 @@ TEST_F(AttentionServiceTest, PrefillOfOneSequenceRunsBesideStepsOfOthers) {
   }
   EXPECT_EQ(*indexer_->indexer->NumSlots(82, 2), 30000);
   EXPECT_EQ(Info().kv_used_slots(), 705 + 905 + 30000);
+}
+
+TEST_F(AttentionServiceTest, IndexerGoneDuringDecodeIsUnavailable) {
+  Start(/*indexer_blocks=*/512);
+  MustPrefill(PrefillRequest(90, 700));
+  av1::DecodeStepResponse response;
+  ASSERT_TRUE(Step({{90, 1}}, &response).ok());
+  // The indexer stops (its select stream cancelled after 100 ms).
+  indexer_->server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+  const grpc::Status gone = Step({{90, 1}}, &response);
+  EXPECT_EQ(gone.error_code(), grpc::StatusCode::UNAVAILABLE) << gone.error_message();
+  EXPECT_NE(gone.error_message().find(indexer_->address), std::string::npos)
+      << gone.error_message();
+  EXPECT_EQ(Info().kv_used_slots(), 701);  // the failed step's KV rows are gone
+  // Release drops the KV even though the indexer cannot be told.
+  const grpc::Status released = Release(90);
+  EXPECT_EQ(released.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(Info().kv_used_slots(), 0);
+  EXPECT_EQ(Info().sequences(), 0);
 }
 
 }  // namespace
