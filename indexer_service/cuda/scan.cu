@@ -109,12 +109,51 @@ size_t CudaCoreSmemBytes(int head_dim) {
 }
 
 // ---- tensor-core scan ----------------------------------------------------------------------
-// Warp w owns heads [16 w, 16 w + 16) as the M dimension of mma.m16n8k16 (A = the row's query,
-// [16 heads, head_dim] bf16, held in registers), the block's 64 slots as N (B = keys, bf16
-// [64][head_dim + 8] in shared memory, widened from fp8 through a 256-entry table: exact), and
-// head_dim as K. The epilogue applies ReLU and the head weights to the fp32 accumulators, sums
-// the warp's 16 heads by shuffles, and the warps' partial sums meet in shared memory.
-constexpr int kKeyPad = 8;  // bf16 elements of padding per smem key row: conflict-free B loads
+// Query-stationary bf16 mma.sync m16n8k16 (fp32 accumulation). A CTA of 4 warps takes a chunk of
+// consecutive entries of the flattened block list (possibly spanning groups) and streams the
+// blocks through a ring of kStages shared-memory stages with cp.async, so the next blocks' loads
+// overlap the current block's math. Warp w owns slots [16 w, 16 w + 16) of each block: A = keys
+// (16 slots x head_dim, fp8 read straight from shared memory and widened to bf16 exactly in
+// registers, each key byte once), B = the row's query (head_dim x num_heads bf16, held in
+// registers while consecutive blocks belong to the same row), N = heads. The epilogue applies
+// ReLU and the head weights to the accumulators, sums the heads inside the thread and across the
+// 4 lanes of a quad, scales by s_i and masks.
+//
+// K is permuted (the dot product does not care, as long as A and B agree): k-step k, lane quad
+// position c, register half j take dim (k / 4) * 64 + 16 c + 4 (k % 4) + {0, 1} (a0/a1, b0) and
+// + {2, 3} (a2/a3, b1), so one 16-byte shared-memory load per key row feeds four k-steps and one
+// 16-byte global load per head two.
+namespace tc {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStages = 8;      // 8 x 12.5 KiB at D = 128: ~50 KiB in flight per CTA
+constexpr int kMaxChunk = 256;  // blocks per CTA
+
+// Shared-memory key row stride in bytes: conflict-free 16-byte loads (rows r and r + 1 of one
+// quarter-warp land 64 bytes apart modulo 128).
+template <int kHeadDim>
+__host__ __device__ constexpr int RowBytes() {
+  return kHeadDim % 128 == 0 ? kHeadDim + 64 : kHeadDim;
+}
+template <int kHeadDim>
+__host__ __device__ constexpr int StageBytes() {
+  return kCacheBlockSize * RowBytes<kHeadDim>() + kCacheBlockSize * 4;
+}
+template <int kHeadDim>
+constexpr size_t SmemBytes() {
+  return size_t{kStages} * StageBytes<kHeadDim>() + kMaxChunk * (4 + 4 + 4 + 8);
+}
+
+__device__ inline void CpAsync16(void* smem, const void* global) {
+  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+}
+__device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ inline void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
 
 __device__ inline void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -124,79 +163,183 @@ __device__ inline void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int kHeadDim>
-__global__ void ScanTensorCoreKernel(ScanParams p) {
-  constexpr int kStride = kHeadDim + kKeyPad;  // bf16 elements per smem key row
-  constexpr int kSteps = kHeadDim / 16;
-  __shared__ __align__(16) uint16_t keys[kCacheBlockSize * kStride];
-  __shared__ uint16_t table[256];
-  __shared__ float partial[8][kCacheBlockSize];
-  const int num_warps = blockDim.x / 32;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  for (int c = threadIdx.x; c < 256; c += blockDim.x) {
-    table[c] = __bfloat16_as_ushort(__float2bfloat16_rn(DecodeFp8E4m3Device(c)));
-  }
-  const BlockWork w = FindBlockWork(p, blockIdx.x);
-  __syncthreads();
-  // Stage: 4 codes per word; kHeadDim % 4 == 0 keeps a word inside one slot.
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(w.block);
-  for (int i = threadIdx.x; i < kCacheBlockSize * kHeadDim / 4; i += blockDim.x) {
-    const uint32_t codes = words[i];
-    const int s = (4 * i) / kHeadDim, d = (4 * i) % kHeadDim;
-    uint2 out;
-    out.x = table[codes & 0xff] | static_cast<uint32_t>(table[(codes >> 8) & 0xff]) << 16;
-    out.y = table[(codes >> 16) & 0xff] | static_cast<uint32_t>(table[codes >> 24]) << 16;
-    *reinterpret_cast<uint2*>(&keys[s * kStride + d]) = out;
-  }
-  __syncthreads();
-  const float* scales =
-      reinterpret_cast<const float*>(w.block + int64_t{kCacheBlockSize} * kHeadDim);
-  const __nv_bfloat16* query = static_cast<const __nv_bfloat16*>(p.query);
-  const int head0 = warp * 16 + lane / 4;
-  const int col = 2 * (lane % 4);
-  for (int r = p.group_first_row[w.group]; r < p.group_first_row[w.group + 1]; ++r) {
-    const __nv_bfloat16* q = query + (static_cast<int64_t>(r) * p.num_heads + head0) * kHeadDim;
-    uint32_t a[kSteps][4];
-#pragma unroll
-    for (int k = 0; k < kSteps; ++k) {
-      a[k][0] = *reinterpret_cast<const uint32_t*>(q + k * 16 + col);
-      a[k][1] = *reinterpret_cast<const uint32_t*>(q + 8 * kHeadDim + k * 16 + col);
-      a[k][2] = *reinterpret_cast<const uint32_t*>(q + k * 16 + col + 8);
-      a[k][3] = *reinterpret_cast<const uint32_t*>(q + 8 * kHeadDim + k * 16 + col + 8);
-    }
-    const float* weights = p.head_weights + static_cast<int64_t>(r) * p.num_heads;
-    const float w_low = weights[head0], w_high = weights[head0 + 8];
-#pragma unroll 2
-    for (int n = 0; n < kCacheBlockSize / 8; ++n) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const uint16_t* b = &keys[(n * 8 + lane / 4) * kStride + col];
-#pragma unroll
-      for (int k = 0; k < kSteps; ++k) {
-        MmaBf16(c, a[k], *reinterpret_cast<const uint32_t*>(b + k * 16),
-                *reinterpret_cast<const uint32_t*>(b + k * 16 + 8));
-      }
-      // c[0], c[1]: head head0, slots n*8 + col + {0, 1}; c[2], c[3]: head head0 + 8.
-      float even = w_low * (c[0] < 0.0f ? 0.0f : c[0]) + w_high * (c[2] < 0.0f ? 0.0f : c[2]);
-      float odd = w_low * (c[1] < 0.0f ? 0.0f : c[1]) + w_high * (c[3] < 0.0f ? 0.0f : c[3]);
-      for (int offset = 4; offset < 32; offset *= 2) {
-        even += __shfl_xor_sync(0xffffffffu, even, offset);
-        odd += __shfl_xor_sync(0xffffffffu, odd, offset);
-      }
-      if (lane < 4) {
-        partial[warp][n * 8 + col] = even;
-        partial[warp][n * 8 + col + 1] = odd;
-      }
-    }
-    __syncthreads();
-    for (int s = threadIdx.x; s < kCacheBlockSize; s += blockDim.x) {
-      float sum = 0.0f;
-      for (int i = 0; i < num_warps; ++i) sum += partial[i][s];
-      StoreScore(p, w, r, s, scales[s], sum);
-    }
-    __syncthreads();
-  }
+// Two E4M3 codes (low byte first) -> two bf16 (low half first), exact: the hardware widens to
+// f16 (every E4M3 value is a normal f16 or zero), then the f16 exponent is rebiased by 112 and the
+// mantissa cut to 7 bits (its low 3 bits are zero). Zeros stay zero. NaN codes (0x7f, 0xff) give
+// a finite value: they only occur in unfilled slots, which are masked.
+__device__ inline uint32_t Fp8x2ToBf16x2(uint32_t codes16) {
+  uint32_t half2;
+  asm("{\n .reg .b16 c;\n cvt.u16.u32 c, %1;\n cvt.rn.f16x2.e4m3x2 %0, c;\n}\n"
+      : "=r"(half2)
+      : "r"(codes16));
+  const uint32_t magnitude = half2 & 0x7fff7fffu;
+  const uint32_t rebiased = ((half2 >> 3) & 0x0fff0fffu) + 0x38003800u;
+  return (half2 & 0x80008000u) | (rebiased & __vcmpne2(magnitude, 0u));
 }
+
+template <int kHeads, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p, int chunk) {
+  constexpr int kRowBytes = RowBytes<kHeadDim>();
+  constexpr int kStageBytes = StageBytes<kHeadDim>();
+  constexpr int kGroups64 = kHeadDim / 64;  // 64-dim groups: one 16-byte load per key row each
+  constexpr int kSteps = kHeadDim / 16;
+  constexpr int kTiles = kHeads / 8;
+  constexpr int kChunksPerRow = kHeadDim / 16;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* stages = smem;
+  int32_t* s_pool_block = reinterpret_cast<int32_t*>(smem + kStages * kStageBytes);
+  int32_t* s_group = s_pool_block + kMaxChunk;
+  int32_t* s_logical = s_group + kMaxChunk;
+  int64_t* s_entry_block = reinterpret_cast<int64_t*>(s_logical + kMaxChunk);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int count = static_cast<int>(min(int64_t{chunk}, p.total_blocks - first));
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const BlockWork w = FindBlockWork(p, first + i);
+    s_pool_block[i] = p.block_tables[p.group_table_offset[w.group] + w.logical_block];
+    s_group[i] = w.group;
+    s_logical[i] = static_cast<int32_t>(w.logical_block);
+    s_entry_block[i] = w.entry_block;
+  }
+  __syncthreads();
+
+  const int64_t block_bytes = CacheBlockBytes(kHeadDim);
+  auto load_stage = [&](int i) {
+    if (i < count) {
+      const uint8_t* block = p.pool + block_bytes * s_pool_block[i];
+      uint8_t* stage = stages + (i % kStages) * kStageBytes;
+      for (int c = threadIdx.x; c < kCacheBlockSize * kChunksPerRow + 16; c += kThreads) {
+        if (c < kCacheBlockSize * kChunksPerRow) {
+          const int row = c / kChunksPerRow, col = c % kChunksPerRow;
+          CpAsync16(stage + row * kRowBytes + col * 16, block + row * kHeadDim + col * 16);
+        } else {
+          const int j = c - kCacheBlockSize * kChunksPerRow;
+          CpAsync16(stage + kCacheBlockSize * kRowBytes + j * 16,
+                    block + kCacheBlockSize * kHeadDim + j * 16);
+        }
+      }
+    }
+    CpAsyncCommit();  // an empty group past the end keeps the wait counts uniform
+  };
+  for (int i = 0; i < kStages - 1; ++i) load_stage(i);
+
+  const __nv_bfloat16* query = static_cast<const __nv_bfloat16*>(p.query);
+  uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments
+  int loaded_row = -1;
+  auto load_query = [&](int r) {
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      const __nv_bfloat16* q =
+          query + (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim + 16 * quad;
+#pragma unroll
+      for (int g64 = 0; g64 < kGroups64; ++g64) {
+        const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
+        const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
+        b[n][g64 * 4 + 0][0] = low.x;
+        b[n][g64 * 4 + 0][1] = low.y;
+        b[n][g64 * 4 + 1][0] = low.z;
+        b[n][g64 * 4 + 1][1] = low.w;
+        b[n][g64 * 4 + 2][0] = high.x;
+        b[n][g64 * 4 + 2][1] = high.y;
+        b[n][g64 * 4 + 3][0] = high.z;
+        b[n][g64 * 4 + 3][1] = high.w;
+      }
+    }
+    loaded_row = r;
+  };
+  // The first row's query travels while the first stages load.
+  if (const int g0 = s_group[0]; p.group_first_row[g0] < p.group_first_row[g0 + 1]) {
+    load_query(p.group_first_row[g0]);
+  }
+  const int slot_low = warp * 16 + lane / 4;  // A rows slot_low and slot_low + 8
+  for (int i = 0; i < count; ++i) {
+    CpAsyncWait<kStages - 2>();
+    __syncthreads();  // stage i is complete for everyone; stage i - 1 is free
+    load_stage(i + kStages - 1);
+    const uint8_t* stage = stages + (i % kStages) * kStageBytes;
+    const float* scales = reinterpret_cast<const float*>(stage + kCacheBlockSize * kRowBytes);
+    const int g = s_group[i];
+    const int64_t logical = s_logical[i], entry_block = s_entry_block[i];
+    const int64_t num_slots = p.group_num_slots[g];
+    const int row_end = p.group_first_row[g + 1];
+    for (int r = p.group_first_row[g]; r < row_end; ++r) {
+      if (r != loaded_row) load_query(r);
+      float acc[kTiles][4];
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+      for (int g64 = 0; g64 < kGroups64; ++g64) {
+        const uint4 top =
+            *reinterpret_cast<const uint4*>(stage + slot_low * kRowBytes + g64 * 64 + 16 * quad);
+        const uint4 bottom = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kRowBytes +
+                                                             g64 * 64 + 16 * quad);
+        const uint32_t top_words[4] = {top.x, top.y, top.z, top.w};
+        const uint32_t bottom_words[4] = {bottom.x, bottom.y, bottom.z, bottom.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t a[4] = {
+              Fp8x2ToBf16x2(top_words[j] & 0xffffu), Fp8x2ToBf16x2(bottom_words[j] & 0xffffu),
+              Fp8x2ToBf16x2(top_words[j] >> 16), Fp8x2ToBf16x2(bottom_words[j] >> 16)};
+#pragma unroll
+          for (int n = 0; n < kTiles; ++n) {
+            MmaBf16(acc[n], a, b[n][g64 * 4 + j][0], b[n][g64 * 4 + j][1]);
+          }
+        }
+      }
+      // acc[n][0..1]: slot slot_low, heads n * 8 + 2 quad + {0, 1}; acc[n][2..3]: slot_low + 8.
+      const float* weights = p.head_weights + static_cast<int64_t>(r) * kHeads + 2 * quad;
+      float low = 0.0f, high = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        const float2 w = *reinterpret_cast<const float2*>(weights + n * 8);
+        low += w.x * (acc[n][0] < 0.0f ? 0.0f : acc[n][0]) +
+               w.y * (acc[n][1] < 0.0f ? 0.0f : acc[n][1]);
+        high += w.x * (acc[n][2] < 0.0f ? 0.0f : acc[n][2]) +
+                w.y * (acc[n][3] < 0.0f ? 0.0f : acc[n][3]);
+      }
+      low += __shfl_xor_sync(0xffffffffu, low, 1);
+      low += __shfl_xor_sync(0xffffffffu, low, 2);
+      high += __shfl_xor_sync(0xffffffffu, high, 1);
+      high += __shfl_xor_sync(0xffffffffu, high, 2);
+      if (quad < 2) {
+        const int s = slot_low + 8 * quad;
+        const float total = quad == 0 ? low : high;
+        const int64_t slot = logical * kCacheBlockSize + s;
+        const bool visible = slot <= p.row_position[r] && slot < num_slots;
+        p.scores[p.row_score_offset[r] + entry_block * kCacheBlockSize + s] =
+            visible ? scales[s] * total : -INFINITY;
+      }
+    }
+  }
+  CpAsyncWait<0>();
+}
+
+template <int kHeads, int kHeadDim>
+cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
+  auto kernel = ScanTensorCoreKernel<kHeads, kHeadDim>;
+  constexpr size_t smem = SmemBytes<kHeadDim>();
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess) {
+    return e;
+  }
+  int device = 0, num_sms = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+      e != cudaSuccess) {
+    return e;
+  }
+  // Two CTAs per SM, each a contiguous chunk of blocks (up to kMaxChunk).
+  const int64_t ctas_wanted = 2LL * num_sms;
+  int64_t chunk = (p.total_blocks + ctas_wanted - 1) / ctas_wanted;
+  chunk = chunk < 1 ? 1 : (chunk > kMaxChunk ? kMaxChunk : chunk);
+  const int64_t grid = (p.total_blocks + chunk - 1) / chunk;
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, static_cast<int>(chunk));
+  return cudaGetLastError();
+}
+
+}  // namespace tc
 
 bool CheckCommon(const ScanParams& p, const char** reason) {
   if (p.num_groups < 0 || p.num_rows < 0 || p.total_blocks < 0) {
@@ -238,8 +381,8 @@ bool CanImplementScanTensorCores(const ScanParams& p, const char** why) {
   if (CheckCommon(p, &reason)) {
     if (p.head_dim != 64 && p.head_dim != 128) {
       reason = "head_dim is neither 64 nor 128";
-    } else if (p.num_heads % 16 != 0 || p.num_heads > 128) {
-      reason = "num_heads is not a multiple of 16 up to 128";
+    } else if (p.num_heads != 16 && p.num_heads != 32 && p.num_heads != 64) {
+      reason = "num_heads is not 16, 32 or 64";
     } else if (p.query_dtype != QueryDtype::kBFloat16) {
       reason = "query_dtype is not bf16";
     }
@@ -276,14 +419,20 @@ cudaError_t LaunchScanCudaCores(const ScanParams& p, cudaStream_t stream) {
 cudaError_t LaunchScanTensorCores(const ScanParams& p, cudaStream_t stream) {
   if (!CanImplementScanTensorCores(p)) return cudaErrorInvalidValue;
   if (p.total_blocks == 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(p.total_blocks);
-  const unsigned threads = static_cast<unsigned>(p.num_heads / 16 * 32);
-  if (p.head_dim == 128) {
-    ScanTensorCoreKernel<128><<<grid, threads, 0, stream>>>(p);
-  } else {
-    ScanTensorCoreKernel<64><<<grid, threads, 0, stream>>>(p);
+  switch (p.num_heads * 1000 + p.head_dim) {
+    case 64128:
+      return tc::Launch<64, 128>(p, stream);
+    case 64064:
+      return tc::Launch<64, 64>(p, stream);
+    case 32128:
+      return tc::Launch<32, 128>(p, stream);
+    case 32064:
+      return tc::Launch<32, 64>(p, stream);
+    case 16128:
+      return tc::Launch<16, 128>(p, stream);
+    default:
+      return tc::Launch<16, 64>(p, stream);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace dsa::cuda

@@ -65,7 +65,8 @@ struct ScanParams {
 /// queries): one CTA per (group, block). On false, *why (when not null) names the reason.
 bool CanImplementScanCudaCores(const ScanParams& params, const char** why = nullptr);
 /// The tensor-core scan (bf16 mma.sync m16n8k16, fp32 accumulation; fp8 keys widened to bf16
-/// exactly): bf16 queries, head_dim 64 or 128, num_heads a multiple of 16 up to 128.
+/// exactly in registers; query-stationary, cp.async-pipelined): bf16 queries, head_dim 64 or
+/// 128, num_heads 16, 32 or 64.
 bool CanImplementScanTensorCores(const ScanParams& params, const char** why = nullptr);
 
 /// Neither scan needs a workspace: 0 bytes.
