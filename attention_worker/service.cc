@@ -1000,18 +1000,33 @@ absl::Status AttentionServiceImpl::DoRelease(const av1::ReleaseRequest& request)
   std::shared_ptr<Sequence> sequence = FindSequence(id);
   if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   std::string address;
+  bool pending = false;
   {
     std::lock_guard<std::mutex> lock(sequence->mutex);
     if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
     sequence->live = false;
     address = sequence->indexer_worker;
+    pending = sequence->pending_rows > 0 && sequence->broken.empty();
     const int64_t slots = sequence->kv_slots;
     ResizeKv(*sequence, 0);
     FreeKv(slots);
     EraseSequence(id, sequence.get());
   }
-  if (request.keep_indexer_sequence()) return absl::OkStatus();
   DSA_ASSIGN_OR_RETURN(std::shared_ptr<Peer> peer, GetPeer(address));
+  if (request.keep_indexer_sequence()) {
+    if (!pending) return absl::OkStatus();
+    // A kept sequence is a prefix donor, which must not have a step awaiting Commit: keep row 0
+    // (the verified token) and drop the drafts.
+    grpc::ClientContext call;
+    call.set_deadline(absl::ToChronoTime(absl::Now() + options_.indexer_call_timeout));
+    iv1::CommitRequest commit;
+    commit.set_sequence_id(id);
+    commit.set_accepted(0);
+    iv1::CommitResponse committed;
+    return FromGrpc(peer->stub->Commit(&call, commit, &committed),
+                    absl::StrCat("KV of sequence ", id, " dropped, but indexer worker ", address,
+                                 " did not commit its pending step: Commit"));
+  }
   grpc::ClientContext call;
   call.set_deadline(absl::ToChronoTime(absl::Now() + options_.indexer_call_timeout));
   iv1::ReleaseRequest release;

@@ -159,8 +159,10 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
                       dsa::attention::v1::CommitResponse* response) override;
 
   /// Drops the sequence's KV cache and, unless keep_indexer_sequence, releases its indexer
-  /// sequence. The KV is dropped whatever the indexer answers; NOT_FOUND from the indexer is
-  /// ignored, another indexer error is returned (the indexer sequence may remain). NOT_FOUND.
+  /// sequence; a kept sequence with a speculative step pending is committed with 0 accepted drafts
+  /// on the indexer first (a prefix donor must not await Commit). The KV is dropped whatever the
+  /// indexer answers; NOT_FOUND from the indexer's Release is ignored, another indexer error is
+  /// returned (the indexer sequence may remain). NOT_FOUND.
   grpc::Status Release(grpc::ServerContext* context,
                        const dsa::attention::v1::ReleaseRequest* request,
                        dsa::attention::v1::ReleaseResponse* response) override;

@@ -450,6 +450,17 @@ TEST_F(AttentionServiceTest, SpeculativeStepAwaitsCommitWhichTruncates) {
   ASSERT_TRUE(Step({{4, 1}}, &response).ok());
   EXPECT_EQ(response.sequences(0).first_position(), 703);
   ExpectAttended(4, 703, 1, TwinStep(4, 703, 1));
+
+  // Released as a prefix donor in the middle of a speculative step: the indexer keeps row 0 and
+  // the sequence can donate.
+  ASSERT_TRUE(Step({{4, 4}}, &response).ok());
+  ASSERT_TRUE(Release(4, /*keep_indexer_sequence=*/true).ok());
+  EXPECT_EQ(*indexer_->indexer->NumSlots(4, 0), 705);
+  av1::PrefillRequest shared = PrefillRequest(6, 700);
+  shared.set_prefix_source_id(4);
+  shared.set_prefix_slots(640);
+  MustPrefill(shared);
+  EXPECT_EQ(Info().kv_used_slots(), 700 + 801);
 }
 
 TEST_F(AttentionServiceTest, PrefixSharingReusesTheDonorsBlocks) {
