@@ -46,6 +46,11 @@ struct Recorded {
   std::vector<float> output;
 };
 
+// A client context whose call fails rather than hangs.
+void SetDeadline(grpc::ClientContext* context) {
+  context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+}
+
 // An indexer service on its own in-process server.
 struct IndexerServer {
   std::unique_ptr<Indexer> indexer;
@@ -54,8 +59,14 @@ struct IndexerServer {
   std::unique_ptr<iv1::IndexerService::Stub> stub;
   std::string address;
 
+  // A select stream left open by a failed test must not hold the shutdown forever.
+  ~IndexerServer() {
+    if (server) server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
   iv1::GetLoadResponse Load() const {
     grpc::ClientContext context;
+    SetDeadline(&context);
     iv1::GetLoadResponse response;
     EXPECT_TRUE(stub->GetLoad(&context, iv1::GetLoadRequest(), &response).ok());
     return response;
@@ -149,9 +160,9 @@ class AttentionServiceTest : public ::testing::Test {
   }
 
   void TearDown() override {
-    if (server_) server_->Shutdown();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
     if (service_) service_->CloseTransports();
-    if (indexer_ && indexer_->server) indexer_->server->Shutdown();
+    indexer_.reset();
   }
 
   av1::PrefillRequest PrefillRequest(uint64_t id, int64_t context,
@@ -169,6 +180,7 @@ class AttentionServiceTest : public ::testing::Test {
 
   grpc::Status Prefill(const av1::PrefillRequest& request, av1::PrefillResponse* response) {
     grpc::ClientContext context;
+    SetDeadline(&context);
     return stub_->Prefill(&context, request, response);
   }
 
@@ -188,11 +200,13 @@ class AttentionServiceTest : public ::testing::Test {
       step->set_rows(rows);
     }
     grpc::ClientContext context;
+    SetDeadline(&context);
     return stub_->DecodeStep(&context, request, response);
   }
 
   grpc::Status Commit(uint64_t id, int accepted) {
     grpc::ClientContext context;
+    SetDeadline(&context);
     av1::CommitRequest request;
     request.set_sequence_id(id);
     request.set_accepted(accepted);
@@ -202,6 +216,7 @@ class AttentionServiceTest : public ::testing::Test {
 
   grpc::Status Release(uint64_t id, bool keep_indexer_sequence = false) {
     grpc::ClientContext context;
+    SetDeadline(&context);
     av1::ReleaseRequest request;
     request.set_sequence_id(id);
     request.set_keep_indexer_sequence(keep_indexer_sequence);
@@ -211,6 +226,7 @@ class AttentionServiceTest : public ::testing::Test {
 
   av1::GetInfoResponse Info() {
     grpc::ClientContext context;
+    SetDeadline(&context);
     av1::GetInfoResponse response;
     EXPECT_TRUE(stub_->GetInfo(&context, av1::GetInfoRequest(), &response).ok());
     return response;
