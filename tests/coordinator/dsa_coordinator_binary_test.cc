@@ -165,4 +165,45 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
   EXPECT_EQ(WaitExit(indexer.pid, std::chrono::seconds(10)), 0);
 }
 
+TEST(DsaCoordinatorBinaryTest, ARequestLongerThanTheGraceIsCutAndTheProcessExitsInTime) {
+  const Process indexer = StartServer(
+      DSA_INDEXER_BINARY, {"--capacity-blocks", "1024", "--num-heads", "4", "--head-dim", "16"});
+  ASSERT_FALSE(indexer.address.empty());
+  const Process attention = StartServer(
+      DSA_ATTENTION_BINARY, {"--layer-pattern", "FSFS", "--num-heads", "4", "--head-dim", "16",
+                             "--kv-dim", "8", "--attention-heads", "2"});
+  ASSERT_FALSE(attention.address.empty());
+  const Process coordinator =
+      StartServer(DSA_COORDINATOR_BINARY,
+                  {"--indexer", indexer.address, "--attention", attention.address, "--top-k", "64",
+                   "--drain-delay-ms", "300", "--shutdown-grace-ms", "500"});
+  ASSERT_FALSE(coordinator.address.empty());
+  auto stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateChannel(coordinator.address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  // 2 x ceil(20100 / 64) = 630 blocks: fits, and takes far longer than the grace to decode.
+  auto open = stub->Generate(&context, Request("long", 100, 20000, 0));
+  cv1::GenerateEvent event;
+  ASSERT_TRUE(open->Read(&event));
+  ASSERT_TRUE(event.has_admitted());
+  ASSERT_TRUE(open->Read(&event));
+  ASSERT_TRUE(event.has_tokens());
+  const auto signalled = Clock::now();
+  ASSERT_EQ(kill(coordinator.pid, SIGTERM), 0);
+  int64_t tokens = 0;
+  while (open->Read(&event)) tokens += event.has_tokens() ? event.tokens().count() : 0;
+  const grpc::Status status = open->Finish();
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_LT(tokens, 20000);
+  EXPECT_EQ(WaitExit(coordinator.pid, std::chrono::seconds(10)), 0);
+  EXPECT_LT(Clock::now() - signalled, std::chrono::milliseconds(300 + 500 + 1500));
+
+  kill(attention.pid, SIGTERM);
+  kill(indexer.pid, SIGTERM);
+  EXPECT_EQ(WaitExit(attention.pid, std::chrono::seconds(10)), 0);
+  EXPECT_EQ(WaitExit(indexer.pid, std::chrono::seconds(10)), 0);
+}
+
 }  // namespace
