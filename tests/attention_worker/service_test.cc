@@ -74,9 +74,9 @@ struct IndexerServer {
 };
 
 std::unique_ptr<IndexerServer> StartIndexer(int64_t capacity_blocks, int num_heads = kH,
-                                            int head_dim = kD) {
+                                            int head_dim = kD, double audit_fraction = 0) {
   auto server = std::make_unique<IndexerServer>();
-  auto indexer = Indexer::Create({capacity_blocks, num_heads, head_dim});
+  auto indexer = Indexer::Create({capacity_blocks, num_heads, head_dim, audit_fraction});
   EXPECT_TRUE(indexer.ok()) << indexer.status();
   server->indexer = std::move(*indexer);
   server->service = std::make_unique<IndexerServiceImpl>(server->indexer.get());
@@ -117,7 +117,7 @@ class AttentionServiceTest : public ::testing::Test {
   // Starts the indexer (capacity in blocks) and the attention worker over `pattern`, lag `lag`.
   void Start(int64_t indexer_blocks, const std::string& pattern = "FSFSFS", int lag = 1,
              int64_t kv_capacity_slots = 1 << 20) {
-    indexer_ = StartIndexer(indexer_blocks);
+    indexer_ = StartIndexer(indexer_blocks, kH, kD, audit_fraction_);
     auto schedule = MliSchedule::FromPattern(pattern, lag);
     ASSERT_TRUE(schedule.ok()) << schedule.status();
     schedule_ = std::make_unique<MliSchedule>(*schedule);
@@ -154,7 +154,7 @@ class AttentionServiceTest : public ::testing::Test {
     ASSERT_GT(port, 0);
     stub_ = av1::AttentionService::NewStub(
         grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
-    auto twin = Indexer::Create({1 << 16, kH, kD});
+    auto twin = Indexer::Create({1 << 16, kH, kD, audit_fraction_});
     ASSERT_TRUE(twin.ok());
     twin_ = std::move(*twin);
   }
@@ -269,7 +269,8 @@ class AttentionServiceTest : public ::testing::Test {
   // The twin's selections of one step of `rows` rows at t for sequence `id`: per full layer
   // int32 [rows, K].
   std::vector<std::vector<int32_t>> TwinStep(uint64_t id, int64_t t, int rows,
-                                             const std::vector<uint64_t>& prefix_ids = {}) {
+                                             const std::vector<uint64_t>& prefix_ids = {},
+                                             std::vector<double>* audit_miss_rates = nullptr) {
     std::vector<std::vector<int32_t>> selections;
     for (int f = 0; f < model_->num_layers(); ++f) {
       EXPECT_TRUE(twin_->AppendIndexKeys(id, f, ReferenceKeys(f, prefix_ids, t, rows), rows).ok());
@@ -285,6 +286,10 @@ class AttentionServiceTest : public ::testing::Test {
       auto result = twin_->Select(id, f, engine_rows);
       EXPECT_TRUE(result.ok()) << result.status();
       selections.push_back(result.ok() ? result->selections : std::vector<int32_t>{});
+      if (result.ok() && audit_miss_rates != nullptr) {
+        audit_miss_rates->insert(audit_miss_rates->end(), result->audit_miss_rates.begin(),
+                                 result->audit_miss_rates.end());
+      }
     }
     return selections;
   }
@@ -338,6 +343,7 @@ class AttentionServiceTest : public ::testing::Test {
     }
   }
 
+  double audit_fraction_ = 0;  // of the indexer started by Start()
   std::unique_ptr<IndexerServer> indexer_;
   std::unique_ptr<Indexer> twin_;
   std::unique_ptr<MliSchedule> schedule_;
@@ -756,6 +762,36 @@ TEST_F(AttentionServiceTest, IndexerGoneDuringDecodeIsUnavailable) {
   EXPECT_EQ(released.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(Info().kv_used_slots(), 0);
   EXPECT_EQ(Info().sequences(), 0);
+}
+
+TEST_F(AttentionServiceTest, AuditedRowsAndMissRatesAreSummedOverTheFullLayers) {
+  audit_fraction_ = 1.0;  // every pruned select is audited
+  Start(/*indexer_blocks=*/512, "FSFSFSFS");
+  MustPrefill(PrefillRequest(95, 1500));
+  TwinPrefill(95, 1500);
+  av1::DecodeStepResponse response;
+  ASSERT_TRUE(Step({{95, 1}}, &response).ok());  // warm-up: every block, nothing to audit
+  EXPECT_EQ(response.sequences(0).audited_rows(), 0);
+  ExpectAttended(95, 1500, 1, TwinStep(95, 1500, 1));
+  double miss_rate_sum = 0;
+  for (int step = 0; step < 3; ++step) {
+    const int64_t t = 1501 + step;
+    ASSERT_TRUE(Step({{95, 1}}, &response).ok());  // pruned: one row audited in each of 4 layers
+    std::vector<double> miss_rates;
+    ExpectAttended(95, t, 1, TwinStep(95, t, 1, {}, &miss_rates));
+    EXPECT_LT(response.sequences(0).blocks_scored(), response.sequences(0).blocks_visible());
+    ASSERT_EQ(miss_rates.size(), 4u);
+    EXPECT_EQ(response.sequences(0).audited_rows(), 4);
+    double expected = 0;
+    for (double rate : miss_rates) expected += rate;
+    EXPECT_DOUBLE_EQ(response.sequences(0).audit_miss_rate_sum(), expected);
+    miss_rate_sum += expected;
+  }
+  ASSERT_TRUE(Step({{95, 3}}, &response).ok());  // verifier rows: 3 audited rows a layer
+  EXPECT_EQ(response.sequences(0).audited_rows(), 12);
+  EXPECT_GE(response.sequences(0).audit_miss_rate_sum(), 0.0);
+  EXPECT_LE(response.sequences(0).audit_miss_rate_sum(), 12.0);
+  EXPECT_GT(miss_rate_sum, 0.0);  // these seeded inputs do lose a few slots (0.39 over 12 rows)
 }
 
 }  // namespace
