@@ -97,7 +97,10 @@ __device__ inline void ForEachRank(const Source& source, Visit visit) {
     uint64_t ranks[kUnroll];
     source.LoadTile(base, ranks);
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) visit(ranks[j]);
+    for (int j = 0; j < kUnroll; ++j) {
+      if (base + j * kThreads >= source.size) break;  // uniform across the CTA
+      visit(ranks[j]);
+    }
   }
 }
 
@@ -174,22 +177,50 @@ __device__ uint64_t RadixThreshold(const Source& source, uint32_t k, uint32_t* h
   return 1;  // unreachable: at shift 0 the bin holds one rank (ranks are distinct)
 }
 
-// Sorts a[0, n) descending in shared memory; n a power of two >= 2. All threads must call it.
-__device__ void BitonicSortDescending(uint64_t* a, int n) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size / 2; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < n / 2; t += kThreads) {
-        const int i = 2 * t - (t & (stride - 1));
-        const int j = i + stride;
-        const bool descending = (i & size) == 0;
-        const uint64_t x = a[i], y = a[j];
-        if ((x < y) == descending) {
-          a[i] = y;
-          a[j] = x;
-        }
+// One compare-exchange step of the bitonic sort on the pair of elements a thread holds in
+// registers (elements 2t and 2t + 1): partner element e ^ stride lives in thread t ^ (stride / 2)
+// (a shuffle within the warp: 2 <= stride <= 32).
+__device__ inline uint64_t ExchangeInRegisters(uint64_t x, int element, int stride, int size) {
+  const uint64_t other = __shfl_xor_sync(0xffffffffu, x, stride / 2);
+  const bool lower = (element & stride) == 0;
+  const bool descending = (element & size) == 0;
+  return (lower == descending) ? max(x, other) : min(x, other);
+}
+
+// Sorts a[0, kMaxTopK) descending in shared memory. All threads must call it. Steps whose stride
+// is at least 64 elements go through shared memory (one barrier each); the rest of each merge
+// runs on the two elements a thread holds, with warp shuffles and no barrier.
+__device__ void SortWinnersDescending(uint64_t* a) {
+  const int t = threadIdx.x;
+  const int e0 = 2 * t, e1 = 2 * t + 1;
+  for (int size = 2; size <= kMaxTopK; size <<= 1) {
+    int stride = size / 2;
+    for (; stride >= 64; stride >>= 1) {
+      const int i = 2 * t - (t & (stride - 1));
+      const int j = i + stride;
+      const bool descending = (i & size) == 0;
+      const uint64_t x = a[i], y = a[j];
+      if ((x < y) == descending) {
+        a[i] = y;
+        a[j] = x;
       }
       __syncthreads();
     }
+    uint64_t x0 = a[e0], x1 = a[e1];
+    for (; stride >= 2; stride >>= 1) {
+      x0 = ExchangeInRegisters(x0, e0, stride, size);
+      x1 = ExchangeInRegisters(x1, e1, stride, size);
+    }
+    // stride 1: the pair inside the thread
+    const bool descending = (e0 & size) == 0;
+    if ((x0 < x1) == descending) {
+      const uint64_t tmp = x0;
+      x0 = x1;
+      x1 = tmp;
+    }
+    a[e0] = x0;
+    a[e1] = x1;
+    __syncthreads();
   }
 }
 
@@ -218,12 +249,17 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
       candidates[i] = source.Rank(i * n / kSampleSize + (n / kSampleSize) / 2);
     }
     __syncthreads();
-    BitonicSortDescending(candidates, kSampleSize);
     // The sample holds each of the k best with probability k / n: ask for 4 standard deviations
     // (and 2) more than the expected count, so fewer than k reach the threshold only rarely.
     const double expected = static_cast<double>(kSampleSize) * k / static_cast<double>(n);
     const int position = static_cast<int>(ceil(expected + 4.0 * sqrt(expected) + 2.0));
-    const uint64_t sample_threshold = position <= kSampleSize ? candidates[position - 1] : 0;
+    uint64_t sample_threshold = 0;
+    if (position <= kSampleSize) {
+      // The ranks at or above it are the `position` best of the sample (1: fewer are selectable).
+      sample_threshold = RadixThreshold(BufferSource{candidates, kSampleSize},
+                                        static_cast<uint32_t>(position), hist, shared);
+      if (sample_threshold == 1) sample_threshold = 0;
+    }
     if (threadIdx.x == 0) shared.count = 0;
     __syncthreads();
     if (sample_threshold != 0) {
@@ -251,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
   const uint32_t taken = min(shared.count, static_cast<uint32_t>(kMaxTopK));
   for (uint32_t i = taken + threadIdx.x; i < kMaxTopK; i += kThreads) winners[i] = 0;
   __syncthreads();
-  BitonicSortDescending(winners, kMaxTopK);
+  SortWinnersDescending(winners);
   int32_t* out = p.selection + static_cast<int64_t>(row) * p.k;
   for (int i = threadIdx.x; i < p.k; i += kThreads) {
     out[i] = static_cast<uint32_t>(i) < taken
