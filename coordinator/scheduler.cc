@@ -119,6 +119,21 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
         "request needs ", KvSlots(demand),
         " KV slots, more than any attention worker's capacity (largest: ", largest_kv, " slots)"));
   }
+  if (session_sequence != nullptr) {  // a turn stays on its session's workers
+    const IndexerWorkerInfo& indexer = indexer_info_[session_sequence->indexer];
+    const AttentionWorkerInfo& attention = attention_info_[session_sequence->attention];
+    if (blocks > indexer.capacity_blocks) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session '", session, "' turn needs ", blocks, " index-key-cache blocks, more than its ",
+          "indexer worker ", indexer.address, " holds (", indexer.capacity_blocks, " blocks)"));
+    }
+    if (attention.kv_capacity_slots > 0 && KvSlots(demand) > attention.kv_capacity_slots) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session '", session, "' turn needs ", KvSlots(demand),
+                       " KV slots, more than its ", "attention worker ", attention.address,
+                       " holds (", attention.kv_capacity_slots, " slots)"));
+    }
+  }
   if (queue_.empty()) {
     std::optional<Admission> admission = TryPlace(ticket, demand);
     if (admission.has_value()) {

@@ -116,7 +116,8 @@ class Scheduler {
   /// Admits `ticket` at once when the queue is empty and it fits (returns the admission), else
   /// queues it (returns nullopt; AdmitQueued places it later). Errors, with nothing changed:
   /// RESOURCE_EXHAUSTED when it is larger than any worker's whole capacity (the message gives the
-  /// blocks or slots needed and the largest capacity) or the queue is full; FAILED_PRECONDITION
+  /// blocks or slots needed and the largest capacity), a session's turn is larger than its own
+  /// workers' capacity, or the queue is full; FAILED_PRECONDITION
   /// when its session has a turn queued or running; INVALID_ARGUMENT when its session's sequence
   /// is longer than the new context (previous context + generated tokens).
   absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand);

@@ -309,6 +309,21 @@ TEST(SchedulerTest, SessionsContinueTheirSequenceAndAreEvictedLikeDonors) {
   EXPECT_NE(t3.sequence_id, t1.sequence_id);
 }
 
+TEST(SchedulerTest, ASessionTurnLargerThanItsOwnWorkerIsRefusedAtOnce) {
+  Scheduler s = Make(1, {4, 100});
+  const Admission t1 = Admit(s, 1, Demand(100, 20, 0, {}, "chat"));  // 2 blocks
+  EXPECT_EQ(t1.indexer, 0);
+  s.PrefillDone(t1.sequence_id);
+  End(s, t1.sequence_id, true, 120);
+  // 5 blocks: indexer 1 could hold it, but the session lives on indexer 0 (4 blocks).
+  auto big = s.Submit(2, Demand(300, 20, 0, {}, "chat"));
+  ASSERT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(big.status().message(), HasSubstr("turn needs 5 index-key-cache blocks"));
+  EXPECT_EQ(s.Load().queued, 0);
+  // The session is not left busy.
+  EXPECT_TRUE(s.Submit(3, Demand(150, 20, 0, {}, "chat")).ok());
+}
+
 TEST(SchedulerTest, AttentionWorkerWithFewestRunningAndMaxRunning) {
   Scheduler s = Make(1, {100}, /*num_attention=*/2, 4, /*max_running=*/1);
   const Admission a = Admit(s, 1, Demand(10, 1));
