@@ -190,6 +190,10 @@ int main(int argc, char** argv) {
     scan.row_position = DeviceCopy(position);
     scan.row_score_offset = DeviceCopy(score_offset);
     scan.scores = scores;
+    scan.workspace_bytes = dsa::cuda::ScanTensorCoresScratchBytes(scan);
+    void* workspace = nullptr;
+    CHECK_CUDA(cudaMalloc(&workspace, scan.workspace_bytes));
+    scan.workspace = workspace;
 
     dsa::cuda::TopKParams topk;
     topk.scores = scores;
@@ -212,13 +216,13 @@ int main(int argc, char** argv) {
     res.floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
     results.push_back(res);
     CHECK_CUDA(cudaDeviceSynchronize());
-    for (const void* p :
-         {(const void*)pool, (const void*)query, (const void*)weights, (const void*)scores,
-          (const void*)selection, (const void*)scan.group_first_row,
-          (const void*)scan.group_block_offset, (const void*)scan.logical_blocks,
-          (const void*)scan.group_table_offset, (const void*)scan.block_tables,
-          (const void*)scan.group_num_slots, (const void*)scan.row_position,
-          (const void*)scan.row_score_offset, (const void*)topk.row_num_entries}) {
+    for (const void* p : {(const void*)pool, (const void*)query, (const void*)weights,
+                          (const void*)scores, (const void*)selection,
+                          (const void*)scan.group_first_row, (const void*)scan.group_block_offset,
+                          (const void*)scan.logical_blocks, (const void*)scan.group_table_offset,
+                          (const void*)scan.block_tables, (const void*)scan.group_num_slots,
+                          (const void*)scan.row_position, (const void*)scan.row_score_offset,
+                          (const void*)topk.row_num_entries, (const void*)workspace}) {
       CHECK_CUDA(cudaFree(const_cast<void*>(p)));
     }
   }

@@ -2,6 +2,7 @@
 // the block's 64 keys in shared memory once and scores them for every row of the group, so
 // verifier rows of one sequence share the key read.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -155,26 +156,71 @@ __device__ inline void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-__device__ inline void MmaBf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two E4M3 codes (low byte first) -> two bf16 (low half first), exact: the hardware widens to
-// f16 (every E4M3 value is a normal f16 or zero), then the f16 exponent is rebiased by 112 and the
-// mantissa cut to 7 bits (its low 3 bits are zero). Zeros stay zero. NaN codes (0x7f, 0xff) give
-// a finite value: they only occur in unfilled slots, which are masked.
-__device__ inline uint32_t Fp8x2ToBf16x2(uint32_t codes16) {
+// Two E4M3 codes (low byte first) -> two f16 (low half first): one instruction, exact (every E4M3
+// value is a normal f16 or zero; NaN codes, only in unfilled and masked slots, stay NaN).
+__device__ inline uint32_t Fp8x2ToF16x2(uint32_t codes16) {
   uint32_t half2;
   asm("{\n .reg .b16 c;\n cvt.u16.u32 c, %1;\n cvt.rn.f16x2.e4m3x2 %0, c;\n}\n"
       : "=r"(half2)
       : "r"(codes16));
-  const uint32_t magnitude = half2 & 0x7fff7fffu;
-  const uint32_t rebiased = ((half2 >> 3) & 0x0fff0fffu) + 0x38003800u;
-  return (half2 & 0x80008000u) | (rebiased & __vcmpne2(magnitude, 0u));
+  return half2;
+}
+
+// The query workspace: each row's query in f16, scaled by a power of two 2^e_r chosen so that its
+// largest magnitude lands in [2^14, 2^15), and its head weights scaled by 2^-e_r. ReLU commutes
+// with a positive scale and power-of-two scaling is exact in fp32, so the scores are those of the
+// bf16 query; the f16 copy is exact for every element within 2^28 of the row's largest (smaller
+// ones are rounded to 2^-39 of the largest).
+struct QueryWorkspace {
+  __half* query;   // [num_rows, num_heads, head_dim]
+  float* weights;  // [num_rows, num_heads]
+};
+
+__host__ __device__ inline QueryWorkspace SplitWorkspace(void* workspace, const ScanParams& p) {
+  QueryWorkspace w;
+  w.query = static_cast<__half*>(workspace);
+  w.weights = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) +
+                                       size_t{2} * p.num_rows * p.num_heads * p.head_dim);
+  return w;
+}
+
+constexpr int kPrepareThreads = 256;
+
+__global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams p) {
+  const int r = blockIdx.x;
+  const int64_t size = static_cast<int64_t>(p.num_heads) * p.head_dim;
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.query) + r * size;
+  __shared__ float warp_max[kPrepareThreads / 32];
+  float amax = 0.0f;
+  for (int64_t i = threadIdx.x; i < size; i += kPrepareThreads) {
+    amax = fmaxf(amax, fabsf(__bfloat162float(q[i])));
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int i = 0; i < kPrepareThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
+  int exponent = 0;  // amax = m 2^exponent, m in [0.5, 1)
+  frexpf(amax, &exponent);
+  const int e = amax > 0.0f ? max(-100, min(100, 15 - exponent)) : 0;
+  const QueryWorkspace w = SplitWorkspace(p.workspace, p);
+  for (int64_t i = threadIdx.x; i < size; i += kPrepareThreads) {
+    w.query[r * size + i] = __float2half_rn(ldexpf(__bfloat162float(q[i]), e));
+  }
+  for (int h = threadIdx.x; h < p.num_heads; h += kPrepareThreads) {
+    w.weights[static_cast<int64_t>(r) * p.num_heads + h] =
+        ldexpf(p.head_weights[static_cast<int64_t>(r) * p.num_heads + h], -e);
+  }
 }
 
 template <int kHeads, int kHeadDim>
@@ -224,13 +270,14 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
   };
   for (int i = 0; i < kStages - 1; ++i) load_stage(i);
 
-  const __nv_bfloat16* query = static_cast<const __nv_bfloat16*>(p.query);
+  const QueryWorkspace workspace = SplitWorkspace(p.workspace, p);
+  const __half* query = workspace.query;
   uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments
   int loaded_row = -1;
   auto load_query = [&](int r) {
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
-      const __nv_bfloat16* q =
+      const __half* q =
           query + (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim + 16 * quad;
 #pragma unroll
       for (int g64 = 0; g64 < kGroups64; ++g64) {
@@ -279,16 +326,16 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t a[4] = {
-              Fp8x2ToBf16x2(top_words[j] & 0xffffu), Fp8x2ToBf16x2(bottom_words[j] & 0xffffu),
-              Fp8x2ToBf16x2(top_words[j] >> 16), Fp8x2ToBf16x2(bottom_words[j] >> 16)};
+              Fp8x2ToF16x2(top_words[j] & 0xffffu), Fp8x2ToF16x2(bottom_words[j] & 0xffffu),
+              Fp8x2ToF16x2(top_words[j] >> 16), Fp8x2ToF16x2(bottom_words[j] >> 16)};
 #pragma unroll
           for (int n = 0; n < kTiles; ++n) {
-            MmaBf16(acc[n], a, b[n][g64 * 4 + j][0], b[n][g64 * 4 + j][1]);
+            MmaF16(acc[n], a, b[n][g64 * 4 + j][0], b[n][g64 * 4 + j][1]);
           }
         }
       }
       // acc[n][0..1]: slot slot_low, heads n * 8 + 2 quad + {0, 1}; acc[n][2..3]: slot_low + 8.
-      const float* weights = p.head_weights + static_cast<int64_t>(r) * kHeads + 2 * quad;
+      const float* weights = workspace.weights + static_cast<int64_t>(r) * kHeads + 2 * quad;
       float low = 0.0f, high = 0.0f;
 #pragma unroll
       for (int n = 0; n < kTiles; ++n) {
@@ -324,6 +371,7 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
+  PrepareQueryKernel<<<static_cast<unsigned>(p.num_rows), kPrepareThreads, 0, stream>>>(p);
   int device = 0, num_sms = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
@@ -363,6 +411,11 @@ bool CheckCommon(const ScanParams& p, const char** reason) {
 
 }  // namespace
 
+size_t ScanTensorCoresScratchBytes(const ScanParams& p) {
+  if (p.num_rows <= 0 || p.num_heads <= 0 || p.head_dim <= 0) return 0;
+  return size_t{1} * p.num_rows * p.num_heads * (size_t{2} * p.head_dim + 4);
+}
+
 bool CanImplementScanCudaCores(const ScanParams& p, const char** why) {
   const char* reason = nullptr;
   if (CheckCommon(p, &reason)) {
@@ -385,6 +438,9 @@ bool CanImplementScanTensorCores(const ScanParams& p, const char** why) {
       reason = "num_heads is not 16, 32 or 64";
     } else if (p.query_dtype != QueryDtype::kBFloat16) {
       reason = "query_dtype is not bf16";
+    } else if (p.total_blocks > 0 &&
+               (p.workspace == nullptr || p.workspace_bytes < ScanTensorCoresScratchBytes(p))) {
+      reason = "workspace missing or smaller than ScanTensorCoresScratchBytes";
     }
   }
   if (why != nullptr) *why = reason;

@@ -59,24 +59,34 @@ struct ScanParams {
   /// logical_blocks[group_block_offset[g] + j] * 64 + s, or -inf past the row's position or the
   /// group's filled slots (ScoreBlocks' layout).
   float* scores = nullptr;
+  /// Device scratch for the tensor-core scan (the query converted once per launch), 16-byte
+  /// aligned, at least ScanTensorCoresScratchBytes(params) bytes; unused by the CUDA-core scan.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 /// The CUDA-core scan (fp32 FMA, any head_dim in [1, 256], any num_heads >= 1, fp32 or bf16
 /// queries): one CTA per (group, block). On false, *why (when not null) names the reason.
 bool CanImplementScanCudaCores(const ScanParams& params, const char** why = nullptr);
-/// The tensor-core scan (bf16 mma.sync m16n8k16, fp32 accumulation; fp8 keys widened to bf16
-/// exactly in registers; query-stationary, cp.async-pipelined): bf16 queries, head_dim 64 or
-/// 128, num_heads 16, 32 or 64.
+/// The tensor-core scan (f16 mma.sync m16n8k16, fp32 accumulation; fp8 keys widened to f16 exactly
+/// in registers by one instruction a pair; the bf16 query converted once per launch into the
+/// workspace as f16 with a per-row power-of-two scale, folded back through the head weights;
+/// query-stationary, cp.async-pipelined): bf16 queries, head_dim 64 or 128, num_heads 16, 32 or
+/// 64, a workspace of ScanTensorCoresScratchBytes.
 bool CanImplementScanTensorCores(const ScanParams& params, const char** why = nullptr);
 
-/// Neither scan needs a workspace: 0 bytes.
-inline size_t ScanScratchBytes(const ScanParams&) { return 0; }
+/// Workspace bytes of the CUDA-core scan: none.
+inline size_t ScanCudaCoresScratchBytes(const ScanParams&) { return 0; }
+/// Workspace bytes of the tensor-core scan: num_rows x num_heads x (2 head_dim + 4) (the f16
+/// query and the scaled fp32 head weights).
+size_t ScanTensorCoresScratchBytes(const ScanParams& params);
 
 /// Launches the CUDA-core scan on `stream` (asynchronous). Scores match ScoreBlocks up to fp32
 /// accumulation order. cudaErrorInvalidValue when CanImplementScanCudaCores fails.
 cudaError_t LaunchScanCudaCores(const ScanParams& params, cudaStream_t stream);
-/// Launches the tensor-core scan on `stream` (asynchronous). Same scores as ScoreBlocks with the
-/// query rounded to bf16 (exact for bf16 queries), up to accumulation order.
+/// Launches the tensor-core scan on `stream` (asynchronous; two kernels: the query conversion,
+/// then the scan). Same scores as ScoreBlocks with the query rounded to bf16, up to accumulation
+/// order and the f16 rounding of query elements below 2^-28 of their row's largest.
 /// cudaErrorInvalidValue when CanImplementScanTensorCores fails.
 cudaError_t LaunchScanTensorCores(const ScanParams& params, cudaStream_t stream);
 

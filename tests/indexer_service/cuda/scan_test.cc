@@ -50,7 +50,9 @@ struct Batch {
       : num_heads(heads), head_dim(dim), pool(capacity, dim) {}
 };
 
-Batch MakeBatch(const std::vector<GroupShape>& groups, int num_heads, int head_dim, uint32_t seed) {
+// query_scale multiplies every query value (a power of two keeps them bf16-representable).
+Batch MakeBatch(const std::vector<GroupShape>& groups, int num_heads, int head_dim, uint32_t seed,
+                float query_scale = 1.0f) {
   int64_t capacity = 0;
   for (const GroupShape& g : groups) capacity += CeilDiv(g.num_slots, kBlockSize);
   Batch batch(capacity, num_heads, head_dim);
@@ -93,7 +95,7 @@ Batch MakeBatch(const std::vector<GroupShape>& groups, int num_heads, int head_d
       batch.group_of_row.push_back(static_cast<int>(g));
       batch.position.push_back(groups[g].num_slots - groups[g].num_rows + r);
       for (int i = 0; i < num_heads * head_dim; ++i) {
-        batch.query.push_back(FromBf16Bits(ToBf16Bits(normal(rng))));
+        batch.query.push_back(FromBf16Bits(ToBf16Bits(normal(rng))) * query_scale);
       }
       for (int h = 0; h < num_heads; ++h) batch.weights.push_back(normal(rng));
     }
@@ -157,6 +159,11 @@ void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
   DeviceBuffer d_position = DeviceBuffer::From(batch.position);
   DeviceBuffer d_score_offset = DeviceBuffer::From(row_score_offset);
   DeviceBuffer d_scores(total_entries * sizeof(float));
+  ScanParams sizes;
+  sizes.num_rows = num_rows;
+  sizes.num_heads = batch.num_heads;
+  sizes.head_dim = batch.head_dim;
+  DeviceBuffer workspace(kernel == Kernel::kTensorCores ? ScanTensorCoresScratchBytes(sizes) : 0);
   ASSERT_TRUE(pool.ok() && d_scores.ok());
   if (total_entries > 0) {
     DSA_CUDA_OK(cudaMemset(d_scores.as<void>(), 0x7f, total_entries * sizeof(float)));  // NaN
@@ -180,6 +187,8 @@ void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
   p.row_position = d_position.as<int64_t>();
   p.row_score_offset = d_score_offset.as<int64_t>();
   p.scores = d_scores.as<float>();
+  p.workspace = workspace.as<void>();
+  p.workspace_bytes = workspace.bytes();
   const char* why = nullptr;
   if (kernel == Kernel::kCudaCores) {
     ASSERT_TRUE(CanImplementScanCudaCores(p, &why)) << why;
@@ -286,6 +295,14 @@ INSTANTIATE_TEST_SUITE_P(Kernels, ScanGrid,
                            return info.param == Kernel::kCudaCores ? "CudaCores" : "TensorCores";
                          });
 
+TEST_P(ScanGrid, MatchesScoreBlocksForQueriesOfAnyMagnitude) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  // Beyond f16's range (2^20 x N(0, 1)) and deep below it (2^-30): the tensor-core scan rescales
+  // each row by a power of two and folds the scale back through the head weights.
+  CheckScan(MakeBatch({{3000, 2, false}}, 64, 128, 37, 0x1p20f), GetParam(), QueryDtype::kBFloat16);
+  CheckScan(MakeBatch({{3000, 2, true}}, 64, 128, 41, 0x1p-30f), GetParam(), QueryDtype::kBFloat16);
+}
+
 TEST(ScanCudaCores, TakesFp32QueriesAndOddShapes) {
   if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
   CheckScan(MakeBatch({{300, 2, true}, {65, 1, false}}, 3, 40, 29), Kernel::kCudaCores,
@@ -304,6 +321,9 @@ TEST(Scan, RefusesShapesItCannotRun) {
   EXPECT_NE(why, nullptr);
   p.query_dtype = QueryDtype::kBFloat16;
   EXPECT_TRUE(CanImplementScanTensorCores(p, &why));
+  p.total_blocks = 1;  // blocks to score but no workspace
+  EXPECT_FALSE(CanImplementScanTensorCores(p, &why));
+  p.total_blocks = 0;
   p.num_heads = 24;
   EXPECT_FALSE(CanImplementScanTensorCores(p, &why));
   p.head_dim = 300;

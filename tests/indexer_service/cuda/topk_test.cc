@@ -195,6 +195,7 @@ TEST(TopK, SeparatesManyEqualScoresInOneBin) {
 TEST(TopK, HandlesZeroLengthRowsAndMoreRowsThanSms) {
   if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
   std::vector<RowSpec> specs;
+  specs.reserve(300);
   for (int r = 0; r < 300; ++r) {
     specs.push_back({r % 5 == 0 ? 0 : 1000 + 37 * r, r % 7 == 0 ? -1 : 1 << 30, false,
                      r % 3 == 0 ? Fill::kSpecials : Fill::kRandom});
