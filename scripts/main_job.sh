@@ -3,8 +3,9 @@
 # 1. replay the Mooncake conversation trace (capped: see replay_args) through a local cluster of
 #    dsa-indexer, dsa-attention and dsa-coordinator (`dsa replay --local`), writing
 #    docs/results/replay_mooncake.json and .md; the job fails if any request fails;
-# 2. run the SPIN quality evaluation (`dsa eval`) on the pattern model, writing eval.json, eval.md
-#    and the plot eval_miss_vs_sparsity.png in the folder above (skip it with DSA_MAIN_JOB_EVAL=0).
+# 2. with DSA_MAIN_JOB_EVAL=1, also the SPIN quality evaluation (`dsa eval`, 2-4 minutes on 2
+#    cores) on the pattern model, writing eval.json, eval.md and the plot eval_miss_vs_sparsity.png
+#    in the folder above.
 # Results go to $DSA_EVAL_OUT (default docs/results/). Extra arguments go to `dsa eval` (not
 # --json/--markdown); $DSA_REPLAY_ARGS replaces the replay caps below; $DSA_BUILD_DIR is the build
 # folder (default build/).
@@ -20,7 +21,8 @@ trace=${DSA_REPLAY_TRACE:-../shared/data/traces/mooncake_conversation_trace.json
 read -r -a replay_args <<<"${DSA_REPLAY_ARGS:---limit 250 --max-context 8192 --max-output 32 \
 --time-scale 0 --max-in-flight 16 --draft-length 2 --capacity-blocks 16384 --audit-fraction 0.1}"
 bash scripts/bootstrap.sh
-bash scripts/build.sh
+# Only what the job runs: the dsa tool and the three servers (the tests build with scripts/test.sh).
+DSA_BUILD_TARGETS="dsa dsa-indexer dsa-attention dsa-coordinator" bash scripts/build.sh
 mkdir -p "$out"
 
 if [ -f "$trace" ]; then
@@ -33,7 +35,7 @@ else
   echo "main job: no trace at $trace (../shared/data is optional); replay skipped" >&2
 fi
 
-if [ "${DSA_MAIN_JOB_EVAL:-1}" != 0 ]; then
+if [ "${DSA_MAIN_JOB_EVAL:-0}" != 0 ]; then
   "$bin/dsa" eval --json "$out/eval.json" --markdown "$out/eval.md" "$@"
   if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
     /usr/bin/python3 tools/plot_eval.py "$out/eval.json" "$plot"

@@ -164,6 +164,20 @@ TEST(AggregateReplay, NothingAuditedOrVisible) {
             std::string::npos);
 }
 
+TEST(ReusablePrefixSlots, LeadingRunOfWholeBlocksSeenBefore) {
+  // Request 0 shares nothing (nothing before it). Request 1 repeats ids 1, 2 then diverges: 2
+  // blocks. Request 2 starts with an unseen id: 0, though id 2 follows. Request 3 has 1,000 tokens
+  // (one whole block) of ids {1, 2}: 1 block; its partial second block never counts.
+  const std::vector<TraceRequest> requests = {
+      {0, 2048, 1, {1, 2, 3, 4}},
+      {0, 2048, 1, {1, 2, 5, 6}},
+      {0, 1536, 1, {9, 2, 3}},
+      {0, 1000, 1, {1, 2}},
+  };
+  EXPECT_EQ(ReusablePrefixSlots(requests), (2 + 0 + 1) * 512);
+  EXPECT_EQ(ReusablePrefixSlots({}), 0);
+}
+
 TEST(ApplyCaps, LimitContextPrefixIdsAndOutput) {
   std::vector<TraceRequest> requests(3);
   requests[0] = {0, 5000, 100, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};  // ceil(5000 / 512) = 10 ids

@@ -15,6 +15,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -140,7 +141,9 @@ class ReplayRun {
     wake_monitor_.notify_all();
     monitor.join();
     Sample();
-    return AggregateReplay(records_, samples_, wall_seconds, options_);
+    ReplayReport report = AggregateReplay(records_, samples_, wall_seconds, options_);
+    report.prefix_slots_reusable = ReusablePrefixSlots(requests_);
+    return report;
   }
 
  private:
@@ -301,6 +304,21 @@ double Mean(const std::vector<double>& values) {
 }
 
 }  // namespace
+
+int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
+  constexpr int64_t kBlock = 512;
+  absl::flat_hash_set<uint64_t> seen;
+  int64_t reusable = 0;
+  for (const TraceRequest& request : requests) {
+    const size_t whole_blocks = static_cast<size_t>(request.context_tokens / kBlock);
+    const size_t n = std::min(whole_blocks, request.prefix_block_ids.size());
+    size_t run = 0;
+    while (run < n && seen.contains(request.prefix_block_ids[run])) ++run;
+    reusable += static_cast<int64_t>(run) * kBlock;
+    seen.insert(request.prefix_block_ids.begin(), request.prefix_block_ids.end());
+  }
+  return reusable;
+}
 
 std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const ReplayCaps& caps) {
   if (caps.limit > 0 && static_cast<int64_t>(requests.size()) > caps.limit) {
@@ -474,7 +492,8 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report) {
        report.audited_rows > 0 ? nlohmann::json(report.audited_miss_rate) : nlohmann::json()},
       {"prefix_slots_reused", report.prefix_slots_reused},
       {"context_slots", report.context_slots},
-      {"prefix_reuse_fraction", report.prefix_reuse_fraction}};
+      {"prefix_reuse_fraction", report.prefix_reuse_fraction},
+      {"prefix_slots_reusable", report.prefix_slots_reusable}};
   json["speculative_decoding"] = {{"drafted_tokens", report.drafted_tokens},
                                   {"accepted_tokens", report.accepted_tokens},
                                   {"acceptance", report.spec_acceptance}};
@@ -541,8 +560,9 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
           ? absl::StrFormat("%.4f over %d rows", report.audited_miss_rate, report.audited_rows)
           : std::string("not audited"));
   row("prefix slots reused",
-      absl::StrFormat("%d (%.4f of %d context slots)", report.prefix_slots_reused,
-                      report.prefix_reuse_fraction, report.context_slots));
+      absl::StrFormat("%d (%.4f of %d context slots; the trace allows at most %d)",
+                      report.prefix_slots_reused, report.prefix_reuse_fraction,
+                      report.context_slots, report.prefix_slots_reusable));
   row("cache blocks used min / mean / max (capacity)",
       absl::StrFormat("%.0f / %.1f / %.0f (%d), %d samples", report.cache_used_min,
                       report.cache_used_mean, report.cache_used_max, report.cache_capacity,

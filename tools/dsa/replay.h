@@ -28,6 +28,12 @@ struct ReplayCaps {
 /// output length capped.
 std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const ReplayCaps& caps);
 
+/// The trace's own bound on prefix reuse: for each request, 512 slots for every whole prefix block
+/// of its (capped) prompt in the leading run of blocks whose id an earlier request of `requests`
+/// also had (ids are chained hashes, so an equal id means an equal prefix up to that block). What
+/// an indexer that kept every earlier prefix forever, with no concurrency, could share.
+int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests);
+
 /// How to replay.
 struct ReplayOptions {
   std::string coordinator;  // host:port of dsa.coordinator.v1.CoordinatorService
@@ -114,11 +120,11 @@ struct ReplayReport {
   double realized_block_sparsity = 0;  // 1 - scored / visible (0 when nothing visible)
   int64_t audited_rows = 0;
   double audit_miss_rate_sum = 0;  // sum of the audited rows' miss rates
-  double audited_miss_rate = -1;   // audit_miss_rate_sum / audited_rows; -1 = not audited  // sum
-                                   // miss / audited rows; -1 = not audited
+  double audited_miss_rate = -1;   // audit_miss_rate_sum / audited_rows; -1 = not audited
   int64_t prefix_slots_reused = 0;
-  int64_t context_slots = 0;         // sum of context over admitted requests
-  double prefix_reuse_fraction = 0;  // prefix_slots_reused / context_slots
+  int64_t context_slots = 0;          // sum of context over admitted requests
+  double prefix_reuse_fraction = 0;   // prefix_slots_reused / context_slots
+  int64_t prefix_slots_reusable = 0;  // the trace's bound, ReusablePrefixSlots (set by RunReplay)
   // Speculative decoding.
   int64_t drafted_tokens = 0, accepted_tokens = 0;
   double spec_acceptance = 0;  // accepted / drafted (0 when none drafted)
