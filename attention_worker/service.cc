@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -89,26 +91,16 @@ bool IsTransportFailure(absl::StatusCode code) {
          code == absl::StatusCode::kInternal || code == absl::StatusCode::kAborted;
 }
 
-// For a select the indexer refused: the number of leading groups it may have applied. The indexer
-// (indexer_service/grpc_service.h RunSelect) applies nothing on a check or append failure and
-// keeps groups before g when group g fails to select ("group g: ..."); an unrecognised message
-// counts every group as applied.
+// For a select the indexer refused: the number of leading groups it applied, from the status
+// payload the transport attaches (SelectError.groups_applied); without it, every group counts as
+// applied (the safe assumption).
 int AppliedGroups(const absl::Status& status, int num_groups) {
-  const absl::string_view message = status.message();
-  constexpr absl::string_view kGroup = "group ";
-  if (message.substr(0, kGroup.size()) != kGroup) {
-    return absl::StartsWith(message, "groups ") || absl::StartsWith(message, "select needs")
-               ? 0
-               : num_groups;
-  }
-  const size_t end = message.find_first_not_of("0123456789", kGroup.size());
-  int group = 0;
-  if (end == absl::string_view::npos ||
-      !absl::SimpleAtoi(message.substr(kGroup.size(), end - kGroup.size()), &group)) {
+  const auto payload = status.GetPayload(kGroupsAppliedPayload);  // absl::optional<absl::Cord>
+  int applied = 0;
+  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &applied)) {
     return num_groups;
   }
-  if (absl::StartsWith(message.substr(end), " new_index_keys")) return 0;  // appends undone
-  return std::clamp(group, 0, num_groups);
+  return std::clamp(applied, 0, num_groups);
 }
 
 }  // namespace
@@ -262,7 +254,7 @@ void AttentionServiceImpl::DropPeer(const std::shared_ptr<Peer>& peer) {
 absl::Status AttentionServiceImpl::ReserveKv(int64_t num_slots) {
   {
     std::lock_guard<std::mutex> lock(kv_mutex_);
-    if (kv_used_slots_ + num_slots > options_.kv_capacity_slots) {
+    if (num_slots > options_.kv_capacity_slots - kv_used_slots_) {  // no overflow: used <= cap
       return absl::ResourceExhaustedError(absl::StrCat("KV cache full: ", num_slots,
                                                        " slots needed, ", kv_used_slots_, " of ",
                                                        options_.kv_capacity_slots, " in use"));
@@ -471,11 +463,20 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* /*context*/,
 
 namespace {
 
+// The indexer caps a layer at 2^31 slots (indexer_service/indexer.h); a longer context can never
+// be served, and refusing it here keeps every slot count far from int64 overflow.
+constexpr int64_t kMaxContextSlots = (int64_t{1} << 31) - 1;
+
 // The checks every Prefill request passes before anything changes.
 absl::Status ValidatePrefill(const av1::PrefillRequest& request) {
   const int64_t context = request.context_length();
   if (context < 1) {
     return absl::InvalidArgumentError(absl::StrCat("context_length must be >= 1, got ", context));
+  }
+  if (context > kMaxContextSlots) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("context_length ", context, " is too long: an indexer layer holds at most ",
+                     kMaxContextSlots, " slots"));
   }
   const int64_t max_ids = (context + kPrefixBlockSlots - 1) / kPrefixBlockSlots;
   if (request.prefix_block_ids_size() > max_ids) {
@@ -541,9 +542,15 @@ absl::Status AttentionServiceImpl::DoPrefill(const av1::PrefillRequest& request,
       grpc::ClientContext call;
       call.set_deadline(absl::ToChronoTime(absl::Now() + options_.indexer_call_timeout));
       iv1::CreateSequenceResponse created;
-      DSA_RETURN_IF_ERROR(
+      absl::Status created_status =
           FromGrpc(peer->stub->CreateSequence(&call, create, &created),
-                   absl::StrCat("indexer worker ", peer->address, ": CreateSequence")));
+                   absl::StrCat("indexer worker ", peer->address, ": CreateSequence"));
+      if (!created_status.ok()) {
+        // A lost answer (deadline, connection) may hide a sequence the indexer did create: release
+        // it too (NOT_FOUND there is fine). A refusal created nothing.
+        indexer_created = IsTransportFailure(created_status.code());
+        return created_status;
+      }
     }
     indexer_created = true;
     const std::vector<uint64_t> ids(request.prefix_block_ids().begin(),
@@ -809,6 +816,9 @@ absl::Status AttentionServiceImpl::DoDecodeStep(const av1::DecodeStepRequest& re
                                                   absl::Now() + options_.select_timeout);
       const int num_groups = static_cast<int>(batch.members.size());
       if (!answer.ok()) {
+        if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) {
+          batch.peer->Transport().Forget(batch.request_ids[f]);  // a late answer is dropped
+        }
         const int applied = IsTransportFailure(answer.status().code())
                                 ? num_groups
                                 : AppliedGroups(answer.status(), num_groups);

@@ -48,8 +48,10 @@ struct AttentionWorkerOptions {
   int64_t kv_capacity_slots = int64_t{4} << 20;
   /// Seed of the KV cache and the attention queries (Philox4x32 key), see KvCacheRow.
   uint64_t seed = 0;
-  /// How long a decode step awaits one selection before it fails with DEADLINE_EXCEEDED.
-  absl::Duration select_timeout = absl::Seconds(60);
+  /// How long a decode step awaits one selection before it fails with DEADLINE_EXCEEDED; below the
+  /// coordinator's DecodeStep deadline (dsa-coordinator --rpc-timeout-ms, 30 s), so the worker
+  /// gives up before its caller does.
+  absl::Duration select_timeout = absl::Seconds(20);
   /// How long Prefill's unary indexer calls (GetLoad, CreateSequence, BeginTurn) may take.
   absl::Duration indexer_call_timeout = absl::Seconds(30);
   /// Threads that generate index keys and KV rows during Prefill (>= 1).
@@ -144,8 +146,10 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   /// seconds. Errors: INVALID_ARGUMENT (no sequences, rows outside 1..5, a sequence twice);
   /// NOT_FOUND; FAILED_PRECONDITION (a step awaits Commit, broken sequence); RESOURCE_EXHAUSTED
   /// (KV capacity; index-key cache); UNAVAILABLE / DEADLINE_EXCEEDED (indexer); the indexer's
-  /// status otherwise. On an error no sequence has advanced; see the class comment for those
-  /// marked broken (named in the message).
+  /// status otherwise. On an error every sequence's KV is rolled back; a sequence the indexer may
+  /// have advanced (an earlier full layer's select applied, or a group the indexer reports as
+  /// applied) is marked broken (named in the message, see the class comment); the others are
+  /// exactly as before the step.
   grpc::Status DecodeStep(grpc::ServerContext* context,
                           const dsa::attention::v1::DecodeStepRequest* request,
                           dsa::attention::v1::DecodeStepResponse* response) override;

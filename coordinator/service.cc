@@ -769,7 +769,8 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
       ApplyStep(worker, batch, rows, outcome);
       continue;
     }
-    // The batch failed and no sequence advanced: find the failing ones by stepping each alone,
+    // The batch failed; sequences the attention worker rolled back can go on: find the failing
+    // ones by stepping each alone (a sequence it marked broken fails again, FAILED_PRECONDITION),
     // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
     const bool hung = outcome.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     for (size_t i = 0; i < batch.size(); ++i) {

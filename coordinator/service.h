@@ -72,13 +72,17 @@ absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest
 /// the decode loop leaves a sequence whose queue is full out of its DecodeStep until the reader
 /// catches up. A slow reader slows only itself; memory per request stays bounded.
 ///
-/// Failures: a DecodeStep error is retried once per sequence alone (the attention worker
-/// guarantees no sequence advanced), so only the sequences that fail on their own end, with the
-/// worker's status; the others go on. DEADLINE_EXCEEDED (rpc_timeout_ms: a hung worker) ends the
-/// whole batch without retries. Abort and a client cancelling its stream end the request
-/// with CANCELLED at the decode loop's next iteration (queued ones at once). A stream's status is
-/// sent only after its sequence was released on the workers (or retained), so a client that saw
-/// the end finds that reflected in GetLoad and in the placement of its next request.
+/// Failures: a DecodeStep error is retried once per sequence alone, so the sequences the attention
+/// worker left intact (it rolls back every sequence the indexer did not apply) go on and only the
+/// failing ones end with the worker's status. A sequence the indexer may already have advanced for
+/// some layers before another sequence's failure is marked broken by the attention worker and ends
+/// too (FAILED_PRECONDITION naming the cause): a failure after the first full layer can thus end
+/// the batch's other sequences (docs/services.md, known limits). DEADLINE_EXCEEDED (rpc_timeout_ms:
+/// a hung worker) ends the whole batch without retries. Abort and a client cancelling its stream
+/// end the request with CANCELLED at the decode loop's next iteration (queued ones at once). A
+/// stream's status is sent only after its sequence was released on the workers (or retained), so a
+/// client that saw the end finds that reflected in GetLoad and in the placement of its next
+/// request.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
   /// Connects to every worker: GetInfo of each attention worker (their num_full_layers must agree)

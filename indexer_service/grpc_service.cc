@@ -141,9 +141,9 @@ absl::Status DecodeGroup(const Indexer& indexer, const v1::RowGroup& group, size
                                                            prefix + "head_weights"));
   DSA_RETURN_IF_ERROR(CheckFinite(decoded->queries, prefix + "queries"));
   DSA_RETURN_IF_ERROR(CheckFinite(decoded->weights, prefix + "head_weights"));
-  if (group.first_position() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "negative first_position ", group.first_position()));
+  if (group.first_position() < 0 || group.first_position() >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "first_position ", group.first_position(), " outside [0, 2^31) (a layer's slots)"));
   }
   auto slots = indexer.NumSlots(group.sequence_id(), group.layer());
   if (!slots.ok()) {
@@ -190,7 +190,9 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 }
 
 absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
-                       v1::SelectResponse* response, IndexerMetrics* metrics) {
+                       v1::SelectResponse* response, IndexerMetrics* metrics,
+                       int* groups_applied_out) {
+  if (groups_applied_out != nullptr) *groups_applied_out = 0;
   if (request.groups().empty())
     return absl::InvalidArgumentError("select needs at least one group");
   std::vector<DecodedGroup> decoded(request.groups_size());
@@ -247,6 +249,7 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   response->Clear();
   if (!results.ok()) {
     undo_appends(static_cast<int>(groups_applied));
+    if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);
     return results.status();
   }
   response->set_request_id(request.request_id());
@@ -367,11 +370,13 @@ grpc::Status IndexerServiceImpl::SelectStream(
   while (stream->Read(&request)) {
     // One stream carries many sequences' layers: a refused request gets its own status and the
     // others go on.
-    if (auto s = RunSelect(*indexer_, request, &response, metrics_); !s.ok()) {
+    int groups_applied = 0;
+    if (auto s = RunSelect(*indexer_, request, &response, metrics_, &groups_applied); !s.ok()) {
       response.Clear();
       response.set_request_id(request.request_id());
       response.mutable_error()->set_code(static_cast<int32_t>(s.code()));
       response.mutable_error()->set_message(std::string(s.message()));
+      response.mutable_error()->set_groups_applied(groups_applied);
     }
     UpdateCacheMetrics();
     if (!stream->Write(response)) {

@@ -46,9 +46,11 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 /// `response` gets request_id echoed and one GroupSelection per group, in order: selections int32
 /// [rows, K], best first, -1 padding; audit_miss_rates per row when the indexer audited the group.
 /// `metrics` (optional) records every group that ran.
+/// `groups_applied` (optional) gets the number of leading groups applied when it fails (0 unless a
+/// sequence has several groups).
 absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
                        dsa::indexer::v1::SelectResponse* response,
-                       IndexerMetrics* metrics = nullptr);
+                       IndexerMetrics* metrics = nullptr, int* groups_applied = nullptr);
 
 /// dsa.indexer.v1.IndexerService over a dsa::Indexer (and optional IndexerMetrics) that the caller
 /// owns and keeps alive for the server's lifetime. Thread-safe (the engine serializes its state;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 
 namespace dsa {
@@ -98,8 +99,16 @@ absl::StatusOr<v1::SelectResponse> GrpcStreamTransport::Await(uint64_t request_i
     responses_.erase(it);
     outstanding_.erase(request_id);
     if (response.has_error()) {  // the indexer refused this request; the stream goes on
-      return absl::Status(static_cast<absl::StatusCode>(response.error().code()),
-                          response.error().message());
+      const int code = response.error().code();
+      if (code < 1 || code > 16) {  // never OK, and only the codes gRPC defines
+        return absl::InternalError(absl::StrCat("indexer answered request ", request_id,
+                                                " with an invalid status code ", code, ": ",
+                                                response.error().message()));
+      }
+      absl::Status refused(static_cast<absl::StatusCode>(code), response.error().message());
+      refused.SetPayload(kGroupsAppliedPayload,
+                         absl::Cord(absl::StrCat(response.error().groups_applied())));
+      return refused;
     }
     return response;
   }
@@ -109,12 +118,27 @@ absl::StatusOr<v1::SelectResponse> GrpcStreamTransport::Await(uint64_t request_i
       absl::StrCat("selection stream ended before answering request ", request_id));
 }
 
+void GrpcStreamTransport::Forget(uint64_t request_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  outstanding_.erase(request_id);  // ReadLoop drops a later answer to an id not outstanding
+  responses_.erase(request_id);
+}
+
 absl::Status GrpcStreamTransport::Close() {
+  std::lock_guard<std::mutex> close_lock(close_mutex_);  // one closer at a time; later ones return
   {
     std::lock_guard<std::mutex> lock(write_mutex_);
     if (!writes_done_) {
       stream_->WritesDone();
       writes_done_ = true;
+    }
+  }
+  {
+    // As the destructor: give the indexer a moment to finish, then cancel, so Close never hangs
+    // on a dead peer.
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!arrived_.wait_for(lock, std::chrono::seconds(5), [this] { return ended_; })) {
+      context_.TryCancel();
     }
   }
   if (reader_.joinable()) reader_.join();

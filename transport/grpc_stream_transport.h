@@ -1,5 +1,6 @@
 // SelectionTransport over dsa.indexer.v1.IndexerService/SelectStream: one bidirectional gRPC stream
-// per (attention worker, indexer worker) pair; requests are written in order and answered in order.
+// per (attention worker, indexer worker) pair; the indexer answers requests in the order they
+// arrive (two threads submitting at once may write in either order; ids are matched, not assumed).
 #pragma once
 
 #include <condition_variable>
@@ -23,6 +24,7 @@ class GrpcStreamTransport final : public SelectionTransport {
   absl::StatusOr<uint64_t> Submit(dsa::indexer::v1::SelectRequest request) override;
   absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
                                                          absl::Time deadline) override;
+  void Forget(uint64_t request_id) override;
   absl::Status Close() override;
 
  private:
@@ -46,6 +48,7 @@ class GrpcStreamTransport final : public SelectionTransport {
   bool ended_ = false;         // the read side finished
   absl::Status final_status_;  // the stream's status once ended_
   bool closed_ = false;
+  std::mutex close_mutex_;  // serializes Close()
 };
 
 }  // namespace dsa

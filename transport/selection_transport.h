@@ -12,6 +12,10 @@
 
 namespace dsa {
 
+/// Payload (absl::Status::SetPayload) of a refused request's status from Await: the decimal number
+/// of leading groups the indexer applied before refusing it (SelectError.groups_applied).
+inline constexpr char kGroupsAppliedPayload[] = "type.dsa/indexer.v1.SelectError.groups_applied";
+
 /// Thread-safe: any thread may Submit and Await.
 class SelectionTransport {
  public:
@@ -30,8 +34,13 @@ class SelectionTransport {
   virtual absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
                                                                  absl::Time deadline) = 0;
 
-  /// Stops sending, lets the indexer finish what it has, and waits for the stream to end.
-  /// Returns the stream's final status. Idempotent.
+  /// Gives up on `request_id` (after a DEADLINE_EXCEEDED the caller will not await again): its
+  /// answer, now or later, is dropped, so abandoned requests hold no memory. Unknown ids: no-op.
+  virtual void Forget(uint64_t request_id) = 0;
+
+  /// Stops sending, lets the indexer finish what it has (up to 5 s, then the stream is
+  /// cancelled), and waits for the stream to end. Returns the stream's final status. Idempotent
+  /// and safe to call from several threads.
   virtual absl::Status Close() = 0;
 };
 

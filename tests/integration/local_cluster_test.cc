@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -109,7 +110,29 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
                                : process.name.rfind("dsa-attention", 0) == 0 ? "dsa_attention_"
                                                                              : "dsa_coordinator_";
     EXPECT_NE(metrics.find("\n" + family), std::string::npos) << process.name << ":\n" << metrics;
-    EXPECT_EQ(metrics.find("request_id"), std::string::npos) << process.name << ":\n" << metrics;
+    // Every label of every dsa_ sample is one of the bounded, non-request labels.
+    const std::set<std::string> allowed = {"phase", "state", "outcome", "layer", "le", "quantile"};
+    std::istringstream lines(metrics);
+    std::string line;
+    int dsa_samples = 0;
+    while (std::getline(lines, line)) {
+      if (line.rfind("dsa_", 0) != 0) continue;
+      ++dsa_samples;
+      const size_t open = line.find('{');
+      if (open == std::string::npos) continue;
+      const std::string labels = line.substr(open + 1, line.find('}', open) - open - 1);
+      size_t at = 0;
+      while (at < labels.size()) {
+        const size_t eq = labels.find('=', at);
+        ASSERT_NE(eq, std::string::npos) << line;
+        const std::string name = labels.substr(at, eq - at);
+        EXPECT_TRUE(allowed.contains(name)) << process.name << ": label " << name << " in " << line;
+        const size_t close_quote = labels.find('"', labels.find('"', eq) + 1);
+        at = labels.find_first_not_of(',', close_quote + 1);
+        if (at == std::string::npos) break;
+      }
+    }
+    EXPECT_GT(dsa_samples, 0) << process.name;
   }
   const absl::Status stopped = (*cluster)->Stop();
   EXPECT_TRUE(stopped.ok()) << stopped;

@@ -165,16 +165,18 @@ TEST(AggregateReplay, NothingAuditedOrVisible) {
 }
 
 TEST(ReusablePrefixSlots, LeadingRunOfWholeBlocksSeenBefore) {
-  // Request 0 shares nothing (nothing before it). Request 1 repeats ids 1, 2 then diverges: 2
-  // blocks. Request 2 starts with an unseen id: 0, though id 2 follows. Request 3 has 1,000 tokens
-  // (one whole block) of ids {1, 2}: 1 block; its partial second block never counts.
+  // Request 0 shares nothing (nothing before it); its 4 ids are whole blocks. Request 1 repeats
+  // ids 1, 2 then diverges: 2 blocks = 1024. Request 2 starts with an unseen id: 0, though id 2
+  // follows. Request 3 (1,000 tokens) has ids {1, 2}: a run of 2, capped at its context rounded
+  // down to 64: 960. Request 4 repeats id 9 (a whole block of request 2): 512. Request 5 starts
+  // with id 6 (a whole block of request 1), then the unseen 7: 512.
   const std::vector<TraceRequest> requests = {
-      {0, 2048, 1, {1, 2, 3, 4}},
-      {0, 2048, 1, {1, 2, 5, 6}},
-      {0, 1536, 1, {9, 2, 3}},
-      {0, 1000, 1, {1, 2}},
+      {0, 2048, 1, {1, 2, 3, 4}}, {0, 2048, 1, {1, 2, 5, 6}}, {0, 1536, 1, {9, 2, 3}},
+      {0, 1000, 1, {1, 2}},       {0, 600, 1, {9}},           {0, 700, 1, {6, 7}},
   };
-  EXPECT_EQ(ReusablePrefixSlots(requests), (2 + 0 + 1) * 512);
+  EXPECT_EQ(ReusablePrefixSlots(requests), 1024 + 0 + 960 + 512 + 512);
+  // A partial last block is never a donor: request 0's second block (1,000 tokens) is not whole.
+  EXPECT_EQ(ReusablePrefixSlots({{0, 1000, 1, {1, 2}}, {0, 2048, 1, {1, 2, 3, 4}}}), 512);
   EXPECT_EQ(ReusablePrefixSlots({}), 0);
 }
 

@@ -145,5 +145,44 @@ TEST_F(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswe
   }
 }
 
+TEST_F(TransportTest, AForgottenRequestIsNotCollectableAndTheStreamGoesOn) {
+  GrpcStreamTransport transport(channel_);
+  auto id = transport.Submit(Request(7, 0, kSlots - 1));
+  ASSERT_TRUE(id.ok());
+  transport.Forget(*id);
+  EXPECT_EQ(transport.Await(*id, absl::Now() + absl::Milliseconds(200)).status().code(),
+            absl::StatusCode::kNotFound);
+  transport.Forget(424242);  // unknown: no-op
+  auto next = transport.Submit(Request(7, 1, kSlots - 1));
+  ASSERT_TRUE(next.ok());
+  EXPECT_TRUE(transport.Await(*next, absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_TRUE(transport.Close().ok());
+  EXPECT_TRUE(transport.Close().ok());  // idempotent
+}
+
+TEST_F(TransportTest, ARefusalSaysHowManyGroupsTheIndexerApplied) {
+  GrpcStreamTransport transport(channel_);
+  // Distinct sequences, the second unknown: every check runs first, nothing is applied.
+  v1::SelectRequest distinct = Request(7, 0, kSlots - 1);
+  *distinct.add_groups() = Request(99, 0, kSlots - 1).groups(0);
+  auto id = transport.Submit(distinct);
+  ASSERT_TRUE(id.ok());
+  absl::Status refused = transport.Await(*id, absl::Now() + absl::Seconds(30)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(refused.GetPayload(kGroupsAppliedPayload).has_value());
+  EXPECT_EQ(std::string(*refused.GetPayload(kGroupsAppliedPayload)), "0");
+  // One sequence twice at the same layer and position: the groups run in order, the first is
+  // applied, the second is refused by the engine (its position is no longer after the last).
+  v1::SelectRequest repeated = Request(7, 0, kSlots - 1);
+  *repeated.add_groups() = Request(7, 0, kSlots - 1).groups(0);
+  id = transport.Submit(repeated);
+  ASSERT_TRUE(id.ok());
+  refused = transport.Await(*id, absl::Now() + absl::Seconds(30)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(refused.GetPayload(kGroupsAppliedPayload).has_value());
+  EXPECT_EQ(std::string(*refused.GetPayload(kGroupsAppliedPayload)), "1");
+  EXPECT_TRUE(transport.Close().ok());
+}
+
 }  // namespace
 }  // namespace dsa

@@ -307,15 +307,20 @@ double Mean(const std::vector<double>& values) {
 
 int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
   constexpr int64_t kBlock = 512;
-  absl::flat_hash_set<uint64_t> seen;
+  absl::flat_hash_set<uint64_t> seen;  // ids of whole blocks of earlier prompts
   int64_t reusable = 0;
   for (const TraceRequest& request : requests) {
-    const size_t whole_blocks = static_cast<size_t>(request.context_tokens / kBlock);
-    const size_t n = std::min(whole_blocks, request.prefix_block_ids.size());
     size_t run = 0;
-    while (run < n && seen.contains(request.prefix_block_ids[run])) ++run;
-    reusable += static_cast<int64_t>(run) * kBlock;
-    seen.insert(request.prefix_block_ids.begin(), request.prefix_block_ids.end());
+    while (run < request.prefix_block_ids.size() && seen.contains(request.prefix_block_ids[run])) {
+      ++run;
+    }
+    // As the coordinator shares: whole blocks of a donor's prompt, up to the context rounded down
+    // to the 64-slot cache block.
+    reusable +=
+        std::min<int64_t>(static_cast<int64_t>(run) * kBlock, request.context_tokens / 64 * 64);
+    const size_t whole = std::min(static_cast<size_t>(request.context_tokens / kBlock),
+                                  request.prefix_block_ids.size());
+    seen.insert(request.prefix_block_ids.begin(), request.prefix_block_ids.begin() + whole);
   }
   return reusable;
 }

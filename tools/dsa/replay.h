@@ -28,10 +28,11 @@ struct ReplayCaps {
 /// output length capped.
 std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const ReplayCaps& caps);
 
-/// The trace's own bound on prefix reuse: for each request, 512 slots for every whole prefix block
-/// of its (capped) prompt in the leading run of blocks whose id an earlier request of `requests`
-/// also had (ids are chained hashes, so an equal id means an equal prefix up to that block). What
-/// an indexer that kept every earlier prefix forever, with no concurrency, could share.
+/// The trace's own bound on prefix reuse, by the coordinator's sharing rule: for each request, the
+/// leading run of its prefix block ids that earlier requests of `requests` had as whole blocks of
+/// their prompts (ids are chained hashes, so an equal id means an equal prefix up to that block),
+/// times 512 slots, capped at its context rounded down to 64. What a cluster that kept every
+/// earlier prompt forever, with no concurrency, could share.
 int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests);
 
 /// How to replay.
