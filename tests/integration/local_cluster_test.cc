@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -110,6 +111,22 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
                                : process.name.rfind("dsa-attention", 0) == 0 ? "dsa_attention_"
                                                                              : "dsa_coordinator_";
     EXPECT_NE(metrics.find("\n" + family), std::string::npos) << process.name << ":\n" << metrics;
+    // The families DESIGN.md section 6 names, each with samples ("# TYPE name" and a sample line).
+    const std::map<std::string, std::vector<std::string>> named = {
+        {"dsa_indexer_",
+         {"dsa_indexer_select_duration_seconds", "dsa_indexer_blocks_scored_total",
+          "dsa_indexer_blocks_visible_total", "dsa_indexer_miss_rate", "dsa_indexer_cache_blocks"}},
+        {"dsa_attention_", {"dsa_attention_selection_wait_seconds"}},
+        {"dsa_coordinator_",
+         {"dsa_coordinator_time_to_first_token_seconds",
+          "dsa_coordinator_inter_token_latency_seconds", "dsa_coordinator_queue_duration_seconds",
+          "dsa_coordinator_requests_total", "dsa_coordinator_spec_decode_draft_tokens_total",
+          "dsa_coordinator_spec_decode_accepted_tokens_total"}}};
+    for (const std::string& name : named.at(family)) {
+      EXPECT_NE(metrics.find("# TYPE " + name + " "), std::string::npos)
+          << process.name << " lacks " << name;
+      EXPECT_NE(metrics.find("\n" + name), std::string::npos) << process.name << " lacks " << name;
+    }
     // Every label of every dsa_ sample is one of the bounded, non-request labels.
     const std::set<std::string> allowed = {"phase", "state", "outcome", "layer", "le", "quantile"};
     std::istringstream lines(metrics);
