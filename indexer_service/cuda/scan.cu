@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "indexer_service/cuda/fp8_device.cuh"
 #include "indexer_service/cuda/scan.h"
@@ -110,15 +111,16 @@ size_t CudaCoreSmemBytes(int head_dim) {
 }
 
 // ---- tensor-core scan ----------------------------------------------------------------------
-// Query-stationary bf16 mma.sync m16n8k16 (fp32 accumulation). A CTA of 4 warps takes a chunk of
+// Query-stationary f16 mma.sync m16n8k16 (fp32 accumulation). A CTA of 4 warps takes a chunk of
 // consecutive entries of the flattened block list (possibly spanning groups) and streams the
-// blocks through a ring of kStages shared-memory stages with cp.async, so the next blocks' loads
-// overlap the current block's math. Warp w owns slots [16 w, 16 w + 16) of each block: A = keys
-// (16 slots x head_dim, fp8 read straight from shared memory and widened to bf16 exactly in
-// registers, each key byte once), B = the row's query (head_dim x num_heads bf16, held in
-// registers while consecutive blocks belong to the same row), N = heads. The epilogue applies
-// ReLU and the head weights to the accumulators, sums the heads inside the thread and across the
-// 4 lanes of a quad, scales by s_i and masks.
+// blocks through a ring of kStages shared-memory stages, one bulk asynchronous copy (TMA) a block
+// completing on the stage's mbarrier, so the next blocks' loads overlap the current block's math.
+// Warp w owns slots [16 w, 16 w + 16) of each block: A = keys (16 slots x head_dim, fp8 read
+// straight from shared memory and widened to f16 exactly in registers, each key byte once), B =
+// the row's query (head_dim x num_heads f16, held in registers with the row's head weights while
+// consecutive blocks belong to the same row), N = heads. The epilogue applies ReLU and the head
+// weights to the accumulators, sums the heads inside the thread and across the 4 lanes of a quad,
+// scales by s_i and masks.
 //
 // K is permuted (the dot product does not care, as long as A and B agree): k-step k, lane quad
 // position c, register half j take dim (k / 4) * 64 + 16 c + 4 (k % 4) + {0, 1} (a0/a1, b0) and
@@ -128,32 +130,47 @@ namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStages = 8;      // 8 x 12.5 KiB at D = 128: ~50 KiB in flight per CTA
+constexpr int kStages = 8;      // 8 x 8.25 KiB at D = 128: 7 blocks in flight per CTA
 constexpr int kMaxChunk = 256;  // blocks per CTA
 
-// Shared-memory key row stride in bytes: conflict-free 16-byte loads (rows r and r + 1 of one
-// quarter-warp land 64 bytes apart modulo 128).
-template <int kHeadDim>
-__host__ __device__ constexpr int RowBytes() {
-  return kHeadDim % 128 == 0 ? kHeadDim + 64 : kHeadDim;
-}
+// A stage is one whole cache block as the pool holds it (64 x kHeadDim codes, then 64 scales),
+// brought in by one bulk asynchronous copy (TMA) that completes on the stage's mbarrier. The
+// 16-byte key loads of a quarter-warp (rows g, g + 1, 128 bytes apart) hit the same banks twice:
+// a 2-way conflict on 2 x kHeadDim / 64 shared loads a warp a block, cheaper than the ~4 cp.async
+// (with their address arithmetic) a thread a block that a padded layout needed.
 template <int kHeadDim>
 __host__ __device__ constexpr int StageBytes() {
-  return kCacheBlockSize * RowBytes<kHeadDim>() + kCacheBlockSize * 4;
+  return kCacheBlockSize * (kHeadDim + 4);
 }
 template <int kHeadDim>
 constexpr size_t SmemBytes() {
-  return size_t{kStages} * StageBytes<kHeadDim>() + kMaxChunk * (4 + 4 + 4 + 8);
+  return size_t{kStages} * StageBytes<kHeadDim>() + kStages * 8 + kMaxChunk * (4 + 4 + 4 + 8);
 }
 
-__device__ inline void CpAsync16(void* smem, const void* global) {
-  const uint32_t address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
+__device__ inline uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ inline void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ inline void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+__device__ inline void MbarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(SmemAddress(bar)));
+}
+// One thread: expects `bytes` on `bar` and starts the bulk copy that delivers them.
+__device__ inline void BulkLoad(void* smem, const void* global, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddress(bar)),
+               "r"(bytes)
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddress(smem)),
+      "l"(global), "r"(bytes), "r"(SmemAddress(bar))
+      : "memory");
+}
+__device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(SmemAddress(bar)),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -192,6 +209,14 @@ __host__ __device__ inline QueryWorkspace SplitWorkspace(void* workspace, const 
   return w;
 }
 
+// The row's scale exponent e: 2^e amax lies in [2^14, 2^15) (e clamped to [-100, 100]; 0 for an
+// all-zero row).
+__device__ inline int QueryExponent(float amax) {
+  int exponent = 0;  // amax = m 2^exponent, m in [0.5, 1)
+  frexpf(amax, &exponent);
+  return amax > 0.0f ? max(-100, min(100, 15 - exponent)) : 0;
+}
+
 constexpr int kPrepareThreads = 256;
 
 __global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams p) {
@@ -210,9 +235,7 @@ __global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams
   __syncthreads();
   amax = 0.0f;
   for (int i = 0; i < kPrepareThreads / 32; ++i) amax = fmaxf(amax, warp_max[i]);
-  int exponent = 0;  // amax = m 2^exponent, m in [0.5, 1)
-  frexpf(amax, &exponent);
-  const int e = amax > 0.0f ? max(-100, min(100, 15 - exponent)) : 0;
+  const int e = QueryExponent(amax);
   const QueryWorkspace w = SplitWorkspace(p.workspace, p);
   for (int64_t i = threadIdx.x; i < size; i += kPrepareThreads) {
     w.query[r * size + i] = __float2half_rn(ldexpf(__bfloat162float(q[i]), e));
@@ -224,16 +247,16 @@ __global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams
 }
 
 template <int kHeads, int kHeadDim>
-__global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p, int chunk) {
-  constexpr int kRowBytes = RowBytes<kHeadDim>();
+__global__ void __launch_bounds__(kThreads, 2)
+    ScanTensorCoreKernel(ScanParams p, int chunk, bool convert_query) {
   constexpr int kStageBytes = StageBytes<kHeadDim>();
   constexpr int kGroups64 = kHeadDim / 64;  // 64-dim groups: one 16-byte load per key row each
   constexpr int kSteps = kHeadDim / 16;
   constexpr int kTiles = kHeads / 8;
-  constexpr int kChunksPerRow = kHeadDim / 16;
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stages = smem;
-  int32_t* s_pool_block = reinterpret_cast<int32_t*>(smem + kStages * kStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  int32_t* s_pool_block = reinterpret_cast<int32_t*>(full + kStages);
   int32_t* s_group = s_pool_block + kMaxChunk;
   int32_t* s_logical = s_group + kMaxChunk;
   int64_t* s_entry_block = reinterpret_cast<int64_t*>(s_logical + kMaxChunk);
@@ -241,6 +264,10 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
   const int count = static_cast<int>(min(int64_t{chunk}, p.total_blocks - first));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) MbarrierInit(&full[s]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   for (int i = threadIdx.x; i < count; i += kThreads) {
     const BlockWork w = FindBlockWork(p, first + i);
     s_pool_block[i] = p.block_tables[p.group_table_offset[w.group] + w.logical_block];
@@ -251,46 +278,88 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
   __syncthreads();
 
   const int64_t block_bytes = CacheBlockBytes(kHeadDim);
+  // Thread 0 starts block i into stage i % kStages (whose previous block every thread is done
+  // with: the caller has passed a __syncthreads after it).
   auto load_stage = [&](int i) {
-    if (i < count) {
-      const uint8_t* block = p.pool + block_bytes * s_pool_block[i];
-      uint8_t* stage = stages + (i % kStages) * kStageBytes;
-      for (int c = threadIdx.x; c < kCacheBlockSize * kChunksPerRow + 16; c += kThreads) {
-        if (c < kCacheBlockSize * kChunksPerRow) {
-          const int row = c / kChunksPerRow, col = c % kChunksPerRow;
-          CpAsync16(stage + row * kRowBytes + col * 16, block + row * kHeadDim + col * 16);
-        } else {
-          const int j = c - kCacheBlockSize * kChunksPerRow;
-          CpAsync16(stage + kCacheBlockSize * kRowBytes + j * 16,
-                    block + kCacheBlockSize * kHeadDim + j * 16);
-        }
-      }
+    if (threadIdx.x == 0 && i < count) {
+      BulkLoad(stages + (i % kStages) * kStageBytes, p.pool + block_bytes * s_pool_block[i],
+               kStageBytes, &full[i % kStages]);
     }
-    CpAsyncCommit();  // an empty group past the end keeps the wait counts uniform
   };
   for (int i = 0; i < kStages - 1; ++i) load_stage(i);
 
   const QueryWorkspace workspace = SplitWorkspace(p.workspace, p);
-  const __half* query = workspace.query;
-  uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments
+  uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments (f16, scaled by 2^e)
+  float2 wt[kTiles];              // its head weights n * 8 + 2 quad + {0, 1}, scaled by 2^-e
   int loaded_row = -1;
   auto load_query = [&](int r) {
+    if (convert_query) {
+      // The bf16 query straight from p.query: the warp's lanes hold all of it between them, so
+      // the row's largest magnitude is a warp reduction; then the same f16 copy and weights as
+      // PrepareQueryKernel writes (x 2^e is exact in fp32, as ldexpf is).
+      const __nv_bfloat16* query = static_cast<const __nv_bfloat16*>(p.query);
+      __nv_bfloat162 amax2 = __floats2bfloat162_rn(0.0f, 0.0f);
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      const __half* q =
-          query + (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim + 16 * quad;
+      for (int n = 0; n < kTiles; ++n) {
+        const __nv_bfloat16* q =
+            query + (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim + 16 * quad;
 #pragma unroll
-      for (int g64 = 0; g64 < kGroups64; ++g64) {
-        const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
-        const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
-        b[n][g64 * 4 + 0][0] = low.x;
-        b[n][g64 * 4 + 0][1] = low.y;
-        b[n][g64 * 4 + 1][0] = low.z;
-        b[n][g64 * 4 + 1][1] = low.w;
-        b[n][g64 * 4 + 2][0] = high.x;
-        b[n][g64 * 4 + 2][1] = high.y;
-        b[n][g64 * 4 + 3][0] = high.z;
-        b[n][g64 * 4 + 3][1] = high.w;
+        for (int g64 = 0; g64 < kGroups64; ++g64) {
+          const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
+          const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
+          const uint32_t words[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            b[n][g64 * 4 + j / 2][j % 2] = words[j];
+            __nv_bfloat162 v;
+            memcpy(&v, &words[j], 4);
+            amax2 = __hmax2(amax2, __habs2(v));  // NaN ignored, as fmaxf does
+          }
+        }
+      }
+      float amax = fmaxf(__low2float(amax2), __high2float(amax2));
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      const int e = QueryExponent(amax);
+      const float scale = ldexpf(1.0f, e);  // 2^e, e in [-100, 100]: a normal float
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+#pragma unroll
+        for (int k = 0; k < kSteps; ++k) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t word = b[n][k][h];
+            const __half2 f16 = __floats2half2_rn(__uint_as_float(word << 16) * scale,
+                                                  __uint_as_float(word & 0xffff0000u) * scale);
+            memcpy(&b[n][k][h], &f16, 4);
+          }
+        }
+        const float* w = p.head_weights + static_cast<int64_t>(r) * kHeads + n * 8 + 2 * quad;
+        wt[n] = make_float2(ldexpf(w[0], -e), ldexpf(w[1], -e));
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) {
+        const __half* q = workspace.query +
+                          (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim +
+                          16 * quad;
+#pragma unroll
+        for (int g64 = 0; g64 < kGroups64; ++g64) {
+          const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
+          const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
+          b[n][g64 * 4 + 0][0] = low.x;
+          b[n][g64 * 4 + 0][1] = low.y;
+          b[n][g64 * 4 + 1][0] = low.z;
+          b[n][g64 * 4 + 1][1] = low.w;
+          b[n][g64 * 4 + 2][0] = high.x;
+          b[n][g64 * 4 + 2][1] = high.y;
+          b[n][g64 * 4 + 3][0] = high.z;
+          b[n][g64 * 4 + 3][1] = high.w;
+        }
+        wt[n] = *reinterpret_cast<const float2*>(
+            workspace.weights + static_cast<int64_t>(r) * kHeads + n * 8 + 2 * quad);
       }
     }
     loaded_row = r;
@@ -301,11 +370,11 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
   }
   const int slot_low = warp * 16 + lane / 4;  // A rows slot_low and slot_low + 8
   for (int i = 0; i < count; ++i) {
-    CpAsyncWait<kStages - 2>();
-    __syncthreads();  // stage i is complete for everyone; stage i - 1 is free
+    MbarrierWait(&full[i % kStages], (i / kStages) & 1);
+    __syncthreads();  // every thread is done with block i - 1: its stage may be refilled
     load_stage(i + kStages - 1);
     const uint8_t* stage = stages + (i % kStages) * kStageBytes;
-    const float* scales = reinterpret_cast<const float*>(stage + kCacheBlockSize * kRowBytes);
+    const float* scales = reinterpret_cast<const float*>(stage + kCacheBlockSize * kHeadDim);
     const int g = s_group[i];
     const int64_t logical = s_logical[i], entry_block = s_entry_block[i];
     const int64_t num_slots = p.group_num_slots[g];
@@ -318,8 +387,8 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
 #pragma unroll
       for (int g64 = 0; g64 < kGroups64; ++g64) {
         const uint4 top =
-            *reinterpret_cast<const uint4*>(stage + slot_low * kRowBytes + g64 * 64 + 16 * quad);
-        const uint4 bottom = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kRowBytes +
+            *reinterpret_cast<const uint4*>(stage + slot_low * kHeadDim + g64 * 64 + 16 * quad);
+        const uint4 bottom = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim +
                                                              g64 * 64 + 16 * quad);
         const uint32_t top_words[4] = {top.x, top.y, top.z, top.w};
         const uint32_t bottom_words[4] = {bottom.x, bottom.y, bottom.z, bottom.w};
@@ -335,15 +404,13 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
         }
       }
       // acc[n][0..1]: slot slot_low, heads n * 8 + 2 quad + {0, 1}; acc[n][2..3]: slot_low + 8.
-      const float* weights = workspace.weights + static_cast<int64_t>(r) * kHeads + 2 * quad;
       float low = 0.0f, high = 0.0f;
 #pragma unroll
       for (int n = 0; n < kTiles; ++n) {
-        const float2 w = *reinterpret_cast<const float2*>(weights + n * 8);
-        low += w.x * (acc[n][0] < 0.0f ? 0.0f : acc[n][0]) +
-               w.y * (acc[n][1] < 0.0f ? 0.0f : acc[n][1]);
-        high += w.x * (acc[n][2] < 0.0f ? 0.0f : acc[n][2]) +
-                w.y * (acc[n][3] < 0.0f ? 0.0f : acc[n][3]);
+        low += wt[n].x * (acc[n][0] < 0.0f ? 0.0f : acc[n][0]) +
+               wt[n].y * (acc[n][1] < 0.0f ? 0.0f : acc[n][1]);
+        high += wt[n].x * (acc[n][2] < 0.0f ? 0.0f : acc[n][2]) +
+                wt[n].y * (acc[n][3] < 0.0f ? 0.0f : acc[n][3]);
       }
       low += __shfl_xor_sync(0xffffffffu, low, 1);
       low += __shfl_xor_sync(0xffffffffu, low, 2);
@@ -359,7 +426,11 @@ __global__ void __launch_bounds__(kThreads, 2) ScanTensorCoreKernel(ScanParams p
       }
     }
   }
-  CpAsyncWait<0>();
+}
+
+ScanQueryPrep ResolveQueryPrep(const ScanParams& p) {
+  if (p.query_prep != ScanQueryPrep::kAuto) return p.query_prep;
+  return p.num_rows <= p.num_groups ? ScanQueryPrep::kInKernel : ScanQueryPrep::kWorkspace;
 }
 
 template <int kHeads, int kHeadDim>
@@ -371,7 +442,10 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  PrepareQueryKernel<<<static_cast<unsigned>(p.num_rows), kPrepareThreads, 0, stream>>>(p);
+  const bool convert_query = ResolveQueryPrep(p) == ScanQueryPrep::kInKernel;
+  if (!convert_query) {
+    PrepareQueryKernel<<<static_cast<unsigned>(p.num_rows), kPrepareThreads, 0, stream>>>(p);
+  }
   int device = 0, num_sms = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
@@ -383,10 +457,10 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
   int64_t chunk = (p.total_blocks + ctas_wanted - 1) / ctas_wanted;
   chunk = chunk < 1 ? 1 : (chunk > kMaxChunk ? kMaxChunk : chunk);
   const int64_t grid = (p.total_blocks + chunk - 1) / chunk;
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, static_cast<int>(chunk));
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, static_cast<int>(chunk),
+                                                                  convert_query);
   return cudaGetLastError();
 }
-
 }  // namespace tc
 
 bool CheckCommon(const ScanParams& p, const char** reason) {
@@ -412,6 +486,7 @@ bool CheckCommon(const ScanParams& p, const char** reason) {
 }  // namespace
 
 size_t ScanTensorCoresScratchBytes(const ScanParams& p) {
+  if (p.query_prep == ScanQueryPrep::kInKernel) return 0;
   if (p.num_rows <= 0 || p.num_heads <= 0 || p.head_dim <= 0) return 0;
   return size_t{1} * p.num_rows * p.num_heads * (size_t{2} * p.head_dim + 4);
 }
@@ -438,7 +513,10 @@ bool CanImplementScanTensorCores(const ScanParams& p, const char** why) {
       reason = "num_heads is not 16, 32 or 64";
     } else if (p.query_dtype != QueryDtype::kBFloat16) {
       reason = "query_dtype is not bf16";
-    } else if (p.total_blocks > 0 &&
+    } else if (p.query_prep != ScanQueryPrep::kAuto && p.query_prep != ScanQueryPrep::kWorkspace &&
+               p.query_prep != ScanQueryPrep::kInKernel) {
+      reason = "query_prep is not a ScanQueryPrep";
+    } else if (p.total_blocks > 0 && ScanTensorCoresScratchBytes(p) > 0 &&
                (p.workspace == nullptr || p.workspace_bytes < ScanTensorCoresScratchBytes(p))) {
       reason = "workspace missing or smaller than ScanTensorCoresScratchBytes";
     }

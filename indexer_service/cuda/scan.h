@@ -14,6 +14,22 @@ namespace dsa::cuda {
 /// Element type of the indexer queries.
 enum class QueryDtype : int { kFloat32 = 0, kBFloat16 = 1 };
 
+/// Where the tensor-core scan converts the bf16 query to its f16 form (a per-row power-of-two
+/// scale folded into the head weights). Both give the same scores, bit for bit.
+enum class ScanQueryPrep : int {
+  /// kInKernel when num_rows <= num_groups (on average at most one row a group: each row's
+  /// query is then converted about once per CTA), kWorkspace otherwise. The
+  /// workspace is still required (ScanTensorCoresScratchBytes), so the choice never changes the
+  /// contract.
+  kAuto = 0,
+  /// A first kernel converts every row once into the workspace; the scan reads it (two launches;
+  /// best when groups have verifier rows, whose queries the scan reloads for every block).
+  kWorkspace = 1,
+  /// One launch: each warp converts its row's bf16 query in registers when it loads it (no
+  /// workspace; best for one row a group and short contexts, where the second launch dominated).
+  kInKernel = 2,
+};
+
 /// One scan launch. All pointers are device pointers. A group is the rows of one (sequence, layer)
 /// cache that score the same logical blocks; rows of group g are [group_first_row[g],
 /// group_first_row[g + 1]) and its blocks are logical_blocks[group_block_offset[g] ..
@@ -59,8 +75,11 @@ struct ScanParams {
   /// logical_blocks[group_block_offset[g] + j] * 64 + s, or -inf past the row's position or the
   /// group's filled slots (ScoreBlocks' layout).
   float* scores = nullptr;
+  /// Tensor-core scan only: where the query is converted (see ScanQueryPrep).
+  ScanQueryPrep query_prep = ScanQueryPrep::kAuto;
   /// Device scratch for the tensor-core scan (the query converted once per launch), 16-byte
-  /// aligned, at least ScanTensorCoresScratchBytes(params) bytes; unused by the CUDA-core scan.
+  /// aligned, at least ScanTensorCoresScratchBytes(params) bytes (none with kInKernel); unused by
+  /// the CUDA-core scan.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -69,25 +88,28 @@ struct ScanParams {
 /// queries): one CTA per (group, block). On false, *why (when not null) names the reason.
 bool CanImplementScanCudaCores(const ScanParams& params, const char** why = nullptr);
 /// The tensor-core scan (f16 mma.sync m16n8k16, fp32 accumulation; fp8 keys widened to f16 exactly
-/// in registers by one instruction a pair; the bf16 query converted once per launch into the
-/// workspace as f16 with a per-row power-of-two scale, folded back through the head weights;
-/// query-stationary, cp.async-pipelined): bf16 queries, head_dim 64 or 128, num_heads 16, 32 or
-/// 64, a workspace of ScanTensorCoresScratchBytes.
+/// in registers by one instruction a pair; the bf16 query converted to f16 with a per-row
+/// power-of-two scale, folded back through the head weights, either once per launch into the
+/// workspace or in registers by the scan itself (ScanQueryPrep); query-stationary, whole cache
+/// blocks pipelined through shared memory by bulk asynchronous copies (TMA)): bf16 queries,
+/// head_dim 64 or 128, num_heads 16, 32 or 64, a workspace of ScanTensorCoresScratchBytes (none
+/// needed when query_prep is kInKernel).
 bool CanImplementScanTensorCores(const ScanParams& params, const char** why = nullptr);
 
 /// Workspace bytes of the CUDA-core scan: none.
 inline size_t ScanCudaCoresScratchBytes(const ScanParams&) { return 0; }
 /// Workspace bytes of the tensor-core scan: num_rows x num_heads x (2 head_dim + 4) (the f16
-/// query and the scaled fp32 head weights).
+/// query and the scaled fp32 head weights); 0 when query_prep is kInKernel. kAuto asks for the
+/// full size even where the launch then converts in the kernel.
 size_t ScanTensorCoresScratchBytes(const ScanParams& params);
 
 /// Launches the CUDA-core scan on `stream` (asynchronous). Scores match ScoreBlocks up to fp32
 /// accumulation order. cudaErrorInvalidValue when CanImplementScanCudaCores fails.
 cudaError_t LaunchScanCudaCores(const ScanParams& params, cudaStream_t stream);
-/// Launches the tensor-core scan on `stream` (asynchronous; two kernels: the query conversion,
-/// then the scan). Same scores as ScoreBlocks with the query rounded to bf16, up to accumulation
-/// order and the f16 rounding of query elements below 2^-28 of their row's largest.
-/// cudaErrorInvalidValue when CanImplementScanTensorCores fails.
+/// Launches the tensor-core scan on `stream` (asynchronous; with kWorkspace two kernels: the
+/// query conversion, then the scan; with kInKernel one). Same scores as ScoreBlocks with the query
+/// rounded to bf16, up to accumulation order and the f16 rounding of query elements below 2^-28 of
+/// their row's largest. cudaErrorInvalidValue when CanImplementScanTensorCores fails.
 cudaError_t LaunchScanTensorCores(const ScanParams& params, cudaStream_t stream);
 
 }  // namespace dsa::cuda

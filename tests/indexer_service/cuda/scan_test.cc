@@ -28,7 +28,9 @@ using testing::FromBf16Bits;
 using testing::NoUsableGpu;
 using testing::ToBf16Bits;
 
-enum class Kernel { kCudaCores, kTensorCores };
+// The tensor-core scan with each query preparation (ScanQueryPrep): kAuto, the workspace kernel,
+// and the conversion in the scan kernel, each over every shape.
+enum class Kernel { kCudaCores, kTensorCores, kTensorCoresWorkspace, kTensorCoresInKernel };
 
 struct GroupShape {
   int64_t num_slots;
@@ -163,7 +165,11 @@ void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
   sizes.num_rows = num_rows;
   sizes.num_heads = batch.num_heads;
   sizes.head_dim = batch.head_dim;
-  DeviceBuffer workspace(kernel == Kernel::kTensorCores ? ScanTensorCoresScratchBytes(sizes) : 0);
+  const bool tensor_cores = kernel != Kernel::kCudaCores;
+  sizes.query_prep = kernel == Kernel::kTensorCoresWorkspace  ? ScanQueryPrep::kWorkspace
+                     : kernel == Kernel::kTensorCoresInKernel ? ScanQueryPrep::kInKernel
+                                                              : ScanQueryPrep::kAuto;
+  DeviceBuffer workspace(tensor_cores ? ScanTensorCoresScratchBytes(sizes) : 0);
   ASSERT_TRUE(pool.ok() && d_scores.ok());
   if (total_entries > 0) {
     DSA_CUDA_OK(cudaMemset(d_scores.as<void>(), 0x7f, total_entries * sizeof(float)));  // NaN
@@ -187,6 +193,7 @@ void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
   p.row_position = d_position.as<int64_t>();
   p.row_score_offset = d_score_offset.as<int64_t>();
   p.scores = d_scores.as<float>();
+  p.query_prep = sizes.query_prep;
   p.workspace = workspace.as<void>();
   p.workspace_bytes = workspace.bytes();
   const char* why = nullptr;
@@ -290,9 +297,20 @@ TEST_P(ScanGrid, MatchesScoreBlocksWithSmallerHeads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, ScanGrid,
-                         ::testing::Values(Kernel::kCudaCores, Kernel::kTensorCores),
+                         ::testing::Values(Kernel::kCudaCores, Kernel::kTensorCores,
+                                           Kernel::kTensorCoresWorkspace,
+                                           Kernel::kTensorCoresInKernel),
                          [](const auto& info) {
-                           return info.param == Kernel::kCudaCores ? "CudaCores" : "TensorCores";
+                           switch (info.param) {
+                             case Kernel::kCudaCores:
+                               return "CudaCores";
+                             case Kernel::kTensorCores:
+                               return "TensorCores";
+                             case Kernel::kTensorCoresWorkspace:
+                               return "TensorCoresWorkspace";
+                             default:
+                               return "TensorCoresInKernel";
+                           }
                          });
 
 TEST_P(ScanGrid, MatchesScoreBlocksForQueriesOfAnyMagnitude) {
@@ -324,6 +342,15 @@ TEST(Scan, RefusesShapesItCannotRun) {
   p.total_blocks = 1;  // blocks to score but no workspace
   EXPECT_FALSE(CanImplementScanTensorCores(p, &why));
   p.total_blocks = 0;
+  p.num_rows = 3;  // the workspace: none when the scan converts the query itself
+  EXPECT_EQ(ScanTensorCoresScratchBytes(p), size_t{3} * 64 * (2 * 128 + 4));
+  p.query_prep = ScanQueryPrep::kWorkspace;
+  EXPECT_EQ(ScanTensorCoresScratchBytes(p), size_t{3} * 64 * (2 * 128 + 4));
+  p.query_prep = ScanQueryPrep::kInKernel;
+  EXPECT_EQ(ScanTensorCoresScratchBytes(p), size_t{0});
+  p.query_prep = static_cast<ScanQueryPrep>(7);
+  EXPECT_FALSE(CanImplementScanTensorCores(p, &why));
+  p.query_prep = ScanQueryPrep::kAuto;
   p.num_heads = 24;
   EXPECT_FALSE(CanImplementScanTensorCores(p, &why));
   p.head_dim = 300;
