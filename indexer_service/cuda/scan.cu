@@ -142,9 +142,12 @@ template <int kHeadDim>
 __host__ __device__ constexpr int StageBytes() {
   return kCacheBlockSize * (kHeadDim + 4);
 }
-template <int kHeadDim>
+// Shared memory: the stages, the row's converted query (f16) and head weights (kInKernel), the
+// stages' mbarriers, the chunk's block addresses, and the warps' largest magnitudes.
+template <int kHeads, int kHeadDim>
 constexpr size_t SmemBytes() {
-  return size_t{kStages} * StageBytes<kHeadDim>() + kStages * 8 + kMaxChunk * (4 + 4 + 4 + 8);
+  return size_t{kStages} * StageBytes<kHeadDim>() + size_t{2} * kHeads * kHeadDim + 4 * kHeads +
+         kStages * 8 + kMaxChunk * (4 + 4 + 4 + 8) + 4 * kWarps;
 }
 
 __device__ inline uint32_t SmemAddress(const void* p) {
@@ -181,14 +184,23 @@ __device__ inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two E4M3 codes (low byte first) -> two f16 (low half first): one instruction, exact (every E4M3
-// value is a normal f16 or zero; NaN codes, only in unfilled and masked slots, stay NaN).
-__device__ inline uint32_t Fp8x2ToF16x2(uint32_t codes16) {
-  uint32_t half2;
-  asm("{\n .reg .b16 c;\n cvt.u16.u32 c, %1;\n cvt.rn.f16x2.e4m3x2 %0, c;\n}\n"
-      : "=r"(half2)
-      : "r"(codes16));
-  return half2;
+// Four E4M3 codes (low byte first) -> two pairs of f16 (low half first): codes 0, 1 in *low,
+// 2, 3 in *high; one instruction a pair, exact (every E4M3 value is a normal f16 or zero; NaN
+// codes, only in unfilled and masked slots, stay NaN). The pairs are the halves of the word, so
+// nothing masks or shifts them out.
+__device__ inline void Fp8x4ToF16x2x2(uint32_t codes, uint32_t& low, uint32_t& high) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(low), "=r"(high)
+      : "r"(codes));
+}
+
+// ReLU that lets NaN through (as `x < 0 ? 0 : x` and the CPU's std::max(dot, 0) do): one
+// instruction.
+__device__ inline float ReluKeepNaN(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // The query workspace: each row's query in f16, scaled by a power of two 2^e_r chosen so that its
@@ -255,11 +267,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kTiles = kHeads / 8;
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stages = smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  __half* s_query = reinterpret_cast<__half*>(smem + kStages * kStageBytes);
+  float* s_weights = reinterpret_cast<float*>(s_query + kHeads * kHeadDim);
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_weights + kHeads);
   int32_t* s_pool_block = reinterpret_cast<int32_t*>(full + kStages);
   int32_t* s_group = s_pool_block + kMaxChunk;
   int32_t* s_logical = s_group + kMaxChunk;
   int64_t* s_entry_block = reinterpret_cast<int64_t*>(s_logical + kMaxChunk);
+  float* s_amax = reinterpret_cast<float*>(s_entry_block + kMaxChunk);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
@@ -292,29 +307,48 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments (f16, scaled by 2^e)
   float2 wt[kTiles];              // its head weights n * 8 + 2 quad + {0, 1}, scaled by 2^-e
   int loaded_row = -1;
+  // The B fragments (and weights) of a row from its f16 copy: the workspace's or the CTA's.
+  auto load_fragments = [&](const __half* row_query, const float* row_weights) {
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      const __half* q = row_query + (n * 8 + lane / 4) * kHeadDim + 16 * quad;
+#pragma unroll
+      for (int g64 = 0; g64 < kGroups64; ++g64) {
+        const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
+        const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
+        b[n][g64 * 4 + 0][0] = low.x;
+        b[n][g64 * 4 + 0][1] = low.y;
+        b[n][g64 * 4 + 1][0] = low.z;
+        b[n][g64 * 4 + 1][1] = low.w;
+        b[n][g64 * 4 + 2][0] = high.x;
+        b[n][g64 * 4 + 2][1] = high.y;
+        b[n][g64 * 4 + 3][0] = high.z;
+        b[n][g64 * 4 + 3][1] = high.w;
+      }
+      wt[n] = *reinterpret_cast<const float2*>(row_weights + n * 8 + 2 * quad);
+    }
+  };
+  // Called by every thread of the CTA for the same rows in the same order (the barriers below).
   auto load_query = [&](int r) {
     if (convert_query) {
-      // The bf16 query straight from p.query: the warp's lanes hold all of it between them, so
-      // the row's largest magnitude is a warp reduction; then the same f16 copy and weights as
-      // PrepareQueryKernel writes (x 2^e is exact in fp32, as ldexpf is).
-      const __nv_bfloat16* query = static_cast<const __nv_bfloat16*>(p.query);
+      // The CTA converts the bf16 row from p.query into s_query together (kPerThread elements a
+      // thread), the same f16 copy and weights as PrepareQueryKernel writes (x 2^e is exact in
+      // fp32, as ldexpf is).
+      constexpr int kVectors = kHeads * kHeadDim / 8 / kThreads;  // 16-byte vectors a thread
+      static_assert(kVectors * 8 * kThreads == kHeads * kHeadDim, "query not a multiple");
+      const uint4* source = reinterpret_cast<const uint4*>(
+          static_cast<const __nv_bfloat16*>(p.query) + static_cast<int64_t>(r) * kHeads * kHeadDim);
+      uint4 v[kVectors];
       __nv_bfloat162 amax2 = __floats2bfloat162_rn(0.0f, 0.0f);
 #pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
-        const __nv_bfloat16* q =
-            query + (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim + 16 * quad;
+      for (int k = 0; k < kVectors; ++k) {
+        v[k] = source[threadIdx.x + k * kThreads];
+        const uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
-        for (int g64 = 0; g64 < kGroups64; ++g64) {
-          const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
-          const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
-          const uint32_t words[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            b[n][g64 * 4 + j / 2][j % 2] = words[j];
-            __nv_bfloat162 v;
-            memcpy(&v, &words[j], 4);
-            amax2 = __hmax2(amax2, __habs2(v));  // NaN ignored, as fmaxf does
-          }
+        for (int j = 0; j < 4; ++j) {
+          __nv_bfloat162 pair;
+          memcpy(&pair, &words[j], 4);
+          amax2 = __hmax2(amax2, __habs2(pair));  // NaN ignored, as fmaxf does
         }
       }
       float amax = fmaxf(__low2float(amax2), __high2float(amax2));
@@ -322,45 +356,33 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int offset = 16; offset > 0; offset /= 2) {
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
       }
+      __syncthreads();  // every warp is done with the previous row's s_query and s_amax
+      if (lane == 0) s_amax[warp] = amax;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, s_amax[w]);
       const int e = QueryExponent(amax);
       const float scale = ldexpf(1.0f, e);  // 2^e, e in [-100, 100]: a normal float
 #pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
+      for (int k = 0; k < kVectors; ++k) {
+        uint32_t words[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t word = b[n][k][h];
-            const __half2 f16 = __floats2half2_rn(__uint_as_float(word << 16) * scale,
-                                                  __uint_as_float(word & 0xffff0000u) * scale);
-            memcpy(&b[n][k][h], &f16, 4);
-          }
+        for (int j = 0; j < 4; ++j) {
+          const __half2 f16 = __floats2half2_rn(__uint_as_float(words[j] << 16) * scale,
+                                                __uint_as_float(words[j] & 0xffff0000u) * scale);
+          memcpy(&words[j], &f16, 4);
         }
-        const float* w = p.head_weights + static_cast<int64_t>(r) * kHeads + n * 8 + 2 * quad;
-        wt[n] = make_float2(ldexpf(w[0], -e), ldexpf(w[1], -e));
+        reinterpret_cast<uint4*>(s_query)[threadIdx.x + k * kThreads] =
+            make_uint4(words[0], words[1], words[2], words[3]);
       }
+      for (int h = threadIdx.x; h < kHeads; h += kThreads) {
+        s_weights[h] = ldexpf(p.head_weights[static_cast<int64_t>(r) * kHeads + h], -e);
+      }
+      __syncthreads();
+      load_fragments(s_query, s_weights);
     } else {
-#pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
-        const __half* q = workspace.query +
-                          (static_cast<int64_t>(r) * kHeads + n * 8 + lane / 4) * kHeadDim +
-                          16 * quad;
-#pragma unroll
-        for (int g64 = 0; g64 < kGroups64; ++g64) {
-          const uint4 low = *reinterpret_cast<const uint4*>(q + g64 * 64);
-          const uint4 high = *reinterpret_cast<const uint4*>(q + g64 * 64 + 8);
-          b[n][g64 * 4 + 0][0] = low.x;
-          b[n][g64 * 4 + 0][1] = low.y;
-          b[n][g64 * 4 + 1][0] = low.z;
-          b[n][g64 * 4 + 1][1] = low.w;
-          b[n][g64 * 4 + 2][0] = high.x;
-          b[n][g64 * 4 + 2][1] = high.y;
-          b[n][g64 * 4 + 3][0] = high.z;
-          b[n][g64 * 4 + 3][1] = high.w;
-        }
-        wt[n] = *reinterpret_cast<const float2*>(
-            workspace.weights + static_cast<int64_t>(r) * kHeads + n * 8 + 2 * quad);
-      }
+      load_fragments(workspace.query + static_cast<int64_t>(r) * kHeads * kHeadDim,
+                     workspace.weights + static_cast<int64_t>(r) * kHeads);
     }
     loaded_row = r;
   };
@@ -394,9 +416,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         const uint32_t bottom_words[4] = {bottom.x, bottom.y, bottom.z, bottom.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t a[4] = {
-              Fp8x2ToF16x2(top_words[j] & 0xffffu), Fp8x2ToF16x2(bottom_words[j] & 0xffffu),
-              Fp8x2ToF16x2(top_words[j] >> 16), Fp8x2ToF16x2(bottom_words[j] >> 16)};
+          uint32_t a[4];
+          Fp8x4ToF16x2x2(top_words[j], a[0], a[2]);
+          Fp8x4ToF16x2x2(bottom_words[j], a[1], a[3]);
 #pragma unroll
           for (int n = 0; n < kTiles; ++n) {
             MmaF16(acc[n], a, b[n][g64 * 4 + j][0], b[n][g64 * 4 + j][1]);
@@ -404,14 +426,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
       }
       // acc[n][0..1]: slot slot_low, heads n * 8 + 2 quad + {0, 1}; acc[n][2..3]: slot_low + 8.
-      float low = 0.0f, high = 0.0f;
+      float low0 = 0.0f, low1 = 0.0f, high0 = 0.0f, high1 = 0.0f;  // four FFMA chains
 #pragma unroll
       for (int n = 0; n < kTiles; ++n) {
-        low += wt[n].x * (acc[n][0] < 0.0f ? 0.0f : acc[n][0]) +
-               wt[n].y * (acc[n][1] < 0.0f ? 0.0f : acc[n][1]);
-        high += wt[n].x * (acc[n][2] < 0.0f ? 0.0f : acc[n][2]) +
-                wt[n].y * (acc[n][3] < 0.0f ? 0.0f : acc[n][3]);
+        low0 = fmaf(wt[n].x, ReluKeepNaN(acc[n][0]), low0);
+        low1 = fmaf(wt[n].y, ReluKeepNaN(acc[n][1]), low1);
+        high0 = fmaf(wt[n].x, ReluKeepNaN(acc[n][2]), high0);
+        high1 = fmaf(wt[n].y, ReluKeepNaN(acc[n][3]), high1);
       }
+      float low = low0 + low1, high = high0 + high1;
       low += __shfl_xor_sync(0xffffffffu, low, 1);
       low += __shfl_xor_sync(0xffffffffu, low, 2);
       high += __shfl_xor_sync(0xffffffffu, high, 1);
@@ -436,7 +459,7 @@ ScanQueryPrep ResolveQueryPrep(const ScanParams& p) {
 template <int kHeads, int kHeadDim>
 cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
   auto kernel = ScanTensorCoreKernel<kHeads, kHeadDim>;
-  constexpr size_t smem = SmemBytes<kHeadDim>();
+  constexpr size_t smem = SmemBytes<kHeads, kHeadDim>();
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
