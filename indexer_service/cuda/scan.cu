@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -130,8 +131,9 @@ namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStages = 8;      // 8 x 8.25 KiB at D = 128: 7 blocks in flight per CTA
-constexpr int kMaxChunk = 256;  // blocks per CTA
+constexpr int kStages = 8;       // 8 x 8.25 KiB at D = 128: 7 blocks in flight per CTA
+constexpr int kMaxChunk = 256;   // blocks per CTA
+constexpr int kMaxDevices = 64;  // devices whose launch configuration is cached
 
 // A stage is one whole cache block as the pool holds it (64 x kHeadDim codes, then 64 scales),
 // brought in by one bulk asynchronous copy (TMA) that completes on the stage's mbarrier. The
@@ -307,6 +309,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t b[kTiles][kSteps][2];  // the row's query as B fragments (f16, scaled by 2^e)
   float2 wt[kTiles];              // its head weights n * 8 + 2 quad + {0, 1}, scaled by 2^-e
   int loaded_row = -1;
+  // The loaded row's position and first score entry, read with its query (off the path between
+  // the last key and the first store of a short chunk).
+  int64_t row_position = 0, row_score_offset = 0;
   // The B fragments (and weights) of a row from its f16 copy: the workspace's or the CTA's.
   auto load_fragments = [&](const __half* row_query, const float* row_weights) {
 #pragma unroll
@@ -384,6 +389,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       load_fragments(workspace.query + static_cast<int64_t>(r) * kHeads * kHeadDim,
                      workspace.weights + static_cast<int64_t>(r) * kHeads);
     }
+    row_position = p.row_position[r];
+    row_score_offset = p.row_score_offset[r];
     loaded_row = r;
   };
   // The first row's query travels while the first stages load.
@@ -443,8 +450,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int s = slot_low + 8 * quad;
         const float total = quad == 0 ? low : high;
         const int64_t slot = logical * kCacheBlockSize + s;
-        const bool visible = slot <= p.row_position[r] && slot < num_slots;
-        p.scores[p.row_score_offset[r] + entry_block * kCacheBlockSize + s] =
+        const bool visible = slot <= row_position && slot < num_slots;
+        p.scores[row_score_offset + entry_block * kCacheBlockSize + s] =
             visible ? scales[s] * total : -INFINITY;
       }
     }
@@ -460,20 +467,27 @@ template <int kHeads, int kHeadDim>
 cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
   auto kernel = ScanTensorCoreKernel<kHeads, kHeadDim>;
   constexpr size_t smem = SmemBytes<kHeads, kHeadDim>();
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-      e != cudaSuccess) {
-    return e;
+  // The host work between launches lands on the GPU's timeline of a short scan, so the kernel's
+  // shared-memory attribute is set, and the SM count read, once a device (then cached).
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  static std::atomic<int> configured_sms[kMaxDevices];  // 0 until configured on that device
+  int num_sms = device < kMaxDevices ? configured_sms[device].load(std::memory_order_acquire) : 0;
+  if (num_sms == 0) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem));
+        e != cudaSuccess) {
+      return e;
+    }
+    if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (device < kMaxDevices) configured_sms[device].store(num_sms, std::memory_order_release);
   }
   const bool convert_query = ResolveQueryPrep(p) == ScanQueryPrep::kInKernel;
   if (!convert_query) {
     PrepareQueryKernel<<<static_cast<unsigned>(p.num_rows), kPrepareThreads, 0, stream>>>(p);
-  }
-  int device = 0, num_sms = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-      e != cudaSuccess) {
-    return e;
   }
   // Two CTAs per SM, each a contiguous chunk of blocks (up to kMaxChunk).
   const int64_t ctas_wanted = 2LL * num_sms;
