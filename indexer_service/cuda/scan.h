@@ -15,7 +15,8 @@ namespace dsa::cuda {
 enum class QueryDtype : int { kFloat32 = 0, kBFloat16 = 1 };
 
 /// Where the tensor-core scan converts the bf16 query to its f16 form (a per-row power-of-two
-/// scale folded into the head weights). Both give the same scores, bit for bit.
+/// scale folded into the head weights). Both make the same f16 query and scaled weights, so the
+/// same scores.
 enum class ScanQueryPrep : int {
   /// kInKernel when num_rows <= num_groups (on average at most one row a group: each row's
   /// query is then converted about once per CTA), kWorkspace otherwise. The
@@ -25,8 +26,9 @@ enum class ScanQueryPrep : int {
   /// A first kernel converts every row once into the workspace; the scan reads it (two launches;
   /// best when groups have verifier rows, whose queries the scan reloads for every block).
   kWorkspace = 1,
-  /// One launch: each warp converts its row's bf16 query in registers when it loads it (no
-  /// workspace; best for one row a group and short contexts, where the second launch dominated).
+  /// One launch: the scan CTA converts a row's bf16 query into shared memory when it reaches the
+  /// row (no workspace; best for one row a group and short contexts, where the second launch
+  /// cost ~5 us).
   kInKernel = 2,
 };
 
