@@ -203,6 +203,25 @@ TEST(TopK, HandlesZeroLengthRowsAndMoreRowsThanSms) {
   CheckTopK(MakeRows(specs, 6), 2048);
 }
 
+// One row, then batches of 2 .. 133 rows: every cluster size the launch picks (one row split over
+// up to 16 CTAs down to one CTA a row), with rows much longer and much shorter than their cluster.
+TEST(TopK, SplitsRowsOverClustersOfEverySize) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  for (const int64_t n : {1LL, 2049LL, 16384LL, 131072LL, 1LL << 20}) {
+    CheckTopK(MakeRows({{n, n - 1, false, Fill::kRandom}}, 8), 2048);
+    CheckTopK(MakeRows({{n, n - 1, true, Fill::kFewValues}}, 9), 2048);
+  }
+  for (const int rows : {2, 3, 5, 8, 9, 16, 17, 33, 64, 67, 132, 133}) {
+    SCOPED_TRACE(rows);
+    std::vector<RowSpec> specs;
+    for (int r = 0; r < rows; ++r) {  // a batch's rows all use block lists, or none does
+      const int64_t n = (r % 4 == 0) ? 0 : 3000 + 9973 * r;
+      specs.push_back({n, n - 1 - r, rows % 2 == 1, r % 3 == 0 ? Fill::kFewValues : Fill::kRandom});
+    }
+    CheckTopK(MakeRows(specs, 10 + rows), 2048);
+  }
+}
+
 // A row that starts past 2^31 entries (8 GiB in): offsets must be 64-bit all the way.
 TEST(TopK, ReadsRowsPastTwoToTheThirtyOneEntries) {
   if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";

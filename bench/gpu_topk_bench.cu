@@ -1,0 +1,114 @@
+// bench_gpu_topk: times the GPU top-K (K = 2048) alone on synthetic scores (normal-like, from a
+// hash; the scan's layout: entries through a logical block list), L2 flushed before each run,
+// median of 30 after 5 warm-up runs. usage: bench_gpu_topk [--shapes 1x16384,...]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "indexer_service/cuda/topk.h"
+
+#define CHECK_CUDA(x)                                                                         \
+  do {                                                                                        \
+    if (cudaError_t e_ = (x); e_ != cudaSuccess) {                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+namespace {
+
+__global__ void FillScores(float* scores, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    // Sum of four uniforms: a bell-shaped score.
+    float s = 0;
+    for (int j = 0; j < 4; ++j) s += static_cast<float>((h >> (16 * j)) & 0xffff) / 65536.0f;
+    scores[i] = s;
+  }
+}
+
+template <typename T>
+T* DeviceCopy(const std::vector<T>& host) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
+  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
+  }
+  const size_t flush_bytes = size_t{256} << 20;
+  void* flush = nullptr;
+  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::printf("%5s %8s %10s\n", "rows", "slots", "topk_us");
+  for (size_t pos = 0; pos < shapes.size();) {
+    size_t end = shapes.find(',', pos);
+    if (end == std::string::npos) end = shapes.size();
+    const std::string shape = shapes.substr(pos, end - pos);
+    pos = end + 1;
+    const int rows = std::atoi(shape.c_str());
+    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+    const int64_t blocks_per_row = (slots + 63) / 64;
+    std::vector<int64_t> offset(rows), entries(rows, blocks_per_row * 64), block_offset(rows),
+        max_slot(rows, slots - 1);
+    std::vector<int32_t> blocks(rows * blocks_per_row);
+    for (int r = 0; r < rows; ++r) {
+      offset[r] = r * blocks_per_row * 64;
+      block_offset[r] = r * blocks_per_row;
+    }
+    for (int64_t b = 0; b < rows * blocks_per_row; ++b) blocks[b] = b % blocks_per_row;
+    float* scores = nullptr;
+    int32_t* selection = nullptr;
+    CHECK_CUDA(cudaMalloc(&scores, sizeof(float) * rows * blocks_per_row * 64));
+    CHECK_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * 2048));
+    FillScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64);
+    dsa::cuda::TopKParams p;
+    p.scores = scores;
+    p.num_rows = rows;
+    p.row_score_offset = DeviceCopy(offset);
+    p.row_num_entries = DeviceCopy(entries);
+    p.logical_blocks = DeviceCopy(blocks);
+    p.row_block_offset = DeviceCopy(block_offset);
+    p.row_max_slot = DeviceCopy(max_slot);
+    p.k = 2048;
+    p.selection = selection;
+    std::vector<float> ms;
+    for (int i = 0; i < 35; ++i) {
+      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+      CHECK_CUDA(cudaEventRecord(start));
+      CHECK_CUDA(dsa::cuda::LaunchTopK(p, nullptr));
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float t = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+      if (i >= 5) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    std::printf("%5d %8lld %10.1f\n", rows, static_cast<long long>(slots), ms[ms.size() / 2] * 1e3);
+    for (const void* q :
+         {(const void*)scores, (const void*)selection, (const void*)p.row_score_offset,
+          (const void*)p.row_num_entries, (const void*)p.logical_blocks,
+          (const void*)p.row_block_offset, (const void*)p.row_max_slot}) {
+      CHECK_CUDA(cudaFree(const_cast<void*>(q)));
+    }
+  }
+  return 0;
+}
