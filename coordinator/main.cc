@@ -62,6 +62,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "How long to retry unreachable workers at startup before failing")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--stall-timeout-ms", options.stall_timeout_ms,
+                 "End a request whose client has left its events unread this long (frees its "
+                 "sequence); 0 = never")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--rpc-timeout-ms", options.rpc_timeout_ms,
                  "Deadline of each DecodeStep, Commit, Release and GetLoad call to a worker")
       ->check(CLI::PositiveNumber)

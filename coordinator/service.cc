@@ -147,6 +147,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   if (options.indexer_addresses.empty()) {
     return absl::InvalidArgumentError("no indexer worker (--indexer)");
   }
+  if (options.stall_timeout_ms < 0) {
+    return absl::InvalidArgumentError("stall_timeout_ms must be >= 0");
+  }
   if (options.max_pending_events < 2) {
     return absl::InvalidArgumentError("max_pending_events must be >= 2");
   }
@@ -435,6 +438,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     }
     by_id_[request->id] = request;
     by_ticket_[request->ticket] = request;
+    request->server_context = context;
     if (submitted->has_value()) {
       request->admission = **std::move(submitted);
       request->phase = Phase::kPrefilling;
@@ -448,6 +452,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     const std::shared_ptr<Request>& request;
     ~Unregister() {
       absl::MutexLock lock(&self->mu_);
+      request->server_context = nullptr;
       self->by_id_.erase(request->id);
       self->by_ticket_.erase(request->ticket);
     }
@@ -593,7 +598,7 @@ void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request
     finish = scheduler_.Finish(sequence_id, completed, length);
     request->phase = Phase::kEnded;
     if (request->cancel_requested && !completed) {
-      final_status = grpc::Status(grpc::StatusCode::CANCELLED, "aborted");
+      final_status = grpc::Status(grpc::StatusCode::CANCELLED, request->cancel_reason);
     }
     UpdateGaugesLocked();
   }
@@ -746,22 +751,45 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
       absl::MutexLock lock(&mu_);
       while (true) {
         if (stopping_) return;
+        bool stalled = false;
+        const Clock::time_point now = Clock::now();
         for (const auto& request : w.decoding) {
           if (request->cancel_requested) {
             cancelled.push_back(request);
           } else if (request->events.size() <= room) {
+            request->stalled_since.reset();
             batch.push_back(request);
             const int64_t left = request->demand.max_new_tokens - request->generated;
             rows.push_back(
                 static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
+          } else if (options_.stall_timeout_ms > 0) {
+            // The reader has not taken its events: after the stall timeout, end the request.
+            if (!request->stalled_since.has_value()) request->stalled_since = now;
+            if (now - *request->stalled_since >=
+                std::chrono::milliseconds(options_.stall_timeout_ms)) {
+              request->cancel_reason = absl::StrCat(
+                  "the client left ", request->events.size(), " events unread for ",
+                  options_.stall_timeout_ms, " ms (--stall-timeout-ms); request ended");
+              request->cancel_requested = true;
+              if (request->server_context != nullptr) request->server_context->TryCancel();
+              request->changed.SignalAll();
+              cancelled.push_back(request);
+            } else {
+              stalled = true;
+            }
           }
         }
         if (!batch.empty() || !cancelled.empty()) break;
-        w.wake.Wait(&mu_);
+        if (stalled) {
+          w.wake.WaitWithTimeout(&mu_, absl::Milliseconds(100));  // to see the timeout pass
+        } else {
+          w.wake.Wait(&mu_);
+        }
       }
     }
     for (const auto& request : cancelled) {
-      EndSequence(request, grpc::Status(grpc::StatusCode::CANCELLED, "aborted"), false);
+      EndSequence(request, grpc::Status(grpc::StatusCode::CANCELLED, request->cancel_reason),
+                  false);
     }
     if (batch.empty()) continue;
     StepOutcome outcome = RunStep(worker, batch, rows);

@@ -47,6 +47,10 @@ struct CoordinatorOptions {
   int64_t rpc_timeout_ms = 30000;      // deadline of DecodeStep, Commit, Release and GetLoad calls
   /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
   int max_pending_events = 16;
+  /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
+  /// message says why) and its sequence released, so a client that stops reading cannot hold a
+  /// running slot, KV and index-key blocks forever. 0 = never.
+  int64_t stall_timeout_ms = 60000;
 };
 
 /// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
@@ -148,6 +152,11 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
     Phase phase = Phase::kQueued;
     std::optional<Admission> admission;
     bool cancel_requested = false;
+    std::string cancel_reason = "aborted";  // the CANCELLED status's message
+    // The Generate call's context while its handler runs (TryCancel unblocks a Write that a
+    // stalled reader holds); null once the handler returns.
+    grpc::ServerContext* server_context = nullptr;
+    std::optional<Clock::time_point> stalled_since;  // event queue full since
     std::deque<dsa::coordinator::v1::GenerateEvent> events;
     std::optional<grpc::Status> final_status;
     absl::CondVar changed;  // admission, an event, the final status

@@ -299,6 +299,40 @@ TEST_F(FaultsTest, AClientThatStopsReadingHasABoundedBacklogAndDoesNotSlowOthers
                                   << " s after a " << pause << " s pause: they were queued";
 }
 
+TEST_F(FaultsTest, AClientThatStallsPastTheStallTimeoutIsEndedAndItsSequenceFreed) {
+  StartCluster({"--stall-timeout-ms", "1000"});
+  grpc::ChannelArguments args;  // small HTTP/2 receive window, no BDP probing
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 8192);
+  auto stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateCustomChannel(coordinator_.address, grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto stalled = stub->Generate(&context, Request("stalled", 256, 30000));
+  cv1::GenerateEvent event;
+  ASSERT_TRUE(stalled->Read(&event));
+  ASSERT_TRUE(event.has_admitted());
+  // Not read from here on. Within a few seconds the coordinator ends it and frees its sequence.
+  auto load = [&] {
+    grpc::ClientContext c;
+    cv1::GetLoadResponse response;
+    EXPECT_TRUE(coordinator_stub_->GetLoad(&c, cv1::GetLoadRequest(), &response).ok());
+    return response;
+  };
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  while (load().running() > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(load().running(), 0) << "the stalled request still holds its sequence";
+  // Its stream ends CANCELLED; the cluster serves on.
+  while (stalled->Read(&event)) {
+  }
+  EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  int64_t tokens = 0;
+  ASSERT_TRUE(Generate(Request("after", 256, 20), &tokens).ok());
+  EXPECT_EQ(tokens, 20);
+}
+
 TEST_F(FaultsTest, SigtermWithAnOpenStreamDrainsAndExitsWithinTheGrace) {
   StartCluster({"--drain-delay-ms", "800", "--shutdown-grace-ms", "1500"});
   grpc::ClientContext context;
