@@ -27,7 +27,7 @@ if [[ $what == sanitize || $what == all ]]; then
     [device_info]='*'
     [key_append]='*'
     [scan]='-*LongContext*:*OverContextLengths*'
-    [topk]='-*ManyEqualScores*:*PastTwoToTheThirtyOne*'
+    [topk]='-*ManyEqualScores*:*PastTwoToTheThirtyOne*:*SplitsRowsOverClusters*'
   )
   for tool in memcheck racecheck; do
     for t in device_info key_append scan topk; do
