@@ -32,7 +32,9 @@ if [ -f "$trace" ]; then
   echo "main job: wrote $out/replay_mooncake.json and $out/replay_mooncake.md" \
     "(replay $(($(date +%s) - start)) s)"
 else
-  echo "main job: no trace at $trace (../shared/data is optional); replay skipped" >&2
+  echo "main job: no trace at $trace: the replay needs the project's ../shared/data beside the" \
+    "clone, or DSA_REPLAY_TRACE set to a Mooncake .jsonl or Azure .csv trace" >&2
+  exit 1
 fi
 
 if [ "${DSA_MAIN_JOB_EVAL:-0}" != 0 ]; then
