@@ -1,6 +1,8 @@
 // bench_gpu_topk: times the GPU top-K (K = 2048) alone on synthetic scores (normal-like, from a
 // hash; the scan's layout: entries through a logical block list), L2 flushed before each run,
-// median of 30 after 5 warm-up runs. usage: bench_gpu_topk [--shapes 1x16384,...]
+// median of 30 after 5 warm-up runs. A shape ending in 'e' (64x65536e) has every score equal (1.0:
+// the histograms' worst case for same-address atomics). usage: bench_gpu_topk [--shapes
+// 1x16384,...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,7 +25,7 @@
 
 namespace {
 
-__global__ void FillScores(float* scores, int64_t n) {
+__global__ void FillScores(float* scores, int64_t n, bool equal) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     uint64_t h = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
@@ -33,7 +35,7 @@ __global__ void FillScores(float* scores, int64_t n) {
     // Sum of four uniforms: a bell-shaped score.
     float s = 0;
     for (int j = 0; j < 4; ++j) s += static_cast<float>((h >> (16 * j)) & 0xffff) / 65536.0f;
-    scores[i] = s;
+    scores[i] = equal ? 1.0f : s;
   }
 }
 
@@ -58,7 +60,7 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  std::printf("%5s %8s %10s\n", "rows", "slots", "topk_us");
+  std::printf("%5s %8s %5s %10s\n", "rows", "slots", "equal", "topk_us");
   for (size_t pos = 0; pos < shapes.size();) {
     size_t end = shapes.find(',', pos);
     if (end == std::string::npos) end = shapes.size();
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
     pos = end + 1;
     const int rows = std::atoi(shape.c_str());
     const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+    const bool equal = shape.back() == 'e';
     const int64_t blocks_per_row = (slots + 63) / 64;
     std::vector<int64_t> offset(rows), entries(rows, blocks_per_row * 64), block_offset(rows),
         max_slot(rows, slots - 1);
@@ -79,7 +82,7 @@ int main(int argc, char** argv) {
     int32_t* selection = nullptr;
     CHECK_CUDA(cudaMalloc(&scores, sizeof(float) * rows * blocks_per_row * 64));
     CHECK_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * 2048));
-    FillScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64);
+    FillScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64, equal);
     dsa::cuda::TopKParams p;
     p.scores = scores;
     p.num_rows = rows;
@@ -102,7 +105,8 @@ int main(int argc, char** argv) {
       if (i >= 5) ms.push_back(t);
     }
     std::sort(ms.begin(), ms.end());
-    std::printf("%5d %8lld %10.1f\n", rows, static_cast<long long>(slots), ms[ms.size() / 2] * 1e3);
+    std::printf("%5d %8lld %5s %10.1f\n", rows, static_cast<long long>(slots), equal ? "yes" : "no",
+                ms[ms.size() / 2] * 1e3);
     for (const void* q :
          {(const void*)scores, (const void*)selection, (const void*)p.row_score_offset,
           (const void*)p.row_num_entries, (const void*)p.logical_blocks,

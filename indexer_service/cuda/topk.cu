@@ -140,16 +140,16 @@ struct Selection {
 // min(k, selectable) largest (exact), or, when `capacity` > 0, a threshold that at least those and
 // at most `capacity` ranks reach, whichever a pass finds first. 11 bits a pass from the top, over
 // the ranks that share the prefix fixed so far, stopping once the k-th rank's bin is taken whole
-// (or the ranks at or above it fit in `capacity`). Histogram increments are aggregated over the
-// lanes of a warp that hit the same bin (__match_any_sync), so many equal scores cost no more than
-// distinct ones. kCluster: `source` is this CTA's chunk of the row and the counts are the sums of
+// (or the ranks at or above it fit in `capacity`). Histogram increments are plain shared-memory
+// atomics, one a counted rank: measured faster than aggregating a warp's equal digits with
+// __match_any_sync at every shape, rows of all-equal scores included (docs/gpu_kernels.md step
+// 10). kCluster: `source` is this CTA's chunk of the row and the counts are the sums of
 // the histograms of every CTA of the cluster (read through distributed shared memory); all CTAs
 // of the cluster must call it and get the same answer. hists: 4 * kBins counters (two histograms
 // and two slices of sums; the passes alternate between them).
 template <bool kCluster, typename Source>
 __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capacity,
                                  uint32_t* hists, Shared& shared) {
-  const int lane = threadIdx.x % 32;
   uint64_t prefix = 0;  // the fixed bits above `high`
   uint32_t need = k;    // ranks still to take among those that share the prefix
   for (int pass = 0, shift = 64; shift > 0; ++pass) {
@@ -164,12 +164,9 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
     }
     __syncthreads();
     ForEachRank(source, [&](uint64_t rank) {
-      const bool counted = rank != 0 && (high == 64 || (rank >> high) == prefix);
-      if (__ballot_sync(0xffffffffu, counted) == 0) return;  // uniform across the warp
-      const uint32_t digit =
-          counted ? static_cast<uint32_t>(rank >> shift) & ((1u << width) - 1) : 0xffffffffu;
-      const uint32_t peers = __match_any_sync(0xffffffffu, digit);
-      if (counted && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+      if (rank != 0 && (high == 64 || (rank >> high) == prefix)) {
+        atomicAdd(&hist[static_cast<uint32_t>(rank >> shift) & ((1u << width) - 1)], 1u);
+      }
     });
     // Suffix sums: thread t holds bins 2047 - 2t and 2046 - 2t (descending digits).
     const int bin_high = kBins - 1 - 2 * threadIdx.x, bin_low = bin_high - 1;
