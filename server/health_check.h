@@ -1,0 +1,21 @@
+// A client-side grpc.health.v1.Health/Check without generated health stubs (Debian's gRPC ships
+// none): used by `dsa up` to wait for readiness and by the tests that run the binaries.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "grpcpp/grpcpp.h"
+
+namespace dsa {
+
+/// Calls grpc.health.v1.Health/Check for `service` (e.g. kReadinessService) on `channel` with a
+/// deadline of `timeout`; with `wait_for_ready`, a server not yet listening is waited for until the
+/// deadline instead of failing at once. Returns the serving status: 1 SERVING, 2 NOT_SERVING,
+/// 0 UNKNOWN (the default value); -1 when the call fails or the answer cannot be read.
+/// The request is encoded by hand: field 1 (service, a string); the answer's field 1 (status,
+/// an enum).
+int CheckHealthStatus(grpc::Channel& channel, const std::string& service,
+                      std::chrono::milliseconds timeout, bool wait_for_ready);
+
+}  // namespace dsa
