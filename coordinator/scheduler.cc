@@ -291,14 +291,12 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
     double load;
   };
   std::vector<Candidate> candidates;
-  const int64_t max_shared_slots =
-      demand.context_length / kSlotsPerCacheBlock * kSlotsPerCacheBlock;
   for (int i = 0; i < static_cast<int>(indexer_info_.size()); ++i) {
     const int64_t capacity = indexer_info_[i].capacity_blocks;
     const double used = static_cast<double>(layers * indexers_[i].block_refs.size());
     candidates.push_back({i, 0, 0, capacity > 0 ? used / static_cast<double>(capacity) : 1.0});
   }
-  if (!demand.prefix_block_ids.empty() && max_shared_slots > 0) {
+  if (!demand.prefix_block_ids.empty() && SharedPrefixSlots(1, demand.context_length) > 0) {
     for (const auto& [id, s] : sequences_) {
       // A finished sequence whose KV Release is in flight keeps its index keys when it is to be
       // retained, so it is a donor already.
@@ -311,8 +309,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
              s.whole_prefix_ids[run] == demand.prefix_block_ids[run]) {
         ++run;
       }
-      const int64_t shared =
-          std::min<int64_t>(static_cast<int64_t>(run) * kSlotsPerPrefixBlock, max_shared_slots);
+      const int64_t shared = SharedPrefixSlots(static_cast<int64_t>(run), demand.context_length);
       Candidate& c = candidates[s.indexer];
       if (shared > c.shared_slots || (shared == c.shared_slots && shared > 0 && id < c.donor)) {
         c.shared_slots = shared;

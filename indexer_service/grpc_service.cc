@@ -215,8 +215,9 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   }
   // Appends first, all or none; then the selects (one batch). When the batch fails, the new keys
   // of the groups it did not apply are removed again.
-  auto undo_appends = [&](int from) {
-    for (int g = request.groups_size() - 1; g >= from; --g) {
+  // Removes the new keys of groups [from, to), newest first.
+  auto undo_appends = [&](int from, int to) {
+    for (int g = to - 1; g >= from; --g) {
       if (decoded[g].num_new_keys > 0) {
         (void)indexer.TruncateIndexKeys(request.groups(g).sequence_id(), request.groups(g).layer(),
                                         decoded[g].slots_before);
@@ -229,13 +230,7 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
     const absl::Status appended = indexer.AppendIndexKeys(
         group.sequence_id(), group.layer(), decoded[g].new_keys, decoded[g].num_new_keys);
     if (!appended.ok()) {
-      // Groups before g appended; g did not.
-      for (int h = g - 1; h >= 0; --h) {
-        if (decoded[h].num_new_keys > 0) {
-          (void)indexer.TruncateIndexKeys(request.groups(h).sequence_id(),
-                                          request.groups(h).layer(), decoded[h].slots_before);
-        }
-      }
+      undo_appends(0, g);  // groups before g appended; g did not
       return absl::Status(appended.code(),
                           absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
     }
@@ -248,7 +243,7 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   auto results = indexer.SelectBatch(groups, &groups_applied);
   response->Clear();
   if (!results.ok()) {
-    undo_appends(static_cast<int>(groups_applied));
+    undo_appends(static_cast<int>(groups_applied), request.groups_size());
     if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);
     return results.status();
   }

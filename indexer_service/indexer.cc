@@ -288,16 +288,23 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
   if (return_scores) result.scores = std::move(scores);
 }
 
-absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
-                                             std::span<const IndexerRow> rows, bool return_scores) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  PreparedSelect prepared;
+absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
+                                      std::span<const IndexerRow> rows, bool return_scores,
+                                      PreparedSelect& prepared) {
   DSA_RETURN_IF_ERROR(CheckSelectLocked(sequence_id, layer, rows, &prepared));
   PlanSelectLocked(prepared);
   const auto start = Clock::now();
   ScoreBlocks(prepared.view, prepared.result.blocks, rows, options_.num_heads, prepared.scores);
   prepared.result.phase_seconds.scan = SecondsSince(start);
   FinishSelectLocked(prepared, return_scores);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
+                                             std::span<const IndexerRow> rows, bool return_scores) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PreparedSelect prepared;
+  DSA_RETURN_IF_ERROR(SelectOneLocked(sequence_id, layer, rows, return_scores, prepared));
   return std::move(prepared.result);
 }
 
@@ -322,17 +329,12 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const S
     // A sequence twice in one batch (several layers of one step, or later positions): a group's
     // checks depend on the groups before it, so they run one after another.
     for (size_t g = 0; g < groups.size(); ++g) {
-      PreparedSelect& p = prepared[g];
-      if (auto s = CheckSelectLocked(groups[g].sequence_id, groups[g].layer, groups[g].rows, &p);
+      if (auto s = SelectOneLocked(groups[g].sequence_id, groups[g].layer, groups[g].rows,
+                                   /*return_scores=*/false, prepared[g]);
           !s.ok()) {
         return group_error(g, s);
       }
-      PlanSelectLocked(p);
-      const auto start = Clock::now();
-      ScoreBlocks(p.view, p.result.blocks, p.rows, options_.num_heads, p.scores);
-      p.result.phase_seconds.scan = SecondsSince(start);
-      FinishSelectLocked(p, false);
-      results.push_back(std::move(p.result));
+      results.push_back(std::move(prepared[g].result));
       if (groups_applied != nullptr) *groups_applied = g + 1;
     }
     return results;
@@ -354,11 +356,10 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const S
   const auto start = Clock::now();
   ScoreBlockBatch(jobs, options_.num_heads);
   const double scan_seconds = SecondsSince(start);
+  // The pass is shared: each group is charged its share of the scored blocks.
+  int64_t total_blocks = 0;
+  for (const ScoreJob& job : jobs) total_blocks += static_cast<int64_t>(job.logical_blocks.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    // The pass is shared: each group is charged its share of the scored blocks.
-    int64_t total_blocks = 0;
-    for (const ScoreJob& job : jobs)
-      total_blocks += static_cast<int64_t>(job.logical_blocks.size());
     prepared[g].result.phase_seconds.scan =
         total_blocks == 0 ? 0.0
                           : scan_seconds * static_cast<double>(jobs[g].logical_blocks.size()) /

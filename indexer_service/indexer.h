@@ -185,6 +185,9 @@ class Indexer {
   void PlanSelectLocked(PreparedSelect& prepared);
   // Top-K, EMA update or pending step, audit.
   void FinishSelectLocked(PreparedSelect& prepared, bool return_scores);
+  // One select, start to finish (check, plan, score, finish) into `prepared`; Select's errors.
+  absl::Status SelectOneLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
+                               bool return_scores, PreparedSelect& prepared);
 
   explicit Indexer(const IndexerOptions& options, IndexKeyCache cache)
       : options_(options), cache_(std::move(cache)) {}

@@ -25,23 +25,7 @@ GrpcStreamTransport::GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel)
   reader_ = std::thread([this] { ReadLoop(); });
 }
 
-GrpcStreamTransport::~GrpcStreamTransport() {
-  {
-    std::lock_guard<std::mutex> lock(write_mutex_);
-    if (!writes_done_) {
-      stream_->WritesDone();
-      writes_done_ = true;
-    }
-  }
-  {
-    // Give the indexer a moment to finish; then cancel so destruction never hangs on a dead peer.
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (!arrived_.wait_for(lock, std::chrono::seconds(5), [this] { return ended_; })) {
-      context_.TryCancel();
-    }
-  }
-  if (reader_.joinable()) reader_.join();
-}
+GrpcStreamTransport::~GrpcStreamTransport() { (void)Close(); }
 
 void GrpcStreamTransport::ReadLoop() {
   v1::SelectResponse response;

@@ -13,6 +13,7 @@
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/support/sync_stream.h"
 #include "gtest/gtest.h"
+#include "server/health_check.h"
 
 extern char** environ;
 
@@ -78,25 +79,7 @@ int WaitExit(pid_t pid, std::chrono::milliseconds timeout) {
 // grpc.health.v1.Health/Check by hand (no generated health stubs are installed): request field 1
 // (service name), response field 1 (status: 1 SERVING, 2 NOT_SERVING). -1 when the call fails.
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
-  std::string request = {'\x0a', static_cast<char>(service.size())};
-  request += service;
-  grpc::Slice slice(request);
-  grpc::ByteBuffer request_buffer(&slice, 1);
-  grpc::ByteBuffer response_buffer;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check",
-                                         grpc::internal::RpcMethod::NORMAL_RPC);
-  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      channel.get(), method, &context, request_buffer, &response_buffer);
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(response_buffer.Dump(&slices).ok());
-  std::string response;
-  for (const grpc::Slice& s : slices)
-    response.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  if (response.empty()) return 0;  // UNKNOWN, the default value
-  return response.size() == 2 && response[0] == '\x08' ? response[1] : -1;
+  return CheckHealthStatus(*channel, service, std::chrono::seconds(5), /*wait_for_ready=*/false);
 }
 
 // The raw bytes of a grpc.reflection.v1alpha list_services answer (no generated reflection stubs

@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/impl/client_unary_call.h"
+#include "server/health_check.h"
 
 extern char** environ;
 
@@ -140,27 +140,8 @@ std::string FileTail(const std::string& path, size_t max_bytes) {
 int CheckHealth(const std::string& address, const std::string& service,
                 std::chrono::milliseconds timeout) {
   const auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-  std::string request = {'\x0a', static_cast<char>(service.size())};
-  request += service;
-  grpc::Slice slice(request);
-  grpc::ByteBuffer request_buffer(&slice, 1);
-  grpc::ByteBuffer response_buffer;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
-  context.set_wait_for_ready(true);  // a server still binding is not a failure yet
-  const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Check",
-                                         grpc::internal::RpcMethod::NORMAL_RPC);
-  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      channel.get(), method, &context, request_buffer, &response_buffer);
-  if (!status.ok()) return -1;
-  std::vector<grpc::Slice> slices;
-  if (!response_buffer.Dump(&slices).ok()) return -1;
-  std::string response;
-  for (const grpc::Slice& s : slices) {
-    response.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  if (response.empty()) return 0;  // UNKNOWN, the default value
-  return response.size() == 2 && response[0] == '\x08' ? response[1] : -1;
+  // A server still binding is not a failure yet.
+  return CheckHealthStatus(*channel, service, timeout, /*wait_for_ready=*/true);
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(

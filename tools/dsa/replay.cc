@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "coordinator/scheduler.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -306,7 +307,6 @@ double Mean(const std::vector<double>& values) {
 }  // namespace
 
 int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
-  constexpr int64_t kBlock = 512;
   absl::flat_hash_set<uint64_t> seen;  // ids of whole blocks of earlier prompts
   int64_t reusable = 0;
   for (const TraceRequest& request : requests) {
@@ -314,12 +314,10 @@ int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
     while (run < request.prefix_block_ids.size() && seen.contains(request.prefix_block_ids[run])) {
       ++run;
     }
-    // As the coordinator shares: whole blocks of a donor's prompt, up to the context rounded down
-    // to the 64-slot cache block.
-    reusable +=
-        std::min<int64_t>(static_cast<int64_t>(run) * kBlock, request.context_tokens / 64 * 64);
-    const size_t whole = std::min(static_cast<size_t>(request.context_tokens / kBlock),
-                                  request.prefix_block_ids.size());
+    reusable += SharedPrefixSlots(static_cast<int64_t>(run), request.context_tokens);
+    const size_t whole =
+        std::min(static_cast<size_t>(request.context_tokens / kSlotsPerPrefixBlock),
+                 request.prefix_block_ids.size());
     seen.insert(request.prefix_block_ids.begin(), request.prefix_block_ids.begin() + whole);
   }
   return reusable;
