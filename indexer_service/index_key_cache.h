@@ -40,6 +40,8 @@ class IndexKeyCache {
   static absl::StatusOr<IndexKeyCache> Create(int64_t capacity_blocks, int head_dim);
 
   int head_dim() const { return pool_.head_dim(); }
+  /// The block pool (for a scoring device that mirrors it; see Indexer::Create).
+  const BlockPool& pool() const { return pool_; }
 
   /// Registers an empty sequence with `num_layers` (>= 1) layer caches.
   /// ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT if num_layers < 1.

@@ -1,4 +1,4 @@
-// The CPU indexer engine (see indexer.h).
+// The indexer engine (see indexer.h).
 #include "indexer_service/indexer.h"
 
 #include <chrono>
@@ -25,7 +25,9 @@ absl::Status CheckFinite(std::span<const float> values, const char* what, size_t
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& options) {
+absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& options,
+                                                         std::unique_ptr<ScoringDevice> device,
+                                                         DeviceFailureCallback on_device_failure) {
   if (options.num_heads < 1 || options.num_heads > 1024) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_heads must be in [1, 1024], got ", options.num_heads));
@@ -36,7 +38,31 @@ absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& o
   }
   auto cache = IndexKeyCache::Create(options.capacity_blocks, options.head_dim);
   if (!cache.ok()) return cache.status();
-  return std::unique_ptr<Indexer>(new Indexer(options, std::move(*cache)));
+  std::unique_ptr<Indexer> indexer(new Indexer(options, std::move(*cache)));
+  if (device != nullptr) {
+    DSA_RETURN_IF_ERROR(device->Attach(indexer->cache_.pool()));
+    indexer->device_ = std::move(device);
+    indexer->on_device_failure_ = std::move(on_device_failure);
+  }
+  return indexer;
+}
+
+std::string Indexer::DeviceDescription() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (device_ == nullptr) return "cpu";
+  if (device_status_.ok()) return device_->Describe();
+  return absl::StrCat(device_->Describe(), " (dropped: ", device_status_.ToString(), ")");
+}
+
+absl::Status Indexer::DeviceStatus() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (device_ == nullptr) return absl::FailedPreconditionError("no scoring device: CPU scoring");
+  return device_status_;
+}
+
+void Indexer::DropDeviceLocked(const absl::Status& status) {
+  device_status_ = status.ok() ? absl::InternalError("scoring device failed") : status;
+  if (on_device_failure_) on_device_failure_(device_status_);
 }
 
 absl::Status Indexer::ValidateSequenceOptions(const SequenceOptions& options) const {
@@ -117,7 +143,18 @@ absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span
         absl::StrCat("layer ", layer, " of sequence ", sequence_id,
                      " has a speculative step awaiting Commit; append after it"));
   }
-  return cache_.Append(sequence_id, layer, keys, num_keys);
+  const auto first_slot = cache_.NumSlots(sequence_id, layer);
+  DSA_RETURN_IF_ERROR(cache_.Append(sequence_id, layer, keys, num_keys));
+  if (DeviceActiveLocked() && num_keys > 0) {
+    // The blocks written (and a copy-on-write block, which takes the old last block's place).
+    auto view = cache_.View(sequence_id, layer);
+    DSA_CHECK(view.ok() && first_slot.ok(), "an appended layer has a view");
+    if (auto s = device_->MirrorBlocks(view->block_table.subspan(*first_slot / kBlockSize));
+        !s.ok()) {
+      DropDeviceLocked(s);  // the host copy holds the keys: nothing is lost
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t num_slots) {
@@ -247,14 +284,16 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
   const std::vector<int64_t>& positions = prepared.positions;
   std::vector<float>& scores = prepared.scores;
   auto phase_start = Clock::now();
-  result.selections.resize(rows.size() * result.top_k);
-  const size_t row_stride = result.blocks.size() * kBlockSize;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    SelectTopK(std::span<const float>(scores.data() + r * row_stride, row_stride), result.blocks,
-               positions[r],
-               std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
+  if (!result.on_device) {
+    result.selections.resize(rows.size() * result.top_k);
+    const size_t row_stride = result.blocks.size() * kBlockSize;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      SelectTopK(std::span<const float>(scores.data() + r * row_stride, row_stride), result.blocks,
+                 positions[r],
+                 std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
+    }
+    result.phase_seconds.topk = SecondsSince(phase_start);
   }
-  result.phase_seconds.topk = SecondsSince(phase_start);
   if (rows.size() == 1) {
     phase_start = Clock::now();
     state.spin[layer].Update(positions[0], result.blocks, scores);
@@ -271,21 +310,75 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
   if (!result.all_blocks && options_.audit_fraction > 0 &&
       AuditDraw(prepared.sequence_id, layer, positions[0]) < options_.audit_fraction) {
     // Dense re-score of every visible block for the audit; the EMAs never see these scores.
-    std::vector<int32_t> all(result.blocks_visible);
-    for (int64_t j = 0; j < result.blocks_visible; ++j) all[j] = static_cast<int32_t>(j);
-    std::vector<float> dense_scores(rows.size() * all.size() * kBlockSize);
-    ScoreBlocks(prepared.view, all, rows, options_.num_heads, dense_scores);
-    std::vector<int32_t> dense(result.top_k);
-    const size_t dense_stride = all.size() * kBlockSize;
+    std::vector<int32_t> dense(rows.size() * result.top_k);
+    SelectDenseLocked(prepared.view, result.blocks_visible, rows, result.top_k, dense);
     for (size_t r = 0; r < rows.size(); ++r) {
-      SelectTopK(std::span<const float>(dense_scores.data() + r * dense_stride, dense_stride), all,
-                 positions[r], dense);
       result.audit_miss_rates.push_back(SelectionMissRate(
           std::span<const int32_t>(result.selections.data() + r * result.top_k, result.top_k),
-          dense));
+          std::span<const int32_t>(dense.data() + r * result.top_k, result.top_k)));
     }
   }
   if (return_scores) result.scores = std::move(scores);
+}
+
+void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {
+  int64_t total_blocks = 0;
+  for (const PreparedSelect& p : prepared) total_blocks += p.result.blocks_scored;
+  // A shared pass: each select is charged its share of the scored blocks.
+  auto share = [&](const PreparedSelect& p, double seconds) {
+    return total_blocks == 0 ? 0.0
+                             : seconds * static_cast<double>(p.result.blocks_scored) /
+                                   static_cast<double>(total_blocks);
+  };
+  if (DeviceActiveLocked()) {
+    std::vector<DeviceScoreJob> jobs(prepared.size());
+    for (size_t i = 0; i < prepared.size(); ++i) {
+      PreparedSelect& p = prepared[i];
+      p.result.selections.resize(p.rows.size() * p.result.top_k);
+      jobs[i] = {&p.view, p.result.blocks, p.rows, p.result.top_k, p.scores, p.result.selections};
+    }
+    DeviceScoreSeconds seconds;
+    const absl::Status status = device_->ScoreAndSelect(jobs, options_.num_heads, &seconds);
+    if (status.ok()) {
+      for (PreparedSelect& p : prepared) {
+        p.result.on_device = true;
+        p.result.phase_seconds.scan = share(p, seconds.scan);
+        p.result.phase_seconds.topk = share(p, seconds.topk);
+      }
+      return;
+    }
+    if (status.code() != absl::StatusCode::kUnimplemented) DropDeviceLocked(status);
+  }
+  std::vector<ScoreJob> jobs(prepared.size());
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    jobs[i] = {&prepared[i].view, prepared[i].result.blocks, prepared[i].rows, prepared[i].scores};
+  }
+  const auto start = Clock::now();
+  ScoreBlockBatch(jobs, options_.num_heads);
+  const double scan_seconds = SecondsSince(start);
+  for (PreparedSelect& p : prepared) p.result.phase_seconds.scan = share(p, scan_seconds);
+}
+
+void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
+                                std::span<const IndexerRow> rows, int top_k,
+                                std::span<int32_t> selections) {
+  std::vector<int32_t> all(num_blocks);
+  for (size_t j = 0; j < all.size(); ++j) all[j] = static_cast<int32_t>(j);
+  if (DeviceActiveLocked()) {
+    const DeviceScoreJob job{&view, all, rows, top_k, {}, selections};
+    DeviceScoreSeconds seconds;
+    const absl::Status status = device_->ScoreAndSelect(std::span<const DeviceScoreJob>(&job, 1),
+                                                        options_.num_heads, &seconds);
+    if (status.ok()) return;
+    if (status.code() != absl::StatusCode::kUnimplemented) DropDeviceLocked(status);
+  }
+  std::vector<float> scores(rows.size() * all.size() * kBlockSize);
+  ScoreBlocks(view, all, rows, options_.num_heads, scores);
+  const size_t stride = all.size() * kBlockSize;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    SelectTopK(std::span<const float>(scores.data() + r * stride, stride), all, rows[r].position,
+               selections.subspan(r * top_k, top_k));
+  }
 }
 
 absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
@@ -293,9 +386,7 @@ absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
                                       PreparedSelect& prepared) {
   DSA_RETURN_IF_ERROR(CheckSelectLocked(sequence_id, layer, rows, &prepared));
   PlanSelectLocked(prepared);
-  const auto start = Clock::now();
-  ScoreBlocks(prepared.view, prepared.result.blocks, rows, options_.num_heads, prepared.scores);
-  prepared.result.phase_seconds.scan = SecondsSince(start);
+  ScoreSelectsLocked(std::span<PreparedSelect>(&prepared, 1));
   FinishSelectLocked(prepared, return_scores);
   return absl::OkStatus();
 }
@@ -348,22 +439,9 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const S
       return group_error(g, s);
     }
   }
-  std::vector<ScoreJob> jobs(groups.size());
+  for (PreparedSelect& p : prepared) PlanSelectLocked(p);
+  ScoreSelectsLocked(prepared);
   for (size_t g = 0; g < groups.size(); ++g) {
-    PlanSelectLocked(prepared[g]);
-    jobs[g] = {&prepared[g].view, prepared[g].result.blocks, prepared[g].rows, prepared[g].scores};
-  }
-  const auto start = Clock::now();
-  ScoreBlockBatch(jobs, options_.num_heads);
-  const double scan_seconds = SecondsSince(start);
-  // The pass is shared: each group is charged its share of the scored blocks.
-  int64_t total_blocks = 0;
-  for (const ScoreJob& job : jobs) total_blocks += static_cast<int64_t>(job.logical_blocks.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    prepared[g].result.phase_seconds.scan =
-        total_blocks == 0 ? 0.0
-                          : scan_seconds * static_cast<double>(jobs[g].logical_blocks.size()) /
-                                static_cast<double>(total_blocks);
     FinishSelectLocked(prepared[g], false);
     results.push_back(std::move(prepared[g].result));
   }

@@ -1,11 +1,14 @@
-// The indexer engine of one indexer worker (CPU backend): the paged index-key cache of its
-// sequences, SPIN per full layer, scoring, top-K and deferred speculative updates (DESIGN.md 4).
+// The indexer engine of one indexer worker: the paged index-key cache of its sequences, SPIN per
+// full layer, scoring, top-K and deferred speculative updates (DESIGN.md 4). Scoring and top-K run
+// on the CPU, or on a ScoringDevice (the CUDA backend) that mirrors the cache.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -13,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "indexer_service/index_key_cache.h"
 #include "indexer_service/scoring.h"
+#include "indexer_service/scoring_device.h"
 #include "indexer_service/spin.h"
 
 namespace dsa {
@@ -28,6 +32,10 @@ struct IndexerOptions {
   double audit_fraction = 0;
   uint64_t audit_seed = 0;
 };
+
+/// Called once, under the engine's lock (do not call back into the Indexer), with the error of a
+/// scoring device that failed and was dropped; the CPU serves on from then.
+using DeviceFailureCallback = std::function<void(const absl::Status&)>;
 
 /// Per-sequence settings.
 struct SequenceOptions {
@@ -59,6 +67,7 @@ struct SelectResult {
   int64_t blocks_scored = 0;   // blocks.size()
   int64_t blocks_visible = 0;  // ceil(N_t / 64) for the last row
   bool all_blocks = false;     // every visible block was scored (SPIN off, warm-up, N_t <= K)
+  bool on_device = false;      // scan and top-K ran on the scoring device (not the CPU)
   SelectPhaseSeconds phase_seconds;
   /// When this select was audited (IndexerOptions::audit_fraction): per row, the miss rate of its
   /// selection against the dense top-K of the same row; empty otherwise. Auditing costs a dense
@@ -73,14 +82,26 @@ struct SelectGroup {
   std::span<const IndexerRow> rows;
 };
 
-/// Thread-safe (one mutex; a Select scores with all cores).
+/// Thread-safe (one mutex; a Select scores with all cores, or on the scoring device).
 class Indexer {
  public:
-  /// INVALID_ARGUMENT for a negative capacity, num_heads / head_dim outside [1, 1024], or
-  /// audit_fraction outside [0, 1].
-  static absl::StatusOr<std::unique_ptr<Indexer>> Create(const IndexerOptions& options);
+  /// With `device` (optional), scan and top-K run on it and every append is mirrored to it; the
+  /// host cache stays authoritative, so a device error drops the device (DeviceStatus,
+  /// `on_device_failure` when given) and the CPU serves the same call and every later one. A batch
+  /// the device does not implement (UNIMPLEMENTED, e.g. K above its largest) runs on the CPU.
+  /// Errors: INVALID_ARGUMENT for a negative capacity, num_heads / head_dim outside [1, 1024], or
+  /// audit_fraction outside [0, 1]; the device's Attach errors.
+  static absl::StatusOr<std::unique_ptr<Indexer>> Create(
+      const IndexerOptions& options, std::unique_ptr<ScoringDevice> device = nullptr,
+      DeviceFailureCallback on_device_failure = nullptr);
 
   const IndexerOptions& options() const { return options_; }
+
+  /// "cpu", or the scoring device's description (with "(dropped: ...)" after a failure).
+  std::string DeviceDescription() const;
+  /// OK while scoring runs on the device; the error that dropped it after a failure;
+  /// FAILED_PRECONDITION when there is no device.
+  absl::Status DeviceStatus() const;
 
   /// Creates an empty sequence. ALREADY_EXISTS; INVALID_ARGUMENT (num_layers < 1, top_k < 1, SPIN
   /// settings out of range).
@@ -178,6 +199,17 @@ class Indexer {
     SelectResult result;
     std::vector<float> scores;  // [rows, blocks * 64]
   };
+  // Scores every prepared select's blocks (PlanSelectLocked done) on the device, or the CPU when
+  // there is none, it does not implement the batch or it fails (then it is dropped). On the
+  // device, top-K runs there too (result.on_device; FinishSelectLocked skips its own).
+  void ScoreSelectsLocked(std::span<PreparedSelect> prepared);
+  // The dense top-K of `rows` over blocks [0, num_blocks) of `view` (the audit), on the device
+  // when there is one. selections: [rows, top_k].
+  void SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
+                         std::span<const IndexerRow> rows, int top_k,
+                         std::span<int32_t> selections);
+  bool DeviceActiveLocked() const { return device_ != nullptr && device_status_.ok(); }
+  void DropDeviceLocked(const absl::Status& status);
   // Every check of Select; fills prepared's sequence, view, rows and positions. Changes nothing.
   absl::Status CheckSelectLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
                                  PreparedSelect* prepared);
@@ -201,6 +233,9 @@ class Indexer {
   IndexerOptions options_;
   mutable std::mutex mutex_;
   IndexKeyCache cache_;
+  std::unique_ptr<ScoringDevice> device_;
+  DeviceFailureCallback on_device_failure_;
+  absl::Status device_status_;  // OK while the device serves; why it was dropped otherwise
   absl::flat_hash_map<uint64_t, SequenceState> sequences_;
 };
 

@@ -1,0 +1,189 @@
+// A scripted indexer workload for checking a scoring device (indexer_service/scoring_device.h)
+// against the CPU: the same calls on an Indexer with the device and on one without must give the
+// same record. Keys and queries are small integers (with one key element at +-448, so the fp8
+// scale is exactly 1) and head weights powers of two: every product and sum is exact in fp32, so
+// the scores do not depend on accumulation order or on a device's bf16/f16 query rounding, and the
+// record must match bit for bit, SPIN's EMAs included. Covers prefill, decode steps with SPIN,
+// prefix sharing with copy on write after a truncate, speculative verifier rows with Commit, a
+// batch of groups of distinct sequences, the audit, a K above the GPU's largest, and a new turn.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "indexer_service/indexer.h"
+
+namespace dsa::testing_workload {
+
+/// What the workload saw: one entry per select (or status), in call order.
+struct WorkloadRecord {
+  std::vector<std::string> labels;
+  std::vector<std::vector<int32_t>> selections;
+  std::vector<std::vector<float>> scores;
+  std::vector<std::vector<double>> miss_rates;
+  std::vector<std::vector<float>> spin_vertical;  // V after the workload, per (sequence, layer)
+  int selects_on_device = 0;
+};
+
+/// fp32 [n, head_dim]: element 0 is +-448 (so amax / 448 = 1 and every code is exact), the others
+/// integers in [-8, 8].
+inline std::vector<float> ExactKeys(std::mt19937& rng, int64_t n, int head_dim) {
+  std::uniform_int_distribution<int> small(-8, 8);
+  std::bernoulli_distribution sign(0.5);
+  std::vector<float> keys(static_cast<size_t>(n) * head_dim);
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i * head_dim] = sign(rng) ? 448.0f : -448.0f;
+    for (int d = 1; d < head_dim; ++d) keys[i * head_dim + d] = static_cast<float>(small(rng));
+  }
+  return keys;
+}
+
+/// One row's query (integers in [-3, 3], element 0 of every head 0 so the +-448 element adds
+/// nothing) and head weights (powers of two in [1/4, 2]).
+struct ExactRow {
+  std::vector<float> query;
+  std::vector<float> weights;
+  IndexerRow row(int64_t position) const { return {query, weights, position}; }
+};
+
+inline ExactRow MakeExactRow(std::mt19937& rng, int num_heads, int head_dim) {
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::uniform_int_distribution<int> exponent(-2, 1);
+  ExactRow r{std::vector<float>(static_cast<size_t>(num_heads) * head_dim),
+             std::vector<float>(num_heads)};
+  for (int h = 0; h < num_heads; ++h) {
+    for (int d = 1; d < head_dim; ++d) r.query[h * head_dim + d] = static_cast<float>(small(rng));
+    r.weights[h] = std::ldexp(1.0f, exponent(rng));
+  }
+  return r;
+}
+
+/// Runs the script on `indexer` (capacity >= 1024 blocks, num_heads 16, head_dim 64, audit
+/// fraction 1). Fails the current test on an unexpected status.
+inline WorkloadRecord RunWorkload(Indexer& indexer) {
+  const int num_heads = indexer.options().num_heads;
+  const int head_dim = indexer.options().head_dim;
+  std::mt19937 rng(20261129);
+  WorkloadRecord record;
+  auto add = [&](const std::string& label, const SelectResult& result) {
+    record.labels.push_back(label);
+    record.selections.push_back(result.selections);
+    record.scores.push_back(result.scores);
+    record.miss_rates.push_back(result.audit_miss_rates);
+    if (result.on_device) ++record.selects_on_device;
+  };
+  auto append = [&](uint64_t id, int layer, int64_t n) {
+    const std::vector<float> keys = ExactKeys(rng, n, head_dim);
+    ASSERT_TRUE(indexer.AppendIndexKeys(id, layer, keys, n).ok());
+  };
+  auto select = [&](uint64_t id, int layer, int64_t position, const std::string& label) {
+    const ExactRow row = MakeExactRow(rng, num_heads, head_dim);
+    const IndexerRow rows[] = {row.row(position)};
+    auto result = indexer.Select(id, layer, rows, /*return_scores=*/true);
+    ASSERT_TRUE(result.ok()) << label << ": " << result.status();
+    add(label, *result);
+  };
+  SequenceOptions options;
+  options.num_layers = 2;
+  options.top_k = 256;
+  options.spin.target_block_sparsity = 0.4;
+  options.spin.exploration_fraction = 0.05;
+  options.spin.seed = 7;
+  // Sequence 1: prefill 3,000 slots per layer, a dense warm-up, then 24 SPIN decode steps.
+  EXPECT_TRUE(indexer.CreateSequence(1, options).ok());
+  for (int l = 0; l < 2; ++l) append(1, l, 3000);
+  for (int l = 0; l < 2; ++l) select(1, l, 2999, absl::StrCat("warm-up layer ", l));
+  for (int step = 0; step < 24; ++step) {
+    for (int l = 0; l < 2; ++l) {
+      append(1, l, 1);
+      select(1, l, 3000 + step, absl::StrCat("decode ", step, " layer ", l));
+    }
+  }
+  // Sequence 2 shares 2,944 slots (46 blocks) of sequence 1, truncates into the last shared block
+  // and appends: the block is copied on write (the device must see the copy).
+  EXPECT_TRUE(indexer.CreateSequenceFromPrefix(2, options, 1, 2944).ok());
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(indexer.TruncateIndexKeys(2, l, 2900).ok());
+    append(2, l, 400);
+    select(2, l, 3299, absl::StrCat("prefix warm-up layer ", l));
+  }
+  // A speculative step of sequence 1: three verifier rows per layer; one draft accepted.
+  for (int l = 0; l < 2; ++l) {
+    append(1, l, 3);
+    std::vector<ExactRow> rows;
+    std::vector<IndexerRow> views;
+    for (int r = 0; r < 3; ++r) rows.push_back(MakeExactRow(rng, num_heads, head_dim));
+    for (int r = 0; r < 3; ++r) views.push_back(rows[r].row(3024 + r));
+    auto result = indexer.Select(1, l, views, /*return_scores=*/true);
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return record;
+    add(absl::StrCat("verifier rows layer ", l), *result);
+  }
+  EXPECT_TRUE(indexer.Commit(1, 1).ok());
+  // One batch of groups of distinct sequences (sequence 2 also decodes SPIN now).
+  for (int step = 0; step < 6; ++step) {
+    append(1, 0, 1);
+    append(2, 0, 1);
+    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
+    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
+    const IndexerRow rows_a[] = {a.row(3026 + step)};
+    const IndexerRow rows_b[] = {b.row(3300 + step)};
+    const SelectGroup groups[] = {{1, 0, rows_a}, {2, 0, rows_b}};
+    auto results = indexer.SelectBatch(groups);
+    EXPECT_TRUE(results.ok()) << results.status();
+    if (!results.ok()) return record;
+    for (const SelectResult& result : *results) add(absl::StrCat("batch ", step), result);
+  }
+  // K = 4,096 (above the GPU top-K's largest): the device declines, the CPU scores it.
+  SequenceOptions wide = options;
+  wide.num_layers = 1;
+  wide.top_k = 4096;
+  EXPECT_TRUE(indexer.CreateSequence(3, wide).ok());
+  append(3, 0, 9000);
+  select(3, 0, 8999, "wide warm-up");
+  append(3, 0, 1);
+  select(3, 0, 9000, "wide decode");
+  // A new turn: the EMAs reset and the next select is dense again.
+  EXPECT_TRUE(indexer.BeginTurn(1).ok());
+  append(1, 1, 1);
+  select(1, 1, 3026, "new turn");
+  for (uint64_t id : {1, 2}) {
+    for (int l = 0; l < 2; ++l) {
+      auto spin = indexer.GetSpinState(id, l);
+      EXPECT_TRUE(spin.ok());
+      if (spin.ok()) {
+        record.spin_vertical.push_back(spin->vertical());
+      }
+    }
+  }
+  EXPECT_TRUE(indexer.Release(2).ok());
+  EXPECT_TRUE(indexer.Release(1).ok());
+  return record;
+}
+
+/// EXPECTs every entry of `device` equal to `cpu`'s (selections, scores bit for bit, audit miss
+/// rates, SPIN V).
+inline void ExpectSameRecord(const WorkloadRecord& cpu, const WorkloadRecord& device) {
+  ASSERT_EQ(cpu.labels, device.labels);
+  for (size_t i = 0; i < cpu.labels.size(); ++i) {
+    EXPECT_EQ(cpu.selections[i], device.selections[i]) << cpu.labels[i];
+    ASSERT_EQ(cpu.scores[i].size(), device.scores[i].size()) << cpu.labels[i];
+    for (size_t j = 0; j < cpu.scores[i].size(); ++j) {
+      if (cpu.scores[i][j] != device.scores[i][j]) {  // -inf == -inf; no NaN reaches here
+        ADD_FAILURE() << cpu.labels[i] << ": score " << j << " " << cpu.scores[i][j] << " vs "
+                      << device.scores[i][j];
+        break;
+      }
+    }
+    EXPECT_EQ(cpu.miss_rates[i], device.miss_rates[i]) << cpu.labels[i];
+  }
+  EXPECT_EQ(cpu.spin_vertical, device.spin_vertical);
+}
+
+}  // namespace dsa::testing_workload
