@@ -1,10 +1,11 @@
 // `dsa-indexer`: the indexer worker binary. Serves dsa.indexer.v1.IndexerService over one
-// dsa::Indexer (CPU backend), with grpc.health.v1 ("liveness", "readiness"), server reflection,
-// Prometheus /metrics (DESIGN.md section 6) and graceful shutdown on SIGTERM or SIGINT (readiness
-// NOT_SERVING for --drain-delay-ms, then Shutdown: new calls refused, in-flight ones cancelled
-// after --shutdown-grace-ms).
+// dsa::Indexer (scoring on the CPU, or with --device cuda on a GPU), with grpc.health.v1
+// ("liveness", "readiness"), server reflection, Prometheus /metrics (DESIGN.md section 6) and
+// graceful shutdown on SIGTERM or SIGINT (readiness NOT_SERVING for --drain-delay-ms, then
+// Shutdown: new calls refused, in-flight ones cancelled after --shutdown-grace-ms).
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "CLI/CLI.hpp"
 #include "indexer_service/grpc_service.h"
@@ -12,6 +13,9 @@
 #include "indexer_service/metrics.h"
 #include "prometheus/registry.h"
 #include "server/server.h"
+#ifdef DSA_WITH_CUDA
+#include "indexer_service/cuda/cuda_scoring_device.h"
+#endif
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -34,10 +38,52 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->capture_default_str();
   app.add_option("--audit-seed", options.audit_seed, "Seed of the audit draws")
       ->capture_default_str();
+  std::string device = "cpu";
+  app.add_option("--device", device,
+                 "Where scan and top-K run: cpu, or cuda (a GPU mirrors the index-key cache; the "
+                 "host copy stays, so a GPU failure falls back to the CPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  int cuda_device = 0;
+  app.add_option("--cuda-device", cuda_device, "CUDA ordinal of the GPU (--device cuda)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  std::string scan_kernel = "auto";
+  app.add_option("--scan-kernel", scan_kernel,
+                 "GPU scan: auto (tensor cores where H is 16/32/64 and D 64/128), tensor-cores "
+                 "(bf16 queries) or cuda-cores (fp32 queries)")
+      ->check(CLI::IsMember({"auto", "tensor-cores", "cuda-cores"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
 
-  auto indexer = dsa::Indexer::Create(options);
+  std::unique_ptr<dsa::ScoringDevice> scoring_device;
+  if (device == "cuda") {
+#ifdef DSA_WITH_CUDA
+    dsa::cuda::CudaScoringOptions cuda_options;
+    cuda_options.device = cuda_device;
+    if (auto s = dsa::cuda::ParseScanKernel(scan_kernel, &cuda_options.scan_kernel); !s.ok()) {
+      dsa::LogJson("error", "bad --scan-kernel", {{"status", s.ToString()}});
+      return 2;
+    }
+    auto created = dsa::cuda::CreateCudaScoringDevice(cuda_options);
+    if (!created.ok()) {
+      dsa::LogJson("error", "cannot use the GPU", {{"status", created.status().ToString()}});
+      return 2;
+    }
+    scoring_device = std::move(*created);
+#else
+    dsa::LogJson("error",
+                 "--device cuda: this dsa-indexer was built without CUDA "
+                 "(configure with -DDSA_ENABLE_CUDA=ON where nvcc is installed)");
+    return 2;
+#endif
+  }
+  auto indexer =
+      dsa::Indexer::Create(options, std::move(scoring_device), [](const absl::Status& status) {
+        dsa::LogJson("error", "the GPU failed; scoring on the CPU from now on",
+                     {{"status", status.ToString()}});
+      });
   if (!indexer.ok()) {
     dsa::LogJson("error", "cannot create the indexer", {{"status", indexer.status().ToString()}});
     return 2;
@@ -55,6 +101,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   spec.banner_fields = {{"capacity_blocks", options.capacity_blocks},
                         {"num_heads", options.num_heads},
                         {"head_dim", options.head_dim},
-                        {"audit_fraction", options.audit_fraction}};
+                        {"audit_fraction", options.audit_fraction},
+                        {"device", (*indexer)->DeviceDescription()}};
   return dsa::RunServer(server_flags, spec);
 }

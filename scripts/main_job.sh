@@ -9,6 +9,9 @@
 # Results go to $DSA_EVAL_OUT (default docs/results/). Extra arguments go to `dsa eval` (not
 # --json/--markdown); $DSA_REPLAY_ARGS replaces the replay caps below; $DSA_BUILD_DIR is the build
 # folder (default build/).
+# The same job on the GPU host (which can neither install nor build): DSA_INDEXER_DEVICE=cuda runs
+# the indexers with --device cuda and writes replay_mooncake_cuda.{json,md}; DSA_PREBUILT_BIN=DIR
+# takes the binaries from DIR and skips the bootstrap and the build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${DSA_EVAL_OUT:-docs/results}
@@ -20,16 +23,27 @@ trace=${DSA_REPLAY_TRACE:-../shared/data/traces/mooncake_conversation_trace.json
 # of pruned selects audited for the miss rate. About 2.5 minutes on 2 cores.
 read -r -a replay_args <<<"${DSA_REPLAY_ARGS:---limit 250 --max-context 8192 --max-output 32 \
 --time-scale 0 --max-in-flight 16 --draft-length 2 --capacity-blocks 16384 --audit-fraction 0.1}"
-bash scripts/bootstrap.sh
-# Only what the job runs: the dsa tool and the three servers (the tests build with scripts/test.sh).
-DSA_BUILD_TARGETS="dsa dsa-indexer dsa-attention dsa-coordinator" bash scripts/build.sh
+device=${DSA_INDEXER_DEVICE:-cpu}
+case $device in
+  cpu) name=replay_mooncake ;;
+  cuda) name=replay_mooncake_cuda ;;
+  *) echo "main job: DSA_INDEXER_DEVICE must be cpu or cuda, not '$device'" >&2; exit 2 ;;
+esac
+if [ -n "${DSA_PREBUILT_BIN:-}" ]; then
+  bin=$DSA_PREBUILT_BIN
+else
+  bash scripts/bootstrap.sh
+  # Only what the job runs: the dsa tool and the three servers (the tests build with
+  # scripts/test.sh).
+  DSA_BUILD_TARGETS="dsa dsa-indexer dsa-attention dsa-coordinator" bash scripts/build.sh
+fi
 mkdir -p "$out"
 
 if [ -f "$trace" ]; then
   start=$(date +%s)
-  "$bin/dsa" replay --local --trace "$trace" "${replay_args[@]}" \
-    --json "$out/replay_mooncake.json" --markdown "$out/replay_mooncake.md"
-  echo "main job: wrote $out/replay_mooncake.json and $out/replay_mooncake.md" \
+  "$bin/dsa" replay --local --indexer-device "$device" --trace "$trace" "${replay_args[@]}" \
+    --json "$out/$name.json" --markdown "$out/$name.md"
+  echo "main job: wrote $out/$name.json and $out/$name.md" \
     "(replay $(($(date +%s) - start)) s)"
 else
   echo "main job: no trace at $trace: the replay needs the project's ../shared/data beside the" \

@@ -209,6 +209,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     std::vector<std::string> args = loopback;
     add(args, "--capacity-blocks", options.capacity_blocks);
     add(args, "--audit-fraction", options.audit_fraction);
+    add(args, "--device", options.indexer_device);
     add(args, "--num-heads", options.num_heads);
     add(args, "--head-dim", options.head_dim);
     args.insert(args.end(), options.indexer_args.begin(), options.indexer_args.end());

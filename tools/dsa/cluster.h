@@ -32,6 +32,7 @@ struct LocalClusterOptions {
   // Pass-through settings (DESIGN.md / docs/services.md flag names).
   std::optional<int64_t> capacity_blocks;       // dsa-indexer --capacity-blocks, per indexer
   std::optional<double> audit_fraction;         // dsa-indexer --audit-fraction
+  std::optional<std::string> indexer_device;    // dsa-indexer --device (cpu | cuda)
   std::optional<int> num_heads;                 // indexer H: dsa-indexer and dsa-attention
   std::optional<int> head_dim;                  // indexer D: dsa-indexer and dsa-attention
   std::optional<std::string> layer_pattern;     // dsa-attention --layer-pattern

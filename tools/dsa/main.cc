@@ -97,6 +97,9 @@ void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFl
       cmd->add_option("--audit-fraction", flags.audit_fraction,
                       "dsa-indexer: fraction of pruned selects re-scored densely (miss rate)")
           ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--indexer-device", options.indexer_device,
+                  "dsa-indexer: where scan and top-K run, cpu or cuda (a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   flags.num_heads_opt = cmd->add_option("--num-heads", flags.num_heads,
                                         "Indexer query heads H (dsa-indexer and dsa-attention)");
   flags.head_dim_opt = cmd->add_option("--head-dim", flags.head_dim,
@@ -255,9 +258,12 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   json["trace"] = trace_path;
   json["settings"]["indexers"] = local ? cluster_options.num_indexers : 0;
   json["settings"]["attention_workers"] = local ? cluster_options.num_attention_workers : 0;
-  const std::string heading = "## `dsa replay` of " +
-                              std::filesystem::path(trace_path).filename().string() +
-                              (local ? " (local cluster)" : "") + "\n\n";
+  const std::string indexer_device =
+      local ? cluster_options.indexer_device.value_or("cpu") : "not known (remote cluster)";
+  json["settings"]["indexer_device"] = indexer_device;
+  const std::string heading =
+      "## `dsa replay` of " + std::filesystem::path(trace_path).filename().string() +
+      (local ? " (local cluster, indexer device: " + indexer_device + ")" : "") + "\n\n";
   if (!WriteOutput(json_path, json_out, json.dump(2) + "\n") ||
       !WriteOutput(markdown_path, markdown_out, heading + markdown)) {
     return 2;
