@@ -80,6 +80,13 @@ __device__ int64_t BlockBudget(int64_t visible_blocks, int top_k, double rho) {
   return visible_blocks < budget ? visible_blocks : budget;
 }
 
+// A uint32 ordered as the float: larger S, larger key; -0 maps as +0, so equal values (the CPU's
+// == on floats) get equal keys. S is finite (finite V and D).
+__device__ __forceinline__ uint32_t OrderedKey(float x) {
+  const uint32_t bits = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
+}
+
 // SpinState::PlanRow's n_explore = min(FloorOfProduct(gamma m_t + 0.5), capacity) with the same
 // fp64 operations (no FMA contraction).
 __device__ int64_t ExploreCount(int64_t budget, int64_t capacity, double gamma) {
@@ -167,33 +174,106 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     explored = flags;
   }
-  if (threadIdx.x == 0) written = 0;
+  // Step 6 by an exact radix select over the free candidates (blocks 1 .. B - 2 not explored):
+  // four 8-bit passes, most significant first, find the best-th largest key T (OrderedKey of S)
+  // and how many candidates of key T to take (`need`); then every candidate above T and the
+  // `need` lowest-numbered of key T are taken: the CPU's order (higher S first, ties to the lower
+  // block) makes the chosen set exactly this.
+  __shared__ int histogram[256];
+  __shared__ uint32_t select_prefix;
+  __shared__ int64_t select_need;
+  __shared__ int64_t equal_taken;
+  const int64_t candidates = num_blocks > 2 ? num_blocks - 2 - (n_explore > 0 ? n_explore : 0) : 0;
+  const bool take_all_free = best >= candidates;  // TakeBest's min(count, free.size())
+  uint32_t threshold = 0;
+  int64_t need = 0;
+  if (best > 0 && !take_all_free) {
+    uint32_t prefix = 0;
+    uint32_t mask = 0;
+    need = best;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      if (threadIdx.x < 256) histogram[threadIdx.x] = 0;
+      __syncthreads();
+      for (int64_t j = 1 + threadIdx.x; j < num_blocks - 1; j += kSelectThreads) {
+        if (explored != nullptr && explored[j]) continue;
+        const uint32_t key = OrderedKey(s[j]);
+        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255], 1);
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        // Lane l holds digits 255 - 8 l .. 248 - 8 l (highest first); an inclusive scan over
+        // lanes finds the lane, then the digit, where the running count reaches `need`.
+        const int lane = threadIdx.x;
+        int counts[8];
+        int lane_sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          counts[k] = histogram[255 - 8 * lane - k];
+          lane_sum += counts[k];
+        }
+        int inclusive = lane_sum;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+          const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+          if (lane >= offset) inclusive += other;
+        }
+        int64_t before = inclusive - lane_sum;
+        if (before < need && need <= inclusive) {
+          for (int k = 0; k < 8; ++k) {
+            if (before + counts[k] >= need) {
+              select_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - k) << shift);
+              select_need = need - before;
+              break;
+            }
+            before += counts[k];
+          }
+        }
+      }
+      __syncthreads();
+      prefix = select_prefix;
+      need = select_need;
+      mask |= 255u << shift;
+    }
+    threshold = prefix;
+  }
+  if (threadIdx.x == 0) {
+    written = 0;
+    equal_taken = 0;
+  }
   __syncthreads();
   for (int64_t chunk = 0; chunk < num_blocks; chunk += kSelectThreads) {
     const int64_t j = chunk + threadIdx.x;
     int take = 0;
+    int equal = 0;
     if (j < num_blocks) {
       if (all || j == 0 || j == num_blocks - 1) {
         take = 1;
       } else if (explored != nullptr && explored[j]) {
         take = 1;
       } else if (best > 0) {
-        const float sj = s[j];
-        int64_t rank = 0;  // other free candidates that come before j
-        for (int64_t k = 1; k < num_blocks - 1 && rank < best; ++k) {
-          if (explored != nullptr && explored[k]) continue;
-          const float sk = s[k];
-          rank += (sk > sj || (sk == sj && k < j)) ? 1 : 0;
+        if (take_all_free) {
+          take = 1;
+        } else {
+          const uint32_t key = OrderedKey(s[j]);
+          take = key > threshold ? 1 : 0;
+          equal = key == threshold ? 1 : 0;
         }
-        take = rank < best ? 1 : 0;
       }
     }
+    int equal_index = 0;
+    int equal_total = 0;
+    Scan(scan_storage).ExclusiveSum(equal, equal_index, equal_total);
+    __syncthreads();  // the scan storage is free again
+    if (equal && equal_taken + equal_index < need) take = 1;
     int index = 0;
     int total = 0;
     Scan(scan_storage).ExclusiveSum(take, index, total);
     if (take) out[written + index] = static_cast<int32_t>(j);
-    __syncthreads();  // every thread has read `written` and the scan storage is free again
-    if (threadIdx.x == 0) written += total;
+    __syncthreads();  // every thread has read `written` and `equal_taken`; the storage is free
+    if (threadIdx.x == 0) {
+      written += total;
+      equal_taken += equal_total;
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) selected_count[row] = written;
@@ -332,7 +412,13 @@ size_t SpinPredictScratchBytes(const SpinPredictParams& p) {
 cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (!CanImplementSpinPredict(p)) return cudaErrorInvalidValue;
   if (p.num_rows == 0) return cudaSuccess;
-  PredictKernel<<<dim3(p.num_rows, kPredictChunks), kPredictWarps * 32, 0, stream>>>(
+  // Kernel 1's CTAs a row: 8, or with the max_visible_blocks hint about 4 blocks a warp.
+  int64_t chunks = kPredictChunks;
+  if (p.max_visible_blocks > 0) {
+    const int64_t wanted = (p.max_visible_blocks + 4 * kPredictWarps - 1) / (4 * kPredictWarps);
+    chunks = wanted < kPredictChunks ? kPredictChunks : (wanted > 65535 ? 65535 : wanted);
+  }
+  PredictKernel<<<dim3(p.num_rows, static_cast<unsigned>(chunks)), kPredictWarps * 32, 0, stream>>>(
       p.positions, p.vertical, p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset,
       p.scores);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;

@@ -68,9 +68,11 @@ struct SpinPredictParams {
   uint64_t seed = 0;
   const uint64_t* row_seed = nullptr;
   int layer = 0;
-  /// Exploration only (host values): an upper bound of B over the rows (>= 1); it sizes the
-  /// shared memory (<= kSpinSharedPlanBlocks) or, past that, selects the workspace. total_blocks:
-  /// the length of `scores`, every row_block_offset[r] + B <= total_blocks (sizes the workspace).
+  /// Host values. max_visible_blocks: an upper bound of B over the rows; required (>= 1) with
+  /// exploration, where it sizes the shared memory (<= kSpinSharedPlanBlocks) or, past that,
+  /// selects the workspace; otherwise optional (0 = unknown). When set it also spreads kernel 1
+  /// over about B / 32 CTAs a row instead of 8. total_blocks: the length of `scores`, every
+  /// row_block_offset[r] + B <= total_blocks (sizes the workspace).
   int64_t max_visible_blocks = 0;
   int64_t total_blocks = 0;
   /// Device scratch, 16-byte aligned, of at least SpinPredictScratchBytes(params) bytes (null when
@@ -94,9 +96,10 @@ size_t SpinPredictScratchBytes(const SpinPredictParams& params);
 /// one CTA per row): all blocks when t + 1 <= top_k; otherwise the sink block 0 and the newest
 /// block B - 1; then n = min(floor(gamma m_t + 0.5), m_t - forced) blocks explored by a partial
 /// Fisher-Yates shuffle of blocks 1 .. B - 2 (draw i picks i + UniformBelow(word_i, B - 2 - i),
-/// SpinState::Explore's draws: the picks in parallel, the swaps in order by one thread); then the
-/// best m_t - forced - n remaining blocks by S (higher first, ties to the lower block; each
-/// block's rank counted against every other, exact for any B), where
+/// SpinState::Explore's draws: the picks made 32 at a time by a warp, the swaps applied in order by
+/// one thread); then the best m_t - forced - n remaining blocks by S (higher first, ties to the
+/// lower block) by an exact radix select (four 8-bit histogram passes over S as ordered uint32,
+/// -0 as +0, then the lowest-numbered blocks of the threshold value), where
 /// m_t = min(B, max(ceil(K / 64), ceil((1 - rho) B))) in fp64 as SpinState::BlockBudget.
 /// Asynchronous on `stream`. cudaErrorInvalidValue when CanImplementSpinPredict fails.
 cudaError_t LaunchSpinPredict(const SpinPredictParams& params, cudaStream_t stream);

@@ -52,6 +52,22 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
   float* v = vertical[group];
   float* d = diagonal[group];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kUpdateThreads;
+  if (end_row - first_row == 1) {
+    // One row: a thread per scored entry, no search. The list is strictly increasing, so the
+    // entries' slots, and their offsets t - slot, are distinct.
+    const int64_t t = row_position[first_row];
+    const float* z = scores + row_score_offset[first_row];
+    for (int64_t e = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x;
+         e < list_count * kBlockSlots; e += stride) {
+      const int64_t slot =
+          static_cast<int64_t>(list[e / kBlockSlots]) * kBlockSlots + e % kBlockSlots;
+      const float value = slot <= t ? z[e] : -INFINITY;
+      if (!isfinite(value)) continue;
+      v[slot] = Ema(a, b, v[slot], value);
+      d[t - slot] = Ema(a, b, d[t - slot], value);
+    }
+    return;
+  }
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x; x < end_slot;
        x += stride) {
     // V[x]: slot x, the same block entry for every row.

@@ -65,13 +65,15 @@ bool CanImplementSpinUpdate(const SpinUpdateParams& params, const char** why = n
 /// No workspace is needed: 0 bytes.
 inline size_t SpinUpdateScratchBytes(const SpinUpdateParams&) { return 0; }
 
-/// Grid (slot chunks x groups), one thread per slot index x of the group (grid-stride up to the
-/// group's largest position): the thread owns V[x] and D[x] and applies the group's rows in order.
-/// For V[x] it finds block x / 64 in the group's list once; for D[x] and row t it finds the block
-/// of slot t - x. Each update is __fadd_rn(__fmul_rn(a, old), __fmul_rn(1 - a, z)): SpinState's two
-/// fp32 products and an add, never an FMA, so V and D come out bit for bit as on the CPU. Reads
-/// and writes V and D only where a slot was scored: 16 bytes a scored slot a row, plus 4 bytes of
-/// score. Asynchronous on `stream`; cudaErrorInvalidValue when CanImplementSpinUpdate fails.
+/// Grid (chunks x groups). A group of one row (a plain decode step): one thread per scored entry,
+/// updating V[slot] and D[t - slot] directly. A group of several rows (the replay): one thread per
+/// slot index x up to the group's largest position, owning V[x] and D[x] and applying the rows in
+/// order; for V[x] it finds block x / 64 in the group's list once (binary search), for D[x] and
+/// row t the block of slot t - x. Each update is __fadd_rn(__fmul_rn(a, old), __fmul_rn(1 - a, z)):
+/// SpinState's two fp32 products and an add, never an FMA, so V and D come out bit for bit as on
+/// the CPU. V and D are read and written only where a slot was scored: 16 bytes a scored slot, plus
+/// its 4-byte score a row. Asynchronous on `stream`; cudaErrorInvalidValue when
+/// CanImplementSpinUpdate fails.
 cudaError_t LaunchSpinUpdate(const SpinUpdateParams& params, cudaStream_t stream);
 
 }  // namespace dsa::cuda
