@@ -13,24 +13,27 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$out/device.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  for t in device_info key_append scan topk; do
+  for t in device_info key_append scan topk spin_predict spin_update; do
     echo "=== indexer_cuda_${t}_test" | tee -a "$out/tests.log"
     timeout 300 "$bin/indexer_cuda_${t}_test" --gtest_brief=1 >>"$out/tests.log" 2>&1 || status=1
     tail -n 3 "$out/tests.log"
   done
 fi
 if [[ $what == sanitize || $what == all ]]; then
-  # The sanitizers on every test but the largest shapes (131,072 x 4 rows, 2^20-entry rows and
-  # the 8 GiB offset row), which take minutes under instrumentation.
+  # The sanitizers on every test but the largest shapes (131,072 x 4 rows, 2^20-entry rows, the
+  # 8 GiB offset row and the SPIN plans of 2^20 slots and more, whose O(B^2) ranking takes minutes
+  # under instrumentation).
   cs=/usr/local/cuda/bin/compute-sanitizer
   declare -A filter=(
     [device_info]='*'
     [key_append]='*'
     [scan]='-*LongContext*:*OverContextLengths*'
     [topk]='-*ManyEqualScores*:*PastTwoToTheThirtyOne*:*SplitsRowsOverClusters*'
+    [spin_predict]='-*ExplorationGrid*:*PastTwoToTheTwenty*:*PastOneChunk*'
+    [spin_update]='*'
   )
   for tool in memcheck racecheck; do
-    for t in device_info key_append scan topk; do
+    for t in device_info key_append scan topk spin_predict spin_update; do
       echo "=== $tool indexer_cuda_${t}_test ${filter[$t]}" | tee -a "$out/sanitizer.log"
       timeout ${DSA_SANITIZER_TIMEOUT_S:-120} "$cs" --tool "$tool" --error-exitcode 7 "$bin/indexer_cuda_${t}_test" \
         --gtest_brief=1 --gtest_filter="${filter[$t]}" >>"$out/sanitizer.log" 2>&1 || status=1

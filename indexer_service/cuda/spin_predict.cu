@@ -1,16 +1,21 @@
-// SPIN block prediction and the plan without exploration on the GPU (see spin_predict.h).
+// SPIN block prediction, the plan with seeded exploration and the speculative union on the GPU
+// (see spin_predict.h).
 #include <cmath>
 #include <cub/block/block_scan.cuh>
 
+#include "common/philox.h"
 #include "indexer_service/cuda/spin_predict.h"
 
 namespace dsa::cuda {
 namespace {
 
-constexpr int kBlockSlots = 64;      // kBlockSize of block_pool.h
-constexpr int kPredictWarps = 8;     // warps a CTA of the prediction kernel
-constexpr int kPredictChunks = 8;    // CTAs a row (grid.y); warps stride over the row's blocks
-constexpr int kSelectThreads = 512;  // threads a CTA (one row) of the plan kernel
+constexpr int kBlockSlots = 64;        // kBlockSize of block_pool.h
+constexpr int kPredictWarps = 8;       // warps a CTA of the prediction kernel
+constexpr int kPredictChunks = 8;      // CTAs a row (grid.y); warps stride over the row's blocks
+constexpr int kSelectThreads = 512;    // threads a CTA (one row) of the plan kernel
+constexpr int kUnionThreads = 512;     // threads a CTA (one group) of the union kernel
+constexpr int kUnionWords = 1024;      // bitmap words a union chunk: 32,768 blocks
+constexpr int kPlanBytesPerBlock = 5;  // exploration: int32 free-list entry + byte flag a block
 
 // std::max(a, b) and std::max_element's step: b only when a < b, so of equal values (+0 and -0)
 // the first one wins.
@@ -75,14 +80,33 @@ __device__ int64_t BlockBudget(int64_t visible_blocks, int top_k, double rho) {
   return visible_blocks < budget ? visible_blocks : budget;
 }
 
+// A uint32 ordered as the float: larger S, larger key; -0 maps as +0, so equal values (the CPU's
+// == on floats) get equal keys. S is finite (finite V and D).
+__device__ __forceinline__ uint32_t OrderedKey(float x) {
+  const uint32_t bits = __float_as_uint(x == 0.0f ? 0.0f : x);
+  return (bits & 0x80000000u) != 0 ? ~bits : (bits | 0x80000000u);
+}
+
+// SpinState::PlanRow's n_explore = min(FloorOfProduct(gamma m_t + 0.5), capacity) with the same
+// fp64 operations (no FMA contraction).
+__device__ int64_t ExploreCount(int64_t budget, int64_t capacity, double gamma) {
+  const double x = __dadd_rn(__dmul_rn(gamma, static_cast<double>(budget)), 0.5);
+  const double slack = __dmul_rn(1e-12, fmax(1.0, fabs(x)));
+  const int64_t n = static_cast<int64_t>(floor(__dadd_rn(x, slack)));
+  return n < capacity ? n : capacity;
+}
+
 __global__ void __launch_bounds__(kSelectThreads)
     SelectKernel(const int64_t* __restrict__ positions,
                  const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
-                 int top_k, double rho, int32_t* __restrict__ selected,
-                 int32_t* __restrict__ selected_count) {
+                 int top_k, double rho, double gamma, uint64_t seed,
+                 const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
+                 unsigned char* __restrict__ workspace, int64_t workspace_blocks,
+                 int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int written;
+  extern __shared__ __align__(16) unsigned char plan_shared[];
   const int row = blockIdx.x;
   const int64_t t = positions[row];
   const int64_t num_blocks = RowBlocks(t);
@@ -90,37 +114,239 @@ __global__ void __launch_bounds__(kSelectThreads)
   const float* s = scores + base;
   int32_t* out = selected + base;
   const bool all = t + 1 <= top_k;  // step 1 (the warm-up and SPIN off are the caller's)
-  // Step 4: the sink block and the newest block; step 6: `capacity` more by S, ties to the lower
-  // block, among blocks 1 .. B - 2.
+  // Step 3 and 4: the budget, the sink block and the newest block.
   const int64_t forced = num_blocks >= 2 ? 2 : num_blocks;
-  const int64_t capacity = all ? 0 : BlockBudget(num_blocks, top_k, rho) - forced;
-  if (threadIdx.x == 0) written = 0;
+  const int64_t budget = all ? num_blocks : BlockBudget(num_blocks, top_k, rho);
+  const int64_t capacity = all ? 0 : budget - forced;
+  // Step 5: n_explore (> 0 only when B >= 3: capacity > 0 needs m_t > 2).
+  const int64_t n_explore = gamma > 0.0 && capacity > 0 ? ExploreCount(budget, capacity, gamma) : 0;
+  if (n_explore > 0 && num_blocks > max_blocks) {  // the caller's bound is wrong: refuse the row
+    if (threadIdx.x == 0) selected_count[row] = -1;
+    return;
+  }
+  // Step 6: `best` more by S among the blocks still free.
+  const int64_t best = capacity - (n_explore > 0 ? n_explore : 0);
+  const unsigned char* explored = nullptr;
+  if (n_explore > 0) {
+    // Partial Fisher-Yates over the untaken blocks in ascending order (1 .. B - 2, so free[k] =
+    // k + 1): draw i swaps free[i] with free[i + UniformBelow(word_i, F - i)], F = B - 2. The
+    // draws are independent of the shuffle, so warp 0 makes 32 at a time and lane 0 applies the
+    // swaps in order; afterwards free[0 .. n) are the explored blocks (later swaps never touch a
+    // position below their own index).
+    unsigned char* storage = workspace != nullptr ? workspace + 4 * base : plan_shared;
+    int32_t* free_list = reinterpret_cast<int32_t*>(storage);
+    unsigned char* flags = workspace != nullptr ? workspace + 4 * workspace_blocks + base
+                                                : plan_shared + 4 * max_blocks;
+    const int64_t free_count = num_blocks - 2;
+    for (int64_t k = threadIdx.x; k < free_count; k += kSelectThreads) {
+      free_list[k] = static_cast<int32_t>(k + 1);
+    }
+    for (int64_t j = threadIdx.x; j < num_blocks; j += kSelectThreads) flags[j] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const uint64_t row_key = row_seed != nullptr ? row_seed[row] : seed;
+      const PhiloxKey key{{static_cast<uint32_t>(row_key), static_cast<uint32_t>(row_key >> 32)}};
+      for (int64_t first = 0; first < n_explore; first += 32) {
+        const int64_t i = first + lane;
+        int64_t pick = 0;
+        if (i < n_explore) {
+          const PhiloxCounter counter{{static_cast<uint32_t>(t),
+                                       static_cast<uint32_t>(static_cast<uint64_t>(t) >> 32),
+                                       static_cast<uint32_t>(i), static_cast<uint32_t>(layer)}};
+          const uint32_t word = Philox4x32(counter, key).c[0];
+          pick = i + UniformBelow(word, static_cast<uint32_t>(free_count - i));
+        }
+        const int steps = n_explore - first < 32 ? static_cast<int>(n_explore - first) : 32;
+        for (int k = 0; k < steps; ++k) {
+          const int64_t q = __shfl_sync(0xffffffffu, pick, k);
+          if (lane == 0) {
+            const int64_t at = first + k;
+            const int32_t held = free_list[at];
+            free_list[at] = free_list[q];
+            free_list[q] = held;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < n_explore; i += kSelectThreads) flags[free_list[i]] = 1;
+    __syncthreads();
+    explored = flags;
+  }
+  // Step 6 by an exact radix select over the free candidates (blocks 1 .. B - 2 not explored):
+  // four 8-bit passes, most significant first, find the best-th largest key T (OrderedKey of S)
+  // and how many candidates of key T to take (`need`); then every candidate above T and the
+  // `need` lowest-numbered of key T are taken: the CPU's order (higher S first, ties to the lower
+  // block) makes the chosen set exactly this.
+  __shared__ int histogram[256];
+  __shared__ uint32_t select_prefix;
+  __shared__ int64_t select_need;
+  __shared__ int64_t equal_taken;
+  const int64_t candidates = num_blocks > 2 ? num_blocks - 2 - (n_explore > 0 ? n_explore : 0) : 0;
+  const bool take_all_free = best >= candidates;  // TakeBest's min(count, free.size())
+  uint32_t threshold = 0;
+  int64_t need = 0;
+  if (best > 0 && !take_all_free) {
+    uint32_t prefix = 0;
+    uint32_t mask = 0;
+    need = best;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      if (threadIdx.x < 256) histogram[threadIdx.x] = 0;
+      __syncthreads();
+      for (int64_t j = 1 + threadIdx.x; j < num_blocks - 1; j += kSelectThreads) {
+        if (explored != nullptr && explored[j]) continue;
+        const uint32_t key = OrderedKey(s[j]);
+        if ((key & mask) == prefix) atomicAdd(&histogram[(key >> shift) & 255], 1);
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        // Lane l holds digits 255 - 8 l .. 248 - 8 l (highest first); an inclusive scan over
+        // lanes finds the lane, then the digit, where the running count reaches `need`.
+        const int lane = threadIdx.x;
+        int counts[8];
+        int lane_sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          counts[k] = histogram[255 - 8 * lane - k];
+          lane_sum += counts[k];
+        }
+        int inclusive = lane_sum;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+          const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+          if (lane >= offset) inclusive += other;
+        }
+        int64_t before = inclusive - lane_sum;
+        if (before < need && need <= inclusive) {
+          for (int k = 0; k < 8; ++k) {
+            if (before + counts[k] >= need) {
+              select_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - k) << shift);
+              select_need = need - before;
+              break;
+            }
+            before += counts[k];
+          }
+        }
+      }
+      __syncthreads();
+      prefix = select_prefix;
+      need = select_need;
+      mask |= 255u << shift;
+    }
+    threshold = prefix;
+  }
+  if (threadIdx.x == 0) {
+    written = 0;
+    equal_taken = 0;
+  }
   __syncthreads();
   for (int64_t chunk = 0; chunk < num_blocks; chunk += kSelectThreads) {
     const int64_t j = chunk + threadIdx.x;
     int take = 0;
+    int equal = 0;
     if (j < num_blocks) {
       if (all || j == 0 || j == num_blocks - 1) {
         take = 1;
-      } else if (capacity > 0) {
-        const float sj = s[j];
-        int64_t rank = 0;  // other candidates that come before j
-        for (int64_t k = 1; k < num_blocks - 1 && rank < capacity; ++k) {
-          const float sk = s[k];
-          rank += (sk > sj || (sk == sj && k < j)) ? 1 : 0;
+      } else if (explored != nullptr && explored[j]) {
+        take = 1;
+      } else if (best > 0) {
+        if (take_all_free) {
+          take = 1;
+        } else {
+          const uint32_t key = OrderedKey(s[j]);
+          take = key > threshold ? 1 : 0;
+          equal = key == threshold ? 1 : 0;
         }
-        take = rank < capacity ? 1 : 0;
       }
     }
+    int equal_index = 0;
+    int equal_total = 0;
+    Scan(scan_storage).ExclusiveSum(equal, equal_index, equal_total);
+    __syncthreads();  // the scan storage is free again
+    if (equal && equal_taken + equal_index < need) take = 1;
     int index = 0;
     int total = 0;
     Scan(scan_storage).ExclusiveSum(take, index, total);
     if (take) out[written + index] = static_cast<int32_t>(j);
-    __syncthreads();  // every thread has read `written` and the scan storage is free again
-    if (threadIdx.x == 0) written += total;
+    __syncthreads();  // every thread has read `written` and `equal_taken`; the storage is free
+    if (threadIdx.x == 0) {
+      written += total;
+      equal_taken += equal_total;
+    }
     __syncthreads();
   }
   if (threadIdx.x == 0) selected_count[row] = written;
+}
+
+// One CTA per group: the distinct union of its rows' ascending lists, in chunks of
+// 32 x kUnionWords blocks; thread k owns bitmap words 2k and 2k + 1, so the exclusive prefix of the
+// per-thread population counts places every block in ascending order.
+__global__ void __launch_bounds__(kUnionThreads)
+    UnionKernel(const int32_t* __restrict__ group_first_row,
+                const int64_t* __restrict__ row_block_offset, const int32_t* __restrict__ selected,
+                const int32_t* __restrict__ selected_count,
+                const int64_t* __restrict__ group_block_offset, int32_t* __restrict__ union_blocks,
+                int32_t* __restrict__ union_count) {
+  static_assert(kUnionWords == 2 * kUnionThreads, "two bitmap words a thread");
+  using Scan = cub::BlockScan<int, kUnionThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ uint32_t bitmap[kUnionWords];
+  __shared__ int64_t written;
+  const int group = blockIdx.x;
+  const int first_row = group_first_row[group];
+  const int end_row = group_first_row[group + 1];
+  int64_t end_block = 0;  // the largest block of any row + 1 (rows are ascending)
+  for (int r = first_row; r < end_row; ++r) {
+    const int32_t count = selected_count[r];
+    if (count <= 0) continue;
+    const int64_t last = selected[row_block_offset[r] + count - 1];
+    end_block = last + 1 > end_block ? last + 1 : end_block;
+  }
+  int32_t* out = union_blocks + (end_block > 0 ? group_block_offset[group] : 0);
+  if (threadIdx.x == 0) written = 0;
+  constexpr int64_t kChunkBlocks = 32 * static_cast<int64_t>(kUnionWords);
+  for (int64_t chunk = 0; chunk < end_block; chunk += kChunkBlocks) {
+    for (int w = threadIdx.x; w < kUnionWords; w += kUnionThreads) bitmap[w] = 0;
+    __syncthreads();
+    for (int r = first_row; r < end_row; ++r) {
+      const int32_t count = selected_count[r];
+      const int32_t* list = selected + (count > 0 ? row_block_offset[r] : 0);
+      for (int32_t i = threadIdx.x; i < count; i += kUnionThreads) {
+        const int64_t b = static_cast<int64_t>(list[i]) - chunk;
+        if (b >= 0 && b < kChunkBlocks) atomicOr(&bitmap[b >> 5], 1u << (b & 31));
+      }
+    }
+    __syncthreads();
+    const uint32_t w0 = bitmap[2 * threadIdx.x];
+    const uint32_t w1 = bitmap[2 * threadIdx.x + 1];
+    int index = 0;
+    int total = 0;
+    Scan(scan_storage).ExclusiveSum(__popc(w0) + __popc(w1), index, total);
+    int32_t* at = out + written + index;
+    const int64_t word_block = chunk + 64 * static_cast<int64_t>(threadIdx.x);
+    for (uint32_t m = w0; m != 0; m &= m - 1)
+      *at++ = static_cast<int32_t>(word_block + __ffs(m) - 1);
+    for (uint32_t m = w1; m != 0; m &= m - 1) {
+      *at++ = static_cast<int32_t>(word_block + 32 + __ffs(m) - 1);
+    }
+    __syncthreads();  // every thread has read `written` and the bitmap
+    if (threadIdx.x == 0) written += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) union_count[group] = static_cast<int32_t>(written);
+}
+
+}  // namespace
+
+namespace {
+
+// Whether the launch explores (gamma > 0 with a plan) and keeps its plan in the workspace.
+bool Explores(const SpinPredictParams& p) {
+  return p.selected != nullptr && p.exploration_fraction > 0.0;
+}
+bool PlanInWorkspace(const SpinPredictParams& p) {
+  return Explores(p) && p.max_visible_blocks > kSpinSharedPlanBlocks;
 }
 
 }  // namespace
@@ -152,24 +378,96 @@ bool CanImplementSpinPredict(const SpinPredictParams& p, const char** why) {
         p.target_block_sparsity >= 1.0) {
       return fail("target_block_sparsity must be in [0, 1)");
     }
-    if (p.exploration_fraction != 0.0) {
-      return fail("exploration (exploration_fraction > 0) is not implemented on the GPU");
+    if (!std::isfinite(p.exploration_fraction) || p.exploration_fraction < 0.0 ||
+        p.exploration_fraction >= 1.0) {
+      return fail("exploration_fraction must be in [0, 1)");
+    }
+  }
+  if (Explores(p)) {
+    if (p.exploration != SpinExploration::kRandom) {
+      return fail(
+          "only random exploration is on the GPU (staleness and block age need the blocks' "
+          "last-scored positions)");
+    }
+    if (p.max_visible_blocks < 1) return fail("exploration needs max_visible_blocks >= 1");
+    if (PlanInWorkspace(p)) {
+      if (p.total_blocks < 1) return fail("total_blocks must be set for rows past 2^20 slots");
+      if (p.workspace == nullptr || p.workspace_bytes < SpinPredictScratchBytes(p)) {
+        return fail("the workspace is smaller than SpinPredictScratchBytes");
+      }
+      if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+        return fail("the workspace must be 16-byte aligned");
+      }
     }
   }
   return true;
 }
 
+size_t SpinPredictScratchBytes(const SpinPredictParams& p) {
+  if (!PlanInWorkspace(p) || p.total_blocks <= 0) return 0;
+  const size_t bytes = static_cast<size_t>(p.total_blocks) * kPlanBytesPerBlock;
+  return (bytes + 15) / 16 * 16;
+}
+
 cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (!CanImplementSpinPredict(p)) return cudaErrorInvalidValue;
   if (p.num_rows == 0) return cudaSuccess;
-  PredictKernel<<<dim3(p.num_rows, kPredictChunks), kPredictWarps * 32, 0, stream>>>(
+  // Kernel 1's CTAs a row: 8, or with the max_visible_blocks hint about 4 blocks a warp.
+  int64_t chunks = kPredictChunks;
+  if (p.max_visible_blocks > 0) {
+    const int64_t wanted = (p.max_visible_blocks + 4 * kPredictWarps - 1) / (4 * kPredictWarps);
+    chunks = wanted < kPredictChunks ? kPredictChunks : (wanted > 65535 ? 65535 : wanted);
+  }
+  PredictKernel<<<dim3(p.num_rows, static_cast<unsigned>(chunks)), kPredictWarps * 32, 0, stream>>>(
       p.positions, p.vertical, p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset,
       p.scores);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.selected == nullptr) return cudaSuccess;
-  SelectKernel<<<p.num_rows, kSelectThreads, 0, stream>>>(p.positions, p.row_block_offset, p.scores,
-                                                          p.top_k, p.target_block_sparsity,
-                                                          p.selected, p.selected_count);
+  const bool explores = Explores(p);
+  const bool in_workspace = PlanInWorkspace(p);
+  const size_t shared_bytes = explores && !in_workspace
+                                  ? static_cast<size_t>(p.max_visible_blocks) * kPlanBytesPerBlock
+                                  : 0;
+  if (shared_bytes > 48 * 1024) {
+    if (cudaError_t e =
+            cudaFuncSetAttribute(SelectKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(shared_bytes));
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  SelectKernel<<<p.num_rows, kSelectThreads, shared_bytes, stream>>>(
+      p.positions, p.row_block_offset, p.scores, p.top_k, p.target_block_sparsity,
+      explores ? p.exploration_fraction : 0.0, p.seed, p.row_seed, p.layer,
+      explores ? p.max_visible_blocks : 0,
+      in_workspace ? static_cast<unsigned char*>(p.workspace) : nullptr,
+      in_workspace ? p.total_blocks : 0, p.selected, p.selected_count);
+  return cudaGetLastError();
+}
+
+bool CanImplementSpinUnion(const SpinUnionParams& p, const char** why) {
+  auto fail = [why](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+  if (p.num_groups < 0) return fail("num_groups must be >= 0");
+  if (p.num_groups == 0) return true;
+  if (p.group_first_row == nullptr || p.row_block_offset == nullptr || p.selected == nullptr ||
+      p.selected_count == nullptr || p.group_block_offset == nullptr || p.union_blocks == nullptr ||
+      p.union_count == nullptr) {
+    return fail(
+        "group_first_row, row_block_offset, selected, selected_count, group_block_offset, "
+        "union_blocks and union_count must be set");
+  }
+  return true;
+}
+
+cudaError_t LaunchSpinUnion(const SpinUnionParams& p, cudaStream_t stream) {
+  if (!CanImplementSpinUnion(p)) return cudaErrorInvalidValue;
+  if (p.num_groups == 0) return cudaSuccess;
+  UnionKernel<<<p.num_groups, kUnionThreads, 0, stream>>>(
+      p.group_first_row, p.row_block_offset, p.selected, p.selected_count, p.group_block_offset,
+      p.union_blocks, p.union_count);
   return cudaGetLastError();
 }
 

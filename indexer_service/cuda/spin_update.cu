@@ -1,0 +1,160 @@
+// SPIN's EMA update on the GPU (see spin_update.h).
+#include <cmath>
+
+#include "indexer_service/cuda/spin_update.h"
+
+namespace dsa::cuda {
+namespace {
+
+constexpr int kBlockSlots = 64;           // kBlockSize of block_pool.h
+constexpr int kUpdateThreads = 256;       // threads a CTA
+constexpr int kDefaultUpdateChunks = 64;  // CTAs a group when no max_visible_slots hint is given
+constexpr int kMaxUpdateChunks = 8192;    // cap of grid.x (the threads stride past it)
+
+// Index of `block` in the strictly increasing list[0 .. count), or -1.
+__device__ __forceinline__ int64_t FindBlock(const int32_t* __restrict__ list, int64_t count,
+                                             int64_t block) {
+  int64_t lo = 0;
+  int64_t hi = count;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (list[mid] < block) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < count && list[lo] == block ? lo : -1;
+}
+
+// SpinState::Update's a * old + b * z: two fp32 products and an add, no contraction.
+__device__ __forceinline__ float Ema(float a, float b, float old, float z) {
+  return __fadd_rn(__fmul_rn(a, old), __fmul_rn(b, z));
+}
+
+__global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
+    const int32_t* __restrict__ group_first_row, const int64_t* __restrict__ group_block_offset,
+    const int32_t* __restrict__ logical_blocks, const int64_t* __restrict__ row_position,
+    const int64_t* __restrict__ row_score_offset, const float* __restrict__ scores,
+    float* const* __restrict__ vertical, float* const* __restrict__ diagonal, float a, float b) {
+  const int group = blockIdx.y;
+  const int first_row = group_first_row[group];
+  const int end_row = group_first_row[group + 1];
+  if (first_row >= end_row) return;
+  int64_t end_slot = 0;  // the largest position + 1
+  for (int r = first_row; r < end_row; ++r) {
+    const int64_t t = row_position[r];
+    end_slot = t + 1 > end_slot ? t + 1 : end_slot;
+  }
+  const int64_t list_begin = group_block_offset[group];
+  const int64_t list_count = group_block_offset[group + 1] - list_begin;
+  const int32_t* list = logical_blocks + list_begin;
+  float* v = vertical[group];
+  float* d = diagonal[group];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kUpdateThreads;
+  if (end_row - first_row == 1) {
+    // One row: a thread per scored entry, no search. The list is strictly increasing, so the
+    // entries' slots, and their offsets t - slot, are distinct.
+    const int64_t t = row_position[first_row];
+    const float* z = scores + row_score_offset[first_row];
+    for (int64_t e = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x;
+         e < list_count * kBlockSlots; e += stride) {
+      const int64_t slot =
+          static_cast<int64_t>(list[e / kBlockSlots]) * kBlockSlots + e % kBlockSlots;
+      const float value = slot <= t ? z[e] : -INFINITY;
+      if (!isfinite(value)) continue;
+      v[slot] = Ema(a, b, v[slot], value);
+      d[t - slot] = Ema(a, b, d[t - slot], value);
+    }
+    return;
+  }
+  for (int64_t x = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x; x < end_slot;
+       x += stride) {
+    // V[x]: slot x, the same block entry for every row.
+    const int64_t entry = FindBlock(list, list_count, x / kBlockSlots);
+    if (entry >= 0) {
+      const int64_t at = entry * kBlockSlots + x % kBlockSlots;
+      float value = 0.0f;
+      bool loaded = false;
+      for (int r = first_row; r < end_row; ++r) {
+        if (x > row_position[r]) continue;
+        const float z = scores[row_score_offset[r] + at];
+        if (!isfinite(z)) continue;
+        if (!loaded) {
+          value = v[x];
+          loaded = true;
+        }
+        value = Ema(a, b, value, z);
+      }
+      if (loaded) v[x] = value;
+    }
+    // D[x]: offset x, slot t - x of row t.
+    float value = 0.0f;
+    bool loaded = false;
+    for (int r = first_row; r < end_row; ++r) {
+      const int64_t t = row_position[r];
+      if (x > t) continue;
+      const int64_t slot = t - x;
+      const int64_t slot_entry = FindBlock(list, list_count, slot / kBlockSlots);
+      if (slot_entry < 0) continue;
+      const float z = scores[row_score_offset[r] + slot_entry * kBlockSlots + slot % kBlockSlots];
+      if (!isfinite(z)) continue;
+      if (!loaded) {
+        value = d[x];
+        loaded = true;
+      }
+      value = Ema(a, b, value, z);
+    }
+    if (loaded) d[x] = value;
+  }
+}
+
+}  // namespace
+
+bool CanImplementSpinUpdate(const SpinUpdateParams& p, const char** why) {
+  auto fail = [why](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+  if (p.num_groups < 0 || p.num_rows < 0) return fail("num_groups and num_rows must be >= 0");
+  if (p.num_groups > 65535) return fail("at most 65,535 groups a launch (grid.y)");
+  if (p.reduction != SpinReduction::kA1) {
+    return fail("only the A1 reduction is on the GPU (A2 keeps block-level EMAs)");
+  }
+  if (p.exploration != SpinExploration::kRandom) {
+    return fail(
+        "only random exploration is on the GPU (staleness and block age need the blocks' "
+        "last-scored positions)");
+  }
+  if (!std::isfinite(p.ema_decay) || p.ema_decay < 0.0 || p.ema_decay >= 1.0) {
+    return fail("ema_decay must be in [0, 1)");
+  }
+  if (p.num_groups == 0) return true;
+  if (p.group_first_row == nullptr || p.group_block_offset == nullptr || p.vertical == nullptr ||
+      p.diagonal == nullptr) {
+    return fail("group_first_row, group_block_offset, vertical and diagonal must be set");
+  }
+  if (p.num_rows > 0 && (p.logical_blocks == nullptr || p.row_position == nullptr ||
+                         p.row_score_offset == nullptr || p.scores == nullptr)) {
+    return fail("logical_blocks, row_position, row_score_offset and scores must be set");
+  }
+  return true;
+}
+
+cudaError_t LaunchSpinUpdate(const SpinUpdateParams& p, cudaStream_t stream) {
+  if (!CanImplementSpinUpdate(p)) return cudaErrorInvalidValue;
+  if (p.num_groups == 0 || p.num_rows == 0) return cudaSuccess;
+  const float a = static_cast<float>(p.ema_decay);  // as SpinState::Update
+  const float b = 1.0f - a;
+  int64_t chunks = kDefaultUpdateChunks;
+  if (p.max_visible_slots > 0) {
+    chunks = (p.max_visible_slots + kUpdateThreads - 1) / kUpdateThreads;
+    chunks = chunks < kMaxUpdateChunks ? chunks : kMaxUpdateChunks;
+  }
+  UpdateKernel<<<dim3(static_cast<unsigned>(chunks), p.num_groups), kUpdateThreads, 0, stream>>>(
+      p.group_first_row, p.group_block_offset, p.logical_blocks, p.row_position, p.row_score_offset,
+      p.scores, p.vertical, p.diagonal, a, b);
+  return cudaGetLastError();
+}
+
+}  // namespace dsa::cuda
