@@ -33,10 +33,12 @@ struct DeviceScoreJob {
   std::span<int32_t> selections;
 };
 
-/// Device time of one ScoreAndSelect, seconds (measured on the device, e.g. by CUDA events).
+/// Device time of one ScoreAndSelect, seconds (measured on the device, e.g. by CUDA events), and
+/// which scan kernel ran (a static string, e.g. "tensor-cores"; for tests and logs).
 struct DeviceScoreSeconds {
   double scan = 0;
   double topk = 0;
+  const char* scan_kernel = "";
 };
 
 /// Not thread-safe: the Indexer calls it under its mutex.

@@ -104,6 +104,27 @@ size_t Take(size_t& cursor, size_t bytes) {
   return at;
 }
 
+// Whether the tensor-core scan takes a batch of this shape (head_dim, num_heads, the bf16 query):
+// the real pointers are set after the layout, so stand-ins take their place for the check.
+bool TensorCoresTakeShape(ScanParams shape, const char** why) {
+  alignas(16) static uint8_t stand_in[16] = {};
+  shape.pool = stand_in;
+  shape.group_first_row = reinterpret_cast<const int32_t*>(stand_in);
+  shape.group_block_offset = reinterpret_cast<const int64_t*>(stand_in);
+  shape.logical_blocks = reinterpret_cast<const int32_t*>(stand_in);
+  shape.group_table_offset = reinterpret_cast<const int64_t*>(stand_in);
+  shape.block_tables = reinterpret_cast<const int32_t*>(stand_in);
+  shape.group_num_slots = reinterpret_cast<const int64_t*>(stand_in);
+  shape.query = stand_in;
+  shape.head_weights = reinterpret_cast<const float*>(stand_in);
+  shape.row_position = reinterpret_cast<const int64_t*>(stand_in);
+  shape.row_score_offset = reinterpret_cast<const int64_t*>(stand_in);
+  shape.scores = reinterpret_cast<float*>(stand_in);
+  shape.workspace = stand_in;
+  shape.workspace_bytes = ScanTensorCoresScratchBytes(shape);
+  return CanImplementScanTensorCores(shape, why);
+}
+
 // fp32 -> bf16 bits, round to nearest even (finite inputs: the Indexer refuses others).
 uint16_t ToBfloat16(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -217,11 +238,10 @@ class CudaScoringDevice final : public ScoringDevice {
     scan.num_rows = static_cast<int>(num_rows);
     scan.total_blocks = total_blocks;
     scan.query_dtype = QueryDtype::kBFloat16;
-    bool tensor_cores = options_.scan_kernel != ScanKernel::kCudaCores &&
-                        CanImplementScanTensorCores(scan, nullptr);
+    const char* why = "";
+    const bool tensor_cores =
+        options_.scan_kernel != ScanKernel::kCudaCores && TensorCoresTakeShape(scan, &why);
     if (options_.scan_kernel == ScanKernel::kTensorCores && !tensor_cores) {
-      const char* why = "";
-      CanImplementScanTensorCores(scan, &why);
       return absl::UnimplementedError(absl::StrCat("the tensor-core scan cannot take it: ", why));
     }
     if (!tensor_cores) scan.query_dtype = QueryDtype::kFloat32;
@@ -317,6 +337,10 @@ class CudaScoringDevice final : public ScoringDevice {
       DSA_RETURN_IF_ERROR(workspace_.Reserve(scan.workspace_bytes, "scan workspace"));
       scan.workspace = workspace_.as<void>();
     }
+    if (!(tensor_cores ? CanImplementScanTensorCores(scan, &why)
+                       : CanImplementScanCudaCores(scan, &why))) {
+      return absl::InternalError(absl::StrCat("the scan refused the batch: ", why));
+    }
 
     DSA_CUDA_RETURN(cudaMemcpyAsync(batch_.as<void>(), upload_.as<void>(), at.total,
                                     cudaMemcpyHostToDevice, stream_),
@@ -372,6 +396,7 @@ class CudaScoringDevice final : public ScoringDevice {
     DSA_CUDA_RETURN(cudaEventElapsedTime(&topk_ms, events_[1], events_[2]), "event time");
     seconds->scan = scan_ms * 1e-3;
     seconds->topk = topk_ms * 1e-3;
+    seconds->scan_kernel = tensor_cores ? "tensor-cores" : "cuda-cores";
     int64_t selection = 0, score = 0;
     for (const DeviceScoreJob& job : jobs) {
       const auto entries = static_cast<int64_t>(job.rows.size()) * job.top_k;

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -76,6 +77,7 @@ __global__ void __launch_bounds__(kCudaCoreThreads) ScanCudaCoreKernel(ScanParam
   const int stride = p.head_dim + 1;
   float* keys = smem;                                // [64][head_dim + 1]
   float* partial = smem + kCacheBlockSize * stride;  // [kHeadLanes][64]
+  if (p.device_total_blocks != nullptr && blockIdx.x >= *p.device_total_blocks) return;
   const BlockWork w = FindBlockWork(p, blockIdx.x);
   const int64_t key_bytes = int64_t{kCacheBlockSize} * p.head_dim;
   for (int i = threadIdx.x; i < key_bytes; i += kCudaCoreThreads) {
@@ -262,7 +264,7 @@ __global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams
 
 template <int kHeads, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 2)
-    ScanTensorCoreKernel(ScanParams p, int chunk, bool convert_query) {
+    ScanTensorCoreKernel(ScanParams p, int chunk, int ctas_wanted, bool convert_query) {
   constexpr int kStageBytes = StageBytes<kHeadDim>();
   constexpr int kGroups64 = kHeadDim / 64;  // 64-dim groups: one 16-byte load per key row each
   constexpr int kSteps = kHeadDim / 16;
@@ -279,8 +281,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* s_amax = reinterpret_cast<float*>(s_entry_block + kMaxChunk);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4;
+  int64_t total = p.total_blocks;
+  if (p.device_total_blocks != nullptr) {  // the same split as the host's, of the device total
+    total = *p.device_total_blocks;
+    chunk = static_cast<int>(min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) /
+                                                                        ctas_wanted)));
+  }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
-  const int count = static_cast<int>(min(int64_t{chunk}, p.total_blocks - first));
+  if (first >= total) return;  // the whole CTA: no barrier is set up yet
+  const int count = static_cast<int>(min(int64_t{chunk}, total - first));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) MbarrierInit(&full[s]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -493,9 +502,14 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
   const int64_t ctas_wanted = 2LL * num_sms;
   int64_t chunk = (p.total_blocks + ctas_wanted - 1) / ctas_wanted;
   chunk = chunk < 1 ? 1 : (chunk > kMaxChunk ? kMaxChunk : chunk);
-  const int64_t grid = (p.total_blocks + chunk - 1) / chunk;
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(p, static_cast<int>(chunk),
-                                                                  convert_query);
+  int64_t grid = (p.total_blocks + chunk - 1) / chunk;
+  if (p.device_total_blocks != nullptr) {
+    // Enough CTAs for any total up to the bound: the kernel splits the device total the same way.
+    const int64_t saturated = (p.total_blocks + kMaxChunk - 1) / kMaxChunk;
+    grid = std::min<int64_t>(p.total_blocks, std::max<int64_t>(ctas_wanted, saturated));
+  }
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(
+      p, static_cast<int>(chunk), static_cast<int>(ctas_wanted), convert_query);
   return cudaGetLastError();
 }
 }  // namespace tc

@@ -51,8 +51,14 @@ struct ScanParams {
   const int32_t* group_first_row = nullptr;
   /// int64 [num_groups + 1], non-decreasing, from 0; the group's blocks in logical_blocks.
   const int64_t* group_block_offset = nullptr;
-  /// Total blocks of all groups: group_block_offset[num_groups] (host copy; sets the grid).
+  /// Total blocks of all groups: group_block_offset[num_groups] (host copy; sets the grid). With
+  /// device_total_blocks, an upper bound of it instead.
   int64_t total_blocks = 0;
+  /// Optional device int64 [1]: the total when only the device knows it (a SPIN plan made on the
+  /// GPU: the whole select then needs no host round trip and can be captured in a CUDA graph).
+  /// The grid is sized for total_blocks; CTAs past the device total do nothing, and the
+  /// tensor-core scan splits the device total over its CTAs.
+  const int64_t* device_total_blocks = nullptr;
   /// int32 [total_blocks]: logical block ids (block j holds slots [64 j, 64 j + 64)), each < the
   /// group's ceil(num_slots / 64); any order.
   const int32_t* logical_blocks = nullptr;

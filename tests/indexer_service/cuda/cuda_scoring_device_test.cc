@@ -6,6 +6,7 @@
 #include "indexer_service/cuda/cuda_scoring_device.h"
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,29 @@ struct Shape {
   int num_heads;
   int head_dim;
   ScanKernel kernel;
+  const char* expected_scan;  // the scan kernel that must run
+};
+
+// Forwards to the CUDA device and records which scan kernels ran.
+class ScanKernelSpy : public ScoringDevice {
+ public:
+  ScanKernelSpy(std::unique_ptr<ScoringDevice> device, std::set<std::string>* kernels)
+      : device_(std::move(device)), kernels_(kernels) {}
+  std::string Describe() const override { return device_->Describe(); }
+  absl::Status Attach(const BlockPool& pool) override { return device_->Attach(pool); }
+  absl::Status MirrorBlocks(std::span<const int32_t> block_ids) override {
+    return device_->MirrorBlocks(block_ids);
+  }
+  absl::Status ScoreAndSelect(std::span<const DeviceScoreJob> jobs, int num_heads,
+                              DeviceScoreSeconds* seconds) override {
+    absl::Status status = device_->ScoreAndSelect(jobs, num_heads, seconds);
+    if (status.ok()) kernels_->insert(seconds->scan_kernel);
+    return status;
+  }
+
+ private:
+  std::unique_ptr<ScoringDevice> device_;
+  std::set<std::string>* kernels_;
 };
 
 class CudaScoringDeviceTest : public ::testing::TestWithParam<Shape> {};
@@ -49,8 +73,10 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   auto device = CreateCudaScoringDevice({0, shape.kernel});
   ASSERT_TRUE(device.ok()) << device.status();
   int failures = 0;
+  std::set<std::string> kernels;
   auto indexer = Indexer::Create(WorkloadOptions(shape.num_heads, shape.head_dim),
-                                 std::move(*device), [&](const absl::Status&) { ++failures; });
+                                 std::make_unique<ScanKernelSpy>(std::move(*device), &kernels),
+                                 [&](const absl::Status&) { ++failures; });
   ASSERT_TRUE(indexer.ok()) << indexer.status();
   const WorkloadRecord record = RunWorkload(**indexer);
   ExpectSameRecord(expected, record);
@@ -58,19 +84,23 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   EXPECT_TRUE((*indexer)->DeviceStatus().ok()) << (*indexer)->DeviceStatus();
   // Every select but the two with K = 4,096 ran on the GPU.
   EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
+  EXPECT_EQ(kernels, std::set<std::string>{shape.expected_scan});
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapesAndKernels, CudaScoringDeviceTest,
-    ::testing::Values(Shape{16, 64, ScanKernel::kAuto}, Shape{16, 64, ScanKernel::kCudaCores},
-                      Shape{64, 128, ScanKernel::kTensorCores},
-                      Shape{64, 128, ScanKernel::kCudaCores}, Shape{8, 32, ScanKernel::kAuto}),
-    [](const ::testing::TestParamInfo<Shape>& info) {
-      const char* kernel = info.param.kernel == ScanKernel::kAuto          ? "Auto"
-                           : info.param.kernel == ScanKernel::kTensorCores ? "TensorCores"
-                                                                           : "CudaCores";
-      return absl::StrCat("H", info.param.num_heads, "D", info.param.head_dim, kernel);
-    });
+INSTANTIATE_TEST_SUITE_P(ShapesAndKernels, CudaScoringDeviceTest,
+                         ::testing::Values(Shape{16, 64, ScanKernel::kAuto, "tensor-cores"},
+                                           Shape{16, 64, ScanKernel::kCudaCores, "cuda-cores"},
+                                           Shape{64, 128, ScanKernel::kTensorCores, "tensor-cores"},
+                                           Shape{64, 128, ScanKernel::kCudaCores, "cuda-cores"},
+                                           Shape{8, 32, ScanKernel::kAuto, "cuda-cores"}),
+                         [](const ::testing::TestParamInfo<Shape>& info) {
+                           const char* kernel = info.param.kernel == ScanKernel::kAuto ? "Auto"
+                                                : info.param.kernel == ScanKernel::kTensorCores
+                                                    ? "TensorCores"
+                                                    : "CudaCores";
+                           return absl::StrCat("H", info.param.num_heads, "D", info.param.head_dim,
+                                               kernel);
+                         });
 
 TEST(CudaScoringDeviceCreateTest, RefusesAnOrdinalOutOfRange) {
   auto device = CreateCudaScoringDevice({1 << 20, ScanKernel::kAuto});

@@ -105,8 +105,11 @@ Batch MakeBatch(const std::vector<GroupShape>& groups, int num_heads, int head_d
   return batch;
 }
 
-// Runs the GPU scan of `kernel` on `batch` and compares every entry with ScoreBlocks.
-void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
+// Runs the GPU scan of `kernel` on `batch` and compares every entry with ScoreBlocks. With
+// `device_total`, the block total is given on the device and the host's total_blocks is only a
+// bound (3x the total + 300), as the whole select on the GPU launches it.
+void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype,
+               bool device_total = false) {
   const int num_groups = static_cast<int>(batch.tables.size());
   const int num_rows = static_cast<int>(batch.group_of_row.size());
   const int hd = batch.num_heads * batch.head_dim;
@@ -183,6 +186,11 @@ void CheckScan(const Batch& batch, Kernel kernel, QueryDtype query_dtype) {
   p.group_first_row = d_first_row.as<int32_t>();
   p.group_block_offset = d_block_offset.as<int64_t>();
   p.total_blocks = group_block_offset[num_groups];
+  DeviceBuffer d_total = DeviceBuffer::From(std::vector<int64_t>{p.total_blocks});
+  if (device_total) {
+    p.device_total_blocks = d_total.as<int64_t>();
+    p.total_blocks = 3 * p.total_blocks + 300;
+  }
   p.logical_blocks = d_blocks.as<int32_t>();
   p.group_table_offset = d_table_offset.as<int64_t>();
   p.block_tables = d_tables.as<int32_t>();
@@ -287,6 +295,20 @@ TEST_P(ScanGrid, MatchesScoreBlocksOnSixtyFourRows) {
   for (int i = 0; i < 64; ++i) single[i].num_slots = 1000 + 97 * i;
   CheckScan(MakeBatch(single, 64, 128, 13), GetParam(), QueryDtype::kBFloat16);
   CheckScan(MakeBatch(verifier, 64, 128, 17), GetParam(), QueryDtype::kBFloat16);
+}
+
+TEST_P(ScanGrid, TakesTheTotalFromTheDeviceUnderAGridBound) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  // Every CTA past the device total must do nothing (the score buffer holds exactly the total).
+  std::vector<GroupShape> groups;
+  for (const int64_t slots : {1LL, 65LL, 2049LL, 16385LL, 131072LL}) {
+    groups.push_back({slots, 1, true});
+  }
+  groups.push_back({4097, 4, false});
+  CheckScan(MakeBatch(groups, 64, 128, 29), GetParam(), QueryDtype::kBFloat16,
+            /*device_total=*/true);
+  CheckScan(MakeBatch({{300, 1, false}}, 64, 128, 31), GetParam(), QueryDtype::kBFloat16,
+            /*device_total=*/true);
 }
 
 TEST_P(ScanGrid, MatchesScoreBlocksWithSmallerHeads) {
