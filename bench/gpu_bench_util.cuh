@@ -1,0 +1,131 @@
+// What the GPU benchmarks share: a CUDA status check that exits, device copies, synthetic keys and
+// queries, the device-to-device copy bandwidth (the HBM ceiling of a run) and the median time of a
+// launch with the L2 flushed before each run.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define DSA_BENCH_CUDA(expr)                                            \
+  do {                                                                  \
+    const cudaError_t error_ = (expr);                                  \
+    if (error_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(error_));                         \
+      std::exit(1);                                                     \
+    }                                                                   \
+  } while (0)
+
+namespace dsa::bench {
+
+__device__ inline uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+
+/// Random fp8 keys (codes of magnitude <= 3.75, never NaN) and scales in (0, 1] for every block of
+/// a pool of `head_dim` keys (64 x head_dim codes, then 64 fp32 scales a block).
+__global__ inline void FillPool(uint8_t* pool, int64_t num_blocks, int head_dim) {
+  const int64_t block_bytes = 64LL * (head_dim + 4);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < num_blocks * block_bytes;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t offset = i % block_bytes;
+    const uint32_t h = Hash(i);
+    if (offset < 64 * head_dim) {
+      pool[i] = static_cast<uint8_t>((h & 0x80u) | (h % 0x48u));
+    } else if (offset % 4 == 0) {
+      const float scale = (Hash(i * 7 + 1) % 1000 + 1) * 1e-3f;
+      memcpy(pool + i, &scale, 4);
+    }
+  }
+}
+
+/// Random bf16 queries in [-1, 1] ([values]) and head weights in [-1, 1] ([weights]).
+__global__ inline void FillQuery(__nv_bfloat16* query, int64_t values, float* weights,
+                                 int64_t num_weights) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < values;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    query[i] = __float2bfloat16((Hash(i + 99) % 2001) * 1e-3f - 1.0f);
+    if (i < num_weights) weights[i] = (Hash(i + 5) % 2001) * 1e-3f - 1.0f;
+  }
+}
+
+template <typename T>
+T* DeviceCopy(const std::vector<T>& host) {
+  T* p = nullptr;
+  DSA_BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
+  DSA_BENCH_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+template <typename T>
+T* DeviceZeros(size_t count) {
+  T* p = nullptr;
+  DSA_BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(1, count * sizeof(T))));
+  DSA_BENCH_CUDA(cudaMemset(p, 0, std::max<size_t>(1, count * sizeof(T))));
+  return p;
+}
+
+/// A 256 MiB buffer written before each timed run, so no run finds its data in the 60 MiB L2.
+struct L2Flush {
+  size_t bytes = size_t{256} << 20;
+  void* buffer = nullptr;
+  L2Flush() { DSA_BENCH_CUDA(cudaMalloc(&buffer, bytes)); }
+  ~L2Flush() { cudaFree(buffer); }
+  cudaError_t Run(int salt, cudaStream_t stream) const {
+    return cudaMemsetAsync(buffer, salt & 0xff, bytes, stream);
+  }
+};
+
+/// Median time (us) of `launch` on `stream` over `reps` runs after `warmup`, each bracketed by
+/// CUDA events with the L2 flushed before it.
+template <typename F>
+double MedianUs(F launch, const L2Flush& flush, cudaStream_t stream = nullptr, int reps = 30,
+                int warmup = 5) {
+  cudaEvent_t start, stop;
+  DSA_BENCH_CUDA(cudaEventCreate(&start));
+  DSA_BENCH_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < warmup; ++i) DSA_BENCH_CUDA(launch());
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    DSA_BENCH_CUDA(flush.Run(i, stream));
+    DSA_BENCH_CUDA(cudaEventRecord(start, stream));
+    DSA_BENCH_CUDA(launch());
+    DSA_BENCH_CUDA(cudaEventRecord(stop, stream));
+    DSA_BENCH_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    DSA_BENCH_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  DSA_BENCH_CUDA(cudaEventDestroy(start));
+  DSA_BENCH_CUDA(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2] * 1e3;
+}
+
+/// Device-to-device copy bandwidth (read + write) of a 1 GiB copy, TB/s: the run's HBM ceiling.
+inline double CopyBandwidthTBs(const L2Flush& flush) {
+  const size_t bytes = size_t{1} << 30;
+  void *src = nullptr, *dst = nullptr;
+  DSA_BENCH_CUDA(cudaMalloc(&src, bytes));
+  DSA_BENCH_CUDA(cudaMalloc(&dst, bytes));
+  DSA_BENCH_CUDA(cudaMemset(src, 1, bytes));
+  const double us =
+      MedianUs([&] { return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); }, flush);
+  DSA_BENCH_CUDA(cudaFree(src));
+  DSA_BENCH_CUDA(cudaFree(dst));
+  return 2.0 * bytes / us * 1e-6;
+}
+
+}  // namespace dsa::bench

@@ -1,0 +1,208 @@
+// bench_gpu_select: the whole select on the GPU (indexer_service/cuda/select.h: SPIN's plan, the
+// union, the scan, top-K and the EMA update, one stream) replayed from a CUDA graph, at rows x
+// slots shapes (one row a sequence, H = 64, D = 128, K = 2048, bf16 queries, tensor-core scan):
+// all-keep (every block scored) and SPIN (gamma = 0.05) at rho = 0.4 at every shape and at each
+// --rhos value at the --sweep shapes, with the realized block sparsity, against the HBM floor of
+// all-keep (132 bytes a slot at the copy bandwidth measured in the same run). The EMAs are primed
+// by one all-keep select; the L2 is flushed before each timed run; medians of 30 after 5 warm-ups.
+// usage: bench_gpu_select [--shapes 1x16384,...] [--sweep 1x131072] [--rhos 0,0.3,0.4,0.5]
+//                         [--json OUT]
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/gpu_bench_util.cuh"
+#include "indexer_service/cuda/select.h"
+
+namespace {
+
+using dsa::bench::DeviceCopy;
+using dsa::bench::DeviceZeros;
+using dsa::cuda::SelectPlan;
+
+constexpr int kHeads = 64, kHeadDim = 128, kTopK = 2048;
+
+std::vector<std::string> Split(const std::string& list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    if (end > start) out.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+struct Row {
+  int rows;
+  int64_t slots;
+  double rho;  // < 0: all-keep
+  double us, floor_us, sparsity;
+};
+
+// Times all-keep and SPIN at `rhos` for one shape; appends a Row each.
+void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double copy_tb_s,
+              const dsa::bench::L2Flush& flush, std::vector<Row>& out) {
+  const int64_t blocks = (slots + 63) / 64;
+  const int64_t num_blocks = blocks * rows;
+  uint8_t* pool = DeviceZeros<uint8_t>(num_blocks * 64 * (kHeadDim + 4));
+  dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
+  __nv_bfloat16* query = DeviceZeros<__nv_bfloat16>(int64_t{rows} * kHeads * kHeadDim);
+  float* weights = DeviceZeros<float>(int64_t{rows} * kHeads);
+  dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
+                                      int64_t{rows} * kHeads);
+  DSA_BENCH_CUDA(cudaGetLastError());
+  std::vector<int32_t> first_row(rows + 1), tables(num_blocks);
+  std::vector<int64_t> table_offset(rows), num_slots(rows, slots), position(rows, slots - 1),
+      capacity(rows, slots);
+  std::vector<float*> vertical(rows), diagonal(rows);
+  std::vector<uint64_t> seeds(rows);
+  for (int r = 0; r <= rows; ++r) first_row[r] = r;
+  for (int r = 0; r < rows; ++r) {
+    table_offset[r] = r * blocks;
+    vertical[r] = DeviceZeros<float>(slots);
+    diagonal[r] = DeviceZeros<float>(slots);
+    seeds[r] = 0x5eed0000u + r;
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) tables[b] = static_cast<int32_t>(b);
+
+  dsa::cuda::SelectParams p;
+  p.pool = pool;
+  p.head_dim = kHeadDim;
+  p.num_heads = kHeads;
+  p.num_groups = rows;
+  p.num_rows = rows;
+  p.group_first_row = DeviceCopy(first_row);
+  p.group_table_offset = DeviceCopy(table_offset);
+  p.block_tables = DeviceCopy(tables);
+  p.group_num_slots = DeviceCopy(num_slots);
+  p.query = query;
+  p.head_weights = weights;
+  p.row_position = DeviceCopy(position);
+  SelectPlan* plan = DeviceCopy(std::vector<SelectPlan>(rows, SelectPlan::kAllBlocks));
+  p.group_plan = plan;
+  p.vertical = DeviceCopy(vertical);
+  p.diagonal = DeviceCopy(diagonal);
+  p.spin_capacity = DeviceCopy(capacity);
+  p.group_seed = DeviceCopy(seeds);
+  p.top_k = kTopK;
+  p.exploration_fraction = 0.05;
+  p.max_visible_blocks = blocks;
+  p.selection = DeviceZeros<int32_t>(int64_t{rows} * kTopK);
+  p.scores = DeviceZeros<float>(num_blocks * 64);
+  p.row_score_offset = DeviceZeros<int64_t>(rows);
+  p.group_blocks = DeviceZeros<int32_t>(num_blocks);
+  p.group_block_offset = DeviceZeros<int64_t>(rows + 1);
+  p.workspace_bytes = dsa::cuda::SelectScratchBytes(p);
+  p.workspace = DeviceZeros<uint8_t>(p.workspace_bytes);
+  const char* why = "";
+  if (!dsa::cuda::CanImplementSelect(p, &why)) {
+    std::fprintf(stderr, "select %dx%lld: %s\n", rows, static_cast<long long>(slots), why);
+    std::exit(1);
+  }
+  cudaStream_t stream;
+  DSA_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));  // primes V and D (a warm-up select)
+  DSA_BENCH_CUDA(cudaStreamSynchronize(stream));
+  const double floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
+  std::vector<double> modes = {-1.0};
+  modes.insert(modes.end(), rhos.begin(), rhos.end());
+  for (double rho : modes) {
+    const SelectPlan mode = rho < 0 ? SelectPlan::kAllBlocks : SelectPlan::kSpin;
+    DSA_BENCH_CUDA(cudaMemcpy(plan, std::vector<SelectPlan>(rows, mode).data(),
+                              sizeof(SelectPlan) * rows, cudaMemcpyHostToDevice));
+    p.target_block_sparsity = rho < 0 ? 0.0 : rho;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    DSA_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));
+    DSA_BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    DSA_BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    const double us =
+        dsa::bench::MedianUs([&] { return cudaGraphLaunch(exec, stream); }, flush, stream);
+    int64_t scored = 0;
+    DSA_BENCH_CUDA(
+        cudaMemcpy(&scored, p.group_block_offset + rows, sizeof(int64_t), cudaMemcpyDeviceToHost));
+    out.push_back({rows, slots, rho, us, floor_us, 1.0 - static_cast<double>(scored) / num_blocks});
+    DSA_BENCH_CUDA(cudaGraphExecDestroy(exec));
+    DSA_BENCH_CUDA(cudaGraphDestroy(graph));
+  }
+  DSA_BENCH_CUDA(cudaStreamDestroy(stream));
+  DSA_BENCH_CUDA(cudaDeviceSynchronize());
+  for (int r = 0; r < rows; ++r) {
+    DSA_BENCH_CUDA(cudaFree(vertical[r]));
+    DSA_BENCH_CUDA(cudaFree(diagonal[r]));
+  }
+  for (const void* ptr :
+       {(const void*)pool, (const void*)query, (const void*)weights, (const void*)plan,
+        (const void*)p.group_first_row, (const void*)p.group_table_offset,
+        (const void*)p.block_tables, (const void*)p.group_num_slots, (const void*)p.row_position,
+        (const void*)p.vertical, (const void*)p.diagonal, (const void*)p.spin_capacity,
+        (const void*)p.group_seed, (const void*)p.selection, (const void*)p.scores,
+        (const void*)p.row_score_offset, (const void*)p.group_blocks,
+        (const void*)p.group_block_offset, (const void*)p.workspace}) {
+    DSA_BENCH_CUDA(cudaFree(const_cast<void*>(ptr)));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
+  std::string sweep = "1x131072", rho_list = "0,0.3,0.4,0.5";
+  const char* json_path = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
+    if (std::strcmp(argv[i], "--sweep") == 0) sweep = argv[i + 1];
+    if (std::strcmp(argv[i], "--rhos") == 0) rho_list = argv[i + 1];
+    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  }
+  std::vector<double> rhos;
+  for (const std::string& r : Split(rho_list)) rhos.push_back(std::atof(r.c_str()));
+  const std::vector<std::string> sweep_shapes = Split(sweep);
+  const dsa::bench::L2Flush flush;
+  const double copy_tb_s = dsa::bench::CopyBandwidthTBs(flush);
+  std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
+  std::vector<Row> rows_out;
+  for (const std::string& shape : Split(shapes)) {
+    const int rows = std::atoi(shape.c_str());
+    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+    bool swept = false;
+    for (const std::string& s : sweep_shapes) swept = swept || s == shape;
+    RunShape(rows, slots, swept ? rhos : std::vector<double>{0.4}, copy_tb_s, flush, rows_out);
+  }
+  std::printf("%5s %8s %6s %10s %10s %8s %10s %10s\n", "rows", "slots", "rho", "select_us",
+              "floor_us", "x_floor", "vs_allkeep", "sparsity");
+  double all_keep = 0;
+  for (const Row& r : rows_out) {
+    if (r.rho < 0) all_keep = r.us;
+    std::printf("%5d %8lld %6s %10.1f %10.1f %8.2f %10.3f %10.3f\n", r.rows,
+                static_cast<long long>(r.slots),
+                r.rho < 0 ? "keep" : std::to_string(r.rho).substr(0, 4).c_str(), r.us, r.floor_us,
+                r.us / r.floor_us, r.us / all_keep, r.sparsity);
+  }
+  if (json_path != nullptr) {
+    FILE* f = std::fopen(json_path, "w");
+    if (f == nullptr) return 1;
+    std::fprintf(f, "{\"copy_tb_s\": %.4f, \"results\": [\n", copy_tb_s);
+    for (size_t i = 0; i < rows_out.size(); ++i) {
+      const Row& r = rows_out[i];
+      std::fprintf(f,
+                   " {\"rows\": %d, \"slots\": %lld, \"mode\": \"%s\", \"rho\": %.2f, "
+                   "\"select_us\": %.2f, \"floor_us\": %.2f, \"realized_sparsity\": %.4f}%s\n",
+                   r.rows, static_cast<long long>(r.slots), r.rho < 0 ? "all-keep" : "spin",
+                   r.rho < 0 ? 0.0 : r.rho, r.us, r.floor_us, r.sparsity,
+                   i + 1 < rows_out.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}

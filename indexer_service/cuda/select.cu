@@ -1,0 +1,346 @@
+// The whole select of a batch on the GPU (see select.h).
+#include <cmath>
+#include <cstdint>
+
+#include "indexer_service/cuda/select.h"
+#include "indexer_service/cuda/spin_predict.h"
+#include "indexer_service/cuda/spin_update.h"
+#include "indexer_service/cuda/topk.h"
+
+namespace dsa::cuda {
+namespace {
+
+constexpr int kSlots = 64;
+constexpr int kThreads = 256;
+
+// Where the pipeline's own arrays live in the workspace (byte offsets, 16-byte aligned).
+struct Workspace {
+  size_t row_group = 0;            // int32 [rows]
+  size_t plan_position = 0;        // int64 [rows]: t, or -1 for rows of kAllBlocks groups
+  size_t row_vertical = 0;         // const float* [rows]
+  size_t row_diagonal = 0;         // const float* [rows]
+  size_t row_capacity = 0;         // int64 [rows]
+  size_t row_seed = 0;             // uint64 [rows]
+  size_t row_plan_offset = 0;      // int64 [rows]: r x max_visible_blocks
+  size_t predicted = 0;            // fp32 [rows x max_visible_blocks]
+  size_t selected = 0;             // int32 [rows x max_visible_blocks]
+  size_t selected_count = 0;       // int32 [rows]
+  size_t union_offset = 0;         // int64 [groups]: g x max_visible_blocks
+  size_t union_blocks = 0;         // int32 [groups x max_visible_blocks]
+  size_t union_count = 0;          // int32 [groups]
+  size_t device_total = 0;         // int64 [1]
+  size_t row_num_entries = 0;      // int64 [rows]
+  size_t row_block_offset = 0;     // int64 [rows]
+  size_t update_first_row = 0;     // int32 [groups + 1]
+  size_t update_position = 0;      // int64 [rows]
+  size_t update_score_offset = 0;  // int64 [rows]
+  size_t predict_workspace = 0;
+  size_t predict_workspace_bytes = 0;
+  size_t scan_workspace = 0;
+  size_t scan_workspace_bytes = 0;
+  size_t total = 0;
+};
+
+size_t Take(size_t& cursor, size_t bytes) {
+  const size_t at = cursor;
+  cursor = (cursor + bytes + 15) / 16 * 16;
+  return at;
+}
+
+// The predict and scan launches of `p` with their workspace pointers unset (for sizes and checks).
+SpinPredictParams PredictShape(const SelectParams& p) {
+  SpinPredictParams q;
+  q.num_rows = p.num_rows;
+  q.top_k = p.top_k;
+  q.target_block_sparsity = p.target_block_sparsity;
+  q.exploration_fraction = p.exploration_fraction;
+  q.layer = p.layer;
+  q.max_visible_blocks = p.max_visible_blocks;
+  q.total_blocks = static_cast<int64_t>(p.num_rows) * p.max_visible_blocks;
+  return q;
+}
+
+ScanParams ScanShape(const SelectParams& p) {
+  ScanParams s;
+  s.pool = p.pool;
+  s.head_dim = p.head_dim;
+  s.num_heads = p.num_heads;
+  s.num_groups = p.num_groups;
+  s.num_rows = p.num_rows;
+  s.total_blocks = static_cast<int64_t>(p.num_groups) * p.max_visible_blocks;
+  s.group_first_row = p.group_first_row;
+  s.group_table_offset = p.group_table_offset;
+  s.block_tables = p.block_tables;
+  s.group_num_slots = p.group_num_slots;
+  s.query = p.query;
+  s.query_dtype = p.query_dtype;
+  s.head_weights = p.head_weights;
+  s.row_position = p.row_position;
+  s.scores = p.scores;
+  s.logical_blocks = p.group_blocks;
+  s.group_block_offset = p.group_block_offset;
+  s.row_score_offset = p.row_score_offset;
+  return s;
+}
+
+Workspace Layout(const SelectParams& p) {
+  const size_t rows = static_cast<size_t>(p.num_rows);
+  const size_t groups = static_cast<size_t>(p.num_groups);
+  const size_t row_blocks = rows * static_cast<size_t>(p.max_visible_blocks);
+  const size_t group_blocks = groups * static_cast<size_t>(p.max_visible_blocks);
+  Workspace w;
+  size_t c = 0;
+  w.row_group = Take(c, 4 * rows);
+  w.plan_position = Take(c, 8 * rows);
+  w.row_vertical = Take(c, sizeof(void*) * rows);
+  w.row_diagonal = Take(c, sizeof(void*) * rows);
+  w.row_capacity = Take(c, 8 * rows);
+  w.row_seed = Take(c, 8 * rows);
+  w.row_plan_offset = Take(c, 8 * rows);
+  w.predicted = Take(c, 4 * row_blocks);
+  w.selected = Take(c, 4 * row_blocks);
+  w.selected_count = Take(c, 4 * rows);
+  w.union_offset = Take(c, 8 * groups);
+  w.union_blocks = Take(c, 4 * group_blocks);
+  w.union_count = Take(c, 4 * groups);
+  w.device_total = Take(c, 8);
+  w.row_num_entries = Take(c, 8 * rows);
+  w.row_block_offset = Take(c, 8 * rows);
+  w.update_first_row = Take(c, 4 * (groups + 1));
+  w.update_position = Take(c, 8 * rows);
+  w.update_score_offset = Take(c, 8 * rows);
+  w.predict_workspace_bytes = SpinPredictScratchBytes(PredictShape(p));
+  w.predict_workspace = Take(c, w.predict_workspace_bytes);
+  ScanParams scan = ScanShape(p);
+  w.scan_workspace_bytes =
+      p.scan == SelectScan::kTensorCores ? ScanTensorCoresScratchBytes(scan) : 0;
+  w.scan_workspace = Take(c, w.scan_workspace_bytes);
+  w.total = c;
+  return w;
+}
+
+template <typename T>
+__host__ __device__ T* At(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
+}
+
+// Per group (a thread each): its rows' SPIN inputs for the plan kernels.
+__global__ void SetupKernel(SelectParams p, Workspace w) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.num_groups) return;
+  void* base = p.workspace;
+  const bool spin = p.group_plan[g] == SelectPlan::kSpin;
+  for (int r = p.group_first_row[g]; r < p.group_first_row[g + 1]; ++r) {
+    At<int32_t>(base, w.row_group)[r] = g;
+    At<int64_t>(base, w.plan_position)[r] = spin ? p.row_position[r] : -1;
+    At<const float*>(base, w.row_vertical)[r] = p.vertical[g];
+    At<const float*>(base, w.row_diagonal)[r] = p.diagonal[g];
+    At<int64_t>(base, w.row_capacity)[r] = p.spin_capacity[g];
+    At<uint64_t>(base, w.row_seed)[r] = p.group_seed[g];
+    At<int64_t>(base, w.row_plan_offset)[r] = static_cast<int64_t>(r) * p.max_visible_blocks;
+  }
+  At<int64_t>(base, w.union_offset)[g] = static_cast<int64_t>(g) * p.max_visible_blocks;
+}
+
+// Rows of kAllBlocks groups take every visible block (grid: block chunks x rows).
+__global__ void AllBlocksKernel(SelectParams p, Workspace w) {
+  const int r = blockIdx.y;
+  void* base = p.workspace;
+  const int g = At<int32_t>(base, w.row_group)[r];
+  if (p.group_plan[g] == SelectPlan::kSpin) return;
+  const int64_t visible = (p.row_position[r] + kSlots) / kSlots;  // ceil((t + 1) / 64)
+  int32_t* selected =
+      At<int32_t>(base, w.selected) + static_cast<int64_t>(r) * p.max_visible_blocks;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < visible;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    selected[j] = static_cast<int32_t>(j);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    At<int32_t>(base, w.selected_count)[r] = static_cast<int32_t>(visible);
+  }
+}
+
+// One thread: the compacted block lists' offsets, the device total, every row's score offset and
+// entry count, and the one-row groups' update rows.
+__global__ void LayoutKernel(SelectParams p, Workspace w) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  void* base = p.workspace;
+  const int32_t* union_count = At<int32_t>(base, w.union_count);
+  int64_t block = 0, score = 0;
+  int32_t update_rows = 0;
+  for (int g = 0; g < p.num_groups; ++g) {
+    const int64_t count = union_count[g];
+    const int first = p.group_first_row[g], end = p.group_first_row[g + 1];
+    p.group_block_offset[g] = block;
+    At<int32_t>(base, w.update_first_row)[g] = update_rows;
+    for (int r = first; r < end; ++r) {
+      p.row_score_offset[r] = score;
+      At<int64_t>(base, w.row_num_entries)[r] = count * kSlots;
+      At<int64_t>(base, w.row_block_offset)[r] = block;
+      if (p.update && end - first == 1) {
+        At<int64_t>(base, w.update_position)[update_rows] = p.row_position[r];
+        At<int64_t>(base, w.update_score_offset)[update_rows] = score;
+        ++update_rows;
+      }
+      score += count * kSlots;
+    }
+    block += count;
+  }
+  p.group_block_offset[p.num_groups] = block;
+  At<int32_t>(base, w.update_first_row)[p.num_groups] = update_rows;
+  *At<int64_t>(base, w.device_total) = block;
+}
+
+// Copies each group's union into the compacted list (grid: block chunks x groups).
+__global__ void CompactKernel(SelectParams p, Workspace w) {
+  const int g = blockIdx.y;
+  void* base = p.workspace;
+  const int64_t count = At<int32_t>(base, w.union_count)[g];
+  const int32_t* from =
+      At<int32_t>(base, w.union_blocks) + static_cast<int64_t>(g) * p.max_visible_blocks;
+  int32_t* to = p.group_blocks + p.group_block_offset[g];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    to[i] = from[i];
+  }
+}
+
+unsigned ChunksOf(int64_t items) {
+  const int64_t chunks = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(chunks < 1 ? 1 : (chunks > 1024 ? 1024 : chunks));
+}
+
+}  // namespace
+
+bool CanImplementSelect(const SelectParams& p, const char** why) {
+  auto fail = [why](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
+  if (p.num_groups < 0 || p.num_rows < 0) return fail("num_groups and num_rows must be >= 0");
+  if (p.num_groups > 65535) return fail("at most 65,535 groups a launch");
+  if (p.top_k < 1 || p.top_k > kMaxTopK) return fail("top_k must be in [1, kMaxTopK]");
+  if (!std::isfinite(p.ema_decay) || p.ema_decay < 0.0 || p.ema_decay >= 1.0) {
+    return fail("ema_decay must be in [0, 1)");
+  }
+  if (p.scan == SelectScan::kTensorCores && p.query_dtype != QueryDtype::kBFloat16) {
+    return fail("the tensor-core scan takes bf16 queries");
+  }
+  if (p.num_rows == 0) return p.num_groups == 0 || fail("every group needs a row");
+  if (p.num_groups == 0) return fail("rows need a group");
+  if (p.max_visible_blocks < 1 || p.max_visible_blocks > (int64_t{1} << 25)) {
+    return fail("max_visible_blocks must be in [1, 2^25]");
+  }
+  if (p.group_plan == nullptr || p.vertical == nullptr || p.diagonal == nullptr ||
+      p.spin_capacity == nullptr || p.group_seed == nullptr || p.selection == nullptr ||
+      p.scores == nullptr || p.row_score_offset == nullptr || p.group_blocks == nullptr ||
+      p.group_block_offset == nullptr || p.row_position == nullptr ||
+      p.group_first_row == nullptr) {
+    return fail("the SPIN arrays, the outputs and the rows' positions must be set");
+  }
+  if (p.workspace == nullptr || p.workspace_bytes < SelectScratchBytes(p) ||
+      reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+    return fail("the workspace must be 16-byte aligned and SelectScratchBytes long");
+  }
+  const Workspace w = Layout(p);
+  SpinPredictParams predict = PredictShape(p);
+  predict.positions = At<int64_t>(p.workspace, w.plan_position);
+  predict.vertical = At<const float*>(p.workspace, w.row_vertical);
+  predict.vertical_len = At<int64_t>(p.workspace, w.row_capacity);
+  predict.diagonal = At<const float*>(p.workspace, w.row_diagonal);
+  predict.diagonal_len = At<int64_t>(p.workspace, w.row_capacity);
+  predict.row_block_offset = At<int64_t>(p.workspace, w.row_plan_offset);
+  predict.scores = At<float>(p.workspace, w.predicted);
+  predict.selected = At<int32_t>(p.workspace, w.selected);
+  predict.selected_count = At<int32_t>(p.workspace, w.selected_count);
+  predict.row_seed = At<uint64_t>(p.workspace, w.row_seed);
+  predict.workspace = At<void>(p.workspace, w.predict_workspace);
+  predict.workspace_bytes = w.predict_workspace_bytes;
+  if (!CanImplementSpinPredict(predict, why)) return false;
+  ScanParams scan = ScanShape(p);
+  scan.device_total_blocks = At<int64_t>(p.workspace, w.device_total);
+  scan.workspace = At<void>(p.workspace, w.scan_workspace);
+  scan.workspace_bytes = w.scan_workspace_bytes;
+  return p.scan == SelectScan::kTensorCores ? CanImplementScanTensorCores(scan, why)
+                                            : CanImplementScanCudaCores(scan, why);
+}
+
+size_t SelectScratchBytes(const SelectParams& p) {
+  if (p.num_rows <= 0 || p.max_visible_blocks <= 0) return 0;
+  return Layout(p).total;
+}
+
+cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
+  if (!CanImplementSelect(p)) return cudaErrorInvalidValue;
+  if (p.num_rows == 0) return cudaSuccess;
+  const Workspace w = Layout(p);
+  void* base = p.workspace;
+  SetupKernel<<<ChunksOf(p.num_groups), kThreads, 0, stream>>>(p, w);
+  // The plan of every SPIN row (rows of kAllBlocks groups have position -1: nothing done).
+  SpinPredictParams predict = PredictShape(p);
+  predict.positions = At<int64_t>(base, w.plan_position);
+  predict.vertical = At<const float*>(base, w.row_vertical);
+  predict.vertical_len = At<int64_t>(base, w.row_capacity);
+  predict.diagonal = At<const float*>(base, w.row_diagonal);
+  predict.diagonal_len = At<int64_t>(base, w.row_capacity);
+  predict.row_block_offset = At<int64_t>(base, w.row_plan_offset);
+  predict.scores = At<float>(base, w.predicted);
+  predict.selected = At<int32_t>(base, w.selected);
+  predict.selected_count = At<int32_t>(base, w.selected_count);
+  predict.row_seed = At<uint64_t>(base, w.row_seed);
+  predict.workspace = At<void>(base, w.predict_workspace);
+  predict.workspace_bytes = w.predict_workspace_bytes;
+  if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
+  AllBlocksKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_rows), kThreads, 0, stream>>>(p, w);
+  SpinUnionParams unite;
+  unite.num_groups = p.num_groups;
+  unite.group_first_row = p.group_first_row;
+  unite.row_block_offset = At<int64_t>(base, w.row_plan_offset);
+  unite.selected = At<int32_t>(base, w.selected);
+  unite.selected_count = At<int32_t>(base, w.selected_count);
+  unite.group_block_offset = At<int64_t>(base, w.union_offset);
+  unite.union_blocks = At<int32_t>(base, w.union_blocks);
+  unite.union_count = At<int32_t>(base, w.union_count);
+  if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
+  LayoutKernel<<<1, 32, 0, stream>>>(p, w);
+  CompactKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_groups), kThreads, 0, stream>>>(p, w);
+  ScanParams scan = ScanShape(p);
+  scan.device_total_blocks = At<int64_t>(base, w.device_total);
+  scan.workspace = At<void>(base, w.scan_workspace);
+  scan.workspace_bytes = w.scan_workspace_bytes;
+  if (cudaError_t e = p.scan == SelectScan::kTensorCores ? LaunchScanTensorCores(scan, stream)
+                                                         : LaunchScanCudaCores(scan, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  TopKParams topk;
+  topk.scores = p.scores;
+  topk.num_rows = p.num_rows;
+  topk.row_score_offset = p.row_score_offset;
+  topk.row_num_entries = At<int64_t>(base, w.row_num_entries);
+  topk.logical_blocks = p.group_blocks;
+  topk.row_block_offset = At<int64_t>(base, w.row_block_offset);
+  topk.row_max_slot = p.row_position;
+  topk.k = p.top_k;
+  topk.selection = p.selection;
+  if (cudaError_t e = LaunchTopK(topk, stream); e != cudaSuccess) return e;
+  if (p.update) {
+    SpinUpdateParams update;
+    update.num_groups = p.num_groups;
+    update.num_rows = p.num_rows;
+    update.group_first_row = At<int32_t>(base, w.update_first_row);
+    update.group_block_offset = p.group_block_offset;
+    update.logical_blocks = p.group_blocks;
+    update.row_position = At<int64_t>(base, w.update_position);
+    update.row_score_offset = At<int64_t>(base, w.update_score_offset);
+    update.scores = p.scores;
+    update.vertical = p.vertical;
+    update.diagonal = p.diagonal;
+    update.ema_decay = p.ema_decay;
+    update.max_visible_slots = p.max_visible_blocks * kSlots;
+    if (cudaError_t e = LaunchSpinUpdate(update, stream); e != cudaSuccess) return e;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace dsa::cuda

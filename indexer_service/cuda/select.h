@@ -1,0 +1,109 @@
+// The whole select of a batch on the GPU (DESIGN.md 4.2 steps 1-8; issue 4 item 5): per row
+// SPIN's block plan (prediction, budget, forced blocks, seeded exploration, block top-m), per group
+// of verifier rows the union, the scan of the chosen blocks, top-K per row and the EMA update, all
+// on one stream with no host round trip (every count the later kernels need stays on the device),
+// so the launch sequence can be captured in a CUDA graph and replayed. V and D stay on the GPU.
+// Same selections and the same V and D bits as the CPU engine (SpinState::Plan, ScoreBlocks,
+// SelectTopK, SpinState::Update) on the same scores. Framework-free.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "indexer_service/cuda/scan.h"
+
+namespace dsa::cuda {
+
+/// Which scan the select runs (ScanParams; the tensor-core one takes bf16 queries only).
+enum class SelectScan : int { kTensorCores = 0, kCudaCores = 1 };
+
+/// How a group picks its blocks.
+enum class SelectPlan : int32_t {
+  /// Every visible block (SPIN off, or the warm-up select of a turn: paper 3.2).
+  kAllBlocks = 0,
+  /// SPIN's plan from the group's V and D (which still gives every block while t + 1 <= K).
+  kSpin = 1,
+};
+
+/// One launch: a ragged batch of groups (one (sequence, full layer) each, its rows sharing every
+/// key read) at one layer with one SPIN configuration. Device pointers unless noted.
+struct SelectParams {
+  // ---- the cache and the rows (ScanParams' meaning) ----
+  const uint8_t* pool = nullptr;
+  int head_dim = 0;
+  int num_heads = 0;
+  int num_groups = 0;  // >= 0
+  int num_rows = 0;    // >= 0
+  /// int32 [num_groups + 1], non-decreasing, from 0 to num_rows; every group has >= 1 row.
+  const int32_t* group_first_row = nullptr;
+  const int64_t* group_table_offset = nullptr;  // int64 [num_groups]
+  const int32_t* block_tables = nullptr;        // int32 [...]
+  const int64_t* group_num_slots = nullptr;     // int64 [num_groups]
+  const void* query = nullptr;                  // [num_rows, num_heads, head_dim], query_dtype
+  QueryDtype query_dtype = QueryDtype::kBFloat16;
+  const float* head_weights = nullptr;  // fp32 [num_rows, num_heads]
+  /// int64 [num_rows]: the row's position t (< its group's num_slots); a group's rows strictly
+  /// increasing (verifier rows t..t+d).
+  const int64_t* row_position = nullptr;
+  SelectScan scan = SelectScan::kTensorCores;
+
+  // ---- SPIN, per group ----
+  const SelectPlan* group_plan = nullptr;  // [num_groups]
+  /// [num_groups] device pointers to the group's V (per slot) and D (per offset), fp32, each of
+  /// `spin_capacity[g]` entries, zero past the entries SPIN has written (fresh state is all zero);
+  /// the capacity must be > the group's newest row position when `update` is set.
+  float* const* vertical = nullptr;
+  float* const* diagonal = nullptr;
+  const int64_t* spin_capacity = nullptr;  // int64 [num_groups]
+  /// uint64 [num_groups]: the exploration seed (SpinConfig::seed mixed with the sequence id).
+  const uint64_t* group_seed = nullptr;
+
+  // ---- shared by the launch (host values) ----
+  int top_k = 0;                       // K, in [1, kMaxTopK]
+  double target_block_sparsity = 0.4;  // rho in [0, 1)
+  double exploration_fraction = 0.05;  // gamma in [0, 1)
+  double ema_decay = 0.5;              // a in [0, 1)
+  int layer = 0;                       // mixed into the exploration draws
+  /// Apply the EMA update for groups of one row (a decode step; SpinState::Update). Groups of
+  /// several rows (verifier rows) never update here: their scores stay in `scores` for the
+  /// deferred replay at Commit (LaunchSpinUpdate over rows 0..a).
+  bool update = true;
+  /// Host bound: the largest ceil((t + 1) / 64) over the rows (sizes the buffers and grids).
+  int64_t max_visible_blocks = 0;
+
+  // ---- outputs ----
+  /// int32 [num_rows, top_k]: best first, ties to the lower slot, -1 padding.
+  int32_t* selection = nullptr;
+  /// fp32, room for num_rows x max_visible_blocks x 64: row r's scores from row_score_offset[r],
+  /// (its group's block count) x 64 entries in the scan's layout.
+  float* scores = nullptr;
+  int64_t* row_score_offset = nullptr;  // int64 [num_rows]
+  /// int32, room for num_groups x max_visible_blocks: group g's scored blocks, ascending, at
+  /// [group_block_offset[g], group_block_offset[g + 1]).
+  int32_t* group_blocks = nullptr;
+  int64_t* group_block_offset = nullptr;  // int64 [num_groups + 1]
+
+  /// Device scratch, 16-byte aligned, of SelectScratchBytes(params) bytes.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+/// Whether SelectParams describe a launch this pipeline supports (shapes, K, the SPIN kernels'
+/// limits, buffers set); on false, *why (when not null) names the reason (a static string).
+bool CanImplementSelect(const SelectParams& params, const char** why = nullptr);
+
+/// Workspace bytes: the per-row plans (12 bytes a row and visible block), the unions, the layout
+/// and the scan's and SPIN plan's own workspaces.
+size_t SelectScratchBytes(const SelectParams& params);
+
+/// Launches, on `stream`: a setup kernel (per-row SPIN inputs), LaunchSpinPredict with the plan
+/// (rows of kAllBlocks groups skipped), a fill of every visible block for those rows,
+/// LaunchSpinUnion, a layout kernel (compacted block lists and score offsets, the block total on
+/// the device), the scan with device_total_blocks, LaunchTopK and, with `update`,
+/// LaunchSpinUpdate over the groups of one row. No host synchronisation, allocation or copy:
+/// capturable in a CUDA graph. cudaErrorInvalidValue when CanImplementSelect fails, else the first
+/// launch error.
+cudaError_t LaunchSelect(const SelectParams& params, cudaStream_t stream);
+
+}  // namespace dsa::cuda
