@@ -1,6 +1,7 @@
 // The whole select of a batch on the GPU (see select.h).
 #include <cmath>
 #include <cstdint>
+#include <cub/block/block_scan.cuh>
 
 #include "indexer_service/cuda/select.h"
 #include "indexer_service/cuda/spin_predict.h"
@@ -160,35 +161,54 @@ __global__ void AllBlocksKernel(SelectParams p, Workspace w) {
   }
 }
 
-// One thread: the compacted block lists' offsets, the device total, every row's score offset and
-// entry count, and the one-row groups' update rows.
-__global__ void LayoutKernel(SelectParams p, Workspace w) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// One CTA: the compacted block lists' offsets, the device total, every row's score offset and
+// entry count, and the one-row groups' update rows. Each thread takes a run of groups; three block
+// prefix sums (cub) give each run its starting block, score entry and update row.
+constexpr int kLayoutThreads = 1024;
+__global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, Workspace w) {
+  using BlockScan = cub::BlockScan<int64_t, kLayoutThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
   void* base = p.workspace;
   const int32_t* union_count = At<int32_t>(base, w.union_count);
-  int64_t block = 0, score = 0;
-  int32_t update_rows = 0;
-  for (int g = 0; g < p.num_groups; ++g) {
+  const int per_thread = (p.num_groups + kLayoutThreads - 1) / kLayoutThreads;
+  const int first_group = min(p.num_groups, static_cast<int>(threadIdx.x) * per_thread);
+  const int end_group = min(p.num_groups, first_group + per_thread);
+  int64_t blocks = 0, scores = 0, updates = 0;
+  for (int g = first_group; g < end_group; ++g) {
+    const int64_t rows = p.group_first_row[g + 1] - p.group_first_row[g];
+    blocks += union_count[g];
+    scores += rows * union_count[g] * kSlots;
+    updates += p.update && rows == 1 ? 1 : 0;
+  }
+  int64_t total_blocks = 0, total_updates = 0, unused = 0;
+  BlockScan(scan_storage).ExclusiveSum(blocks, blocks, total_blocks);
+  __syncthreads();
+  BlockScan(scan_storage).ExclusiveSum(scores, scores, unused);
+  __syncthreads();
+  BlockScan(scan_storage).ExclusiveSum(updates, updates, total_updates);
+  for (int g = first_group; g < end_group; ++g) {
     const int64_t count = union_count[g];
     const int first = p.group_first_row[g], end = p.group_first_row[g + 1];
-    p.group_block_offset[g] = block;
-    At<int32_t>(base, w.update_first_row)[g] = update_rows;
+    p.group_block_offset[g] = blocks;
+    At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(updates);
     for (int r = first; r < end; ++r) {
-      p.row_score_offset[r] = score;
+      p.row_score_offset[r] = scores;
       At<int64_t>(base, w.row_num_entries)[r] = count * kSlots;
-      At<int64_t>(base, w.row_block_offset)[r] = block;
+      At<int64_t>(base, w.row_block_offset)[r] = blocks;
       if (p.update && end - first == 1) {
-        At<int64_t>(base, w.update_position)[update_rows] = p.row_position[r];
-        At<int64_t>(base, w.update_score_offset)[update_rows] = score;
-        ++update_rows;
+        At<int64_t>(base, w.update_position)[updates] = p.row_position[r];
+        At<int64_t>(base, w.update_score_offset)[updates] = scores;
+        ++updates;
       }
-      score += count * kSlots;
+      scores += count * kSlots;
     }
-    block += count;
+    blocks += count;
   }
-  p.group_block_offset[p.num_groups] = block;
-  At<int32_t>(base, w.update_first_row)[p.num_groups] = update_rows;
-  *At<int64_t>(base, w.device_total) = block;
+  if (threadIdx.x == 0) {
+    p.group_block_offset[p.num_groups] = total_blocks;
+    At<int32_t>(base, w.update_first_row)[p.num_groups] = static_cast<int32_t>(total_updates);
+    *At<int64_t>(base, w.device_total) = total_blocks;
+  }
 }
 
 // Copies each group's union into the compacted list (grid: block chunks x groups).
@@ -302,7 +322,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   unite.union_blocks = At<int32_t>(base, w.union_blocks);
   unite.union_count = At<int32_t>(base, w.union_count);
   if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
-  LayoutKernel<<<1, 32, 0, stream>>>(p, w);
+  LayoutKernel<<<1, kLayoutThreads, 0, stream>>>(p, w);
   CompactKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_groups), kThreads, 0, stream>>>(p, w);
   ScanParams scan = ScanShape(p);
   scan.device_total_blocks = At<int64_t>(base, w.device_total);
