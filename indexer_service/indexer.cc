@@ -62,6 +62,11 @@ absl::Status Indexer::DeviceStatus() const {
 
 void Indexer::DropDeviceLocked(const absl::Status& status) {
   device_status_ = status.ok() ? absl::InternalError("scoring device failed") : status;
+  for (auto& [id, state] : sequences_) {
+    if (!state.spin_on_device) continue;
+    state.spin_on_device = false;
+    for (SpinState& spin : state.spin) spin.BeginTurn();  // the EMAs were on the device
+  }
   if (on_device_failure_) on_device_failure_(device_status_);
 }
 
@@ -99,6 +104,8 @@ void Indexer::AddSequenceState(uint64_t sequence_id, const SequenceOptions& opti
   SpinConfig spin = options.spin;
   spin.seed = MixSeed(options.spin.seed, sequence_id);
   for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(spin, options.top_k, l);
+  state.spin_config = spin;
+  state.spin_on_device = DeviceActiveLocked() && device_->RunsSpin(spin, options.top_k);
   state.pending.resize(options.num_layers);
   state.last_position.assign(options.num_layers, -1);
   sequences_.emplace(sequence_id, std::move(state));
@@ -264,6 +271,17 @@ double SecondsSince(Clock::time_point start) {
 }  // namespace
 
 void Indexer::PlanSelectLocked(PreparedSelect& prepared) {
+  SequenceState& state = *prepared.state;
+  if (state.spin_on_device && DeviceActiveLocked()) {
+    // The device plans (SelectWithSpin); only the turn's warm-up flag is kept here.
+    prepared.spin_on_device = true;
+    prepared.all_blocks_on_device =
+        state.spin[prepared.layer].TakeWarmup() || !state.options.spin.enabled;
+    prepared.result.top_k = state.options.top_k;
+    prepared.result.blocks_visible = CeilDiv(prepared.positions.back() + 1, kBlockSize);
+    return;
+  }
+  prepared.spin_on_device = false;
   const auto start = Clock::now();
   BlockPlan plan = prepared.state->spin[prepared.layer].Plan(prepared.positions);
   SelectResult& result = prepared.result;
@@ -295,15 +313,18 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
     result.phase_seconds.topk = SecondsSince(phase_start);
   }
   if (rows.size() == 1) {
-    phase_start = Clock::now();
-    state.spin[layer].Update(positions[0], result.blocks, scores);
-    result.phase_seconds.update = SecondsSince(phase_start);
+    if (!prepared.spin_on_device) {  // on the device, SelectWithSpin updated the EMAs
+      phase_start = Clock::now();
+      state.spin[layer].Update(positions[0], result.blocks, scores);
+      result.phase_seconds.update = SecondsSince(phase_start);
+    }
     state.last_position[layer] = positions[0];
   } else {
     PendingStep& pending = state.pending[layer];
     pending.positions = positions;
     pending.blocks = result.blocks;
-    pending.scores = scores;
+    pending.on_device = prepared.spin_on_device;
+    if (!prepared.spin_on_device) pending.scores = scores;
     state.pending_rows = static_cast<int>(rows.size());
     state.pending_first_position = positions[0];
   }
@@ -322,28 +343,84 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
 }
 
 void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {
+  std::vector<PreparedSelect*> spin_on_device, planned;
+  for (PreparedSelect& p : prepared) (p.spin_on_device ? spin_on_device : planned).push_back(&p);
+  if (!spin_on_device.empty() && !SelectSpinOnDeviceLocked(spin_on_device)) {
+    // The device failed and was dropped: these selects are planned again, on the CPU (a warm-up:
+    // their EMAs were on the device).
+    for (PreparedSelect* p : spin_on_device) {
+      PlanSelectLocked(*p);
+      planned.push_back(p);
+    }
+  }
+  if (!planned.empty()) ScorePlannedLocked(planned);
+}
+
+namespace {
+
+// A shared pass's time, charged to each select by its share of the scored blocks.
+template <typename Prepared>
+double ShareOf(std::span<Prepared* const> prepared, const Prepared& p, double seconds) {
   int64_t total_blocks = 0;
-  for (const PreparedSelect& p : prepared) total_blocks += p.result.blocks_scored;
-  // A shared pass: each select is charged its share of the scored blocks.
-  auto share = [&](const PreparedSelect& p, double seconds) {
-    return total_blocks == 0 ? 0.0
-                             : seconds * static_cast<double>(p.result.blocks_scored) /
-                                   static_cast<double>(total_blocks);
-  };
+  for (const Prepared* q : prepared) total_blocks += q->result.blocks_scored;
+  return total_blocks == 0 ? 0.0
+                           : seconds * static_cast<double>(p.result.blocks_scored) /
+                                 static_cast<double>(total_blocks);
+}
+
+}  // namespace
+
+bool Indexer::SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared) {
+  std::vector<DeviceSpinJob> jobs(prepared.size());
+  for (size_t i = 0; i < prepared.size(); ++i) {
+    PreparedSelect& p = *prepared[i];
+    p.result.selections.resize(p.rows.size() * p.result.top_k);
+    jobs[i].view = &p.view;
+    jobs[i].sequence_id = p.sequence_id;
+    jobs[i].layer = p.layer;
+    jobs[i].rows = p.rows;
+    jobs[i].config = &p.state->spin_config;
+    jobs[i].top_k = p.result.top_k;
+    jobs[i].all_blocks = p.all_blocks_on_device;
+    jobs[i].blocks = &p.result.blocks;
+    jobs[i].scores = p.return_scores ? &p.scores : nullptr;
+    jobs[i].selections = p.result.selections;
+  }
+  DeviceScoreSeconds seconds;
+  const absl::Status status = device_->SelectWithSpin(jobs, options_.num_heads, &seconds);
+  if (!status.ok()) {
+    DropDeviceLocked(status);
+    return false;
+  }
+  for (PreparedSelect* p : prepared) {
+    SelectResult& result = p->result;
+    result.blocks_scored = static_cast<int64_t>(result.blocks.size());
+    result.all_blocks = result.blocks_scored == result.blocks_visible;
+    result.on_device = true;
+  }
+  for (PreparedSelect* p : prepared) {
+    // The device's whole select: plan, scan, top-K and update in one pass, charged as the scan.
+    p->result.phase_seconds.scan = ShareOf(prepared, *p, seconds.scan);
+    p->result.phase_seconds.topk = ShareOf(prepared, *p, seconds.topk);
+  }
+  return true;
+}
+
+void Indexer::ScorePlannedLocked(std::span<PreparedSelect* const> prepared) {
   if (DeviceActiveLocked()) {
     std::vector<DeviceScoreJob> jobs(prepared.size());
     for (size_t i = 0; i < prepared.size(); ++i) {
-      PreparedSelect& p = prepared[i];
+      PreparedSelect& p = *prepared[i];
       p.result.selections.resize(p.rows.size() * p.result.top_k);
       jobs[i] = {&p.view, p.result.blocks, p.rows, p.result.top_k, p.scores, p.result.selections};
     }
     DeviceScoreSeconds seconds;
     const absl::Status status = device_->ScoreAndSelect(jobs, options_.num_heads, &seconds);
     if (status.ok()) {
-      for (PreparedSelect& p : prepared) {
-        p.result.on_device = true;
-        p.result.phase_seconds.scan = share(p, seconds.scan);
-        p.result.phase_seconds.topk = share(p, seconds.topk);
+      for (PreparedSelect* p : prepared) {
+        p->result.on_device = true;
+        p->result.phase_seconds.scan = ShareOf(prepared, *p, seconds.scan);
+        p->result.phase_seconds.topk = ShareOf(prepared, *p, seconds.topk);
       }
       return;
     }
@@ -351,12 +428,14 @@ void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {
   }
   std::vector<ScoreJob> jobs(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
-    jobs[i] = {&prepared[i].view, prepared[i].result.blocks, prepared[i].rows, prepared[i].scores};
+    jobs[i] = {&prepared[i]->view, prepared[i]->result.blocks, prepared[i]->rows,
+               prepared[i]->scores};
   }
   const auto start = Clock::now();
   ScoreBlockBatch(jobs, options_.num_heads);
   const double scan_seconds = SecondsSince(start);
-  for (PreparedSelect& p : prepared) p.result.phase_seconds.scan = share(p, scan_seconds);
+  for (PreparedSelect* p : prepared)
+    p->result.phase_seconds.scan = ShareOf(prepared, *p, scan_seconds);
 }
 
 void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
@@ -385,6 +464,7 @@ absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
                                       std::span<const IndexerRow> rows, bool return_scores,
                                       PreparedSelect& prepared) {
   DSA_RETURN_IF_ERROR(CheckSelectLocked(sequence_id, layer, rows, &prepared));
+  prepared.return_scores = return_scores;
   PlanSelectLocked(prepared);
   ScoreSelectsLocked(std::span<PreparedSelect>(&prepared, 1));
   FinishSelectLocked(prepared, return_scores);
@@ -479,11 +559,22 @@ absl::Status Indexer::Commit(uint64_t sequence_id, int accepted) {
   for (int l = 0; l < state.options.num_layers; ++l) {
     PendingStep& pending = state.pending[l];
     if (!pending.positions.empty()) {
-      const size_t row_stride = pending.blocks.size() * kBlockSize;
-      for (size_t r = 0; r < replay_rows; ++r) {
-        state.spin[l].Update(
-            pending.positions[r], pending.blocks,
-            std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
+      if (pending.on_device) {
+        // The scores are on the device; after a device failure the EMAs restart (warm-up) and
+        // there is nothing to replay.
+        if (state.spin_on_device && DeviceActiveLocked()) {
+          if (auto st = device_->CommitSpin(sequence_id, l, static_cast<int>(replay_rows));
+              !st.ok()) {
+            DropDeviceLocked(st);
+          }
+        }
+      } else {
+        const size_t row_stride = pending.blocks.size() * kBlockSize;
+        for (size_t r = 0; r < replay_rows; ++r) {
+          state.spin[l].Update(
+              pending.positions[r], pending.blocks,
+              std::span<const float>(pending.scores.data() + r * row_stride, row_stride));
+        }
       }
       pending = PendingStep{};
       state.last_position[l] = keep_slots - 1;
@@ -508,6 +599,9 @@ absl::Status Indexer::BeginTurn(uint64_t sequence_id) {
         absl::StrCat("sequence ", sequence_id, " has a speculative step awaiting Commit"));
   }
   for (SpinState& spin : (*found)->spin) spin.BeginTurn();
+  if ((*found)->spin_on_device && DeviceActiveLocked()) {
+    if (auto st = device_->ResetSpin(sequence_id); !st.ok()) DropDeviceLocked(st);
+  }
   return absl::OkStatus();
 }
 
@@ -517,6 +611,7 @@ absl::Status Indexer::Release(uint64_t sequence_id) {
     return absl::NotFoundError(absl::StrCat("unknown sequence ", sequence_id));
   }
   if (auto s = cache_.RemoveSequence(sequence_id); !s.ok()) return s;
+  if (device_ != nullptr) device_->ReleaseSpin(sequence_id);
   sequences_.erase(sequence_id);
   return absl::OkStatus();
 }
@@ -533,7 +628,17 @@ absl::StatusOr<SpinState> Indexer::GetSpinState(uint64_t sequence_id, int layer)
   if (layer < 0 || layer >= (*found)->options.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range"));
   }
-  return (*found)->spin[layer];
+  SpinState spin = (*found)->spin[layer];
+  if ((*found)->spin_on_device && DeviceActiveLocked()) {
+    std::vector<float> vertical, diagonal;
+    const absl::Status read = device_->ReadSpin(sequence_id, layer, &vertical, &diagonal);
+    if (read.ok()) {
+      spin.SetEmas(std::move(vertical), std::move(diagonal));
+    } else if (read.code() != absl::StatusCode::kNotFound) {  // NOT_FOUND: never selected
+      return read;
+    }
+  }
+  return spin;
 }
 
 CacheUsage Indexer::Usage() const {

@@ -178,7 +178,8 @@ class Indexer {
   struct PendingStep {
     std::vector<int64_t> positions;
     std::vector<int32_t> blocks;
-    std::vector<float> scores;  // [rows, blocks * 64]
+    std::vector<float> scores;  // [rows, blocks * 64]; empty when they stay on the device
+    bool on_device = false;     // the device keeps the scores (ScoringDevice::CommitSpin)
   };
   struct SequenceState {
     SequenceOptions options;
@@ -187,6 +188,8 @@ class Indexer {
     std::vector<int64_t> last_position;   // per layer: last selected (committed) position, -1 none
     int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
     int pending_rows = 0;
+    SpinConfig spin_config;       // options.spin with the seed mixed with the sequence id
+    bool spin_on_device = false;  // V and D live on the scoring device (RunsSpin)
   };
   // One select between its checks and its finish (all under mutex_).
   struct PreparedSelect {
@@ -198,17 +201,29 @@ class Indexer {
     std::vector<int64_t> positions;
     SelectResult result;
     std::vector<float> scores;  // [rows, blocks * 64]
+    bool return_scores = false;
+    // SPIN runs on the device for this select (planned there; PlanSelectLocked kept only the
+    // warm-up flag): all_blocks_on_device says whether it scores every visible block.
+    bool spin_on_device = false;
+    bool all_blocks_on_device = false;
   };
   // Scores every prepared select's blocks (PlanSelectLocked done) on the device, or the CPU when
   // there is none, it does not implement the batch or it fails (then it is dropped). On the
   // device, top-K runs there too (result.on_device; FinishSelectLocked skips its own).
   void ScoreSelectsLocked(std::span<PreparedSelect> prepared);
+  // Scan and top-K for selects planned on the CPU (device ScoreAndSelect, or the CPU).
+  void ScorePlannedLocked(std::span<PreparedSelect* const> prepared);
+  // The whole select on the device for selects whose SPIN runs there; false when the device
+  // failed (it is dropped, and these selects are planned again on the CPU).
+  bool SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared);
   // The dense top-K of `rows` over blocks [0, num_blocks) of `view` (the audit), on the device
   // when there is one. selections: [rows, top_k].
   void SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
                          std::span<const IndexerRow> rows, int top_k,
                          std::span<int32_t> selections);
   bool DeviceActiveLocked() const { return device_ != nullptr && device_status_.ok(); }
+  // Drops the device after `status`: every sequence whose SPIN ran there restarts with a warm-up
+  // select on the CPU (its EMAs were on the device), and pending device steps replay nothing.
   void DropDeviceLocked(const absl::Status& status);
   // Every check of Select; fills prepared's sequence, view, rows and positions. Changes nothing.
   absl::Status CheckSelectLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,

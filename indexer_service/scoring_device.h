@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "indexer_service/block_pool.h"
 #include "indexer_service/index_key_cache.h"
 #include "indexer_service/scoring.h"
+#include "indexer_service/spin.h"
 
 namespace dsa {
 
@@ -41,6 +43,29 @@ struct DeviceScoreSeconds {
   const char* scan_kernel = "";
 };
 
+/// One select whose SPIN runs on the device (ScoringDevice::SelectWithSpin): the EMAs V and D of
+/// (sequence, layer) live there; the device plans (DESIGN.md 4.2 steps 1-6), scores, selects and
+/// updates (step 8).
+struct DeviceSpinJob {
+  const KeyCacheView* view = nullptr;
+  uint64_t sequence_id = 0;
+  int layer = 0;
+  /// One row (a decode step) or verifier rows t..t+d (their update waits for CommitSpin).
+  std::span<const IndexerRow> rows;
+  /// The sequence's SPIN settings, the seed already mixed with the sequence id (as SpinState
+  /// holds it); the device accepted them (RunsSpin).
+  const SpinConfig* config = nullptr;
+  int top_k = 0;
+  /// Every visible block (the warm-up select of a turn, or SPIN off) instead of SPIN's plan.
+  bool all_blocks = false;
+  /// Out: the scored logical blocks, ascending (SpinState::Plan's `blocks`).
+  std::vector<int32_t>* blocks = nullptr;
+  /// Optional out (null = not wanted): fp32 [num_rows, blocks->size() * 64], ScoreBlocks' layout.
+  std::vector<float>* scores = nullptr;
+  /// Out, int32 [num_rows, top_k]: each row's selection over the scored blocks.
+  std::span<int32_t> selections;
+};
+
 /// Not thread-safe: the Indexer calls it under its mutex.
 class ScoringDevice {
  public:
@@ -66,6 +91,43 @@ class ScoringDevice {
   /// INTERNAL on a device failure. Outputs are unspecified on error.
   virtual absl::Status ScoreAndSelect(std::span<const DeviceScoreJob> jobs, int num_heads,
                                       DeviceScoreSeconds* seconds) = 0;
+
+  // ---- SPIN on the device (optional; the defaults run none) ----
+
+  /// Whether SelectWithSpin takes sequences with this SPIN configuration and K. The Indexer asks
+  /// once a sequence, at its creation.
+  virtual bool RunsSpin(const SpinConfig& config, int top_k) const { return false; }
+
+  /// The whole select of every job on the device: plan (or every block), scan, top-K, and for a
+  /// job of one row the EMA update; the scores of verifier rows stay on the device until
+  /// CommitSpin. A (sequence, layer) never seen before starts with zero EMAs. Errors: INTERNAL on
+  /// a device failure (the EMAs kept there are then lost); outputs unspecified on error.
+  virtual absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
+                                      DeviceScoreSeconds* seconds) {
+    return absl::UnimplementedError("this scoring device does not run SPIN");
+  }
+
+  /// Ends the pending verifier step of (sequence, layer): its rows 0 .. replay_rows - 1 replayed
+  /// into the EMAs in order (SpinState::Update each), then the step dropped (replay_rows 0: only
+  /// dropped). Errors: FAILED_PRECONDITION (no pending step), INTERNAL (device failure).
+  virtual absl::Status CommitSpin(uint64_t sequence_id, int layer, int replay_rows) {
+    return absl::UnimplementedError("this scoring device does not run SPIN");
+  }
+
+  /// Zeroes the EMAs of every layer of the sequence (a new turn). Errors: INTERNAL.
+  virtual absl::Status ResetSpin(uint64_t sequence_id) {
+    return absl::UnimplementedError("this scoring device does not run SPIN");
+  }
+
+  /// Frees the sequence's SPIN state on the device (nothing when it has none).
+  virtual void ReleaseSpin(uint64_t sequence_id) {}
+
+  /// Copies V and D of (sequence, layer) to the host, each as long as the device keeps them (zeros
+  /// past what SPIN wrote). Errors: NOT_FOUND (no state), INTERNAL.
+  virtual absl::Status ReadSpin(uint64_t sequence_id, int layer, std::vector<float>* vertical,
+                                std::vector<float>* diagonal) {
+    return absl::UnimplementedError("this scoring device does not run SPIN");
+  }
 };
 
 }  // namespace dsa

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -88,6 +89,18 @@ class SpinState {
   std::vector<float> PredictBlockScores(int64_t position) const;
 
   bool warmup_pending() const { return warmup_pending_; }
+  /// For a device that plans in place of Plan (indexer_service/scoring_device.h): whether this
+  /// select is the turn's warm-up, clearing the flag as Plan does.
+  bool TakeWarmup() {
+    const bool warmup = warmup_pending_;
+    warmup_pending_ = false;
+    return warmup;
+  }
+  /// Replaces V and D (e.g. with a device's copy, for GetSpinState).
+  void SetEmas(std::vector<float> vertical, std::vector<float> diagonal) {
+    vertical_ = std::move(vertical);
+    diagonal_ = std::move(diagonal);
+  }
   const std::vector<float>& vertical() const { return vertical_; }  // V, [slots seen]
   const std::vector<float>& diagonal() const { return diagonal_; }  // D, [offsets seen]
 

@@ -5,6 +5,7 @@
 // callback) and the CPU serves the same call and the rest, losing nothing.
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -29,6 +30,9 @@ struct FakeControls {
   std::optional<int> fail_mirror_at;  // the n-th MirrorBlocks call (0-based) returns INTERNAL
   std::optional<int> fail_score_at;   // the n-th ScoreAndSelect call returns INTERNAL
   int max_top_k = 2048;               // larger K: UNIMPLEMENTED, as the CUDA backend
+  bool runs_spin = false;             // take SPIN too (RunsSpin for K <= max_top_k)
+  int spin_calls = 0;
+  std::optional<int> fail_spin_at;  // the n-th SelectWithSpin call returns INTERNAL
 };
 
 class FakeDevice : public ScoringDevice {
@@ -78,10 +82,103 @@ class FakeDevice : public ScoringDevice {
     return absl::OkStatus();
   }
 
+  // SPIN "on the device": SpinStates of its own, fed only what the Indexer hands over.
+  bool RunsSpin(const SpinConfig& config, int top_k) const override {
+    return controls_->runs_spin && top_k <= controls_->max_top_k;
+  }
+
+  absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
+                              DeviceScoreSeconds* seconds) override {
+    if (controls_->fail_spin_at == controls_->spin_calls++) {
+      return absl::InternalError("fake SPIN failure");
+    }
+    for (const DeviceSpinJob& job : jobs) {
+      auto [it, fresh] =
+          spin_.try_emplace({job.sequence_id, job.layer}, *job.config, job.top_k, job.layer);
+      SpinSlot& slot = it->second;
+      std::vector<int64_t> positions;
+      for (const IndexerRow& row : job.rows) positions.push_back(row.position);
+      if (!job.all_blocks) slot.spin.TakeWarmup();  // the Indexer keeps the warm-up flag
+      // kAllBlocks: a fresh state's first Plan is its warm-up; otherwise force every block.
+      std::vector<int32_t> blocks;
+      if (job.all_blocks) {
+        for (int64_t j = 0; j < CeilDiv(positions.back() + 1, kBlockSize); ++j) {
+          blocks.push_back(static_cast<int32_t>(j));
+        }
+        slot.spin.TakeWarmup();
+      } else {
+        blocks = slot.spin.Plan(positions).blocks;
+      }
+      KeyCacheView view = *job.view;
+      view.pool = &*mirror_;
+      std::vector<float> scores(job.rows.size() * blocks.size() * kBlockSize);
+      ScoreBlocks(view, blocks, job.rows, num_heads, scores);
+      const size_t stride = blocks.size() * kBlockSize;
+      for (size_t r = 0; r < job.rows.size(); ++r) {
+        SelectTopK(std::span<const float>(scores.data() + r * stride, stride), blocks, positions[r],
+                   job.selections.subspan(r * job.top_k, job.top_k));
+      }
+      if (job.rows.size() == 1) {
+        slot.spin.Update(positions[0], blocks, scores);
+      } else {
+        slot.pending_positions = positions;
+        slot.pending_blocks = blocks;
+        slot.pending_scores = scores;
+      }
+      if (job.scores != nullptr) *job.scores = scores;
+      *job.blocks = std::move(blocks);
+    }
+    seconds->scan = 1e-6;
+    return absl::OkStatus();
+  }
+
+  absl::Status CommitSpin(uint64_t sequence_id, int layer, int replay_rows) override {
+    auto it = spin_.find({sequence_id, layer});
+    if (it == spin_.end() || it->second.pending_positions.empty()) {
+      return absl::FailedPreconditionError("nothing pending");
+    }
+    SpinSlot& slot = it->second;
+    const size_t stride = slot.pending_blocks.size() * kBlockSize;
+    for (int r = 0; r < replay_rows; ++r) {
+      slot.spin.Update(slot.pending_positions[r], slot.pending_blocks,
+                       std::span<const float>(slot.pending_scores).subspan(r * stride, stride));
+    }
+    slot.pending_positions.clear();
+    return absl::OkStatus();
+  }
+
+  absl::Status ResetSpin(uint64_t sequence_id) override {
+    for (auto& [key, slot] : spin_) {
+      if (key.first == sequence_id) slot.spin.BeginTurn();
+    }
+    return absl::OkStatus();
+  }
+
+  void ReleaseSpin(uint64_t sequence_id) override {
+    std::erase_if(spin_, [&](const auto& entry) { return entry.first.first == sequence_id; });
+  }
+
+  absl::Status ReadSpin(uint64_t sequence_id, int layer, std::vector<float>* vertical,
+                        std::vector<float>* diagonal) override {
+    auto it = spin_.find({sequence_id, layer});
+    if (it == spin_.end()) return absl::NotFoundError("no SPIN state");
+    *vertical = it->second.spin.vertical();
+    *diagonal = it->second.spin.diagonal();
+    return absl::OkStatus();
+  }
+
  private:
+  struct SpinSlot {
+    SpinSlot(const SpinConfig& config, int top_k, int layer) : spin(config, top_k, layer) {}
+    SpinState spin;
+    std::vector<int64_t> pending_positions;
+    std::vector<int32_t> pending_blocks;
+    std::vector<float> pending_scores;
+  };
   FakeControls* controls_;
   const BlockPool* host_ = nullptr;
   std::optional<BlockPool> mirror_;
+  std::map<std::pair<uint64_t, int>, SpinSlot> spin_;
 };
 
 IndexerOptions WorkloadOptions() {
@@ -164,6 +261,43 @@ TEST(IndexerDeviceTest, AFailedScoreIsServedByTheCpuInTheSameCall) {
   ExpectSameRecord(CpuRecord(), record);
   EXPECT_EQ(controls.score_calls, 4);
   EXPECT_FALSE((*indexer)->DeviceStatus().ok());
+}
+
+TEST(IndexerDeviceTest, SpinOnTheDeviceGivesTheCpuRecordBitForBit) {
+  // The Indexer hands SPIN over (warm-up flags, verifier steps and their Commit, new turns,
+  // release, GetSpinState) and the fake runs it with its own SpinStates: any state the Indexer
+  // forgot to hand over would change the record.
+  FakeControls controls;
+  controls.runs_spin = true;
+  auto indexer = Indexer::Create(WorkloadOptions(), std::make_unique<FakeDevice>(&controls));
+  ASSERT_TRUE(indexer.ok());
+  const WorkloadRecord record = RunWorkload(**indexer);
+  ExpectSameRecord(CpuRecord(), record);
+  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
+  EXPECT_GT(controls.spin_calls, 40);
+}
+
+TEST(IndexerDeviceTest, AFailedSpinSelectRestartsTheEmasOnTheCpu) {
+  FakeControls controls;
+  controls.runs_spin = true;
+  controls.fail_spin_at = 6;
+  std::vector<absl::Status> failures;
+  auto indexer = Indexer::Create(WorkloadOptions(), std::make_unique<FakeDevice>(&controls),
+                                 [&](const absl::Status& s) { failures.push_back(s); });
+  ASSERT_TRUE(indexer.ok());
+  const WorkloadRecord record = RunWorkload(**indexer);  // every call still succeeds
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_EQ(controls.spin_calls, 7);
+  // Calls 0-1 were the warm-ups, 2-5 two decode steps; call 6 failed and its select (decode step
+  // 2, layer 0) was served on the CPU as a new warm-up: every visible block, so no audit. Layer 1
+  // restarted too (its EMAs were on the device); from decode step 3 SPIN prunes again, on the CPU.
+  ASSERT_GT(record.labels.size(), 9u);
+  EXPECT_EQ(record.labels[6], "decode 2 layer 0");
+  EXPECT_TRUE(record.miss_rates[6].empty());
+  EXPECT_TRUE(record.miss_rates[7].empty());
+  EXPECT_FALSE(record.miss_rates[8].empty());
+  EXPECT_FALSE(record.miss_rates[9].empty());
+  EXPECT_EQ(record.selects_on_device, 6);
 }
 
 TEST(IndexerDeviceTest, AnAttachErrorFailsCreate) {
