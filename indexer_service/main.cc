@@ -54,6 +54,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "(bf16 queries) or cuda-cores (fp32 queries)")
       ->check(CLI::IsMember({"auto", "tensor-cores", "cuda-cores"}))
       ->capture_default_str();
+  bool gpu_spin = true;
+  app.add_option("--gpu-spin", gpu_spin,
+                 "--device cuda: run SPIN on the GPU too (V and D resident there) where the "
+                 "sequence's settings allow; false plans on the CPU")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
 
@@ -62,6 +67,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 #ifdef DSA_WITH_CUDA
     dsa::cuda::CudaScoringOptions cuda_options;
     cuda_options.device = cuda_device;
+    cuda_options.spin = gpu_spin;
     if (auto s = dsa::cuda::ParseScanKernel(scan_kernel, &cuda_options.scan_kernel); !s.ok()) {
       dsa::LogJson("error", "bad --scan-kernel", {{"status", s.ToString()}});
       return 2;

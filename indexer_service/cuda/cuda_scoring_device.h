@@ -1,7 +1,8 @@
 // The CUDA scoring device of the indexer (`dsa-indexer --device cuda`; DESIGN.md 3 and 4.1): a
 // mirror of the host block pool in GPU memory, and one pass per batch of selects that uploads the
-// batch (block lists, block tables, queries, head weights, positions) in one copy, runs the scan
-// (indexer_service/cuda/scan.h) and top-K (topk.h) kernels on one stream, and copies the
+// batch (block tables, queries, head weights, positions) in one copy, runs on one stream either
+// the whole select with SPIN's EMAs resident on the GPU (select.h: plan, union, scan, top-K, EMA
+// update) or, for selects planned on the CPU, the scan (scan.h) and top-K (topk.h), and copies the
 // selections (and scores, where asked) back. Implements dsa::ScoringDevice
 // (indexer_service/scoring_device.h).
 #pragma once
@@ -35,6 +36,10 @@ absl::Status ParseScanKernel(const std::string& name, ScanKernel* out);
 struct CudaScoringOptions {
   int device = 0;  // CUDA ordinal
   ScanKernel scan_kernel = ScanKernel::kAuto;
+  /// Run SPIN on the GPU too (V and D resident there, the whole select of select.h) for sequences
+  /// whose settings it implements: max pooling, A1, random exploration, row-local union, K <=
+  /// 2,048. Otherwise (or false) SPIN plans on the CPU and the GPU scans and selects.
+  bool spin = true;
 };
 
 /// Creates the device on GPU `options.device`. Errors: FAILED_PRECONDITION when no GPU is visible,

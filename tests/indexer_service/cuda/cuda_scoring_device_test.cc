@@ -37,6 +37,7 @@ struct Shape {
   int head_dim;
   ScanKernel kernel;
   const char* expected_scan;  // the scan kernel that must run
+  bool spin;                  // SPIN on the GPU (CudaScoringOptions::spin)
 };
 
 // Forwards to the CUDA device and records which scan kernels ran.
@@ -55,6 +56,26 @@ class ScanKernelSpy : public ScoringDevice {
     if (status.ok()) kernels_->insert(seconds->scan_kernel);
     return status;
   }
+  bool RunsSpin(const SpinConfig& config, int top_k) const override {
+    return device_->RunsSpin(config, top_k);
+  }
+  absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
+                              DeviceScoreSeconds* seconds) override {
+    absl::Status status = device_->SelectWithSpin(jobs, num_heads, seconds);
+    if (status.ok()) kernels_->insert(seconds->scan_kernel);
+    ++spin_selects;
+    return status;
+  }
+  absl::Status CommitSpin(uint64_t sequence_id, int layer, int replay_rows) override {
+    return device_->CommitSpin(sequence_id, layer, replay_rows);
+  }
+  absl::Status ResetSpin(uint64_t sequence_id) override { return device_->ResetSpin(sequence_id); }
+  void ReleaseSpin(uint64_t sequence_id) override { device_->ReleaseSpin(sequence_id); }
+  absl::Status ReadSpin(uint64_t sequence_id, int layer, std::vector<float>* vertical,
+                        std::vector<float>* diagonal) override {
+    return device_->ReadSpin(sequence_id, layer, vertical, diagonal);
+  }
+  int spin_selects = 0;
 
  private:
   std::unique_ptr<ScoringDevice> device_;
@@ -70,13 +91,17 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   ASSERT_TRUE(cpu.ok());
   const WorkloadRecord expected = RunWorkload(**cpu);
 
-  auto device = CreateCudaScoringDevice({0, shape.kernel});
+  auto device = CreateCudaScoringDevice({0, shape.kernel, shape.spin});
   ASSERT_TRUE(device.ok()) << device.status();
   int failures = 0;
   std::set<std::string> kernels;
-  auto indexer = Indexer::Create(WorkloadOptions(shape.num_heads, shape.head_dim),
-                                 std::make_unique<ScanKernelSpy>(std::move(*device), &kernels),
-                                 [&](const absl::Status&) { ++failures; });
+  auto spy = std::make_unique<ScanKernelSpy>(std::move(*device), &kernels);
+  const ScanKernelSpy* spy_view = spy.get();
+  auto indexer = Indexer::Create(WorkloadOptions(shape.num_heads, shape.head_dim), std::move(spy),
+                                 [&](const absl::Status& s) {
+                                   ++failures;
+                                   ADD_FAILURE() << s;
+                                 });
   ASSERT_TRUE(indexer.ok()) << indexer.status();
   const WorkloadRecord record = RunWorkload(**indexer);
   ExpectSameRecord(expected, record);
@@ -85,22 +110,31 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   // Every select but the two with K = 4,096 ran on the GPU.
   EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
   EXPECT_EQ(kernels, std::set<std::string>{shape.expected_scan});
+  // With SPIN on the GPU every select of K <= 2,048 is a whole select there (the audits' dense
+  // selects still go through ScoreAndSelect): one call a select, the six batches of two groups
+  // one call each, the two with K = 4,096 none.
+  if (shape.spin) {
+    EXPECT_EQ(spy_view->spin_selects, static_cast<int>(record.labels.size()) - 2 - 6);
+  } else {
+    EXPECT_EQ(spy_view->spin_selects, 0);
+  }
 }
 
-INSTANTIATE_TEST_SUITE_P(ShapesAndKernels, CudaScoringDeviceTest,
-                         ::testing::Values(Shape{16, 64, ScanKernel::kAuto, "tensor-cores"},
-                                           Shape{16, 64, ScanKernel::kCudaCores, "cuda-cores"},
-                                           Shape{64, 128, ScanKernel::kTensorCores, "tensor-cores"},
-                                           Shape{64, 128, ScanKernel::kCudaCores, "cuda-cores"},
-                                           Shape{8, 32, ScanKernel::kAuto, "cuda-cores"}),
-                         [](const ::testing::TestParamInfo<Shape>& info) {
-                           const char* kernel = info.param.kernel == ScanKernel::kAuto ? "Auto"
-                                                : info.param.kernel == ScanKernel::kTensorCores
-                                                    ? "TensorCores"
-                                                    : "CudaCores";
-                           return absl::StrCat("H", info.param.num_heads, "D", info.param.head_dim,
-                                               kernel);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    ShapesAndKernels, CudaScoringDeviceTest,
+    ::testing::Values(Shape{16, 64, ScanKernel::kAuto, "tensor-cores", true},
+                      Shape{16, 64, ScanKernel::kAuto, "tensor-cores", false},
+                      Shape{16, 64, ScanKernel::kCudaCores, "cuda-cores", true},
+                      Shape{64, 128, ScanKernel::kTensorCores, "tensor-cores", true},
+                      Shape{64, 128, ScanKernel::kCudaCores, "cuda-cores", false},
+                      Shape{8, 32, ScanKernel::kAuto, "cuda-cores", true}),
+    [](const ::testing::TestParamInfo<Shape>& info) {
+      const char* kernel = info.param.kernel == ScanKernel::kAuto          ? "Auto"
+                           : info.param.kernel == ScanKernel::kTensorCores ? "TensorCores"
+                                                                           : "CudaCores";
+      return absl::StrCat("H", info.param.num_heads, "D", info.param.head_dim, kernel,
+                          info.param.spin ? "SpinOnGpu" : "SpinOnCpu");
+    });
 
 TEST(CudaScoringDeviceCreateTest, RefusesAnOrdinalOutOfRange) {
   auto device = CreateCudaScoringDevice({1 << 20, ScanKernel::kAuto});
