@@ -4,9 +4,10 @@ The kernel sources are compiled from indexer_service/cuda/ in place (not copied)
 live in python/csrc/. Build on the GPU host (Python and PyTorch of the machine that runs it), from
 this folder:
 
-    MAX_JOBS=16 python setup.py build_ext --inplace
+    MAX_JOBS=16 python3 setup.py build_ext --inplace
 
-(or `pip install --no-build-isolation ./python` from the repo root). Targets sm_90a (Hopper), -O3,
+(or `python3 -m pip install --no-build-isolation ./python` from the repo root, not yet tried on the
+GPU host). Targets sm_90a (Hopper), -O3,
 C++17 for nvcc. DSA_REPO_ROOT overrides where the repo root (holding indexer_service/) is found.
 """
 import os

@@ -25,7 +25,9 @@ scan layout
     or the group's filled slots.
 
 Validation: every tensor is checked for device, dtype, contiguity and shape (ValueError naming the
-argument); a shape the kernel refuses raises ValueError with the kernel's CanImplement reason.
+argument); a shape the kernel refuses raises ValueError with the kernel's CanImplement reason; a
+failed launch raises RuntimeError. (The bindings in dsa_kernels._C report these as (kind, message)
+results rather than throwing; this layer raises them.)
 With check_indices=True (the default) the index arrays are also read back to the host (a
 synchronization) and checked for range; pass False on hot paths once the inputs are trusted.
 """
@@ -93,6 +95,16 @@ def _host(value: IndexLike) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.int64)
 
 
+def _raise_if_error(result) -> None:
+    """Raises what a binding reported: (0, "") is success, (1, msg) a ValueError (a bad argument
+    or a shape the kernel refuses: CanImplement's reason), (2, msg) a RuntimeError (the launch)."""
+    kind, message = result
+    if kind == 1:
+        raise ValueError(message)
+    if kind != 0:
+        raise RuntimeError(message)
+
+
 def _check_offsets(host: torch.Tensor, name: str, last: Optional[int] = None, what: str = "") -> None:
     if host.dim() != 1 or host.numel() < 1:
         raise ValueError(f"argument '{name}' must be 1-D with at least one entry")
@@ -129,7 +141,8 @@ def append(pool: torch.Tensor, block_table: IndexLike, keys: torch.Tensor, first
             if bool((used < 0).any()) or bool((used >= pool.shape[0]).any()):
                 raise ValueError(f"argument 'block_table' holds pool block ids outside "
                                  f"[0, {pool.shape[0]}) in its first {needed} entries")
-    _C.append(pool, _index(block_table, "block_table", torch.int32, device), keys, int(first_slot))
+    _raise_if_error(_C.append(pool, _index(block_table, "block_table", torch.int32, device), keys,
+                              int(first_slot)))
 
 
 # ---- scan -----------------------------------------------------------------------------------
@@ -256,9 +269,10 @@ def scan(pool: torch.Tensor, group_first_row: IndexLike, group_block_offset: Ind
     if check_indices:
         _check_scan_indices(pool, blocks, block_offset, tables, table_offset, num_slots)
     scores = torch.empty(layout.total_entries, dtype=torch.float32, device=device)
-    _C.scan_into(pool, first_row, block_offset, layout.total_blocks, blocks, table_offset, tables,
-                 num_slots, query, head_weights, _index(row_position, "row_position", torch.int64, device),
-                 layout.row_offsets, scores, kernel, query_prep)
+    _raise_if_error(_C.scan_into(
+        pool, first_row, block_offset, layout.total_blocks, blocks, table_offset, tables, num_slots,
+        query, head_weights, _index(row_position, "row_position", torch.int64, device),
+        layout.row_offsets, scores, kernel, query_prep))
     return scores
 
 
@@ -321,11 +335,21 @@ def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
         row_max_slot = torch.full((offsets.numel(),), 2**62, dtype=torch.int64, device=device)
     if (logical_blocks is None) != (row_block_offset is None):
         raise ValueError("arguments 'logical_blocks' and 'row_block_offset' go together")
-    return _C.topk(
-        scores, offsets, _index(row_num_entries, "row_num_entries", torch.int64, device),
-        _index(row_max_slot, "row_max_slot", torch.int64, device), int(k),
-        None if logical_blocks is None else _index(logical_blocks, "logical_blocks", torch.int32, device),
-        None if row_block_offset is None else _index(row_block_offset, "row_block_offset", torch.int64, device))
+    return _topk(scores, offsets, _index(row_num_entries, "row_num_entries", torch.int64, device),
+                 _index(row_max_slot, "row_max_slot", torch.int64, device), k,
+                 None if logical_blocks is None else _index(logical_blocks, "logical_blocks", torch.int32, device),
+                 None if row_block_offset is None else _index(row_block_offset, "row_block_offset", torch.int64, device))
+
+
+def _topk(scores, offsets, num_entries, max_slot, k, logical_blocks, row_block_offset) -> torch.Tensor:
+    """topk over arguments already of the kernel's dtypes, on the scores' device."""
+    k = int(k)
+    if not 1 <= k <= MAX_TOPK:
+        raise ValueError(f"topk: argument 'k' must be in [1, {MAX_TOPK}], got {k}")
+    selection = torch.empty(offsets.numel(), k, dtype=torch.int32, device=scores.device)
+    _raise_if_error(_C.topk_into(scores, offsets, num_entries, max_slot, k, logical_blocks,
+                                 row_block_offset, selection))
+    return selection
 
 
 # ---- SPIN block prediction ------------------------------------------------------------------
@@ -403,9 +427,10 @@ def spin_plan(positions: IndexLike, vertical: Union[torch.Tensor, List[torch.Ten
     if plan:
         selected = torch.full((total,), -1, dtype=torch.int32, device=device)
         selected_count = torch.zeros(num_rows, dtype=torch.int32, device=device)
-    _C.spin_predict(_index(pos_h, "positions", torch.int64, device), per_row(vertical, "vertical"),
-                    per_row(diagonal, "diagonal"), row_block_offset, block_scores, selected,
-                    selected_count, int(top_k), float(target_block_sparsity), 0.0)
+    _raise_if_error(_C.spin_predict(
+        _index(pos_h, "positions", torch.int64, device), per_row(vertical, "vertical"),
+        per_row(diagonal, "diagonal"), row_block_offset, block_scores, selected, selected_count,
+        int(top_k), float(target_block_sparsity), 0.0))
     return SpinPlan(block_scores, row_block_offset, selected, selected_count)
 
 
@@ -453,10 +478,13 @@ def select(pool: torch.Tensor, block_tables, group_num_slots: IndexLike, query: 
     scores = scan(pool, group_first_row, group_block_offset, blocks, block_tables, group_num_slots,
                   query, head_weights, position, group_table_offset=group_table_offset,
                   kernel=kernel, query_prep=query_prep, layout=layout, check_indices=check_indices)
-    return _C.topk(scores, layout.row_offsets, layout.row_num_entries, position, int(k), blocks,
-                   layout.row_block_offset)
+    return _topk(scores, layout.row_offsets, layout.row_num_entries, position, k, blocks,
+                 layout.row_block_offset)
 
 
 def device_info(ordinal: int = 0) -> dict:
     """Properties of GPU `ordinal` and whether the indexer kernels (sm_90a) can run on it."""
-    return _C.device_info(int(ordinal))
+    info = _C.device_info(int(ordinal))
+    if "error" in info:
+        raise RuntimeError(info["error"])
+    return info

@@ -30,13 +30,14 @@ def test_append_errors():
     with pytest.raises(ValueError, match="'pool' must be uint8"):
         dk.append(pool.view(torch.int8), table, keys, 0)
     with pytest.raises(ValueError, match="'block_table' must have at least"):
-        dk._C.append(pool, table[:1], torch.randn(100, D, device="cuda"), 0)
+        dk.append(pool, table[:1], torch.randn(100, D, device="cuda"), 0)
     with pytest.raises(ValueError, match="'block_table' holds pool block ids outside"):
         dk.append(pool, torch.tensor([9], dtype=torch.int32), keys, 0)
     with pytest.raises(ValueError, match="'first_slot' must be >= 0"):
-        dk._C.append(pool, table, keys, -1)
-    with pytest.raises(ValueError, match="'block_table' must be int32"):
-        dk._C.append(pool, table.long(), keys, 0)
+        dk.append(pool, table, keys, -1)
+    # The bindings check too (and report instead of throwing), when called directly.
+    kind, message = dk._C.append(pool, table.long(), keys, 0)
+    assert kind == 1 and "argument 'block_table' must be int32, got int64" in message
     with pytest.raises(ValueError, match="'block_table' must have an integer dtype"):
         dk.append(pool, table.float(), keys, 0)
 
@@ -80,13 +81,12 @@ def test_scan_errors():
                 kernel="cuda_cores", check_indices=False)
     # The C++ layer checks too, when called directly.
     layout = dk.scan_layout(b.group_first_row, b.group_block_offset)
-    with pytest.raises(ValueError, match="'group_first_row' must be int32"):
-        dk._C.scan_into(b.pool, b.group_first_row.cuda(), b.group_block_offset.cuda(),
-                        layout.total_blocks, b.logical_blocks.int().cuda(),
-                        torch.zeros(1, dtype=torch.int64, device="cuda"), b.tables[0],
-                        b.num_slots.cuda(), b.query, b.weights, b.position.cuda(),
-                        layout.row_offsets, torch.empty(layout.total_entries, device="cuda"),
-                        "tensor_cores", "auto")
+    kind, message = dk._C.scan_into(
+        b.pool, b.group_first_row.cuda(), b.group_block_offset.cuda(), layout.total_blocks,
+        b.logical_blocks.int().cuda(), torch.zeros(1, dtype=torch.int64, device="cuda"),
+        b.tables[0], b.num_slots.cuda(), b.query, b.weights, b.position.cuda(), layout.row_offsets,
+        torch.empty(layout.total_entries, device="cuda"), "tensor_cores", "auto")
+    assert kind == 1 and "argument 'group_first_row' must be int32, got int64" in message
 
 
 def test_topk_errors():
