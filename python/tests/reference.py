@@ -3,7 +3,7 @@ einsum, ReLU, head weights, key scale) in fp64, top-K by stable sorts, SPIN's pr
 and a batch builder (a paged pool with garbage in unfilled slots, groups of verifier rows)."""
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
