@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host: runs the GPU tests of indexer_service/cuda, compute-sanitizer memcheck and
-# racecheck on them, then bench_gpu_indexer and the PyTorch peer (torch_reference_indexer.py) in
-# the same run. Logs and JSON go to OUT_DIR; a short table is printed last.
+# racecheck on them, then bench_gpu_indexer, bench_gpu_select and the PyTorch peer
+# (torch_reference_indexer.py) in the same run. Logs and JSON go to OUT_DIR; a short table is
+# printed last. The report (tables and plot) is made from the JSON by bench/gpu_report.py.
 #
 # usage (from the repo root, binaries and torch_reference_indexer.py copied into BIN_DIR):
 #   LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64 bash bench/run_gpu_bench.sh BIN_DIR OUT_DIR [tests|sanitize|bench|all]
@@ -13,7 +14,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$out/device.txt"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  for t in device_info key_append scan topk spin_predict spin_update; do
+  for t in device_info key_append scan topk spin_predict spin_update select scoring_device; do
     echo "=== indexer_cuda_${t}_test" | tee -a "$out/tests.log"
     timeout 300 "$bin/indexer_cuda_${t}_test" --gtest_brief=1 >>"$out/tests.log" 2>&1 || status=1
     tail -n 3 "$out/tests.log"
@@ -31,9 +32,11 @@ if [[ $what == sanitize || $what == all ]]; then
     [topk]='-*ManyEqualScores*:*PastTwoToTheThirtyOne*:*SplitsRowsOverClusters*'
     [spin_predict]='-*ExplorationGrid*:*PastTwoToTheTwenty*:*PastOneChunk*'
     [spin_update]='*'
+    [select]='-*EveryTargetSparsity*'
+    [scoring_device]='*H16D64AutoSpinOnGpu*:*H64D128CudaCoresSpinOnCpu*:*Create*'
   )
   for tool in memcheck racecheck; do
-    for t in device_info key_append scan topk spin_predict spin_update; do
+    for t in device_info key_append scan topk spin_predict spin_update select scoring_device; do
       echo "=== $tool indexer_cuda_${t}_test ${filter[$t]}" | tee -a "$out/sanitizer.log"
       timeout ${DSA_SANITIZER_TIMEOUT_S:-120} "$cs" --tool "$tool" --error-exitcode 7 "$bin/indexer_cuda_${t}_test" \
         --gtest_brief=1 --gtest_filter="${filter[$t]}" >>"$out/sanitizer.log" 2>&1 || status=1
@@ -43,6 +46,7 @@ if [[ $what == sanitize || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   "$bin/bench_gpu_indexer" --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt" || status=1
+  "$bin/bench_gpu_select" --json "$out/select.json" | tee "$out/select.txt" || status=1
   python3 "$bin/torch_reference_indexer.py" --shapes 1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536 \
     --json "$out/torch_reference.json" | tee "$out/torch_reference.txt" || status=1
 fi
