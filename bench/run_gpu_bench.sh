@@ -28,11 +28,11 @@ if [[ $what == sanitize || $what == all ]]; then
   declare -A filter=(
     [device_info]='*'
     [key_append]='*'
-    [scan]='-*LongContext*:*OverContextLengths*'
+    [scan]='-*LongContext*:*OverContextLengths*:*MillionSlots*'
     [topk]='-*ManyEqualScores*:*PastTwoToTheThirtyOne*:*SplitsRowsOverClusters*'
     [spin_predict]='-*ExplorationGrid*:*PastTwoToTheTwenty*:*PastOneChunk*'
     [spin_update]='*'
-    [select]='-*EveryTargetSparsity*'
+    [select]='-*EveryTargetSparsity*:*MillionSlots*'
     [scoring_device]='*H16D64AutoSpinOnGpu*:*H64D128CudaCoresSpinOnCpu*:*Create*'
   )
   for tool in memcheck racecheck; do

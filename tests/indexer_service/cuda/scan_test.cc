@@ -297,6 +297,11 @@ TEST_P(ScanGrid, MatchesScoreBlocksOnSixtyFourRows) {
   CheckScan(MakeBatch(verifier, 64, 128, 17), GetParam(), QueryDtype::kBFloat16);
 }
 
+TEST_P(ScanGrid, MatchesScoreBlocksOnAMillionSlots) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  CheckScan(MakeBatch({{1048576, 1, false}}, 64, 128, 37), GetParam(), QueryDtype::kBFloat16);
+}
+
 TEST_P(ScanGrid, TakesTheTotalFromTheDeviceUnderAGridBound) {
   if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
   // Every CTA past the device total must do nothing (the score buffer holds exactly the total).

@@ -268,6 +268,11 @@ TEST_F(SelectTest, MatchesTheCpuAtEveryTargetSparsityWithKOf2048) {
   }
 }
 
+TEST_F(SelectTest, MatchesTheCpuPastAMillionSlots) {
+  // 16,384 blocks (the plan in shared memory) and 16,386 (the plan's workspace path).
+  Run({1048576, 1048576 + 65}, {1, 1}, Config(0.4, 0.05), 2048, 2, false);
+}
+
 TEST_F(SelectTest, SixtyFourGroupsThroughACudaGraph) {
   std::vector<int64_t> lengths(64);
   for (int g = 0; g < 64; ++g) lengths[g] = 1500 + 131 * g;
