@@ -37,29 +37,32 @@ absl::Status CudaError(cudaError_t error, const char* what) {
     }                                           \
   } while (false)
 
-// A growable device allocation (contents not kept on growth).
-class DeviceBuffer {
+// A growable allocation (contents not kept on growth), twice as large at each growth: device
+// memory (cudaMalloc) or page-locked host memory (cudaMallocHost, so copies run asynchronously at
+// full speed).
+template <cudaError_t (*Allocate)(void**, size_t), cudaError_t (*Free)(void*)>
+class GrowableBuffer {
  public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept
+  GrowableBuffer() = default;
+  GrowableBuffer(const GrowableBuffer&) = delete;
+  GrowableBuffer& operator=(const GrowableBuffer&) = delete;
+  GrowableBuffer(GrowableBuffer&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+  GrowableBuffer& operator=(GrowableBuffer&& other) noexcept {
     std::swap(ptr_, other.ptr_);
     std::swap(bytes_, other.bytes_);
     return *this;
   }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+  ~GrowableBuffer() {
+    if (ptr_ != nullptr) Free(ptr_);
   }
   absl::Status Reserve(size_t bytes, const char* what) {
     if (bytes <= bytes_) return absl::OkStatus();
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    const size_t grown = std::max(bytes, bytes_ * 2);
+    if (ptr_ != nullptr) Free(ptr_);
     ptr_ = nullptr;
     bytes_ = 0;
-    const size_t grown = std::max(bytes, bytes_ * 2);
-    DSA_CUDA_RETURN(cudaMalloc(&ptr_, grown), what);
+    DSA_CUDA_RETURN(Allocate(&ptr_, grown), what);
     bytes_ = grown;
     return absl::OkStatus();
   }
@@ -73,34 +76,10 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// A growable page-locked host allocation (so copies run asynchronously at full speed).
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
-  absl::Status Reserve(size_t bytes, const char* what) {
-    if (bytes <= bytes_) return absl::OkStatus();
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-    const size_t grown = std::max(bytes, bytes_ * 2);
-    DSA_CUDA_RETURN(cudaMallocHost(&ptr_, grown), what);
-    bytes_ = grown;
-    return absl::OkStatus();
-  }
-  template <typename T>
-  T* as(size_t byte_offset = 0) const {
-    return reinterpret_cast<T*>(static_cast<uint8_t*>(ptr_) + byte_offset);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+cudaError_t DeviceAllocate(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
+cudaError_t HostAllocate(void** ptr, size_t bytes) { return cudaMallocHost(ptr, bytes); }
+using DeviceBuffer = GrowableBuffer<DeviceAllocate, cudaFree>;
+using PinnedBuffer = GrowableBuffer<HostAllocate, cudaFreeHost>;
 
 // Byte offsets of the batch's arrays in one upload, each 16-byte aligned.
 struct BatchLayout {
