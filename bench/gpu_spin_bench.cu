@@ -1,7 +1,8 @@
 // bench_gpu_spin: times SPIN on the GPU (spin_predict.h, spin_update.h) on synthetic EMA states:
 // the prediction alone (kernel 1), prediction + plan with exploration (K = 2048, rho = 0.4,
 // gamma = 0.05), the EMA update of one row that scored 60% of its blocks, and the union of
-// 4-row verifier groups; L2 flushed before each run, median of 20 after 3 warm-up runs, with the
+// 4-row verifier groups (predict_h: kernel 1 alone with max_visible_blocks; update1: the update
+// with max_group_rows = 1); L2 flushed before each run, median of 20 after 3 warm-up runs, with the
 // bytes each moves against the HBM floor (4.8 TB/s). usage: bench_gpu_spin [--shapes
 // 1x131072,...] (rows x slots; each row its own sequence).
 #include <cuda_runtime.h>
@@ -90,8 +91,9 @@ int main(int argc, char** argv) {
   void* flush = nullptr;
   CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
   const double hbm_bytes_per_us = 4.8e6;
-  std::printf("%5s %8s %11s %13s %10s %11s %9s %10s\n", "rows", "slots", "predict_us", "+plan_us",
-              "floor_us", "update_us", "floor_us", "union4_us");
+  std::printf("%5s %8s %11s %13s %10s %11s %9s %10s %12s %11s\n", "rows", "slots", "predict_us",
+              "+plan_us", "floor_us", "update_us", "floor_us", "union4_us", "predict_h_us",
+              "update1_us");
   for (size_t pos = 0; pos < shapes.size();) {
     size_t end = shapes.find(',', pos);
     if (end == std::string::npos) end = shapes.size();
@@ -131,6 +133,10 @@ int main(int argc, char** argv) {
     p.scores = scores;
     const double predict_us =
         TimeUs([&] { CHECK_CUDA(LaunchSpinPredict(p, nullptr)); }, flush, flush_bytes);
+    p.max_visible_blocks = b;  // kernel 1 alone with the hint (one iteration a warp)
+    const double predict_hint_us =
+        TimeUs([&] { CHECK_CUDA(LaunchSpinPredict(p, nullptr)); }, flush, flush_bytes);
+    p.max_visible_blocks = 0;
     p.selected = selected;
     p.selected_count = counts;
     p.top_k = 2048;
@@ -182,6 +188,9 @@ int main(int argc, char** argv) {
     u.max_visible_slots = slots;
     const double update_us =
         TimeUs([&] { CHECK_CUDA(LaunchSpinUpdate(u, nullptr)); }, flush, flush_bytes);
+    u.max_group_rows = 1;  // every group one row: the narrower grid, four entries a thread
+    const double update1_us =
+        TimeUs([&] { CHECK_CUDA(LaunchSpinUpdate(u, nullptr)); }, flush, flush_bytes);
     const double update_floor =
         static_cast<double>(blocks.size()) * 64 * (16.0 + 4.0) / hbm_bytes_per_us;
     // Union: the rows in groups of 4 (the plans above).
@@ -210,9 +219,9 @@ int main(int argc, char** argv) {
     un.union_count = union_count;
     const double union_us =
         TimeUs([&] { CHECK_CUDA(LaunchSpinUnion(un, nullptr)); }, flush, flush_bytes);
-    std::printf("%5d %8lld %11.1f %13.1f %10.1f %11.1f %9.1f %10.1f\n", rows,
+    std::printf("%5d %8lld %11.1f %13.1f %10.1f %11.1f %9.1f %10.1f %12.1f %11.1f\n", rows,
                 static_cast<long long>(slots), predict_us, plan_us, predict_floor, update_us,
-                update_floor, union_us);
+                update_floor, union_us, predict_hint_us, update1_us);
     std::fflush(stdout);
     for (int r = 0; r < rows; ++r) {
       CHECK_CUDA(cudaFree(v[r]));

@@ -11,7 +11,8 @@ namespace {
 
 constexpr int kBlockSlots = 64;        // kBlockSize of block_pool.h
 constexpr int kPredictWarps = 8;       // warps a CTA of the prediction kernel
-constexpr int kPredictChunks = 8;      // CTAs a row (grid.y); warps stride over the row's blocks
+constexpr int kPredictUnroll = 1;      // consecutive blocks a warp an iteration (1 measured best)
+constexpr int kPredictChunks = 64;     // CTAs a row (grid.y) without max_visible_blocks
 constexpr int kSelectThreads = 512;    // threads a CTA (one row) of the plan kernel
 constexpr int kUnionThreads = 512;     // threads a CTA (one group) of the union kernel
 constexpr int kUnionWords = 1024;      // bitmap words a union chunk: 32,768 blocks
@@ -43,30 +44,44 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
                   const int64_t* __restrict__ diagonal_len,
                   const int64_t* __restrict__ row_block_offset, float* __restrict__ scores) {
   const int row = blockIdx.x;
+  // The row's arguments all at once (valid entries for every row), then the early exit: one
+  // round trip before the V and D loads instead of two.
   const int64_t t = positions[row];
-  const int64_t num_blocks = RowBlocks(t);
-  if (num_blocks == 0) return;
   const float* v = vertical[row];
   const float* d = diagonal[row];
   const int64_t v_len = vertical_len[row];
   const int64_t d_len = diagonal_len[row];
   float* out = scores + row_block_offset[row];
+  const int64_t num_blocks = RowBlocks(t);
+  if (num_blocks == 0) return;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  for (int64_t j = static_cast<int64_t>(blockIdx.y) * kPredictWarps + warp; j < num_blocks;
-       j += static_cast<int64_t>(gridDim.y) * kPredictWarps) {
+  // Each warp takes kPredictUnroll consecutive blocks at a time, their loads all in flight.
+  for (int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kPredictWarps + warp) * kPredictUnroll;
+       j0 < num_blocks; j0 += static_cast<int64_t>(gridDim.y) * kPredictWarps * kPredictUnroll) {
     // Lane l holds slots 2l and 2l + 1; the butterfly below keeps each lane's range contiguous
     // with the lower range on the lane whose bit is clear, so every combine is (earlier, later)
     // and the result is max_element's: the first of the largest values.
-    const int64_t first = j * kBlockSlots + 2 * lane;
-    float m = FirstMax(SlotScore(v, v_len, d, d_len, t, first),
-                       SlotScore(v, v_len, d, d_len, t, first + 1));
+    float m[kPredictUnroll];
 #pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, m, offset);
-      m = (lane & offset) ? FirstMax(other, m) : FirstMax(m, other);
+    for (int u = 0; u < kPredictUnroll; ++u) {
+      const int64_t first = (j0 + u) * kBlockSlots + 2 * lane;
+      m[u] = FirstMax(SlotScore(v, v_len, d, d_len, t, first),
+                      SlotScore(v, v_len, d, d_len, t, first + 1));
     }
-    if (lane == 0) out[j] = m;  // eq. (2), max pooling
+#pragma unroll
+    for (int u = 0; u < kPredictUnroll; ++u) {
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, m[u], offset);
+        m[u] = (lane & offset) ? FirstMax(other, m[u]) : FirstMax(m[u], other);
+      }
+    }
+    // eq. (2), max pooling; lane u writes block j0 + u.
+#pragma unroll
+    for (int u = 0; u < kPredictUnroll; ++u) {
+      if (lane == u && j0 + u < num_blocks) out[j0 + u] = m[u];
+    }
   }
 }
 
@@ -96,18 +111,18 @@ __device__ int64_t ExploreCount(int64_t budget, int64_t capacity, double gamma) 
   return n < capacity ? n : capacity;
 }
 
-__global__ void __launch_bounds__(kSelectThreads)
-    SelectKernel(const int64_t* __restrict__ positions,
-                 const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
-                 int top_k, double rho, double gamma, uint64_t seed,
-                 const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
-                 unsigned char* __restrict__ workspace, int64_t workspace_blocks,
-                 int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+// The plan of one row with S read from global memory (one CTA): the path of rows past 2^20 slots
+// (the free list in the workspace) and of launches without max_visible_blocks.
+__device__ __forceinline__ void PlanRowGlobal(
+    int row, const int64_t* __restrict__ positions, const int64_t* __restrict__ row_block_offset,
+    const float* __restrict__ scores, int top_k, double rho, double gamma, uint64_t seed,
+    const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
+    unsigned char* __restrict__ workspace, int64_t workspace_blocks, int32_t* __restrict__ selected,
+    int32_t* __restrict__ selected_count) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int written;
   extern __shared__ __align__(16) unsigned char plan_shared[];
-  const int row = blockIdx.x;
   const int64_t t = positions[row];
   const int64_t num_blocks = RowBlocks(t);
   const int64_t base = num_blocks > 0 ? row_block_offset[row] : 0;
@@ -279,6 +294,264 @@ __global__ void __launch_bounds__(kSelectThreads)
   if (threadIdx.x == 0) selected_count[row] = written;
 }
 
+__global__ void __launch_bounds__(kSelectThreads)
+    SelectKernel(const int64_t* __restrict__ positions,
+                 const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
+                 int top_k, double rho, double gamma, uint64_t seed,
+                 const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
+                 unsigned char* __restrict__ workspace, int64_t workspace_blocks,
+                 int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+  PlanRowGlobal(blockIdx.x, positions, row_block_offset, scores, top_k, rho, gamma, seed, row_seed,
+                layer, max_blocks, workspace, workspace_blocks, selected, selected_count);
+}
+
+// Kernel 2 with S in shared memory (rows of at most max_visible_blocks <= kSpinSharedPlanBlocks
+// blocks): S is staged once as order-preserving keys, the forced and explored blocks get
+// kAlwaysKey (above every finite S), and the plan is the first (forced + explored + best) blocks
+// by key, ties to the lower block: one radix select over the staged keys and one scan a
+// 2,048-block tile for the ascending write-out.
+constexpr uint32_t kAlwaysKey = 0xFFFFFFFFu;  // OrderedKey of a finite or infinite float is less
+constexpr int kParallelExplore = 1024;        // draws resolved in parallel (more: the swap chain)
+constexpr int kPlanItems = 4;                 // consecutive blocks a thread in the write-out
+
+__host__ __device__ __forceinline__ int64_t RoundUp4(int64_t x) { return (x + 3) / 4 * 4; }
+
+// The latest draw i < k of picks[0 .. k) that picked position `target`, or -1.
+__device__ __forceinline__ int LatestPick(const int32_t* picks, int k, int32_t target) {
+  for (int i = k - 1; i >= 0; --i) {
+    if (picks[i] == target) return i;
+  }
+  return -1;
+}
+
+__global__ void __launch_bounds__(kSelectThreads)
+    PlanSharedKernel(const int64_t* __restrict__ positions,
+                     const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
+                     int top_k, double rho, double gamma, uint64_t seed,
+                     const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
+                     int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+  using Scan = cub::BlockScan<uint32_t, kSelectThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int32_t picks[kParallelExplore];
+  __shared__ int32_t latest[kParallelExplore];
+  __shared__ int histogram[256];
+  __shared__ uint32_t select_prefix;
+  __shared__ int select_need;
+  __shared__ int select_bin;
+  // RoundUp4(max_blocks) keys, then (exploration past kParallelExplore draws) the free list.
+  extern __shared__ __align__(16) uint32_t plan_keys[];
+  const int row = blockIdx.x;
+  const int64_t t = positions[row];
+  const int64_t num_blocks = RowBlocks(t);
+  const bool all = t + 1 <= top_k;  // step 1 (the warm-up and SPIN off are the caller's)
+  const int64_t forced = num_blocks >= 2 ? 2 : num_blocks;
+  const int64_t budget = all ? num_blocks : BlockBudget(num_blocks, top_k, rho);
+  const int64_t capacity = all ? 0 : budget - forced;
+  const int64_t n_explore = gamma > 0.0 && capacity > 0 ? ExploreCount(budget, capacity, gamma) : 0;
+  if (all) {
+    if (num_blocks > 0) {
+      int32_t* out = selected + row_block_offset[row];
+      for (int64_t j = threadIdx.x; j < num_blocks; j += kSelectThreads) {
+        out[j] = static_cast<int32_t>(j);
+      }
+    }
+    if (threadIdx.x == 0) selected_count[row] = static_cast<int32_t>(num_blocks);
+    return;
+  }
+  if (num_blocks > max_blocks) {
+    if (n_explore > 0) {  // the caller's bound is wrong: refuse the row
+      if (threadIdx.x == 0) selected_count[row] = -1;
+    } else {  // no shared memory needed: plan from global memory
+      PlanRowGlobal(row, positions, row_block_offset, scores, top_k, rho, gamma, seed, row_seed,
+                    layer, 0, nullptr, 0, selected, selected_count);
+    }
+    return;
+  }
+  const int b = static_cast<int>(num_blocks);  // <= kSpinSharedPlanBlocks, >= 1
+  const int64_t base = row_block_offset[row];
+  const float* s = scores + base;
+  int32_t* out = selected + base;
+  uint32_t* keys = plan_keys;
+#pragma unroll 4
+  for (int j = threadIdx.x; j < b; j += kSelectThreads) {
+    keys[j] = j == 0 || j == b - 1 ? kAlwaysKey : OrderedKey(s[j]);
+  }
+  const int n = static_cast<int>(n_explore);
+  if (n > 0) {
+    // Step 5, SpinState::Explore's partial Fisher-Yates over free[k] = k + 1 (blocks 1 .. B - 2,
+    // F = B - 2): draw i swaps free[i] and free[q_i], q_i = i + UniformBelow(word_i, F - i) >= i.
+    // Position k is final after draw k and holds what position q_k held before it: the value
+    // that the latest earlier draw m with q_m = q_k moved there (what position m held before
+    // draw m), or q_k + 1 if none. What position m held before draw m is likewise the latest
+    // earlier draw with q = m, recursively, or m + 1. Both are found by scanning the draws, so
+    // n <= kParallelExplore draws resolve in parallel; more take the swap chain in order.
+    const uint64_t row_key = row_seed != nullptr ? row_seed[row] : seed;
+    const PhiloxKey key{{static_cast<uint32_t>(row_key), static_cast<uint32_t>(row_key >> 32)}};
+    const int free_count = b - 2;
+    auto pick = [&](int i) {
+      const PhiloxCounter counter{{static_cast<uint32_t>(t),
+                                   static_cast<uint32_t>(static_cast<uint64_t>(t) >> 32),
+                                   static_cast<uint32_t>(i), static_cast<uint32_t>(layer)}};
+      const uint32_t word = Philox4x32(counter, key).c[0];
+      return i + static_cast<int32_t>(UniformBelow(word, static_cast<uint32_t>(free_count - i)));
+    };
+    if (n <= kParallelExplore) {
+      for (int i = threadIdx.x; i < n; i += kSelectThreads) picks[i] = pick(i);
+      __syncthreads();  // also orders the staged keys before the marks below
+      for (int p = threadIdx.x; p < n; p += kSelectThreads) latest[p] = LatestPick(picks, p, p);
+      __syncthreads();
+      for (int k = threadIdx.x; k < n; k += kSelectThreads) {
+        int m = LatestPick(picks, k, picks[k]);
+        int block = picks[k] + 1;
+        if (m >= 0) {
+          while (latest[m] >= 0) m = latest[m];
+          block = m + 1;
+        }
+        keys[block] = kAlwaysKey;
+      }
+    } else {
+      int32_t* free_list = reinterpret_cast<int32_t*>(plan_keys + RoundUp4(max_blocks));
+      for (int k = threadIdx.x; k < free_count; k += kSelectThreads) free_list[k] = k + 1;
+      for (int first = 0; first < n; first += kParallelExplore) {
+        const int chunk = n - first < kParallelExplore ? n - first : kParallelExplore;
+        __syncthreads();  // the free list is set up and the previous chunk's picks are used
+        for (int i = threadIdx.x; i < chunk; i += kSelectThreads) picks[i] = pick(first + i);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          for (int k = 0; k < chunk; ++k) {
+            const int at = first + k;
+            const int q = picks[k];
+            const int32_t held = free_list[at];
+            free_list[at] = free_list[q];
+            free_list[q] = held;
+          }
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < n; i += kSelectThreads) keys[free_list[i]] = kAlwaysKey;
+    }
+  }
+  __syncthreads();
+  // Step 6: `best` more by S among the candidates (keys below kAlwaysKey). The plan is every
+  // block with (key & mask) > threshold and the `need` lowest-numbered with (key & mask) ==
+  // threshold.
+  const int always = static_cast<int>(forced) + n;
+  const int64_t best = capacity - n;
+  const int candidates = b - always;
+  uint32_t mask = 0xFFFFFFFFu;
+  uint32_t threshold = 0;  // best >= candidates: every block (all keys are above 0)
+  int need = 0;
+  if (best <= 0) {
+    threshold = kAlwaysKey - 1;  // the forced and explored blocks only
+  } else if (best < candidates) {
+    // The (always + best)-th largest key by four 8-bit histogram passes, most significant first;
+    // stops early once the threshold's bin is taken whole.
+    uint32_t prefix = 0;
+    mask = 0;
+    need = always + static_cast<int>(best);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      if (threadIdx.x < 256) histogram[threadIdx.x] = 0;
+      __syncthreads();
+      for (int j = threadIdx.x; j < b; j += kSelectThreads) {
+        const uint32_t k = keys[j];
+        if ((k & mask) == prefix) atomicAdd(&histogram[(k >> shift) & 255], 1);
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        // Lane l holds digits 255 - 8 l .. 248 - 8 l (highest first); an inclusive scan over
+        // lanes finds the lane, then the digit, where the running count reaches `need`.
+        const int lane = threadIdx.x;
+        int counts[8];
+        int lane_sum = 0;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          counts[k] = histogram[255 - 8 * lane - k];
+          lane_sum += counts[k];
+        }
+        int inclusive = lane_sum;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+          const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+          if (lane >= offset) inclusive += other;
+        }
+        int before = inclusive - lane_sum;
+        if (before < need && need <= inclusive) {
+          for (int k = 0; k < 8; ++k) {
+            if (before + counts[k] >= need) {
+              select_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - k) << shift);
+              select_need = need - before;
+              select_bin = counts[k];
+              break;
+            }
+            before += counts[k];
+          }
+        }
+      }
+      __syncthreads();
+      prefix = select_prefix;
+      need = select_need;
+      mask |= 255u << shift;
+      if (select_bin == need) break;  // uniform: every key of the bin is taken
+    }
+    threshold = prefix;
+  }
+  // Write-out in ascending order: a taken block j goes to (taken above before j) +
+  // min(equal before j, need). One scan a tile of kSelectThreads x kPlanItems blocks over the
+  // packed counts (above in the low 16 bits, equal in the high 16).
+  uint32_t run_above = 0;
+  uint32_t run_equal = 0;
+  const uint32_t need_u = static_cast<uint32_t>(need);
+  for (int tile = 0; tile < b; tile += kSelectThreads * kPlanItems) {
+    const int j0 = tile + kPlanItems * threadIdx.x;
+    uint32_t k4[kPlanItems] = {0, 0, 0, 0};
+    if (j0 < b) {
+      const uint4 v = *reinterpret_cast<const uint4*>(keys + j0);
+      k4[0] = v.x;
+      k4[1] = v.y;
+      k4[2] = v.z;
+      k4[3] = v.w;
+    }
+    uint32_t above_bits = 0;
+    uint32_t equal_bits = 0;
+#pragma unroll
+    for (int u = 0; u < kPlanItems; ++u) {
+      if (j0 + u < b) {
+        const uint32_t masked = k4[u] & mask;
+        if (masked > threshold) {
+          above_bits |= 1u << u;
+        } else if (masked == threshold) {
+          equal_bits |= 1u << u;
+        }
+      }
+    }
+    uint32_t prefix = 0;
+    uint32_t total = 0;
+    Scan(scan_storage)
+        .ExclusiveSum(static_cast<uint32_t>(__popc(above_bits)) |
+                          (static_cast<uint32_t>(__popc(equal_bits)) << 16),
+                      prefix, total);
+    uint32_t above = run_above + (prefix & 0xFFFFu);
+    uint32_t equal = run_equal + (prefix >> 16);
+#pragma unroll
+    for (int u = 0; u < kPlanItems; ++u) {
+      if (above_bits & (1u << u)) {
+        out[above + (equal < need_u ? equal : need_u)] = j0 + u;
+        ++above;
+      } else if (equal_bits & (1u << u)) {
+        if (equal < need_u) out[above + equal] = j0 + u;
+        ++equal;
+      }
+    }
+    run_above += total & 0xFFFFu;
+    run_equal += total >> 16;
+    __syncthreads();  // the scan storage is free again
+  }
+  if (threadIdx.x == 0) {
+    selected_count[row] =
+        static_cast<int32_t>(run_above + (run_equal < need_u ? run_equal : need_u));
+  }
+}
+
 // One CTA per group: the distinct union of its rows' ascending lists, in chunks of
 // 32 x kUnionWords blocks; thread k owns bitmap words 2k and 2k + 1, so the exclusive prefix of the
 // per-thread population counts places every block in ascending order.
@@ -296,6 +569,17 @@ __global__ void __launch_bounds__(kUnionThreads)
   const int group = blockIdx.x;
   const int first_row = group_first_row[group];
   const int end_row = group_first_row[group + 1];
+  if (end_row - first_row == 1) {
+    // One row: its list is already strictly increasing, so the union is a copy.
+    const int32_t count = selected_count[first_row];
+    if (count > 0) {
+      const int32_t* list = selected + row_block_offset[first_row];
+      int32_t* out = union_blocks + group_block_offset[group];
+      for (int32_t i = threadIdx.x; i < count; i += kUnionThreads) out[i] = list[i];
+    }
+    if (threadIdx.x == 0) union_count[group] = count > 0 ? count : 0;
+    return;
+  }
   int64_t end_block = 0;  // the largest block of any row + 1 (rows are ascending)
   for (int r = first_row; r < end_row; ++r) {
     const int32_t count = selected_count[r];
@@ -412,11 +696,13 @@ size_t SpinPredictScratchBytes(const SpinPredictParams& p) {
 cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (!CanImplementSpinPredict(p)) return cudaErrorInvalidValue;
   if (p.num_rows == 0) return cudaSuccess;
-  // Kernel 1's CTAs a row: 8, or with the max_visible_blocks hint about 4 blocks a warp.
+  // Kernel 1's CTAs a row: kPredictChunks, or with the max_visible_blocks hint one iteration of
+  // kPredictUnroll blocks a warp.
   int64_t chunks = kPredictChunks;
   if (p.max_visible_blocks > 0) {
-    const int64_t wanted = (p.max_visible_blocks + 4 * kPredictWarps - 1) / (4 * kPredictWarps);
-    chunks = wanted < kPredictChunks ? kPredictChunks : (wanted > 65535 ? 65535 : wanted);
+    const int64_t per_cta = int64_t{kPredictWarps} * kPredictUnroll;
+    const int64_t wanted = (p.max_visible_blocks + per_cta - 1) / per_cta;
+    chunks = wanted > 65535 ? 65535 : wanted;
   }
   PredictKernel<<<dim3(p.num_rows, static_cast<unsigned>(chunks)), kPredictWarps * 32, 0, stream>>>(
       p.positions, p.vertical, p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset,
@@ -424,6 +710,28 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.selected == nullptr) return cudaSuccess;
   const bool explores = Explores(p);
+  if (p.max_visible_blocks >= 1 && p.max_visible_blocks <= kSpinSharedPlanBlocks) {
+    // S staged in shared memory: 4 bytes a block, and the free list (4 more) when more than
+    // kParallelExplore draws are possible.
+    size_t shared_bytes = 4 * static_cast<size_t>(RoundUp4(p.max_visible_blocks));
+    if (explores && p.exploration_fraction * static_cast<double>(p.max_visible_blocks) + 1.0 >
+                        static_cast<double>(kParallelExplore)) {
+      shared_bytes += 4 * static_cast<size_t>(p.max_visible_blocks);
+    }
+    if (shared_bytes > 32 * 1024) {  // past 48 KiB with the ~11 KiB of static shared memory
+      if (cudaError_t e =
+              cudaFuncSetAttribute(PlanSharedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(shared_bytes));
+          e != cudaSuccess) {
+        return e;
+      }
+    }
+    PlanSharedKernel<<<p.num_rows, kSelectThreads, shared_bytes, stream>>>(
+        p.positions, p.row_block_offset, p.scores, p.top_k, p.target_block_sparsity,
+        explores ? p.exploration_fraction : 0.0, p.seed, p.row_seed, p.layer, p.max_visible_blocks,
+        p.selected, p.selected_count);
+    return cudaGetLastError();
+  }
   const bool in_workspace = PlanInWorkspace(p);
   const size_t shared_bytes = explores && !in_workspace
                                   ? static_cast<size_t>(p.max_visible_blocks) * kPlanBytesPerBlock

@@ -19,8 +19,10 @@ enum class SpinReduction : int { kA1 = 0, kA0 = 1, kA2 = 2 };
 /// two need the per-block last-scored positions, which the GPU does not keep).
 enum class SpinExploration : int { kRandom = 0, kStalenessScore = 1, kBlockAge = 2 };
 
-/// Blocks of a row whose plan with exploration runs in shared memory (5 bytes a block, 80 KiB):
-/// 2^20 slots. Longer rows use the workspace (SpinPredictScratchBytes).
+/// The largest max_visible_blocks whose plan runs in shared memory (S staged as 4-byte keys, plus a
+/// 4-byte free list a block when more than 1,024 exploration draws are possible: at most 128 KiB):
+/// 2^20 slots. Longer rows use the workspace under exploration (SpinPredictScratchBytes), and read
+/// S from global memory without it.
 inline constexpr int64_t kSpinSharedPlanBlocks = 16384;
 
 /// One launch over a ragged batch of rows. All pointers are device pointers unless noted.
@@ -71,7 +73,8 @@ struct SpinPredictParams {
   /// Host values. max_visible_blocks: an upper bound of B over the rows; required (>= 1) with
   /// exploration, where it sizes the shared memory (<= kSpinSharedPlanBlocks) or, past that,
   /// selects the workspace; otherwise optional (0 = unknown). When set it also spreads kernel 1
-  /// over about B / 32 CTAs a row instead of 8. total_blocks: the length of `scores`, every
+  /// over B / 8 CTAs a row (one block a warp) instead of 64, and (<= kSpinSharedPlanBlocks) stages
+  /// S in kernel 2's shared memory. total_blocks: the length of `scores`, every
   /// row_block_offset[r] + B <= total_blocks (sizes the workspace).
   int64_t max_visible_blocks = 0;
   int64_t total_blocks = 0;
@@ -93,14 +96,17 @@ size_t SpinPredictScratchBytes(const SpinPredictParams& params);
 /// Kernel 1 (one warp per block, grid rows x block chunks): S[j] = max over the block's visible
 /// slots i of max(V[i], D[t - i]), with std::max's and std::max_element's tie rules (the first of
 /// equal values wins, so +0 / -0 come out as on the CPU). Kernel 2 (only when `selected` is set;
-/// one CTA per row): all blocks when t + 1 <= top_k; otherwise the sink block 0 and the newest
+/// one CTA per row, S staged in shared memory as order-preserving keys when max_visible_blocks <=
+/// kSpinSharedPlanBlocks, the forced and explored blocks keyed above every S): all blocks when
+/// t + 1 <= top_k; otherwise the sink block 0 and the newest
 /// block B - 1; then n = min(floor(gamma m_t + 0.5), m_t - forced) blocks explored by a partial
 /// Fisher-Yates shuffle of blocks 1 .. B - 2 (draw i picks i + UniformBelow(word_i, B - 2 - i),
-/// SpinState::Explore's draws: the picks made 32 at a time by a warp, the swaps applied in order by
-/// one thread); then the best m_t - forced - n remaining blocks by S (higher first, ties to the
-/// lower block) by an exact radix select (four 8-bit histogram passes over S as ordered uint32,
-/// -0 as +0, then the lowest-numbered blocks of the threshold value), where
-/// m_t = min(B, max(ceil(K / 64), ceil((1 - rho) B))) in fp64 as SpinState::BlockBudget.
+/// SpinState::Explore's draws: up to 1,024 draws made and resolved in parallel from the draws alone
+/// (what each position held before each swap), more applied in order by one thread); then the best
+/// m_t - forced - n remaining blocks by S (higher first, ties to the lower block) by an exact radix
+/// select (four 8-bit histogram passes over S as ordered uint32, -0 as +0, then the lowest-numbered
+/// blocks of the threshold value; one scan a 2,048-block tile writes the plan in ascending order),
+/// where m_t = min(B, max(ceil(K / 64), ceil((1 - rho) B))) in fp64 as SpinState::BlockBudget.
 /// Asynchronous on `stream`. cudaErrorInvalidValue when CanImplementSpinPredict fails.
 cudaError_t LaunchSpinPredict(const SpinPredictParams& params, cudaStream_t stream);
 
@@ -135,7 +141,8 @@ bool CanImplementSpinUnion(const SpinUnionParams& params, const char** why = nul
 /// No workspace: 0 bytes.
 inline size_t SpinUnionScratchBytes(const SpinUnionParams&) { return 0; }
 
-/// One CTA per group: a shared bitmap of 32,768 blocks at a time (exact for any B; rows' entries
+/// One CTA per group. A group of one row copies the row's list (already sorted and distinct);
+/// otherwise a shared bitmap of 32,768 blocks at a time (exact for any B; rows' entries
 /// are scanned once per 32,768-block chunk of the group's range), set by every row's entries, then
 /// written in ascending order by a prefix sum of the words' population counts. Asynchronous on
 /// `stream`; cudaErrorInvalidValue when CanImplementSpinUnion fails.

@@ -10,6 +10,7 @@ constexpr int kBlockSlots = 64;           // kBlockSize of block_pool.h
 constexpr int kUpdateThreads = 256;       // threads a CTA
 constexpr int kDefaultUpdateChunks = 64;  // CTAs a group when no max_visible_slots hint is given
 constexpr int kMaxUpdateChunks = 8192;    // cap of grid.x (the threads stride past it)
+constexpr int kUpdateItems = 4;           // one-row groups: entries a thread an iteration
 
 // Index of `block` in the strictly increasing list[0 .. count), or -1.
 __device__ __forceinline__ int64_t FindBlock(const int32_t* __restrict__ list, int64_t count,
@@ -41,33 +42,58 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
   const int first_row = group_first_row[group];
   const int end_row = group_first_row[group + 1];
   if (first_row >= end_row) return;
-  int64_t end_slot = 0;  // the largest position + 1
-  for (int r = first_row; r < end_row; ++r) {
-    const int64_t t = row_position[r];
-    end_slot = t + 1 > end_slot ? t + 1 : end_slot;
-  }
   const int64_t list_begin = group_block_offset[group];
   const int64_t list_count = group_block_offset[group + 1] - list_begin;
   const int32_t* list = logical_blocks + list_begin;
   float* v = vertical[group];
   float* d = diagonal[group];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kUpdateThreads;
   if (end_row - first_row == 1) {
-    // One row: a thread per scored entry, no search. The list is strictly increasing, so the
-    // entries' slots, and their offsets t - slot, are distinct.
+    // One row: a warp per tile of kUpdateItems x 32 consecutive entries, lane l taking entries
+    // l, l + 32, ... (coalesced, kUpdateItems loads in flight), no search. The list is strictly
+    // increasing, so the entries' slots, and their offsets t - slot, are distinct.
     const int64_t t = row_position[first_row];
     const float* z = scores + row_score_offset[first_row];
-    for (int64_t e = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x;
-         e < list_count * kBlockSlots; e += stride) {
-      const int64_t slot =
-          static_cast<int64_t>(list[e / kBlockSlots]) * kBlockSlots + e % kBlockSlots;
-      const float value = slot <= t ? z[e] : -INFINITY;
-      if (!isfinite(value)) continue;
-      v[slot] = Ema(a, b, v[slot], value);
-      d[t - slot] = Ema(a, b, d[t - slot], value);
+    const int lane = threadIdx.x & 31;
+    const int64_t entries = list_count * kBlockSlots;
+    const int64_t tile_stride = static_cast<int64_t>(gridDim.x) * (kUpdateThreads / 32);
+    for (int64_t tile =
+             static_cast<int64_t>(blockIdx.x) * (kUpdateThreads / 32) + (threadIdx.x >> 5);
+         tile * kUpdateItems * 32 < entries; tile += tile_stride) {
+      int64_t slot[kUpdateItems];
+      float value[kUpdateItems];
+#pragma unroll
+      for (int u = 0; u < kUpdateItems; ++u) {
+        const int64_t e = (tile * kUpdateItems + u) * 32 + lane;
+        slot[u] = e < entries
+                      ? static_cast<int64_t>(list[e / kBlockSlots]) * kBlockSlots + e % kBlockSlots
+                      : t + 1;
+        value[u] = slot[u] <= t ? z[e] : -INFINITY;
+      }
+      float old_v[kUpdateItems];
+      float old_d[kUpdateItems];
+#pragma unroll
+      for (int u = 0; u < kUpdateItems; ++u) {
+        if (isfinite(value[u])) {
+          old_v[u] = v[slot[u]];
+          old_d[u] = d[t - slot[u]];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUpdateItems; ++u) {
+        if (isfinite(value[u])) {
+          v[slot[u]] = Ema(a, b, old_v[u], value[u]);
+          d[t - slot[u]] = Ema(a, b, old_d[u], value[u]);
+        }
+      }
     }
     return;
   }
+  int64_t end_slot = 0;  // the largest position + 1
+  for (int r = first_row; r < end_row; ++r) {
+    const int64_t t = row_position[r];
+    end_slot = t + 1 > end_slot ? t + 1 : end_slot;
+  }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kUpdateThreads;
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x; x < end_slot;
        x += stride) {
     // V[x]: slot x, the same block entry for every row.
@@ -148,7 +174,10 @@ cudaError_t LaunchSpinUpdate(const SpinUpdateParams& p, cudaStream_t stream) {
   const float b = 1.0f - a;
   int64_t chunks = kDefaultUpdateChunks;
   if (p.max_visible_slots > 0) {
-    chunks = (p.max_visible_slots + kUpdateThreads - 1) / kUpdateThreads;
+    // One thread a slot index, or with only one-row groups one warp a tile of kUpdateItems x 32.
+    const int64_t per_cta =
+        p.max_group_rows == 1 ? int64_t{kUpdateThreads} * kUpdateItems : int64_t{kUpdateThreads};
+    chunks = (p.max_visible_slots + per_cta - 1) / per_cta;
     chunks = chunks < kMaxUpdateChunks ? chunks : kMaxUpdateChunks;
   }
   UpdateKernel<<<dim3(static_cast<unsigned>(chunks), p.num_groups), kUpdateThreads, 0, stream>>>(

@@ -56,6 +56,11 @@ struct SpinUpdateParams {
   /// Host value, a hint that sizes the grid only: the largest row position + 1 of the launch
   /// (0: a default of 64 CTAs a group). Any value gives the same result.
   int64_t max_visible_slots = 0;
+  /// Host value, a hint that sizes the grid only: the most rows a group of the launch has (0:
+  /// unknown). With 1 (every group a plain decode step, as LaunchSelect's update), the grid is a
+  /// quarter as wide and each thread keeps four scored entries in flight. Any value gives the same
+  /// result.
+  int max_group_rows = 0;
 };
 
 /// Whether SpinUpdateParams describe a launch this kernel supports; on false, *why (when not null)
@@ -65,7 +70,8 @@ bool CanImplementSpinUpdate(const SpinUpdateParams& params, const char** why = n
 /// No workspace is needed: 0 bytes.
 inline size_t SpinUpdateScratchBytes(const SpinUpdateParams&) { return 0; }
 
-/// Grid (chunks x groups). A group of one row (a plain decode step): one thread per scored entry,
+/// Grid (chunks x groups). A group of one row (a plain decode step): one warp a tile of 128 scored
+/// entries (lane l taking entries l, l + 32, l + 64, l + 96, their loads in flight together),
 /// updating V[slot] and D[t - slot] directly. A group of several rows (the replay): one thread per
 /// slot index x up to the group's largest position, owning V[x] and D[x] and applying the rows in
 /// order; for V[x] it finds block x / 64 in the group's list once (binary search), for D[x] and
