@@ -284,8 +284,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int64_t total = p.total_blocks;
   if (p.device_total_blocks != nullptr) {  // the same split as the host's, of the device total
     total = *p.device_total_blocks;
-    chunk = static_cast<int>(min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) /
-                                                                        ctas_wanted)));
+    chunk = static_cast<int>(
+        min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) / ctas_wanted)));
   }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
   if (first >= total) return;  // the whole CTA: no barrier is set up yet
