@@ -119,6 +119,7 @@ void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double c
     DSA_BENCH_CUDA(cudaMemcpy(plan, std::vector<SelectPlan>(rows, mode).data(),
                               sizeof(SelectPlan) * rows, cudaMemcpyHostToDevice));
     p.target_block_sparsity = rho < 0 ? 0.0 : rho;
+    p.host_all_blocks = mode == SelectPlan::kAllBlocks;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     DSA_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

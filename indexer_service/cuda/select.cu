@@ -102,8 +102,14 @@ Workspace Layout(const SelectParams& p) {
   w.selected = Take(c, 4 * row_blocks);
   w.selected_count = Take(c, 4 * rows);
   w.union_offset = Take(c, 8 * groups);
-  w.union_blocks = Take(c, 4 * group_blocks);
-  w.union_count = Take(c, 4 * groups);
+  if (p.num_rows == p.num_groups) {
+    // Every group has one row (each has at least one): its union is its row's plan, read in place.
+    w.union_blocks = w.selected;
+    w.union_count = w.selected_count;
+  } else {
+    w.union_blocks = Take(c, 4 * group_blocks);
+    w.union_count = Take(c, 4 * groups);
+  }
   w.device_total = Take(c, 8);
   w.row_num_entries = Take(c, 8 * rows);
   w.row_block_offset = Take(c, 8 * rows);
@@ -310,7 +316,9 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   predict.row_seed = At<uint64_t>(base, w.row_seed);
   predict.workspace = At<void>(base, w.predict_workspace);
   predict.workspace_bytes = w.predict_workspace_bytes;
-  if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
+  if (!p.host_all_blocks) {
+    if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
+  }
   AllBlocksKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_rows), kThreads, 0, stream>>>(p, w);
   SpinUnionParams unite;
   unite.num_groups = p.num_groups;
@@ -321,7 +329,9 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   unite.group_block_offset = At<int64_t>(base, w.union_offset);
   unite.union_blocks = At<int32_t>(base, w.union_blocks);
   unite.union_count = At<int32_t>(base, w.union_count);
-  if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
+  if (p.num_rows != p.num_groups) {  // else the plans are the unions (Layout)
+    if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
+  }
   LayoutKernel<<<1, kLayoutThreads, 0, stream>>>(p, w);
   CompactKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_groups), kThreads, 0, stream>>>(p, w);
   ScanParams scan = ScanShape(p);
@@ -358,6 +368,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
     update.diagonal = p.diagonal;
     update.ema_decay = p.ema_decay;
     update.max_visible_slots = p.max_visible_blocks * kSlots;
+    update.max_group_rows = 1;  // only one-row groups update here
     if (cudaError_t e = LaunchSpinUpdate(update, stream); e != cudaSuccess) return e;
   }
   return cudaGetLastError();

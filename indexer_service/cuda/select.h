@@ -71,6 +71,10 @@ struct SelectParams {
   bool update = true;
   /// Host bound: the largest ceil((t + 1) / 64) over the rows (sizes the buffers and grids).
   int64_t max_visible_blocks = 0;
+  /// Host hint: every group_plan entry is kAllBlocks (the plan kernels are then not launched).
+  /// Setting it when a group is kSpin is an error the pipeline cannot see (that group's rows
+  /// would score no block).
+  bool host_all_blocks = false;
 
   // ---- outputs ----
   /// int32 [num_rows, top_k]: best first, ties to the lower slot, -1 padding.
@@ -98,8 +102,9 @@ bool CanImplementSelect(const SelectParams& params, const char** why = nullptr);
 size_t SelectScratchBytes(const SelectParams& params);
 
 /// Launches, on `stream`: a setup kernel (per-row SPIN inputs), LaunchSpinPredict with the plan
-/// (rows of kAllBlocks groups skipped), a fill of every visible block for those rows,
-/// LaunchSpinUnion, a layout kernel (compacted block lists and score offsets, the block total on
+/// (rows of kAllBlocks groups skipped; not launched with host_all_blocks), a fill of every visible
+/// block for those rows, LaunchSpinUnion (not when every group has one row: the plans are the
+/// unions), a layout kernel (compacted block lists and score offsets, the block total on
 /// the device), the scan with device_total_blocks, LaunchTopK and, with `update`,
 /// LaunchSpinUpdate over the groups of one row. No host synchronisation, allocation or copy:
 /// capturable in a CUDA graph. cudaErrorInvalidValue when CanImplementSelect fails, else the first

@@ -187,6 +187,8 @@ class SelectTest : public ::testing::Test {
     p.ema_decay = config.ema_decay;
     p.layer = 3;
     p.max_visible_blocks = max_visible_blocks;
+    p.host_all_blocks = std::all_of(plan.begin(), plan.end(),
+                                    [](SelectPlan x) { return x == SelectPlan::kAllBlocks; });
     p.selection = d_selection.as<int32_t>();
     p.scores = d_scores.as<float>();
     p.row_score_offset = d_score_offset.as<int64_t>();
