@@ -58,6 +58,11 @@ SpinPredictParams PredictShape(const SelectParams& p) {
   q.layer = p.layer;
   q.max_visible_blocks = p.max_visible_blocks;
   q.total_blocks = static_cast<int64_t>(p.num_rows) * p.max_visible_blocks;
+  // The plan is always made: a stand-in `selected` (replaced before any launch) makes the size
+  // query count the plan's workspace (rows past kSpinSharedPlanBlocks blocks with exploration).
+  static int32_t stand_in[4];
+  q.selected = stand_in;
+  q.selected_count = stand_in;
   return q;
 }
 
