@@ -140,9 +140,9 @@ namespace tc {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStages = 8;       // 8 x 8.25 KiB at D = 128: 7 blocks in flight per CTA
-constexpr int kMaxChunk = 256;   // blocks per CTA
-constexpr int kMaxDevices = 64;  // devices whose launch configuration is cached
+[[maybe_unused]] constexpr int kStages = 8;  // 8 x 8.25 KiB at D = 128: 7 blocks in flight per CTA
+[[maybe_unused]] constexpr int kMaxChunk = 256;  // blocks per CTA
+constexpr int kMaxDevices = 64;                  // devices whose launch configuration is cached
 
 // A stage is one whole cache block as the pool holds it (64 x kHeadDim codes, then 64 scales),
 // brought in by one bulk asynchronous copy (TMA) that completes on the stage's mbarrier. The
@@ -178,7 +178,7 @@ __device__ inline void BulkLoad(void* smem, const void* global, uint32_t bytes, 
       "l"(global), "r"(bytes), "r"(SmemAddress(bar))
       : "memory");
 }
-__device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
+[[maybe_unused]] __device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred done;\n WAIT_%=:\n"
       " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
@@ -187,7 +187,8 @@ __device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-__device__ inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+[[maybe_unused]] __device__ inline void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -291,8 +292,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   int64_t total = p.total_blocks;
   if (p.device_total_blocks != nullptr) {  // the same split as the host's, of the device total
     total = *p.device_total_blocks;
-    chunk = static_cast<int>(min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) /
-                                                                        ctas_wanted)));
+    chunk = static_cast<int>(
+        min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) / ctas_wanted)));
   }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
   if (first >= total) return;  // the whole CTA: no barrier is set up yet
@@ -527,8 +528,9 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
 // accumulation): A = the block's 64 keys (M = 64 slots, warp w owns slots [16 w, 16 w + 16) as
 // before), widened to f16 in registers exactly as before; B = the row's f16 query (K = head_dim,
 // N = num_heads) in shared memory, read by the tensor cores through a matrix descriptor. A block is
-// head_dim / 16 wgmma instructions a warpgroup (8 at D = 128) instead of 64 mma.sync a warp, and
-// the query no longer takes 128 registers a thread, so more CTAs share an SM.
+// head_dim / 16 wgmma instructions a warpgroup for each half of the heads (2 x 8 at D = 128)
+// instead of 64 mma.sync a warp, and the query no longer takes 128 registers a thread, so more
+// CTAs share an SM. docs/gpu_kernels.md steps 11-12 have the measurements.
 //
 // A's register fragment (per warp: a0..a7 as four f16x2 words) is the mma.m16n8k16 one, so the
 // K permutation above holds: k-step k, lane quad position c, word half h take dims
@@ -549,6 +551,11 @@ constexpr int kThreads = 128;  // one warpgroup
 constexpr int kWarps = kThreads / 32;
 constexpr int kCtasPerSm = DSA_SCAN_WG_CTAS_PER_SM;
 constexpr int kStages = DSA_SCAN_WG_STAGES;
+constexpr int kShortCtasPerSm = 2;
+#ifndef DSA_SCAN_WG_SPLIT_HEADS
+#define DSA_SCAN_WG_SPLIT_HEADS 1
+#endif
+constexpr bool kSplitHeads = DSA_SCAN_WG_SPLIT_HEADS != 0;
 #ifndef DSA_SCAN_WG_MAX_CHUNK
 #define DSA_SCAN_WG_MAX_CHUNK 256
 #endif
@@ -559,8 +566,8 @@ constexpr int kMaxChunk = DSA_SCAN_WG_MAX_CHUNK;  // blocks per CTA
 // magnitudes.
 template <int kHeads, int kHeadDim>
 constexpr size_t SmemBytes() {
-  return size_t{2} * kHeads * kHeadDim + size_t{kStages} * tc::StageBytes<kHeadDim>() +
-         4 * kHeads + kStages * 8 + kMaxChunk * (4 * 4) + 4 * kWarps;
+  return size_t{2} * kHeads * kHeadDim + size_t{kStages} * tc::StageBytes<kHeadDim>() + 4 * kHeads +
+         kStages * 8 + kMaxChunk * (4 * 4) + 4 * kWarps;
 }
 
 // Byte offset in the B layout of query word w (dims 2 w, 2 w + 1) of head n: the inverse of the
@@ -577,19 +584,37 @@ __device__ inline uint32_t QueryWordOffset(int n, int w) {
 // bytes to the start address.
 __device__ inline uint64_t QueryDescriptor(const void* s_query) {
   const uint64_t start = (tc::SmemAddress(s_query) >> 4) & 0x3fff;
-#ifdef DSA_SCAN_WG_SWAP_LBO
-  return start | (uint64_t{256 >> 4} << 16) | (uint64_t{128 >> 4} << 32);
-#else
   return start | (uint64_t{128 >> 4} << 16) | (uint64_t{256 >> 4} << 32);
-#endif
 }
 
 __device__ inline void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ inline void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#ifndef DSA_SCAN_WG_SUSPEND_NS
+#define DSA_SCAN_WG_SUSPEND_NS 10000000
+#endif
+// Waits for the phase of `bar` with the given parity; while it is not complete the warp may be
+// suspended (up to the hint, then it asks again) instead of spinning: a warp waiting for its keys
+// takes no issue slots from the CTAs that have theirs (with 4 CTAs a SM, and in a short scan
+// where every warp waits for its first block at once).
+__device__ inline void WaitPhase(uint64_t* bar, uint32_t parity) {
+#if DSA_SCAN_WG_SUSPEND_NS > 0
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(tc::SmemAddress(bar)),
+      "r"(parity), "n"(DSA_SCAN_WG_SUSPEND_NS)
+      : "memory");
+#else
+  tc::MbarrierWait(bar, parity);
+#endif
+}
+
+// Waits until at most kPending of this warpgroup's committed groups are still running.
+template <int kPending>
+__device__ inline void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 // Keeps the compiler from moving accesses of the accumulators across the asynchronous region.
 template <int kCount>
@@ -598,6 +623,26 @@ __device__ inline void FenceOperands(float (&d)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// N = 8 heads (4 accumulators a thread); B through its descriptor. The first k-step
+// overwrites d (scale-d false; d written, not read, as far as the compiler knows).
+template <bool kAccumulate>
+__device__ inline void WgmmaF16N8(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (kAccumulate) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %9, 0;\n"
+        " wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
+  }
+}
 // N = 16 heads (8 accumulators a thread); B through its descriptor. The first k-step
 // overwrites d (scale-d false; d written, not read, as far as the compiler knows).
 template <bool kAccumulate>
@@ -607,14 +652,16 @@ __device__ inline void WgmmaF16N16(float (&d)[8], const uint32_t (&a)[4], uint64
         "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
         "{%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
   } else {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n"
         " wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, "
         "{%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+          "=f"(d[7])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
   }
 }
@@ -625,16 +672,22 @@ __device__ inline void WgmmaF16N32(float (&d)[16], const uint32_t (&a)[4], uint6
   if constexpr (kAccumulate) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
         "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
   } else {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %21, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
+        " wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "
         "{%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15])
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+          "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+          "=f"(d[14]), "=f"(d[15])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
   }
 }
@@ -645,28 +698,42 @@ __device__ inline void WgmmaF16N64(float (&d)[32], const uint32_t (&a)[4], uint6
   if constexpr (kAccumulate) {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%"
+        "24,%25,%26,%27,%28,%29,%30,%31}, "
         "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
   } else {
     asm volatile(
         "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
+        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%"
+        "24,%25,%26,%27,%28,%29,%30,%31}, "
         "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+          "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+          "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]),
+          "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]),
+          "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
   }
 }
 
-template <int kHeads, bool kAccumulate>
-__device__ inline void Wgmma(float (&d)[kHeads / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kHeads == 64) {
+template <int kN, bool kAccumulate>
+__device__ inline void Wgmma(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (kN == 64) {
     WgmmaF16N64<kAccumulate>(d, a, desc);
-  } else if constexpr (kHeads == 32) {
+  } else if constexpr (kN == 32) {
     WgmmaF16N32<kAccumulate>(d, a, desc);
-  } else {
+  } else if constexpr (kN == 16) {
     WgmmaF16N16<kAccumulate>(d, a, desc);
+  } else {
+    WgmmaF16N8<kAccumulate>(d, a, desc);
   }
 }
 
@@ -695,8 +762,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   int64_t total = p.total_blocks;
   if (p.device_total_blocks != nullptr) {  // the same split as the host's, of the device total
     total = *p.device_total_blocks;
-    chunk = static_cast<int>(min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) /
-                                                                        ctas_wanted)));
+    chunk = static_cast<int>(
+        min(int64_t{kMaxChunk}, max(int64_t{1}, (total + ctas_wanted - 1) / ctas_wanted)));
   }
   const int64_t first = static_cast<int64_t>(blockIdx.x) * chunk;
   if (first >= total) return;  // the whole CTA: no barrier is set up yet
@@ -718,17 +785,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   // head weights, position and first score entry.
   auto fetch_query = [&](int r) {
     const uint4* source =
-        convert_query
-            ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.query) +
-                                             static_cast<int64_t>(r) * kHeads * kHeadDim)
-            : reinterpret_cast<const uint4*>(workspace.query +
-                                             static_cast<int64_t>(r) * kHeads * kHeadDim);
+        convert_query ? reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.query) +
+                                                       static_cast<int64_t>(r) * kHeads * kHeadDim)
+                      : reinterpret_cast<const uint4*>(workspace.query +
+                                                       static_cast<int64_t>(r) * kHeads * kHeadDim);
 #pragma unroll
     for (int k = 0; k < kVectors; ++k) v[k] = source[threadIdx.x + k * kThreads];
     if (threadIdx.x < kHeads) {
-      raw_weight = (convert_query ? p.head_weights : workspace.weights)[static_cast<int64_t>(r) *
-                                                                            kHeads +
-                                                                        threadIdx.x];
+      raw_weight =
+          (convert_query ? p.head_weights
+                         : workspace.weights)[static_cast<int64_t>(r) * kHeads + threadIdx.x];
     }
     row_position = p.row_position[r];
     row_score_offset = p.row_score_offset[r];
@@ -834,94 +900,74 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
   };
   const uint64_t desc0 = QueryDescriptor(s_query);
-  const int slot_low = warp * 16 + lane / 4;  // A rows slot_low and slot_low + 8
+  const int slot_low = warp * 16 + lane / 4;      // A rows slot_low and slot_low + 8
   const int my_slot = slot_low + 8 * (quad & 1);  // the slot this thread stores (quad < 2)
   // Block i's keys as A fragments (f16) and this thread's slot's scale, from its stage.
   uint32_t a[kSteps][4];
   auto load_keys = [&](int i, float& scale) {
     const uint8_t* stage = stages + (i % kStages) * kStageBytes;
-#ifdef DSA_SCAN_WG_NOCONFLICT
-    uint4 top_half[kGroups64], bottom_half[kGroups64];
-    if constexpr (kGroups64 == 2) {
-      // Rows g and g + 1 (one phase of a 16-byte load) read different halves first.
-      const int odd = (lane / 4) & 1;
-      const uint4 t0 = *reinterpret_cast<const uint4*>(stage + slot_low * kHeadDim + odd * 64 + 16 * quad);
-      const uint4 b0 = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim + odd * 64 + 16 * quad);
-      const uint4 t1 = *reinterpret_cast<const uint4*>(stage + slot_low * kHeadDim + (1 - odd) * 64 + 16 * quad);
-      const uint4 b1 = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim + (1 - odd) * 64 + 16 * quad);
-      top_half[0] = odd ? t1 : t0;
-      top_half[1] = odd ? t0 : t1;
-      bottom_half[0] = odd ? b1 : b0;
-      bottom_half[1] = odd ? b0 : b1;
-    } else {
-      top_half[0] = *reinterpret_cast<const uint4*>(stage + slot_low * kHeadDim + 16 * quad);
-      bottom_half[0] = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim + 16 * quad);
-    }
-#endif
 #pragma unroll
     for (int g64 = 0; g64 < kGroups64; ++g64) {
-#ifdef DSA_SCAN_WG_NOCONFLICT
-      const uint4 top = top_half[g64], bottom = bottom_half[g64];
-#else
       const uint4 top =
           *reinterpret_cast<const uint4*>(stage + slot_low * kHeadDim + g64 * 64 + 16 * quad);
-      const uint4 bottom = *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim +
-                                                           g64 * 64 + 16 * quad);
-#endif
+      const uint4 bottom =
+          *reinterpret_cast<const uint4*>(stage + (slot_low + 8) * kHeadDim + g64 * 64 + 16 * quad);
       const uint32_t top_words[4] = {top.x, top.y, top.z, top.w};
       const uint32_t bottom_words[4] = {bottom.x, bottom.y, bottom.z, bottom.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-#if DSA_SCAN_WG_DIAG == 1  // timing only: no widening (wrong scores)
-        a[g64 * 4 + j][0] = top_words[j];
-        a[g64 * 4 + j][2] = top_words[j] ^ 0x1234;
-        a[g64 * 4 + j][1] = bottom_words[j];
-        a[g64 * 4 + j][3] = bottom_words[j] ^ 0x1234;
-#else
         tc::Fp8x4ToF16x2x2(top_words[j], a[g64 * 4 + j][0], a[g64 * 4 + j][2]);
         tc::Fp8x4ToF16x2x2(bottom_words[j], a[g64 * 4 + j][1], a[g64 * 4 + j][3]);
-#endif
       }
     }
     scale = reinterpret_cast<const float*>(stage + kCacheBlockSize * kHeadDim)[my_slot];
   };
-  // Starts acc = A B for the loaded row (asynchronous until WgmmaWaitAll).
-  auto issue = [&](float(&acc)[kHeads / 2]) {
-#if DSA_SCAN_WG_DIAG == 2  // timing only: no MMA (wrong scores)
-#pragma unroll
-    for (int k = 0; k < kHeads / 2; ++k) acc[k] = __uint_as_float(a[k % kSteps][k % 4]);
-    return;
-#endif
+  // The heads in kParts parts (N = kHeads / kParts each, one commit group each), so that the
+  // epilogue of the first part runs while the tensor cores work on the second.
+  constexpr int kParts = kSplitHeads ? 2 : 1;
+  constexpr int kPartHeads = kHeads / kParts;
+  constexpr int kPartTiles = kTiles / kParts;
+  // Starts acc = A B for the loaded row (asynchronous until the epilogue's waits).
+  auto issue = [&](float(&acc)[kParts][kPartHeads / 2]) {
     WgmmaFence();
-    Wgmma<kHeads, false>(acc, a[0], desc0);
 #pragma unroll
-    for (int k = 1; k < kSteps; ++k) {
-      Wgmma<kHeads, true>(acc, a[k], desc0 + ((k * kHeads * 32) >> 4));
+    for (int part = 0; part < kParts; ++part) {
+      const uint64_t desc = desc0 + ((part * kPartHeads * 32) >> 4);
+      Wgmma<kPartHeads, false>(acc[part], a[0], desc);
+#pragma unroll
+      for (int k = 1; k < kSteps; ++k) {
+        Wgmma<kPartHeads, true>(acc[part], a[k], desc + ((k * kHeads * 32) >> 4));
+      }
+      WgmmaCommit();
     }
-    WgmmaCommit();
   };
   // What a block's epilogue needs besides the accumulators and the loaded row.
   struct BlockMeta {
     int64_t logical, entry_block, num_slots;
     float scale;
   };
-  // ReLU, head weights, the heads summed in the thread and across the quad, scale and mask.
-  // acc[4 n + 0..1]: slot slot_low, heads n * 8 + 2 quad + {0, 1}; acc[4 n + 2..3]: slot_low + 8.
-  auto epilogue = [&](float(&acc)[kHeads / 2], const BlockMeta& m) {
-    FenceOperands(acc);
+  // Waits for each part, then ReLU, head weights, the heads summed in the thread and across the
+  // quad, scale and mask. acc[part][4 n + 0..1]: slot slot_low, heads (part * kPartTiles + n) * 8
+  // + 2 quad + {0, 1}; acc[part][4 n + 2..3]: slot_low + 8.
+  auto epilogue = [&](float(&acc)[kParts][kPartHeads / 2], const BlockMeta& m) {
     float low0 = 0.0f, low1 = 0.0f, high0 = 0.0f, high1 = 0.0f;  // four FFMA chains
-#if DSA_SCAN_WG_DIAG == 3  // timing only: no ReLU / weights (wrong scores)
-    low0 = acc[0] + acc[kHeads / 2 - 1];
-    high0 = acc[1] + acc[kHeads / 2 - 2];
-#else
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      low0 = fmaf(wt[n].x, tc::ReluKeepNaN(acc[4 * n + 0]), low0);
-      low1 = fmaf(wt[n].y, tc::ReluKeepNaN(acc[4 * n + 1]), low1);
-      high0 = fmaf(wt[n].x, tc::ReluKeepNaN(acc[4 * n + 2]), high0);
-      high1 = fmaf(wt[n].y, tc::ReluKeepNaN(acc[4 * n + 3]), high1);
+    for (int part = 0; part < kParts; ++part) {
+      if (part + 1 < kParts) {
+        WgmmaWait<1>();
+      } else {
+        WgmmaWait<0>();
+      }
+      FenceOperands(acc[part]);
+#pragma unroll
+      for (int n = 0; n < kPartTiles; ++n) {
+        const float2 w = wt[part * kPartTiles + n];
+        low0 = fmaf(w.x, tc::ReluKeepNaN(acc[part][4 * n + 0]), low0);
+        low1 = fmaf(w.y, tc::ReluKeepNaN(acc[part][4 * n + 1]), low1);
+        high0 = fmaf(w.x, tc::ReluKeepNaN(acc[part][4 * n + 2]), high0);
+        high1 = fmaf(w.y, tc::ReluKeepNaN(acc[part][4 * n + 3]), high1);
+      }
     }
-#endif
     float low = low0 + low1, high = high0 + high1;
     low += __shfl_xor_sync(0xffffffffu, low, 1);
     low += __shfl_xor_sync(0xffffffffu, low, 2);
@@ -935,105 +981,57 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           visible ? m.scale * total_score : -INFINITY;
     }
   };
+  // The group of the last block begun: its filled slots and rows, read again only when the group
+  // changes (off the path between a block's arrival and its MMA).
+  int cached_group = -1, group_row_begin = 0, group_row_end = 0;
+  int64_t group_slots = 0;
   // Waits for block i and reads its bookkeeping.
   auto begin_block = [&](int i, BlockMeta& m, int& row_begin, int& row_end) {
-    tc::MbarrierWait(&full[i % kStages], (i / kStages) & 1);
     const int g = s_group[i];
+    if (g != cached_group) {
+      cached_group = g;
+      group_slots = p.group_num_slots[g];
+      group_row_begin = p.group_first_row[g];
+      group_row_end = p.group_first_row[g + 1];
+    }
     m.logical = s_logical[i];
     m.entry_block = s_entry_block[i];
-    m.num_slots = p.group_num_slots[g];
-    row_begin = p.group_first_row[g];
-    row_end = p.group_first_row[g + 1];
+    m.num_slots = group_slots;
+    row_begin = group_row_begin;
+    row_end = group_row_end;
+    WaitPhase(&full[i % kStages], (i / kStages) & 1);
   };
   // As soon as every thread has its keys in registers, block i's stage takes block i + kStages:
-  // kStages copies stay in flight while the CTA computes (not kStages - 1, and not only once the
-  // next block has arrived).
+  // kStages copies stay in flight while the CTA computes.
   auto release_stage = [&](int i) {
     __syncthreads();
     load_stage(i + kStages);
   };
-  // One row, the loaded one: the common case (one row a sequence).
-  auto single_row = [&](int i, int row_begin, int row_end) {
-    return row_end - row_begin == 1 && row_begin == loaded_row;
-  };
-  // Every row of a block, one after the other (the keys widened again for each row: cheaper than
-  // holding their registers across a query load), then the stage is released.
-  auto score_rows = [&](int i, BlockMeta& m, int row_begin, int row_end,
-                        float(&acc)[kHeads / 2]) {
-    for (int r = row_begin; r < row_end; ++r) {
-      if (r != loaded_row) {
-        fetch_query(r);
-        store_query(r);
-      }
-      load_keys(i, m.scale);
-      issue(acc);
-      WgmmaWaitAll();
-      epilogue(acc, m);
-    }
-    release_stage(i);
-  };
-#ifndef DSA_SCAN_WG_PIPELINE
-  float acc[kHeads / 2];
+  float acc[kParts][kPartHeads / 2];
   for (int i = 0; i < count; ++i) {
     BlockMeta m;
     int row_begin, row_end;
     begin_block(i, m, row_begin, row_end);
-    if (single_row(i, row_begin, row_end)) {
+    if (row_end - row_begin == 1 && row_begin == loaded_row) {  // one row, loaded: the common case
       load_keys(i, m.scale);
       release_stage(i);
       issue(acc);
-      WgmmaWaitAll();
       epilogue(acc, m);
     } else {
-      score_rows(i, m, row_begin, row_end, acc);
-    }
-  }
-#else
-  // Two accumulator sets: while block i's wgmma runs, block i - 1's epilogue does, as long as
-  // consecutive blocks are one row's (the loaded one); otherwise the pending block is finished
-  // first and the rows go one after the other.
-  float acc0[kHeads / 2], acc1[kHeads / 2];
-  BlockMeta pending;
-  bool has_pending = false;
-  auto step = [&](int i, float(&cur)[kHeads / 2], float(&prev)[kHeads / 2]) {
-    BlockMeta m;
-    int row_begin, row_end;
-    begin_block(i, m, row_begin, row_end);
-    if (single_row(i, row_begin, row_end)) {
-      WgmmaWaitAll();  // prev is complete (and a's registers free); unconditional for ptxas
-      load_keys(i, m.scale);
-      release_stage(i);
-      issue(cur);
-      if (has_pending) epilogue(prev, pending);
-      pending = m;
-      has_pending = true;
-    } else {
-      WgmmaWaitAll();
-      if (has_pending) {
-        epilogue(prev, pending);
-        has_pending = false;
+      // Every row of the block, one after the other (the keys widened again for each row: cheaper
+      // than holding their registers across a query load), then the stage is released.
+      for (int r = row_begin; r < row_end; ++r) {
+        if (r != loaded_row) {
+          fetch_query(r);
+          store_query(r);
+        }
+        load_keys(i, m.scale);
+        issue(acc);
+        epilogue(acc, m);
       }
-      score_rows(i, m, row_begin, row_end, cur);
-    }
-  };
-  bool pending_in_acc0 = false;
-  for (int i = 0; i < count; i += 2) {
-    step(i, acc0, acc1);
-    if (i + 1 == count) {
-      pending_in_acc0 = true;
-      break;
-    }
-    step(i + 1, acc1, acc0);
-  }
-  WgmmaWaitAll();
-  if (has_pending) {
-    if (pending_in_acc0) {
-      epilogue(acc0, pending);
-    } else {
-      epilogue(acc1, pending);
+      release_stage(i);
     }
   }
-#endif
 }
 
 template <int kHeads, int kHeadDim>
@@ -1063,14 +1061,10 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
         p);
   }
   // kCtasPerSm CTAs per SM, each a contiguous chunk of blocks (up to kMaxChunk).
-#ifdef DSA_SCAN_WG_SHORT_CTAS
-  // A short scan: fewer CTAs a SM, each with more blocks (fewer query conversions a SM).
+  // A short scan (under 8 blocks a CTA at kCtasPerSm) takes kShortCtasPerSm CTAs a SM, each with
+  // more blocks: fewer query conversions a SM, more of each CTA's copies started at once.
   const int64_t ctas_wanted =
-      int64_t{p.total_blocks < 8LL * kCtasPerSm * num_sms ? DSA_SCAN_WG_SHORT_CTAS : kCtasPerSm} *
-      num_sms;
-#else
-  const int64_t ctas_wanted = int64_t{kCtasPerSm} * num_sms;
-#endif
+      int64_t{p.total_blocks < 8LL * kCtasPerSm * num_sms ? kShortCtasPerSm : kCtasPerSm} * num_sms;
   int64_t chunk = (p.total_blocks + ctas_wanted - 1) / ctas_wanted;
   chunk = chunk < 1 ? 1 : (chunk > kMaxChunk ? kMaxChunk : chunk);
   int64_t grid = (p.total_blocks + chunk - 1) / chunk;
