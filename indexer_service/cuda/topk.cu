@@ -2,16 +2,21 @@
 // of its score) << 32 | ~slot, so the order of DESIGN.md 4.1 (score descending, then slot
 // ascending) is the descending order of distinct integers and 0 marks "not selectable".
 // One thread-block cluster of C CTAs per row (C in 1..16, chosen per launch so that the rows'
-// clusters fill the GPU in one wave): CTA c owns a contiguous chunk of the row. An exact radix
-// select runs over the whole row, 11 bits a pass from the top: each CTA histograms its chunk
-// into its own shared memory, each CTA sums one slice of the bins over the cluster through
-// distributed shared memory, and every thread reads its bins' sums from their slice's owner
-// (all CTAs reach the same decisions, so no broadcast is needed). The passes stop once the
-// ranks at or above the chosen bin are exactly the K best (the bin is taken whole) or few enough
-// (<= 8,192) to hold: every CTA then gathers them into CTA 0's shared memory, where an exact radix
-// select over the candidates (when needed) and a bitonic sort of the winners finish the row. The
-// counts are exact, so no candidate buffer can overflow and nothing is ever dropped, whatever the
-// number of equal scores.
+// clusters fill the GPU in one wave): CTA c owns a contiguous chunk of the row. A chunk of at
+// most 32K entries is copied once into the CTA's shared memory (cp.async, the whole chunk in
+// flight) and held there as 32-bit keys; a longer one is streamed from global memory each pass.
+// An exact radix select runs over the whole row, 11 bits a pass from the top: each CTA
+// histograms its chunk into its own shared memory, each CTA sums one slice of the bins over the
+// cluster through distributed shared memory, and every thread reads its bins' sums from their
+// slice's owner (all CTAs reach the same decisions, so no broadcast is needed). The passes stop
+// once the ranks at or above the chosen bin are exactly the K best (the bin is taken whole) or
+// few enough to hold in CTA 0's candidate buffer: every CTA then gathers them there, and CTA 0
+// orders them by one counting pass (a histogram of 2,048 bins over the candidates' range, a
+// scatter into the bins, then each candidate's place is its bin's start plus the number of larger
+// ranks in its bin) and writes the K best. Candidates so crowded that the in-bin counting would
+// cost more than a sort fall back to an exact radix select among them and a bitonic sort of the
+// winners. The counts are exact, so no buffer can overflow and nothing is ever dropped, whatever
+// the number of equal scores.
 #include <cooperative_groups.h>
 
 #include <cub/block/block_scan.cuh>
@@ -27,27 +32,53 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 1024;
 constexpr int kRadixBits = 11;
 constexpr int kBins = 1 << kRadixBits;  // 2048 = 2 bins a thread in the suffix scan
-constexpr int kMaxCandidates = 8192;
+#ifdef DSA_TOPK_LOG_MAX_CLUSTER         // a build-time cap, only for timing smaller clusters
+constexpr int kLogMaxCluster = DSA_TOPK_LOG_MAX_CLUSTER;
+#else
 constexpr int kLogMaxCluster = 4;  // clusters of up to 16 CTAs (past the portable 8)
+#endif
 static_assert(kBins == 2 * kThreads, "the bin scan gives each thread two bins");
 static_assert(kMaxTopK == 2 * kThreads, "the winners' sort gives each thread one pair");
 
-// Candidates, winners, two histograms and two cluster sums (the passes alternate between them, so
-// a CTA may fill the next pass's while the cluster still reads the last's).
+// A chunk of at most kCacheEntries entries is held in shared memory as 32-bit keys (0: not
+// selectable), its block ids beside it. Longer chunks are streamed from global memory each pass;
+// their candidates then live in the (unused) cache, up to kStreamCandidates of them.
+constexpr int kCacheEntries = 32768;
+constexpr int kCacheBlocks = kCacheEntries / 64;
+constexpr int kCachedCandidates = 4096;  // CTA 0's buffer when the chunks are cached
+constexpr int kStreamCandidates = 8192;  // in CTA 0's cache when they are streamed
+constexpr size_t kCacheBytes = sizeof(uint32_t) * kCacheEntries;
+constexpr size_t kBlockCacheBytes = sizeof(int32_t) * kCacheBlocks;
+constexpr size_t kHistBytes = sizeof(uint32_t) * 4 * kBins;
+// The second half of the cache: CTA 0's scratch once the gather is over (the finish's scatter,
+// or the fallback's winners); candidates of streamed chunks take the first half.
+constexpr size_t kScratchOffset = kCacheBytes / 2;
+static_assert(sizeof(uint64_t) * kStreamCandidates <= kScratchOffset, "candidates fit the cache");
+static_assert(sizeof(uint64_t) * kStreamCandidates <= kCacheBytes - kScratchOffset,
+              "the scratch holds every candidate");
+
+// Cache, block ids, two histograms and two cluster sums (the passes alternate between them, so a
+// CTA may fill the next pass's while the cluster still reads the last's), cached candidates.
 constexpr size_t kSmemBytes =
-    sizeof(uint64_t) * (kMaxCandidates + kMaxTopK) + sizeof(uint32_t) * 4 * kBins;
+    kCacheBytes + kBlockCacheBytes + kHistBytes + sizeof(uint64_t) * kCachedCandidates;
 
 // Ranks come in tiles of kUnroll entries a thread, all loads of a tile issued before any is used,
 // so that a CTA keeps bytes in flight while it streams its chunk.
 constexpr int kUnroll = 4;  // measured on the H200: 4 beat 8 and 16 at every shape (fewer stalls)
 constexpr int64_t kTile = int64_t{kThreads} * kUnroll;
 
-__device__ inline uint64_t RankOf(float score, int64_t slot, int64_t max_slot) {
+// The order-preserving 32-bit key of a selectable score (never 0), or 0 when it is not
+// selectable (NaN, -inf, or a slot past the row's position).
+__device__ inline uint32_t KeyOf(float score, int64_t slot, int64_t max_slot) {
   if (!(score > -INFINITY) || slot > max_slot) return 0;
   const uint32_t bits = __float_as_uint(score + 0.0f);  // -0 becomes +0
-  const uint32_t key =
-      bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
-  return static_cast<uint64_t>(key) << 32 | static_cast<uint32_t>(~static_cast<uint32_t>(slot));
+  return bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
+}
+
+__device__ inline uint64_t RankOfKey(uint32_t key, int64_t slot) {
+  return key == 0 ? 0
+                  : static_cast<uint64_t>(key) << 32 |
+                        static_cast<uint32_t>(~static_cast<uint32_t>(slot));
 }
 
 // The ranks of entries [begin, begin + size) of one row in global memory: entry e's rank, or 0
@@ -74,10 +105,98 @@ struct RowSource {
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int64_t e = begin + base + j * kThreads + threadIdx.x;
-      ranks[j] = RankOf(score[j], SlotOf(e, block[j]), max_slot);
+      const int64_t slot = SlotOf(e, block[j]);
+      ranks[j] = RankOfKey(KeyOf(score[j], slot, max_slot), slot);
     }
   }
 };
+
+// The same chunk held in shared memory: keys[i] is entry begin + i's key (0: not selectable),
+// block_ids[i / 64] its block (begin is a multiple of 64).
+struct CacheSource {
+  const uint32_t* keys;
+  const int32_t* block_ids;
+  bool blocked;  // false: entry e is slot e
+  int64_t begin;
+  int64_t size;
+  __device__ int64_t SlotOf(int64_t i) const {
+    return blocked ? int64_t{block_ids[i >> 6]} * 64 + (i & 63) : begin + i;
+  }
+  __device__ void LoadTile(int64_t base, uint64_t (&ranks)[kUnroll]) const {
+    uint32_t key[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = base + j * kThreads + threadIdx.x;
+      key[j] = i < size ? keys[i] : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      ranks[j] = key[j] == 0 ? 0 : RankOfKey(key[j], SlotOf(base + j * kThreads + threadIdx.x));
+    }
+  }
+};
+
+// cp.async of one 4-byte word (the chunk needs no alignment beyond its elements').
+__device__ inline void CopyAsync4(void* shared, const void* global) {
+  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(to), "l"(global) : "memory");
+}
+__device__ inline void CommitCopies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ inline void WaitCopies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// The chunk's copy into the cache goes out in kCopyGroups groups (each thread's part of a group
+// is 8 entries), all issued at once, so that the whole chunk is in flight; the first pass
+// converts group g while the later ones still arrive.
+constexpr int kCopyGroups = 4;
+constexpr int kGroupEntries = kCacheEntries / kCopyGroups;
+
+__device__ void IssueChunkCopy(const RowSource& row, uint32_t* keys, int32_t* block_ids) {
+#pragma unroll
+  for (int g = 0; g < kCopyGroups; ++g) {
+    if (g == 0 && row.blocks != nullptr) {
+      const int64_t num_blocks = (row.size + 63) / 64;
+      for (int64_t b = threadIdx.x; b < num_blocks; b += kThreads) {
+        CopyAsync4(block_ids + b, row.blocks + (row.begin >> 6) + b);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kGroupEntries / kThreads; ++j) {
+      const int64_t i = int64_t{g} * kGroupEntries + j * kThreads + threadIdx.x;
+      if (i < row.size) CopyAsync4(keys + i, row.scores + row.begin + i);
+    }
+    CommitCopies();  // every thread commits every group (some empty): uniform counts
+  }
+}
+
+// The first pass over a cached chunk: as each group lands, its scores become keys in place and
+// their top 11 bits (the rank's bits 63..53) are counted. Each thread converts the entries it
+// copied itself, so only the block ids (copied by others) need a barrier.
+__device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t* block_ids,
+                             uint32_t* hist) {
+#pragma unroll
+  for (int g = 0; g < kCopyGroups; ++g) {
+    if (g == 0) WaitCopies<kCopyGroups - 1>();
+    if (g == 1) WaitCopies<kCopyGroups - 2>();
+    if (g == 2) WaitCopies<kCopyGroups - 3>();
+    if (g == 3) WaitCopies<0>();
+    static_assert(kCopyGroups == 4, "one wait a group");
+    if (g == 0) __syncthreads();  // the block ids
+#pragma unroll
+    for (int j = 0; j < kGroupEntries / kThreads; ++j) {
+      const int64_t i = int64_t{g} * kGroupEntries + j * kThreads + threadIdx.x;
+      if (i < row.size) {
+        const int64_t slot =
+            row.blocks == nullptr ? row.begin + i : int64_t{block_ids[i >> 6]} * 64 + (i & 63);
+        const uint32_t key = KeyOf(__uint_as_float(keys[i]), slot, row.max_slot);
+        keys[i] = key;
+        if (key != 0) atomicAdd(&hist[key >> (32 - kRadixBits)], 1u);
+      }
+    }
+  }
+}
 
 // Ranks already gathered into shared memory (all selectable).
 struct BufferSource {
@@ -94,7 +213,8 @@ struct BufferSource {
 
 struct Shared {
   cub::BlockScan<uint32_t, kThreads>::TempStorage scan;
-  uint32_t digit, above, in_bin, total, count;
+  uint32_t digit, above, in_bin, total, count, work;
+  uint64_t low[kThreads / 32], high[kThreads / 32];
 };
 
 // Calls visit(rank) for every entry of `source` (0 past the end), with all 32 lanes of each warp
@@ -136,20 +256,33 @@ struct Selection {
   bool exact;          // they are exactly the min(k, selectable) best (else: candidates)
 };
 
+// The first pass of a select over `source`: the top 11 bits of each selectable rank counted.
+template <typename Source>
+struct CountTopDigits {
+  const Source& source;
+  __device__ void operator()(uint32_t* hist) const {
+    ForEachRank(source, [&](uint64_t rank) {
+      if (rank != 0) atomicAdd(&hist[static_cast<uint32_t>(rank >> (64 - kRadixBits))], 1u);
+    });
+  }
+};
+
 // The radix select: the smallest threshold such that the ranks of `source` at or above it are its
 // min(k, selectable) largest (exact), or, when `capacity` > 0, a threshold that at least those and
 // at most `capacity` ranks reach, whichever a pass finds first. 11 bits a pass from the top, over
 // the ranks that share the prefix fixed so far, stopping once the k-th rank's bin is taken whole
-// (or the ranks at or above it fit in `capacity`). Histogram increments are plain shared-memory
+// (or the ranks at or above it fit in `capacity`). The first pass's counts come from
+// first_pass(hist) (the top 11 bits of every selectable rank: CountTopDigits, or the conversion
+// of a cached chunk). Histogram increments are plain shared-memory
 // atomics, one a counted rank: measured faster than aggregating a warp's equal digits with
 // __match_any_sync at every shape, rows of all-equal scores included (docs/gpu_kernels.md step
 // 10). kCluster: `source` is this CTA's chunk of the row and the counts are the sums of
 // the histograms of every CTA of the cluster (read through distributed shared memory); all CTAs
 // of the cluster must call it and get the same answer. hists: 4 * kBins counters (two histograms
 // and two slices of sums; the passes alternate between them).
-template <bool kCluster, typename Source>
+template <bool kCluster, typename Source, typename FirstPass>
 __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capacity,
-                                 uint32_t* hists, Shared& shared) {
+                                 uint32_t* hists, Shared& shared, FirstPass first_pass) {
   uint64_t prefix = 0;  // the fixed bits above `high`
   uint32_t need = k;    // ranks still to take among those that share the prefix
   for (int pass = 0, shift = 64; shift > 0; ++pass) {
@@ -163,11 +296,15 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
       if constexpr (kCluster) sum[i] = 0;
     }
     __syncthreads();
-    ForEachRank(source, [&](uint64_t rank) {
-      if (rank != 0 && (high == 64 || (rank >> high) == prefix)) {
-        atomicAdd(&hist[static_cast<uint32_t>(rank >> shift) & ((1u << width) - 1)], 1u);
-      }
-    });
+    if (pass == 0) {
+      first_pass(hist);
+    } else {
+      ForEachRank(source, [&](uint64_t rank) {
+        if (rank != 0 && (rank >> high) == prefix) {
+          atomicAdd(&hist[static_cast<uint32_t>(rank >> shift) & ((1u << width) - 1)], 1u);
+        }
+      });
+    }
     // Suffix sums: thread t holds bins 2047 - 2t and 2046 - 2t (descending digits).
     const int bin_high = kBins - 1 - 2 * threadIdx.x, bin_low = bin_high - 1;
     uint32_t count_high = 0, count_low = 0;
@@ -270,8 +407,121 @@ __device__ void SortWinnersDescending(uint64_t* a) {
   }
 }
 
+__device__ inline int32_t SlotOfRank(uint64_t rank) {
+  return static_cast<int32_t>(~static_cast<uint32_t>(rank));
+}
+
+// The fallback of FinishRow: an exact radix select among the candidates, the winners gathered
+// into scratch and bitonic-sorted (docs/gpu_kernels.md step 9).
+__device__ void SelectAndSortWinners(const uint64_t* candidates, uint32_t m, uint32_t k,
+                                     uint64_t* winners, uint32_t* hists, Shared& shared,
+                                     int32_t* out) {
+  const BufferSource buffer{candidates, m};
+  const uint64_t threshold =
+      RadixSelect<false>(buffer, k, 0, hists, shared, CountTopDigits<BufferSource>{buffer})
+          .threshold;
+  if (threadIdx.x == 0) shared.count = 0;
+  __syncthreads();
+  GatherAtLeast(buffer, threshold, winners, kMaxTopK, &shared.count);
+  __syncthreads();
+  const uint32_t taken = min(shared.count, static_cast<uint32_t>(kMaxTopK));
+  for (uint32_t i = taken + threadIdx.x; i < kMaxTopK; i += kThreads) winners[i] = 0;
+  __syncthreads();
+  SortWinnersDescending(winners);
+  for (uint32_t i = threadIdx.x; i < k; i += kThreads) {
+    out[i] = i < taken ? SlotOfRank(winners[i]) : -1;
+  }
+}
+
+// In-bin counting costs about one shared load a pair of candidates in one bin; past this many
+// pairs (among the bins that reach the first k places), the radix select and bitonic sort
+// (~13 us) are cheaper. -DDSA_TOPK_FORCE_FALLBACK takes the fallback always (for its tests).
+#ifdef DSA_TOPK_FORCE_FALLBACK
+constexpr uint32_t kRankWorkBudget = 0;
+#else
+constexpr uint32_t kRankWorkBudget = 1u << 17;
+#endif
+
+// CTA 0's finish: writes the min(k, m) largest of the m distinct ranks candidates[0, m) to
+// out[0, min(k, m)), largest first, and -1 to out[min(k, m), k). One counting pass: bin
+// (high - rank) >> shift (2,048 bins over [low, high], the candidates' range; bin 0 holds the
+// largest), a scan of the bins' counts gives each bin's first place, a scatter puts each bin's
+// ranks together in scratch, and a rank's place is its bin's first place plus the number of
+// larger ranks in its bin. Only bins that start before place k are counted. All threads call it.
+__device__ void FinishRow(const uint64_t* candidates, uint32_t m, uint32_t k, uint64_t* scratch,
+                          uint32_t* hists, Shared& shared, int32_t* out) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  uint32_t* first = hists;         // per bin: its count, then its first place
+  uint32_t* next = hists + kBins;  // per bin: the next free place while scattering, then its end
+  uint64_t low = ~uint64_t{0}, high = 0;
+  for (uint32_t i = t; i < m; i += kThreads) {
+    const uint64_t x = candidates[i];
+    low = min(low, x);
+    high = max(high, x);
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    low = min(low, __shfl_xor_sync(0xffffffffu, low, o));
+    high = max(high, __shfl_xor_sync(0xffffffffu, high, o));
+  }
+  if (lane == 0) {
+    shared.low[warp] = low;
+    shared.high[warp] = high;
+  }
+  first[2 * t] = 0;
+  first[2 * t + 1] = 0;
+  if (t == 0) shared.work = 0;
+  __syncthreads();
+  low = shared.low[lane];
+  high = shared.high[lane];
+  for (int o = 16; o > 0; o >>= 1) {
+    low = min(low, __shfl_xor_sync(0xffffffffu, low, o));
+    high = max(high, __shfl_xor_sync(0xffffffffu, high, o));
+  }
+  const uint64_t span = high - low;  // meaningful only when m > 0
+  const int shift = span < kBins ? 0 : 64 - __clzll(static_cast<long long>(span)) - kRadixBits;
+  for (uint32_t i = t; i < m; i += kThreads) {
+    atomicAdd(&first[static_cast<uint32_t>((high - candidates[i]) >> shift)], 1u);
+  }
+  __syncthreads();
+  const uint32_t count0 = first[2 * t], count1 = first[2 * t + 1];
+  uint32_t first0;
+  cub::BlockScan<uint32_t, kThreads>(shared.scan).ExclusiveSum(count0 + count1, first0);
+  const uint32_t first1 = first0 + count0;
+  uint32_t work = (first0 < k ? min(count0 * count0, 1u << 20) : 0) +
+                  (first1 < k ? min(count1 * count1, 1u << 20) : 0);
+  for (int o = 16; o > 0; o >>= 1) work += __shfl_xor_sync(0xffffffffu, work, o);
+  if (lane == 0 && work != 0) atomicAdd(&shared.work, work);
+  first[2 * t] = first0;
+  first[2 * t + 1] = first1;
+  next[2 * t] = first0;
+  next[2 * t + 1] = first1;
+  __syncthreads();
+  if (shared.work > kRankWorkBudget) {  // uniform: too crowded for in-bin counting
+    __syncthreads();                    // every thread has read shared.work
+    SelectAndSortWinners(candidates, m, k, scratch, hists, shared, out);
+    return;
+  }
+  for (uint32_t i = t; i < m; i += kThreads) {
+    const uint64_t x = candidates[i];
+    const uint32_t bin = static_cast<uint32_t>((high - x) >> shift);
+    scratch[atomicAdd(&next[bin], 1u)] = x;
+  }
+  __syncthreads();
+  for (uint32_t i = t; i < m; i += kThreads) {
+    const uint64_t x = scratch[i];
+    const uint32_t bin = static_cast<uint32_t>((high - x) >> shift);
+    const uint32_t begin = first[bin];
+    if (begin >= k) continue;
+    const uint32_t end = next[bin];
+    uint32_t place = begin;
+    for (uint32_t j = begin; j < end; ++j) place += scratch[j] > x ? 1 : 0;
+    if (place < k) out[place] = SlotOfRank(x);
+  }
+  for (uint32_t i = min(m, k) + t; i < k; i += kThreads) out[i] = -1;
+}
+
 // -DDSA_TOPK_TRACE: CTA 0 of row 0 prints the time of each phase (globaltimer, us) at every
-// launch: how docs/gpu_kernels.md step 6 split the time. Off in every normal build.
+// launch: how docs/gpu_kernels.md steps 9-11 split the time. Off in every normal build.
 #ifdef DSA_TOPK_TRACE
 __device__ inline uint64_t Now() {
   uint64_t t;
@@ -286,13 +536,15 @@ __device__ inline uint64_t Now() {
 
 __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
 #ifdef DSA_TOPK_TRACE
-  uint64_t trace[8] = {};
+  uint64_t trace[4] = {};
 #endif
   TRACE(0);
   extern __shared__ __align__(16) uint8_t smem[];
-  uint64_t* candidates = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* winners = candidates + kMaxCandidates;
-  uint32_t* hists = reinterpret_cast<uint32_t*>(winners + kMaxTopK);
+  uint32_t* cache = reinterpret_cast<uint32_t*>(smem);
+  int32_t* block_ids = reinterpret_cast<int32_t*>(smem + kCacheBytes);
+  uint32_t* hists = reinterpret_cast<uint32_t*>(smem + kCacheBytes + kBlockCacheBytes);
+  uint64_t* cached_candidates = reinterpret_cast<uint64_t*>(hists + 4 * kBins);
+  uint64_t* scratch = reinterpret_cast<uint64_t*>(smem + kScratchOffset);
   __shared__ Shared shared;
 
   cg::cluster_group cluster = cg::this_cluster();
@@ -310,51 +562,46 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
   source.begin = min(n, chunk * cta);
   source.size = min(n, source.begin + chunk) - source.begin;
   const uint32_t k = static_cast<uint32_t>(p.k);
-  if (threadIdx.x == 0) shared.count = 0;  // CTA 0's is the cluster's gather counter
+  if (threadIdx.x == 0) shared.count = 0;      // CTA 0's is the cluster's gather counter
+  const bool cached = chunk <= kCacheEntries;  // the same in every CTA of the cluster
 
-  // Over the whole row (the cluster's chunks): the exact threshold or one that a few K reach.
-  const Selection row_selection = RadixSelect<true>(source, k, kMaxCandidates, hists, shared);
-  TRACE(1);
-  // Every CTA appends its ranks at or above it to CTA 0's buffer (exact counts: no overflow).
-  uint64_t* target = row_selection.exact ? winners : candidates;
-  GatherAtLeast(source, row_selection.threshold, cluster.map_shared_rank(target, 0),
-                row_selection.exact ? kMaxTopK : kMaxCandidates,
-                cluster.map_shared_rank(&shared.count, 0));
+  // Over the whole row (the cluster's chunks): the exact threshold or one that a few K reach;
+  // every CTA appends its ranks at or above it to CTA 0's buffer (exact counts: no overflow).
+  uint64_t* candidates;
+  uint32_t capacity;
+  if (cached) {
+    IssueChunkCopy(source, cache, block_ids);
+    const CacheSource chunk_keys{cache, block_ids, source.blocks != nullptr, source.begin,
+                                 source.size};
+    candidates = cached_candidates;
+    capacity = kCachedCandidates;
+    const Selection selection =
+        RadixSelect<true>(chunk_keys, k, capacity, hists, shared,
+                          [&](uint32_t* hist) { ConvertChunk(source, cache, block_ids, hist); });
+    TRACE(1);
+    GatherAtLeast(chunk_keys, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
+                  cluster.map_shared_rank(&shared.count, 0));
+  } else {
+    candidates = reinterpret_cast<uint64_t*>(cache);
+    capacity = kStreamCandidates;
+    const Selection selection =
+        RadixSelect<true>(source, k, capacity, hists, shared, CountTopDigits<RowSource>{source});
+    TRACE(1);
+    GatherAtLeast(source, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
+                  cluster.map_shared_rank(&shared.count, 0));
+  }
   cluster.sync();  // the gather is complete and visible in CTA 0
   TRACE(2);
   if (cta != 0) return;
-
-  if (!row_selection.exact) {  // exact select among the candidates
-    const BufferSource buffer{candidates, shared.count};
-    const uint64_t threshold = RadixSelect<false>(buffer, k, 0, hists, shared).threshold;
-    TRACE(3);
-    if (threadIdx.x == 0) shared.count = 0;
-    __syncthreads();
-    GatherAtLeast(buffer, threshold, winners, kMaxTopK, &shared.count);
-  }
-  __syncthreads();
-  const uint32_t taken = min(shared.count, static_cast<uint32_t>(kMaxTopK));
-  for (uint32_t i = taken + threadIdx.x; i < kMaxTopK; i += kThreads) winners[i] = 0;
-  __syncthreads();
-  TRACE(4);
-  SortWinnersDescending(winners);
-  TRACE(5);
-  int32_t* out = p.selection + static_cast<int64_t>(row) * p.k;
-  for (int i = threadIdx.x; i < p.k; i += kThreads) {
-    out[i] = static_cast<uint32_t>(i) < taken
-                 ? static_cast<int32_t>(~static_cast<uint32_t>(winners[i]))
-                 : -1;
-  }
+  FinishRow(candidates, min(shared.count, capacity), k, scratch, hists, shared,
+            p.selection + static_cast<int64_t>(row) * p.k);
 #ifdef DSA_TOPK_TRACE
   __syncthreads();
-  TRACE(6);
+  TRACE(3);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    printf(
-        "trace C=%u cand=%d select %.2f gather %.2f local %.2f gather2 %.2f sort %.2f out %.2f\n",
-        num_ctas, row_selection.exact ? -1 : 0, (trace[1] - trace[0]) * 1e-3,
-        (trace[2] - trace[1]) * 1e-3, trace[3] ? (trace[3] - trace[2]) * 1e-3 : 0.0,
-        (trace[4] - (trace[3] ? trace[3] : trace[2])) * 1e-3, (trace[5] - trace[4]) * 1e-3,
-        (trace[6] - trace[5]) * 1e-3);
+    printf("trace C=%u cached=%d candidates=%u select %.2f gather %.2f finish %.2f\n", num_ctas,
+           cached ? 1 : 0, shared.count, (trace[1] - trace[0]) * 1e-3, (trace[2] - trace[1]) * 1e-3,
+           (trace[3] - trace[2]) * 1e-3);
   }
 #endif
 }
