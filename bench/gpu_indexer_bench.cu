@@ -14,87 +14,16 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_bench_util.cuh"
 #include "indexer_service/cuda/scan.h"
 #include "indexer_service/cuda/topk.h"
 
 namespace {
 
-constexpr int kHeads = 64, kHeadDim = 128, kTopK = 2048, kReps = 30, kWarmup = 5;
+using dsa::bench::DeviceCopy;
+using dsa::bench::MedianUs;
 
-#define CHECK_CUDA(expr)                                                \
-  do {                                                                  \
-    const cudaError_t error_ = (expr);                                  \
-    if (error_ != cudaSuccess) {                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(error_));                         \
-      std::exit(1);                                                     \
-    }                                                                   \
-  } while (0)
-
-__device__ uint32_t Hash(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return static_cast<uint32_t>(x);
-}
-
-// Random keys (codes of magnitude <= 4, never NaN) and scales in (0, 1) for every block.
-__global__ void FillPool(uint8_t* pool, int64_t num_blocks) {
-  const int64_t block_bytes = 64LL * (kHeadDim + 4);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < num_blocks * block_bytes;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t offset = i % block_bytes;
-    const uint32_t h = Hash(i);
-    if (offset < 64 * kHeadDim) {
-      pool[i] = static_cast<uint8_t>((h & 0x80u) | (h % 0x48u));  // up to exponent 9: |k| <= 3.75
-    } else if (offset % 4 == 0) {
-      const float scale = (Hash(i * 7 + 1) % 1000 + 1) * 1e-3f;
-      memcpy(pool + i, &scale, 4);
-    }
-  }
-}
-
-__global__ void FillQuery(__nv_bfloat16* query, float* weights, int rows) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-       i < int64_t{rows} * kHeads * kHeadDim; i += int64_t{gridDim.x} * blockDim.x) {
-    query[i] = __float2bfloat16((Hash(i + 99) % 2001) * 1e-3f - 1.0f);
-    if (i < int64_t{rows} * kHeads) weights[i] = (Hash(i + 5) % 2001) * 1e-3f - 1.0f;
-  }
-}
-
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  T* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
-// Median time (us) of `launch` over kReps runs after kWarmup, the L2 flushed before each.
-template <typename F>
-double MedianUs(F launch, void* flush, size_t flush_bytes) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < kWarmup; ++i) CHECK_CUDA(launch());
-  std::vector<float> ms;
-  for (int i = 0; i < kReps; ++i) {
-    CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-    CHECK_CUDA(cudaEventRecord(start));
-    CHECK_CUDA(launch());
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2] * 1e3;
-}
+constexpr int kHeads = 64, kHeadDim = 128, kTopK = 2048;
 
 struct Result {
   int rows;
@@ -112,22 +41,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
     if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
   }
-  const size_t flush_bytes = size_t{256} << 20;
-  void* flush = nullptr;
-  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
-
+  const dsa::bench::L2Flush flush;
   // Copy bandwidth (read + write) of a 1 GiB device-to-device copy: the HBM ceiling of this run.
-  const size_t copy_bytes = size_t{1} << 30;
-  void *copy_src = nullptr, *copy_dst = nullptr;
-  CHECK_CUDA(cudaMalloc(&copy_src, copy_bytes));
-  CHECK_CUDA(cudaMalloc(&copy_dst, copy_bytes));
-  CHECK_CUDA(cudaMemset(copy_src, 1, copy_bytes));
-  const double copy_us = MedianUs(
-      [&] { return cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice); },
-      flush, flush_bytes);
-  const double copy_tb_s = 2.0 * copy_bytes / copy_us * 1e-6;
-  CHECK_CUDA(cudaFree(copy_src));
-  CHECK_CUDA(cudaFree(copy_dst));
+  const double copy_tb_s = dsa::bench::CopyBandwidthTBs(flush);
   std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
 
   std::vector<Result> results;
@@ -143,14 +59,15 @@ int main(int argc, char** argv) {
     const int64_t num_blocks = blocks_per_row * rows;
 
     uint8_t* pool = nullptr;
-    CHECK_CUDA(cudaMalloc(&pool, num_blocks * 64 * (kHeadDim + 4)));
-    FillPool<<<1024, 256>>>(pool, num_blocks);
+    DSA_BENCH_CUDA(cudaMalloc(&pool, num_blocks * 64 * (kHeadDim + 4)));
+    dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
     __nv_bfloat16* query = nullptr;
     float* weights = nullptr;
-    CHECK_CUDA(cudaMalloc(&query, sizeof(__nv_bfloat16) * rows * kHeads * kHeadDim));
-    CHECK_CUDA(cudaMalloc(&weights, sizeof(float) * rows * kHeads));
-    FillQuery<<<256, 256>>>(query, weights, rows);
-    CHECK_CUDA(cudaGetLastError());
+    DSA_BENCH_CUDA(cudaMalloc(&query, sizeof(__nv_bfloat16) * rows * kHeads * kHeadDim));
+    DSA_BENCH_CUDA(cudaMalloc(&weights, sizeof(float) * rows * kHeads));
+    dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
+                                        int64_t{rows} * kHeads);
+    DSA_BENCH_CUDA(cudaGetLastError());
 
     std::vector<int32_t> first_row(rows + 1), logical(num_blocks), tables(num_blocks);
     std::vector<int64_t> block_offset(rows + 1), table_offset(rows), num_slots(rows, slots),
@@ -169,8 +86,8 @@ int main(int argc, char** argv) {
     }
     float* scores = nullptr;
     int32_t* selection = nullptr;
-    CHECK_CUDA(cudaMalloc(&scores, sizeof(float) * num_blocks * 64));
-    CHECK_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * kTopK));
+    DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * num_blocks * 64));
+    DSA_BENCH_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * kTopK));
 
     dsa::cuda::ScanParams scan;
     scan.pool = pool;
@@ -193,7 +110,7 @@ int main(int argc, char** argv) {
     scan.scores = scores;
     scan.workspace_bytes = dsa::cuda::ScanTensorCoresScratchBytes(scan);
     void* workspace = nullptr;
-    CHECK_CUDA(cudaMalloc(&workspace, scan.workspace_bytes));
+    DSA_BENCH_CUDA(cudaMalloc(&workspace, scan.workspace_bytes));
     scan.workspace = workspace;
 
     dsa::cuda::TopKParams topk;
@@ -208,19 +125,17 @@ int main(int argc, char** argv) {
     topk.selection = selection;
 
     Result res{rows, slots, 0, 0, 0, 0, 0};
-    res.scan_cc_us =
-        MedianUs([&] { return dsa::cuda::LaunchScanCudaCores(scan, nullptr); }, flush, flush_bytes);
-    res.scan_tc_us = MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); },
-                              flush, flush_bytes);
+    res.scan_cc_us = MedianUs([&] { return dsa::cuda::LaunchScanCudaCores(scan, nullptr); }, flush);
+    res.scan_tc_us =
+        MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush);
     scan.query_prep = dsa::cuda::ScanQueryPrep::kWorkspace;
-    res.scan_tc_ws_us = MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); },
-                                 flush, flush_bytes);
+    res.scan_tc_ws_us =
+        MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush);
     scan.query_prep = dsa::cuda::ScanQueryPrep::kAuto;
-    res.topk_us =
-        MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush, flush_bytes);
+    res.topk_us = MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush);
     res.floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
     results.push_back(res);
-    CHECK_CUDA(cudaDeviceSynchronize());
+    DSA_BENCH_CUDA(cudaDeviceSynchronize());
     for (const void* p : {(const void*)pool, (const void*)query, (const void*)weights,
                           (const void*)scores, (const void*)selection,
                           (const void*)scan.group_first_row, (const void*)scan.group_block_offset,
@@ -228,7 +143,7 @@ int main(int argc, char** argv) {
                           (const void*)scan.block_tables, (const void*)scan.group_num_slots,
                           (const void*)scan.row_position, (const void*)scan.row_score_offset,
                           (const void*)topk.row_num_entries, (const void*)workspace}) {
-      CHECK_CUDA(cudaFree(const_cast<void*>(p)));
+      DSA_BENCH_CUDA(cudaFree(const_cast<void*>(p)));
     }
   }
 
@@ -256,6 +171,5 @@ int main(int argc, char** argv) {
     std::fprintf(f, "]}\n");
     std::fclose(f);
   }
-  CHECK_CUDA(cudaFree(flush));
   return 0;
 }

@@ -12,24 +12,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/gpu_bench_util.cuh"
 #include "indexer_service/cuda/spin_predict.h"
 #include "indexer_service/cuda/spin_update.h"
-
-#define CHECK_CUDA(x)                                                                         \
-  do {                                                                                        \
-    if (cudaError_t e_ = (x); e_ != cudaSuccess) {                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 namespace {
 
 using namespace dsa::cuda;
+using dsa::bench::DeviceCopy;
+using dsa::bench::MedianUs;
 
 __global__ void FillHash(float* out, int64_t n, uint64_t salt) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -42,42 +36,12 @@ __global__ void FillHash(float* out, int64_t n, uint64_t salt) {
   }
 }
 
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  T* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 float* DeviceRandom(int64_t n, uint64_t salt) {
   float* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<int64_t>(1, n) * sizeof(float)));
+  DSA_BENCH_CUDA(cudaMalloc(&p, std::max<int64_t>(1, n) * sizeof(float)));
   FillHash<<<1024, 256>>>(p, n, salt);
-  CHECK_CUDA(cudaGetLastError());
+  DSA_BENCH_CUDA(cudaGetLastError());
   return p;
-}
-
-// Median microseconds of `run` over 20 timed runs (3 warm-ups), L2 flushed before each.
-double TimeUs(const std::function<void()>& run, void* flush, size_t flush_bytes) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < 23; ++i) {
-    CHECK_CUDA(cudaMemsetAsync(flush, i, flush_bytes));
-    CHECK_CUDA(cudaEventRecord(start));
-    run();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= 3) times.push_back(ms * 1000.0f);
-  }
-  std::sort(times.begin(), times.end());
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  return times[times.size() / 2];
 }
 
 }  // namespace
@@ -87,9 +51,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
   }
-  const size_t flush_bytes = size_t{256} << 20;
-  void* flush = nullptr;
-  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+  const dsa::bench::L2Flush flush;
   const double hbm_bytes_per_us = 4.8e6;
   std::printf("%5s %8s %11s %13s %10s %11s %9s %10s %12s %11s\n", "rows", "slots", "predict_us",
               "+plan_us", "floor_us", "update_us", "floor_us", "union4_us", "predict_h_us",
@@ -120,8 +82,8 @@ int main(int argc, char** argv) {
     float* scores = DeviceRandom(rows * b, 99);
     int32_t* selected = nullptr;
     int32_t* counts = nullptr;
-    CHECK_CUDA(cudaMalloc(&selected, rows * b * sizeof(int32_t)));
-    CHECK_CUDA(cudaMalloc(&counts, rows * sizeof(int32_t)));
+    DSA_BENCH_CUDA(cudaMalloc(&selected, rows * b * sizeof(int32_t)));
+    DSA_BENCH_CUDA(cudaMalloc(&counts, rows * sizeof(int32_t)));
     SpinPredictParams p;
     p.num_rows = rows;
     p.positions = dpos;
@@ -132,10 +94,10 @@ int main(int argc, char** argv) {
     p.row_block_offset = doff;
     p.scores = scores;
     const double predict_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinPredict(p, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinPredict(p, nullptr); }, flush, nullptr, 20, 3);
     p.max_visible_blocks = b;  // kernel 1 alone with the hint (one iteration a warp)
     const double predict_hint_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinPredict(p, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinPredict(p, nullptr); }, flush, nullptr, 20, 3);
     p.max_visible_blocks = 0;
     p.selected = selected;
     p.selected_count = counts;
@@ -147,12 +109,12 @@ int main(int argc, char** argv) {
     p.total_blocks = rows * b;
     void* workspace = nullptr;
     if (size_t bytes = SpinPredictScratchBytes(p); bytes > 0) {
-      CHECK_CUDA(cudaMalloc(&workspace, bytes));
+      DSA_BENCH_CUDA(cudaMalloc(&workspace, bytes));
       p.workspace = workspace;
       p.workspace_bytes = bytes;
     }
     const double plan_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinPredict(p, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinPredict(p, nullptr); }, flush, nullptr, 20, 3);
     const double predict_floor = rows * slots * 8.0 / hbm_bytes_per_us;
     // Update: each row scored the first 60% of its blocks plus the newest (one group a row).
     std::vector<int32_t> blocks, first_row(rows + 1);
@@ -187,10 +149,10 @@ int main(int argc, char** argv) {
     u.diagonal = ddm;
     u.max_visible_slots = slots;
     const double update_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinUpdate(u, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinUpdate(u, nullptr); }, flush, nullptr, 20, 3);
     u.max_group_rows = 1;  // every group one row: the narrower grid, four entries a thread
     const double update1_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinUpdate(u, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinUpdate(u, nullptr); }, flush, nullptr, 20, 3);
     const double update_floor =
         static_cast<double>(blocks.size()) * 64 * (16.0 + 4.0) / hbm_bytes_per_us;
     // Union: the rows in groups of 4 (the plans above).
@@ -206,8 +168,8 @@ int main(int argc, char** argv) {
     int64_t* duoff = DeviceCopy(union_offset);
     int32_t* union_blocks = nullptr;
     int32_t* union_count = nullptr;
-    CHECK_CUDA(cudaMalloc(&union_blocks, rows * b * sizeof(int32_t)));
-    CHECK_CUDA(cudaMalloc(&union_count, groups * sizeof(int32_t)));
+    DSA_BENCH_CUDA(cudaMalloc(&union_blocks, rows * b * sizeof(int32_t)));
+    DSA_BENCH_CUDA(cudaMalloc(&union_count, groups * sizeof(int32_t)));
     SpinUnionParams un;
     un.num_groups = groups;
     un.group_first_row = dufirst;
@@ -218,21 +180,21 @@ int main(int argc, char** argv) {
     un.union_blocks = union_blocks;
     un.union_count = union_count;
     const double union_us =
-        TimeUs([&] { CHECK_CUDA(LaunchSpinUnion(un, nullptr)); }, flush, flush_bytes);
+        MedianUs([&] { return LaunchSpinUnion(un, nullptr); }, flush, nullptr, 20, 3);
     std::printf("%5d %8lld %11.1f %13.1f %10.1f %11.1f %9.1f %10.1f %12.1f %11.1f\n", rows,
                 static_cast<long long>(slots), predict_us, plan_us, predict_floor, update_us,
                 update_floor, union_us, predict_hint_us, update1_us);
     std::fflush(stdout);
     for (int r = 0; r < rows; ++r) {
-      CHECK_CUDA(cudaFree(v[r]));
-      CHECK_CUDA(cudaFree(d[r]));
+      DSA_BENCH_CUDA(cudaFree(v[r]));
+      DSA_BENCH_CUDA(cudaFree(d[r]));
     }
     for (void* ptr :
          {(void*)dv,     (void*)dd,       (void*)dpos,   (void*)dlen,         (void*)doff,
           (void*)scores, (void*)selected, (void*)counts, workspace,           (void*)dblocks,
           (void*)dfirst, (void*)dboff,    (void*)dsoff,  (void*)zs,           (void*)dvm,
           (void*)ddm,    (void*)dufirst,  (void*)duoff,  (void*)union_blocks, (void*)union_count}) {
-      if (ptr != nullptr) CHECK_CUDA(cudaFree(ptr));
+      if (ptr != nullptr) DSA_BENCH_CUDA(cudaFree(ptr));
     }
   }
   return 0;

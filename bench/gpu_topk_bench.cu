@@ -13,17 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_bench_util.cuh"
 #include "indexer_service/cuda/topk.h"
 
-#define CHECK_CUDA(x)                                                                         \
-  do {                                                                                        \
-    if (cudaError_t e_ = (x); e_ != cudaSuccess) {                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
-
 namespace {
+
+using dsa::bench::DeviceCopy;
 
 __global__ void FillScores(float* scores, int64_t n, bool equal) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -39,14 +34,6 @@ __global__ void FillScores(float* scores, int64_t n, bool equal) {
   }
 }
 
-template <typename T>
-T* DeviceCopy(const std::vector<T>& host) {
-  T* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size() * sizeof(T))));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -54,12 +41,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
   }
-  const size_t flush_bytes = size_t{256} << 20;
-  void* flush = nullptr;
-  CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
+  const dsa::bench::L2Flush flush;
   std::printf("%5s %8s %5s %10s\n", "rows", "slots", "equal", "topk_us");
   for (size_t pos = 0; pos < shapes.size();) {
     size_t end = shapes.find(',', pos);
@@ -80,8 +62,8 @@ int main(int argc, char** argv) {
     for (int64_t b = 0; b < rows * blocks_per_row; ++b) blocks[b] = b % blocks_per_row;
     float* scores = nullptr;
     int32_t* selection = nullptr;
-    CHECK_CUDA(cudaMalloc(&scores, sizeof(float) * rows * blocks_per_row * 64));
-    CHECK_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * 2048));
+    DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * rows * blocks_per_row * 64));
+    DSA_BENCH_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * 2048));
     FillScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64, equal);
     dsa::cuda::TopKParams p;
     p.scores = scores;
@@ -93,25 +75,15 @@ int main(int argc, char** argv) {
     p.row_max_slot = DeviceCopy(max_slot);
     p.k = 2048;
     p.selection = selection;
-    std::vector<float> ms;
-    for (int i = 0; i < 35; ++i) {
-      CHECK_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-      CHECK_CUDA(cudaEventRecord(start));
-      CHECK_CUDA(dsa::cuda::LaunchTopK(p, nullptr));
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float t = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-      if (i >= 5) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
+    const double us =
+        dsa::bench::MedianUs([&] { return dsa::cuda::LaunchTopK(p, nullptr); }, flush);
     std::printf("%5d %8lld %5s %10.1f\n", rows, static_cast<long long>(slots), equal ? "yes" : "no",
-                ms[ms.size() / 2] * 1e3);
+                us);
     for (const void* q :
          {(const void*)scores, (const void*)selection, (const void*)p.row_score_offset,
           (const void*)p.row_num_entries, (const void*)p.logical_blocks,
           (const void*)p.row_block_offset, (const void*)p.row_max_slot}) {
-      CHECK_CUDA(cudaFree(const_cast<void*>(q)));
+      DSA_BENCH_CUDA(cudaFree(const_cast<void*>(q)));
     }
   }
   return 0;
