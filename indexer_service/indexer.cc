@@ -40,7 +40,7 @@ absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& o
   if (!cache.ok()) return cache.status();
   std::unique_ptr<Indexer> indexer(new Indexer(options, std::move(*cache)));
   if (device != nullptr) {
-    DSA_RETURN_IF_ERROR(device->Attach(indexer->cache_.pool()));
+    DSA_RETURN_IF_ERROR(device->Attach(indexer->cache_.pool(), options.num_heads));
     indexer->device_ = std::move(device);
     indexer->on_device_failure_ = std::move(on_device_failure);
   }
@@ -358,6 +358,13 @@ void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {
 
 namespace {
 
+// A ScoreAndSelect error after which the device is kept and the batch runs on the CPU: a job it
+// does not implement, or scratch memory that could not grow (nothing ran on the device).
+bool DeviceDeclined(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnimplemented ||
+         status.code() == absl::StatusCode::kResourceExhausted;
+}
+
 // A shared pass's time, charged to each select by its share of the scored blocks.
 template <typename Prepared>
 double ShareOf(std::span<Prepared* const> prepared, const Prepared& p, double seconds) {
@@ -424,7 +431,7 @@ void Indexer::ScorePlannedLocked(std::span<PreparedSelect* const> prepared) {
       }
       return;
     }
-    if (status.code() != absl::StatusCode::kUnimplemented) DropDeviceLocked(status);
+    if (!DeviceDeclined(status)) DropDeviceLocked(status);
   }
   std::vector<ScoreJob> jobs(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
@@ -449,7 +456,7 @@ void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
     const absl::Status status = device_->ScoreAndSelect(std::span<const DeviceScoreJob>(&job, 1),
                                                         options_.num_heads, &seconds);
     if (status.ok()) return;
-    if (status.code() != absl::StatusCode::kUnimplemented) DropDeviceLocked(status);
+    if (!DeviceDeclined(status)) DropDeviceLocked(status);
   }
   std::vector<float> scores(rows.size() * all.size() * kBlockSize);
   ScoreBlocks(view, all, rows, options_.num_heads, scores);

@@ -61,6 +61,14 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (device == "cpu") {
+    for (const char* gpu_flag : {"--cuda-device", "--scan-kernel", "--gpu-spin"}) {
+      if (app.count(gpu_flag) > 0) {
+        dsa::LogJson("error", "a GPU flag without --device cuda", {{"flag", gpu_flag}});
+        return 2;
+      }
+    }
+  }
 
   std::unique_ptr<dsa::ScoringDevice> scoring_device;
   if (device == "cuda") {

@@ -74,10 +74,12 @@ class ScoringDevice {
   /// A one-line description for logs, e.g. "cuda:0 NVIDIA H200 (tensor-core scan)".
   virtual std::string Describe() const = 0;
 
-  /// Binds the device to the host pool it mirrors (called once, by Indexer::Create, before any
-  /// other call; the pool outlives the device). Allocates the device copy: capacity_blocks x
-  /// block_bytes. Errors: RESOURCE_EXHAUSTED (device memory), INTERNAL (other device errors).
-  virtual absl::Status Attach(const BlockPool& pool) = 0;
+  /// Binds the device to the host pool it mirrors and the queries' head count H (called once, by
+  /// Indexer::Create, before any other call; the pool outlives the device). Allocates the device
+  /// copy: capacity_blocks x block_bytes. Errors: RESOURCE_EXHAUSTED (device memory),
+  /// FAILED_PRECONDITION (a shape the device was configured for but cannot run), INTERNAL (other
+  /// device errors).
+  virtual absl::Status Attach(const BlockPool& pool, int num_heads) = 0;
 
   /// Copies the full bytes of the listed pool blocks from the host pool after a host write
   /// (an append, a copy on write). Blocks may repeat. Returns once the copy is done (the host may
@@ -87,8 +89,9 @@ class ScoringDevice {
   /// Scores every job's blocks for its rows and selects each row's top-K, all jobs in one pass.
   /// Scores match ScoreBlocks up to accumulation order (and the query's rounding, when the device
   /// rounds it; see the backend). Errors: UNIMPLEMENTED when a job is outside what the device does
-  /// (e.g. K above its largest): the caller scores the batch on the CPU and keeps the device;
-  /// INTERNAL on a device failure. Outputs are unspecified on error.
+  /// (e.g. K above its largest), RESOURCE_EXHAUSTED when its scratch memory cannot grow: for both
+  /// the caller scores the batch on the CPU and keeps the device; INTERNAL on a device failure.
+  /// Outputs are unspecified on error.
   virtual absl::Status ScoreAndSelect(std::span<const DeviceScoreJob> jobs, int num_heads,
                                       DeviceScoreSeconds* seconds) = 0;
 

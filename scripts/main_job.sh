@@ -13,6 +13,8 @@
 # the indexers with --device cuda and writes replay_mooncake_cuda.{json,md}; DSA_PREBUILT_BIN=DIR
 # takes the binaries from DIR and skips the bootstrap and the build.
 set -euo pipefail
+# A relative DSA_PREBUILT_BIN is relative to where the job was started.
+if [ -n "${DSA_PREBUILT_BIN:-}" ]; then DSA_PREBUILT_BIN=$(realpath "$DSA_PREBUILT_BIN"); fi
 cd "$(dirname "$0")/.."
 out=${DSA_EVAL_OUT:-docs/results}
 bin=${DSA_BUILD_DIR:-build}/bin

@@ -115,6 +115,18 @@ bool TensorCoresTakeShape(ScanParams shape, const char** why) {
   return CanImplementScanTensorCores(shape, why);
 }
 
+// Whether every query value rounds to a finite bf16 (|x| below bf16's largest plus half an ulp).
+// A larger one would turn infinite in the tensor-core scan while the CPU's fp32 stays finite, so
+// such a batch runs the CUDA-core scan.
+bool QueriesFitBfloat16(std::span<const IndexerRow> rows) {
+  for (const IndexerRow& row : rows) {
+    for (float q : row.query) {
+      if ((std::bit_cast<uint32_t>(q) & 0x7fffffffu) >= 0x7f7f8000u) return false;
+    }
+  }
+  return true;
+}
+
 // fp32 -> bf16 bits, round to nearest even (finite inputs: the Indexer refuses others).
 uint16_t ToBfloat16(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -155,9 +167,25 @@ class CudaScoringDevice final : public ScoringDevice {
                         options_.spin ? ", SPIN on the GPU)" : ", SPIN on the CPU)");
   }
 
-  absl::Status Attach(const BlockPool& pool) override {
+  absl::Status Attach(const BlockPool& pool, int num_heads) override {
     DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
     head_dim_ = pool.head_dim();
+    // The scan kernel, decided once for the model's shape.
+    ScanParams shape;
+    shape.head_dim = head_dim_;
+    shape.num_heads = num_heads;
+    shape.num_groups = 1;
+    shape.num_rows = 1;
+    shape.total_blocks = 1;
+    shape.query_dtype = QueryDtype::kBFloat16;
+    const char* why = "";
+    tensor_cores_ =
+        options_.scan_kernel != ScanKernel::kCudaCores && TensorCoresTakeShape(shape, &why);
+    if (options_.scan_kernel == ScanKernel::kTensorCores && !tensor_cores_) {
+      return absl::FailedPreconditionError(absl::StrCat("the tensor-core scan cannot run H ",
+                                                        num_heads, " x D ", head_dim_, ": ", why,
+                                                        " (--scan-kernel auto or cuda-cores can)"));
+    }
     block_bytes_ = pool.block_bytes();
     capacity_blocks_ = pool.capacity_blocks();
     if (capacity_blocks_ == 0) return absl::OkStatus();
@@ -230,11 +258,9 @@ class CudaScoringDevice final : public ScoringDevice {
     scan.total_blocks = total_blocks;
     scan.query_dtype = QueryDtype::kBFloat16;
     const char* why = "";
-    const bool tensor_cores =
-        options_.scan_kernel != ScanKernel::kCudaCores && TensorCoresTakeShape(scan, &why);
-    if (options_.scan_kernel == ScanKernel::kTensorCores && !tensor_cores) {
-      return absl::UnimplementedError(absl::StrCat("the tensor-core scan cannot take it: ", why));
-    }
+    bool tensor_cores = tensor_cores_;
+    for (const DeviceScoreJob& job : jobs)
+      tensor_cores = tensor_cores && QueriesFitBfloat16(job.rows);
     if (!tensor_cores) scan.query_dtype = QueryDtype::kFloat32;
     const size_t query_bytes = tensor_cores ? 2 : 4;
     const size_t query_values = static_cast<size_t>(num_heads) * head_dim_;
@@ -333,15 +359,9 @@ class CudaScoringDevice final : public ScoringDevice {
       return absl::InternalError(absl::StrCat("the scan refused the batch: ", why));
     }
 
-    DSA_CUDA_RETURN(cudaMemcpyAsync(batch_.as<void>(), upload_.as<void>(), at.total,
-                                    cudaMemcpyHostToDevice, stream_),
-                    "uploading the batch");
-    DSA_CUDA_RETURN(cudaEventRecord(events_[0], stream_), "event");
-    DSA_CUDA_RETURN(
-        tensor_cores ? LaunchScanTensorCores(scan, stream_) : LaunchScanCudaCores(scan, stream_),
-        "launching the scan");
-    DSA_CUDA_RETURN(cudaEventRecord(events_[1], stream_), "event");
-    // One top-K launch per run of consecutive jobs with the same K.
+    // One top-K launch per run of consecutive jobs with the same K, all checked before anything
+    // is launched (a refusal then leaves the device idle).
+    std::vector<TopKParams> topks;
     int64_t first_row = 0, selection_offset = 0;
     for (int g = 0; g < num_groups;) {
       int h = g;
@@ -360,14 +380,25 @@ class CudaScoringDevice final : public ScoringDevice {
       topk.row_max_slot = batch_.as<int64_t>(at.row_position) + first_row;
       topk.k = jobs[g].top_k;
       topk.selection = selections_.as<int32_t>() + selection_offset;
-      const char* why = "";
       if (!CanImplementTopK(topk, &why)) {
         return absl::UnimplementedError(absl::StrCat("the GPU top-K cannot take it: ", why));
       }
-      DSA_CUDA_RETURN(LaunchTopK(topk, stream_), "launching the top-K");
+      topks.push_back(topk);
       first_row += rows;
       selection_offset += rows * jobs[g].top_k;
       g = h;
+    }
+
+    DSA_CUDA_RETURN(cudaMemcpyAsync(batch_.as<void>(), upload_.as<void>(), at.total,
+                                    cudaMemcpyHostToDevice, stream_),
+                    "uploading the batch");
+    DSA_CUDA_RETURN(cudaEventRecord(events_[0], stream_), "event");
+    DSA_CUDA_RETURN(
+        tensor_cores ? LaunchScanTensorCores(scan, stream_) : LaunchScanCudaCores(scan, stream_),
+        "launching the scan");
+    DSA_CUDA_RETURN(cudaEventRecord(events_[1], stream_), "event");
+    for (const TopKParams& topk : topks) {
+      DSA_CUDA_RETURN(LaunchTopK(topk, stream_), "launching the top-K");
     }
     DSA_CUDA_RETURN(cudaEventRecord(events_[2], stream_), "event");
     DSA_CUDA_RETURN(
@@ -446,12 +477,12 @@ class CudaScoringDevice final : public ScoringDevice {
   }
 
   absl::Status CommitSpin(uint64_t sequence_id, int layer, int replay_rows) override {
-    auto it = spin_.find({sequence_id, layer});
-    if (it == spin_.end() || it->second.pending_positions.empty()) {
+    SpinSlot* found = FindSlot(sequence_id, layer);
+    if (found == nullptr || found->pending_positions.empty()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "no verifier step of sequence ", sequence_id, " layer ", layer, " on the GPU"));
     }
-    SpinSlot& slot = it->second;
+    SpinSlot& slot = *found;
     DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
     const int rows = std::min<int>(replay_rows, static_cast<int>(slot.pending_positions.size()));
     if (rows > 0) {
@@ -504,8 +535,10 @@ class CudaScoringDevice final : public ScoringDevice {
 
   absl::Status ResetSpin(uint64_t sequence_id) override {
     DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
-    for (auto& [key, slot] : spin_) {
-      if (key.first != sequence_id || slot.capacity == 0) continue;
+    auto layers = spin_.find(sequence_id);
+    if (layers == spin_.end()) return absl::OkStatus();
+    for (SpinSlot& slot : layers->second) {
+      if (slot.capacity == 0) continue;
       DSA_CUDA_RETURN(
           cudaMemsetAsync(slot.vertical.as<void>(), 0, sizeof(float) * slot.capacity, stream_),
           "zeroing V");
@@ -519,27 +552,28 @@ class CudaScoringDevice final : public ScoringDevice {
 
   void ReleaseSpin(uint64_t sequence_id) override {
     cudaSetDevice(options_.device);
-    absl::erase_if(spin_, [&](const auto& entry) { return entry.first.first == sequence_id; });
+    spin_.erase(sequence_id);
   }
 
   absl::Status ReadSpin(uint64_t sequence_id, int layer, std::vector<float>* vertical,
                         std::vector<float>* diagonal) override {
-    auto it = spin_.find({sequence_id, layer});
-    if (it == spin_.end()) {
+    const SpinSlot* found = FindSlot(sequence_id, layer);
+    if (found == nullptr) {
       return absl::NotFoundError(
           absl::StrCat("no SPIN state of sequence ", sequence_id, " layer ", layer, " on the GPU"));
     }
     DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
-    const SpinSlot& slot = it->second;
+    const SpinSlot& slot = *found;
     vertical->resize(slot.used);
     diagonal->resize(slot.used);
     if (slot.used > 0) {
-      DSA_CUDA_RETURN(cudaMemcpy(vertical->data(), slot.vertical.as<void>(),
-                                 sizeof(float) * slot.used, cudaMemcpyDeviceToHost),
+      DSA_CUDA_RETURN(cudaMemcpyAsync(vertical->data(), slot.vertical.as<void>(),
+                                      sizeof(float) * slot.used, cudaMemcpyDeviceToHost, stream_),
                       "reading V");
-      DSA_CUDA_RETURN(cudaMemcpy(diagonal->data(), slot.diagonal.as<void>(),
-                                 sizeof(float) * slot.used, cudaMemcpyDeviceToHost),
+      DSA_CUDA_RETURN(cudaMemcpyAsync(diagonal->data(), slot.diagonal.as<void>(),
+                                      sizeof(float) * slot.used, cudaMemcpyDeviceToHost, stream_),
                       "reading D");
+      DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "reading the EMAs");
     }
     return absl::OkStatus();
   }
@@ -556,6 +590,22 @@ class CudaScoringDevice final : public ScoringDevice {
     int64_t pending_num_blocks = 0;
     DeviceBuffer pending_scores, pending_blocks;
   };
+
+  // The SPIN slot of (sequence, layer), or null when it has none.
+  SpinSlot* FindSlot(uint64_t sequence_id, int layer) {
+    auto it = spin_.find(sequence_id);
+    if (it == spin_.end() || layer < 0 || layer >= static_cast<int>(it->second.size())) {
+      return nullptr;
+    }
+    return &it->second[layer];
+  }
+  // The slot of (sequence, layer), made (empty: zero EMAs) when missing. Invalidates references to
+  // the sequence's other slots.
+  SpinSlot& SlotFor(uint64_t sequence_id, int layer) {
+    std::vector<SpinSlot>& layers = spin_[sequence_id];
+    if (static_cast<int>(layers.size()) <= layer) layers.resize(layer + 1);
+    return layers[layer];
+  }
 
   // Grows a slot's V and D to hold `slots` entries (new entries zero; old ones kept).
   absl::Status EnsureCapacity(SpinSlot& slot, int64_t slots) {
@@ -589,9 +639,9 @@ class CudaScoringDevice final : public ScoringDevice {
       table_entries += static_cast<int64_t>(job->view->block_table.size());
       const int64_t newest = job->rows.back().position;
       max_visible_blocks = std::max(max_visible_blocks, CeilDiv(newest + 1, kBlockSize));
-      auto [it, fresh] = spin_.try_emplace({job->sequence_id, job->layer});
-      it->second.ema_decay = job->config->ema_decay;
-      DSA_RETURN_IF_ERROR(EnsureCapacity(it->second, newest + 1));
+      SpinSlot& slot = SlotFor(job->sequence_id, job->layer);
+      slot.ema_decay = job->config->ema_decay;
+      DSA_RETURN_IF_ERROR(EnsureCapacity(slot, newest + 1));
     }
     ScanParams shape;
     shape.head_dim = head_dim_;
@@ -601,11 +651,9 @@ class CudaScoringDevice final : public ScoringDevice {
     shape.total_blocks = num_groups * max_visible_blocks;
     shape.query_dtype = QueryDtype::kBFloat16;
     const char* why = "";
-    const bool tensor_cores =
-        options_.scan_kernel != ScanKernel::kCudaCores && TensorCoresTakeShape(shape, &why);
-    if (options_.scan_kernel == ScanKernel::kTensorCores && !tensor_cores) {
-      return absl::InternalError(absl::StrCat("the tensor-core scan cannot take it: ", why));
-    }
+    bool tensor_cores = tensor_cores_;
+    for (const DeviceSpinJob* job : jobs)
+      tensor_cores = tensor_cores && QueriesFitBfloat16(job->rows);
     last_scan_kernel_ = tensor_cores ? "tensor-cores" : "cuda-cores";
     const size_t query_bytes = tensor_cores ? 2 : 4;
     const size_t query_values = static_cast<size_t>(num_heads) * head_dim_;
@@ -638,7 +686,7 @@ class CudaScoringDevice final : public ScoringDevice {
     int64_t row = 0, table = 0;
     for (int g = 0; g < num_groups; ++g) {
       const DeviceSpinJob& job = *jobs[g];
-      SpinSlot& slot = spin_.find({job.sequence_id, job.layer})->second;
+      SpinSlot& slot = *FindSlot(job.sequence_id, job.layer);
       upload_.as<int32_t>(at_first_row)[g] = static_cast<int32_t>(row);
       upload_.as<int64_t>(at_table_offset)[g] = table;
       std::memcpy(upload_.as<int32_t>(at_tables) + table, job.view->block_table.data(),
@@ -726,7 +774,7 @@ class CudaScoringDevice final : public ScoringDevice {
     row = 0;
     for (int g = 0; g < num_groups; ++g) {
       const DeviceSpinJob& job = *jobs[g];
-      SpinSlot& slot = spin_.find({job.sequence_id, job.layer})->second;
+      SpinSlot& slot = *FindSlot(job.sequence_id, job.layer);
       const auto rows = static_cast<int64_t>(job.rows.size());
       const int64_t count = block_offset[g + 1] - block_offset[g];
       job.blocks->assign(blocks + block_offset[g], blocks + block_offset[g + 1]);
@@ -776,8 +824,9 @@ class CudaScoringDevice final : public ScoringDevice {
   uint8_t* device_pool_ = nullptr;
   PinnedBuffer upload_, download_;
   DeviceBuffer batch_, scores_, selections_, workspace_;
-  absl::flat_hash_map<std::pair<uint64_t, int>, SpinSlot> spin_;
+  absl::flat_hash_map<uint64_t, std::vector<SpinSlot>> spin_;  // by sequence, then layer
   const char* last_scan_kernel_ = "";
+  bool tensor_cores_ = false;  // the model's shape runs the tensor-core scan (Attach)
 };
 
 }  // namespace

@@ -249,7 +249,9 @@ bool CanImplementSelect(const SelectParams& p, const char** why) {
     return false;
   };
   if (p.num_groups < 0 || p.num_rows < 0) return fail("num_groups and num_rows must be >= 0");
-  if (p.num_groups > 65535) return fail("at most 65,535 groups a launch");
+  if (p.num_groups > 65535 || p.num_rows > 65535) {
+    return fail("at most 65,535 groups and 65,535 rows a launch (grid.y)");
+  }
   if (p.top_k < 1 || p.top_k > kMaxTopK) return fail("top_k must be in [1, kMaxTopK]");
   if (!std::isfinite(p.ema_decay) || p.ema_decay < 0.0 || p.ema_decay >= 1.0) {
     return fail("ema_decay must be in [0, 1)");

@@ -18,10 +18,11 @@ namespace dsa::cuda {
 /// blocks, as the scan's groups do (ScanParams), and their scores keep the scan's layout. All
 /// pointers are device pointers unless noted.
 struct SpinUpdateParams {
-  /// Number of groups (>= 0; 0 is a no-op; at most 65,535) and of rows (>= 0).
+  /// Number of groups (>= 0; 0 is a no-op; at most 65,535) and of rows (>= 0; an upper bound is
+  /// enough: group_first_row, on the device, says which rows each group replays).
   int num_groups = 0;
   int num_rows = 0;
-  /// int32 [num_groups + 1], non-decreasing, group_first_row[num_groups] == num_rows: the rows of
+  /// int32 [num_groups + 1], non-decreasing, group_first_row[num_groups] <= num_rows: the rows of
   /// group g are [group_first_row[g], group_first_row[g + 1]), applied in that order.
   const int32_t* group_first_row = nullptr;
   /// int64 [num_groups + 1], non-decreasing: group g's scored blocks are

@@ -28,6 +28,7 @@ struct WorkloadRecord {
   std::vector<std::vector<float>> scores;
   std::vector<std::vector<double>> miss_rates;
   std::vector<std::vector<float>> spin_vertical;  // V after the workload, per (sequence, layer)
+  std::vector<std::vector<float>> spin_diagonal;  // D, likewise
   int selects_on_device = 0;
 };
 
@@ -64,9 +65,9 @@ inline ExactRow MakeExactRow(std::mt19937& rng, int num_heads, int head_dim) {
   return r;
 }
 
-/// Runs the script on `indexer` (capacity >= 1024 blocks, num_heads 16, head_dim 64, audit
-/// fraction 1). Fails the current test on an unexpected status.
-inline WorkloadRecord RunWorkload(Indexer& indexer) {
+/// Runs the script on `indexer` (capacity >= 1024 blocks, audit fraction 1) with K = `top_k` for
+/// the SPIN sequences (<= 2,048). Fails the current test on an unexpected status.
+inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
   const int num_heads = indexer.options().num_heads;
   const int head_dim = indexer.options().head_dim;
   std::mt19937 rng(20261129);
@@ -91,7 +92,7 @@ inline WorkloadRecord RunWorkload(Indexer& indexer) {
   };
   SequenceOptions options;
   options.num_layers = 2;
-  options.top_k = 256;
+  options.top_k = top_k;
   options.spin.target_block_sparsity = 0.4;
   options.spin.exploration_fraction = 0.05;
   options.spin.seed = 7;
@@ -140,6 +141,20 @@ inline WorkloadRecord RunWorkload(Indexer& indexer) {
     if (!results.ok()) return record;
     for (const SelectResult& result : *results) add(absl::StrCat("batch ", step), result);
   }
+  // One batch of two sequences at different layers (two launches on a device that runs SPIN).
+  {
+    append(1, 1, 1);
+    append(2, 0, 1);
+    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
+    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
+    const IndexerRow rows_a[] = {a.row(3026)};
+    const IndexerRow rows_b[] = {b.row(3306)};
+    const SelectGroup groups[] = {{1, 1, rows_a}, {2, 0, rows_b}};
+    auto results = indexer.SelectBatch(groups);
+    EXPECT_TRUE(results.ok()) << results.status();
+    if (!results.ok()) return record;
+    for (const SelectResult& result : *results) add("batch of two layers", result);
+  }
   // K = 4,096 (above the GPU top-K's largest): the device declines, the CPU scores it.
   SequenceOptions wide = options;
   wide.num_layers = 1;
@@ -149,16 +164,31 @@ inline WorkloadRecord RunWorkload(Indexer& indexer) {
   select(3, 0, 8999, "wide warm-up");
   append(3, 0, 1);
   select(3, 0, 9000, "wide decode");
+  // One batch mixing it (planned on the CPU) with a sequence whose SPIN may run on the device.
+  {
+    append(3, 0, 1);
+    append(2, 1, 1);
+    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
+    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
+    const IndexerRow rows_a[] = {a.row(9001)};
+    const IndexerRow rows_b[] = {b.row(3300)};
+    const SelectGroup groups[] = {{3, 0, rows_a}, {2, 1, rows_b}};
+    auto results = indexer.SelectBatch(groups);
+    EXPECT_TRUE(results.ok()) << results.status();
+    if (!results.ok()) return record;
+    for (const SelectResult& result : *results) add("mixed batch", result);
+  }
   // A new turn: the EMAs reset and the next select is dense again.
   EXPECT_TRUE(indexer.BeginTurn(1).ok());
   append(1, 1, 1);
-  select(1, 1, 3026, "new turn");
+  select(1, 1, 3027, "new turn");
   for (uint64_t id : {1, 2}) {
     for (int l = 0; l < 2; ++l) {
       auto spin = indexer.GetSpinState(id, l);
       EXPECT_TRUE(spin.ok());
       if (spin.ok()) {
         record.spin_vertical.push_back(spin->vertical());
+        record.spin_diagonal.push_back(spin->diagonal());
       }
     }
   }
@@ -168,7 +198,7 @@ inline WorkloadRecord RunWorkload(Indexer& indexer) {
 }
 
 /// EXPECTs every entry of `device` equal to `cpu`'s (selections, scores bit for bit, audit miss
-/// rates, SPIN V).
+/// rates, SPIN V and D).
 inline void ExpectSameRecord(const WorkloadRecord& cpu, const WorkloadRecord& device) {
   ASSERT_EQ(cpu.labels, device.labels);
   for (size_t i = 0; i < cpu.labels.size(); ++i) {
@@ -184,6 +214,7 @@ inline void ExpectSameRecord(const WorkloadRecord& cpu, const WorkloadRecord& de
     EXPECT_EQ(cpu.miss_rates[i], device.miss_rates[i]) << cpu.labels[i];
   }
   EXPECT_EQ(cpu.spin_vertical, device.spin_vertical);
+  EXPECT_EQ(cpu.spin_diagonal, device.spin_diagonal);
 }
 
 }  // namespace dsa::testing_workload

@@ -41,7 +41,7 @@ class FakeDevice : public ScoringDevice {
 
   std::string Describe() const override { return "fake"; }
 
-  absl::Status Attach(const BlockPool& pool) override {
+  absl::Status Attach(const BlockPool& pool, int num_heads) override {
     host_ = &pool;
     mirror_.emplace(pool.capacity_blocks(), pool.head_dim());
     return absl::OkStatus();
@@ -203,8 +203,9 @@ TEST(IndexerDeviceTest, SameRecordAsTheCpuAndEverySelectOnTheDeviceButTheWideOne
   EXPECT_EQ((*indexer)->DeviceDescription(), "fake");
   const WorkloadRecord record = RunWorkload(**indexer);
   ExpectSameRecord(CpuRecord(), record);
-  // Every select but the two with K = 4,096 ran on the device.
-  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
+  // Every select but the three with K = 4,096 and the mixed batch's other group (the device
+  // declines a batch with any K above its largest) ran on the device.
+  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 4);
   EXPECT_TRUE((*indexer)->DeviceStatus().ok());
   EXPECT_GT(controls.mirror_calls, 0);
 }
@@ -273,8 +274,19 @@ TEST(IndexerDeviceTest, SpinOnTheDeviceGivesTheCpuRecordBitForBit) {
   ASSERT_TRUE(indexer.ok());
   const WorkloadRecord record = RunWorkload(**indexer);
   ExpectSameRecord(CpuRecord(), record);
-  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
+  // All but the three with K = 4,096 (the mixed batch's SPIN group ran on the device).
+  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 3);
   EXPECT_GT(controls.spin_calls, 40);
+}
+
+TEST(IndexerDeviceTest, SpinOnTheDeviceWithKOf2048) {
+  FakeControls controls;
+  controls.runs_spin = true;
+  auto indexer = Indexer::Create(WorkloadOptions(), std::make_unique<FakeDevice>(&controls));
+  ASSERT_TRUE(indexer.ok());
+  auto cpu = Indexer::Create(WorkloadOptions());
+  ASSERT_TRUE(cpu.ok());
+  ExpectSameRecord(RunWorkload(**cpu, 2048), RunWorkload(**indexer, 2048));
 }
 
 TEST(IndexerDeviceTest, AFailedSpinSelectRestartsTheEmasOnTheCpu) {
@@ -304,7 +316,7 @@ TEST(IndexerDeviceTest, AnAttachErrorFailsCreate) {
   class NoMemoryDevice : public FakeDevice {
    public:
     using FakeDevice::FakeDevice;
-    absl::Status Attach(const BlockPool&) override {
+    absl::Status Attach(const BlockPool&, int) override {
       return absl::ResourceExhaustedError("no device memory");
     }
   };

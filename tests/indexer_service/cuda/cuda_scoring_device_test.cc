@@ -46,7 +46,9 @@ class ScanKernelSpy : public ScoringDevice {
   ScanKernelSpy(std::unique_ptr<ScoringDevice> device, std::set<std::string>* kernels)
       : device_(std::move(device)), kernels_(kernels) {}
   std::string Describe() const override { return device_->Describe(); }
-  absl::Status Attach(const BlockPool& pool) override { return device_->Attach(pool); }
+  absl::Status Attach(const BlockPool& pool, int num_heads) override {
+    return device_->Attach(pool, num_heads);
+  }
   absl::Status MirrorBlocks(std::span<const int32_t> block_ids) override {
     return device_->MirrorBlocks(block_ids);
   }
@@ -107,14 +109,16 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   ExpectSameRecord(expected, record);
   EXPECT_EQ(failures, 0) << (*indexer)->DeviceDescription();
   EXPECT_TRUE((*indexer)->DeviceStatus().ok()) << (*indexer)->DeviceStatus();
-  // Every select but the two with K = 4,096 ran on the GPU.
-  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 2);
+  // Every select but the three with K = 4,096 ran on the GPU; with SPIN on the CPU the mixed
+  // batch's other group too (the GPU declines a batch with any K above its largest).
+  EXPECT_EQ(record.selects_on_device,
+            static_cast<int>(record.labels.size()) - (shape.spin ? 3 : 4));
   EXPECT_EQ(kernels, std::set<std::string>{shape.expected_scan});
   // With SPIN on the GPU every select of K <= 2,048 is a whole select there (the audits' dense
-  // selects still go through ScoreAndSelect): one call a select, the six batches of two groups
-  // one call each, the two with K = 4,096 none.
+  // selects still go through ScoreAndSelect): one call a select, one a batch (the six of two
+  // groups, the one of two layers, the mixed one), none for the three with K = 4,096.
   if (shape.spin) {
-    EXPECT_EQ(spy_view->spin_selects, static_cast<int>(record.labels.size()) - 2 - 6);
+    EXPECT_EQ(spy_view->spin_selects, static_cast<int>(record.labels.size()) - 3 - 6 - 1);
   } else {
     EXPECT_EQ(spy_view->spin_selects, 0);
   }
@@ -135,6 +139,26 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat("H", info.param.num_heads, "D", info.param.head_dim, kernel,
                           info.param.spin ? "SpinOnGpu" : "SpinOnCpu");
     });
+
+TEST(CudaScoringDeviceWideKTest, SameRecordAsTheCpuEngineWithKOf2048) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no usable GPU";
+  auto cpu = Indexer::Create(WorkloadOptions(64, 128));
+  ASSERT_TRUE(cpu.ok());
+  auto device = CreateCudaScoringDevice({0, ScanKernel::kAuto, true});
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto indexer = Indexer::Create(WorkloadOptions(64, 128), std::move(*device));
+  ASSERT_TRUE(indexer.ok()) << indexer.status();
+  ExpectSameRecord(RunWorkload(**cpu, 2048), RunWorkload(**indexer, 2048));
+  EXPECT_TRUE((*indexer)->DeviceStatus().ok()) << (*indexer)->DeviceStatus();
+}
+
+TEST(CudaScoringDeviceCreateTest, RefusesTheTensorCoreScanForAShapeItCannotRun) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no usable GPU";
+  auto device = CreateCudaScoringDevice({0, ScanKernel::kTensorCores, true});
+  ASSERT_TRUE(device.ok()) << device.status();
+  auto indexer = Indexer::Create(WorkloadOptions(8, 32), std::move(*device));
+  EXPECT_EQ(indexer.status().code(), absl::StatusCode::kFailedPrecondition) << indexer.status();
+}
 
 TEST(CudaScoringDeviceCreateTest, RefusesAnOrdinalOutOfRange) {
   auto device = CreateCudaScoringDevice({1 << 20, ScanKernel::kAuto});
