@@ -120,6 +120,7 @@ void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double c
                               sizeof(SelectPlan) * rows, cudaMemcpyHostToDevice));
     p.target_block_sparsity = rho < 0 ? 0.0 : rho;
     p.host_all_blocks = mode == SelectPlan::kAllBlocks;
+    p.host_no_all_blocks = mode == SelectPlan::kSpin;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     DSA_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));

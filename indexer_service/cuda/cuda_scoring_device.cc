@@ -745,6 +745,8 @@ class CudaScoringDevice final : public ScoringDevice {
     p.max_visible_blocks = max_visible_blocks;
     p.host_all_blocks = std::all_of(jobs.begin(), jobs.end(),
                                     [](const DeviceSpinJob* job) { return job->all_blocks; });
+    p.host_no_all_blocks = std::none_of(jobs.begin(), jobs.end(),
+                                        [](const DeviceSpinJob* job) { return job->all_blocks; });
     p.selection = batch_.as<int32_t>(at_selection);
     p.scores = scores_.as<float>();
     p.row_score_offset = batch_.as<int64_t>(at_score_offset);

@@ -326,7 +326,9 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (!p.host_all_blocks) {
     if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
   }
-  AllBlocksKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_rows), kThreads, 0, stream>>>(p, w);
+  if (!p.host_no_all_blocks)
+    AllBlocksKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_rows), kThreads, 0, stream>>>(p,
+                                                                                               w);
   SpinUnionParams unite;
   unite.num_groups = p.num_groups;
   unite.group_first_row = p.group_first_row;

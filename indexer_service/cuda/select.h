@@ -75,6 +75,9 @@ struct SelectParams {
   /// Setting it when a group is kSpin is an error the pipeline cannot see (that group's rows
   /// would score no block).
   bool host_all_blocks = false;
+  /// Host hint: no group_plan entry is kAllBlocks (the fill of every visible block, which would do
+  /// nothing, is then not launched). Same caveat as host_all_blocks.
+  bool host_no_all_blocks = false;
 
   // ---- outputs ----
   /// int32 [num_rows, top_k]: best first, ties to the lower slot, -1 padding.

@@ -189,6 +189,8 @@ class SelectTest : public ::testing::Test {
     p.max_visible_blocks = max_visible_blocks;
     p.host_all_blocks = std::all_of(plan.begin(), plan.end(),
                                     [](SelectPlan x) { return x == SelectPlan::kAllBlocks; });
+    p.host_no_all_blocks = std::none_of(plan.begin(), plan.end(),
+                                        [](SelectPlan x) { return x == SelectPlan::kAllBlocks; });
     p.selection = d_selection.as<int32_t>();
     p.scores = d_scores.as<float>();
     p.row_score_offset = d_score_offset.as<int64_t>();
