@@ -326,9 +326,10 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (!p.host_all_blocks) {
     if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
   }
-  if (!p.host_no_all_blocks)
-    AllBlocksKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_rows), kThreads, 0, stream>>>(p,
-                                                                                               w);
+  if (!p.host_no_all_blocks) {  // else every group plans with SPIN: nothing to fill
+    const dim3 grid(ChunksOf(p.max_visible_blocks), p.num_rows);
+    AllBlocksKernel<<<grid, kThreads, 0, stream>>>(p, w);
+  }
   SpinUnionParams unite;
   unite.num_groups = p.num_groups;
   unite.group_first_row = p.group_first_row;
