@@ -210,6 +210,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     add(args, "--capacity-blocks", options.capacity_blocks);
     add(args, "--audit-fraction", options.audit_fraction);
     add(args, "--device", options.indexer_device);
+    if (options.indexer_device == "cuda" && !options.indexer_cuda_devices.empty()) {
+      add(args, "--cuda-device",
+          std::optional<int>(
+              options.indexer_cuda_devices[i % options.indexer_cuda_devices.size()]));
+    }
     add(args, "--num-heads", options.num_heads);
     add(args, "--head-dim", options.head_dim);
     args.insert(args.end(), options.indexer_args.begin(), options.indexer_args.end());

@@ -30,9 +30,12 @@ struct LocalClusterOptions {
   std::chrono::milliseconds stop_timeout{15000};     // per group (coordinator, attention, indexers)
 
   // Pass-through settings (DESIGN.md / docs/services.md flag names).
-  std::optional<int64_t> capacity_blocks;       // dsa-indexer --capacity-blocks, per indexer
-  std::optional<double> audit_fraction;         // dsa-indexer --audit-fraction
-  std::optional<std::string> indexer_device;    // dsa-indexer --device (cpu | cuda)
+  std::optional<int64_t> capacity_blocks;     // dsa-indexer --capacity-blocks, per indexer
+  std::optional<double> audit_fraction;       // dsa-indexer --audit-fraction
+  std::optional<std::string> indexer_device;  // dsa-indexer --device (cpu | cuda)
+  /// With indexer_device cuda: indexer i gets --cuda-device indexer_cuda_devices[i % size]
+  /// (empty: every indexer on the GPU's default, 0).
+  std::vector<int> indexer_cuda_devices;
   std::optional<int> num_heads;                 // indexer H: dsa-indexer and dsa-attention
   std::optional<int> head_dim;                  // indexer D: dsa-indexer and dsa-attention
   std::optional<std::string> layer_pattern;     // dsa-attention --layer-pattern

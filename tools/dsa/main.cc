@@ -100,6 +100,11 @@ void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFl
   cmd->add_option("--indexer-device", options.indexer_device,
                   "dsa-indexer: where scan and top-K run, cpu or cuda (a GPU)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--indexer-cuda-devices", options.indexer_cuda_devices,
+                  "dsa-indexer with --indexer-device cuda: CUDA ordinals, indexer i on entry "
+                  "i mod count (e.g. 0,1)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
   flags.num_heads_opt = cmd->add_option("--num-heads", flags.num_heads,
                                         "Indexer query heads H (dsa-indexer and dsa-attention)");
   flags.head_dim_opt = cmd->add_option("--head-dim", flags.head_dim,
