@@ -33,6 +33,12 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
                          .Help("64-slot blocks visible to selects (what all-keep would score)")
                          .Register(registry)
                          .Add({});
+  auto& selects = prometheus::BuildCounter()
+                      .Name("dsa_indexer_selects_total")
+                      .Help("Row groups selected, by where their scan and top-K ran")
+                      .Register(registry);
+  selects_on_device_ = &selects.Add({{"scored_on", "device"}});
+  selects_on_cpu_ = &selects.Add({{"scored_on", "cpu"}});
   miss_rate_ = &prometheus::BuildHistogram()
                     .Name("dsa_indexer_miss_rate")
                     .Help("Audited rows: fraction of the dense top-K the pruned selection lost")
@@ -57,6 +63,7 @@ void IndexerMetrics::RecordSelect(const SelectResult& result) {
   blocks_scored_->Increment(static_cast<double>(result.blocks_scored));
   blocks_visible_->Increment(static_cast<double>(result.blocks_visible));
   for (double miss : result.audit_miss_rates) miss_rate_->Observe(miss);
+  (result.on_device ? selects_on_device_ : selects_on_cpu_)->Increment();
 }
 
 void IndexerMetrics::SetCacheUsage(const CacheUsage& usage) {

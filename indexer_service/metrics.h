@@ -17,6 +17,9 @@ namespace dsa {
 /// - dsa_indexer_cache_blocks{state="used"|"shared"|"free"} (gauge, 64-slot blocks)
 /// - dsa_indexer_miss_rate (histogram of audited rows' miss rate against the dense top-K, 0..1;
 ///   only rows of selects the engine audited, IndexerOptions::audit_fraction)
+/// - dsa_indexer_selects_total{scored_on="device"|"cpu"} (counter of row groups by where their
+///   scan and top-K ran: with --device cuda, "cpu" grows when the GPU declined a batch or was
+///   dropped after a failure)
 /// Thread-safe (prometheus-cpp metrics are).
 class IndexerMetrics {
  public:
@@ -36,6 +39,8 @@ class IndexerMetrics {
   prometheus::Histogram* miss_rate_;
   prometheus::Counter* blocks_scored_;
   prometheus::Counter* blocks_visible_;
+  prometheus::Counter* selects_on_device_;
+  prometheus::Counter* selects_on_cpu_;
   prometheus::Gauge* used_blocks_;
   prometheus::Gauge* shared_blocks_;
   prometheus::Gauge* free_blocks_;

@@ -354,6 +354,9 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
             twin_->Usage().used_blocks);
   EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "free"),
             twin_->Usage().free_blocks);
+  // A CPU engine: every group is counted as scored on the CPU.
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_selects_total", "cpu"), groups);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_selects_total", "device"), 0);
 
   // A speculative step of sequence 11 (draft length 2, three verifier rows per layer), commit 1.
   for (int l = 0; l < kLayers; ++l) {
@@ -791,6 +794,21 @@ TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
       EXPECT_DOUBLE_EQ(family.metric[0].histogram.sample_sum, 0.75);
     }
   }
+}
+
+TEST(IndexerMetricsTest, SelectsAreCountedByWhereTheyWereScored) {
+  prometheus::Registry registry;
+  IndexerMetrics metrics(registry);
+  SelectResult result;
+  result.top_k = 4;
+  result.selections.assign(4, -1);
+  result.on_device = true;
+  metrics.RecordSelect(result);
+  metrics.RecordSelect(result);
+  result.on_device = false;
+  metrics.RecordSelect(result);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_selects_total", "device"), 2);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_selects_total", "cpu"), 1);
 }
 
 }  // namespace

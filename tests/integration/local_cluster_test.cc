@@ -128,7 +128,8 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
       EXPECT_NE(metrics.find("\n" + name), std::string::npos) << process.name << " lacks " << name;
     }
     // Every label of every dsa_ sample is one of the bounded, non-request labels.
-    const std::set<std::string> allowed = {"phase", "state", "outcome", "layer", "le", "quantile"};
+    const std::set<std::string> allowed = {"phase",     "state", "outcome", "layer",
+                                           "scored_on", "le",    "quantile"};
     std::istringstream lines(metrics);
     std::string line;
     int dsa_samples = 0;
