@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #define DSA_BENCH_CUDA(expr)                                            \
@@ -24,6 +25,28 @@
   } while (0)
 
 namespace dsa::bench {
+
+/// The items of a comma-separated list ("1x16384,64x65536"), empty items dropped.
+inline std::vector<std::string> Split(const std::string& list) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    if (end > start) out.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+/// A "ROWSxSLOTS" benchmark shape (one row a sequence); a trailing letter is the caller's.
+struct Shape {
+  int rows = 0;
+  int64_t slots = 0;
+};
+inline Shape ParseShape(const std::string& text) {
+  return {std::atoi(text.c_str()), std::atoll(text.c_str() + text.find('x') + 1)};
+}
 
 __device__ inline uint32_t Hash(uint64_t x) {
   x ^= x >> 33;

@@ -47,14 +47,10 @@ int main(int argc, char** argv) {
   std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
 
   std::vector<Result> results;
-  size_t start = 0;
-  while (start < shapes.size()) {
-    size_t end = shapes.find(',', start);
-    if (end == std::string::npos) end = shapes.size();
-    const std::string shape = shapes.substr(start, end - start);
-    start = end + 1;
-    const int rows = std::atoi(shape.c_str());
-    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+  for (const std::string& shape : dsa::bench::Split(shapes)) {
+    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
+    const int rows = parsed.rows;
+    const int64_t slots = parsed.slots;
     const int64_t blocks_per_row = (slots + 63) / 64;
     const int64_t num_blocks = blocks_per_row * rows;
 

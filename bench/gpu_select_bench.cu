@@ -24,21 +24,10 @@ namespace {
 
 using dsa::bench::DeviceCopy;
 using dsa::bench::DeviceZeros;
+using dsa::bench::Split;
 using dsa::cuda::SelectPlan;
 
 constexpr int kHeads = 64, kHeadDim = 128, kTopK = 2048;
-
-std::vector<std::string> Split(const std::string& list) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= list.size()) {
-    size_t end = list.find(',', start);
-    if (end == std::string::npos) end = list.size();
-    if (end > start) out.push_back(list.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
 
 struct Row {
   int rows;
@@ -174,8 +163,9 @@ int main(int argc, char** argv) {
   std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
   std::vector<Row> rows_out;
   for (const std::string& shape : Split(shapes)) {
-    const int rows = std::atoi(shape.c_str());
-    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
+    const int rows = parsed.rows;
+    const int64_t slots = parsed.slots;
     bool swept = false;
     for (const std::string& s : sweep_shapes) swept = swept || s == shape;
     RunShape(rows, slots, swept ? rhos : std::vector<double>{0.4}, copy_tb_s, flush, rows_out);

@@ -56,13 +56,10 @@ int main(int argc, char** argv) {
   std::printf("%5s %8s %11s %13s %10s %11s %9s %10s %12s %11s\n", "rows", "slots", "predict_us",
               "+plan_us", "floor_us", "update_us", "floor_us", "union4_us", "predict_h_us",
               "update1_us");
-  for (size_t pos = 0; pos < shapes.size();) {
-    size_t end = shapes.find(',', pos);
-    if (end == std::string::npos) end = shapes.size();
-    const std::string shape = shapes.substr(pos, end - pos);
-    pos = end + 1;
-    const int rows = std::atoi(shape.c_str());
-    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+  for (const std::string& shape : dsa::bench::Split(shapes)) {
+    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
+    const int rows = parsed.rows;
+    const int64_t slots = parsed.slots;
     const int64_t t = slots - 1;
     const int64_t b = (slots + 63) / 64;
     // Per row (sequence): V and D of `slots` entries.

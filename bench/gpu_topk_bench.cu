@@ -43,13 +43,10 @@ int main(int argc, char** argv) {
   }
   const dsa::bench::L2Flush flush;
   std::printf("%5s %8s %5s %10s\n", "rows", "slots", "equal", "topk_us");
-  for (size_t pos = 0; pos < shapes.size();) {
-    size_t end = shapes.find(',', pos);
-    if (end == std::string::npos) end = shapes.size();
-    const std::string shape = shapes.substr(pos, end - pos);
-    pos = end + 1;
-    const int rows = std::atoi(shape.c_str());
-    const int64_t slots = std::atoll(shape.c_str() + shape.find('x') + 1);
+  for (const std::string& shape : dsa::bench::Split(shapes)) {
+    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
+    const int rows = parsed.rows;
+    const int64_t slots = parsed.slots;
     const bool equal = shape.back() == 'e';
     const int64_t blocks_per_row = (slots + 63) / 64;
     std::vector<int64_t> offset(rows), entries(rows, blocks_per_row * 64), block_offset(rows),
