@@ -365,14 +365,19 @@ bool DeviceDeclined(const absl::Status& status) {
          status.code() == absl::StatusCode::kResourceExhausted;
 }
 
-// A shared pass's time, charged to each select by its share of the scored blocks.
+// A shared pass's device or CPU time, charged to each select by its share of the scored blocks:
+// phase_seconds.scan and .topk of every select (topk_seconds < 0 leaves .topk as it is).
 template <typename Prepared>
-double ShareOf(std::span<Prepared* const> prepared, const Prepared& p, double seconds) {
+void ChargeShares(std::span<Prepared* const> prepared, double scan_seconds, double topk_seconds) {
   int64_t total_blocks = 0;
   for (const Prepared* q : prepared) total_blocks += q->result.blocks_scored;
-  return total_blocks == 0 ? 0.0
-                           : seconds * static_cast<double>(p.result.blocks_scored) /
-                                 static_cast<double>(total_blocks);
+  for (Prepared* p : prepared) {
+    const double share = total_blocks == 0 ? 0.0
+                                           : static_cast<double>(p->result.blocks_scored) /
+                                                 static_cast<double>(total_blocks);
+    p->result.phase_seconds.scan = scan_seconds * share;
+    if (topk_seconds >= 0) p->result.phase_seconds.topk = topk_seconds * share;
+  }
 }
 
 }  // namespace
@@ -405,11 +410,8 @@ bool Indexer::SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared
     result.all_blocks = result.blocks_scored == result.blocks_visible;
     result.on_device = true;
   }
-  for (PreparedSelect* p : prepared) {
-    // The device's whole select: plan, scan, top-K and update in one pass, charged as the scan.
-    p->result.phase_seconds.scan = ShareOf(prepared, *p, seconds.scan);
-    p->result.phase_seconds.topk = ShareOf(prepared, *p, seconds.topk);
-  }
+  // The device's whole select: plan, scan, top-K and update in one pass, charged as the scan.
+  ChargeShares(prepared, seconds.scan, seconds.topk);
   return true;
 }
 
@@ -424,11 +426,8 @@ void Indexer::ScorePlannedLocked(std::span<PreparedSelect* const> prepared) {
     DeviceScoreSeconds seconds;
     const absl::Status status = device_->ScoreAndSelect(jobs, options_.num_heads, &seconds);
     if (status.ok()) {
-      for (PreparedSelect* p : prepared) {
-        p->result.on_device = true;
-        p->result.phase_seconds.scan = ShareOf(prepared, *p, seconds.scan);
-        p->result.phase_seconds.topk = ShareOf(prepared, *p, seconds.topk);
-      }
+      for (PreparedSelect* p : prepared) p->result.on_device = true;
+      ChargeShares(prepared, seconds.scan, seconds.topk);
       return;
     }
     if (!DeviceDeclined(status)) DropDeviceLocked(status);
@@ -441,8 +440,7 @@ void Indexer::ScorePlannedLocked(std::span<PreparedSelect* const> prepared) {
   const auto start = Clock::now();
   ScoreBlockBatch(jobs, options_.num_heads);
   const double scan_seconds = SecondsSince(start);
-  for (PreparedSelect* p : prepared)
-    p->result.phase_seconds.scan = ShareOf(prepared, *p, scan_seconds);
+  ChargeShares(prepared, scan_seconds, /*topk_seconds=*/-1.0);
 }
 
 void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,

@@ -290,7 +290,6 @@ class CudaScoringDevice final : public ScoringDevice {
       auto* group_table_offset = upload_.as<int64_t>(at.group_table_offset);
       auto* block_tables = upload_.as<int32_t>(at.block_tables);
       auto* group_num_slots = upload_.as<int64_t>(at.group_num_slots);
-      auto* head_weights = upload_.as<float>(at.head_weights);
       auto* row_position = upload_.as<int64_t>(at.row_position);
       auto* row_score_offset = upload_.as<int64_t>(at.row_score_offset);
       auto* row_num_entries = upload_.as<int64_t>(at.row_num_entries);
@@ -307,15 +306,7 @@ class CudaScoringDevice final : public ScoringDevice {
         std::memcpy(block_tables + table, job.view->block_table.data(),
                     sizeof(int32_t) * job.view->block_table.size());
         for (const IndexerRow& r : job.rows) {
-          if (tensor_cores) {
-            auto* q = upload_.as<uint16_t>(at.query) + row * query_values;
-            for (size_t i = 0; i < query_values; ++i) q[i] = ToBfloat16(r.query[i]);
-          } else {
-            std::memcpy(upload_.as<float>(at.query) + row * query_values, r.query.data(),
-                        sizeof(float) * query_values);
-          }
-          std::memcpy(head_weights + row * num_heads, r.head_weights.data(),
-                      sizeof(float) * num_heads);
+          WriteRow(r, row, tensor_cores, num_heads, at.query, at.head_weights);
           row_position[row] = r.position;
           row_score_offset[row] = score;
           row_num_entries[row] = blocks * kBlockSize;
@@ -591,6 +582,22 @@ class CudaScoringDevice final : public ScoringDevice {
     DeviceBuffer pending_scores, pending_blocks;
   };
 
+  // Writes row `row`'s query (bf16 for the tensor-core scan, else fp32) and head weights into the
+  // upload at the byte offsets of the query and weight arrays.
+  void WriteRow(const IndexerRow& r, int64_t row, bool tensor_cores, int num_heads, size_t at_query,
+                size_t at_weights) {
+    const size_t values = static_cast<size_t>(num_heads) * head_dim_;
+    if (tensor_cores) {
+      uint16_t* q = upload_.as<uint16_t>(at_query) + row * values;
+      for (size_t i = 0; i < values; ++i) q[i] = ToBfloat16(r.query[i]);
+    } else {
+      std::memcpy(upload_.as<float>(at_query) + row * values, r.query.data(),
+                  sizeof(float) * values);
+    }
+    std::memcpy(upload_.as<float>(at_weights) + row * num_heads, r.head_weights.data(),
+                sizeof(float) * num_heads);
+  }
+
   // The SPIN slot of (sequence, layer), or null when it has none.
   SpinSlot* FindSlot(uint64_t sequence_id, int layer) {
     auto it = spin_.find(sequence_id);
@@ -700,15 +707,7 @@ class CudaScoringDevice final : public ScoringDevice {
       upload_.as<int64_t>(at_capacity)[g] = slot.capacity;
       upload_.as<uint64_t>(at_seed)[g] = job.config->seed;
       for (const IndexerRow& r : job.rows) {
-        if (tensor_cores) {
-          auto* q = upload_.as<uint16_t>(at_query) + row * query_values;
-          for (size_t i = 0; i < query_values; ++i) q[i] = ToBfloat16(r.query[i]);
-        } else {
-          std::memcpy(upload_.as<float>(at_query) + row * query_values, r.query.data(),
-                      sizeof(float) * query_values);
-        }
-        std::memcpy(upload_.as<float>(at_weights) + row * num_heads, r.head_weights.data(),
-                    sizeof(float) * num_heads);
+        WriteRow(r, row, tensor_cores, num_heads, at_query, at_weights);
         upload_.as<int64_t>(at_position)[row] = r.position;
         ++row;
       }

@@ -1,11 +1,17 @@
-// Device-side FP8 E4M3 encoding and the paged-cache address arithmetic shared by the indexer
-// kernels. The encoder is a line-by-line port of common/fp8.cc (EncodeFp8E4m3), so the GPU append
-// is bit-identical to the CPU quantizer (DESIGN.md 4.1).
+// Device-side FP8 E4M3 encoding, input loads and the paged-cache address arithmetic shared by the
+// indexer kernels. The encoder is a line-by-line port of common/fp8.cc (EncodeFp8E4m3), so the GPU
+// append is bit-identical to the CPU quantizer (DESIGN.md 4.1).
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 
 namespace dsa::cuda {
+
+/// An fp32 or bf16 input value (keys, queries) as fp32: exact either way.
+__device__ inline float LoadAsFloat(const float* p) { return *p; }
+__device__ inline float LoadAsFloat(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
 /// Slots per block of the paged index-key cache (indexer_service/block_pool.h kBlockSize).
 inline constexpr int kCacheBlockSize = 64;

@@ -10,17 +10,6 @@ namespace {
 constexpr int kWarpsPerCta = 8;
 
 template <typename T>
-__device__ inline float LoadKeyValue(const T* p);
-template <>
-__device__ inline float LoadKeyValue<float>(const float* p) {
-  return *p;
-}
-template <>
-__device__ inline float LoadKeyValue<__nv_bfloat16>(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
-}
-
-template <typename T>
 __global__ void AppendKernel(const T* __restrict__ keys, int64_t num_keys, int head_dim,
                              const int32_t* __restrict__ block_table, int64_t first_slot,
                              uint8_t* __restrict__ pool) {
@@ -30,7 +19,7 @@ __global__ void AppendKernel(const T* __restrict__ keys, int64_t num_keys, int h
        key < num_keys; key += warps) {
     const T* src = keys + key * head_dim;
     float amax = 0.0f;
-    for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(LoadKeyValue(src + d)));
+    for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(LoadAsFloat(src + d)));
     for (int offset = 16; offset > 0; offset /= 2) {
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     }
@@ -41,7 +30,7 @@ __global__ void AppendKernel(const T* __restrict__ keys, int64_t num_keys, int h
     uint8_t* codes = block + static_cast<int64_t>(slot_in_block) * head_dim;
     const bool zero = !(scale > 0.0f);
     for (int d = lane; d < head_dim; d += 32) {
-      codes[d] = zero ? uint8_t{0} : EncodeFp8E4m3Device(__fdiv_rn(LoadKeyValue(src + d), scale));
+      codes[d] = zero ? uint8_t{0} : EncodeFp8E4m3Device(__fdiv_rn(LoadAsFloat(src + d), scale));
     }
     if (lane == 0) {
       reinterpret_cast<float*>(block + int64_t{kCacheBlockSize} * head_dim)[slot_in_block] =

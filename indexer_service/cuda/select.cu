@@ -136,6 +136,32 @@ __host__ __device__ T* At(void* base, size_t offset) {
   return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
 }
 
+// The plan and scan launches of `p` with their pointers into the workspace laid out as `w`.
+SpinPredictParams PredictLaunch(const SelectParams& p, const Workspace& w) {
+  SpinPredictParams q = PredictShape(p);
+  q.positions = At<int64_t>(p.workspace, w.plan_position);
+  q.vertical = At<const float*>(p.workspace, w.row_vertical);
+  q.vertical_len = At<int64_t>(p.workspace, w.row_capacity);
+  q.diagonal = At<const float*>(p.workspace, w.row_diagonal);
+  q.diagonal_len = At<int64_t>(p.workspace, w.row_capacity);
+  q.row_block_offset = At<int64_t>(p.workspace, w.row_plan_offset);
+  q.scores = At<float>(p.workspace, w.predicted);
+  q.selected = At<int32_t>(p.workspace, w.selected);
+  q.selected_count = At<int32_t>(p.workspace, w.selected_count);
+  q.row_seed = At<uint64_t>(p.workspace, w.row_seed);
+  q.workspace = At<void>(p.workspace, w.predict_workspace);
+  q.workspace_bytes = w.predict_workspace_bytes;
+  return q;
+}
+
+ScanParams ScanLaunch(const SelectParams& p, const Workspace& w) {
+  ScanParams s = ScanShape(p);
+  s.device_total_blocks = At<int64_t>(p.workspace, w.device_total);
+  s.workspace = At<void>(p.workspace, w.scan_workspace);
+  s.workspace_bytes = w.scan_workspace_bytes;
+  return s;
+}
+
 // Per group (a thread each): its rows' SPIN inputs for the plan kernels.
 __global__ void SetupKernel(SelectParams p, Workspace w) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
@@ -276,24 +302,8 @@ bool CanImplementSelect(const SelectParams& p, const char** why) {
     return fail("the workspace must be 16-byte aligned and SelectScratchBytes long");
   }
   const Workspace w = Layout(p);
-  SpinPredictParams predict = PredictShape(p);
-  predict.positions = At<int64_t>(p.workspace, w.plan_position);
-  predict.vertical = At<const float*>(p.workspace, w.row_vertical);
-  predict.vertical_len = At<int64_t>(p.workspace, w.row_capacity);
-  predict.diagonal = At<const float*>(p.workspace, w.row_diagonal);
-  predict.diagonal_len = At<int64_t>(p.workspace, w.row_capacity);
-  predict.row_block_offset = At<int64_t>(p.workspace, w.row_plan_offset);
-  predict.scores = At<float>(p.workspace, w.predicted);
-  predict.selected = At<int32_t>(p.workspace, w.selected);
-  predict.selected_count = At<int32_t>(p.workspace, w.selected_count);
-  predict.row_seed = At<uint64_t>(p.workspace, w.row_seed);
-  predict.workspace = At<void>(p.workspace, w.predict_workspace);
-  predict.workspace_bytes = w.predict_workspace_bytes;
-  if (!CanImplementSpinPredict(predict, why)) return false;
-  ScanParams scan = ScanShape(p);
-  scan.device_total_blocks = At<int64_t>(p.workspace, w.device_total);
-  scan.workspace = At<void>(p.workspace, w.scan_workspace);
-  scan.workspace_bytes = w.scan_workspace_bytes;
+  if (!CanImplementSpinPredict(PredictLaunch(p, w), why)) return false;
+  const ScanParams scan = ScanLaunch(p, w);
   return p.scan == SelectScan::kTensorCores ? CanImplementScanTensorCores(scan, why)
                                             : CanImplementScanCudaCores(scan, why);
 }
@@ -310,19 +320,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   void* base = p.workspace;
   SetupKernel<<<ChunksOf(p.num_groups), kThreads, 0, stream>>>(p, w);
   // The plan of every SPIN row (rows of kAllBlocks groups have position -1: nothing done).
-  SpinPredictParams predict = PredictShape(p);
-  predict.positions = At<int64_t>(base, w.plan_position);
-  predict.vertical = At<const float*>(base, w.row_vertical);
-  predict.vertical_len = At<int64_t>(base, w.row_capacity);
-  predict.diagonal = At<const float*>(base, w.row_diagonal);
-  predict.diagonal_len = At<int64_t>(base, w.row_capacity);
-  predict.row_block_offset = At<int64_t>(base, w.row_plan_offset);
-  predict.scores = At<float>(base, w.predicted);
-  predict.selected = At<int32_t>(base, w.selected);
-  predict.selected_count = At<int32_t>(base, w.selected_count);
-  predict.row_seed = At<uint64_t>(base, w.row_seed);
-  predict.workspace = At<void>(base, w.predict_workspace);
-  predict.workspace_bytes = w.predict_workspace_bytes;
+  const SpinPredictParams predict = PredictLaunch(p, w);
   if (!p.host_all_blocks) {
     if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
   }
@@ -344,10 +342,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   }
   LayoutKernel<<<1, kLayoutThreads, 0, stream>>>(p, w);
   CompactKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_groups), kThreads, 0, stream>>>(p, w);
-  ScanParams scan = ScanShape(p);
-  scan.device_total_blocks = At<int64_t>(base, w.device_total);
-  scan.workspace = At<void>(base, w.scan_workspace);
-  scan.workspace_bytes = w.scan_workspace_bytes;
+  const ScanParams scan = ScanLaunch(p, w);
   if (cudaError_t e = p.scan == SelectScan::kTensorCores ? LaunchScanTensorCores(scan, stream)
                                                          : LaunchScanCudaCores(scan, stream);
       e != cudaSuccess) {

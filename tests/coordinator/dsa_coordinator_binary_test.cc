@@ -95,14 +95,20 @@ Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest&
   return s;
 }
 
+// One dsa-indexer and one dsa-attention (a small model: H = 4, D = 16, pattern FSFS), both ready.
+void StartWorkers(Process* indexer, Process* attention) {
+  *indexer = StartServer(DSA_INDEXER_BINARY,
+                         {"--capacity-blocks", "1024", "--num-heads", "4", "--head-dim", "16"});
+  ASSERT_FALSE(indexer->address.empty());
+  *attention = StartServer(DSA_ATTENTION_BINARY,
+                           {"--layer-pattern", "FSFS", "--num-heads", "4", "--head-dim", "16",
+                            "--kv-dim", "8", "--attention-heads", "2"});
+  ASSERT_FALSE(attention->address.empty());
+}
+
 TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm) {
-  const Process indexer = StartServer(
-      DSA_INDEXER_BINARY, {"--capacity-blocks", "1024", "--num-heads", "4", "--head-dim", "16"});
-  ASSERT_FALSE(indexer.address.empty());
-  const Process attention = StartServer(
-      DSA_ATTENTION_BINARY, {"--layer-pattern", "FSFS", "--num-heads", "4", "--head-dim", "16",
-                             "--kv-dim", "8", "--attention-heads", "2"});
-  ASSERT_FALSE(attention.address.empty());
+  Process indexer, attention;
+  ASSERT_NO_FATAL_FAILURE(StartWorkers(&indexer, &attention));
   const Process coordinator =
       StartServer(DSA_COORDINATOR_BINARY,
                   {"--indexer", indexer.address, "--attention", attention.address, "--top-k", "64",
@@ -166,13 +172,8 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
 }
 
 TEST(DsaCoordinatorBinaryTest, ARequestLongerThanTheGraceIsCutAndTheProcessExitsInTime) {
-  const Process indexer = StartServer(
-      DSA_INDEXER_BINARY, {"--capacity-blocks", "1024", "--num-heads", "4", "--head-dim", "16"});
-  ASSERT_FALSE(indexer.address.empty());
-  const Process attention = StartServer(
-      DSA_ATTENTION_BINARY, {"--layer-pattern", "FSFS", "--num-heads", "4", "--head-dim", "16",
-                             "--kv-dim", "8", "--attention-heads", "2"});
-  ASSERT_FALSE(attention.address.empty());
+  Process indexer, attention;
+  ASSERT_NO_FATAL_FAILURE(StartWorkers(&indexer, &attention));
   const Process coordinator =
       StartServer(DSA_COORDINATOR_BINARY,
                   {"--indexer", indexer.address, "--attention", attention.address, "--top-k", "64",
