@@ -6,6 +6,8 @@
 #
 # usage (from the repo root, binaries and torch_reference_indexer.py copied into BIN_DIR):
 #   LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64 bash bench/run_gpu_bench.sh BIN_DIR OUT_DIR [tests|sanitize|bench|all]
+# DSA_SANITIZER_TOOLS picks the sanitizer tools (default "memcheck racecheck"; one at a time keeps a
+# call short), DSA_SANITIZER_TIMEOUT_S the limit a suite (default 120 s).
 set -uo pipefail
 bin=${1:?usage: run_gpu_bench.sh BIN_DIR OUT_DIR [tests|sanitize|bench|all]}
 out=${2:?usage: run_gpu_bench.sh BIN_DIR OUT_DIR [tests|sanitize|bench|all]}
@@ -35,7 +37,7 @@ if [[ $what == sanitize || $what == all ]]; then
     [select]='-*EveryTargetSparsity*:*MillionSlots*'
     [scoring_device]='*H16D64AutoSpinOnGpu*:*H64D128CudaCoresSpinOnCpu*:*Create*'
   )
-  for tool in memcheck racecheck; do
+  for tool in ${DSA_SANITIZER_TOOLS:-memcheck racecheck}; do
     for t in device_info key_append scan topk spin_predict spin_update select scoring_device; do
       echo "=== $tool indexer_cuda_${t}_test ${filter[$t]}" | tee -a "$out/sanitizer.log"
       timeout ${DSA_SANITIZER_TIMEOUT_S:-120} "$cs" --tool "$tool" --error-exitcode 7 "$bin/indexer_cuda_${t}_test" \
