@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "indexer_service/cuda/dependent_launch.cuh"
 #include "indexer_service/cuda/fp8_device.cuh"
 #include "indexer_service/cuda/scan.h"
 
@@ -73,6 +74,7 @@ __global__ void __launch_bounds__(kCudaCoreThreads) ScanCudaCoreKernel(ScanParam
   const int stride = p.head_dim + 1;
   float* keys = smem;                                // [64][head_dim + 1]
   float* partial = smem + kCacheBlockSize * stride;  // [kHeadLanes][64]
+  BeginDependentKernel();
   if (p.device_total_blocks != nullptr && blockIdx.x >= *p.device_total_blocks) return;
   const BlockWork w = FindBlockWork(p, blockIdx.x);
   const int64_t key_bytes = int64_t{kCacheBlockSize} * p.head_dim;
@@ -207,6 +209,7 @@ __device__ inline int QueryExponent(float amax) {
 constexpr int kPrepareThreads = 256;
 
 __global__ void __launch_bounds__(kPrepareThreads) PrepareQueryKernel(ScanParams p) {
+  BeginDependentKernel();
   const int r = blockIdx.x;
   const int64_t size = static_cast<int64_t>(p.num_heads) * p.head_dim;
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.query) + r * size;
@@ -459,6 +462,7 @@ __device__ inline void Wgmma(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_
 template <int kHeads, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     ScanWgmmaKernel(ScanParams p, int chunk, int ctas_wanted, bool convert_query) {
+  BeginDependentKernel();
   constexpr int kStageBytes = tc::StageBytes<kHeadDim>();
   constexpr int kGroups64 = kHeadDim / 64;
   constexpr int kSteps = kHeadDim / 16;
@@ -776,8 +780,12 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
   }
   const bool convert_query = tc::ResolveQueryPrep(p) == ScanQueryPrep::kInKernel;
   if (!convert_query) {
-    tc::PrepareQueryKernel<<<static_cast<unsigned>(p.num_rows), tc::kPrepareThreads, 0, stream>>>(
-        p);
+    if (cudaError_t e = LaunchDependent("prepare", tc::PrepareQueryKernel,
+                                        dim3(static_cast<unsigned>(p.num_rows)),
+                                        dim3(tc::kPrepareThreads), 0, stream, p);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   // kCtasPerSm CTAs per SM, each a contiguous chunk of blocks (up to kMaxChunk).
   // A short scan (under 8 blocks a CTA at kCtasPerSm) takes kShortCtasPerSm CTAs a SM, each with
@@ -792,8 +800,12 @@ cudaError_t Launch(const ScanParams& p, cudaStream_t stream) {
     const int64_t saturated = (p.total_blocks + kMaxChunk - 1) / kMaxChunk;
     grid = std::min<int64_t>(p.total_blocks, std::max<int64_t>(ctas_wanted, saturated));
   }
-  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(
-      p, static_cast<int>(chunk), static_cast<int>(ctas_wanted), convert_query);
+  if (cudaError_t e = LaunchDependent("scan", kernel, dim3(static_cast<unsigned>(grid)),
+                                      dim3(kThreads), smem, stream, p, static_cast<int>(chunk),
+                                      static_cast<int>(ctas_wanted), convert_query);
+      e != cudaSuccess) {
+    return e;
+  }
   return cudaGetLastError();
 }
 
@@ -873,7 +885,11 @@ cudaError_t LaunchScanCudaCores(const ScanParams& p, cudaStream_t stream) {
         e != cudaSuccess) {
       return e;
     }
-    kernel<<<grid, kCudaCoreThreads, smem, stream>>>(p);
+    if (cudaError_t e =
+            LaunchDependent("scan", kernel, dim3(grid), dim3(kCudaCoreThreads), smem, stream, p);
+        e != cudaSuccess) {
+      return e;
+    }
   } else {
     auto kernel = ScanCudaCoreKernel<__nv_bfloat16>;
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -881,7 +897,11 @@ cudaError_t LaunchScanCudaCores(const ScanParams& p, cudaStream_t stream) {
         e != cudaSuccess) {
       return e;
     }
-    kernel<<<grid, kCudaCoreThreads, smem, stream>>>(p);
+    if (cudaError_t e =
+            LaunchDependent("scan", kernel, dim3(grid), dim3(kCudaCoreThreads), smem, stream, p);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   return cudaGetLastError();
 }

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "indexer_service/cuda/dependent_launch.cuh"
 #include "indexer_service/cuda/select.h"
 #include "indexer_service/cuda/spin_predict.h"
 #include "indexer_service/cuda/spin_update.h"
@@ -164,6 +165,7 @@ ScanParams ScanLaunch(const SelectParams& p, const Workspace& w) {
 
 // Per group (a thread each): its rows' SPIN inputs for the plan kernels.
 __global__ void SetupKernel(SelectParams p, Workspace w) {
+  BeginDependentKernel();
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   void* base = p.workspace;
@@ -182,6 +184,7 @@ __global__ void SetupKernel(SelectParams p, Workspace w) {
 
 // Rows of kAllBlocks groups take every visible block (grid: block chunks x rows).
 __global__ void AllBlocksKernel(SelectParams p, Workspace w) {
+  BeginDependentKernel();
   const int r = blockIdx.y;
   void* base = p.workspace;
   const int g = At<int32_t>(base, w.row_group)[r];
@@ -203,6 +206,7 @@ __global__ void AllBlocksKernel(SelectParams p, Workspace w) {
 // prefix sums (cub) give each run its starting block, score entry and update row.
 constexpr int kLayoutThreads = 1024;
 __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, Workspace w) {
+  BeginDependentKernel();
   using BlockScan = cub::BlockScan<int64_t, kLayoutThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   void* base = p.workspace;
@@ -250,6 +254,7 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
 
 // Copies each group's union into the compacted list (grid: block chunks x groups).
 __global__ void CompactKernel(SelectParams p, Workspace w) {
+  BeginDependentKernel();
   const int g = blockIdx.y;
   void* base = p.workspace;
   const int64_t count = At<int32_t>(base, w.union_count)[g];
@@ -318,7 +323,11 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (p.num_rows == 0) return cudaSuccess;
   const Workspace w = Layout(p);
   void* base = p.workspace;
-  SetupKernel<<<ChunksOf(p.num_groups), kThreads, 0, stream>>>(p, w);
+  if (cudaError_t e = LaunchDependent("setup", SetupKernel, dim3(ChunksOf(p.num_groups)),
+                                      dim3(kThreads), 0, stream, p, w);
+      e != cudaSuccess) {
+    return e;
+  }
   // The plan of every SPIN row (rows of kAllBlocks groups have position -1: nothing done).
   const SpinPredictParams predict = PredictLaunch(p, w);
   if (!p.host_all_blocks) {
@@ -326,7 +335,11 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   }
   if (!p.host_no_all_blocks) {  // else every group plans with SPIN: nothing to fill
     const dim3 grid(ChunksOf(p.max_visible_blocks), p.num_rows);
-    AllBlocksKernel<<<grid, kThreads, 0, stream>>>(p, w);
+    if (cudaError_t e =
+            LaunchDependent("fill", AllBlocksKernel, grid, dim3(kThreads), 0, stream, p, w);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   SpinUnionParams unite;
   unite.num_groups = p.num_groups;
@@ -340,8 +353,17 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (p.num_rows != p.num_groups) {  // else the plans are the unions (Layout)
     if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
   }
-  LayoutKernel<<<1, kLayoutThreads, 0, stream>>>(p, w);
-  CompactKernel<<<dim3(ChunksOf(p.max_visible_blocks), p.num_groups), kThreads, 0, stream>>>(p, w);
+  if (cudaError_t e =
+          LaunchDependent("layout", LayoutKernel, dim3(1), dim3(kLayoutThreads), 0, stream, p, w);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = LaunchDependent("compact", CompactKernel,
+                                      dim3(ChunksOf(p.max_visible_blocks), p.num_groups),
+                                      dim3(kThreads), 0, stream, p, w);
+      e != cudaSuccess) {
+    return e;
+  }
   const ScanParams scan = ScanLaunch(p, w);
   if (cudaError_t e = p.scan == SelectScan::kTensorCores ? LaunchScanTensorCores(scan, stream)
                                                          : LaunchScanCudaCores(scan, stream);

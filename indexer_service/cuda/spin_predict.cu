@@ -4,6 +4,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common/philox.h"
+#include "indexer_service/cuda/dependent_launch.cuh"
 #include "indexer_service/cuda/spin_predict.h"
 
 namespace dsa::cuda {
@@ -43,6 +44,7 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
                   const float* const* __restrict__ diagonal,
                   const int64_t* __restrict__ diagonal_len,
                   const int64_t* __restrict__ row_block_offset, float* __restrict__ scores) {
+  BeginDependentKernel();
   const int row = blockIdx.x;
   // The row's arguments all at once (valid entries for every row), then the early exit: one
   // round trip before the V and D loads instead of two.
@@ -301,6 +303,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                  const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
                  unsigned char* __restrict__ workspace, int64_t workspace_blocks,
                  int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+  BeginDependentKernel();
   PlanRowGlobal(blockIdx.x, positions, row_block_offset, scores, top_k, rho, gamma, seed, row_seed,
                 layer, max_blocks, workspace, workspace_blocks, selected, selected_count);
 }
@@ -330,6 +333,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                      int top_k, double rho, double gamma, uint64_t seed,
                      const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
                      int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+  BeginDependentKernel();
   using Scan = cub::BlockScan<uint32_t, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int32_t picks[kParallelExplore];
@@ -561,6 +565,7 @@ __global__ void __launch_bounds__(kUnionThreads)
                 const int32_t* __restrict__ selected_count,
                 const int64_t* __restrict__ group_block_offset, int32_t* __restrict__ union_blocks,
                 int32_t* __restrict__ union_count) {
+  BeginDependentKernel();
   static_assert(kUnionWords == 2 * kUnionThreads, "two bitmap words a thread");
   using Scan = cub::BlockScan<int, kUnionThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -704,10 +709,13 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
     const int64_t wanted = (p.max_visible_blocks + per_cta - 1) / per_cta;
     chunks = wanted > 65535 ? 65535 : wanted;
   }
-  PredictKernel<<<dim3(p.num_rows, static_cast<unsigned>(chunks)), kPredictWarps * 32, 0, stream>>>(
-      p.positions, p.vertical, p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset,
-      p.scores);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (cudaError_t e =
+          LaunchDependent("predict", PredictKernel, dim3(p.num_rows, static_cast<unsigned>(chunks)),
+                          dim3(kPredictWarps * 32), 0, stream, p.positions, p.vertical,
+                          p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset, p.scores);
+      e != cudaSuccess) {
+    return e;
+  }
   if (p.selected == nullptr) return cudaSuccess;
   const bool explores = Explores(p);
   if (p.max_visible_blocks >= 1 && p.max_visible_blocks <= kSpinSharedPlanBlocks) {
@@ -726,11 +734,10 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
         return e;
       }
     }
-    PlanSharedKernel<<<p.num_rows, kSelectThreads, shared_bytes, stream>>>(
-        p.positions, p.row_block_offset, p.scores, p.top_k, p.target_block_sparsity,
-        explores ? p.exploration_fraction : 0.0, p.seed, p.row_seed, p.layer, p.max_visible_blocks,
-        p.selected, p.selected_count);
-    return cudaGetLastError();
+    return LaunchDependent("plan", PlanSharedKernel, dim3(p.num_rows), dim3(kSelectThreads),
+                           shared_bytes, stream, p.positions, p.row_block_offset, p.scores, p.top_k,
+                           p.target_block_sparsity, explores ? p.exploration_fraction : 0.0, p.seed,
+                           p.row_seed, p.layer, p.max_visible_blocks, p.selected, p.selected_count);
   }
   const bool in_workspace = PlanInWorkspace(p);
   const size_t shared_bytes = explores && !in_workspace
@@ -744,13 +751,12 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
       return e;
     }
   }
-  SelectKernel<<<p.num_rows, kSelectThreads, shared_bytes, stream>>>(
-      p.positions, p.row_block_offset, p.scores, p.top_k, p.target_block_sparsity,
-      explores ? p.exploration_fraction : 0.0, p.seed, p.row_seed, p.layer,
-      explores ? p.max_visible_blocks : 0,
-      in_workspace ? static_cast<unsigned char*>(p.workspace) : nullptr,
-      in_workspace ? p.total_blocks : 0, p.selected, p.selected_count);
-  return cudaGetLastError();
+  return LaunchDependent("plan", SelectKernel, dim3(p.num_rows), dim3(kSelectThreads), shared_bytes,
+                         stream, p.positions, p.row_block_offset, p.scores, p.top_k,
+                         p.target_block_sparsity, explores ? p.exploration_fraction : 0.0, p.seed,
+                         p.row_seed, p.layer, explores ? p.max_visible_blocks : 0,
+                         in_workspace ? static_cast<unsigned char*>(p.workspace) : nullptr,
+                         in_workspace ? p.total_blocks : 0, p.selected, p.selected_count);
 }
 
 bool CanImplementSpinUnion(const SpinUnionParams& p, const char** why) {
@@ -773,10 +779,9 @@ bool CanImplementSpinUnion(const SpinUnionParams& p, const char** why) {
 cudaError_t LaunchSpinUnion(const SpinUnionParams& p, cudaStream_t stream) {
   if (!CanImplementSpinUnion(p)) return cudaErrorInvalidValue;
   if (p.num_groups == 0) return cudaSuccess;
-  UnionKernel<<<p.num_groups, kUnionThreads, 0, stream>>>(
-      p.group_first_row, p.row_block_offset, p.selected, p.selected_count, p.group_block_offset,
-      p.union_blocks, p.union_count);
-  return cudaGetLastError();
+  return LaunchDependent("union", UnionKernel, dim3(p.num_groups), dim3(kUnionThreads), 0, stream,
+                         p.group_first_row, p.row_block_offset, p.selected, p.selected_count,
+                         p.group_block_offset, p.union_blocks, p.union_count);
 }
 
 }  // namespace dsa::cuda

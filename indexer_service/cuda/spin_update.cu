@@ -1,6 +1,7 @@
 // SPIN's EMA update on the GPU (see spin_update.h).
 #include <cmath>
 
+#include "indexer_service/cuda/dependent_launch.cuh"
 #include "indexer_service/cuda/spin_update.h"
 
 namespace dsa::cuda {
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
     const int32_t* __restrict__ logical_blocks, const int64_t* __restrict__ row_position,
     const int64_t* __restrict__ row_score_offset, const float* __restrict__ scores,
     float* const* __restrict__ vertical, float* const* __restrict__ diagonal, float a, float b) {
+  BeginDependentKernel();
   const int group = blockIdx.y;
   const int first_row = group_first_row[group];
   const int end_row = group_first_row[group + 1];
@@ -180,10 +182,10 @@ cudaError_t LaunchSpinUpdate(const SpinUpdateParams& p, cudaStream_t stream) {
     chunks = (p.max_visible_slots + per_cta - 1) / per_cta;
     chunks = chunks < kMaxUpdateChunks ? chunks : kMaxUpdateChunks;
   }
-  UpdateKernel<<<dim3(static_cast<unsigned>(chunks), p.num_groups), kUpdateThreads, 0, stream>>>(
-      p.group_first_row, p.group_block_offset, p.logical_blocks, p.row_position, p.row_score_offset,
-      p.scores, p.vertical, p.diagonal, a, b);
-  return cudaGetLastError();
+  return LaunchDependent("update", UpdateKernel, dim3(static_cast<unsigned>(chunks), p.num_groups),
+                         dim3(kUpdateThreads), 0, stream, p.group_first_row, p.group_block_offset,
+                         p.logical_blocks, p.row_position, p.row_score_offset, p.scores, p.vertical,
+                         p.diagonal, a, b);
 }
 
 }  // namespace dsa::cuda

@@ -22,6 +22,7 @@
 #include <cub/block/block_scan.cuh>
 #include <mutex>
 
+#include "indexer_service/cuda/dependent_launch.cuh"
 #include "indexer_service/cuda/topk.h"
 
 namespace dsa::cuda {
@@ -538,6 +539,7 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
 #ifdef DSA_TOPK_TRACE
   uint64_t trace[4] = {};
 #endif
+  BeginDependentKernel();
   TRACE(0);
   extern __shared__ __align__(16) uint8_t smem[];
   uint32_t* cache = reinterpret_cast<uint32_t*>(smem);
@@ -689,6 +691,9 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t stream) {
     }
   }
   const unsigned cluster = 1u << log_cluster;
+  // Launched without the PDL attribute (dependent_launch.cuh): launched early, while the scan
+  // runs, the select got slower (8 x 64K all-keep 69.2 -> 77.0 us, docs/gpu_kernels.md "Step 15");
+  // its BeginDependentKernel still lets the update after it launch early.
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
