@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -111,11 +112,18 @@ struct L2Flush {
   }
 };
 
+/// Nothing to run between the flush and the timed launch.
+struct NoPrelude {
+  cudaError_t operator()() const { return cudaSuccess; }
+};
+
 /// Median time (us) of `launch` on `stream` over `reps` runs after `warmup`, each bracketed by
-/// CUDA events with the L2 flushed before it.
-template <typename F>
+/// CUDA events with the L2 flushed before it. `prelude` runs after the flush, outside the events
+/// (the same kernels on a twin problem's buffers: their code is then in L2 and the timed launch's
+/// data is not; see bench_gpu_indexer's *_code_warm figures).
+template <typename F, typename P = NoPrelude>
 double MedianUs(F launch, const L2Flush& flush, cudaStream_t stream = nullptr, int reps = 30,
-                int warmup = 5) {
+                int warmup = 5, P prelude = {}) {
   cudaEvent_t start, stop;
   DSA_BENCH_CUDA(cudaEventCreate(&start));
   DSA_BENCH_CUDA(cudaEventCreate(&stop));
@@ -123,6 +131,7 @@ double MedianUs(F launch, const L2Flush& flush, cudaStream_t stream = nullptr, i
   std::vector<float> ms;
   for (int i = 0; i < reps; ++i) {
     DSA_BENCH_CUDA(flush.Run(i, stream));
+    DSA_BENCH_CUDA(prelude());
     DSA_BENCH_CUDA(cudaEventRecord(start, stream));
     DSA_BENCH_CUDA(launch());
     DSA_BENCH_CUDA(cudaEventRecord(stop, stream));
@@ -135,6 +144,14 @@ double MedianUs(F launch, const L2Flush& flush, cudaStream_t stream = nullptr, i
   DSA_BENCH_CUDA(cudaEventDestroy(stop));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2] * 1e3;
+}
+
+/// A JSON number with two decimals, or null for NaN (not measured).
+inline std::string JsonNumber(double value) {
+  if (std::isnan(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", value);
+  return text;
 }
 
 /// Device-to-device copy bandwidth (read + write) of a 1 GiB copy, TB/s: the run's HBM ceiling.

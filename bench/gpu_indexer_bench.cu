@@ -1,12 +1,15 @@
 // bench_gpu_indexer: times the GPU scan (tensor-core and CUDA-core) and top-K (K = 2048) of
 // indexer_service/cuda at rows x slots shapes (one row per sequence, H = 64, D = 128, all blocks),
 // with the HBM floor of 132 bytes a slot at the device-to-device copy bandwidth measured in the
-// same run. CUDA events around each launch after warm-up, L2 flushed before each, medians.
+// same run. CUDA events around each launch after warm-up, L2 flushed before each, medians. Up to
+// 2^21 slots the tensor-core scan and top-K are also timed with their code warm and their data cold
+// (tc_cw_us, topk_cw_us): after the flush the same launch runs on a twin problem's buffers first.
 // usage: bench_gpu_indexer [--shapes 1x16384,1x65536,...] [--json OUT]
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -30,37 +33,37 @@ struct Result {
   int64_t slots;
   double scan_tc_us, scan_cc_us, topk_us, floor_us;
   double scan_tc_ws_us;  // the tensor-core scan with ScanQueryPrep::kWorkspace (two launches)
+  // The tensor-core scan and top-K with their code warm and their data cold: after the flush, the
+  // same launch on a twin problem's own buffers (NaN where the twin is not built).
+  double scan_tc_code_warm_us, topk_code_warm_us;
 };
 
-}  // namespace
+// One shape's synthetic inputs (all blocks of `rows` sequences of `slots` slots, one row each) and
+// the scan and top-K launches over them; owns its device buffers.
+struct Problem {
+  std::vector<void*> buffers;
+  dsa::cuda::ScanParams scan;
+  dsa::cuda::TopKParams topk;
 
-int main(int argc, char** argv) {
-  std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
-  const char* json_path = nullptr;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
-    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  template <typename T>
+  T* Keep(T* p) {
+    buffers.push_back(const_cast<void*>(static_cast<const void*>(p)));
+    return p;
   }
-  const dsa::bench::L2Flush flush;
-  // Copy bandwidth (read + write) of a 1 GiB device-to-device copy: the HBM ceiling of this run.
-  const double copy_tb_s = dsa::bench::CopyBandwidthTBs(flush);
-  std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
 
-  std::vector<Result> results;
-  for (const std::string& shape : dsa::bench::Split(shapes)) {
-    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
-    const int rows = parsed.rows;
-    const int64_t slots = parsed.slots;
+  Problem(int rows, int64_t slots) {
     const int64_t blocks_per_row = (slots + 63) / 64;
     const int64_t num_blocks = blocks_per_row * rows;
-
     uint8_t* pool = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&pool, num_blocks * 64 * (kHeadDim + 4)));
+    Keep(pool);
     dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
     __nv_bfloat16* query = nullptr;
     float* weights = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&query, sizeof(__nv_bfloat16) * rows * kHeads * kHeadDim));
     DSA_BENCH_CUDA(cudaMalloc(&weights, sizeof(float) * rows * kHeads));
+    Keep(query);
+    Keep(weights);
     dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
                                         int64_t{rows} * kHeads);
     DSA_BENCH_CUDA(cudaGetLastError());
@@ -84,43 +87,77 @@ int main(int argc, char** argv) {
     int32_t* selection = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * num_blocks * 64));
     DSA_BENCH_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * kTopK));
+    Keep(scores);
+    Keep(selection);
 
-    dsa::cuda::ScanParams scan;
     scan.pool = pool;
     scan.head_dim = kHeadDim;
     scan.num_heads = kHeads;
     scan.num_groups = rows;
     scan.num_rows = rows;
-    scan.group_first_row = DeviceCopy(first_row);
-    scan.group_block_offset = DeviceCopy(block_offset);
+    scan.group_first_row = Keep(DeviceCopy(first_row));
+    scan.group_block_offset = Keep(DeviceCopy(block_offset));
     scan.total_blocks = num_blocks;
-    scan.logical_blocks = DeviceCopy(logical);
-    scan.group_table_offset = DeviceCopy(table_offset);
-    scan.block_tables = DeviceCopy(tables);
-    scan.group_num_slots = DeviceCopy(num_slots);
+    scan.logical_blocks = Keep(DeviceCopy(logical));
+    scan.group_table_offset = Keep(DeviceCopy(table_offset));
+    scan.block_tables = Keep(DeviceCopy(tables));
+    scan.group_num_slots = Keep(DeviceCopy(num_slots));
     scan.query = query;
     scan.query_dtype = dsa::cuda::QueryDtype::kBFloat16;
     scan.head_weights = weights;
-    scan.row_position = DeviceCopy(position);
-    scan.row_score_offset = DeviceCopy(score_offset);
+    scan.row_position = Keep(DeviceCopy(position));
+    scan.row_score_offset = Keep(DeviceCopy(score_offset));
     scan.scores = scores;
     scan.workspace_bytes = dsa::cuda::ScanTensorCoresScratchBytes(scan);
-    void* workspace = nullptr;
-    DSA_BENCH_CUDA(cudaMalloc(&workspace, scan.workspace_bytes));
-    scan.workspace = workspace;
+    DSA_BENCH_CUDA(cudaMalloc(&scan.workspace, scan.workspace_bytes));
+    Keep(scan.workspace);
 
-    dsa::cuda::TopKParams topk;
     topk.scores = scores;
     topk.num_rows = rows;
     topk.row_score_offset = scan.row_score_offset;
-    topk.row_num_entries = DeviceCopy(entries);
+    topk.row_num_entries = Keep(DeviceCopy(entries));
     topk.logical_blocks = scan.logical_blocks;
     topk.row_block_offset = scan.group_block_offset;
     topk.row_max_slot = scan.row_position;
     topk.k = kTopK;
     topk.selection = selection;
+  }
+  ~Problem() {
+    DSA_BENCH_CUDA(cudaDeviceSynchronize());
+    for (void* p : buffers) DSA_BENCH_CUDA(cudaFree(p));
+  }
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+};
 
-    Result res{rows, slots, 0, 0, 0, 0, 0};
+// Twins are built up to this many slots (rows x slots): past it the code's fetch is a small part
+// of the time and the twin's own bytes would be a second copy of a large pool.
+constexpr int64_t kMaxTwinSlots = int64_t{1} << 21;
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
+  const char* json_path = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
+    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  }
+  const dsa::bench::L2Flush flush;
+  // Copy bandwidth (read + write) of a 1 GiB device-to-device copy: the HBM ceiling of this run.
+  const double copy_tb_s = dsa::bench::CopyBandwidthTBs(flush);
+  std::printf("device-to-device copy: %.2f TB/s (read + write)\n", copy_tb_s);
+
+  std::vector<Result> results;
+  for (const std::string& shape : dsa::bench::Split(shapes)) {
+    const dsa::bench::Shape parsed = dsa::bench::ParseShape(shape);
+    const int rows = parsed.rows;
+    const int64_t slots = parsed.slots;
+    Problem problem(rows, slots);
+    dsa::cuda::ScanParams& scan = problem.scan;
+    const dsa::cuda::TopKParams& topk = problem.topk;
+
+    Result res{rows, slots, 0, 0, 0, 0, 0, NAN, NAN};
     res.scan_cc_us = MedianUs([&] { return dsa::cuda::LaunchScanCudaCores(scan, nullptr); }, flush);
     res.scan_tc_us =
         MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush);
@@ -129,27 +166,28 @@ int main(int argc, char** argv) {
         MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush);
     scan.query_prep = dsa::cuda::ScanQueryPrep::kAuto;
     res.topk_us = MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush);
+    if (int64_t{rows} * slots <= kMaxTwinSlots) {
+      Problem twin(rows, slots);
+      res.scan_tc_code_warm_us =
+          MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush, nullptr,
+                   30, 5, [&] { return dsa::cuda::LaunchScanTensorCores(twin.scan, nullptr); });
+      res.topk_code_warm_us =
+          MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush, nullptr, 30, 5,
+                   [&] { return dsa::cuda::LaunchTopK(twin.topk, nullptr); });
+    }
     res.floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
     results.push_back(res);
-    DSA_BENCH_CUDA(cudaDeviceSynchronize());
-    for (const void* p : {(const void*)pool, (const void*)query, (const void*)weights,
-                          (const void*)scores, (const void*)selection,
-                          (const void*)scan.group_first_row, (const void*)scan.group_block_offset,
-                          (const void*)scan.logical_blocks, (const void*)scan.group_table_offset,
-                          (const void*)scan.block_tables, (const void*)scan.group_num_slots,
-                          (const void*)scan.row_position, (const void*)scan.row_score_offset,
-                          (const void*)topk.row_num_entries, (const void*)workspace}) {
-      DSA_BENCH_CUDA(cudaFree(const_cast<void*>(p)));
-    }
   }
 
-  std::printf("%5s %8s %10s %10s %10s %10s %10s %8s %8s\n", "rows", "slots", "floor_us",
-              "scan_tc_us", "tc_ws_us", "scan_cc_us", "topk_us", "tc/floor", "tc_TB/s");
+  std::printf("%5s %8s %10s %10s %10s %10s %10s %8s %8s %10s %10s\n", "rows", "slots", "floor_us",
+              "scan_tc_us", "tc_ws_us", "scan_cc_us", "topk_us", "tc/floor", "tc_TB/s", "tc_cw_us",
+              "topk_cw_us");
   for (const Result& r : results) {
-    std::printf("%5d %8lld %10.1f %10.1f %10.1f %10.1f %10.1f %8.2f %8.2f\n", r.rows,
+    std::printf("%5d %8lld %10.1f %10.1f %10.1f %10.1f %10.1f %8.2f %8.2f %10.1f %10.1f\n", r.rows,
                 static_cast<long long>(r.slots), r.floor_us, r.scan_tc_us, r.scan_tc_ws_us,
                 r.scan_cc_us, r.topk_us, r.scan_tc_us / r.floor_us,
-                r.rows * r.slots * 132.0 / r.scan_tc_us * 1e-6);
+                r.rows * r.slots * 132.0 / r.scan_tc_us * 1e-6, r.scan_tc_code_warm_us,
+                r.topk_code_warm_us);
   }
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
@@ -157,12 +195,15 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\"copy_tb_s\": %.4f, \"results\": [\n", copy_tb_s);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f,
-                   " {\"rows\": %d, \"slots\": %lld, \"floor_us\": %.2f, \"scan_tensor_core_us\": "
-                   "%.2f, \"scan_tensor_core_workspace_us\": %.2f, \"scan_cuda_core_us\": %.2f, "
-                   "\"topk_us\": %.2f}%s\n",
-                   r.rows, static_cast<long long>(r.slots), r.floor_us, r.scan_tc_us,
-                   r.scan_tc_ws_us, r.scan_cc_us, r.topk_us, i + 1 < results.size() ? "," : "");
+      std::fprintf(
+          f,
+          " {\"rows\": %d, \"slots\": %lld, \"floor_us\": %.2f, \"scan_tensor_core_us\": "
+          "%.2f, \"scan_tensor_core_workspace_us\": %.2f, \"scan_cuda_core_us\": %.2f, "
+          "\"topk_us\": %.2f, \"scan_tensor_core_code_warm_us\": %s, "
+          "\"topk_code_warm_us\": %s}%s\n",
+          r.rows, static_cast<long long>(r.slots), r.floor_us, r.scan_tc_us, r.scan_tc_ws_us,
+          r.scan_cc_us, r.topk_us, dsa::bench::JsonNumber(r.scan_tc_code_warm_us).c_str(),
+          dsa::bench::JsonNumber(r.topk_code_warm_us).c_str(), i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "]}\n");
     std::fclose(f);

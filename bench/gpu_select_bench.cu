@@ -5,15 +5,19 @@
 // --rhos value at the --sweep shapes, with the realized block sparsity, against the HBM floor of
 // all-keep (132 bytes a slot at the copy bandwidth measured in the same run). The EMAs are primed
 // by one all-keep select; the L2 is flushed before each timed run; medians of 30 after 5 warm-ups.
+// Up to 2^21 slots each select is also timed with its code warm and its data cold (cw_us: a twin
+// problem's select replayed after the flush, before the timed one).
 // usage: bench_gpu_select [--shapes 1x16384,...] [--sweep 1x131072] [--rhos 0,0.3,0.4,0.5]
 //                         [--json OUT]
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,76 +38,95 @@ struct Row {
   int64_t slots;
   double rho;  // < 0: all-keep
   double us, floor_us, sparsity;
+  double code_warm_us;  // the same with the code warm and the data cold (NaN: not measured)
 };
 
-// Times all-keep and SPIN at `rhos` for one shape; appends a Row each.
-void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double copy_tb_s,
-              const dsa::bench::L2Flush& flush, std::vector<Row>& out) {
-  const int64_t blocks = (slots + 63) / 64;
-  const int64_t num_blocks = blocks * rows;
-  uint8_t* pool = DeviceZeros<uint8_t>(num_blocks * 64 * (kHeadDim + 4));
-  dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
-  __nv_bfloat16* query = DeviceZeros<__nv_bfloat16>(int64_t{rows} * kHeads * kHeadDim);
-  float* weights = DeviceZeros<float>(int64_t{rows} * kHeads);
-  dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
-                                      int64_t{rows} * kHeads);
-  DSA_BENCH_CUDA(cudaGetLastError());
-  std::vector<int32_t> first_row(rows + 1), tables(num_blocks);
-  std::vector<int64_t> table_offset(rows), num_slots(rows, slots), position(rows, slots - 1),
-      capacity(rows, slots);
-  std::vector<float*> vertical(rows), diagonal(rows);
-  std::vector<uint64_t> seeds(rows);
-  for (int r = 0; r <= rows; ++r) first_row[r] = r;
-  for (int r = 0; r < rows; ++r) {
-    table_offset[r] = r * blocks;
-    vertical[r] = DeviceZeros<float>(slots);
-    diagonal[r] = DeviceZeros<float>(slots);
-    seeds[r] = 0x5eed0000u + r;
-  }
-  for (int64_t b = 0; b < num_blocks; ++b) tables[b] = static_cast<int32_t>(b);
-
+// One shape's synthetic select (all blocks of `rows` sequences of `slots` slots, one row each, the
+// EMAs primed by one all-keep select); owns its device buffers and stream.
+struct SelectProblem {
+  std::vector<void*> buffers;
   dsa::cuda::SelectParams p;
-  p.pool = pool;
-  p.head_dim = kHeadDim;
-  p.num_heads = kHeads;
-  p.num_groups = rows;
-  p.num_rows = rows;
-  p.group_first_row = DeviceCopy(first_row);
-  p.group_table_offset = DeviceCopy(table_offset);
-  p.block_tables = DeviceCopy(tables);
-  p.group_num_slots = DeviceCopy(num_slots);
-  p.query = query;
-  p.head_weights = weights;
-  p.row_position = DeviceCopy(position);
-  SelectPlan* plan = DeviceCopy(std::vector<SelectPlan>(rows, SelectPlan::kAllBlocks));
-  p.group_plan = plan;
-  p.vertical = DeviceCopy(vertical);
-  p.diagonal = DeviceCopy(diagonal);
-  p.spin_capacity = DeviceCopy(capacity);
-  p.group_seed = DeviceCopy(seeds);
-  p.top_k = kTopK;
-  p.exploration_fraction = 0.05;
-  p.max_visible_blocks = blocks;
-  p.selection = DeviceZeros<int32_t>(int64_t{rows} * kTopK);
-  p.scores = DeviceZeros<float>(num_blocks * 64);
-  p.row_score_offset = DeviceZeros<int64_t>(rows);
-  p.group_blocks = DeviceZeros<int32_t>(num_blocks);
-  p.group_block_offset = DeviceZeros<int64_t>(rows + 1);
-  p.workspace_bytes = dsa::cuda::SelectScratchBytes(p);
-  p.workspace = DeviceZeros<uint8_t>(p.workspace_bytes);
-  const char* why = "";
-  if (!dsa::cuda::CanImplementSelect(p, &why)) {
-    std::fprintf(stderr, "select %dx%lld: %s\n", rows, static_cast<long long>(slots), why);
-    std::exit(1);
+  SelectPlan* plan = nullptr;
+  cudaStream_t stream = nullptr;
+  int rows;
+
+  template <typename T>
+  T* Keep(T* ptr) {
+    buffers.push_back(const_cast<void*>(static_cast<const void*>(ptr)));
+    return ptr;
   }
-  cudaStream_t stream;
-  DSA_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));  // primes V and D (a warm-up select)
-  DSA_BENCH_CUDA(cudaStreamSynchronize(stream));
-  const double floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
-  std::vector<double> modes = {-1.0};
-  modes.insert(modes.end(), rhos.begin(), rhos.end());
-  for (double rho : modes) {
+
+  SelectProblem(int num_rows, int64_t slots) : rows(num_rows) {
+    const int64_t blocks = (slots + 63) / 64;
+    const int64_t num_blocks = blocks * rows;
+    uint8_t* pool = Keep(DeviceZeros<uint8_t>(num_blocks * 64 * (kHeadDim + 4)));
+    dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
+    __nv_bfloat16* query = Keep(DeviceZeros<__nv_bfloat16>(int64_t{rows} * kHeads * kHeadDim));
+    float* weights = Keep(DeviceZeros<float>(int64_t{rows} * kHeads));
+    dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
+                                        int64_t{rows} * kHeads);
+    DSA_BENCH_CUDA(cudaGetLastError());
+    std::vector<int32_t> first_row(rows + 1), tables(num_blocks);
+    std::vector<int64_t> table_offset(rows), num_slots(rows, slots), position(rows, slots - 1),
+        capacity(rows, slots);
+    std::vector<float*> vertical(rows), diagonal(rows);
+    std::vector<uint64_t> seeds(rows);
+    for (int r = 0; r <= rows; ++r) first_row[r] = r;
+    for (int r = 0; r < rows; ++r) {
+      table_offset[r] = r * blocks;
+      vertical[r] = Keep(DeviceZeros<float>(slots));
+      diagonal[r] = Keep(DeviceZeros<float>(slots));
+      seeds[r] = 0x5eed0000u + r;
+    }
+    for (int64_t b = 0; b < num_blocks; ++b) tables[b] = static_cast<int32_t>(b);
+
+    p.pool = pool;
+    p.head_dim = kHeadDim;
+    p.num_heads = kHeads;
+    p.num_groups = rows;
+    p.num_rows = rows;
+    p.group_first_row = Keep(DeviceCopy(first_row));
+    p.group_table_offset = Keep(DeviceCopy(table_offset));
+    p.block_tables = Keep(DeviceCopy(tables));
+    p.group_num_slots = Keep(DeviceCopy(num_slots));
+    p.query = query;
+    p.head_weights = weights;
+    p.row_position = Keep(DeviceCopy(position));
+    plan = Keep(DeviceCopy(std::vector<SelectPlan>(rows, SelectPlan::kAllBlocks)));
+    p.group_plan = plan;
+    p.vertical = Keep(DeviceCopy(vertical));
+    p.diagonal = Keep(DeviceCopy(diagonal));
+    p.spin_capacity = Keep(DeviceCopy(capacity));
+    p.group_seed = Keep(DeviceCopy(seeds));
+    p.top_k = kTopK;
+    p.exploration_fraction = 0.05;
+    p.max_visible_blocks = blocks;
+    p.selection = Keep(DeviceZeros<int32_t>(int64_t{rows} * kTopK));
+    p.scores = Keep(DeviceZeros<float>(num_blocks * 64));
+    p.row_score_offset = Keep(DeviceZeros<int64_t>(rows));
+    p.group_blocks = Keep(DeviceZeros<int32_t>(num_blocks));
+    p.group_block_offset = Keep(DeviceZeros<int64_t>(rows + 1));
+    p.workspace_bytes = dsa::cuda::SelectScratchBytes(p);
+    p.workspace = Keep(DeviceZeros<uint8_t>(p.workspace_bytes));
+    const char* why = "";
+    if (!dsa::cuda::CanImplementSelect(p, &why)) {
+      std::fprintf(stderr, "select %dx%lld: %s\n", rows, static_cast<long long>(slots), why);
+      std::exit(1);
+    }
+    DSA_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));  // primes V and D (a warm-up select)
+    DSA_BENCH_CUDA(cudaStreamSynchronize(stream));
+  }
+  ~SelectProblem() {
+    DSA_BENCH_CUDA(cudaStreamDestroy(stream));
+    DSA_BENCH_CUDA(cudaDeviceSynchronize());
+    for (void* ptr : buffers) DSA_BENCH_CUDA(cudaFree(ptr));
+  }
+  SelectProblem(const SelectProblem&) = delete;
+  SelectProblem& operator=(const SelectProblem&) = delete;
+
+  // The select graph of all-keep (rho < 0) or SPIN at rho, captured on this problem's stream.
+  cudaGraphExec_t Capture(double rho) {
     const SelectPlan mode = rho < 0 ? SelectPlan::kAllBlocks : SelectPlan::kSpin;
     DSA_BENCH_CUDA(cudaMemcpy(plan, std::vector<SelectPlan>(rows, mode).data(),
                               sizeof(SelectPlan) * rows, cudaMemcpyHostToDevice));
@@ -116,30 +139,45 @@ void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double c
     DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));
     DSA_BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
     DSA_BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    DSA_BENCH_CUDA(cudaGraphDestroy(graph));
+    return exec;
+  }
+};
+
+// Twins (for the code-warm figure) are built up to this many slots (rows x slots).
+constexpr int64_t kMaxTwinSlots = int64_t{1} << 21;
+
+// Times all-keep and SPIN at `rhos` for one shape; appends a Row each.
+void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double copy_tb_s,
+              const dsa::bench::L2Flush& flush, std::vector<Row>& out) {
+  SelectProblem problem(rows, slots);
+  std::unique_ptr<SelectProblem> twin;
+  if (int64_t{rows} * slots <= kMaxTwinSlots) twin = std::make_unique<SelectProblem>(rows, slots);
+  const int64_t num_blocks = (slots + 63) / 64 * rows;
+  const double floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
+  std::vector<double> modes = {-1.0};
+  modes.insert(modes.end(), rhos.begin(), rhos.end());
+  for (double rho : modes) {
+    cudaStream_t stream = problem.stream;
+    const cudaGraphExec_t exec = problem.Capture(rho);
     const double us =
         dsa::bench::MedianUs([&] { return cudaGraphLaunch(exec, stream); }, flush, stream);
     int64_t scored = 0;
-    DSA_BENCH_CUDA(
-        cudaMemcpy(&scored, p.group_block_offset + rows, sizeof(int64_t), cudaMemcpyDeviceToHost));
-    out.push_back({rows, slots, rho, us, floor_us, 1.0 - static_cast<double>(scored) / num_blocks});
+    DSA_BENCH_CUDA(cudaMemcpy(&scored, problem.p.group_block_offset + rows, sizeof(int64_t),
+                              cudaMemcpyDeviceToHost));
+    double code_warm_us = NAN;
+    if (twin != nullptr) {
+      // The twin's select (same kernels and paths, its own buffers) after the flush, on this
+      // stream: the code is in L2, the timed select's data is not.
+      const cudaGraphExec_t twin_exec = twin->Capture(rho);
+      code_warm_us =
+          dsa::bench::MedianUs([&] { return cudaGraphLaunch(exec, stream); }, flush, stream, 30, 5,
+                               [&] { return cudaGraphLaunch(twin_exec, stream); });
+      DSA_BENCH_CUDA(cudaGraphExecDestroy(twin_exec));
+    }
+    out.push_back({rows, slots, rho, us, floor_us, 1.0 - static_cast<double>(scored) / num_blocks,
+                   code_warm_us});
     DSA_BENCH_CUDA(cudaGraphExecDestroy(exec));
-    DSA_BENCH_CUDA(cudaGraphDestroy(graph));
-  }
-  DSA_BENCH_CUDA(cudaStreamDestroy(stream));
-  DSA_BENCH_CUDA(cudaDeviceSynchronize());
-  for (int r = 0; r < rows; ++r) {
-    DSA_BENCH_CUDA(cudaFree(vertical[r]));
-    DSA_BENCH_CUDA(cudaFree(diagonal[r]));
-  }
-  for (const void* ptr :
-       {(const void*)pool, (const void*)query, (const void*)weights, (const void*)plan,
-        (const void*)p.group_first_row, (const void*)p.group_table_offset,
-        (const void*)p.block_tables, (const void*)p.group_num_slots, (const void*)p.row_position,
-        (const void*)p.vertical, (const void*)p.diagonal, (const void*)p.spin_capacity,
-        (const void*)p.group_seed, (const void*)p.selection, (const void*)p.scores,
-        (const void*)p.row_score_offset, (const void*)p.group_blocks,
-        (const void*)p.group_block_offset, (const void*)p.workspace}) {
-    DSA_BENCH_CUDA(cudaFree(const_cast<void*>(ptr)));
   }
 }
 
@@ -170,15 +208,19 @@ int main(int argc, char** argv) {
     for (const std::string& s : sweep_shapes) swept = swept || s == shape;
     RunShape(rows, slots, swept ? rhos : std::vector<double>{0.4}, copy_tb_s, flush, rows_out);
   }
-  std::printf("%5s %8s %6s %10s %10s %8s %10s %10s\n", "rows", "slots", "rho", "select_us",
-              "floor_us", "x_floor", "vs_allkeep", "sparsity");
-  double all_keep = 0;
+  std::printf("%5s %8s %6s %10s %10s %8s %10s %10s %10s %10s\n", "rows", "slots", "rho",
+              "select_us", "floor_us", "x_floor", "vs_allkeep", "sparsity", "cw_us", "cw_vs_keep");
+  double all_keep = 0, all_keep_code_warm = 0;
   for (const Row& r : rows_out) {
-    if (r.rho < 0) all_keep = r.us;
-    std::printf("%5d %8lld %6s %10.1f %10.1f %8.2f %10.3f %10.3f\n", r.rows,
+    if (r.rho < 0) {
+      all_keep = r.us;
+      all_keep_code_warm = r.code_warm_us;
+    }
+    std::printf("%5d %8lld %6s %10.1f %10.1f %8.2f %10.3f %10.3f %10.1f %10.3f\n", r.rows,
                 static_cast<long long>(r.slots),
                 r.rho < 0 ? "keep" : std::to_string(r.rho).substr(0, 4).c_str(), r.us, r.floor_us,
-                r.us / r.floor_us, r.us / all_keep, r.sparsity);
+                r.us / r.floor_us, r.us / all_keep, r.sparsity, r.code_warm_us,
+                r.code_warm_us / all_keep_code_warm);
   }
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
@@ -188,9 +230,11 @@ int main(int argc, char** argv) {
       const Row& r = rows_out[i];
       std::fprintf(f,
                    " {\"rows\": %d, \"slots\": %lld, \"mode\": \"%s\", \"rho\": %.2f, "
-                   "\"select_us\": %.2f, \"floor_us\": %.2f, \"realized_sparsity\": %.4f}%s\n",
+                   "\"select_us\": %.2f, \"floor_us\": %.2f, \"realized_sparsity\": %.4f, "
+                   "\"select_code_warm_us\": %s}%s\n",
                    r.rows, static_cast<long long>(r.slots), r.rho < 0 ? "all-keep" : "spin",
                    r.rho < 0 ? 0.0 : r.rho, r.us, r.floor_us, r.sparsity,
+                   dsa::bench::JsonNumber(r.code_warm_us).c_str(),
                    i + 1 < rows_out.size() ? "," : "");
     }
     std::fprintf(f, "]}\n");
