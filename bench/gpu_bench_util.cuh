@@ -154,6 +154,48 @@ inline std::string JsonNumber(double value) {
   return text;
 }
 
+/// Device buffers freed together, after a device synchronization, when the owner goes.
+class DeviceBuffers {
+ public:
+  DeviceBuffers() = default;
+  DeviceBuffers(const DeviceBuffers&) = delete;
+  DeviceBuffers& operator=(const DeviceBuffers&) = delete;
+  ~DeviceBuffers() {
+    DSA_BENCH_CUDA(cudaDeviceSynchronize());
+    for (void* p : buffers_) DSA_BENCH_CUDA(cudaFree(p));
+  }
+  /// Takes `p` (from cudaMalloc) and returns it.
+  template <typename T>
+  T* Keep(T* p) {
+    buffers_.push_back(const_cast<void*>(static_cast<const void*>(p)));
+    return p;
+  }
+
+ private:
+  std::vector<void*> buffers_;
+};
+
+/// A synthetic pool of `num_blocks` cache blocks of `head_dim` keys (FillPool) and `rows` bf16
+/// queries [rows, heads, head_dim] with fp32 head weights [rows, heads] (FillQuery), kept by
+/// `buffers`.
+struct SyntheticInputs {
+  uint8_t* pool;
+  __nv_bfloat16* query;
+  float* weights;
+};
+inline SyntheticInputs MakeSyntheticInputs(DeviceBuffers& buffers, int64_t num_blocks, int rows,
+                                           int heads, int head_dim) {
+  SyntheticInputs in;
+  in.pool = buffers.Keep(DeviceZeros<uint8_t>(num_blocks * 64 * (head_dim + 4)));
+  FillPool<<<1024, 256>>>(in.pool, num_blocks, head_dim);
+  const int64_t values = int64_t{rows} * heads * head_dim;
+  in.query = buffers.Keep(DeviceZeros<__nv_bfloat16>(values));
+  in.weights = buffers.Keep(DeviceZeros<float>(int64_t{rows} * heads));
+  FillQuery<<<256, 256>>>(in.query, values, in.weights, int64_t{rows} * heads);
+  DSA_BENCH_CUDA(cudaGetLastError());
+  return in;
+}
+
 /// Device-to-device copy bandwidth (read + write) of a 1 GiB copy, TB/s: the run's HBM ceiling.
 inline double CopyBandwidthTBs(const L2Flush& flush) {
   const size_t bytes = size_t{1} << 30;

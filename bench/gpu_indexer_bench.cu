@@ -41,32 +41,15 @@ struct Result {
 // One shape's synthetic inputs (all blocks of `rows` sequences of `slots` slots, one row each) and
 // the scan and top-K launches over them; owns its device buffers.
 struct Problem {
-  std::vector<void*> buffers;
+  dsa::bench::DeviceBuffers buffers;
   dsa::cuda::ScanParams scan;
   dsa::cuda::TopKParams topk;
-
-  template <typename T>
-  T* Keep(T* p) {
-    buffers.push_back(const_cast<void*>(static_cast<const void*>(p)));
-    return p;
-  }
 
   Problem(int rows, int64_t slots) {
     const int64_t blocks_per_row = (slots + 63) / 64;
     const int64_t num_blocks = blocks_per_row * rows;
-    uint8_t* pool = nullptr;
-    DSA_BENCH_CUDA(cudaMalloc(&pool, num_blocks * 64 * (kHeadDim + 4)));
-    Keep(pool);
-    dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
-    __nv_bfloat16* query = nullptr;
-    float* weights = nullptr;
-    DSA_BENCH_CUDA(cudaMalloc(&query, sizeof(__nv_bfloat16) * rows * kHeads * kHeadDim));
-    DSA_BENCH_CUDA(cudaMalloc(&weights, sizeof(float) * rows * kHeads));
-    Keep(query);
-    Keep(weights);
-    dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
-                                        int64_t{rows} * kHeads);
-    DSA_BENCH_CUDA(cudaGetLastError());
+    const dsa::bench::SyntheticInputs in =
+        dsa::bench::MakeSyntheticInputs(buffers, num_blocks, rows, kHeads, kHeadDim);
 
     std::vector<int32_t> first_row(rows + 1), logical(num_blocks), tables(num_blocks);
     std::vector<int64_t> block_offset(rows + 1), table_offset(rows), num_slots(rows, slots),
@@ -83,51 +66,41 @@ struct Problem {
       logical[b] = static_cast<int32_t>(b % blocks_per_row);
       tables[b] = static_cast<int32_t>(b);
     }
-    float* scores = nullptr;
-    int32_t* selection = nullptr;
-    DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * num_blocks * 64));
-    DSA_BENCH_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * kTopK));
-    Keep(scores);
-    Keep(selection);
+    float* scores = buffers.Keep(dsa::bench::DeviceZeros<float>(num_blocks * 64));
+    int32_t* selection = buffers.Keep(dsa::bench::DeviceZeros<int32_t>(int64_t{rows} * kTopK));
 
-    scan.pool = pool;
+    scan.pool = in.pool;
     scan.head_dim = kHeadDim;
     scan.num_heads = kHeads;
     scan.num_groups = rows;
     scan.num_rows = rows;
-    scan.group_first_row = Keep(DeviceCopy(first_row));
-    scan.group_block_offset = Keep(DeviceCopy(block_offset));
+    scan.group_first_row = buffers.Keep(DeviceCopy(first_row));
+    scan.group_block_offset = buffers.Keep(DeviceCopy(block_offset));
     scan.total_blocks = num_blocks;
-    scan.logical_blocks = Keep(DeviceCopy(logical));
-    scan.group_table_offset = Keep(DeviceCopy(table_offset));
-    scan.block_tables = Keep(DeviceCopy(tables));
-    scan.group_num_slots = Keep(DeviceCopy(num_slots));
-    scan.query = query;
+    scan.logical_blocks = buffers.Keep(DeviceCopy(logical));
+    scan.group_table_offset = buffers.Keep(DeviceCopy(table_offset));
+    scan.block_tables = buffers.Keep(DeviceCopy(tables));
+    scan.group_num_slots = buffers.Keep(DeviceCopy(num_slots));
+    scan.query = in.query;
     scan.query_dtype = dsa::cuda::QueryDtype::kBFloat16;
-    scan.head_weights = weights;
-    scan.row_position = Keep(DeviceCopy(position));
-    scan.row_score_offset = Keep(DeviceCopy(score_offset));
+    scan.head_weights = in.weights;
+    scan.row_position = buffers.Keep(DeviceCopy(position));
+    scan.row_score_offset = buffers.Keep(DeviceCopy(score_offset));
     scan.scores = scores;
     scan.workspace_bytes = dsa::cuda::ScanTensorCoresScratchBytes(scan);
     DSA_BENCH_CUDA(cudaMalloc(&scan.workspace, scan.workspace_bytes));
-    Keep(scan.workspace);
+    buffers.Keep(scan.workspace);
 
     topk.scores = scores;
     topk.num_rows = rows;
     topk.row_score_offset = scan.row_score_offset;
-    topk.row_num_entries = Keep(DeviceCopy(entries));
+    topk.row_num_entries = buffers.Keep(DeviceCopy(entries));
     topk.logical_blocks = scan.logical_blocks;
     topk.row_block_offset = scan.group_block_offset;
     topk.row_max_slot = scan.row_position;
     topk.k = kTopK;
     topk.selection = selection;
   }
-  ~Problem() {
-    DSA_BENCH_CUDA(cudaDeviceSynchronize());
-    for (void* p : buffers) DSA_BENCH_CUDA(cudaFree(p));
-  }
-  Problem(const Problem&) = delete;
-  Problem& operator=(const Problem&) = delete;
 };
 
 // Twins are built up to this many slots (rows x slots): past it the code's fetch is a small part

@@ -44,28 +44,17 @@ struct Row {
 // One shape's synthetic select (all blocks of `rows` sequences of `slots` slots, one row each, the
 // EMAs primed by one all-keep select); owns its device buffers and stream.
 struct SelectProblem {
-  std::vector<void*> buffers;
+  dsa::bench::DeviceBuffers buffers;
   dsa::cuda::SelectParams p;
   SelectPlan* plan = nullptr;
   cudaStream_t stream = nullptr;
   int rows;
 
-  template <typename T>
-  T* Keep(T* ptr) {
-    buffers.push_back(const_cast<void*>(static_cast<const void*>(ptr)));
-    return ptr;
-  }
-
   SelectProblem(int num_rows, int64_t slots) : rows(num_rows) {
     const int64_t blocks = (slots + 63) / 64;
     const int64_t num_blocks = blocks * rows;
-    uint8_t* pool = Keep(DeviceZeros<uint8_t>(num_blocks * 64 * (kHeadDim + 4)));
-    dsa::bench::FillPool<<<1024, 256>>>(pool, num_blocks, kHeadDim);
-    __nv_bfloat16* query = Keep(DeviceZeros<__nv_bfloat16>(int64_t{rows} * kHeads * kHeadDim));
-    float* weights = Keep(DeviceZeros<float>(int64_t{rows} * kHeads));
-    dsa::bench::FillQuery<<<256, 256>>>(query, int64_t{rows} * kHeads * kHeadDim, weights,
-                                        int64_t{rows} * kHeads);
-    DSA_BENCH_CUDA(cudaGetLastError());
+    const dsa::bench::SyntheticInputs in =
+        dsa::bench::MakeSyntheticInputs(buffers, num_blocks, rows, kHeads, kHeadDim);
     std::vector<int32_t> first_row(rows + 1), tables(num_blocks);
     std::vector<int64_t> table_offset(rows), num_slots(rows, slots), position(rows, slots - 1),
         capacity(rows, slots);
@@ -74,40 +63,40 @@ struct SelectProblem {
     for (int r = 0; r <= rows; ++r) first_row[r] = r;
     for (int r = 0; r < rows; ++r) {
       table_offset[r] = r * blocks;
-      vertical[r] = Keep(DeviceZeros<float>(slots));
-      diagonal[r] = Keep(DeviceZeros<float>(slots));
+      vertical[r] = buffers.Keep(DeviceZeros<float>(slots));
+      diagonal[r] = buffers.Keep(DeviceZeros<float>(slots));
       seeds[r] = 0x5eed0000u + r;
     }
     for (int64_t b = 0; b < num_blocks; ++b) tables[b] = static_cast<int32_t>(b);
 
-    p.pool = pool;
+    p.pool = in.pool;
     p.head_dim = kHeadDim;
     p.num_heads = kHeads;
     p.num_groups = rows;
     p.num_rows = rows;
-    p.group_first_row = Keep(DeviceCopy(first_row));
-    p.group_table_offset = Keep(DeviceCopy(table_offset));
-    p.block_tables = Keep(DeviceCopy(tables));
-    p.group_num_slots = Keep(DeviceCopy(num_slots));
-    p.query = query;
-    p.head_weights = weights;
-    p.row_position = Keep(DeviceCopy(position));
-    plan = Keep(DeviceCopy(std::vector<SelectPlan>(rows, SelectPlan::kAllBlocks)));
+    p.group_first_row = buffers.Keep(DeviceCopy(first_row));
+    p.group_table_offset = buffers.Keep(DeviceCopy(table_offset));
+    p.block_tables = buffers.Keep(DeviceCopy(tables));
+    p.group_num_slots = buffers.Keep(DeviceCopy(num_slots));
+    p.query = in.query;
+    p.head_weights = in.weights;
+    p.row_position = buffers.Keep(DeviceCopy(position));
+    plan = buffers.Keep(DeviceCopy(std::vector<SelectPlan>(rows, SelectPlan::kAllBlocks)));
     p.group_plan = plan;
-    p.vertical = Keep(DeviceCopy(vertical));
-    p.diagonal = Keep(DeviceCopy(diagonal));
-    p.spin_capacity = Keep(DeviceCopy(capacity));
-    p.group_seed = Keep(DeviceCopy(seeds));
+    p.vertical = buffers.Keep(DeviceCopy(vertical));
+    p.diagonal = buffers.Keep(DeviceCopy(diagonal));
+    p.spin_capacity = buffers.Keep(DeviceCopy(capacity));
+    p.group_seed = buffers.Keep(DeviceCopy(seeds));
     p.top_k = kTopK;
     p.exploration_fraction = 0.05;
     p.max_visible_blocks = blocks;
-    p.selection = Keep(DeviceZeros<int32_t>(int64_t{rows} * kTopK));
-    p.scores = Keep(DeviceZeros<float>(num_blocks * 64));
-    p.row_score_offset = Keep(DeviceZeros<int64_t>(rows));
-    p.group_blocks = Keep(DeviceZeros<int32_t>(num_blocks));
-    p.group_block_offset = Keep(DeviceZeros<int64_t>(rows + 1));
+    p.selection = buffers.Keep(DeviceZeros<int32_t>(int64_t{rows} * kTopK));
+    p.scores = buffers.Keep(DeviceZeros<float>(num_blocks * 64));
+    p.row_score_offset = buffers.Keep(DeviceZeros<int64_t>(rows));
+    p.group_blocks = buffers.Keep(DeviceZeros<int32_t>(num_blocks));
+    p.group_block_offset = buffers.Keep(DeviceZeros<int64_t>(rows + 1));
     p.workspace_bytes = dsa::cuda::SelectScratchBytes(p);
-    p.workspace = Keep(DeviceZeros<uint8_t>(p.workspace_bytes));
+    p.workspace = buffers.Keep(DeviceZeros<uint8_t>(p.workspace_bytes));
     const char* why = "";
     if (!dsa::cuda::CanImplementSelect(p, &why)) {
       std::fprintf(stderr, "select %dx%lld: %s\n", rows, static_cast<long long>(slots), why);
@@ -117,11 +106,7 @@ struct SelectProblem {
     DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));  // primes V and D (a warm-up select)
     DSA_BENCH_CUDA(cudaStreamSynchronize(stream));
   }
-  ~SelectProblem() {
-    DSA_BENCH_CUDA(cudaStreamDestroy(stream));
-    DSA_BENCH_CUDA(cudaDeviceSynchronize());
-    for (void* ptr : buffers) DSA_BENCH_CUDA(cudaFree(ptr));
-  }
+  ~SelectProblem() { DSA_BENCH_CUDA(cudaStreamDestroy(stream)); }
   SelectProblem(const SelectProblem&) = delete;
   SelectProblem& operator=(const SelectProblem&) = delete;
 
