@@ -177,7 +177,7 @@ class DeviceBuffers {
 
 /// A synthetic pool of `num_blocks` cache blocks of `head_dim` keys (FillPool) and `rows` bf16
 /// queries [rows, heads, head_dim] with fp32 head weights [rows, heads] (FillQuery), kept by
-/// `buffers`.
+/// `buffers`; filled (the device synchronized) on return.
 struct SyntheticInputs {
   uint8_t* pool;
   __nv_bfloat16* query;
@@ -193,6 +193,7 @@ inline SyntheticInputs MakeSyntheticInputs(DeviceBuffers& buffers, int64_t num_b
   in.weights = buffers.Keep(DeviceZeros<float>(int64_t{rows} * heads));
   FillQuery<<<256, 256>>>(in.query, values, in.weights, int64_t{rows} * heads);
   DSA_BENCH_CUDA(cudaGetLastError());
+  DSA_BENCH_CUDA(cudaDeviceSynchronize());  // filled before any stream reads them
   return in;
 }
 

@@ -102,6 +102,9 @@ struct SelectProblem {
       std::fprintf(stderr, "select %dx%lld: %s\n", rows, static_cast<long long>(slots), why);
       std::exit(1);
     }
+    // The memsets of DeviceZeros ran on the default stream, which a non-blocking stream does not
+    // wait for.
+    DSA_BENCH_CUDA(cudaDeviceSynchronize());
     DSA_BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     DSA_BENCH_CUDA(dsa::cuda::LaunchSelect(p, stream));  // primes V and D (a warm-up select)
     DSA_BENCH_CUDA(cudaStreamSynchronize(stream));

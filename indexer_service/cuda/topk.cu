@@ -706,7 +706,10 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, TopKKernel, p); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, TopKKernel, p); e != cudaSuccess) {
+    (void)cudaGetLastError();  // returned here: not reported again by a later launch
+    return e;
+  }
   return cudaGetLastError();
 }
 
