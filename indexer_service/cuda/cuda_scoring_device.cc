@@ -650,13 +650,6 @@ class CudaScoringDevice final : public ScoringDevice {
       slot.ema_decay = job->config->ema_decay;
       DSA_RETURN_IF_ERROR(EnsureCapacity(slot, newest + 1));
     }
-    ScanParams shape;
-    shape.head_dim = head_dim_;
-    shape.num_heads = num_heads;
-    shape.num_groups = num_groups;
-    shape.num_rows = static_cast<int>(num_rows);
-    shape.total_blocks = num_groups * max_visible_blocks;
-    shape.query_dtype = QueryDtype::kBFloat16;
     const char* why = "";
     bool tensor_cores = tensor_cores_;
     for (const DeviceSpinJob* job : jobs)

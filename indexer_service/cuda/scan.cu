@@ -152,15 +152,6 @@ __device__ inline void BulkLoad(void* smem, const void* global, uint32_t bytes, 
       "l"(global), "r"(bytes), "r"(SmemAddress(bar))
       : "memory");
 }
-[[maybe_unused]] __device__ inline void MbarrierWait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT_%=;\n}\n" ::"r"(SmemAddress(bar)),
-      "r"(parity)
-      : "memory");
-}
-
 // Four E4M3 codes (low byte first) -> two pairs of f16 (low half first): codes 0, 1 in *low,
 // 2, 3 in *high; one instruction a pair, exact (every E4M3 value is a normal f16 or zero; NaN
 // codes, only in unfilled and masked slots, stay NaN). The pairs are the halves of the word, so
@@ -248,11 +239,11 @@ ScanQueryPrep ResolveQueryPrep(const ScanParams& p) {
 // scan of steps 2-8 had (commit 5cc5a70), but the MMA is one warpgroup's asynchronous
 // wgmma.m64nNk16 (f16 in, fp32 accumulation): A = the block's 64 keys (M = 64 slots, warp w owns
 // slots [16 w, 16 w + 16) as before), widened to f16 in registers exactly as before; B = the row's
-// f16 query (K = head_dim, N = num_heads) in shared memory, read by the tensor cores through a
-// matrix descriptor. A block is head_dim / 16 wgmma instructions a warpgroup for each half of the
-// heads (2 x 8 at D = 128) instead of 64 mma.sync a warp, and the query no longer takes 128
-// registers a thread, so more CTAs share an SM. docs/gpu_kernels.md steps 11-12 have the
-// measurements.
+// f16 query (K = head_dim, N = num_heads / 2: two halves, step 12) in shared memory, read by the
+// tensor cores through a matrix descriptor. A block is head_dim / 16 wgmma instructions a warpgroup
+// for each half of the heads (2 x 8 at D = 128) instead of 64 mma.sync a warp, and the query no
+// longer takes 128 registers a thread, so more CTAs share an SM. docs/gpu_kernels.md steps 11-12
+// have the measurements.
 //
 // A's register fragment (per warp: a0..a7 as four f16x2 words) is the mma.m16n8k16 one, so the
 // K permutation above holds: k-step k, lane quad position c, word half h take dims
@@ -263,25 +254,16 @@ ScanQueryPrep ResolveQueryPrep(const ScanParams& p) {
 // kHeads * 32 bytes apart.
 namespace wg {
 
-#ifndef DSA_SCAN_WG_CTAS_PER_SM
-#define DSA_SCAN_WG_CTAS_PER_SM 4
-#endif
-#ifndef DSA_SCAN_WG_STAGES
-#define DSA_SCAN_WG_STAGES 4
-#endif
+// The tuning of steps 11-12 (docs/gpu_kernels.md): 4 CTAs a SM with 4 stages each, 2 CTAs a SM
+// for short scans, at most 256 blocks a CTA.
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kWarps = kThreads / 32;
-constexpr int kCtasPerSm = DSA_SCAN_WG_CTAS_PER_SM;
-constexpr int kStages = DSA_SCAN_WG_STAGES;
+constexpr int kCtasPerSm = 4;
+constexpr int kStages = 4;
 constexpr int kShortCtasPerSm = 2;
-#ifndef DSA_SCAN_WG_SPLIT_HEADS
-#define DSA_SCAN_WG_SPLIT_HEADS 1
-#endif
-constexpr bool kSplitHeads = DSA_SCAN_WG_SPLIT_HEADS != 0;
-#ifndef DSA_SCAN_WG_MAX_CHUNK
-#define DSA_SCAN_WG_MAX_CHUNK 256
-#endif
-constexpr int kMaxChunk = DSA_SCAN_WG_MAX_CHUNK;  // blocks per CTA
+constexpr int kMaxChunk = 256;  // blocks per CTA
+// A warp waiting for a stage may be suspended up to this long (ns) before it asks again.
+constexpr int kSuspendHintNs = 10000000;
 
 // Shared memory: the row's f16 query in the wgmma layout (at the base: 16-byte aligned), the
 // stages, the head weights, the stages' mbarriers, the chunk's block addresses, the warps' largest
@@ -313,24 +295,17 @@ __device__ inline void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n"
 __device__ inline void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-#ifndef DSA_SCAN_WG_SUSPEND_NS
-#define DSA_SCAN_WG_SUSPEND_NS 10000000
-#endif
 // Waits for the phase of `bar` with the given parity; while it is not complete the warp may be
 // suspended (up to the hint, then it asks again) instead of spinning: a warp waiting for its keys
 // takes no issue slots from the CTAs that have theirs (with 4 CTAs a SM, and in a short scan
 // where every warp waits for its first block at once).
 __device__ inline void WaitPhase(uint64_t* bar, uint32_t parity) {
-#if DSA_SCAN_WG_SUSPEND_NS > 0
   asm volatile(
       "{\n .reg .pred done;\n WAIT_%=:\n"
       " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
       " @!done bra WAIT_%=;\n}\n" ::"r"(tc::SmemAddress(bar)),
-      "r"(parity), "n"(DSA_SCAN_WG_SUSPEND_NS)
+      "r"(parity), "n"(kSuspendHintNs)
       : "memory");
-#else
-  tc::MbarrierWait(bar, parity);
-#endif
 }
 
 // Waits until at most kPending of this warpgroup's committed groups are still running.
@@ -413,44 +388,9 @@ __device__ inline void WgmmaF16N32(float (&d)[16], const uint32_t (&a)[4], uint6
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
   }
 }
-// N = 64 heads (32 accumulators a thread); B through its descriptor. The first k-step
-// overwrites d (scale-d false; d written, not read, as far as the compiler knows).
-template <bool kAccumulate>
-__device__ inline void WgmmaF16N64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
-  if constexpr (kAccumulate) {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%"
-        "24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-  } else {
-    asm volatile(
-        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n"
-        " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%"
-        "24,%25,%26,%27,%28,%29,%30,%31}, "
-        "{%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
-          "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
-          "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]),
-          "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]),
-          "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
-  }
-}
-
 template <int kN, bool kAccumulate>
 __device__ inline void Wgmma(float (&d)[kN / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (kN == 64) {
-    WgmmaF16N64<kAccumulate>(d, a, desc);
-  } else if constexpr (kN == 32) {
+  if constexpr (kN == 32) {
     WgmmaF16N32<kAccumulate>(d, a, desc);
   } else if constexpr (kN == 16) {
     WgmmaF16N16<kAccumulate>(d, a, desc);
@@ -647,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   };
   // The heads in kParts parts (N = kHeads / kParts each, one commit group each), so that the
   // epilogue of the first part runs while the tensor cores work on the second.
-  constexpr int kParts = kSplitHeads ? 2 : 1;
+  constexpr int kParts = 2;
   constexpr int kPartHeads = kHeads / kParts;
   constexpr int kPartTiles = kTiles / kParts;
   // Starts acc = A B for the loaded row (asynchronous until the epilogue's waits).
@@ -909,20 +849,19 @@ cudaError_t LaunchScanCudaCores(const ScanParams& p, cudaStream_t stream) {
 cudaError_t LaunchScanTensorCores(const ScanParams& p, cudaStream_t stream) {
   if (!CanImplementScanTensorCores(p)) return cudaErrorInvalidValue;
   if (p.total_blocks == 0) return cudaSuccess;
-  namespace impl = wg;
   switch (p.num_heads * 1000 + p.head_dim) {
     case 64128:
-      return impl::Launch<64, 128>(p, stream);
+      return wg::Launch<64, 128>(p, stream);
     case 64064:
-      return impl::Launch<64, 64>(p, stream);
+      return wg::Launch<64, 64>(p, stream);
     case 32128:
-      return impl::Launch<32, 128>(p, stream);
+      return wg::Launch<32, 128>(p, stream);
     case 32064:
-      return impl::Launch<32, 64>(p, stream);
+      return wg::Launch<32, 64>(p, stream);
     case 16128:
-      return impl::Launch<16, 128>(p, stream);
+      return wg::Launch<16, 128>(p, stream);
     default:
-      return impl::Launch<16, 64>(p, stream);
+      return wg::Launch<16, 64>(p, stream);
   }
 }
 

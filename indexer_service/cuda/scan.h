@@ -95,7 +95,8 @@ struct ScanParams {
 /// The CUDA-core scan (fp32 FMA, any head_dim in [1, 256], any num_heads >= 1, fp32 or bf16
 /// queries): one CTA per (group, block). On false, *why (when not null) names the reason.
 bool CanImplementScanCudaCores(const ScanParams& params, const char** why = nullptr);
-/// The tensor-core scan (f16 wgmma m64nNk16 on sm_90a, N = num_heads, fp32 accumulation; fp8 keys
+/// The tensor-core scan (f16 wgmma m64nNk16 on sm_90a, N = num_heads / 2 (the heads in two halves),
+/// fp32 accumulation; fp8 keys
 /// widened to f16 exactly in registers by one instruction a pair (A), the row's query as B in
 /// shared memory; the bf16 query converted to f16 with a per-row power-of-two scale, folded back
 /// through the head weights, either once per launch into the workspace or by the scan itself

@@ -30,17 +30,22 @@ enum class SelectPlan : int32_t {
 /// key read) at one layer with one SPIN configuration. Device pointers unless noted.
 struct SelectParams {
   // ---- the cache and the rows (ScanParams' meaning) ----
+  /// Block pool base: blocks of 64 x (head_dim + 4) bytes (fp8 e4m3 codes, then 64 fp32 scales).
   const uint8_t* pool = nullptr;
-  int head_dim = 0;
-  int num_heads = 0;
-  int num_groups = 0;  // >= 0
-  int num_rows = 0;    // >= 0
+  int head_dim = 0;    // D
+  int num_heads = 0;   // H
+  int num_groups = 0;  // >= 0, at most 65,535
+  int num_rows = 0;    // >= 0, at most 65,535
   /// int32 [num_groups + 1], non-decreasing, from 0 to num_rows; every group has >= 1 row.
   const int32_t* group_first_row = nullptr;
-  const int64_t* group_table_offset = nullptr;  // int64 [num_groups]
-  const int32_t* block_tables = nullptr;        // int32 [...]
-  const int64_t* group_num_slots = nullptr;     // int64 [num_groups]
-  const void* query = nullptr;                  // [num_rows, num_heads, head_dim], query_dtype
+  /// int64 [num_groups]: where group g's block table starts in block_tables.
+  const int64_t* group_table_offset = nullptr;
+  /// int32 [...]: concatenated block tables; logical block j of group g lives in pool block
+  /// block_tables[group_table_offset[g] + j].
+  const int32_t* block_tables = nullptr;
+  /// int64 [num_groups]: filled slots of each group's cache; slots at or past it score -inf.
+  const int64_t* group_num_slots = nullptr;
+  const void* query = nullptr;  // [num_rows, num_heads, head_dim], query_dtype
   QueryDtype query_dtype = QueryDtype::kBFloat16;
   const float* head_weights = nullptr;  // fp32 [num_rows, num_heads]
   /// int64 [num_rows]: the row's position t (< its group's num_slots); a group's rows strictly
@@ -56,7 +61,8 @@ struct SelectParams {
   float* const* vertical = nullptr;
   float* const* diagonal = nullptr;
   const int64_t* spin_capacity = nullptr;  // int64 [num_groups]
-  /// uint64 [num_groups]: the exploration seed (SpinConfig::seed mixed with the sequence id).
+  /// uint64 [num_groups]: the exploration seed (SpinConfig::seed mixed with the sequence id by
+  /// MixSeed, common/philox.h, as the indexer stores it).
   const uint64_t* group_seed = nullptr;
 
   // ---- shared by the launch (host values) ----
@@ -69,7 +75,9 @@ struct SelectParams {
   /// several rows (verifier rows) never update here: their scores stay in `scores` for the
   /// deferred replay at Commit (LaunchSpinUpdate over rows 0..a).
   bool update = true;
-  /// Host bound: the largest ceil((t + 1) / 64) over the rows (sizes the buffers and grids).
+  /// Host bound: the largest ceil((t + 1) / 64) over the rows, in [1, 2^25] (sizes the buffers,
+  /// the per-row strides and the grids). It must not be below the true value: rows are written
+  /// with that stride, so an underestimate overruns the next row's plan (undefined results).
   int64_t max_visible_blocks = 0;
   /// Host hint: every group_plan entry is kAllBlocks (the plan kernels are then not launched).
   /// Setting it when a group is kSpin is an error the pipeline cannot see (that group's rows
@@ -85,23 +93,31 @@ struct SelectParams {
   /// fp32, room for num_rows x max_visible_blocks x 64: row r's scores from row_score_offset[r],
   /// (its group's block count) x 64 entries in the scan's layout.
   float* scores = nullptr;
-  int64_t* row_score_offset = nullptr;  // int64 [num_rows]
+  /// int64 [num_rows], written by the pipeline: row r's first entry in `scores`.
+  int64_t* row_score_offset = nullptr;
   /// int32, room for num_groups x max_visible_blocks: group g's scored blocks, ascending, at
   /// [group_block_offset[g], group_block_offset[g + 1]).
   int32_t* group_blocks = nullptr;
-  int64_t* group_block_offset = nullptr;  // int64 [num_groups + 1]
+  /// int64 [num_groups + 1], written by the pipeline; [num_groups] is the scored block total.
+  int64_t* group_block_offset = nullptr;
 
   /// Device scratch, 16-byte aligned, of SelectScratchBytes(params) bytes.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 
-/// Whether SelectParams describe a launch this pipeline supports (shapes, K, the SPIN kernels'
-/// limits, buffers set); on false, *why (when not null) names the reason (a static string).
+/// Whether SelectParams describe a launch this pipeline supports: at most 65,535 groups and rows,
+/// K in [1, kMaxTopK], ema_decay in [0, 1), max_visible_blocks in [1, 2^25], bf16 queries for the
+/// tensor-core scan, every array and the workspace set, and what CanImplementSpinPredict and the
+/// chosen scan's CanImplement accept; on false, *why (when not null) names the reason (a static
+/// string).
 bool CanImplementSelect(const SelectParams& params, const char** why = nullptr);
 
-/// Workspace bytes: the per-row plans (12 bytes a row and visible block), the unions, the layout
-/// and the scan's and SPIN plan's own workspaces.
+/// Workspace bytes (0 without rows): per row and visible block 8 (the predicted block scores and
+/// the plan), per group and visible block 4 more when some group has several rows (the unions),
+/// 88 a row and 12 (16 with unions) a group of bookkeeping, the tensor-core scan's workspace
+/// (ScanTensorCoresScratchBytes) and the plan's (SpinPredictScratchBytes: 5 bytes a row and
+/// visible block past kSpinSharedPlanBlocks blocks with exploration), each rounded up to 16.
 size_t SelectScratchBytes(const SelectParams& params);
 
 /// Launches, on `stream`: a setup kernel (per-row SPIN inputs), LaunchSpinPredict with the plan

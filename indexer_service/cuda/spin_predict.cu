@@ -5,12 +5,12 @@
 
 #include "common/philox.h"
 #include "indexer_service/cuda/dependent_launch.cuh"
+#include "indexer_service/cuda/fp8_device.cuh"
 #include "indexer_service/cuda/spin_predict.h"
 
 namespace dsa::cuda {
 namespace {
 
-constexpr int kBlockSlots = 64;        // kBlockSize of block_pool.h
 constexpr int kPredictWarps = 8;       // warps a CTA of the prediction kernel
 constexpr int kPredictUnroll = 1;      // consecutive blocks a warp an iteration (1 measured best)
 constexpr int kPredictChunks = 64;     // CTAs a row (grid.y) without max_visible_blocks
@@ -24,7 +24,7 @@ constexpr int kPlanBytesPerBlock = 5;  // exploration: int32 free-list entry + b
 __device__ __forceinline__ float FirstMax(float a, float b) { return a < b ? b : a; }
 
 __device__ __forceinline__ int64_t RowBlocks(int64_t position) {
-  return position < 0 ? 0 : position / kBlockSlots + 1;
+  return position < 0 ? 0 : position / kCacheBlockSize + 1;
 }
 
 // Predicted slot score max(V[i], D[t - i]) (eq. (1)), unseen entries 0; -inf for a slot past t
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
     float m[kPredictUnroll];
 #pragma unroll
     for (int u = 0; u < kPredictUnroll; ++u) {
-      const int64_t first = (j0 + u) * kBlockSlots + 2 * lane;
+      const int64_t first = (j0 + u) * kCacheBlockSize + 2 * lane;
       m[u] = FirstMax(SlotScore(v, v_len, d, d_len, t, first),
                       SlotScore(v, v_len, d, d_len, t, first + 1));
     }
@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
 
 // SpinState::BlockBudget with the same fp64 operations (no contraction into FMAs).
 __device__ int64_t BlockBudget(int64_t visible_blocks, int top_k, double rho) {
-  const int64_t floor_blocks = (static_cast<int64_t>(top_k) + kBlockSlots - 1) / kBlockSlots;
+  const int64_t floor_blocks =
+      (static_cast<int64_t>(top_k) + kCacheBlockSize - 1) / kCacheBlockSize;
   const double x = __dmul_rn(__dsub_rn(1.0, rho), static_cast<double>(visible_blocks));
   const double slack = __dmul_rn(1e-12, fmax(1.0, fabs(x)));
   const int64_t kept = static_cast<int64_t>(ceil(__dsub_rn(x, slack)));

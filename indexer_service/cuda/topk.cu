@@ -33,11 +33,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 1024;
 constexpr int kRadixBits = 11;
 constexpr int kBins = 1 << kRadixBits;  // 2048 = 2 bins a thread in the suffix scan
-#ifdef DSA_TOPK_LOG_MAX_CLUSTER         // a build-time cap, only for timing smaller clusters
-constexpr int kLogMaxCluster = DSA_TOPK_LOG_MAX_CLUSTER;
-#else
-constexpr int kLogMaxCluster = 4;  // clusters of up to 16 CTAs (past the portable 8)
-#endif
+constexpr int kLogMaxCluster = 4;       // clusters of up to 16 CTAs (past the portable 8)
 static_assert(kBins == 2 * kThreads, "the bin scan gives each thread two bins");
 static_assert(kMaxTopK == 2 * kThreads, "the winners' sort gives each thread one pair");
 
