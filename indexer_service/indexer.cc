@@ -150,10 +150,13 @@ absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span
         absl::StrCat("layer ", layer, " of sequence ", sequence_id,
                      " has a speculative step awaiting Commit; append after it"));
   }
-  const auto first_slot = cache_.NumSlots(sequence_id, layer);
+  // The device mirrors the blocks written (and a copy-on-write block, which takes the old last
+  // block's place); without one, nothing more is looked up.
+  const bool mirror = DeviceActiveLocked() && num_keys > 0;
+  absl::StatusOr<int64_t> first_slot = 0;
+  if (mirror) first_slot = cache_.NumSlots(sequence_id, layer);
   DSA_RETURN_IF_ERROR(cache_.Append(sequence_id, layer, keys, num_keys));
-  if (DeviceActiveLocked() && num_keys > 0) {
-    // The blocks written (and a copy-on-write block, which takes the old last block's place).
+  if (mirror) {
     auto view = cache_.View(sequence_id, layer);
     DSA_CHECK(view.ok() && first_slot.ok(), "an appended layer has a view");
     if (auto s = device_->MirrorBlocks(view->block_table.subspan(*first_slot / kBlockSize));
@@ -294,7 +297,22 @@ void Indexer::PlanSelectLocked(PreparedSelect& prepared) {
   prepared.scores.resize(prepared.rows.size() * result.blocks.size() * kBlockSize);
 }
 
-void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
+namespace {
+
+// Each row's top-K over the blocks it scored: scores [rows, blocks * 64] in ScoreBlocks' layout,
+// row r masked past rows[r].position; selections [rows, top_k].
+void SelectTopKRows(std::span<const float> scores, std::span<const int32_t> blocks,
+                    std::span<const IndexerRow> rows, int top_k, std::span<int32_t> selections) {
+  const size_t stride = blocks.size() * kBlockSize;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    SelectTopK(scores.subspan(r * stride, stride), blocks, rows[r].position,
+               selections.subspan(r * top_k, top_k));
+  }
+}
+
+}  // namespace
+
+void Indexer::FinishSelectLocked(PreparedSelect& prepared) {
   SelectResult& result = prepared.result;
   SequenceState& state = *prepared.state;
   const int layer = prepared.layer;
@@ -304,12 +322,7 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
   auto phase_start = Clock::now();
   if (!result.on_device) {
     result.selections.resize(rows.size() * result.top_k);
-    const size_t row_stride = result.blocks.size() * kBlockSize;
-    for (size_t r = 0; r < rows.size(); ++r) {
-      SelectTopK(std::span<const float>(scores.data() + r * row_stride, row_stride), result.blocks,
-                 positions[r],
-                 std::span<int32_t>(result.selections.data() + r * result.top_k, result.top_k));
-    }
+    SelectTopKRows(scores, result.blocks, rows, result.top_k, result.selections);
     result.phase_seconds.topk = SecondsSince(phase_start);
   }
   if (rows.size() == 1) {
@@ -339,7 +352,7 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared, bool return_scores) {
           std::span<const int32_t>(dense.data() + r * result.top_k, result.top_k)));
     }
   }
-  if (return_scores) result.scores = std::move(scores);
+  if (prepared.return_scores) result.scores = std::move(scores);
 }
 
 void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {
@@ -366,7 +379,7 @@ bool DeviceDeclined(const absl::Status& status) {
 }
 
 // A shared pass's device or CPU time, charged to each select by its share of the scored blocks:
-// phase_seconds.scan and .topk of every select (topk_seconds < 0 leaves .topk as it is).
+// phase_seconds.scan and .topk of every select.
 template <typename Prepared>
 void ChargeShares(std::span<Prepared* const> prepared, double scan_seconds, double topk_seconds) {
   int64_t total_blocks = 0;
@@ -376,7 +389,7 @@ void ChargeShares(std::span<Prepared* const> prepared, double scan_seconds, doub
                                            : static_cast<double>(p->result.blocks_scored) /
                                                  static_cast<double>(total_blocks);
     p->result.phase_seconds.scan = scan_seconds * share;
-    if (topk_seconds >= 0) p->result.phase_seconds.topk = topk_seconds * share;
+    p->result.phase_seconds.topk = topk_seconds * share;
   }
 }
 
@@ -440,7 +453,8 @@ void Indexer::ScorePlannedLocked(std::span<PreparedSelect* const> prepared) {
   const auto start = Clock::now();
   ScoreBlockBatch(jobs, options_.num_heads);
   const double scan_seconds = SecondsSince(start);
-  ChargeShares(prepared, scan_seconds, /*topk_seconds=*/-1.0);
+  // The CPU's top-K runs (and is timed) in FinishSelectLocked.
+  ChargeShares(prepared, scan_seconds, /*topk_seconds=*/0.0);
 }
 
 void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
@@ -458,11 +472,7 @@ void Indexer::SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
   }
   std::vector<float> scores(rows.size() * all.size() * kBlockSize);
   ScoreBlocks(view, all, rows, options_.num_heads, scores);
-  const size_t stride = all.size() * kBlockSize;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    SelectTopK(std::span<const float>(scores.data() + r * stride, stride), all, rows[r].position,
-               selections.subspan(r * top_k, top_k));
-  }
+  SelectTopKRows(scores, all, rows, top_k, selections);
 }
 
 absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
@@ -472,7 +482,7 @@ absl::Status Indexer::SelectOneLocked(uint64_t sequence_id, int layer,
   prepared.return_scores = return_scores;
   PlanSelectLocked(prepared);
   ScoreSelectsLocked(std::span<PreparedSelect>(&prepared, 1));
-  FinishSelectLocked(prepared, return_scores);
+  FinishSelectLocked(prepared);
   return absl::OkStatus();
 }
 
@@ -527,7 +537,7 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const S
   for (PreparedSelect& p : prepared) PlanSelectLocked(p);
   ScoreSelectsLocked(prepared);
   for (size_t g = 0; g < groups.size(); ++g) {
-    FinishSelectLocked(prepared[g], false);
+    FinishSelectLocked(prepared[g]);
     results.push_back(std::move(prepared[g].result));
   }
   if (groups_applied != nullptr) *groups_applied = groups.size();

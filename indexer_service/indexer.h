@@ -46,7 +46,11 @@ struct SequenceOptions {
   SpinConfig spin;
 };
 
-/// Wall time of the phases of one Select (DESIGN.md 4.2 steps 2-8), seconds (steady clock).
+/// Time of the phases of one Select (DESIGN.md 4.2 steps 2-8), seconds: wall time on the steady
+/// clock on the CPU. A pass shared by a batch (the CPU's scan, or the device's) is charged to each
+/// select by its share of the scored blocks; on a device, scan and topk are its event times, and
+/// with SPIN on the device the whole select (plan, scan, top-K, update) is charged as scan and
+/// topk, predict and update staying 0.
 struct SelectPhaseSeconds {
   double predict = 0;  // SPIN plan: block scores, budget, exploration
   double scan = 0;     // scoring the chosen blocks
@@ -168,8 +172,9 @@ class Indexer {
 
   /// Slots filled at (sequence, layer). NOT_FOUND, INVALID_ARGUMENT.
   absl::StatusOr<int64_t> NumSlots(uint64_t sequence_id, int layer) const;
-  /// A copy of the SPIN state of (sequence, layer), for tests and tools. NOT_FOUND,
-  /// INVALID_ARGUMENT.
+  /// A copy of the SPIN state of (sequence, layer), for tests and tools. With SPIN on the device,
+  /// V and D are the device's (read back); the rest is the host's bookkeeping (no block ages).
+  /// NOT_FOUND, INVALID_ARGUMENT; INTERNAL when the device's copy cannot be read.
   absl::StatusOr<SpinState> GetSpinState(uint64_t sequence_id, int layer) const;
   CacheUsage Usage() const;
   int64_t num_sequences() const;
@@ -230,8 +235,8 @@ class Indexer {
                                  PreparedSelect* prepared);
   // SPIN's plan (clears the warm-up flag) and the score buffer.
   void PlanSelectLocked(PreparedSelect& prepared);
-  // Top-K, EMA update or pending step, audit.
-  void FinishSelectLocked(PreparedSelect& prepared, bool return_scores);
+  // Top-K, EMA update or pending step, audit; the scores into the result with return_scores.
+  void FinishSelectLocked(PreparedSelect& prepared);
   // One select, start to finish (check, plan, score, finish) into `prepared`; Select's errors.
   absl::Status SelectOneLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
                                bool return_scores, PreparedSelect& prepared);

@@ -47,15 +47,18 @@ struct DeviceScoreSeconds {
 /// (sequence, layer) live there; the device plans (DESIGN.md 4.2 steps 1-6), scores, selects and
 /// updates (step 8).
 struct DeviceSpinJob {
+  /// The (sequence, layer) cache: its block table and filled slots.
   const KeyCacheView* view = nullptr;
+  /// The EMAs' owner on the device: (sequence_id, layer).
   uint64_t sequence_id = 0;
   int layer = 0;
-  /// One row (a decode step) or verifier rows t..t+d (their update waits for CommitSpin).
+  /// One row (a decode step) or verifier rows t..t+d (consecutive positions, the last one the
+  /// view's last filled slot; their update waits for CommitSpin).
   std::span<const IndexerRow> rows;
   /// The sequence's SPIN settings, the seed already mixed with the sequence id (as SpinState
   /// holds it); the device accepted them (RunsSpin).
   const SpinConfig* config = nullptr;
-  int top_k = 0;
+  int top_k = 0;  // K
   /// Every visible block (the warm-up select of a turn, or SPIN off) instead of SPIN's plan.
   bool all_blocks = false;
   /// Out: the scored logical blocks, ascending (SpinState::Plan's `blocks`).
@@ -82,8 +85,9 @@ class ScoringDevice {
   virtual absl::Status Attach(const BlockPool& pool, int num_heads) = 0;
 
   /// Copies the full bytes of the listed pool blocks from the host pool after a host write
-  /// (an append, a copy on write). Blocks may repeat. Returns once the copy is done (the host may
-  /// write the blocks again right after). Errors: INTERNAL on a device failure.
+  /// (an append, a copy on write). Block ids in [0, the pool's capacity_blocks); they may repeat.
+  /// Returns once the copy is done (the host may write the blocks again right after). Errors:
+  /// INTERNAL on a device failure.
   virtual absl::Status MirrorBlocks(std::span<const int32_t> block_ids) = 0;
 
   /// Scores every job's blocks for its rows and selects each row's top-K, all jobs in one pass.
@@ -103,8 +107,10 @@ class ScoringDevice {
 
   /// The whole select of every job on the device: plan (or every block), scan, top-K, and for a
   /// job of one row the EMA update; the scores of verifier rows stay on the device until
-  /// CommitSpin. A (sequence, layer) never seen before starts with zero EMAs. Errors: INTERNAL on
-  /// a device failure (the EMAs kept there are then lost); outputs unspecified on error.
+  /// CommitSpin. A (sequence, layer) never seen before starts with zero EMAs. Errors:
+  /// RESOURCE_EXHAUSTED when its memory cannot grow, INTERNAL on a device failure; the Indexer
+  /// drops the device on either (the EMAs kept there are then lost) and plans these selects again
+  /// on the CPU. Outputs unspecified on error.
   virtual absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
                                       DeviceScoreSeconds* seconds) {
     return absl::UnimplementedError("this scoring device does not run SPIN");

@@ -96,7 +96,9 @@ class SpinState {
     warmup_pending_ = false;
     return warmup;
   }
-  /// Replaces V and D (e.g. with a device's copy, for GetSpinState).
+  /// Replaces V (fp32 per slot) and D (fp32 per offset t - i) with these, of any length (entries
+  /// past it read as 0); the plan bookkeeping (warm-up flag, block ages) is kept. E.g. a device's
+  /// copy, for GetSpinState.
   void SetEmas(std::vector<float> vertical, std::vector<float> diagonal) {
     vertical_ = std::move(vertical);
     diagonal_ = std::move(diagonal);

@@ -9,7 +9,8 @@
 
 namespace dsa {
 
-/// Calls grpc.health.v1.Health/Check for `service` (e.g. kReadinessService) on `channel` with a
+/// Calls grpc.health.v1.Health/Check for `service` (e.g. kReadinessService; under 128 bytes, as
+/// its length is written in one byte) on `channel` with a
 /// deadline of `timeout`; with `wait_for_ready`, a server not yet listening is waited for until the
 /// deadline instead of failing at once. Returns the serving status: 1 SERVING, 2 NOT_SERVING,
 /// 0 UNKNOWN (the default value); -1 when the call fails or the answer cannot be read.

@@ -118,8 +118,7 @@ absl::Status GrpcStreamTransport::Close() {
     }
   }
   {
-    // As the destructor: give the indexer a moment to finish, then cancel, so Close never hangs
-    // on a dead peer.
+    // Give the indexer a moment to finish, then cancel, so Close never hangs on a dead peer.
     std::unique_lock<std::mutex> lock(mutex_);
     if (!arrived_.wait_for(lock, std::chrono::seconds(5), [this] { return ended_; })) {
       context_.TryCancel();

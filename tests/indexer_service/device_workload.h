@@ -90,6 +90,21 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
     ASSERT_TRUE(result.ok()) << label << ": " << result.status();
     add(label, *result);
   };
+  // One SelectBatch of one row each of (id_a, layer_a) at pos_a and (id_b, layer_b) at pos_b;
+  // false (the test failed) when it fails.
+  auto select_pair = [&](uint64_t id_a, int layer_a, int64_t pos_a, uint64_t id_b, int layer_b,
+                         int64_t pos_b, const std::string& label) {
+    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
+    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
+    const IndexerRow rows_a[] = {a.row(pos_a)};
+    const IndexerRow rows_b[] = {b.row(pos_b)};
+    const SelectGroup groups[] = {{id_a, layer_a, rows_a}, {id_b, layer_b, rows_b}};
+    auto results = indexer.SelectBatch(groups);
+    EXPECT_TRUE(results.ok()) << results.status();
+    if (!results.ok()) return false;
+    for (const SelectResult& result : *results) add(label, result);
+    return true;
+  };
   SequenceOptions options;
   options.num_layers = 2;
   options.top_k = top_k;
@@ -131,29 +146,15 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
   for (int step = 0; step < 6; ++step) {
     append(1, 0, 1);
     append(2, 0, 1);
-    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
-    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
-    const IndexerRow rows_a[] = {a.row(3026 + step)};
-    const IndexerRow rows_b[] = {b.row(3300 + step)};
-    const SelectGroup groups[] = {{1, 0, rows_a}, {2, 0, rows_b}};
-    auto results = indexer.SelectBatch(groups);
-    EXPECT_TRUE(results.ok()) << results.status();
-    if (!results.ok()) return record;
-    for (const SelectResult& result : *results) add(absl::StrCat("batch ", step), result);
+    if (!select_pair(1, 0, 3026 + step, 2, 0, 3300 + step, absl::StrCat("batch ", step))) {
+      return record;
+    }
   }
   // One batch of two sequences at different layers (two launches on a device that runs SPIN).
   {
     append(1, 1, 1);
     append(2, 0, 1);
-    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
-    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
-    const IndexerRow rows_a[] = {a.row(3026)};
-    const IndexerRow rows_b[] = {b.row(3306)};
-    const SelectGroup groups[] = {{1, 1, rows_a}, {2, 0, rows_b}};
-    auto results = indexer.SelectBatch(groups);
-    EXPECT_TRUE(results.ok()) << results.status();
-    if (!results.ok()) return record;
-    for (const SelectResult& result : *results) add("batch of two layers", result);
+    if (!select_pair(1, 1, 3026, 2, 0, 3306, "batch of two layers")) return record;
   }
   // K = 4,096 (above the GPU top-K's largest): the device declines, the CPU scores it.
   SequenceOptions wide = options;
@@ -168,15 +169,7 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
   {
     append(3, 0, 1);
     append(2, 1, 1);
-    const ExactRow a = MakeExactRow(rng, num_heads, head_dim);
-    const ExactRow b = MakeExactRow(rng, num_heads, head_dim);
-    const IndexerRow rows_a[] = {a.row(9001)};
-    const IndexerRow rows_b[] = {b.row(3300)};
-    const SelectGroup groups[] = {{3, 0, rows_a}, {2, 1, rows_b}};
-    auto results = indexer.SelectBatch(groups);
-    EXPECT_TRUE(results.ok()) << results.status();
-    if (!results.ok()) return record;
-    for (const SelectResult& result : *results) add("mixed batch", result);
+    if (!select_pair(3, 0, 9001, 2, 1, 3300, "mixed batch")) return record;
   }
   // A new turn: the EMAs reset and the next select is dense again.
   EXPECT_TRUE(indexer.BeginTurn(1).ok());

@@ -23,6 +23,21 @@ using testing_workload::ExpectSameRecord;
 using testing_workload::RunWorkload;
 using testing_workload::WorkloadRecord;
 
+// The CPU reference's scores of `blocks` for `rows` (returned, ScoreBlocks' layout) and each row's
+// top-K over them into selections [rows, top_k].
+std::vector<float> ScoreAndSelectRows(const KeyCacheView& view, std::span<const int32_t> blocks,
+                                      std::span<const IndexerRow> rows, int num_heads, int top_k,
+                                      std::span<int32_t> selections) {
+  std::vector<float> scores(rows.size() * blocks.size() * kBlockSize);
+  ScoreBlocks(view, blocks, rows, num_heads, scores);
+  const size_t stride = blocks.size() * kBlockSize;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    SelectTopK(std::span<const float>(scores).subspan(r * stride, stride), blocks, rows[r].position,
+               selections.subspan(r * top_k, top_k));
+  }
+  return scores;
+}
+
 // Knobs a test turns to make the fake misbehave; owned by the test (the Indexer owns the fake).
 struct FakeControls {
   int mirror_calls = 0;
@@ -68,13 +83,8 @@ class FakeDevice : public ScoringDevice {
     for (const DeviceScoreJob& job : jobs) {
       KeyCacheView view = *job.view;
       view.pool = &*mirror_;  // score what was mirrored, not the host pool
-      std::vector<float> scores(job.rows.size() * job.logical_blocks.size() * kBlockSize);
-      ScoreBlocks(view, job.logical_blocks, job.rows, num_heads, scores);
-      const size_t stride = job.logical_blocks.size() * kBlockSize;
-      for (size_t r = 0; r < job.rows.size(); ++r) {
-        SelectTopK(std::span<const float>(scores.data() + r * stride, stride), job.logical_blocks,
-                   job.rows[r].position, job.selections.subspan(r * job.top_k, job.top_k));
-      }
+      const std::vector<float> scores = ScoreAndSelectRows(view, job.logical_blocks, job.rows,
+                                                           num_heads, job.top_k, job.selections);
       if (!job.scores.empty()) std::copy(scores.begin(), scores.end(), job.scores.begin());
     }
     seconds->scan = 1e-6;
@@ -98,26 +108,20 @@ class FakeDevice : public ScoringDevice {
       SpinSlot& slot = it->second;
       std::vector<int64_t> positions;
       for (const IndexerRow& row : job.rows) positions.push_back(row.position);
-      if (!job.all_blocks) slot.spin.TakeWarmup();  // the Indexer keeps the warm-up flag
-      // kAllBlocks: a fresh state's first Plan is its warm-up; otherwise force every block.
+      slot.spin.TakeWarmup();  // the Indexer keeps the warm-up flag
+      // kAllBlocks: every visible block, whatever the state would plan.
       std::vector<int32_t> blocks;
       if (job.all_blocks) {
         for (int64_t j = 0; j < CeilDiv(positions.back() + 1, kBlockSize); ++j) {
           blocks.push_back(static_cast<int32_t>(j));
         }
-        slot.spin.TakeWarmup();
       } else {
         blocks = slot.spin.Plan(positions).blocks;
       }
       KeyCacheView view = *job.view;
       view.pool = &*mirror_;
-      std::vector<float> scores(job.rows.size() * blocks.size() * kBlockSize);
-      ScoreBlocks(view, blocks, job.rows, num_heads, scores);
-      const size_t stride = blocks.size() * kBlockSize;
-      for (size_t r = 0; r < job.rows.size(); ++r) {
-        SelectTopK(std::span<const float>(scores.data() + r * stride, stride), blocks, positions[r],
-                   job.selections.subspan(r * job.top_k, job.top_k));
-      }
+      const std::vector<float> scores =
+          ScoreAndSelectRows(view, blocks, job.rows, num_heads, job.top_k, job.selections);
       if (job.rows.size() == 1) {
         slot.spin.Update(positions[0], blocks, scores);
       } else {
