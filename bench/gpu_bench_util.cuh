@@ -60,7 +60,7 @@ __device__ inline uint32_t Hash(uint64_t x) {
 
 /// Random fp8 keys (codes of magnitude <= 3.75, never NaN) and scales in (0, 1] for every block of
 /// a pool of `head_dim` keys (64 x head_dim codes, then 64 fp32 scales a block).
-__global__ inline void FillPool(uint8_t* pool, int64_t num_blocks, int head_dim) {
+static __global__ void FillPool(uint8_t* pool, int64_t num_blocks, int head_dim) {
   const int64_t block_bytes = 64LL * (head_dim + 4);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < num_blocks * block_bytes;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -76,7 +76,7 @@ __global__ inline void FillPool(uint8_t* pool, int64_t num_blocks, int head_dim)
 }
 
 /// Random bf16 queries in [-1, 1] ([values]) and head weights in [-1, 1] ([weights]).
-__global__ inline void FillQuery(__nv_bfloat16* query, int64_t values, float* weights,
+static __global__ void FillQuery(__nv_bfloat16* query, int64_t values, float* weights,
                                  int64_t num_weights) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < values;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -174,6 +174,10 @@ class DeviceBuffers {
  private:
   std::vector<void*> buffers_;
 };
+
+/// The largest problem (rows x slots) that gets a twin for the code-warm figures: past it the
+/// code's fetch is a small part of the time and the twin would be a second copy of a large pool.
+inline constexpr int64_t kMaxTwinSlots = int64_t{1} << 21;
 
 /// A synthetic pool of `num_blocks` cache blocks of `head_dim` keys (FillPool) and `rows` bf16
 /// queries [rows, heads, head_dim] with fp32 head weights [rows, heads] (FillQuery), kept by

@@ -107,10 +107,6 @@ struct Problem {
   }
 };
 
-// Twins are built up to this many slots (rows x slots): past it the code's fetch is a small part
-// of the time and the twin's own bytes would be a second copy of a large pool.
-constexpr int64_t kMaxTwinSlots = int64_t{1} << 21;
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -143,7 +139,7 @@ int main(int argc, char** argv) {
         MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush);
     scan.query_prep = dsa::cuda::ScanQueryPrep::kAuto;
     res.topk_us = MedianUs([&] { return dsa::cuda::LaunchTopK(topk, nullptr); }, flush);
-    if (int64_t{rows} * slots <= kMaxTwinSlots) {
+    if (int64_t{rows} * slots <= dsa::bench::kMaxTwinSlots) {
       Problem twin(rows, slots);
       res.scan_tc_code_warm_us =
           MedianUs([&] { return dsa::cuda::LaunchScanTensorCores(scan, nullptr); }, flush, nullptr,

@@ -20,7 +20,6 @@ import sys
 
 SPIN_RHO = 0.4
 SPIN_TARGET = 0.70
-EPS_RHO = 1e-6
 
 
 class InputError(Exception):
@@ -164,12 +163,7 @@ def load_torch(path):
 
 def spin_at(sel, shape, rho):
     e = sel.get(shape)
-    if e is None:
-        return None
-    for k, row in e["spin"].items():
-        if abs(k - rho) < EPS_RHO:
-            return row
-    return None
+    return None if e is None else e["spin"].get(round(rho, 4))  # load_select's keys
 
 
 def build(kern, sel, torch, paths):
@@ -404,6 +398,7 @@ def plot(path, args, kcopy, rows, sweeps):
     xs = list(range(len(rows)))
 
     def bars(ax, series, title, ylabel):
+        """Grouped bars, one group a shape; returns where series i's bar of shape x stands."""
         n = len(series)
         w = 0.8 / n
         for i, (name, key, color) in enumerate(series):
@@ -420,38 +415,35 @@ def plot(path, args, kcopy, rows, sweeps):
         ax.grid(axis="y", which="both", alpha=0.3)
         ax.set_axisbelow(True)
         ax.legend(fontsize=9, loc="upper left")
+        return lambda x, i: x - 0.4 + w * (i + 0.5)
 
-    bars(axes[0], [("HBM floor (132 B a slot)", "floor", "#bbbbbb"),
-                   ("scan, tensor cores (label: % of the floor)", "scan", "#1f77b4"),
-                   ("PyTorch scan (label: PyTorch / ours)", "t_scan", "#ff7f0e")],
-         f"Scan of every block vs the HBM floor ({kcopy:.2f} TB/s copy)", "time (us, log scale)")
-    for x, r in zip(xs, rows):
-        if r["pct_floor"] is not None:
-            axes[0].annotate(f"{r['pct_floor']:.0f}%", (x - 0.4 + 0.8 / 3 * 1.5, r["scan"]),
-                             xytext=(0, 3), textcoords="offset points", ha="center",
-                             fontsize=8, color="#1f77b4")
-        if r["scan_x"] is not None:
-            axes[0].annotate(f"{r['scan_x']:.0f}x", (x - 0.4 + 0.8 / 3 * 2.5, r["t_scan"]),
-                             xytext=(0, 3), textcoords="offset points", ha="center",
-                             fontsize=8, color="#c85a00")
+    def ratio_labels(ax, pos, i, value_key, label_key, spec, suffix, color):
+        """Series i's bars labelled with row[label_key] (format spec, then suffix) above
+        row[value_key]."""
+        for x, r in zip(xs, rows):
+            if r[label_key] is not None:
+                ax.annotate(format(r[label_key], spec) + suffix, (pos(x, i), r[value_key]),
+                            xytext=(0, 3),
+                            textcoords="offset points", ha="center", fontsize=8, color=color)
+
+    pos = bars(axes[0], [("HBM floor (132 B a slot)", "floor", "#bbbbbb"),
+                         ("scan, tensor cores (label: % of the floor)", "scan", "#1f77b4"),
+                         ("PyTorch scan (label: PyTorch / ours)", "t_scan", "#ff7f0e")],
+               f"Scan of every block vs the HBM floor ({kcopy:.2f} TB/s copy)",
+               "time (us, log scale)")
+    ratio_labels(axes[0], pos, 1, "scan", "pct_floor", ".0f", "%", "#1f77b4")
+    ratio_labels(axes[0], pos, 2, "t_scan", "scan_x", ".0f", "x", "#c85a00")
     top = max([r[k] for r in rows for k in ("floor", "scan", "t_scan") if r[k]] or [1])
     axes[0].set_ylim(top=top * 4)
 
-    bars(axes[1], [("top-K (K = 2048)", "topk", "#2ca02c"),
-                   ("PyTorch top-K (label: PyTorch / ours)", "t_topk", "#98df8a"),
-                   ("select, all-keep", "allkeep", "#9467bd"),
-                   (f"select, SPIN rho {SPIN_RHO}", "spin", "#c5b0d5"),
-                   ("PyTorch scan + top-K (label: / all-keep select)", "t_both", "#ff7f0e")],
-         "Top-K and the whole select vs PyTorch", "time (us, log scale)")
-    for x, r in zip(xs, rows):
-        if r["topk_x"] is not None:
-            axes[1].annotate(f"{r['topk_x']:.1f}x", (x - 0.4 + 0.8 / 5 * 1.5, r["t_topk"]),
-                             xytext=(0, 3), textcoords="offset points", ha="center",
-                             fontsize=8, color="#2a7a2a")
-        if r["select_x"] is not None:
-            axes[1].annotate(f"{r['select_x']:.1f}x", (x - 0.4 + 0.8 / 5 * 4.5, r["t_both"]),
-                             xytext=(0, 3), textcoords="offset points", ha="center",
-                             fontsize=8, color="#c85a00")
+    pos = bars(axes[1], [("top-K (K = 2048)", "topk", "#2ca02c"),
+                         ("PyTorch top-K (label: PyTorch / ours)", "t_topk", "#98df8a"),
+                         ("select, all-keep", "allkeep", "#9467bd"),
+                         (f"select, SPIN rho {SPIN_RHO}", "spin", "#c5b0d5"),
+                         ("PyTorch scan + top-K (label: / all-keep select)", "t_both", "#ff7f0e")],
+               "Top-K and the whole select vs PyTorch", "time (us, log scale)")
+    ratio_labels(axes[1], pos, 1, "t_topk", "topk_x", ".1f", "x", "#2a7a2a")
+    ratio_labels(axes[1], pos, 4, "t_both", "select_x", ".1f", "x", "#c85a00")
     top = max([r[k] for r in rows for k in ("topk", "t_topk", "allkeep", "spin", "t_both") if r[k]]
               or [1])
     axes[1].set_ylim(top=top * 6)

@@ -132,15 +132,13 @@ struct SelectProblem {
   }
 };
 
-// Twins (for the code-warm figure) are built up to this many slots (rows x slots).
-constexpr int64_t kMaxTwinSlots = int64_t{1} << 21;
-
 // Times all-keep and SPIN at `rhos` for one shape; appends a Row each.
 void RunShape(int rows, int64_t slots, const std::vector<double>& rhos, double copy_tb_s,
               const dsa::bench::L2Flush& flush, std::vector<Row>& out) {
   SelectProblem problem(rows, slots);
   std::unique_ptr<SelectProblem> twin;
-  if (int64_t{rows} * slots <= kMaxTwinSlots) twin = std::make_unique<SelectProblem>(rows, slots);
+  if (int64_t{rows} * slots <= dsa::bench::kMaxTwinSlots)
+    twin = std::make_unique<SelectProblem>(rows, slots);
   const int64_t num_blocks = (slots + 63) / 64 * rows;
   const double floor_us = rows * slots * 132.0 / (copy_tb_s * 1e6);
   std::vector<double> modes = {-1.0};

@@ -95,7 +95,6 @@ int main(int argc, char** argv) {
     p.max_visible_blocks = b;  // kernel 1 alone with the hint (one iteration a warp)
     const double predict_hint_us =
         MedianUs([&] { return LaunchSpinPredict(p, nullptr); }, flush, nullptr, 20, 3);
-    p.max_visible_blocks = 0;
     p.selected = selected;
     p.selected_count = counts;
     p.top_k = 2048;

@@ -15,8 +15,10 @@ what=${3:-all}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$out/device.txt"
 status=0
+# The GPU test suites, indexer_cuda_<suite>_test (scripts/gpu_carry.sh builds the same list).
+suites=(device_info key_append scan topk spin_predict spin_update select scoring_device)
 if [[ $what == tests || $what == all ]]; then
-  for t in device_info key_append scan topk spin_predict spin_update select scoring_device; do
+  for t in "${suites[@]}"; do
     echo "=== indexer_cuda_${t}_test" | tee -a "$out/tests.log"
     timeout 300 "$bin/indexer_cuda_${t}_test" --gtest_brief=1 >>"$out/tests.log" 2>&1 || status=1
     tail -n 3 "$out/tests.log"
@@ -38,7 +40,7 @@ if [[ $what == sanitize || $what == all ]]; then
     [scoring_device]='*H16D64AutoSpinOnGpu*:*H64D128CudaCoresSpinOnCpu*:*Create*'
   )
   for tool in ${DSA_SANITIZER_TOOLS:-memcheck racecheck}; do
-    for t in device_info key_append scan topk spin_predict spin_update select scoring_device; do
+    for t in "${suites[@]}"; do
       if [[ $tool == racecheck && $t == scoring_device ]]; then
         # The scoring device runs the kernels that the suites above racecheck, through the Indexer;
         # under racecheck its filtered tests (5) did not finish in 200 s (H200, 30 Nov 2026,
