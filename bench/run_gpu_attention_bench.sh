@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU host: the sparse MLA decode's GPU test, compute-sanitizer memcheck on it (all but the
+# 64-row grid cases), bench_gpu_attention at batch 1, 8 and 64 x 64K and 128K contexts, and a
+# split-count study; logs and JSON go to OUT_DIR, a short table is printed last.
+#
+# usage (binaries in BIN_DIR: attention_cuda_sparse_mla_decode_test, bench_gpu_attention):
+#   LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64 bash bench/run_gpu_attention_bench.sh BIN_DIR OUT_DIR
+set -uo pipefail
+bin=${1:?usage: run_gpu_attention_bench.sh BIN_DIR OUT_DIR}
+out=${2:?usage: run_gpu_attention_bench.sh BIN_DIR OUT_DIR}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$out/device.txt"
+status=0
+echo "=== attention_cuda_sparse_mla_decode_test" | tee "$out/tests.log"
+timeout 200 "$bin/attention_cuda_sparse_mla_decode_test" >>"$out/tests.log" 2>&1 || status=1
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|Failure|error" "$out/tests.log" | head -40
+echo "=== memcheck" | tee "$out/memcheck.log"
+timeout 200 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 3 \
+  "$bin/attention_cuda_sparse_mla_decode_test" --gtest_brief=1 \
+  --gtest_filter='-*Rows64K2048*:*Rows64K100*' >>"$out/memcheck.log" 2>&1 || status=1
+tail -n 4 "$out/memcheck.log"
+echo "=== bench_gpu_attention" | tee "$out/bench.txt"
+timeout 200 "$bin/bench_gpu_attention" --out "$out/bench.json" >>"$out/bench.txt" 2>&1 || status=1
+echo "=== split study" | tee -a "$out/bench.txt"
+timeout 120 "$bin/bench_gpu_attention" --shapes 1x65536,8x65536,64x65536 --splits 1,2,4,8,16,32 \
+  --cuda_cores_max_rows 0 --out "$out/splits.json" >>"$out/bench.txt" 2>&1 || status=1
+cat "$out/bench.txt"
+exit $status
