@@ -7,9 +7,10 @@
 // key fp32 [1, D], and waits for the selection int32 [1, K]. The sequence is recreated every
 // --steps-per-sequence iterations (not timed) so the context stays at --context-slots .. + steps.
 // Modes, interleaved per iteration so machine load hits all alike:
-//   engine: RunSelect on the service's engine directly (decode, append, score, top-K, encode)
-//   stream: Submit + Await on the SelectStream (the same work plus gRPC both ways)
-//   unary:  the unary Select RPC
+//   engine:     RunLayerSelect on the service's engine directly (append, score, top-K)
+//   in_process: Submit + Await on the in-process transport (the same plus a thread handoff)
+//   stream:     Submit + Await on the SelectStream (the same work plus gRPC both ways)
+//   unary:      the unary Select RPC
 // Prints a markdown table; --json FILE writes the samples' percentiles.
 #include <algorithm>
 #include <chrono>
@@ -26,9 +27,11 @@
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
+#include "indexer_service/layer_select.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 #include "transport/grpc_stream_transport.h"
+#include "transport/in_process_transport.h"
 
 namespace {
 
@@ -65,7 +68,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Write the results as JSON here");
   CLI11_PARSE(app, argc, argv);
 
-  const int64_t capacity = 3 * (context_slots + steps_per_sequence + 64) / 64 + 16;
+  constexpr int kNumModes = 4;
+  const int64_t capacity = kNumModes * (context_slots + steps_per_sequence + 64) / 64 + 16;
   auto indexer = dsa::Indexer::Create({capacity, num_heads, head_dim});
   if (!indexer.ok()) {
     std::fprintf(stderr, "%s\n", indexer.status().ToString().c_str());
@@ -82,6 +86,7 @@ int main(int argc, char** argv) {
       grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   auto stub = v1::IndexerService::NewStub(channel);
   dsa::GrpcStreamTransport transport(channel);
+  dsa::InProcessSelectionTransport in_process(indexer->get());
 
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
@@ -90,11 +95,11 @@ int main(int argc, char** argv) {
     for (float& x : v) x = normal(rng);
     return v;
   };
-  // Three sequences, one per mode, each recreated every steps_per_sequence iterations.
-  const char* kModes[] = {"engine", "stream", "unary"};
-  std::vector<int64_t> positions(3, 0);
+  // One sequence per mode, each recreated every steps_per_sequence iterations.
+  const char* kModes[kNumModes] = {"engine", "in_process", "stream", "unary"};
+  std::vector<int64_t> positions(kNumModes, 0);
   uint64_t next_id = 1;
-  std::vector<uint64_t> ids(3, 0);
+  std::vector<uint64_t> ids(kNumModes, 0);
   auto fresh_sequence = [&](int mode) {
     if (ids[mode] != 0) (void)(*indexer)->Release(ids[mode]);
     ids[mode] = next_id++;
@@ -106,40 +111,42 @@ int main(int argc, char** argv) {
     (void)(*indexer)->AppendIndexKeys(ids[mode], 0, keys, context_slots);
     positions[mode] = context_slots;
   };
-  for (int mode = 0; mode < 3; ++mode) fresh_sequence(mode);
+  for (int mode = 0; mode < kNumModes; ++mode) fresh_sequence(mode);
   auto make_request = [&](int mode) {
-    v1::SelectRequest request;
-    v1::RowGroup* group = request.add_groups();
-    group->set_sequence_id(ids[mode]);
-    group->set_layer(0);
-    group->set_first_position(positions[mode]);
-    const int64_t query_shape[] = {1, num_heads, head_dim};
-    dsa::EncodeFloatTensor(random(static_cast<size_t>(num_heads) * head_dim), query_shape,
-                           group->mutable_queries());
-    std::vector<float> weights(num_heads, 1.0f / static_cast<float>(num_heads));
-    const int64_t weight_shape[] = {1, num_heads};
-    dsa::EncodeFloatTensor(weights, weight_shape, group->mutable_head_weights());
-    const int64_t key_shape[] = {1, head_dim};
-    dsa::EncodeFloatTensor(random(head_dim), key_shape, group->mutable_new_index_keys());
+    dsa::LayerSelectRequest request;
+    request.num_heads = num_heads;
+    request.head_dim = head_dim;
+    dsa::SelectRowGroup& group = request.groups.emplace_back();
+    group.sequence_id = ids[mode];
+    group.layer = 0;
+    group.first_position = positions[mode];
+    group.num_rows = 1;
+    group.queries = random(static_cast<size_t>(num_heads) * head_dim);
+    group.head_weights.assign(num_heads, 1.0f / static_cast<float>(num_heads));
+    group.new_index_keys = random(head_dim);
     return request;
   };
 
-  std::vector<std::vector<double>> samples(3);
+  std::vector<std::vector<double>> samples(kNumModes);
   for (int it = 0; it < warmup + iterations; ++it) {
-    for (int mode = 0; mode < 3; ++mode) {
+    for (int mode = 0; mode < kNumModes; ++mode) {
       if (positions[mode] - context_slots >= steps_per_sequence) fresh_sequence(mode);
-      const v1::SelectRequest request = make_request(mode);
+      dsa::LayerSelectRequest request = make_request(mode);
+      // The unary RPC's message is built before the clock starts (the stream encodes in Submit).
+      const v1::SelectRequest proto = dsa::ToSelectRequestProto(request);
       v1::SelectResponse response;
       const auto start = Clock::now();
       bool ok = false;
       if (mode == 0) {
-        ok = dsa::RunSelect(**indexer, request, &response).ok();
-      } else if (mode == 1) {
-        auto id = transport.Submit(request);
-        ok = id.ok() && transport.Await(*id, absl::Now() + absl::Seconds(10)).ok();
+        ok = dsa::RunLayerSelect(**indexer, request).ok();
+      } else if (mode == 1 || mode == 2) {
+        dsa::SelectionTransport& t =
+            mode == 1 ? static_cast<dsa::SelectionTransport&>(in_process) : transport;
+        auto id = t.Submit(std::move(request));
+        ok = id.ok() && t.Await(*id, absl::Now() + absl::Seconds(10)).ok();
       } else {
         grpc::ClientContext context;
-        ok = stub->Select(&context, request, &response).ok();
+        ok = stub->Select(&context, proto, &response).ok();
       }
       const double micros = std::chrono::duration<double, std::micro>(Clock::now() - start).count();
       if (!ok) {
@@ -151,6 +158,7 @@ int main(int argc, char** argv) {
     }
   }
   (void)transport.Close();
+  (void)in_process.Close();
   server->Shutdown();
 
   nlohmann::json out = {{"iterations", iterations},
@@ -161,7 +169,7 @@ int main(int argc, char** argv) {
                         {"top_k", top_k},
                         {"modes", nlohmann::json::object()}};
   std::printf("| mode | p50 us | p90 us | p99 us | mean us |\n|---|---|---|---|---|\n");
-  for (int mode = 0; mode < 3; ++mode) {
+  for (int mode = 0; mode < kNumModes; ++mode) {
     double mean = 0;
     for (double s : samples[mode]) mean += s;
     mean /= static_cast<double>(samples[mode].size());

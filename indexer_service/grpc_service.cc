@@ -1,7 +1,6 @@
 // The gRPC adapter of the indexer worker (see grpc_service.h).
 #include "indexer_service/grpc_service.h"
 
-#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -9,12 +8,49 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "indexer_service/index_key_append.h"
+#include "indexer_service/layer_select.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {
 namespace {
 
 namespace v1 = ::dsa::indexer::v1;
+
+// The tensors of one group decoded into the transport's plain struct (every other check is
+// RunLayerSelect's).
+absl::Status DecodeGroup(const Indexer& indexer, const v1::RowGroup& group, size_t index,
+                         SelectRowGroup* decoded) {
+  const int64_t num_heads = indexer.options().num_heads;
+  const int64_t head_dim = indexer.options().head_dim;
+  const std::string prefix = absl::StrCat("group ", index, ": ");
+  const int64_t query_shape[] = {-1, num_heads, head_dim};
+  DSA_ASSIGN_OR_RETURN(decoded->queries,
+                       DecodeFloatTensor(group.queries(), query_shape, prefix + "queries"));
+  const int64_t num_rows = group.queries().shape(0);
+  if (num_rows < 1) return absl::InvalidArgumentError(prefix + "queries have no rows");
+  if (group.head_weights().dtype() != dsa::common::v1::DTYPE_FLOAT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "head_weights must be DTYPE_FLOAT32, got ",
+                     dsa::common::v1::DType_Name(group.head_weights().dtype())));
+  }
+  const int64_t weight_shape[] = {num_rows, num_heads};
+  DSA_ASSIGN_OR_RETURN(decoded->head_weights, DecodeFloatTensor(group.head_weights(), weight_shape,
+                                                                prefix + "head_weights"));
+  if (group.has_new_index_keys()) {
+    const int64_t key_shape[] = {-1, head_dim};
+    DSA_ASSIGN_OR_RETURN(
+        decoded->new_index_keys,
+        DecodeFloatTensor(group.new_index_keys(), key_shape, prefix + "new_index_keys"));
+  }
+  decoded->sequence_id = group.sequence_id();
+  decoded->layer = group.layer();
+  decoded->first_position = group.first_position();
+  decoded->num_rows = static_cast<int>(num_rows);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ToSpinConfig(const v1::SpinSettings& settings, SpinConfig* config) {
   switch (settings.mode_case()) {
@@ -102,87 +138,67 @@ absl::Status ToSpinConfig(const v1::SpinSettings& settings, SpinConfig* config) 
   return absl::OkStatus();
 }
 
-absl::Status CheckFinite(const std::vector<float>& values, const std::string& name) {
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " has a non-finite value at index ", i));
-    }
+v1::SpinSettings ToSpinSettings(const SpinConfig& config) {
+  v1::SpinSettings settings;
+  if (config.enabled) {
+    settings.set_target_block_sparsity(config.target_block_sparsity);
+  } else {
+    settings.set_all_keep(true);
   }
-  return absl::OkStatus();
+  settings.set_ema_decay(config.ema_decay);
+  settings.set_exploration_fraction(config.exploration_fraction);
+  switch (config.pooling) {
+    case BlockPooling::kMax:
+      settings.set_pooling(v1::BLOCK_POOLING_MAX);
+      break;
+    case BlockPooling::kTop4Mean:
+      settings.set_pooling(v1::BLOCK_POOLING_TOP4_MEAN);
+      break;
+    case BlockPooling::kMean:
+      settings.set_pooling(v1::BLOCK_POOLING_MEAN);
+      break;
+  }
+  switch (config.reduction) {
+    case BlockReduction::kA0:
+      settings.set_reduction(v1::BLOCK_REDUCTION_A0);
+      break;
+    case BlockReduction::kA1:
+      settings.set_reduction(v1::BLOCK_REDUCTION_A1);
+      break;
+    case BlockReduction::kA2:
+      settings.set_reduction(v1::BLOCK_REDUCTION_A2);
+      break;
+  }
+  switch (config.exploration) {
+    case ExplorationPolicy::kRandom:
+      settings.set_exploration(v1::EXPLORATION_POLICY_RANDOM);
+      break;
+    case ExplorationPolicy::kStalenessScore:
+      settings.set_exploration(v1::EXPLORATION_POLICY_STALENESS_SCORE);
+      break;
+    case ExplorationPolicy::kBlockAge:
+      settings.set_exploration(v1::EXPLORATION_POLICY_BLOCK_AGE);
+      break;
+  }
+  switch (config.spec_mask) {
+    case SpecMaskPolicy::kRowLocalUnion:
+      settings.set_spec_mask(v1::SPEC_MASK_POLICY_ROW_LOCAL_UNION);
+      break;
+    case SpecMaskPolicy::kRow0Sharing:
+      settings.set_spec_mask(v1::SPEC_MASK_POLICY_ROW0_SHARING);
+      break;
+  }
+  switch (config.spec_update) {
+    case SpecUpdatePolicy::kPrefixValid:
+      settings.set_spec_update(v1::SPEC_UPDATE_POLICY_PREFIX_VALID);
+      break;
+    case SpecUpdatePolicy::kRow0:
+      settings.set_spec_update(v1::SPEC_UPDATE_POLICY_ROW0);
+      break;
+  }
+  settings.set_seed(config.seed);
+  return settings;
 }
-
-// One group decoded and checked, ready to run.
-struct DecodedGroup {
-  std::vector<float> queries;   // [rows, H, D]
-  std::vector<float> weights;   // [rows, H]
-  std::vector<float> new_keys;  // [num_new_keys, D]
-  int64_t num_new_keys = 0;
-  int64_t slots_before = 0;  // the layer's slot count when the request was checked
-  std::vector<IndexerRow> rows;
-};
-
-absl::Status DecodeGroup(const Indexer& indexer, const v1::RowGroup& group, size_t index,
-                         DecodedGroup* decoded) {
-  const int64_t num_heads = indexer.options().num_heads;
-  const int64_t head_dim = indexer.options().head_dim;
-  const std::string prefix = absl::StrCat("group ", index, ": ");
-  const int64_t query_shape[] = {-1, num_heads, head_dim};
-  DSA_ASSIGN_OR_RETURN(decoded->queries,
-                       DecodeFloatTensor(group.queries(), query_shape, prefix + "queries"));
-  const int64_t num_rows = group.queries().shape(0);
-  if (num_rows < 1) return absl::InvalidArgumentError(prefix + "queries have no rows");
-  if (group.head_weights().dtype() != dsa::common::v1::DTYPE_FLOAT32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "head_weights must be DTYPE_FLOAT32, got ",
-                     dsa::common::v1::DType_Name(group.head_weights().dtype())));
-  }
-  const int64_t weight_shape[] = {num_rows, num_heads};
-  DSA_ASSIGN_OR_RETURN(decoded->weights, DecodeFloatTensor(group.head_weights(), weight_shape,
-                                                           prefix + "head_weights"));
-  DSA_RETURN_IF_ERROR(CheckFinite(decoded->queries, prefix + "queries"));
-  DSA_RETURN_IF_ERROR(CheckFinite(decoded->weights, prefix + "head_weights"));
-  if (group.first_position() < 0 || group.first_position() >= (int64_t{1} << 31)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, "first_position ", group.first_position(), " outside [0, 2^31) (a layer's slots)"));
-  }
-  auto slots = indexer.NumSlots(group.sequence_id(), group.layer());
-  if (!slots.ok()) {
-    return absl::Status(slots.status().code(), prefix + std::string(slots.status().message()));
-  }
-  decoded->slots_before = *slots;
-  const int64_t last_position = group.first_position() + num_rows - 1;
-  if (group.has_new_index_keys()) {
-    const int64_t key_shape[] = {-1, head_dim};
-    DSA_ASSIGN_OR_RETURN(decoded->new_keys, DecodeFloatTensor(group.new_index_keys(), key_shape,
-                                                              prefix + "new_index_keys"));
-    DSA_RETURN_IF_ERROR(CheckFinite(decoded->new_keys, prefix + "new_index_keys"));
-    decoded->num_new_keys = group.new_index_keys().shape(0);
-    const int64_t newest = *slots + decoded->num_new_keys - 1;
-    if (decoded->num_new_keys > 0 && last_position != newest) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(prefix, "rows end at position ", last_position, " but with ",
-                       decoded->num_new_keys, " new index keys layer ", group.layer(),
-                       "'s newest slot is ", newest, "; rows must end at the newest slot"));
-    }
-  }
-  if (last_position >= *slots + decoded->num_new_keys) {
-    return absl::OutOfRangeError(absl::StrCat(prefix, "rows up to position ", last_position,
-                                              " but layer ", group.layer(), " holds ", *slots,
-                                              " slots; append the rows' index keys first"));
-  }
-  const size_t query_size = static_cast<size_t>(num_heads * head_dim);
-  decoded->rows.resize(num_rows);
-  for (int64_t r = 0; r < num_rows; ++r) {
-    decoded->rows[r].query =
-        std::span<const float>(decoded->queries.data() + r * query_size, query_size);
-    decoded->rows[r].head_weights =
-        std::span<const float>(decoded->weights.data() + r * num_heads, num_heads);
-    decoded->rows[r].position = group.first_position() + r;
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -193,73 +209,27 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
                        v1::SelectResponse* response, IndexerMetrics* metrics,
                        int* groups_applied_out) {
   if (groups_applied_out != nullptr) *groups_applied_out = 0;
+  response->Clear();
   if (request.groups().empty())
     return absl::InvalidArgumentError("select needs at least one group");
-  std::vector<DecodedGroup> decoded(request.groups_size());
+  LayerSelectRequest decoded;
+  decoded.num_heads = indexer.options().num_heads;
+  decoded.head_dim = indexer.options().head_dim;
+  decoded.groups.resize(request.groups_size());
   for (int g = 0; g < request.groups_size(); ++g) {
-    DSA_RETURN_IF_ERROR(DecodeGroup(indexer, request.groups(g), g, &decoded[g]));
+    DSA_RETURN_IF_ERROR(DecodeGroup(indexer, request.groups(g), g, &decoded.groups[g]));
   }
-  // New index keys make a (sequence, layer)'s slot count change within the request: such a layer
-  // may appear in one group only.
-  for (int g = 0; g < request.groups_size(); ++g) {
-    for (int h = 0; h < g; ++h) {
-      const v1::RowGroup& a = request.groups(h);
-      const v1::RowGroup& b = request.groups(g);
-      if (a.sequence_id() == b.sequence_id() && a.layer() == b.layer() &&
-          (decoded[g].num_new_keys > 0 || decoded[h].num_new_keys > 0)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("groups ", h, " and ", g, " both address layer ", a.layer(),
-                         " of sequence ", a.sequence_id(), " and carry new index keys"));
-      }
-    }
-  }
-  // Appends first, all or none; then the selects (one batch). When the batch fails, the new keys
-  // of the groups it did not apply are removed again.
-  // Removes the new keys of groups [from, to), newest first.
-  auto undo_appends = [&](int from, int to) {
-    for (int g = to - 1; g >= from; --g) {
-      if (decoded[g].num_new_keys > 0) {
-        (void)indexer.TruncateIndexKeys(request.groups(g).sequence_id(), request.groups(g).layer(),
-                                        decoded[g].slots_before);
-      }
-    }
-  };
-  for (int g = 0; g < request.groups_size(); ++g) {
-    if (decoded[g].num_new_keys == 0) continue;
-    const v1::RowGroup& group = request.groups(g);
-    const absl::Status appended = indexer.AppendIndexKeys(
-        group.sequence_id(), group.layer(), decoded[g].new_keys, decoded[g].num_new_keys);
-    if (!appended.ok()) {
-      undo_appends(0, g);  // groups before g appended; g did not
-      return absl::Status(appended.code(),
-                          absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
-    }
-  }
-  std::vector<SelectGroup> groups(request.groups_size());
-  for (int g = 0; g < request.groups_size(); ++g) {
-    groups[g] = {request.groups(g).sequence_id(), request.groups(g).layer(), decoded[g].rows};
-  }
-  size_t groups_applied = 0;
-  auto results = indexer.SelectBatch(groups, &groups_applied);
-  response->Clear();
-  if (!results.ok()) {
-    undo_appends(static_cast<int>(groups_applied), request.groups_size());
-    if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);
-    return results.status();
-  }
+  DSA_ASSIGN_OR_RETURN(LayerSelection selection,
+                       RunLayerSelect(indexer, decoded, metrics, groups_applied_out));
   response->set_request_id(request.request_id());
-  for (int g = 0; g < request.groups_size(); ++g) {
-    const SelectResult& result = (*results)[g];
-    if (metrics != nullptr) metrics->RecordSelect(result);
-    v1::GroupSelection* selection = response->add_selections();
-    const int64_t shape[] = {static_cast<int64_t>(decoded[g].rows.size()), result.top_k};
-    EncodeInt32Tensor(result.selections, shape, selection->mutable_selections());
-    selection->set_blocks_scored(result.blocks_scored);
-    selection->set_blocks_visible(result.blocks_visible);
-    selection->set_all_blocks(result.all_blocks);
-    for (const double miss_rate : result.audit_miss_rates) {
-      selection->add_audit_miss_rates(miss_rate);
-    }
+  for (const GroupSelection& group : selection.groups) {
+    v1::GroupSelection* out = response->add_selections();
+    const int64_t shape[] = {group.num_rows, group.top_k};
+    EncodeInt32Tensor(group.selections, shape, out->mutable_selections());
+    out->set_blocks_scored(group.blocks_scored);
+    out->set_blocks_visible(group.blocks_visible);
+    out->set_all_blocks(group.all_blocks);
+    for (const double miss_rate : group.audit_miss_rates) out->add_audit_miss_rates(miss_rate);
   }
   return absl::OkStatus();
 }
@@ -291,13 +261,7 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* /*context*/
 grpc::Status IndexerServiceImpl::AppendIndexKeys(
     grpc::ServerContext* context, grpc::ServerReader<v1::AppendIndexKeysRequest>* reader,
     v1::AppendIndexKeysResponse* response) {
-  struct Touched {
-    uint64_t sequence_id;
-    int layer;
-    int64_t original_slots;
-  };
-  std::vector<Touched> touched;  // (sequence, layer) this call appended to, first touch order
-  int64_t keys_appended = 0;
+  IndexKeyAppendCall call(indexer_);
   const int64_t key_shape[] = {-1, indexer_->options().head_dim};
   auto append_chunk = [&](const v1::AppendIndexKeysRequest& chunk, int64_t index) -> absl::Status {
     if (chunk.ByteSizeLong() > static_cast<size_t>(kMaxAppendChunkBytes)) {
@@ -307,22 +271,8 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
     }
     const std::string name = absl::StrCat("chunk ", index, " keys");
     DSA_ASSIGN_OR_RETURN(std::vector<float> keys, DecodeFloatTensor(chunk.keys(), key_shape, name));
-    DSA_ASSIGN_OR_RETURN(int64_t slots, indexer_->NumSlots(chunk.sequence_id(), chunk.layer()));
-    if (chunk.first_slot() != slots) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "chunk ", index, ": first_slot ", chunk.first_slot(), " but layer ", chunk.layer(),
-          " of sequence ", chunk.sequence_id(), " holds ", slots, " slots"));
-    }
-    const int64_t num_keys = chunk.keys().shape(0);
-    DSA_RETURN_IF_ERROR(
-        indexer_->AppendIndexKeys(chunk.sequence_id(), chunk.layer(), keys, num_keys));
-    bool seen = false;
-    for (const Touched& t : touched) {
-      seen = seen || (t.sequence_id == chunk.sequence_id() && t.layer == chunk.layer());
-    }
-    if (!seen) touched.push_back({chunk.sequence_id(), chunk.layer(), slots});
-    keys_appended += num_keys;
-    return absl::OkStatus();
+    return call.Append(chunk.sequence_id(), chunk.layer(), chunk.first_slot(), keys,
+                       chunk.keys().shape(0), absl::StrCat("chunk ", index, ": "));
   };
 
   absl::Status status;
@@ -336,16 +286,12 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
     status = absl::CancelledError("the client cancelled the append");
   }
   if (!status.ok()) {
-    // Undo this call's appends, newest layer first. A rollback can only fail when the sequence was
-    // released meanwhile, and then there is nothing left to undo.
-    for (auto it = touched.rbegin(); it != touched.rend(); ++it) {
-      (void)indexer_->TruncateIndexKeys(it->sequence_id, it->layer, it->original_slots);
-    }
+    call.Undo();
     UpdateCacheMetrics();
     return ToGrpcStatus(status);
   }
   UpdateCacheMetrics();
-  response->set_keys_appended(keys_appended);
+  response->set_keys_appended(call.keys_appended());
   return grpc::Status::OK;
 }
 
@@ -416,6 +362,17 @@ grpc::Status IndexerServiceImpl::GetLoad(grpc::ServerContext* /*context*/,
   response->set_num_heads(indexer_->options().num_heads);
   response->set_head_dim(indexer_->options().head_dim);
   return grpc::Status::OK;
+}
+
+grpc::Status IndexerServiceImpl::OpenDataPlane(grpc::ServerContext* /*context*/,
+                                               const v1::OpenDataPlaneRequest* request,
+                                               v1::OpenDataPlaneResponse* response) {
+  if (!data_plane_opener_) {
+    return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                        "OpenDataPlane: this dsa-indexer was built without NCCL (serve selects "
+                        "over SelectStream)");
+  }
+  return ToGrpcStatus(data_plane_opener_(*request, response));
 }
 
 }  // namespace dsa

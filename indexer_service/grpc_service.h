@@ -3,6 +3,9 @@
 // grpc::Status.
 #pragma once
 
+#include <functional>
+#include <utility>
+
 #include "absl/status/status.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -20,6 +23,15 @@ inline constexpr int kMaxAppendChunkBytes = 4 << 20;
 /// message over it is failed by gRPC itself before the handler sees it; the handler then undoes
 /// the call's chunks only if gRPC has already marked the call cancelled when the stream ends.
 inline constexpr int kMaxReceiveMessageBytes = 64 << 20;
+
+/// Applies `settings` to `config` (whose fields are the defaults for unset ones): unset mode =
+/// SPIN on at the config's rho; all_keep = SPIN off; unset optional fields and UNSPECIFIED enums
+/// keep the paper's defaults (SPIN paper section 3; DESIGN.md 4.2). INVALID_ARGUMENT for an
+/// unknown enum value (range checks are ValidateSpinConfig's).
+absl::Status ToSpinConfig(const dsa::indexer::v1::SpinSettings& settings, SpinConfig* config);
+
+/// The settings that ToSpinConfig turns back into `config` exactly (every field explicit).
+dsa::indexer::v1::SpinSettings ToSpinSettings(const SpinConfig& config);
 
 /// absl::Status -> grpc::Status with the same code (Abseil's codes are gRPC's) and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
@@ -51,6 +63,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
                        dsa::indexer::v1::SelectResponse* response,
                        IndexerMetrics* metrics = nullptr, int* groups_applied = nullptr);
+
+/// Opens a data plane for OpenDataPlane (the NCCL one: NcclDataPlanes in transport/
+/// nccl_bootstrap.h), injected so that this adapter does not depend on NCCL. Fills `response` or
+/// returns the status the RPC answers with. Called on gRPC's threads, concurrently.
+using DataPlaneOpener = std::function<absl::Status(const dsa::indexer::v1::OpenDataPlaneRequest&,
+                                                   dsa::indexer::v1::OpenDataPlaneResponse*)>;
 
 /// dsa.indexer.v1.IndexerService over a dsa::Indexer (and optional IndexerMetrics) that the caller
 /// owns and keeps alive for the server's lifetime. Thread-safe (the engine serializes its state;
@@ -117,12 +135,23 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                        const dsa::indexer::v1::GetLoadRequest* request,
                        dsa::indexer::v1::GetLoadResponse* response) override;
 
+  /// Sets what OpenDataPlane delegates to; call before the server starts. Without one,
+  /// OpenDataPlane answers UNIMPLEMENTED ("built without NCCL").
+  void SetDataPlaneOpener(DataPlaneOpener opener) { data_plane_opener_ = std::move(opener); }
+
+  /// Bootstraps a data plane through the injected DataPlaneOpener (its status unchanged);
+  /// UNIMPLEMENTED when there is none.
+  grpc::Status OpenDataPlane(grpc::ServerContext* context,
+                             const dsa::indexer::v1::OpenDataPlaneRequest* request,
+                             dsa::indexer::v1::OpenDataPlaneResponse* response) override;
+
  private:
   // Sets the cache gauges from the engine's usage (no-op without metrics).
   void UpdateCacheMetrics();
 
   Indexer* indexer_;         // not owned
   IndexerMetrics* metrics_;  // not owned; may be null
+  DataPlaneOpener data_plane_opener_;  // may be empty
 };
 
 }  // namespace dsa

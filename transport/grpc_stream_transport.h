@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -15,15 +16,25 @@
 
 namespace dsa {
 
+/// The wire form of one layer's select: one RowGroup per group, fp32 tensors (queries [rows, H, D],
+/// head_weights [rows, H], new_index_keys [n, D] when n > 0); request_id left 0.
+dsa::indexer::v1::SelectRequest ToSelectRequestProto(const LayerSelectRequest& request);
+
+/// The plain form of an answer to a request whose groups had `group_rows` rows each. INTERNAL when
+/// it does not match (group count, a selections tensor that is not int32 [rows, K]).
+absl::StatusOr<LayerSelection> FromSelectResponseProto(
+    const dsa::indexer::v1::SelectResponse& response, const std::vector<int>& group_rows);
+
 class GrpcStreamTransport final : public SelectionTransport {
  public:
   /// Opens the stream on `channel` (not yet connected is fine: the first write connects).
   explicit GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel);
   ~GrpcStreamTransport() override;  // Close()s
 
-  absl::StatusOr<uint64_t> Submit(dsa::indexer::v1::SelectRequest request) override;
-  absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
-                                                         absl::Time deadline) override;
+  /// Encodes the layer as one SelectRequest (fp32 tensors) and writes it on the stream.
+  absl::StatusOr<uint64_t> Submit(LayerSelectRequest request) override;
+  /// The answer decoded; INTERNAL when it does not match the request (group count, shapes).
+  absl::StatusOr<LayerSelection> Await(uint64_t request_id, absl::Time deadline) override;
   void Forget(uint64_t request_id) override;
   absl::Status Close() override;
 
@@ -43,7 +54,7 @@ class GrpcStreamTransport final : public SelectionTransport {
   std::mutex mutex_;  // guards everything below
   std::condition_variable arrived_;
   uint64_t next_id_ = 1;
-  std::map<uint64_t, bool> outstanding_;  // submitted, not yet collected
+  std::map<uint64_t, std::vector<int>> outstanding_;  // submitted, not yet collected: rows a group
   std::map<uint64_t, dsa::indexer::v1::SelectResponse> responses_;
   bool ended_ = false;         // the read side finished
   absl::Status final_status_;  // the stream's status once ended_

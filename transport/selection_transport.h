@@ -1,46 +1,93 @@
 // The data plane between an attention worker and an indexer worker (DESIGN.md section 3): select
 // requests for full layers go out as soon as their inputs exist, and the selections are collected
-// when a later layer needs them (MLI's lag depth hides the round trip). One interface, two
-// implementations: a gRPC bidirectional stream (here) and NCCL between GPUs (later).
+// when a later layer needs them (MLI's lag depth hides the round trip). One interface over plain
+// structs (no protos), three implementations: a gRPC bidirectional stream, in-process (the
+// indexer co-located in the attention worker's process) and NCCL between GPUs.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "dsa/indexer/v1/indexer.pb.h"
 
 namespace dsa {
 
 /// Payload (absl::Status::SetPayload) of a refused request's status from Await: the decimal number
-/// of leading groups the indexer applied before refusing it (SelectError.groups_applied).
+/// of leading groups the indexer applied before refusing it (SelectError.groups_applied on the
+/// wire; Indexer::SelectBatch's groups_applied in process).
 inline constexpr char kGroupsAppliedPayload[] = "type.dsa/indexer.v1.SelectError.groups_applied";
+
+/// One row group of a layer's select: the decode rows of one sequence at one full layer, with the
+/// new index keys of the step (DESIGN.md 4.1; the indexer appends them before the rows select).
+/// Host buffers, fp32, row-major; H and D are the LayerSelectRequest's.
+struct SelectRowGroup {
+  uint64_t sequence_id = 0;
+  /// Full-layer index on the indexer (0 .. num_full_layers - 1), not a model layer.
+  int layer = 0;
+  /// Query position t of row 0; row r is at t + r (verifier rows are consecutive).
+  int64_t first_position = 0;
+  /// Rows, >= 1 (1 = a plain decode step; d + 1 = speculative verifier rows).
+  int num_rows = 0;
+  /// Indexer queries, fp32 [num_rows, H, D].
+  std::vector<float> queries;
+  /// Head weights (query scale folded in), fp32 [num_rows, H].
+  std::vector<float> head_weights;
+  /// The step's new index keys, fp32 [num_new_keys, D] (num_new_keys = size / D, may be 0); with
+  /// keys the rows must end at the layer's newest slot after the append.
+  std::vector<float> new_index_keys;
+};
+
+/// The indexer inputs of one full layer for every sequence of a decode step on one indexer worker
+/// (one request, one scoring pass on the indexer).
+struct LayerSelectRequest {
+  int num_heads = 0;  // H of the indexer query, >= 1
+  int head_dim = 0;   // D of queries and index keys, >= 1
+  std::vector<SelectRowGroup> groups;
+};
+
+/// The answer for one row group.
+struct GroupSelection {
+  int num_rows = 0;
+  int top_k = 0;  // K
+  /// int32 [num_rows, top_k]: slots best first, -1 padding (DESIGN.md 4.1).
+  std::vector<int32_t> selections;
+  int64_t blocks_scored = 0;   // blocks the indexer scored for the group
+  int64_t blocks_visible = 0;  // ceil(N_t / 64) of the last row
+  bool all_blocks = false;     // every visible block was scored (all-keep, warm-up, N_t <= K)
+  /// Per row, the audited miss rate (empty when the indexer did not audit the group).
+  std::vector<double> audit_miss_rates;
+};
+
+/// The answer to one LayerSelectRequest: one GroupSelection per request group, in order.
+struct LayerSelection {
+  std::vector<GroupSelection> groups;
+};
 
 /// Thread-safe: any thread may Submit and Await.
 class SelectionTransport {
  public:
   virtual ~SelectionTransport() = default;
 
-  /// Sends `request` without waiting for its answer; the transport sets request.request_id to a
-  /// fresh id (unique per transport) and returns it. UNAVAILABLE when the transport is closed or
-  /// its connection ended (the message says why).
-  virtual absl::StatusOr<uint64_t> Submit(dsa::indexer::v1::SelectRequest request) = 0;
+  /// Sends `request` without waiting for its answer and returns a fresh id (unique per transport).
+  /// UNAVAILABLE when the transport is closed or its connection ended (the message says why).
+  virtual absl::StatusOr<uint64_t> Submit(LayerSelectRequest request) = 0;
 
   /// Blocks until the response to `request_id` arrives, then hands it over (once).
   /// Errors: DEADLINE_EXCEEDED at `deadline` (the response may still arrive and be awaited again);
   /// NOT_FOUND for an id never submitted or already collected; the indexer's own status (e.g.
-  /// INVALID_ARGUMENT, NOT_FOUND) when it refused this request (other requests are unaffected);
-  /// UNAVAILABLE, or the stream's final status, when the connection ended before the answer.
-  virtual absl::StatusOr<dsa::indexer::v1::SelectResponse> Await(uint64_t request_id,
-                                                                 absl::Time deadline) = 0;
+  /// INVALID_ARGUMENT, NOT_FOUND) when it refused this request, with kGroupsAppliedPayload (other
+  /// requests are unaffected); UNAVAILABLE, or the connection's final status, when the connection
+  /// ended before the answer.
+  virtual absl::StatusOr<LayerSelection> Await(uint64_t request_id, absl::Time deadline) = 0;
 
   /// Gives up on `request_id` (after a DEADLINE_EXCEEDED the caller will not await again): its
   /// answer, now or later, is dropped, so abandoned requests hold no memory. Unknown ids: no-op.
   virtual void Forget(uint64_t request_id) = 0;
 
-  /// Stops sending, lets the indexer finish what it has (up to 5 s, then the stream is
-  /// cancelled), and waits for the stream to end. Returns the stream's final status. Idempotent
-  /// and safe to call from several threads.
+  /// Stops sending, lets the indexer finish what it has (bounded, then the connection is
+  /// cancelled), and waits for the connection to end. Returns its final status. Idempotent and
+  /// safe to call from several threads.
   virtual absl::Status Close() = 0;
 };
 

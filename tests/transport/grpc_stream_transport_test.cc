@@ -1,6 +1,8 @@
-// Tests of the gRPC stream transport against a real in-process indexer server on loopback: layers
-// submitted ahead and awaited later get the engine's own answers; a refused request ends the
-// stream with the indexer's status; ids, deadlines and closing behave as documented.
+// Tests of the selection transports, each against its indexer: the gRPC stream (a real in-process
+// indexer server on loopback) and the in-process transport (the engine itself). Layers submitted
+// ahead and awaited later get the engine's own answers, bit-identical over both; a refused
+// request gets the indexer's status and the others go on; ids, deadlines and closing behave as
+// documented.
 #include "transport/grpc_stream_transport.h"
 
 #include <memory>
@@ -9,7 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
-#include "tensor_codec.h"
+#include "transport/in_process_transport.h"
 
 namespace dsa {
 namespace {
@@ -17,7 +19,9 @@ namespace {
 namespace v1 = dsa::indexer::v1;
 constexpr int kH = 4, kD = 16, kK = 32, kLayers = 2, kSlots = 500;
 
-class TransportTest : public ::testing::Test {
+enum class Kind { kGrpcStream, kInProcess };
+
+class TransportTest : public ::testing::TestWithParam<Kind> {
  protected:
   void SetUp() override {
     IndexerOptions options{.capacity_blocks = 64, .num_heads = kH, .head_dim = kD};
@@ -51,16 +55,23 @@ class TransportTest : public ::testing::Test {
   }
   void TearDown() override { server_->Shutdown(); }
 
-  v1::SelectRequest Request(uint64_t sequence, int layer, int64_t position) {
-    v1::SelectRequest request;
-    v1::RowGroup* group = request.add_groups();
-    group->set_sequence_id(sequence);
-    group->set_layer(layer);
-    group->set_first_position(position);
-    const int64_t query_shape[] = {1, kH, kD};
-    const int64_t weight_shape[] = {1, kH};
-    EncodeFloatTensor(query_, query_shape, group->mutable_queries());
-    EncodeFloatTensor(weights_, weight_shape, group->mutable_head_weights());
+  // The transport under test.
+  std::unique_ptr<SelectionTransport> MakeTransport() {
+    if (GetParam() == Kind::kGrpcStream) return std::make_unique<GrpcStreamTransport>(channel_);
+    return std::make_unique<InProcessSelectionTransport>(indexer_.get());
+  }
+
+  LayerSelectRequest Request(uint64_t sequence, int layer, int64_t position) {
+    LayerSelectRequest request;
+    request.num_heads = kH;
+    request.head_dim = kD;
+    SelectRowGroup& group = request.groups.emplace_back();
+    group.sequence_id = sequence;
+    group.layer = layer;
+    group.first_position = position;
+    group.num_rows = 1;
+    group.queries = query_;
+    group.head_weights = weights_;
     return request;
   }
 
@@ -79,8 +90,9 @@ class TransportTest : public ::testing::Test {
   std::vector<float> weights_ = std::vector<float>(kH);
 };
 
-TEST_F(TransportTest, LayersSubmittedAheadAreAwaitedLaterWithTheEnginesAnswers) {
-  GrpcStreamTransport transport(channel_);
+TEST_P(TransportTest, LayersSubmittedAheadAreAwaitedLaterWithTheEnginesAnswers) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
   auto first = transport.Submit(Request(7, 0, kSlots - 1));
   auto second = transport.Submit(Request(7, 1, kSlots - 1));
   ASSERT_TRUE(first.ok() && second.ok());
@@ -89,12 +101,13 @@ TEST_F(TransportTest, LayersSubmittedAheadAreAwaitedLaterWithTheEnginesAnswers) 
   for (auto [id, layer] : {std::pair{*second, 1}, std::pair{*first, 0}}) {
     auto response = transport.Await(id, absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(response.ok()) << response.status();
-    EXPECT_EQ(response->request_id(), id);
-    ASSERT_EQ(response->selections_size(), 1);
-    const int64_t shape[] = {1, kK};
-    auto selection = DecodeInt32Tensor(response->selections(0).selections(), shape, "selections");
-    ASSERT_TRUE(selection.ok()) << selection.status();
-    EXPECT_EQ(*selection, TwinSelection(layer, kSlots - 1)) << "layer " << layer;
+    ASSERT_EQ(response->groups.size(), 1u);
+    const GroupSelection& group = response->groups[0];
+    EXPECT_EQ(group.num_rows, 1);
+    EXPECT_EQ(group.top_k, kK);
+    EXPECT_EQ(group.selections, TwinSelection(layer, kSlots - 1)) << "layer " << layer;
+    EXPECT_GT(group.blocks_scored, 0);
+    EXPECT_EQ(group.blocks_visible, (kSlots + 63) / 64);
   }
   EXPECT_EQ(transport.Await(*first, absl::Now()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(transport.Await(12345, absl::Now()).status().code(), absl::StatusCode::kNotFound);
@@ -103,21 +116,23 @@ TEST_F(TransportTest, LayersSubmittedAheadAreAwaitedLaterWithTheEnginesAnswers) 
             absl::StatusCode::kUnavailable);
 }
 
-TEST_F(TransportTest, ARefusedRequestGetsTheIndexersStatusAndOthersGoOn) {
-  GrpcStreamTransport transport(channel_);
+TEST_P(TransportTest, ARefusedRequestGetsTheIndexersStatusAndOthersGoOn) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
   auto bad = transport.Submit(Request(99, 0, kSlots - 1));  // unknown sequence
   auto good = transport.Submit(Request(7, 0, kSlots - 1));
   ASSERT_TRUE(bad.ok() && good.ok());
-  const absl::StatusOr<v1::SelectResponse> refused = transport.Await(*bad, absl::InfiniteFuture());
+  const absl::StatusOr<LayerSelection> refused = transport.Await(*bad, absl::InfiniteFuture());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(refused.status().message().find("99"), absl::string_view::npos) << refused.status();
   auto answered = transport.Await(*good, absl::Now() + absl::Seconds(30));
   ASSERT_TRUE(answered.ok()) << answered.status();
-  EXPECT_EQ(answered->selections_size(), 1);
+  EXPECT_EQ(answered->groups.size(), 1u);
   EXPECT_TRUE(transport.Close().ok());
 }
 
-TEST_F(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
+TEST_P(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
+  if (GetParam() != Kind::kGrpcStream) GTEST_SKIP() << "only a remote indexer can go away";
   GrpcStreamTransport transport(channel_);
   server_->Shutdown(absl::ToChronoTime(absl::Now()));
   auto id = transport.Submit(Request(7, 0, kSlots - 1));
@@ -133,8 +148,9 @@ TEST_F(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
   }
 }
 
-TEST_F(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswerStaysCollectable) {
-  GrpcStreamTransport transport(channel_);
+TEST_P(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswerStaysCollectable) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
   auto id = transport.Submit(Request(7, 0, kSlots - 1));
   ASSERT_TRUE(id.ok());
   // A deadline already in the past: either the answer is there already or the wait times out.
@@ -145,8 +161,9 @@ TEST_F(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswe
   }
 }
 
-TEST_F(TransportTest, AForgottenRequestIsNotCollectableAndTheStreamGoesOn) {
-  GrpcStreamTransport transport(channel_);
+TEST_P(TransportTest, AForgottenRequestIsNotCollectableAndTheStreamGoesOn) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
   auto id = transport.Submit(Request(7, 0, kSlots - 1));
   ASSERT_TRUE(id.ok());
   transport.Forget(*id);
@@ -160,11 +177,12 @@ TEST_F(TransportTest, AForgottenRequestIsNotCollectableAndTheStreamGoesOn) {
   EXPECT_TRUE(transport.Close().ok());  // idempotent
 }
 
-TEST_F(TransportTest, ARefusalSaysHowManyGroupsTheIndexerApplied) {
-  GrpcStreamTransport transport(channel_);
+TEST_P(TransportTest, ARefusalSaysHowManyGroupsTheIndexerApplied) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
   // Distinct sequences, the second unknown: every check runs first, nothing is applied.
-  v1::SelectRequest distinct = Request(7, 0, kSlots - 1);
-  *distinct.add_groups() = Request(99, 0, kSlots - 1).groups(0);
+  LayerSelectRequest distinct = Request(7, 0, kSlots - 1);
+  distinct.groups.push_back(Request(99, 0, kSlots - 1).groups[0]);
   auto id = transport.Submit(distinct);
   ASSERT_TRUE(id.ok());
   absl::Status refused = transport.Await(*id, absl::Now() + absl::Seconds(30)).status();
@@ -173,8 +191,8 @@ TEST_F(TransportTest, ARefusalSaysHowManyGroupsTheIndexerApplied) {
   EXPECT_EQ(std::string(*refused.GetPayload(kGroupsAppliedPayload)), "0");
   // One sequence twice at the same layer and position: the groups run in order, the first is
   // applied, the second is refused by the engine (its position is no longer after the last).
-  v1::SelectRequest repeated = Request(7, 0, kSlots - 1);
-  *repeated.add_groups() = Request(7, 0, kSlots - 1).groups(0);
+  LayerSelectRequest repeated = Request(7, 0, kSlots - 1);
+  repeated.groups.push_back(Request(7, 0, kSlots - 1).groups[0]);
   id = transport.Submit(repeated);
   ASSERT_TRUE(id.ok());
   refused = transport.Await(*id, absl::Now() + absl::Seconds(30)).status();
@@ -183,6 +201,60 @@ TEST_F(TransportTest, ARefusalSaysHowManyGroupsTheIndexerApplied) {
   EXPECT_EQ(std::string(*refused.GetPayload(kGroupsAppliedPayload)), "1");
   EXPECT_TRUE(transport.Close().ok());
 }
+
+TEST_P(TransportTest, NewIndexKeysAndVerifierRowsRoundTripAsTheEngineAnswers) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
+  // Three verifier rows at kSlots..kSlots+2 with their three new keys on layer 1.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  LayerSelectRequest request = Request(7, 1, kSlots);
+  SelectRowGroup& group = request.groups[0];
+  group.num_rows = 3;
+  group.queries.resize(3 * kH * kD);
+  group.head_weights.resize(3 * kH);
+  group.new_index_keys.resize(3 * kD);
+  for (float& v : group.queries) v = normal(rng);
+  for (float& v : group.head_weights) v = std::abs(normal(rng));
+  for (float& v : group.new_index_keys) v = normal(rng);
+  ASSERT_TRUE(twin_->AppendIndexKeys(7, 1, group.new_index_keys, 3).ok());
+  std::vector<IndexerRow> rows;
+  for (int r = 0; r < 3; ++r) {
+    rows.push_back({std::span<const float>(group.queries).subspan(r * kH * kD, kH * kD),
+                    std::span<const float>(group.head_weights).subspan(r * kH, kH), kSlots + r});
+  }
+  auto expected = twin_->Select(7, 1, rows);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  auto id = transport.Submit(request);
+  ASSERT_TRUE(id.ok());
+  auto answer = transport.Await(*id, absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  ASSERT_EQ(answer->groups.size(), 1u);
+  EXPECT_EQ(answer->groups[0].num_rows, 3);
+  EXPECT_EQ(answer->groups[0].selections, expected->selections);
+  EXPECT_EQ(answer->groups[0].blocks_scored, expected->blocks_scored);
+  EXPECT_EQ(*indexer_->NumSlots(7, 1), kSlots + 3);
+  EXPECT_TRUE(transport.Close().ok());
+}
+
+TEST_P(TransportTest, AShapeThatDiffersFromTheIndexersIsRefused) {
+  std::unique_ptr<SelectionTransport> owned = MakeTransport();
+  SelectionTransport& transport = *owned;
+  LayerSelectRequest request = Request(7, 0, kSlots - 1);
+  request.groups[0].head_weights.pop_back();  // [1, H - 1]
+  auto id = transport.Submit(request);
+  ASSERT_TRUE(id.ok());
+  const absl::Status refused = transport.Await(*id, absl::Now() + absl::Seconds(30)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("head_weights"), absl::string_view::npos) << refused;
+  EXPECT_TRUE(transport.Close().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransportTest,
+                         ::testing::Values(Kind::kGrpcStream, Kind::kInProcess),
+                         [](const ::testing::TestParamInfo<Kind>& info) {
+                           return info.param == Kind::kGrpcStream ? "GrpcStream" : "InProcess";
+                         });
 
 }  // namespace
 }  // namespace dsa

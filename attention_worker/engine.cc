@@ -1,0 +1,806 @@
+// The attention worker's engine (see engine.h).
+#include "attention_worker/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/parallel_for.h"
+#include "common/status_macros.h"
+
+namespace dsa {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Slots of index keys generated and appended as one chunk during Prefill (2 MiB of fp32 keys at
+// D = 128); the client splits further where its wire needs it.
+constexpr int64_t kPrefillChunkSlots = 4096;
+
+// The indexer caps a layer at 2^31 slots (indexer_service/indexer.h); a longer context can never
+// be served, and refusing it here keeps every slot count far from int64 overflow.
+constexpr int64_t kMaxContextSlots = (int64_t{1} << 31) - 1;
+
+// Verifier rows of one step: 1, or d + 1 with d <= 4.
+constexpr int kMaxStepRows = 5;
+
+// Whether a failed select's status came from the transport (the outcome on the indexer unknown)
+// rather than from the indexer refusing the request.
+bool IsTransportFailure(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+         code == absl::StatusCode::kCancelled || code == absl::StatusCode::kUnknown ||
+         code == absl::StatusCode::kInternal || code == absl::StatusCode::kAborted;
+}
+
+// For a select the indexer refused: the number of leading groups it applied, from the status
+// payload the transport attaches (kGroupsAppliedPayload); without it, every group counts as
+// applied (the safe assumption).
+int AppliedGroups(const absl::Status& status, int num_groups) {
+  const auto payload = status.GetPayload(kGroupsAppliedPayload);  // absl::optional<absl::Cord>
+  int applied = 0;
+  if (!payload.has_value() || !absl::SimpleAtoi(std::string(*payload), &applied)) {
+    return num_groups;
+  }
+  return std::clamp(applied, 0, num_groups);
+}
+
+// The checks every Prefill passes before anything changes.
+absl::Status ValidatePrefill(const PrefillSpec& spec) {
+  const int64_t context = spec.context_length;
+  if (context < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("context_length must be >= 1, got ", context));
+  }
+  if (context > kMaxContextSlots) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("context_length ", context, " is too long: an indexer layer holds at most ",
+                     kMaxContextSlots, " slots"));
+  }
+  const int64_t max_ids = (context + kPrefixBlockSlots - 1) / kPrefixBlockSlots;
+  if (static_cast<int64_t>(spec.prefix_block_ids.size()) > max_ids) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.prefix_block_ids.size(), " prefix block ids for a context of ", context,
+                     " slots; at most ceil(context / ", kPrefixBlockSlots, ") = ", max_ids));
+  }
+  const int64_t prefix_slots = spec.prefix_slots;
+  if (prefix_slots < 0 || prefix_slots % 64 != 0 || prefix_slots > context) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefix_slots must be a multiple of 64 in [0, context_length = ", context,
+                     "], got ", prefix_slots));
+  }
+  if (prefix_slots > 0 && !spec.prefix_source_id.has_value()) {
+    return absl::InvalidArgumentError("prefix_slots is set but prefix_source_id is not");
+  }
+  if (spec.indexer_worker.empty() && !spec.continue_sequence) {
+    return absl::InvalidArgumentError("indexer_worker (host:port) is required");
+  }
+  if (!spec.continue_sequence && spec.top_k < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("settings.top_k must be >= 1, got ", spec.top_k));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// One sequence: its place on the indexer and its length (its KV lives in the backend).
+struct AttentionEngine::Sequence {
+  std::mutex mutex;  // guards everything below
+  uint64_t id = 0;
+  bool live = false;   // false while being created and after release (then NOT_FOUND)
+  std::string broken;  // non-empty: why the sequence may differ from the indexer's
+  std::string indexer_worker;
+  std::vector<uint64_t> prefix_block_ids;
+  int64_t length = 0;    // committed slots (t of the next step)
+  int pending_rows = 0;  // > 0: a step of that many rows awaits Commit
+  int64_t kv_slots = 0;  // slots held in the backend (and counted in kv_used_slots_)
+};
+
+// The state of one decode step: the batch, its indexer requests and their selections.
+struct AttentionEngine::StepState {
+  struct Member {
+    std::shared_ptr<Sequence> sequence;
+    int rows = 0;
+    int64_t first_position = 0;  // t
+    int batch = 0;               // index into batches
+    // Per full layer (rank): the selections int32 [rows, top_k].
+    std::vector<std::vector<int32_t>> selections;
+    std::vector<int> top_k;
+    int64_t blocks_scored = 0;
+    int64_t blocks_visible = 0;
+    int audited_rows = 0;
+    double audit_miss_rate_sum = 0;
+    bool touched = false;  // the indexer may have applied part of this step
+  };
+  struct Batch {  // the members on one indexer worker
+    std::shared_ptr<IndexerClient> client;
+    std::vector<int> members;
+    // Per full layer (rank): request id once submitted (0 = not submitted), and whether its
+    // answer was collected.
+    std::vector<uint64_t> request_ids;
+    std::vector<bool> collected;
+  };
+  std::vector<Member> members;  // request order
+  std::vector<Batch> batches;
+  std::vector<std::unique_lock<std::mutex>> locks;  // the members' locks, increasing id order
+  int64_t total_rows = 0;                           // KV slots reserved for the step
+  std::vector<double> selection_wait_seconds;       // per model layer
+};
+
+absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
+    MliSchedule schedule, PatternModel model, std::unique_ptr<AttentionBackend> backend,
+    IndexerClientFactory indexer_clients, AttentionEngineOptions options,
+    AttentionMetrics* metrics) {
+  const int num_full = static_cast<int>(schedule.full_layers().size());
+  if (model.num_layers() != num_full) {
+    return absl::InvalidArgumentError(absl::StrCat("the pattern model has ", model.num_layers(),
+                                                   " layers but the schedule ", schedule.Pattern(),
+                                                   " has ", num_full, " full layers"));
+  }
+  if (backend == nullptr) return absl::InvalidArgumentError("no attention backend");
+  if (!indexer_clients) return absl::InvalidArgumentError("no indexer client factory");
+  if (options.kv_capacity_slots < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_capacity_slots must be >= 0, got ", options.kv_capacity_slots));
+  }
+  if (options.prefill_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill_threads must be >= 1, got ", options.prefill_threads));
+  }
+  auto engine = std::unique_ptr<AttentionEngine>(
+      new AttentionEngine(std::move(schedule), std::move(model), std::move(backend),
+                          std::move(indexer_clients), std::move(options), metrics));
+  engine->UpdateUsageMetrics();
+  return engine;
+}
+
+AttentionEngine::AttentionEngine(MliSchedule schedule, PatternModel model,
+                                 std::unique_ptr<AttentionBackend> backend,
+                                 IndexerClientFactory indexer_clients,
+                                 AttentionEngineOptions options, AttentionMetrics* metrics)
+    : schedule_(std::move(schedule)),
+      model_(std::move(model)),
+      backend_(std::move(backend)),
+      indexer_clients_(std::move(indexer_clients)),
+      options_(std::move(options)),
+      metrics_(metrics),
+      full_rank_(schedule_.num_layers(), -1) {
+  for (size_t f = 0; f < schedule_.full_layers().size(); ++f) {
+    full_rank_[schedule_.full_layers()[f]] = static_cast<int>(f);
+  }
+}
+
+AttentionEngine::~AttentionEngine() { CloseIndexerClients(); }
+
+void AttentionEngine::CloseIndexerClients() {
+  std::map<std::string, std::shared_ptr<IndexerClient>> clients;
+  {
+    std::lock_guard<std::mutex> lock(clients_mutex_);
+    clients.swap(clients_);
+  }
+  for (auto& [address, client] : clients) (void)client->Close();
+}
+
+absl::StatusOr<std::shared_ptr<IndexerClient>> AttentionEngine::GetClient(
+    const std::string& address) {
+  if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
+  std::lock_guard<std::mutex> lock(clients_mutex_);
+  auto it = clients_.find(address);
+  if (it != clients_.end()) return it->second;
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client, indexer_clients_(address));
+  clients_[address] = client;
+  return client;
+}
+
+void AttentionEngine::DropClient(const std::shared_ptr<IndexerClient>& client) {
+  std::lock_guard<std::mutex> lock(clients_mutex_);
+  auto it = clients_.find(client->address());
+  if (it != clients_.end() && it->second == client) clients_.erase(it);
+}
+
+absl::Status AttentionEngine::ReserveKv(int64_t num_slots) {
+  {
+    std::lock_guard<std::mutex> lock(kv_mutex_);
+    if (num_slots > options_.kv_capacity_slots - kv_used_slots_) {  // no overflow: used <= cap
+      return absl::ResourceExhaustedError(absl::StrCat("KV cache full: ", num_slots,
+                                                       " slots needed, ", kv_used_slots_, " of ",
+                                                       options_.kv_capacity_slots, " in use"));
+    }
+    kv_used_slots_ += num_slots;
+  }
+  UpdateUsageMetrics();
+  return absl::OkStatus();
+}
+
+void AttentionEngine::FreeKv(int64_t num_slots) {
+  {
+    std::lock_guard<std::mutex> lock(kv_mutex_);
+    kv_used_slots_ -= num_slots;
+  }
+  UpdateUsageMetrics();
+}
+
+absl::Status AttentionEngine::ResizeKv(Sequence& sequence, int64_t num_slots) {
+  DSA_RETURN_IF_ERROR(backend_->ResizeSequence(sequence.id, num_slots));
+  sequence.kv_slots = num_slots;
+  return absl::OkStatus();
+}
+
+void AttentionEngine::UpdateUsageMetrics() {
+  if (metrics_ == nullptr) return;
+  int64_t used = 0;
+  int64_t sequences = 0;
+  {
+    std::lock_guard<std::mutex> lock(kv_mutex_);
+    used = kv_used_slots_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(sequences_mutex_);
+    sequences = static_cast<int64_t>(sequences_.size());
+  }
+  metrics_->SetUsage(used, options_.kv_capacity_slots, sequences);
+}
+
+std::shared_ptr<AttentionEngine::Sequence> AttentionEngine::FindSequence(uint64_t sequence_id) {
+  std::lock_guard<std::mutex> lock(sequences_mutex_);
+  auto it = sequences_.find(sequence_id);
+  return it == sequences_.end() ? nullptr : it->second;
+}
+
+void AttentionEngine::EraseSequence(uint64_t sequence_id, const Sequence* sequence) {
+  {
+    std::lock_guard<std::mutex> lock(sequences_mutex_);
+    auto it = sequences_.find(sequence_id);
+    if (it != sequences_.end() && it->second.get() == sequence) sequences_.erase(it);
+  }
+  UpdateUsageMetrics();
+}
+
+absl::Status AttentionEngine::CheckIndexerShape(IndexerClient& client) {
+  DSA_ASSIGN_OR_RETURN(IndexerShape shape, client.GetShape(IndexerDeadline()));
+  if (shape.num_heads != model_.num_heads() || shape.head_dim != model_.head_dim()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "indexer worker ", client.address(), " has H = ", shape.num_heads, ", D = ", shape.head_dim,
+        " but this attention worker's model has H = ", model_.num_heads(),
+        ", D = ", model_.head_dim()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionEngine::AppendKeys(IndexerClient& client, uint64_t sequence_id,
+                                         std::span<const uint64_t> prefix_block_ids,
+                                         int64_t first_slot, int64_t end_slot) {
+  if (end_slot <= first_slot) return absl::OkStatus();
+  const int head_dim = model_.head_dim();
+  struct ChunkRange {
+    int layer;
+    int64_t first_slot;
+    int64_t num_slots;
+  };
+  std::vector<ChunkRange> ranges;
+  for (int f = 0; f < model_.num_layers(); ++f) {
+    for (int64_t slot = first_slot; slot < end_slot; slot += kPrefillChunkSlots) {
+      ranges.push_back({f, slot, std::min(kPrefillChunkSlots, end_slot - slot)});
+    }
+  }
+  // Generous: the indexer appends at memory speed, this side generates about 1 us a key.
+  const int64_t num_keys = (end_slot - first_slot) * model_.num_layers();
+  std::unique_ptr<IndexKeyAppend> append =
+      client.BeginAppend(sequence_id, IndexerDeadline() + absl::Microseconds(20 * num_keys));
+  // Chunks are generated `threads` at a time, then written in order.
+  const int threads = options_.prefill_threads;
+  std::vector<std::vector<float>> keys(threads);
+  std::vector<absl::Status> statuses(threads);
+  bool write_failed = false;
+  absl::Status status;
+  for (size_t base = 0; base < ranges.size() && status.ok() && !write_failed; base += threads) {
+    const size_t count = std::min<size_t>(threads, ranges.size() - base);
+    ParallelFor(static_cast<int64_t>(count), threads, [&](int64_t j) {
+      const ChunkRange& range = ranges[base + j];
+      keys[j].resize(static_cast<size_t>(range.num_slots * head_dim));
+      statuses[j] = SequenceIndexKeys(model_, prefix_block_ids, range.layer, range.first_slot,
+                                      range.num_slots, keys[j]);
+    });
+    for (size_t j = 0; j < count; ++j) {
+      if (!statuses[j].ok()) {
+        status = statuses[j];
+        break;
+      }
+      const ChunkRange& range = ranges[base + j];
+      if (!append->Write(range.layer, range.first_slot, keys[j], range.num_slots)) {
+        write_failed = true;  // the call ended; Finish says why
+        break;
+      }
+    }
+  }
+  if (!status.ok()) {
+    append->Cancel();  // undoes the chunks already appended
+    return status;
+  }
+  DSA_ASSIGN_OR_RETURN(int64_t appended, append->Finish());
+  if (appended != num_keys) {
+    return absl::InternalError(absl::StrCat("indexer worker ", client.address(), " appended ",
+                                            appended, " keys, expected ", num_keys));
+  }
+  return absl::OkStatus();
+}
+
+AttentionEngineInfo AttentionEngine::GetInfo() {
+  AttentionEngineInfo info;
+  info.num_model_layers = schedule_.num_layers();
+  info.num_full_layers = static_cast<int>(schedule_.full_layers().size());
+  info.lag_depth = schedule_.lag_depth();
+  info.num_heads = model_.num_heads();
+  info.head_dim = model_.head_dim();
+  info.kv_capacity_slots = options_.kv_capacity_slots;
+  {
+    std::lock_guard<std::mutex> lock(kv_mutex_);
+    info.kv_used_slots = kv_used_slots_;
+  }
+  std::lock_guard<std::mutex> lock(sequences_mutex_);
+  info.sequences = static_cast<int>(sequences_.size());
+  return info;
+}
+
+absl::StatusOr<PrefillResult> AttentionEngine::Prefill(const PrefillSpec& spec) {
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<PrefillResult> result =
+      spec.continue_sequence ? ContinuePrefill(spec) : NewPrefill(spec);
+  if (result.ok() && metrics_ != nullptr) metrics_->RecordPrefill(SecondsSince(start));
+  return result;
+}
+
+absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spec) {
+  DSA_RETURN_IF_ERROR(ValidatePrefill(spec));
+  const uint64_t id = spec.sequence_id;
+  const int64_t context = spec.context_length;
+  auto sequence = std::make_shared<Sequence>();
+  sequence->id = id;
+  std::unique_lock<std::mutex> sequence_lock(sequence->mutex);
+  {
+    std::lock_guard<std::mutex> lock(sequences_mutex_);
+    if (sequences_.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence ", id, " already exists"));
+    }
+    sequences_[id] = sequence;
+  }
+  // From here on every failure removes what was made.
+  bool kv_reserved = false;
+  bool indexer_created = false;
+  std::shared_ptr<IndexerClient> client;
+  auto run = [&]() -> absl::Status {
+    DSA_RETURN_IF_ERROR(ReserveKv(context));
+    kv_reserved = true;
+    DSA_ASSIGN_OR_RETURN(client, GetClient(spec.indexer_worker));
+    DSA_RETURN_IF_ERROR(CheckIndexerShape(*client));
+    IndexerSequenceSpec create;
+    create.sequence_id = id;
+    create.options.num_layers = model_.num_layers();
+    create.options.top_k = spec.top_k;
+    create.options.spin = spec.spin;
+    create.prefix_source_id = spec.prefix_source_id;
+    create.prefix_slots = spec.prefix_source_id.has_value() ? spec.prefix_slots : 0;
+    if (absl::Status created = client->CreateSequence(create, IndexerDeadline()); !created.ok()) {
+      // A lost answer (deadline, connection) may hide a sequence the indexer did create: release
+      // it too (NOT_FOUND there is fine). A refusal created nothing.
+      indexer_created = IsTransportFailure(created.code());
+      return created;
+    }
+    indexer_created = true;
+    DSA_RETURN_IF_ERROR(AppendKeys(*client, id, spec.prefix_block_ids, spec.prefix_slots, context));
+    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
+    sequence->prefix_block_ids = spec.prefix_block_ids;
+    return absl::OkStatus();
+  };
+  absl::Status status = run();
+  if (!status.ok()) {
+    if (indexer_created) (void)client->Release(id, IndexerDeadline());
+    (void)ResizeKv(*sequence, 0);
+    if (kv_reserved) FreeKv(context);
+    EraseSequence(id, sequence.get());
+    return status;
+  }
+  sequence->indexer_worker = spec.indexer_worker;
+  sequence->length = context;
+  sequence->live = true;
+  UpdateUsageMetrics();
+  return PrefillResult{context, context - spec.prefix_slots};
+}
+
+absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec& spec) {
+  DSA_RETURN_IF_ERROR(ValidatePrefill(spec));
+  const uint64_t id = spec.sequence_id;
+  std::shared_ptr<Sequence> sequence = FindSequence(id);
+  if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  std::lock_guard<std::mutex> sequence_lock(sequence->mutex);
+  if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  if (!sequence->broken.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " is broken (", sequence->broken, "); release it"));
+  }
+  if (sequence->pending_rows > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " has a speculative step awaiting Commit"));
+  }
+  if (spec.prefix_source_id.has_value()) {
+    return absl::InvalidArgumentError("continue_sequence cannot take a prefix source");
+  }
+  if (!spec.indexer_worker.empty() && spec.indexer_worker != sequence->indexer_worker) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", id, " lives on indexer worker ",
+                                                   sequence->indexer_worker, ", not ",
+                                                   spec.indexer_worker));
+  }
+  const int64_t old_length = sequence->length;
+  const int64_t context = spec.context_length;
+  if (context < old_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "context_length ", context, " is shorter than sequence ", id, "'s ", old_length, " slots"));
+  }
+  DSA_RETURN_IF_ERROR(ReserveKv(context - old_length));
+  std::vector<uint64_t> ids = spec.prefix_block_ids;
+  if (ids.empty()) ids = sequence->prefix_block_ids;
+  auto run = [&]() -> absl::Status {
+    DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client,
+                         GetClient(sequence->indexer_worker));
+    DSA_RETURN_IF_ERROR(client->BeginTurn(id, IndexerDeadline()));
+    return AppendKeys(*client, id, ids, old_length, context);
+  };
+  absl::Status status = run();
+  if (status.ok()) status = ResizeKv(*sequence, context);
+  if (!status.ok()) {
+    FreeKv(context - old_length);
+    return status;
+  }
+  sequence->length = context;
+  sequence->prefix_block_ids = std::move(ids);
+  return PrefillResult{context, context - old_length};
+}
+
+absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, StepState& step) {
+  if (members.empty()) {
+    return absl::InvalidArgumentError("a decode step needs at least one sequence");
+  }
+  const int num_full = model_.num_layers();
+  step.members.resize(members.size());
+  for (size_t i = 0; i < members.size(); ++i) {
+    const StepMember& s = members[i];
+    if (s.rows < 1 || s.rows > kMaxStepRows) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", s.sequence_id, " asks for ",
+                                                     s.rows, " rows; rows must be in 1..",
+                                                     kMaxStepRows));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (members[j].sequence_id == s.sequence_id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequence ", s.sequence_id, " appears twice in the step"));
+      }
+    }
+    step.members[i].sequence = FindSequence(s.sequence_id);
+    if (step.members[i].sequence == nullptr) {
+      return absl::NotFoundError(absl::StrCat("sequence ", s.sequence_id, " not found"));
+    }
+    step.members[i].rows = s.rows;
+  }
+  // Lock the batch in increasing id order (no deadlock with concurrent steps).
+  std::vector<int> order(step.members.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    return step.members[a].sequence->id < step.members[b].sequence->id;
+  });
+  step.locks.reserve(order.size());
+  for (int i : order) step.locks.emplace_back(step.members[i].sequence->mutex);
+  int64_t total_rows = 0;
+  for (StepState::Member& m : step.members) {
+    const Sequence& s = *m.sequence;
+    if (!s.live) return absl::NotFoundError(absl::StrCat("sequence ", s.id, " not found"));
+    if (!s.broken.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", s.id, " is broken (", s.broken, "); release it"));
+    }
+    if (s.pending_rows > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence ", s.id, " has a speculative step awaiting Commit"));
+    }
+    m.first_position = s.length;
+    m.selections.resize(num_full);
+    m.top_k.resize(num_full);
+    total_rows += m.rows;
+  }
+  DSA_RETURN_IF_ERROR(ReserveKv(total_rows));
+  step.total_rows = total_rows;
+  // KV rows of the new positions, every model layer, first.
+  for (StepState::Member& m : step.members) {
+    if (absl::Status s = ResizeKv(*m.sequence, m.first_position + m.rows); !s.ok()) {
+      return RollbackStep(s, step);
+    }
+  }
+  // Batches by indexer worker, in order of first appearance.
+  std::map<std::string, int> batch_of;
+  for (size_t i = 0; i < step.members.size(); ++i) {
+    StepState::Member& m = step.members[i];
+    const std::string& address = m.sequence->indexer_worker;
+    auto [it, inserted] = batch_of.emplace(address, static_cast<int>(step.batches.size()));
+    if (inserted) {
+      auto client = GetClient(address);
+      if (!client.ok()) return RollbackStep(client.status(), step);
+      StepState::Batch batch;
+      batch.client = *client;
+      batch.request_ids.assign(num_full, 0);
+      batch.collected.assign(num_full, false);
+      step.batches.push_back(std::move(batch));
+    }
+    m.batch = it->second;
+    step.batches[m.batch].members.push_back(static_cast<int>(i));
+  }
+  step.selection_wait_seconds.assign(schedule_.num_layers(), 0.0);
+  return absl::OkStatus();
+}
+
+absl::Status AttentionEngine::RollbackStep(absl::Status status, StepState& step) {
+  std::vector<uint64_t> broken;
+  for (StepState::Member& m : step.members) {
+    if (m.sequence->kv_slots > m.first_position) (void)ResizeKv(*m.sequence, m.first_position);
+    if (m.touched) {
+      m.sequence->broken =
+          absl::StrCat("a decode step at position ", m.first_position,
+                       " failed after the indexer applied part of it: ", status.message());
+      broken.push_back(m.sequence->id);
+    }
+  }
+  FreeKv(step.total_rows);
+  step.total_rows = 0;
+  if (broken.empty()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), "; sequences ", absl::StrJoin(broken, ", "),
+                                   " may have advanced on the indexer and are now broken "
+                                   "(release them)"));
+}
+
+absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
+  const int num_heads = model_.num_heads();
+  const int head_dim = model_.head_dim();
+  for (StepState::Batch& batch : step.batches) {
+    LayerSelectRequest select;
+    select.num_heads = num_heads;
+    select.head_dim = head_dim;
+    select.groups.reserve(batch.members.size());
+    for (int i : batch.members) {
+      const StepState::Member& m = step.members[i];
+      SelectRowGroup& group = select.groups.emplace_back();
+      group.sequence_id = m.sequence->id;
+      group.layer = f;
+      group.first_position = m.first_position;
+      group.num_rows = m.rows;
+      group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
+      group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
+      for (int r = 0; r < m.rows; ++r) {
+        DSA_RETURN_IF_ERROR(model_.IndexerQuery(
+            f, m.first_position + r,
+            std::span<float>(group.queries.data() + static_cast<size_t>(r) * num_heads * head_dim,
+                             static_cast<size_t>(num_heads) * head_dim),
+            std::span<float>(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
+                             num_heads)));
+      }
+      group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
+      DSA_RETURN_IF_ERROR(SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f,
+                                            m.first_position, m.rows, group.new_index_keys));
+    }
+    auto id = batch.client->Selections().Submit(std::move(select));
+    if (!id.ok()) {
+      DropClient(batch.client);
+      return absl::Status(id.status().code(),
+                          absl::StrCat("indexer worker ", batch.client->address(), ", full layer ",
+                                       f, ": ", id.status().message()));
+    }
+    batch.request_ids[f] = *id;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionEngine::CollectLayer(int f, StepState& step) {
+  absl::Status first_error;
+  for (StepState::Batch& batch : step.batches) {
+    if (batch.request_ids[f] == 0 || batch.collected[f]) continue;
+    batch.collected[f] = true;
+    SelectionTransport& transport = batch.client->Selections();
+    auto answer = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+    const int num_groups = static_cast<int>(batch.members.size());
+    if (!answer.ok()) {
+      if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) {
+        transport.Forget(batch.request_ids[f]);  // a late answer is dropped
+      }
+      const int applied = IsTransportFailure(answer.status().code())
+                              ? num_groups
+                              : AppliedGroups(answer.status(), num_groups);
+      for (int g = 0; g < applied; ++g) step.members[batch.members[g]].touched = true;
+      if (answer.status().code() == absl::StatusCode::kUnavailable) DropClient(batch.client);
+      if (first_error.ok()) {
+        first_error =
+            absl::Status(answer.status().code(),
+                         absl::StrCat("indexer worker ", batch.client->address(), ", full layer ",
+                                      f, " select: ", answer.status().message()));
+      }
+      continue;
+    }
+    for (int i : batch.members) step.members[i].touched = true;
+    if (static_cast<int>(answer->groups.size()) != num_groups) {
+      if (first_error.ok()) {
+        first_error = absl::InternalError(absl::StrCat("indexer worker ", batch.client->address(),
+                                                       " answered ", answer->groups.size(),
+                                                       " selections for ", num_groups, " groups"));
+      }
+      continue;
+    }
+    for (int g = 0; g < num_groups; ++g) {
+      StepState::Member& m = step.members[batch.members[g]];
+      GroupSelection& selection = answer->groups[g];
+      if (selection.num_rows != m.rows || selection.top_k < 0 ||
+          selection.selections.size() != static_cast<size_t>(m.rows) * selection.top_k) {
+        if (first_error.ok()) {
+          first_error = absl::InternalError(
+              absl::StrCat("indexer worker ", batch.client->address(), " answered group ", g,
+                           " with ", selection.selections.size(), " selection entries for ", m.rows,
+                           " rows of K = ", selection.top_k));
+        }
+        continue;
+      }
+      m.top_k[f] = selection.top_k;
+      m.selections[f] = std::move(selection.selections);
+      m.blocks_scored += selection.blocks_scored;
+      m.blocks_visible += selection.blocks_visible;
+      m.audited_rows += static_cast<int>(selection.audit_miss_rates.size());
+      for (double rate : selection.audit_miss_rates) m.audit_miss_rate_sum += rate;
+    }
+  }
+  return first_error;
+}
+
+absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
+  const int attended = schedule_.AttendedLayer(l);
+  std::vector<AttentionRowRef> rows;
+  for (StepState::Member& m : step.members) {
+    const int top_k = m.top_k[fs];
+    for (int r = 0; r < m.rows; ++r) {
+      rows.push_back(AttentionRowRef{
+          m.sequence->id, m.first_position + r,
+          std::span<const int32_t>(m.selections[fs].data() + static_cast<size_t>(r) * top_k,
+                                   static_cast<size_t>(top_k))});
+    }
+  }
+  std::vector<float> outputs;
+  if (options_.observer) outputs.resize(rows.size() * backend_->output_values_per_row());
+  if (absl::Status s = backend_->AttendLayer(l, rows, outputs); !s.ok()) {
+    return absl::InternalError(absl::StrCat("layer ", l, " attention over the selection of layer ",
+                                            attended, ": ", s.message()));
+  }
+  if (options_.observer) {
+    const auto per_row = static_cast<size_t>(backend_->output_values_per_row());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      options_.observer(AttendedRow{rows[r].sequence_id, l, attended, rows[r].position,
+                                    rows[r].selection,
+                                    std::span<const float>(outputs.data() + r * per_row, per_row)});
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const StepMember> members) {
+  const Clock::time_point start = Clock::now();
+  StepState step;
+  DSA_RETURN_IF_ERROR(PlanStep(members, step));
+  const int num_full = model_.num_layers();
+  // On a failure: collect every answer still outstanding (so we know what was applied).
+  auto fail = [&](absl::Status status) -> absl::Status {
+    for (int f = 0; f < num_full; ++f) (void)CollectLayer(f, step);
+    return RollbackStep(std::move(status), step);
+  };
+  for (int l = 0; l < schedule_.num_layers(); ++l) {
+    if (full_rank_[l] >= 0) {
+      if (absl::Status s = SubmitLayer(full_rank_[l], step); !s.ok()) return fail(s);
+    }
+    const int fs = full_rank_[schedule_.AttendedLayer(l)];
+    const Clock::time_point wait_start = Clock::now();
+    if (absl::Status s = CollectLayer(fs, step); !s.ok()) return fail(s);
+    step.selection_wait_seconds[l] = SecondsSince(wait_start);
+    if (absl::Status s = AttendLayer(l, fs, step); !s.ok()) return fail(s);
+  }
+  // Selections no layer attends (the last k full layers') still have to be collected.
+  for (int f = 0; f < num_full; ++f) {
+    if (absl::Status s = CollectLayer(f, step); !s.ok()) return fail(s);
+  }
+
+  DecodeStepResult result;
+  result.sequences.reserve(step.members.size());
+  for (StepState::Member& m : step.members) {
+    Sequence& s = *m.sequence;
+    if (m.rows == 1) {
+      s.length = m.first_position + 1;
+    } else {
+      s.pending_rows = m.rows;
+    }
+    result.sequences.push_back(SequenceStepResult{s.id, m.first_position, m.blocks_scored,
+                                                  m.blocks_visible, m.audited_rows,
+                                                  m.audit_miss_rate_sum});
+  }
+  result.selection_wait_seconds = std::move(step.selection_wait_seconds);
+  if (metrics_ != nullptr) {
+    metrics_->RecordDecodeStep(SecondsSince(start));
+    metrics_->RecordSelectionWaits(result.selection_wait_seconds);
+  }
+  return result;
+}
+
+absl::Status AttentionEngine::Commit(uint64_t id, int accepted) {
+  std::shared_ptr<Sequence> sequence = FindSequence(id);
+  if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  std::lock_guard<std::mutex> lock(sequence->mutex);
+  if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  if (!sequence->broken.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " is broken (", sequence->broken, "); release it"));
+  }
+  if (sequence->pending_rows == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", id, " has no speculative step awaiting Commit"));
+  }
+  const int draft = sequence->pending_rows - 1;
+  if (accepted < 0 || accepted > draft) {
+    return absl::OutOfRangeError(
+        absl::StrCat("accepted ", accepted, " outside 0..", draft, " for sequence ", id));
+  }
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client, GetClient(sequence->indexer_worker));
+  DSA_RETURN_IF_ERROR(client->Commit(id, accepted, IndexerDeadline()));
+  const int64_t new_length = sequence->length + accepted + 1;
+  const int64_t dropped = sequence->kv_slots - new_length;
+  (void)ResizeKv(*sequence, new_length);  // a shrink cannot fail
+  FreeKv(dropped);
+  sequence->length = new_length;
+  sequence->pending_rows = 0;
+  return absl::OkStatus();
+}
+
+absl::Status AttentionEngine::Release(uint64_t id, bool keep_indexer_sequence) {
+  std::shared_ptr<Sequence> sequence = FindSequence(id);
+  if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+  std::string address;
+  bool pending = false;
+  {
+    std::lock_guard<std::mutex> lock(sequence->mutex);
+    if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
+    sequence->live = false;
+    address = sequence->indexer_worker;
+    pending = sequence->pending_rows > 0 && sequence->broken.empty();
+    const int64_t slots = sequence->kv_slots;
+    (void)ResizeKv(*sequence, 0);
+    FreeKv(slots);
+    EraseSequence(id, sequence.get());
+  }
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client, GetClient(address));
+  if (keep_indexer_sequence) {
+    if (!pending) return absl::OkStatus();
+    // A kept sequence is a prefix donor, which must not have a step awaiting Commit: keep row 0
+    // (the verified token) and drop the drafts.
+    const absl::Status committed = client->Commit(id, 0, IndexerDeadline());
+    if (committed.ok()) return committed;
+    return absl::Status(
+        committed.code(),
+        absl::StrCat("KV of sequence ", id, " dropped, but indexer worker ", address,
+                     " did not commit its pending step: ", committed.message()));
+  }
+  const absl::Status released = client->Release(id, IndexerDeadline());
+  if (released.ok() || released.code() == absl::StatusCode::kNotFound) return absl::OkStatus();
+  return absl::Status(released.code(),
+                      absl::StrCat("KV of sequence ", id, " dropped, but indexer worker ", address,
+                                   " did not release it: ", released.message()));
+}
+
+}  // namespace dsa

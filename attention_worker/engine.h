@@ -1,0 +1,258 @@
+// The attention worker's engine: its sequences, their KV cache (an AttentionBackend) and their
+// place on the indexer workers (IndexerClients made by an injected factory), prefill, and the
+// decode step under the MLI schedule (DESIGN.md sections 3 and 4.3). No gRPC: the service
+// (service.h) is a thin adapter over it, and tests drive it with fake indexer clients.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention_worker/attention_backend.h"
+#include "attention_worker/metrics.h"
+#include "attention_worker/model_inputs.h"
+#include "attention_worker/pattern_model.h"
+#include "common/mli_schedule.h"
+#include "indexer_service/spin.h"
+#include "transport/indexer_client.h"
+
+namespace dsa {
+
+/// One attended decode row, reported to AttentionEngineOptions::observer (tests, tools).
+struct AttendedRow {
+  uint64_t sequence_id = 0;
+  int model_layer = 0;                 // l
+  int attended_full_layer = 0;         // sigma(l), a model layer index (a full layer)
+  int64_t position = 0;                // the row's query position
+  std::span<const int32_t> selection;  // int32 [K]: the indexer's selection of sigma(l), -1 padding
+  std::span<const float> output;       // fp32 [backend output_values_per_row()]
+};
+
+/// The engine's capacity, timeouts and observer (shapes live in the model, schedule and backend).
+struct AttentionEngineOptions {
+  /// KV slots over all sequences (one slot = one position of every model layer), >= 0. Prefill or
+  /// a decode step that would pass it is RESOURCE_EXHAUSTED.
+  int64_t kv_capacity_slots = int64_t{4} << 20;
+  /// How long a decode step awaits one selection before it fails with DEADLINE_EXCEEDED; below the
+  /// coordinator's DecodeStep deadline (dsa-coordinator --rpc-timeout-ms, 30 s), so the worker
+  /// gives up before its caller does.
+  absl::Duration select_timeout = absl::Seconds(20);
+  /// How long Prefill's indexer calls (shape, create, begin turn, commit, release) may take.
+  absl::Duration indexer_call_timeout = absl::Seconds(30);
+  /// Threads that generate index keys during Prefill (>= 1).
+  int prefill_threads = 2;
+  /// Optional: called for every attended row of every model layer during DecodeStep, on the
+  /// calling thread, before the step returns (also for steps that fail later). Must be
+  /// thread-safe when steps run concurrently. With an observer the backend copies its outputs out.
+  std::function<void(const AttendedRow&)> observer;
+};
+
+/// A Prefill (dsa.attention.v1.PrefillRequest in plain form).
+struct PrefillSpec {
+  uint64_t sequence_id = 0;
+  int64_t context_length = 0;              // slots, >= 1
+  std::vector<uint64_t> prefix_block_ids;  // one per 512 slots; slots beyond them are per-slot
+  std::string indexer_worker;              // the sequence's indexer (address for the factory)
+  /// The indexer sequence's top-K and SPIN settings (num_layers is the schedule's full layers).
+  int top_k = 0;
+  SpinConfig spin;
+  std::optional<uint64_t> prefix_source_id;  // share the first prefix_slots slots of this one
+  int64_t prefix_slots = 0;
+  bool continue_sequence = false;  // extend an existing sequence and begin a new turn
+};
+
+struct PrefillResult {
+  int64_t slots = 0;           // the sequence's length after prefill
+  int64_t slots_appended = 0;  // index keys computed and sent per full layer (not shared)
+};
+
+/// One sequence of a decode step.
+struct StepMember {
+  uint64_t sequence_id = 0;
+  int rows = 1;  // 1, or d + 1 verifier rows (d <= 4)
+};
+
+/// Per sequence of a decode step, in request order.
+struct SequenceStepResult {
+  uint64_t sequence_id = 0;
+  int64_t first_position = 0;  // t, the position of row 0
+  int64_t blocks_scored = 0;   // summed over the full layers
+  int64_t blocks_visible = 0;  // summed over the full layers
+  int audited_rows = 0;
+  double audit_miss_rate_sum = 0;
+};
+
+struct DecodeStepResult {
+  std::vector<SequenceStepResult> sequences;
+  /// Per model layer: how long the layer waited for its selection, seconds (0 if already there).
+  std::vector<double> selection_wait_seconds;
+};
+
+/// The engine's shape and load (dsa.attention.v1.GetInfoResponse).
+struct AttentionEngineInfo {
+  int num_model_layers = 0;
+  int num_full_layers = 0;
+  int lag_depth = 0;
+  int num_heads = 0;  // indexer H
+  int head_dim = 0;   // indexer D
+  int64_t kv_capacity_slots = 0;
+  int64_t kv_used_slots = 0;
+  int sequences = 0;
+};
+
+/// Runs its sequences' model layers (the pattern model with num_layers = the schedule's full
+/// layers), holds their KV cache in the backend, owns their sequences on the indexer workers, and
+/// attends at every model layer l the selection of sigma(l) (MLI paper section 3 eq. (2);
+/// DESIGN.md 4.3): full layer f's select is submitted as soon as its inputs exist and awaited at
+/// the first layer that attends it.
+///
+/// Thread-safety: every method may run concurrently. Each sequence has its own lock, so a Prefill
+/// of one sequence runs beside DecodeSteps of others; a DecodeStep locks its batch's sequences in
+/// increasing id order. Indexer clients are made by the factory on first use of an address,
+/// shared, and made again after their data plane ended (UNAVAILABLE).
+///
+/// A failed decode step that the indexer may already have applied for some layers of a sequence
+/// (a 1-row select updates the EMAs at once and cannot be undone; verifier rows leave steps
+/// awaiting Commit) marks that sequence broken: its KV cache is rolled back, and every later
+/// Prefill (continue), DecodeStep or Commit on it is FAILED_PRECONDITION naming the cause; only
+/// Release works. Sequences whose requests the indexer never applied are left exactly as before.
+class AttentionEngine {
+ public:
+  /// `model.num_layers()` must equal the number of full layers of `schedule`; `backend` holds the
+  /// KV of schedule.num_layers() model layers; `metrics` may be null (otherwise it must have
+  /// schedule.num_layers() layer labels and outlive the engine). Errors: INVALID_ARGUMENT (layer
+  /// counts differ, capacity, threads, no factory or backend).
+  static absl::StatusOr<std::unique_ptr<AttentionEngine>> Create(
+      MliSchedule schedule, PatternModel model, std::unique_ptr<AttentionBackend> backend,
+      IndexerClientFactory indexer_clients, AttentionEngineOptions options,
+      AttentionMetrics* metrics = nullptr);
+
+  ~AttentionEngine();
+
+  const MliSchedule& schedule() const { return schedule_; }
+  const PatternModel& model() const { return model_; }
+  const AttentionBackend& backend() const { return *backend_; }
+
+  /// Shape and load. Never fails.
+  AttentionEngineInfo GetInfo();
+
+  /// Prefills a sequence of context_length slots: checks the indexer's H and D, creates the
+  /// indexer sequence (num_layers = full layers; shared prefix with prefix_source_id /
+  /// prefix_slots), appends the index keys (SequenceIndexKeys) of slots [prefix_slots, context)
+  /// of every full layer in one append call, and fills the KV cache of every model layer. With
+  /// continue_sequence: appends [current length, context) after BeginTurn on the indexer (the
+  /// request's prefix ids apply to the new slots). On failure nothing is left behind: the indexer
+  /// sequence it created is released, the KV freed (a continue keeps the old slots; an indexer
+  /// failure after BeginTurn leaves only the EMA reset).
+  /// Errors: INVALID_ARGUMENT (context_length < 1, more prefix ids than ceil(context / 512),
+  /// prefix_slots negative, not a multiple of 64, above the context or without prefix_source_id,
+  /// no indexer_worker, top_k < 1, continue with a prefix source, another indexer or a shorter
+  /// context; the factory's refusal of the address); ALREADY_EXISTS; NOT_FOUND (continue of an
+  /// unknown sequence, prefix source); FAILED_PRECONDITION (the indexer's H or D differ from the
+  /// model's, a step awaits Commit, a broken sequence); RESOURCE_EXHAUSTED (KV capacity, the
+  /// backend's memory, index-key cache, a context over 2^31 - 1 slots); UNAVAILABLE or
+  /// DEADLINE_EXCEEDED (indexer unreachable; the message names the address).
+  absl::StatusOr<PrefillResult> Prefill(const PrefillSpec& spec);
+
+  /// One decode step for a batch (DESIGN.md 4.3): for sequence s at position t = its length with r
+  /// rows, KV rows t..t+r-1 of every model layer are written first (plan); then for each model
+  /// layer l in order: if l is full layer f, one LayerSelectRequest per indexer worker with a row
+  /// group per sequence (queries and head weights of positions t..t+r-1 from
+  /// PatternModel::IndexerQuery, the r new index keys of layer f) is submitted; then l awaits the
+  /// selection of sigma(l) (collect) and attends it for every row (attend). Selections submitted
+  /// but attended by no layer are collected at the end. r = 1 advances the sequence by one slot;
+  /// r > 1 leaves a step awaiting Commit. Errors: INVALID_ARGUMENT (no sequences, rows outside
+  /// 1..5, a sequence twice); NOT_FOUND; FAILED_PRECONDITION (a step awaits Commit, broken
+  /// sequence); RESOURCE_EXHAUSTED (KV capacity; index-key cache); UNAVAILABLE /
+  /// DEADLINE_EXCEEDED (indexer); the indexer's status otherwise. On an error every sequence's KV
+  /// is rolled back; a sequence the indexer may have advanced (an earlier full layer's select
+  /// applied, or a group the indexer reports as applied) is marked broken (named in the message,
+  /// see the class comment); the others are exactly as before the step.
+  absl::StatusOr<DecodeStepResult> DecodeStep(std::span<const StepMember> members);
+
+  /// Ends a speculative step of d + 1 rows at t: commits the indexer (accepted draft tokens), then
+  /// keeps KV slots up to t + accepted (length t + accepted + 1). NOT_FOUND, FAILED_PRECONDITION
+  /// (nothing pending, broken), OUT_OF_RANGE (accepted outside 0..d); the indexer's status (then
+  /// nothing changed here).
+  absl::Status Commit(uint64_t sequence_id, int accepted);
+
+  /// Drops the sequence's KV cache and, unless keep_indexer_sequence, releases its indexer
+  /// sequence; a kept sequence with a speculative step pending is committed with 0 accepted drafts
+  /// on the indexer first (a prefix donor must not await Commit). The KV is dropped whatever the
+  /// indexer answers; NOT_FOUND from the indexer's Release is ignored, another indexer error is
+  /// returned (the indexer sequence may remain). NOT_FOUND.
+  absl::Status Release(uint64_t sequence_id, bool keep_indexer_sequence);
+
+  /// Closes every indexer client's data plane (after the server stopped). Idempotent.
+  void CloseIndexerClients();
+
+ private:
+  struct Sequence;
+  struct StepState;
+
+  AttentionEngine(MliSchedule schedule, PatternModel model,
+                  std::unique_ptr<AttentionBackend> backend, IndexerClientFactory indexer_clients,
+                  AttentionEngineOptions options, AttentionMetrics* metrics);
+
+  absl::StatusOr<PrefillResult> NewPrefill(const PrefillSpec& spec);
+  absl::StatusOr<PrefillResult> ContinuePrefill(const PrefillSpec& spec);
+
+  // The decode step's parts (DecodeStep): plan (checks, locks, KV rows, batches by indexer),
+  // submit and collect one full layer's selects, attend one model layer, roll back on failure.
+  absl::Status PlanStep(std::span<const StepMember> members, StepState& step);
+  absl::Status SubmitLayer(int full_rank, StepState& step);
+  absl::Status CollectLayer(int full_rank, StepState& step);
+  absl::Status AttendLayer(int model_layer, int attended_rank, StepState& step);
+  absl::Status RollbackStep(absl::Status status, StepState& step);
+
+  // The client of the indexer at `address` (made on first use).
+  absl::StatusOr<std::shared_ptr<IndexerClient>> GetClient(const std::string& address);
+  // Forgets `client` if it is still the one for its address (its data plane ended).
+  void DropClient(const std::shared_ptr<IndexerClient>& client);
+  // Fails unless the indexer has the model's H and D.
+  absl::Status CheckIndexerShape(IndexerClient& client);
+  // Appends the index keys of [first_slot, end_slot) of every full layer in one call.
+  absl::Status AppendKeys(IndexerClient& client, uint64_t sequence_id,
+                          std::span<const uint64_t> prefix_block_ids, int64_t first_slot,
+                          int64_t end_slot);
+  absl::Time IndexerDeadline() const { return absl::Now() + options_.indexer_call_timeout; }
+
+  // KV capacity accounting (slots over all sequences).
+  absl::Status ReserveKv(int64_t num_slots);
+  void FreeKv(int64_t num_slots);
+  // Sets the backend's slots of `sequence`, keeping kv_slots in step.
+  absl::Status ResizeKv(Sequence& sequence, int64_t num_slots);
+  void UpdateUsageMetrics();
+
+  std::shared_ptr<Sequence> FindSequence(uint64_t sequence_id);
+  void EraseSequence(uint64_t sequence_id, const Sequence* sequence);
+
+  const MliSchedule schedule_;
+  const PatternModel model_;
+  const std::unique_ptr<AttentionBackend> backend_;
+  const IndexerClientFactory indexer_clients_;
+  const AttentionEngineOptions options_;
+  AttentionMetrics* const metrics_;  // not owned; may be null
+  std::vector<int> full_rank_;       // per model layer: its rank among the full layers, or -1
+
+  std::mutex sequences_mutex_;  // guards sequences_
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_;
+
+  std::mutex kv_mutex_;  // guards kv_used_slots_
+  int64_t kv_used_slots_ = 0;
+
+  std::mutex clients_mutex_;  // guards clients_
+  std::map<std::string, std::shared_ptr<IndexerClient>> clients_;
+};
+
+}  // namespace dsa

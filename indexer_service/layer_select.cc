@@ -1,0 +1,175 @@
+// One layer's select from the transport's plain structs (see layer_select.h).
+#include "indexer_service/layer_select.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace dsa {
+namespace {
+
+absl::Status CheckFinite(const std::vector<float>& values, const std::string& name) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " has a non-finite value at index ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One group checked, ready to run.
+struct CheckedGroup {
+  int64_t num_new_keys = 0;
+  int64_t slots_before = 0;  // the layer's slot count when the request was checked
+  std::vector<IndexerRow> rows;
+};
+
+absl::Status CheckGroup(const Indexer& indexer, const SelectRowGroup& group, size_t index,
+                        CheckedGroup* checked) {
+  const int64_t num_heads = indexer.options().num_heads;
+  const int64_t head_dim = indexer.options().head_dim;
+  const std::string prefix = absl::StrCat("group ", index, ": ");
+  const int64_t num_rows = group.num_rows;
+  if (num_rows < 1) return absl::InvalidArgumentError(prefix + "queries have no rows");
+  if (group.queries.size() != static_cast<size_t>(num_rows * num_heads * head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "queries hold ", group.queries.size(),
+                                                   " values, expected [", num_rows, ", ", num_heads,
+                                                   ", ", head_dim, "]"));
+  }
+  if (group.head_weights.size() != static_cast<size_t>(num_rows * num_heads)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "head_weights hold ",
+                                                   group.head_weights.size(), " values, expected [",
+                                                   num_rows, ", ", num_heads, "]"));
+  }
+  if (group.new_index_keys.size() % static_cast<size_t>(head_dim) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "new_index_keys hold ",
+                                                   group.new_index_keys.size(),
+                                                   " values, not a multiple of D = ", head_dim));
+  }
+  DSA_RETURN_IF_ERROR(CheckFinite(group.queries, prefix + "queries"));
+  DSA_RETURN_IF_ERROR(CheckFinite(group.head_weights, prefix + "head_weights"));
+  if (group.first_position < 0 || group.first_position >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "first_position ", group.first_position,
+                                                   " outside [0, 2^31) (a layer's slots)"));
+  }
+  auto slots = indexer.NumSlots(group.sequence_id, group.layer);
+  if (!slots.ok()) {
+    return absl::Status(slots.status().code(), prefix + std::string(slots.status().message()));
+  }
+  checked->slots_before = *slots;
+  const int64_t last_position = group.first_position + num_rows - 1;
+  checked->num_new_keys = static_cast<int64_t>(group.new_index_keys.size()) / head_dim;
+  if (checked->num_new_keys > 0) {
+    DSA_RETURN_IF_ERROR(CheckFinite(group.new_index_keys, prefix + "new_index_keys"));
+    const int64_t newest = *slots + checked->num_new_keys - 1;
+    if (last_position != newest) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "rows end at position ", last_position, " but with ",
+                       checked->num_new_keys, " new index keys layer ", group.layer,
+                       "'s newest slot is ", newest, "; rows must end at the newest slot"));
+    }
+  }
+  if (last_position >= *slots + checked->num_new_keys) {
+    return absl::OutOfRangeError(absl::StrCat(prefix, "rows up to position ", last_position,
+                                              " but layer ", group.layer, " holds ", *slots,
+                                              " slots; append the rows' index keys first"));
+  }
+  const size_t query_size = static_cast<size_t>(num_heads * head_dim);
+  checked->rows.resize(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    checked->rows[r].query =
+        std::span<const float>(group.queries.data() + r * query_size, query_size);
+    checked->rows[r].head_weights =
+        std::span<const float>(group.head_weights.data() + r * num_heads, num_heads);
+    checked->rows[r].position = group.first_position + r;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelectRequest& request,
+                                              IndexerMetrics* metrics, int* groups_applied_out) {
+  if (groups_applied_out != nullptr) *groups_applied_out = 0;
+  if (request.groups.empty()) return absl::InvalidArgumentError("select needs at least one group");
+  if (request.num_heads != indexer.options().num_heads ||
+      request.head_dim != indexer.options().head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request's indexer inputs have H = ", request.num_heads, ", D = ", request.head_dim,
+        " but this indexer has H = ", indexer.options().num_heads,
+        ", D = ", indexer.options().head_dim));
+  }
+  const int num_groups = static_cast<int>(request.groups.size());
+  std::vector<CheckedGroup> checked(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    DSA_RETURN_IF_ERROR(CheckGroup(indexer, request.groups[g], g, &checked[g]));
+  }
+  // New index keys make a (sequence, layer)'s slot count change within the request: such a layer
+  // may appear in one group only.
+  for (int g = 0; g < num_groups; ++g) {
+    for (int h = 0; h < g; ++h) {
+      const SelectRowGroup& a = request.groups[h];
+      const SelectRowGroup& b = request.groups[g];
+      if (a.sequence_id == b.sequence_id && a.layer == b.layer &&
+          (checked[g].num_new_keys > 0 || checked[h].num_new_keys > 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("groups ", h, " and ", g, " both address layer ", a.layer, " of sequence ",
+                         a.sequence_id, " and carry new index keys"));
+      }
+    }
+  }
+  // Appends first, all or none; then the selects (one batch). When the batch fails, the new keys
+  // of the groups it did not apply are removed again.
+  // Removes the new keys of groups [from, to), newest first.
+  auto undo_appends = [&](int from, int to) {
+    for (int g = to - 1; g >= from; --g) {
+      if (checked[g].num_new_keys > 0) {
+        (void)indexer.TruncateIndexKeys(request.groups[g].sequence_id, request.groups[g].layer,
+                                        checked[g].slots_before);
+      }
+    }
+  };
+  for (int g = 0; g < num_groups; ++g) {
+    if (checked[g].num_new_keys == 0) continue;
+    const SelectRowGroup& group = request.groups[g];
+    const absl::Status appended = indexer.AppendIndexKeys(
+        group.sequence_id, group.layer, group.new_index_keys, checked[g].num_new_keys);
+    if (!appended.ok()) {
+      undo_appends(0, g);  // groups before g appended; g did not
+      return absl::Status(appended.code(),
+                          absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
+    }
+  }
+  std::vector<SelectGroup> groups(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    groups[g] = {request.groups[g].sequence_id, request.groups[g].layer, checked[g].rows};
+  }
+  size_t groups_applied = 0;
+  auto results = indexer.SelectBatch(groups, &groups_applied);
+  if (!results.ok()) {
+    undo_appends(static_cast<int>(groups_applied), num_groups);
+    if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);
+    return results.status();
+  }
+  LayerSelection selection;
+  selection.groups.resize(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    SelectResult& result = (*results)[g];
+    if (metrics != nullptr) metrics->RecordSelect(result);
+    GroupSelection& out = selection.groups[g];
+    out.num_rows = request.groups[g].num_rows;
+    out.top_k = result.top_k;
+    out.selections = std::move(result.selections);
+    out.blocks_scored = result.blocks_scored;
+    out.blocks_visible = result.blocks_visible;
+    out.all_blocks = result.all_blocks;
+    out.audit_miss_rates = std::move(result.audit_miss_rates);
+  }
+  return selection;
+}
+
+}  // namespace dsa

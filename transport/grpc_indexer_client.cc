@@ -1,0 +1,177 @@
+// IndexerClient over gRPC (see grpc_indexer_client.h).
+#include "transport/grpc_indexer_client.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "indexer_service/grpc_service.h"
+#include "proto/tensor_codec.h"
+
+namespace dsa {
+namespace {
+
+namespace iv1 = ::dsa::indexer::v1;
+
+absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(context, ": ", status.error_message()));
+}
+
+// One AppendIndexKeys client stream.
+class GrpcIndexKeyAppend final : public IndexKeyAppend {
+ public:
+  GrpcIndexKeyAppend(iv1::IndexerService::Stub* stub, const std::string& address,
+                     uint64_t sequence_id, absl::Time deadline)
+      : address_(address), sequence_id_(sequence_id) {
+    context_.set_deadline(absl::ToChronoTime(deadline));
+    writer_ = stub->AppendIndexKeys(&context_, &response_);
+  }
+  ~GrpcIndexKeyAppend() override {
+    if (!done_) Cancel();
+  }
+
+  bool Write(int layer, int64_t first_slot, std::span<const float> keys,
+             int64_t num_keys) override {
+    if (ended_ || num_keys <= 0) return !ended_;
+    const int64_t head_dim = static_cast<int64_t>(keys.size()) / num_keys;
+    // Chunks stay under the indexer's per-message limit with room for the header fields.
+    const int64_t chunk_slots =
+        std::max<int64_t>(1, (kMaxAppendChunkBytes - 4096) / (int64_t{4} * head_dim));
+    for (int64_t done = 0; done < num_keys; done += chunk_slots) {
+      const int64_t n = std::min(chunk_slots, num_keys - done);
+      iv1::AppendIndexKeysRequest chunk;
+      chunk.set_sequence_id(sequence_id_);
+      chunk.set_layer(layer);
+      chunk.set_first_slot(first_slot + done);
+      const int64_t shape[] = {n, head_dim};
+      EncodeFloatTensor(
+          keys.subspan(static_cast<size_t>(done * head_dim), static_cast<size_t>(n * head_dim)),
+          shape, chunk.mutable_keys());
+      if (!writer_->Write(chunk)) {
+        ended_ = true;  // the call ended; Finish says why
+        return false;
+      }
+    }
+    return true;
+  }
+
+  absl::StatusOr<int64_t> Finish() override {
+    done_ = true;
+    if (!ended_) writer_->WritesDone();
+    DSA_RETURN_IF_ERROR(FromGrpc(writer_->Finish(),
+                                 absl::StrCat("indexer worker ", address_, ": AppendIndexKeys")));
+    return response_.keys_appended();
+  }
+
+  void Cancel() override {
+    done_ = true;
+    context_.TryCancel();  // the indexer undoes the chunks of a cancelled call
+    (void)writer_->Finish();
+  }
+
+ private:
+  const std::string address_;
+  const uint64_t sequence_id_;
+  grpc::ClientContext context_;
+  iv1::AppendIndexKeysResponse response_;
+  std::unique_ptr<grpc::ClientWriter<iv1::AppendIndexKeysRequest>> writer_;
+  bool ended_ = false;
+  bool done_ = false;
+};
+
+}  // namespace
+
+GrpcIndexerClient::GrpcIndexerClient(std::string address) : address_(std::move(address)) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), arguments);
+  stub_ = iv1::IndexerService::NewStub(channel_);
+}
+
+GrpcIndexerClient::~GrpcIndexerClient() { (void)Close(); }
+
+absl::StatusOr<IndexerShape> GrpcIndexerClient::GetShape(absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  iv1::GetLoadResponse load;
+  DSA_RETURN_IF_ERROR(FromGrpc(stub_->GetLoad(&context, iv1::GetLoadRequest(), &load),
+                               absl::StrCat("indexer worker ", address_, ": GetLoad")));
+  return IndexerShape{load.num_heads(), load.head_dim()};
+}
+
+absl::Status GrpcIndexerClient::CreateSequence(const IndexerSequenceSpec& spec,
+                                               absl::Time deadline) {
+  iv1::CreateSequenceRequest create;
+  create.set_sequence_id(spec.sequence_id);
+  create.set_num_layers(spec.options.num_layers);
+  create.set_top_k(spec.options.top_k);
+  *create.mutable_spin() = ToSpinSettings(spec.options.spin);
+  if (spec.prefix_source_id.has_value()) {
+    create.set_prefix_source_id(*spec.prefix_source_id);
+    create.set_prefix_slots(spec.prefix_slots);
+  }
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  iv1::CreateSequenceResponse created;
+  return FromGrpc(stub_->CreateSequence(&context, create, &created),
+                  absl::StrCat("indexer worker ", address_, ": CreateSequence"));
+}
+
+std::unique_ptr<IndexKeyAppend> GrpcIndexerClient::BeginAppend(uint64_t sequence_id,
+                                                               absl::Time deadline) {
+  return std::make_unique<GrpcIndexKeyAppend>(stub_.get(), address_, sequence_id, deadline);
+}
+
+absl::Status GrpcIndexerClient::BeginTurn(uint64_t sequence_id, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  iv1::BeginTurnRequest request;
+  request.set_sequence_id(sequence_id);
+  iv1::BeginTurnResponse response;
+  return FromGrpc(stub_->BeginTurn(&context, request, &response),
+                  absl::StrCat("indexer worker ", address_, ": BeginTurn"));
+}
+
+absl::Status GrpcIndexerClient::Commit(uint64_t sequence_id, int accepted, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  iv1::CommitRequest request;
+  request.set_sequence_id(sequence_id);
+  request.set_accepted(accepted);
+  iv1::CommitResponse response;
+  return FromGrpc(stub_->Commit(&context, request, &response),
+                  absl::StrCat("indexer worker ", address_, ": Commit"));
+}
+
+absl::Status GrpcIndexerClient::Release(uint64_t sequence_id, absl::Time deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  iv1::ReleaseRequest request;
+  request.set_sequence_id(sequence_id);
+  iv1::ReleaseResponse response;
+  return FromGrpc(stub_->Release(&context, request, &response),
+                  absl::StrCat("indexer worker ", address_, ": Release"));
+}
+
+SelectionTransport& GrpcIndexerClient::Selections() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  if (transport_ == nullptr) transport_ = std::make_unique<GrpcStreamTransport>(channel_);
+  return *transport_;
+}
+
+absl::Status GrpcIndexerClient::Close() {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  return transport_ == nullptr ? absl::OkStatus() : transport_->Close();
+}
+
+IndexerClientFactory GrpcIndexerClient::Factory() {
+  return [](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+    if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
+    return std::make_shared<GrpcIndexerClient>(address);
+  };
+}
+
+}  // namespace dsa

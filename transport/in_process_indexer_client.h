@@ -1,0 +1,49 @@
+// IndexerClient for an indexer engine in the attention worker's own process (co-located): the
+// control plane calls the Indexer directly, the data plane is an InProcessSelectionTransport.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "indexer_service/indexer.h"
+#include "indexer_service/metrics.h"
+#include "transport/in_process_transport.h"
+#include "transport/indexer_client.h"
+
+namespace dsa {
+
+/// The address an attention worker's Prefill names for its co-located indexer.
+inline constexpr char kInProcessIndexerAddress[] = "in-process";
+
+/// Thread-safe. Errors are the engine's, unchanged (the message prefixed with the call's name, as
+/// the gRPC client prefixes the address). Deadlines are not needed in process and are ignored.
+class InProcessIndexerClient final : public IndexerClient {
+ public:
+  /// `indexer` (and `metrics`, optional) must outlive the client.
+  explicit InProcessIndexerClient(Indexer* indexer, IndexerMetrics* metrics = nullptr);
+  ~InProcessIndexerClient() override;  // Close()s
+
+  const std::string& address() const override { return address_; }
+  absl::StatusOr<IndexerShape> GetShape(absl::Time deadline) override;
+  absl::Status CreateSequence(const IndexerSequenceSpec& spec, absl::Time deadline) override;
+  std::unique_ptr<IndexKeyAppend> BeginAppend(uint64_t sequence_id, absl::Time deadline) override;
+  absl::Status BeginTurn(uint64_t sequence_id, absl::Time deadline) override;
+  absl::Status Commit(uint64_t sequence_id, int accepted, absl::Time deadline) override;
+  absl::Status Release(uint64_t sequence_id, absl::Time deadline) override;
+  SelectionTransport& Selections() override { return transport_; }
+  absl::Status Close() override { return transport_.Close(); }
+
+  /// A factory that serves kInProcessIndexerAddress (and "") with one shared client of `indexer`;
+  /// any other address is INVALID_ARGUMENT (this attention worker dials no remote indexer).
+  static IndexerClientFactory Factory(Indexer* indexer, IndexerMetrics* metrics = nullptr);
+
+ private:
+  void UpdateCacheMetrics();
+
+  const std::string address_ = kInProcessIndexerAddress;
+  Indexer* const indexer_;
+  IndexerMetrics* const metrics_;
+  InProcessSelectionTransport transport_;
+};
+
+}  // namespace dsa
