@@ -1,0 +1,495 @@
+// Tests of the attention engine (attention_worker/engine.h) against fakes: a scripted indexer
+// client that logs every submit and await, and answers (or fails) as told, and a fake backend that
+// logs every attend. They pin the MLI schedule (submit when the inputs exist, await at the first
+// layer that attends, DESIGN.md 4.3), the failure rules (rollback, broken sequences, dropped
+// clients) and the cleanup of a failed prefill. Then the same decode steps through the real
+// engine over the in-process indexer client and over the gRPC one give bit-identical selections
+// and outputs.
+#include "attention_worker/engine.h"
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "attention_worker/cpu_attention_backend.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "indexer_service/grpc_service.h"
+#include "indexer_service/indexer.h"
+#include "transport/grpc_indexer_client.h"
+#include "transport/in_process_indexer_client.h"
+
+namespace dsa {
+namespace {
+
+constexpr int kH = 8, kD = 32, kK = 64;
+
+// What happened, in order, across the fake client and backend.
+struct Log {
+  std::mutex mutex;
+  std::vector<std::string> events;
+  void Add(std::string event) {
+    std::lock_guard<std::mutex> lock(mutex);
+    events.push_back(std::move(event));
+  }
+};
+
+// A scripted data plane: answers layer f's request with selection entries = slot (f * 7 + r)
+// % (position + 1) for row r, or with the status scripted for that full layer.
+class FakeTransport final : public SelectionTransport {
+ public:
+  explicit FakeTransport(Log* log) : log_(log) {}
+  absl::StatusOr<uint64_t> Submit(LayerSelectRequest request) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const int layer = request.groups.at(0).layer;
+    if (submit_failure.ok() == false) return submit_failure;
+    log_->Add(absl::StrCat("submit ", layer));
+    const uint64_t id = next_id_++;
+    requests_[id] = std::move(request);
+    return id;
+  }
+  absl::StatusOr<LayerSelection> Await(uint64_t id, absl::Time /*deadline*/) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return absl::NotFoundError("unknown id");
+    const LayerSelectRequest request = std::move(it->second);
+    requests_.erase(it);
+    const int layer = request.groups.at(0).layer;
+    log_->Add(absl::StrCat("await ", layer));
+    auto failure = answer_failures.find(layer);
+    if (failure != answer_failures.end()) return failure->second;
+    LayerSelection answer;
+    for (const SelectRowGroup& group : request.groups) {
+      GroupSelection& out = answer.groups.emplace_back();
+      out.num_rows = group.num_rows;
+      out.top_k = kK;
+      out.selections.assign(static_cast<size_t>(group.num_rows) * kK, -1);
+      for (int r = 0; r < group.num_rows; ++r) {
+        const int64_t position = group.first_position + r;
+        out.selections[static_cast<size_t>(r) * kK] =
+            static_cast<int32_t>((layer * 7 + r) % (position + 1));
+      }
+      out.blocks_scored = 1 + layer;
+      out.blocks_visible = 10;
+    }
+    return answer;
+  }
+  void Forget(uint64_t id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    log_->Add(absl::StrCat("forget ", id));
+    requests_.erase(id);
+  }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+  absl::Status submit_failure;                  // non-OK: every Submit fails with it
+  std::map<int, absl::Status> answer_failures;  // full layer -> its Await's status
+
+ private:
+  Log* log_;
+  std::mutex mutex_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, LayerSelectRequest> requests_;
+};
+
+// Counts what the engine does on the control plane; index keys go nowhere.
+class FakeIndexKeyAppend final : public IndexKeyAppend {
+ public:
+  explicit FakeIndexKeyAppend(absl::Status finish) : finish_(std::move(finish)) {}
+  bool Write(int, int64_t, std::span<const float>, int64_t num_keys) override {
+    keys_ += num_keys;
+    return true;
+  }
+  absl::StatusOr<int64_t> Finish() override {
+    if (!finish_.ok()) return finish_;
+    return keys_;
+  }
+  void Cancel() override {}
+
+ private:
+  absl::Status finish_;
+  int64_t keys_ = 0;
+};
+
+class FakeIndexerClient final : public IndexerClient {
+ public:
+  FakeIndexerClient(std::string address, Log* log) : address_(std::move(address)), transport(log) {}
+  const std::string& address() const override { return address_; }
+  absl::StatusOr<IndexerShape> GetShape(absl::Time) override { return shape; }
+  absl::Status CreateSequence(const IndexerSequenceSpec& spec, absl::Time) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    created.push_back(spec.sequence_id);
+    return absl::OkStatus();
+  }
+  std::unique_ptr<IndexKeyAppend> BeginAppend(uint64_t, absl::Time) override {
+    return std::make_unique<FakeIndexKeyAppend>(append_status);
+  }
+  absl::Status BeginTurn(uint64_t, absl::Time) override { return absl::OkStatus(); }
+  absl::Status Commit(uint64_t, int, absl::Time) override { return absl::OkStatus(); }
+  absl::Status Release(uint64_t id, absl::Time) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    released.push_back(id);
+    return absl::OkStatus();
+  }
+  SelectionTransport& Selections() override { return transport; }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+  std::string address_;
+  FakeTransport transport;
+  IndexerShape shape{kH, kD};
+  absl::Status append_status;
+  std::mutex mutex;
+  std::vector<uint64_t> created, released;
+};
+
+// Logs every attend and keeps slot counts; outputs one value per row: its first selected slot.
+class FakeBackend final : public AttentionBackend {
+ public:
+  explicit FakeBackend(Log* log, std::map<uint64_t, int64_t>* slots) : log_(log), slots_(slots) {}
+  std::string Description() const override { return "fake"; }
+  int64_t output_values_per_row() const override { return 1; }
+  absl::Status ResizeSequence(uint64_t id, int64_t num_slots) override {
+    if (!resize_failure.ok() && num_slots > (*slots_)[id]) return resize_failure;
+    if (num_slots == 0) {
+      slots_->erase(id);
+    } else {
+      (*slots_)[id] = num_slots;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status AttendLayer(int layer, std::span<const AttentionRowRef> rows,
+                           std::span<float> outputs) override {
+    log_->Add(absl::StrCat("attend ", layer));
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (!outputs.empty()) outputs[r] = static_cast<float>(rows[r].selection[0]);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status resize_failure;
+
+ private:
+  Log* log_;
+  std::map<uint64_t, int64_t>* slots_;
+};
+
+PatternModel MakeModel(int num_full_layers) {
+  PatternModelConfig config;
+  config.num_layers = num_full_layers;
+  config.num_heads = kH;
+  config.head_dim = kD;
+  config.seed = 3;
+  config.num_diagonals = 2;
+  auto model = PatternModel::Create(config);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return *model;
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& pattern, int lag) {
+    auto schedule = MliSchedule::FromPattern(pattern, lag);
+    ASSERT_TRUE(schedule.ok()) << schedule.status();
+    auto backend = std::make_unique<FakeBackend>(&log_, &backend_slots_);
+    backend_ = backend.get();
+    AttentionEngineOptions options;
+    options.kv_capacity_slots = 10000;
+    options.observer = [this](const AttendedRow& row) {
+      std::lock_guard<std::mutex> lock(observed_mutex_);
+      observed_.push_back(row.model_layer * 1000 + row.attended_full_layer * 10 +
+                          static_cast<int>(row.output[0]));
+    };
+    auto engine = AttentionEngine::Create(
+        *schedule, MakeModel(static_cast<int>(schedule->full_layers().size())), std::move(backend),
+        [this](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+          ++factory_calls_;
+          auto client = std::make_shared<FakeIndexerClient>(address, &log_);
+          clients_.push_back(client);
+          return std::shared_ptr<IndexerClient>(client);
+        },
+        options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(*engine);
+  }
+
+  void MustPrefill(uint64_t id, int64_t context, const std::string& address = "indexer-a") {
+    PrefillSpec spec;
+    spec.sequence_id = id;
+    spec.context_length = context;
+    spec.indexer_worker = address;
+    spec.top_k = kK;
+    auto result = engine_->Prefill(spec);
+    ASSERT_TRUE(result.ok()) << result.status();
+  }
+
+  std::vector<std::string> TakeLog() {
+    std::lock_guard<std::mutex> lock(log_.mutex);
+    std::vector<std::string> events;
+    events.swap(log_.events);
+    return events;
+  }
+
+  Log log_;
+  std::map<uint64_t, int64_t> backend_slots_;
+  FakeBackend* backend_ = nullptr;
+  std::vector<std::shared_ptr<FakeIndexerClient>> clients_;
+  int factory_calls_ = 0;
+  std::mutex observed_mutex_;
+  std::vector<int> observed_;
+  std::unique_ptr<AttentionEngine> engine_;
+};
+
+TEST_F(EngineTest, EachFullLayerIsSubmittedWhenItRunsAndAwaitedAtTheFirstLayerThatAttendsIt) {
+  // FSFSFS, k = 1: full layers 0, 2, 4 (ranks 0, 1, 2); sigma = 0 0 0 0 2 2; rank 2 is attended by
+  // no layer and collected at the end.
+  Start("FSFSFS", 1);
+  MustPrefill(1, 100);
+  TakeLog();
+  const StepMember member{1, 1};
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(TakeLog(), (std::vector<std::string>{"submit 0", "await 0", "attend 0", "attend 1",
+                                                 "submit 1", "attend 2", "attend 3", "submit 2",
+                                                 "await 1", "attend 4", "attend 5", "await 2"}));
+  // Each layer attended sigma(l)'s selection: the fake puts slot (rank * 7) % 101 first.
+  EXPECT_EQ(observed_,
+            (std::vector<int>{0 + 0, 1000 + 0, 2000 + 0, 3000 + 0, 4000 + 20 + 7, 5000 + 20 + 7}));
+  ASSERT_EQ(step->sequences.size(), 1u);
+  EXPECT_EQ(step->sequences[0].first_position, 100);
+  EXPECT_EQ(step->sequences[0].blocks_scored, 1 + 2 + 3);
+  EXPECT_EQ(step->sequences[0].blocks_visible, 30);
+  EXPECT_EQ(step->selection_wait_seconds.size(), 6u);
+  EXPECT_EQ(backend_slots_[1], 101);
+}
+
+TEST_F(EngineTest, LagDepthTwoDefersTheWaitByTwoFullLayers) {
+  // FFFF, k = 2: sigma = 0 1 0 1: layer 2 attends rank 0, layer 3 rank 1.
+  Start("FFFF", 2);
+  MustPrefill(1, 50);
+  TakeLog();
+  const StepMember member{1, 1};
+  ASSERT_TRUE(engine_->DecodeStep(std::span<const StepMember>(&member, 1)).ok());
+  EXPECT_EQ(TakeLog(), (std::vector<std::string>{"submit 0", "await 0", "attend 0", "submit 1",
+                                                 "await 1", "attend 1", "submit 2", "attend 2",
+                                                 "submit 3", "attend 3", "await 2", "await 3"}));
+}
+
+TEST_F(EngineTest, ARefusalAfterAnAppliedLayerBreaksOnlyTheSequencesTheIndexerAdvanced) {
+  Start("FSFS", 1);
+  MustPrefill(1, 100, "indexer-a");
+  MustPrefill(2, 100, "indexer-b");
+  // indexer-b refuses full layer 1 having applied nothing of it; its layer 0 had been applied.
+  ASSERT_EQ(clients_.size(), 2u);
+  absl::Status refused = absl::InvalidArgumentError("no");
+  refused.SetPayload(kGroupsAppliedPayload, absl::Cord("0"));
+  clients_[1]->transport.answer_failures[1] = refused;
+  const StepMember members[] = {{1, 1}, {2, 1}};
+  auto step = engine_->DecodeStep(members);
+  ASSERT_FALSE(step.ok());
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(step.status().message().find("indexer worker indexer-b, full layer 1"),
+            std::string::npos)
+      << step.status();
+  EXPECT_NE(step.status().message().find("sequences 1, 2 may have advanced"), std::string::npos)
+      << step.status();
+  // KV rolled back for both; both are broken (layer 0 applied on each indexer).
+  EXPECT_EQ(backend_slots_[1], 100);
+  EXPECT_EQ(backend_slots_[2], 100);
+  EXPECT_EQ(engine_->GetInfo().kv_used_slots, 200);
+  const StepMember one{1, 1};
+  EXPECT_EQ(engine_->DecodeStep(std::span<const StepMember>(&one, 1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(engine_->Release(1, false).ok());
+  EXPECT_TRUE(engine_->Release(2, false).ok());
+  EXPECT_EQ(engine_->GetInfo().kv_used_slots, 0);
+}
+
+TEST_F(EngineTest, ARefusalOfTheFirstLayerLeavesTheSequenceExactlyAsBefore) {
+  Start("FSFS", 1);
+  MustPrefill(1, 100);
+  absl::Status refused = absl::NotFoundError("gone");
+  refused.SetPayload(kGroupsAppliedPayload, absl::Cord("0"));
+  clients_[0]->transport.answer_failures[0] = refused;
+  const StepMember member{1, 1};
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(step.status().message().find("broken"), std::string::npos) << step.status();
+  clients_[0]->transport.answer_failures.clear();
+  auto again = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->sequences[0].first_position, 100);
+}
+
+TEST_F(EngineTest, AnUnavailableIndexerIsDroppedAndMadeAgainOnTheNextCall) {
+  Start("FS", 1);
+  MustPrefill(1, 10);
+  EXPECT_EQ(factory_calls_, 1);
+  clients_[0]->transport.submit_failure = absl::UnavailableError("peer gone");
+  const StepMember member{1, 1};
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kUnavailable);
+  // Nothing reached the indexer: the sequence is intact, and the next step dials again.
+  auto again = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(factory_calls_, 2);
+}
+
+TEST_F(EngineTest, ADeadlineForgetsTheRequestAndBreaksTheSequence) {
+  Start("FS", 1);
+  MustPrefill(1, 10);
+  clients_[0]->transport.answer_failures[0] = absl::DeadlineExceededError("slow");
+  const StepMember member{1, 1};
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kDeadlineExceeded);
+  const std::vector<std::string> log = TakeLog();
+  EXPECT_NE(std::find(log.begin(), log.end(), "forget 1"), log.end());
+  // The outcome on the indexer is unknown: the sequence is broken.
+  EXPECT_NE(step.status().message().find("sequences 1 may have advanced"), std::string::npos);
+}
+
+TEST_F(EngineTest, ABackendOutOfMemoryFailsTheStepWithNothingChanged) {
+  Start("FS", 1);
+  MustPrefill(1, 10);
+  MustPrefill(2, 10);
+  backend_->resize_failure = absl::ResourceExhaustedError("device memory");
+  const StepMember members[] = {{1, 1}, {2, 2}};
+  auto step = engine_->DecodeStep(members);
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kResourceExhausted);
+  for (const std::string& event : TakeLog()) {
+    EXPECT_EQ(event.find("submit"), std::string::npos) << "nothing may reach the indexer";
+  }
+  EXPECT_EQ(backend_slots_[1], 10);
+  EXPECT_EQ(backend_slots_[2], 10);
+  EXPECT_EQ(engine_->GetInfo().kv_used_slots, 20);
+  backend_->resize_failure = absl::OkStatus();
+  ASSERT_TRUE(engine_->DecodeStep(members).ok());
+}
+
+TEST_F(EngineTest, AFailedAppendReleasesTheIndexerSequenceAndLeavesNothing) {
+  Start("FS", 1);
+  MustPrefill(9, 10);  // makes the client
+  clients_[0]->append_status = absl::ResourceExhaustedError("index-key cache full");
+  PrefillSpec spec;
+  spec.sequence_id = 1;
+  spec.context_length = 5000;
+  spec.indexer_worker = "indexer-a";
+  spec.top_k = kK;
+  EXPECT_EQ(engine_->Prefill(spec).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(clients_[0]->released, (std::vector<uint64_t>{1}));
+  EXPECT_EQ(engine_->GetInfo().sequences, 1);
+  EXPECT_EQ(engine_->GetInfo().kv_used_slots, 10);
+  EXPECT_FALSE(backend_slots_.contains(1));
+}
+
+TEST_F(EngineTest, AnIndexerOfAnotherShapeIsRefusedAtPrefill) {
+  Start("FS", 1);
+  MustPrefill(9, 10);
+  clients_[0]->shape = IndexerShape{kH, kD * 2};
+  PrefillSpec spec;
+  spec.sequence_id = 1;
+  spec.context_length = 10;
+  spec.indexer_worker = "indexer-a";
+  spec.top_k = kK;
+  const absl::Status status = engine_->Prefill(spec).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find("D = 64"), std::string::npos) << status;
+}
+
+// The real engine and CPU backend over the in-process indexer client and over the gRPC one:
+// the same prefill and steps (plain, speculative, committed) give bit-identical observations.
+struct Observation {
+  uint64_t sequence_id;
+  int layer;
+  int64_t position;
+  std::vector<int32_t> selection;
+  std::vector<float> output;
+  bool operator==(const Observation&) const = default;
+};
+
+std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::string& address) {
+  std::vector<Observation> observed;
+  std::mutex mutex;
+  auto schedule = MliSchedule::FromPattern("FSFSFS", 1);
+  CpuAttentionBackendOptions backend_options;
+  backend_options.num_model_layers = schedule->num_layers();
+  backend_options.kv_dim = 16;
+  backend_options.attention_heads = 4;
+  backend_options.seed = 5;
+  auto backend = CpuAttentionBackend::Create(backend_options);
+  AttentionEngineOptions options;
+  options.observer = [&](const AttendedRow& row) {
+    std::lock_guard<std::mutex> lock(mutex);
+    observed.push_back({row.sequence_id, row.model_layer, row.position,
+                        std::vector<int32_t>(row.selection.begin(), row.selection.end()),
+                        std::vector<float>(row.output.begin(), row.output.end())});
+  };
+  auto engine = AttentionEngine::Create(*schedule, MakeModel(3), std::move(*backend),
+                                        std::move(factory), options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  for (uint64_t id : {11, 12}) {
+    PrefillSpec spec;
+    spec.sequence_id = id;
+    spec.context_length = 700 + 100 * static_cast<int64_t>(id);
+    spec.prefix_block_ids = {42};
+    spec.indexer_worker = address;
+    spec.top_k = kK;
+    spec.spin.target_block_sparsity = 0.4;
+    spec.spin.seed = 9;
+    auto prefilled = (*engine)->Prefill(spec);
+    EXPECT_TRUE(prefilled.ok()) << prefilled.status();
+  }
+  const StepMember plain[] = {{11, 1}, {12, 1}};
+  const StepMember speculative[] = {{11, 3}, {12, 1}};
+  for (int step = 0; step < 3; ++step) EXPECT_TRUE((*engine)->DecodeStep(plain).ok());
+  EXPECT_TRUE((*engine)->DecodeStep(speculative).ok());
+  EXPECT_TRUE((*engine)->Commit(11, 1).ok());
+  for (int step = 0; step < 2; ++step) EXPECT_TRUE((*engine)->DecodeStep(plain).ok());
+  return observed;
+}
+
+TEST(EngineTransportsTest, InProcessAndGrpcIndexerClientsGiveIdenticalSelectionsAndOutputs) {
+  auto local = Indexer::Create({4096, kH, kD});
+  ASSERT_TRUE(local.ok());
+  const std::vector<Observation> in_process =
+      RunWorkload(InProcessIndexerClient::Factory(local->get()), kInProcessIndexerAddress);
+
+  auto remote = Indexer::Create({4096, kH, kD});
+  ASSERT_TRUE(remote.ok());
+  IndexerServiceImpl service(remote->get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_GT(port, 0);
+  const std::vector<Observation> over_grpc =
+      RunWorkload(GrpcIndexerClient::Factory(), absl::StrCat("127.0.0.1:", port));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+
+  // 2 sequences x 6 layers x (3 + 2 + 2 plain steps) + 6 layers x (3 + 1 rows) of the speculative.
+  ASSERT_EQ(in_process.size(), 2u * 6 * 5 + 6 * 4);
+  ASSERT_EQ(over_grpc.size(), in_process.size());
+  int with_selection = 0;
+  for (size_t i = 0; i < in_process.size(); ++i) {
+    EXPECT_EQ(in_process[i], over_grpc[i]) << "observation " << i;
+    with_selection += in_process[i].selection[0] >= 0;
+  }
+  EXPECT_EQ(with_selection, static_cast<int>(in_process.size()));
+}
+
+TEST(EngineTransportsTest, TheInProcessFactoryRefusesARemoteAddress) {
+  auto local = Indexer::Create({64, kH, kD});
+  ASSERT_TRUE(local.ok());
+  IndexerClientFactory factory = InProcessIndexerClient::Factory(local->get());
+  EXPECT_TRUE(factory(kInProcessIndexerAddress).ok());
+  const absl::Status refused = factory("10.0.0.1:50051").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("10.0.0.1:50051"), std::string::npos) << refused;
+}
+
+}  // namespace
+}  // namespace dsa
