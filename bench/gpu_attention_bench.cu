@@ -6,6 +6,7 @@
 // 790 TFLOP/s a PyTorch matrix product reached on this GPU kind (device/KINDS.md).
 // Median of CUDA-event timings after warm-up, the L2 flushed before each run.
 // usage: bench_gpu_attention [--shapes 1x65536,8x65536,...] [--top_k 2048] [--splits 0,1,...]
+//                            [--mma wgmma,mma_sync]
 //                            [--cuda_cores_max_rows 8] [--reps 30] [--out results.json]
 #include <cuda_bf16.h>
 
@@ -120,6 +121,7 @@ int main(int argc, char** argv) {
   using namespace dsa::bench;
   std::string shapes = "1x65536,8x65536,64x65536,1x131072,8x131072,64x131072";
   std::string splits_list = "0";
+  std::string mma_list = "wgmma,mma_sync";
   std::string out_path;
   int top_k = 2048, reps = 30, cuda_cores_max_rows = 8;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -127,6 +129,8 @@ int main(int argc, char** argv) {
       shapes = argv[i + 1];
     else if (std::strcmp(argv[i], "--top_k") == 0)
       top_k = std::atoi(argv[i + 1]);
+    else if (std::strcmp(argv[i], "--mma") == 0)
+      mma_list = argv[i + 1];
     else if (std::strcmp(argv[i], "--splits") == 0)
       splits_list = argv[i + 1];
     else if (std::strcmp(argv[i], "--cuda_cores_max_rows") == 0)
@@ -159,8 +163,9 @@ int main(int argc, char** argv) {
     const double copy_floor_us = bytes / (copy_tbs * 1e12) * 1e6;
     const double compute_floor_us = flops / (kTensorTflops * 1e12) * 1e6;
     std::vector<std::pair<std::string, int>> runs;
-    for (const std::string& s : Split(splits_list))
-      runs.push_back({"tensor_cores", std::atoi(s.c_str())});
+    for (const std::string& mma : Split(mma_list)) {
+      for (const std::string& s : Split(splits_list)) runs.push_back({mma, std::atoi(s.c_str())});
+    }
     if (shape.rows <= cuda_cores_max_rows) runs.push_back({"cuda_cores", 0});
     for (const auto& run : runs) {
       const std::string kernel = run.first;
@@ -169,15 +174,18 @@ int main(int argc, char** argv) {
       p.num_splits = requested;
       int splits = 0;
       void* workspace = nullptr;
-      if (kernel == "tensor_cores") {
+      const bool tensor_cores = kernel != "cuda_cores";
+      p.mma = kernel == "mma_sync" ? dsa::cuda::SparseMlaMma::kMmaSync
+                                   : dsa::cuda::SparseMlaMma::kWgmma;
+      if (tensor_cores) {
         splits = dsa::cuda::SparseMlaDecodeNumSplits(p);
         p.workspace_bytes = dsa::cuda::SparseMlaDecodeScratchBytes(p);
         if (p.workspace_bytes > 0) DSA_BENCH_CUDA(cudaMalloc(&workspace, p.workspace_bytes));
         p.workspace = workspace;
       }
       const auto launch = [&] {
-        return kernel == "tensor_cores" ? dsa::cuda::LaunchSparseMlaDecodeTensorCores(p, nullptr)
-                                        : dsa::cuda::LaunchSparseMlaDecodeCudaCores(p, nullptr);
+        return tensor_cores ? dsa::cuda::LaunchSparseMlaDecodeTensorCores(p, nullptr)
+                            : dsa::cuda::LaunchSparseMlaDecodeCudaCores(p, nullptr);
       };
       DSA_BENCH_CUDA(cudaMemset(p.lse, 0xff, int64_t{pr.rows} * 128 * 4));
       DSA_BENCH_CUDA(launch());

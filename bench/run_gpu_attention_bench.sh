@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU host: the sparse MLA decode's GPU test, compute-sanitizer memcheck on it (all but the
-# 64-row grid cases), bench_gpu_attention at batch 1, 8 and 64 x 64K and 128K contexts, and a
-# split-count study; logs and JSON go to OUT_DIR, a short table is printed last.
+# 64-row grid cases), bench_gpu_attention at batch 1, 8 and 64 x 64K and 128K contexts, a
+# split-count study and (unless DSA_ATTENTION_NCU=0) ncu counters of the wgmma kernel; logs and
+# JSON go to OUT_DIR, a short table is printed last.
 #
 # usage (binaries in BIN_DIR: attention_cuda_sparse_mla_decode_test, bench_gpu_attention):
 #   LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64 bash bench/run_gpu_attention_bench.sh BIN_DIR OUT_DIR
@@ -23,6 +24,15 @@ echo "=== bench_gpu_attention" | tee "$out/bench.txt"
 timeout 200 "$bin/bench_gpu_attention" --out "$out/bench.json" >>"$out/bench.txt" 2>&1 || status=1
 echo "=== split study" | tee -a "$out/bench.txt"
 timeout 120 "$bin/bench_gpu_attention" --shapes 1x65536,8x65536,64x65536 --splits 1,2,4,8,16,32 \
-  --cuda_cores_max_rows 0 --out "$out/splits.json" >>"$out/bench.txt" 2>&1 || status=1
+  --mma wgmma --cuda_cores_max_rows 0 --out "$out/splits.json" >>"$out/bench.txt" 2>&1 || status=1
+# Hardware counters of the wgmma kernel at 64 x 64K (DSA_ATTENTION_NCU=0 skips them).
+if [[ ${DSA_ATTENTION_NCU:-1} != 0 ]]; then
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 150 "$ncu" --clock-control none -k regex:Wgmma --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+    "$bin/bench_gpu_attention" --shapes 64x65536 --mma wgmma --reps 3 --cuda_cores_max_rows 0 \
+    >"$out/ncu.txt" 2>&1 || echo "ncu failed (see ncu.txt)"
+  grep -E "Duration|Throughput|Stall|Warp Cycles|Issued|Executed Ipc|Eligible" "$out/ncu.txt" | head -30
+fi
 cat "$out/bench.txt"
 exit $status

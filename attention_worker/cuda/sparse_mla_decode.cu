@@ -228,6 +228,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     SparseMlaDecodeTensorCoreKernel(SparseMlaDecodeParams p, int num_splits, float* partial_out,
                                     float* partial_lse) {
   extern __shared__ __align__(128) uint8_t smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the combine may start
+#endif
   const int group = blockIdx.x, split = blockIdx.y, row = blockIdx.z;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int32_t position = p.positions[row], num_slots = p.num_slots[row];
@@ -450,30 +453,363 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- tensor-core kernel on wgmma (sm_90a) ----------------------------------------------------
+// CTA (64-head group, split, row), two warpgroups. Shared memory holds the query and two stages
+// of 64 gathered latent rows in the canonical 128-byte-swizzled layout of wgmma: each tile of 64
+// rows x 576 dims is 9 panels of 64 dims; a panel is 64 rows x 128 bytes, row r's 16-byte chunk c
+// at chunk c ^ (r & 7), so 8-row groups are 1024 bytes apart. The same panels are the keys
+// (K-major B of S = Q K^T) and the values (N-major B of O = P V: a panel's rows are 8 slots x 64
+// value dims apart by 1024 and 8192 bytes). P (64 heads x 64 slots bf16) is one such panel.
+//   S: warpgroup w computes all 64 heads x slots [32 w, +32) (36 wgmma m64n32k16).
+//   Online softmax (log2 domain): the row max over both halves through shared memory; a
+//   thread's S rows are its O rows, so the rescale stays in registers.
+//   O: warpgroup w owns all 64 heads x value dims [256 w, +256) (4 wgmma m64n256k16 a tile,
+//   128 fp32 accumulators a thread).
+constexpr int kPanelBytes = 64 * 128;     // 64 rows x 64 dims bf16
+constexpr int kPanels = kMlaKeyDim / 64;  // 9
+constexpr int kWgSmemQuery = 0;
+constexpr int kWgSmemKv = kWgSmemQuery + kPanels * kPanelBytes;
+constexpr int kWgSmemP = kWgSmemKv + 2 * kPanels * kPanelBytes;
+constexpr int kWgSmemMax = kWgSmemP + kPanelBytes;                     // float [2][64]
+constexpr int kWgSmemBias = kWgSmemMax + 2 * 64 * 4;                   // float [2][64]
+constexpr int kWgSmemBytes = kWgSmemBias + 2 * kTileSlots * 4 + 1024;  // + alignment slack
+static_assert(kWgSmemBytes <= 227 * 1024, "fits one SM's shared memory");
+
+// Byte offset of 16-byte chunk `chunk` (0..71) of row `row` (0..63) in a swizzled tile.
+__device__ inline uint32_t PanelOffset(int row, int chunk) {
+  return (chunk >> 3) * kPanelBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// A wgmma shared-memory matrix descriptor with 128-byte swizzling; byte offsets as the PTX ISA
+// defines them (K-major: stride = between 8-row groups, leading unused; N-major: leading =
+// between 64-element panels along N, stride = between 8-row groups along K).
+__device__ inline uint64_t SwizzledDescriptor(uint32_t address, uint32_t leading_bytes,
+                                              uint32_t stride_bytes) {
+  return uint64_t{(address & 0x3ffffu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |
+         (uint64_t{stride_bytes >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ inline void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ inline void WgmmaWaitAll() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Makes this thread's generic-proxy writes to shared memory (cp.async, st.shared) visible to
+// the tensor cores' (async proxy) reads after the next barrier.
+__device__ inline void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+template <int kCount>
+__device__ inline void FenceOperands(float (&d)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// S (+)= A B for m64n32k16: A = 64 query heads (K-major), B = 32 latent rows (K-major); d is
+// overwritten when accumulate is 0.
+__device__ inline void WgmmaQk(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// O += P V for m64n256k16: A = P (64 heads x 16 slots, K-major), B = V (16 slots x 256 value
+// dims, N-major: the latent rows as they lie in shared memory, transposed by the instruction).
+__device__ inline void WgmmaPv(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+      " wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// Issues the gather of tile `tile` into stage `stage` of the swizzled layout (as LoadTile).
+__device__ inline void LoadTileSwizzled(const SparseMlaDecodeParams& p, int row, int tile,
+                                        uint8_t* smem, int stage, int32_t position,
+                                        int32_t num_slots) {
+  const int entry_in_tile = threadIdx.x / 4;
+  const int entry = tile * kTileSlots + entry_in_tile;
+  const int32_t slot =
+      entry < p.top_k ? p.selections[static_cast<int64_t>(row) * p.top_k + entry] : -1;
+  const bool attended = Attended(slot, position, num_slots);
+  const uint8_t* src = attended ? reinterpret_cast<const uint8_t*>(LatentRow(p, row, slot))
+                                : reinterpret_cast<const uint8_t*>(p.kv_pool);
+  const uint32_t base = SmemAddress(smem + kWgSmemKv + stage * kPanels * kPanelBytes);
+  for (int c = threadIdx.x % 4; c < kRowChunks; c += 4) {
+    CpAsync16(base + PanelOffset(entry_in_tile, c), src + 16 * c, attended);
+  }
+  if (threadIdx.x % 4 == 0) {
+    reinterpret_cast<float*>(smem + kWgSmemBias)[stage * kTileSlots + entry_in_tile] =
+        attended ? 0.0f : -INFINITY;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    SparseMlaDecodeWgmmaKernel(SparseMlaDecodeParams p, int num_splits, float* partial_out,
+                               float* partial_lse) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes of shared address: align the base to it.
+  uint8_t* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the combine may start
+#endif
+  const int group = blockIdx.x, split = blockIdx.y, row = blockIdx.z;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int wg = warp / 4, warp_in_wg = warp % 4;
+  const int32_t position = p.positions[row], num_slots = p.num_slots[row];
+  const int tiles_per_split = TilesPerSplit(p.top_k, num_splits);
+  const int first_tile = split * tiles_per_split;
+  const int last_tile = min(first_tile + tiles_per_split, NumTiles(p.top_k));
+  {
+    const uint8_t* q = reinterpret_cast<const uint8_t*>(
+        p.query + (static_cast<int64_t>(row) * p.num_heads + group * kGroupHeads) * kMlaKeyDim);
+    const uint32_t base = SmemAddress(smem + kWgSmemQuery);
+    for (int i = threadIdx.x; i < kGroupHeads * kRowChunks; i += kThreads) {
+      const int head = i / kRowChunks, c = i % kRowChunks;
+      CpAsync16(base + PanelOffset(head, c), q + head * kRowBytes + 16 * c, true);
+    }
+  }
+  if (first_tile < last_tile) LoadTileSwizzled(p, row, first_tile, smem, 0, position, num_slots);
+  CpAsyncCommit();
+  if (first_tile + 1 < last_tile) {
+    LoadTileSwizzled(p, row, first_tile + 1, smem, 1, position, num_slots);
+  }
+  CpAsyncCommit();
+
+  const float scale_log2 = Log2Scale(p.softmax_scale);
+  const int g = lane / 4, quad = lane % 4;
+  // Accumulator rows of this thread (S and O alike): heads 16 warp_in_wg + g + 8 i.
+  const int head0 = 16 * warp_in_wg + g;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.0f, 0.0f};
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float* row_max = reinterpret_cast<float*>(smem + kWgSmemMax);
+  const float* bias = reinterpret_cast<const float*>(smem + kWgSmemBias);
+  const uint32_t q_base = SmemAddress(smem + kWgSmemQuery);
+  const uint32_t p_base = SmemAddress(smem + kWgSmemP);
+  uint8_t* p_tile = smem + kWgSmemP;
+
+  for (int tile = first_tile; tile < last_tile; ++tile) {
+    const int stage = (tile - first_tile) & 1;
+    CpAsyncWait<1>();
+    FenceProxyAsync();
+    __syncthreads();
+    const uint32_t kv_base = SmemAddress(smem + kWgSmemKv + stage * kPanels * kPanelBytes);
+
+    // S = Q K^T: 64 heads x this warpgroup's 32 slots.
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kMlaKeyDim / 16; ++ks) {
+      const uint32_t k_offset = (ks / 4) * kPanelBytes + (ks % 4) * 32;
+      WgmmaQk(s, SwizzledDescriptor(q_base + k_offset, 16, 1024),
+              SwizzledDescriptor(kv_base + k_offset + wg * 32 * 128, 16, 1024), ks > 0);
+    }
+    WgmmaCommit();
+    WgmmaWaitAll();
+    FenceOperands(s);
+
+    // Online softmax. s[4 j + 2 i + c]: head head0 + 8 i, slot 32 wg + 8 j + 2 quad + c.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int slot = 32 * wg + 8 * j + 2 * quad;
+      const float b0 = bias[stage * kTileSlots + slot], b1 = bias[stage * kTileSlots + slot + 1];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[4 * j + 2 * i] = s[4 * j + 2 * i] * scale_log2 + b0;
+        s[4 * j + 2 * i + 1] = s[4 * j + 2 * i + 1] * scale_log2 + b1;
+        tile_max[i] = fmaxf(tile_max[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+    }
+    if (quad == 0) {
+      row_max[wg * 64 + head0] = tile_max[0];
+      row_max[wg * 64 + head0 + 8] = tile_max[1];
+    }
+    __syncthreads();
+    float base[2], alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float both = fmaxf(row_max[head0 + 8 * i], row_max[64 + head0 + 8 * i]);
+      const float m_new = fmaxf(m_run[i], both);
+      base[i] = m_new == -INFINITY ? 0.0f : m_new;
+      alpha[i] = exp2f(m_run[i] - base[i]);
+      m_run[i] = m_new;
+      l_run[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int chunk = 4 * wg + j;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float p0 = exp2f(s[4 * j + 2 * i] - base[i]);
+        const float p1 = exp2f(s[4 * j + 2 * i + 1] - base[i]);
+        l_run[i] += p0 + p1;
+        const int head = head0 + 8 * i;
+        *reinterpret_cast<uint32_t*>(p_tile + head * 128 + ((chunk ^ (head & 7)) << 4) + 4 * quad) =
+            PackBf16(p0, p1);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+    FenceProxyAsync();
+    __syncthreads();
+
+    // O += P V: 64 heads x this warpgroup's 256 value dims (panels 4 wg .. 4 wg + 3).
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kTileSlots / 16; ++ks) {
+      WgmmaPv(o, SwizzledDescriptor(p_base + ks * 32, 16, 1024),
+              SwizzledDescriptor(kv_base + 4 * wg * kPanelBytes + ks * 16 * 128, kPanelBytes, 1024),
+              1);
+    }
+    WgmmaCommit();
+    WgmmaWaitAll();
+    FenceOperands(o);
+    __syncthreads();  // every warp is done with this stage and with P
+    if (tile + 2 < last_tile) LoadTileSwizzled(p, row, tile + 2, smem, stage, position, num_slots);
+    CpAsyncCommit();
+  }
+  CpAsyncWait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  __syncthreads();
+  if (quad == 0) {
+    row_max[wg * 64 + head0] = l_run[0];
+    row_max[wg * 64 + head0 + 8] = l_run[1];
+  }
+  __syncthreads();
+  const int64_t row_head0 = static_cast<int64_t>(row) * p.num_heads + group * kGroupHeads;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int head = head0 + 8 * i;
+    const float l = row_max[head] + row_max[64 + head];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    if (wg == 0 && quad == 0) {
+      const float lse = l > 0.0f ? (m_run[i] + log2f(l)) * kLn2 : -INFINITY;
+      if (num_splits == 1) {
+        if (p.lse != nullptr) p.lse[row_head0 + head] = lse;
+      } else {
+        partial_lse[(static_cast<int64_t>(row) * num_splits + split) * p.num_heads +
+                    group * kGroupHeads + head] = lse;
+      }
+    }
+    if (num_splits == 1) {
+      __nv_bfloat16* out = p.out + (row_head0 + head) * kMlaValueDim + 256 * wg + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<uint32_t*>(out + 8 * j) =
+            PackBf16(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+      }
+    } else {
+      float* out = partial_out +
+                   ((static_cast<int64_t>(row) * num_splits + split) * p.num_heads +
+                    group * kGroupHeads + head) *
+                       kMlaValueDim +
+                   256 * wg + 2 * quad;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        *reinterpret_cast<float2*>(out + 8 * j) =
+            make_float2(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+      }
+    }
+  }
+}
+
 // CTA (head, row), 128 threads x 4 dims: merges the splits' normalized partials by their LSEs.
+// The splits' LSEs are read at once into shared memory, then every thread's partial loads are
+// independent (unrolled), so a row of 32 splits costs a few load latencies, not 32. Launched with
+// programmatic dependent launch: it waits (griddepcontrol.wait) for the split kernel's writes.
 constexpr int kCombineThreads = 128;
+constexpr int kMaxSplits = kCombineThreads;
 __global__ void __launch_bounds__(kCombineThreads)
     SparseMlaDecodeCombineKernel(SparseMlaDecodeParams p, int num_splits, const float* partial_out,
                                  const float* partial_lse) {
+  __shared__ float split_lse[kMaxSplits];
+  __shared__ float split_weight[kMaxSplits];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int head = blockIdx.x, row = blockIdx.y;
   const int64_t first = static_cast<int64_t>(row) * num_splits * p.num_heads + head;
+  if (threadIdx.x < num_splits) {
+    split_lse[threadIdx.x] = partial_lse[first + threadIdx.x * p.num_heads];
+  }
+  __syncthreads();
   float max_lse = -INFINITY;
-  for (int s = 0; s < num_splits; ++s)
-    max_lse = fmaxf(max_lse, partial_lse[first + s * p.num_heads]);
+  for (int s = 0; s < num_splits; ++s) max_lse = fmaxf(max_lse, split_lse[s]);
+  if (threadIdx.x < num_splits) {
+    split_weight[threadIdx.x] =
+        max_lse == -INFINITY ? 0.0f : __expf(split_lse[threadIdx.x] - max_lse);
+  }
+  __syncthreads();
   float sum = 0.0f;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (max_lse != -INFINITY) {
-    for (int s = 0; s < num_splits; ++s) {
-      const float weight = __expf(partial_lse[first + s * p.num_heads] - max_lse);
-      sum += weight;
-      if (weight == 0.0f) continue;
-      const float4 v = reinterpret_cast<const float4*>(partial_out + (first + s * p.num_heads) *
-                                                                         kMlaValueDim)[threadIdx.x];
-      acc.x = fmaf(weight, v.x, acc.x);
-      acc.y = fmaf(weight, v.y, acc.y);
-      acc.z = fmaf(weight, v.z, acc.z);
-      acc.w = fmaf(weight, v.w, acc.w);
-    }
+  const float4* part =
+      reinterpret_cast<const float4*>(partial_out + first * kMlaValueDim) + threadIdx.x;
+  const int64_t split_stride = int64_t{p.num_heads} * kMlaValueDim / 4;  // in float4
+#pragma unroll 8
+  for (int s = 0; s < num_splits; ++s) {
+    const float weight = split_weight[s];
+    const float4 v = part[s * split_stride];
+    sum += weight;
+    acc.x = fmaf(weight, v.x, acc.x);
+    acc.y = fmaf(weight, v.y, acc.y);
+    acc.z = fmaf(weight, v.z, acc.z);
+    acc.w = fmaf(weight, v.w, acc.w);
   }
   const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
   __nv_bfloat16* out =
@@ -565,6 +901,13 @@ bool CanImplementSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params,
     return Refuse(why, "num_splits must be <= ceil(top_k / 64)");
   }
   if (params.num_splits < 0) return Refuse(why, "num_splits must be >= 0");
+  if (SparseMlaDecodeNumSplits(params) > kMaxSplits) {
+    return Refuse(why, "num_splits must be <= 128 (the combine's threads)");
+  }
+  if (params.mma != SparseMlaMma::kAuto && params.mma != SparseMlaMma::kMmaSync &&
+      params.mma != SparseMlaMma::kWgmma) {
+    return Refuse(why, "unknown mma");
+  }
   const size_t need = SparseMlaDecodeScratchBytes(params);
   if (need > 0 && (params.workspace == nullptr || params.workspace_bytes < need)) {
     return Refuse(why, "workspace smaller than SparseMlaDecodeScratchBytes");
@@ -579,15 +922,21 @@ cudaError_t LaunchSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params
                                              cudaStream_t stream) {
   if (!CanImplementSparseMlaDecodeTensorCores(params)) return cudaErrorInvalidValue;
   if (params.num_rows == 0) return cudaSuccess;
-  static std::atomic<bool> configured{false};
-  if (!configured.load(std::memory_order_acquire)) {
+  const bool wgmma = params.mma != SparseMlaMma::kMmaSync;
+  auto* kernel = wgmma ? SparseMlaDecodeWgmmaKernel : SparseMlaDecodeTensorCoreKernel;
+  const int smem_bytes = wgmma ? kWgSmemBytes : kSmemBytes;
+  // The shared-memory opt-in, once a device and kernel.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> configured[kMaxDevices][2];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device >= kMaxDevices || !configured[device][wgmma].load(std::memory_order_acquire)) {
     if (cudaError_t e =
-            cudaFuncSetAttribute(SparseMlaDecodeTensorCoreKernel,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         e != cudaSuccess) {
       return e;
     }
-    configured.store(true, std::memory_order_release);
+    if (device < kMaxDevices) configured[device][wgmma].store(true, std::memory_order_release);
   }
   const int splits = SparseMlaDecodeNumSplits(params);
   float* partial_out = nullptr;
@@ -598,13 +947,25 @@ cudaError_t LaunchSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params
                   static_cast<int64_t>(params.num_rows) * splits * params.num_heads * kMlaValueDim;
   }
   const dim3 grid(params.num_heads / kGroupHeads, splits, params.num_rows);
-  SparseMlaDecodeTensorCoreKernel<<<grid, kThreads, kSmemBytes, stream>>>(params, splits,
-                                                                          partial_out, partial_lse);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, splits, partial_out, partial_lse);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (splits == 1) return cudaSuccess;
-  SparseMlaDecodeCombineKernel<<<dim3(params.num_heads, params.num_rows), kCombineThreads, 0,
-                                 stream>>>(params, splits, partial_out, partial_lse);
-  return cudaGetLastError();
+  // The combine, launched early (programmatic dependent launch) to wait on the split kernel.
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(params.num_heads, params.num_rows);
+  config.blockDim = dim3(kCombineThreads);
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const float* combine_out = partial_out;
+  const float* combine_lse = partial_lse;
+  const cudaError_t e = cudaLaunchKernelEx(&config, SparseMlaDecodeCombineKernel, params, splits,
+                                           combine_out, combine_lse);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
 }
 
 }  // namespace dsa::cuda

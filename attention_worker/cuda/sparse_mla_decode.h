@@ -26,6 +26,18 @@ inline constexpr int kMlaKeyDim = 576;
 /// Dims of a value (the first 512 of the latent row) and of an output head.
 inline constexpr int kMlaValueDim = 512;
 
+/// Which tensor-core instructions the tensor-core kernel uses.
+enum class SparseMlaMma : int {
+  /// kWgmma (the faster on the H200: docs/attention_gpu.md).
+  kAuto = 0,
+  /// Warp-level mma.sync m16n8k16 with ldmatrix from swizzled shared memory (sm_80 and later
+  /// instructions; built for sm_90a here).
+  kMmaSync = 1,
+  /// Warpgroup-level wgmma m64nNk16 reading both operands from 128-byte-swizzled shared memory
+  /// through matrix descriptors (sm_90a).
+  kWgmma = 2,
+};
+
 /// One sparse MLA decode launch. All pointers are device pointers.
 struct SparseMlaDecodeParams {
   /// bf16 [num_physical_blocks, 64, 576]: the latent pool (layout above).
@@ -63,6 +75,8 @@ struct SparseMlaDecodeParams {
   /// attended by its own CTAs and merged by their log-sum-exps (0 = chosen from the batch size
   /// and the device's SM count: SparseMlaDecodeNumSplits). 1 writes out directly (no workspace).
   int num_splits = 0;
+  /// Tensor-core kernel: which instructions (SparseMlaMma).
+  SparseMlaMma mma = SparseMlaMma::kAuto;
   /// Device scratch for the split partials, 16-byte aligned, >= SparseMlaDecodeScratchBytes.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -84,11 +98,12 @@ int SparseMlaDecodeNumSplits(const SparseMlaDecodeParams& params);
 /// Workspace bytes of the tensor-core kernel: 0 with one split, else
 /// num_rows * num_heads * num_splits * (512 + 1) * 4 (the fp32 partial outputs and log-sum-exps).
 size_t SparseMlaDecodeScratchBytes(const SparseMlaDecodeParams& params);
-/// The tensor-core kernel (bf16 mma.sync m16n8k16, fp32 accumulation; sm_80 and later): one CTA per
-/// (row, 64-head group, split); the split's selection tiles of 64 latent rows are gathered into
-/// shared memory by cp.async two tiles deep; S = Q K^T, an online softmax, then O += P V with P
-/// rounded to bf16; the splits merged by a second kernel. num_heads a multiple of 64, top_k >= 1,
-/// num_splits <= ceil(top_k / 64), a workspace of SparseMlaDecodeScratchBytes.
+/// The tensor-core kernel (bf16 wgmma or mma.sync, fp32 accumulation; SparseMlaMma): one CTA per
+/// (row, 64-head group, split), 8 warps; the split's selection tiles of 64 latent rows are
+/// gathered into swizzled shared memory by cp.async two tiles deep; S = Q K^T, an online softmax,
+/// then O += P V with P rounded to bf16; the splits merged by a second kernel (launched with
+/// programmatic dependent launch). num_heads a multiple of 64, top_k >= 1, num_splits <=
+/// min(128, ceil(top_k / 64)), a workspace of SparseMlaDecodeScratchBytes.
 bool CanImplementSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params,
                                             const char** why = nullptr);
 /// Launches the tensor-core kernel on `stream` (asynchronous; one kernel with one split, else the

@@ -1,4 +1,5 @@
-// The GPU sparse MLA decode (CUDA-core and tensor-core kernels, sparse_mla_decode.h) against the
+// The GPU sparse MLA decode (the CUDA-core kernel and the tensor-core kernel on mma.sync and on
+// wgmma, sparse_mla_decode.h) against the
 // CPU reference MlaSparseDecode on the same paged pool bytes, over a grid of seeded batches (rows
 // 1, 3, 64; K 1, 100, 2048; contexts that are no multiple of 64, positions shorter than K,
 // entries past the position, all -1, block tables all over the pool) and explicit split counts.
@@ -35,7 +36,13 @@ using testing::NoUsableGpu;
 constexpr float kOutTolerance = 1e-2f;  // of max |out|
 constexpr float kLseTolerance = 1e-3f;  // of max(1, |lse|)
 
-enum class Kernel { kCudaCores, kTensorCores };
+enum class Kernel { kCudaCores, kMmaSync, kWgmma };
+
+const char* KernelName(Kernel kernel) {
+  return kernel == Kernel::kCudaCores ? "cuda cores"
+         : kernel == Kernel::kMmaSync ? "mma.sync"
+                                      : "wgmma";
+}
 
 struct GpuResult {
   std::vector<float> out, lse;
@@ -79,6 +86,7 @@ void RunOnGpu(const MlaTestBatch& t, Kernel kernel, int num_splits, GpuResult& r
     ASSERT_TRUE(workspace.ok());
     p.workspace = workspace.as<void>();
     p.workspace_bytes = workspace.bytes();
+    p.mma = kernel == Kernel::kMmaSync ? SparseMlaMma::kMmaSync : SparseMlaMma::kWgmma;
     ASSERT_TRUE(CanImplementSparseMlaDecodeTensorCores(p, &why)) << why;
     DSA_CUDA_OK(LaunchSparseMlaDecodeTensorCores(p, nullptr));
   }
@@ -98,7 +106,10 @@ void ExpectMatchesCpu(const MlaTestBatch& t, const std::vector<int>& splits = {0
   float max_ref = 0.0f;
   for (float v : ref_out) max_ref = std::max(max_ref, std::abs(v));
   std::vector<std::pair<Kernel, int>> runs = {{Kernel::kCudaCores, 0}};
-  for (int s : splits) runs.push_back({Kernel::kTensorCores, s});
+  for (int s : splits) {
+    runs.push_back({Kernel::kMmaSync, s});
+    runs.push_back({Kernel::kWgmma, s});
+  }
   for (const auto& [kernel, num_splits] : runs) {
     SCOPED_TRACE(kernel == Kernel::kCudaCores
                      ? std::string("cuda cores")
@@ -136,8 +147,7 @@ void ExpectMatchesCpu(const MlaTestBatch& t, const std::vector<int>& splits = {0
     EXPECT_EQ(lse_failures, 0);
     // The margins, for the record (tolerances 1e-2 and 1e-3).
     std::printf("    %s, splits %d: max |err| / max |out| %.2e, max lse err %.2e\n",
-                kernel == Kernel::kCudaCores ? "cuda cores" : "tensor cores", num_splits,
-                max_err / std::max(max_ref, 1e-6f), max_lse_err);
+                KernelName(kernel), num_splits, max_err / std::max(max_ref, 1e-6f), max_lse_err);
   }
 }
 
@@ -222,6 +232,9 @@ TEST(SparseMlaDecodeTest, RefusesWhatItCannotRun) {
   p.num_splits = 33;
   EXPECT_FALSE(CanImplementSparseMlaDecodeTensorCores(p, &why));
   p.num_splits = 0;
+  p.mma = static_cast<SparseMlaMma>(7);
+  EXPECT_FALSE(CanImplementSparseMlaDecodeTensorCores(p, &why));
+  p.mma = SparseMlaMma::kAuto;
   p.num_rows = 4;  // pointers now required
   EXPECT_FALSE(CanImplementSparseMlaDecodeTensorCores(p, &why));
   EXPECT_EQ(LaunchSparseMlaDecodeTensorCores(p, nullptr), cudaErrorInvalidValue);
