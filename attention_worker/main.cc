@@ -1,11 +1,13 @@
 // `dsa-attention`: the attention worker binary. Serves dsa.attention.v1.AttentionService (the
 // pattern model's layers, the MLI schedule, the KV cache, selections from the indexer workers over
-// one gRPC stream each) with grpc.health.v1 ("liveness", "readiness"), server reflection,
-// Prometheus /metrics (DESIGN.md section 6) and graceful shutdown on SIGTERM or SIGINT.
+// one gRPC stream each, or from an indexer in this process with --transport inprocess) with
+// grpc.health.v1 ("liveness", "readiness"), server reflection, Prometheus /metrics (DESIGN.md
+// section 6) and graceful shutdown on SIGTERM or SIGINT.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "CLI/CLI.hpp"
@@ -13,8 +15,13 @@
 #include "attention_worker/pattern_model.h"
 #include "attention_worker/service.h"
 #include "common/mli_schedule.h"
+#include "indexer_service/grpc_service.h"
+#include "indexer_service/indexer_flags.h"
+#include "indexer_service/metrics.h"
 #include "prometheus/registry.h"
 #include "server/server.h"
+#include "transport/grpc_indexer_client.h"
+#include "transport/in_process_indexer_client.h"
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -63,8 +70,32 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->capture_default_str();
   app.add_option("--seed", seed, "Seed of the pattern model, the KV cache and attention queries")
       ->capture_default_str();
+  std::string transport = "grpc";
+  app.add_option("--transport", transport,
+                 "How indexer inputs and selections travel: grpc (a SelectStream to each indexer "
+                 "worker a Prefill names) or inprocess (an indexer in this process, co-located: "
+                 "its selects run beside attention on their own thread, MLI's deferred stream; "
+                 "it is also served as dsa.indexer.v1 at this worker's address, which is the "
+                 "indexer address the coordinator must name, with --colocated)")
+      ->check(CLI::IsMember({"grpc", "inprocess"}))
+      ->capture_default_str();
+  dsa::IndexerFlags indexer_flags;
+  indexer_flags.options.capacity_blocks = 4096;
+  dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (transport != "inprocess") {
+    for (const std::string& name : {"capacity-blocks", "audit-fraction", "audit-seed", "device",
+                                    "cuda-device", "scan-kernel", "gpu-spin"}) {
+      if (app.count("--indexer-" + name) > 0) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", "--indexer-" + name +
+                                     " configures the co-located indexer: it needs --transport "
+                                     "inprocess"}});
+        return 2;
+      }
+    }
+  }
 
   absl::StatusOr<dsa::MliSchedule> schedule =
       retention_option->count() > 0
@@ -92,23 +123,65 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::AttentionMetrics metrics(*registry, schedule->num_layers());
   const std::string pattern = schedule->Pattern();
-  auto service = dsa::AttentionServiceImpl::Create(*schedule, std::move(*model), options, &metrics);
-  if (!service.ok()) {
-    dsa::LogJson("error", "bad model config", {{"status", service.status().ToString()}});
+
+  // The co-located indexer (--transport inprocess) and what serves it to the coordinator.
+  std::unique_ptr<dsa::Indexer> indexer;
+  std::unique_ptr<dsa::IndexerMetrics> indexer_metrics;
+  std::unique_ptr<dsa::IndexerServiceImpl> indexer_service;
+  std::mutex own_address_mutex;
+  std::string own_address;  // set once serving
+  dsa::IndexerClientFactory indexer_clients = dsa::GrpcIndexerClient::Factory();
+  if (transport == "inprocess") {
+    indexer_flags.options.num_heads = model_config.num_heads;
+    indexer_flags.options.head_dim = model_config.head_dim;
+    auto created = dsa::CreateIndexerFromFlags(indexer_flags);
+    if (!created.ok()) {
+      dsa::LogJson("error", "cannot create the co-located indexer",
+                   {{"status", created.status().ToString()}});
+      return 2;
+    }
+    indexer = std::move(*created);
+    indexer_metrics = std::make_unique<dsa::IndexerMetrics>(*registry);
+    indexer_metrics->SetCacheUsage(indexer->Usage());
+    indexer_service =
+        std::make_unique<dsa::IndexerServiceImpl>(indexer.get(), indexer_metrics.get());
+    indexer_clients = dsa::InProcessIndexerClient::Factory(
+        indexer.get(), indexer_metrics.get(), [&](const std::string& address) {
+          std::lock_guard<std::mutex> lock(own_address_mutex);
+          return address == own_address;
+        });
+  }
+  auto engine = dsa::MakeCpuAttentionEngine(*schedule, std::move(*model), options,
+                                            std::move(indexer_clients), &metrics);
+  if (!engine.ok()) {
+    dsa::LogJson("error", "bad model config", {{"status", engine.status().ToString()}});
     return 2;
   }
+  auto service = std::make_unique<dsa::AttentionServiceImpl>(std::move(*engine));
 
   dsa::ServerSpec spec;
   spec.name = "dsa-attention";
-  spec.services = {service->get()};
+  spec.services = {service.get()};
+  if (indexer_service != nullptr) spec.services.push_back(indexer_service.get());
   spec.registry = registry;
+  spec.max_receive_message_bytes = dsa::kMaxReceiveMessageBytes;
   spec.banner_fields = {{"layer_pattern", pattern},
                         {"lag_depth", lag_depth},
                         {"num_heads", model_config.num_heads},
                         {"head_dim", model_config.head_dim},
                         {"kv_dim", options.kv_dim},
                         {"attention_heads", options.attention_heads},
-                        {"kv_capacity_slots", options.kv_capacity_slots}};
-  spec.on_stopped = [&service] { (*service)->CloseTransports(); };
+                        {"kv_capacity_slots", options.kv_capacity_slots},
+                        {"transport", transport},
+                        {"attention_device", service->engine().backend().Description()}};
+  if (indexer != nullptr) {
+    spec.banner_fields["indexer_capacity_blocks"] = indexer_flags.options.capacity_blocks;
+    spec.banner_fields["indexer_device"] = indexer->DeviceDescription();
+  }
+  spec.on_serving = [&](const std::string& address) {
+    std::lock_guard<std::mutex> lock(own_address_mutex);
+    own_address = address;
+  };
+  spec.on_stopped = [&service] { service->CloseTransports(); };
   return dsa::RunServer(server_flags, spec);
 }

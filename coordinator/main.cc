@@ -33,6 +33,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "RESOURCE_EXHAUSTED")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag(
+      "--colocated", options.colocated,
+      "Each --attention worker i holds --indexer worker i in its process (dsa-attention "
+      "--transport inprocess; list both in the same order): a sequence placed on indexer i "
+      "runs on attention worker i");
   app.add_option("--max-running", options.max_running_per_attention,
                  "Running sequences per attention worker at most")
       ->check(CLI::PositiveNumber)
@@ -89,7 +94,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                         {"attention_workers", options.attention_addresses},
                         {"num_full_layers", (*service)->num_full_layers()},
                         {"max_queue", options.max_queue},
-                        {"max_running", options.max_running_per_attention}};
+                        {"max_running", options.max_running_per_attention},
+                        {"colocated", options.colocated}};
   spec.on_drain = [&service] { (*service)->StartDrain(); };
   spec.on_stopped = [&service] { (*service)->Stop(); };
   return dsa::RunServer(server_flags, spec);

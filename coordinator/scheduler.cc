@@ -35,6 +35,11 @@ absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
   if (options.first_sequence_id == 0) {
     return absl::InvalidArgumentError("first_sequence_id must be >= 1");
   }
+  if (options.colocated && indexers.size() != attentions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "co-located workers pair indexer worker i with attention worker i, but there are ",
+        indexers.size(), " indexer and ", attentions.size(), " attention workers"));
+  }
   for (const IndexerWorkerInfo& info : indexers) {
     if (info.capacity_blocks < 0) {
       return absl::InvalidArgumentError(
@@ -330,6 +335,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
   for (const Candidate& c : candidates) {
     const int64_t shared_blocks = c.shared_slots / kSlotsPerCacheBlock;
     for (int j : attention_order) {
+      if (options_.colocated && j != c.indexer) continue;  // its indexer lives in worker j
       std::optional<std::vector<uint64_t>> plan =
           PlanEvictions(c.indexer, (blocks_per_layer - shared_blocks) * layers, j, kv, c.donor);
       if (!plan.has_value()) continue;

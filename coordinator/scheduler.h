@@ -38,6 +38,10 @@ struct SchedulerOptions {
   int max_running_per_attention = 32;  // running (prefilling or decoding) sequences per worker
   bool retain_finished = true;         // keep finished sequences' index keys as prefix donors
   uint64_t first_sequence_id = 1;      // sequence ids are handed out from here upwards
+  /// Co-located workers (dsa-attention --transport inprocess): indexer worker i lives in attention
+  /// worker i's process, so a sequence placed on indexer i runs on attention worker i (and the
+  /// counts must be equal).
+  bool colocated = false;
 };
 
 /// One indexer worker as the scheduler sees it.

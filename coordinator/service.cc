@@ -231,6 +231,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   scheduler_options.max_queue = options.max_queue;
   scheduler_options.max_running_per_attention = options.max_running_per_attention;
   scheduler_options.retain_finished = options.retain_finished;
+  scheduler_options.colocated = options.colocated;
   // Sequence ids unique across coordinator restarts with high probability: a random start below
   // 2^62, counting up.
   absl::BitGen gen;

@@ -41,8 +41,11 @@ struct CoordinatorOptions {
   double exploration_fraction = 0.05;            // SPIN gamma in [0, 1)
   bool all_keep = false;                         // SPIN off
   double acceptance_rate = 0.7;                  // of the seeded acceptance model, [0, 1]
-  uint64_t seed = 0;                   // acceptance draws (mixed with the request id) and SPIN
-  bool retain_finished = true;         // keep finished sequences as prefix donors
+  uint64_t seed = 0;            // acceptance draws (mixed with the request id) and SPIN
+  bool retain_finished = true;  // keep finished sequences as prefix donors
+  /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
+  /// usually the same address): sequences on indexer i run on attention worker i.
+  bool colocated = false;
   int64_t startup_timeout_ms = 10000;  // how long Create retries unreachable workers
   int64_t rpc_timeout_ms = 30000;      // deadline of DecodeStep, Commit, Release and GetLoad calls
   /// Events a request's stream may have waiting for its reader (backpressure; >= 2).

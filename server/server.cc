@@ -101,9 +101,10 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     LogJson("error", "no health check service");
     return 1;
   }
+  const std::string address = AddressWithPort(flags.listen, port);
+  if (spec.on_serving) spec.on_serving(address);
   health->SetServingStatus(kLivenessService, true);
   health->SetServingStatus(kReadinessService, true);
-  const std::string address = AddressWithPort(flags.listen, port);
   std::printf("%s: listening on %s\n", spec.name.c_str(), address.c_str());
   nlohmann::json fields = spec.banner_fields;
   fields["address"] = address;

@@ -55,6 +55,9 @@ struct ServerSpec {
   /// Called once when a drain begins (readiness already NOT_SERVING), before the drain delay:
   /// stop admitting work here. May be empty.
   std::function<void()> on_drain;
+  /// Called once with the bound gRPC address (host:port) after the server started, before
+  /// readiness turns SERVING. May be empty.
+  std::function<void(const std::string& address)> on_serving;
   /// Called after the gRPC server has stopped (all calls finished or cancelled), before exit:
   /// release clients and threads here. May be empty.
   std::function<void()> on_stopped;

@@ -105,10 +105,13 @@ absl::Status InProcessIndexerClient::Release(uint64_t sequence_id, absl::Time /*
   return Prefixed(status, "Release");
 }
 
-IndexerClientFactory InProcessIndexerClient::Factory(Indexer* indexer, IndexerMetrics* metrics) {
+IndexerClientFactory InProcessIndexerClient::Factory(
+    Indexer* indexer, IndexerMetrics* metrics,
+    std::function<bool(const std::string&)> is_own_address) {
   auto client = std::make_shared<InProcessIndexerClient>(indexer, metrics);
-  return [client](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
-    if (!address.empty() && address != kInProcessIndexerAddress) {
+  return [client, is_own_address = std::move(is_own_address)](
+             const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+    if (address != kInProcessIndexerAddress && !(is_own_address && is_own_address(address))) {
       return absl::InvalidArgumentError(
           absl::StrCat("this attention worker serves its co-located indexer (\"",
                        kInProcessIndexerAddress, "\") only, not indexer worker ", address));

@@ -2,6 +2,7 @@
 // control plane calls the Indexer directly, the data plane is an InProcessSelectionTransport.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,9 +34,13 @@ class InProcessIndexerClient final : public IndexerClient {
   SelectionTransport& Selections() override { return transport_; }
   absl::Status Close() override { return transport_.Close(); }
 
-  /// A factory that serves kInProcessIndexerAddress (and "") with one shared client of `indexer`;
-  /// any other address is INVALID_ARGUMENT (this attention worker dials no remote indexer).
-  static IndexerClientFactory Factory(Indexer* indexer, IndexerMetrics* metrics = nullptr);
+  /// A factory that serves kInProcessIndexerAddress, and every address `is_own_address` accepts
+  /// (e.g. the attention worker's own gRPC address, where it also serves its indexer to the
+  /// coordinator), with one shared client of `indexer`; any other address is INVALID_ARGUMENT
+  /// (a co-located attention worker dials no remote indexer).
+  static IndexerClientFactory Factory(
+      Indexer* indexer, IndexerMetrics* metrics = nullptr,
+      std::function<bool(const std::string&)> is_own_address = nullptr);
 
  private:
   void UpdateCacheMetrics();

@@ -342,3 +342,31 @@ TEST(SchedulerTest, AttentionWorkerWithFewestRunningAndMaxRunning) {
 
 }  // namespace
 }  // namespace dsa
+
+namespace dsa {
+namespace {
+
+// Co-located workers: indexer i lives in attention worker i, so placement pairs them, and a
+// mismatch of counts is refused at creation.
+TEST(SchedulerColocatedTest, ASequenceRunsOnTheAttentionWorkerThatHoldsItsIndexer) {
+  SchedulerOptions options;
+  options.num_full_layers = 2;
+  options.max_running_per_attention = 8;
+  options.colocated = true;
+  // Indexer 1 has more room, so placement picks it first; attention worker 0 has fewer running
+  // sequences after that, but the pair must stay (1, 1) until indexer 1 is the fuller one.
+  auto scheduler = Scheduler::Create(options, {{"a0", 400}, {"a1", 4000}}, {{"a0", 0}, {"a1", 0}});
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  for (uint64_t ticket = 1; ticket <= 6; ++ticket) {
+    auto admitted = scheduler->Submit(ticket, Demand(1000, 10));
+    ASSERT_TRUE(admitted.ok() && admitted->has_value()) << ticket;
+    EXPECT_EQ((*admitted)->attention, (*admitted)->indexer) << "ticket " << ticket;
+  }
+  const absl::Status mismatch =
+      Scheduler::Create(options, {{"a0", 400}}, {{"a0", 0}, {"a1", 0}}).status();
+  EXPECT_EQ(mismatch.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(mismatch.message()), HasSubstr("1 indexer and 2 attention workers"));
+}
+
+}  // namespace
+}  // namespace dsa

@@ -160,6 +160,53 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
   }
 }
 
+// Co-located (--transport inprocess): no dsa-indexer process; each dsa-attention holds its indexer
+// and serves it at its own address, the coordinator pairs them. Two attention workers, so the
+// pairing matters; every request completes and both indexers' metrics are on their workers.
+TEST(LocalClusterTest, ReplaysWithIndexersCoLocatedInTheAttentionWorkers) {
+  const std::string path = std::string(DSA_TRACE_DIR) + "/mooncake_conversation_trace.jsonl";
+  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
+  auto trace = ReadTraceFile(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const ReplayCaps caps = {12, 4096, 8};
+  const std::vector<TraceRequest> requests = ApplyCaps(*std::move(trace), caps);
+  int64_t expected_tokens = 0;
+  for (const TraceRequest& request : requests) expected_tokens += request.output_tokens;
+
+  LocalClusterOptions cluster_options = SmallCluster("colocated");
+  cluster_options.transport = "inprocess";
+  cluster_options.num_attention_workers = 2;
+  auto cluster = LocalCluster::Start(cluster_options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  ASSERT_EQ((*cluster)->processes().size(), 3u);  // two attention workers and the coordinator
+  for (const ClusterProcess& process : (*cluster)->processes()) {
+    EXPECT_EQ(process.name.rfind("dsa-indexer", 0), std::string::npos) << process.name;
+  }
+  ReplayOptions options;
+  options.coordinator = (*cluster)->coordinator_address();
+  options.caps = caps;
+  options.time_scale = 0;
+  options.max_in_flight = 4;
+  options.draft_length = 2;
+  options.sample_ms = 100;
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, static_cast<int64_t>(requests.size())) << report->first_error;
+  EXPECT_EQ(report->failed, 0) << report->first_error;
+  EXPECT_EQ(report->generated_tokens, expected_tokens);
+  EXPECT_GT(report->realized_block_sparsity, 0.0);
+  EXPECT_EQ(report->cache_capacity, 2 * 4096);  // two co-located indexers
+  for (int w = 0; w < 2; ++w) {
+    const ClusterProcess& worker = (*cluster)->processes()[w];
+    const std::string metrics = dsa::testing::HttpGetMetrics(worker.metrics_address);
+    EXPECT_NE(metrics.find("\ndsa_indexer_blocks_scored_total"), std::string::npos) << worker.name;
+    EXPECT_NE(metrics.find("\ndsa_attention_selection_wait_seconds"), std::string::npos)
+        << worker.name;
+  }
+  const absl::Status stopped = (*cluster)->Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped;
+}
+
 TEST(LocalClusterTest, MissingBinaryIsNotFound) {
   LocalClusterOptions options = SmallCluster("missing");
   options.bin_dir = "/nonexistent-dsa-bin";

@@ -146,6 +146,11 @@ int CheckHealth(const std::string& address, const std::string& service,
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     const LocalClusterOptions& options) {
+  const bool colocated = options.transport == "inprocess";
+  if (!colocated && options.transport != "grpc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown transport \"", options.transport, "\": grpc or inprocess"));
+  }
   if (options.num_indexers < 1 || options.num_attention_workers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("a cluster needs at least one indexer and one attention worker (asked for ",
@@ -204,20 +209,33 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   const std::vector<std::string> loopback = {"--listen", "127.0.0.1:0", "--metrics-listen",
                                              "127.0.0.1:0"};
 
-  std::vector<std::string> indexer_addresses;
-  for (int i = 0; i < options.num_indexers; ++i) {
-    std::vector<std::string> args = loopback;
-    add(args, "--capacity-blocks", options.capacity_blocks);
-    add(args, "--audit-fraction", options.audit_fraction);
-    add(args, "--device", options.indexer_device);
+  // The flags of indexer i: for a dsa-indexer ("--"), or for the co-located indexer of
+  // dsa-attention i ("--indexer-").
+  const auto indexer_flags = [&](int i, const std::string& prefix) {
+    std::vector<std::string> args;
+    const auto flag = [&](const char* name) { return prefix + name; };
+    add(args, flag("capacity-blocks").c_str(), options.capacity_blocks);
+    add(args, flag("audit-fraction").c_str(), options.audit_fraction);
+    add(args, flag("device").c_str(), options.indexer_device);
     if (options.indexer_device == "cuda" && !options.indexer_cuda_devices.empty()) {
-      add(args, "--cuda-device",
+      add(args, flag("cuda-device").c_str(),
           std::optional<int>(
               options.indexer_cuda_devices[i % options.indexer_cuda_devices.size()]));
     }
+    for (const std::string& extra : options.indexer_args) {
+      // "--audit-seed=3" -> "--indexer-audit-seed=3" for a co-located indexer.
+      args.push_back(extra.rfind("--", 0) == 0 ? prefix + extra.substr(2) : extra);
+    }
+    return args;
+  };
+
+  std::vector<std::string> indexer_addresses;
+  for (int i = 0; i < (colocated ? 0 : options.num_indexers); ++i) {
+    std::vector<std::string> args = loopback;
     add(args, "--num-heads", options.num_heads);
     add(args, "--head-dim", options.head_dim);
-    args.insert(args.end(), options.indexer_args.begin(), options.indexer_args.end());
+    const std::vector<std::string> flags = indexer_flags(i, "--");
+    args.insert(args.end(), flags.begin(), flags.end());
     if (absl::Status started = cluster->StartProcess(
             make(absl::StrCat("dsa-indexer-", i), indexer_binary, std::move(args)),
             options.startup_timeout);
@@ -234,6 +252,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     add(args, "--layer-pattern", options.layer_pattern);
     add(args, "--kv-capacity-slots", options.kv_capacity_slots);
     add(args, "--seed", options.seed);
+    if (colocated) {
+      args.insert(args.end(), {"--transport", "inprocess"});
+      const std::vector<std::string> flags = indexer_flags(i, "--indexer-");
+      args.insert(args.end(), flags.begin(), flags.end());
+    }
     args.insert(args.end(), options.attention_args.begin(), options.attention_args.end());
     if (absl::Status started = cluster->StartProcess(
             make(absl::StrCat("dsa-attention-", i), attention_binary, std::move(args)),
@@ -242,8 +265,11 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
       return started;
     }
     attention_addresses.push_back(cluster->processes_.back().address);
+    // A co-located indexer is served at its attention worker's address.
+    if (colocated) indexer_addresses.push_back(attention_addresses.back());
   }
   std::vector<std::string> args = loopback;
+  if (colocated) args.push_back("--colocated");
   for (const std::string& address : indexer_addresses) {
     args.insert(args.end(), {"--indexer", address});
   }

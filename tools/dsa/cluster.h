@@ -18,7 +18,11 @@ namespace dsa {
 
 /// What to start. Unset optionals leave the binaries' own defaults.
 struct LocalClusterOptions {
-  int num_indexers = 1;           // dsa-indexer processes, >= 1
+  int num_indexers = 1;  // dsa-indexer processes, >= 1 (ignored with transport inprocess)
+  /// "grpc": separate dsa-indexer processes, reached over a SelectStream; "inprocess": every
+  /// dsa-attention holds its own indexer (--transport inprocess, the indexer flags below passed
+  /// under their --indexer- names), the coordinator pairs them (--colocated).
+  std::string transport = "grpc";
   int num_attention_workers = 1;  // dsa-attention processes, >= 1
   /// Folder holding the three binaries; empty = the folder of the running executable
   /// (/proc/self/exe), where the build puts them side by side.

@@ -74,8 +74,16 @@ struct ClusterFlags {
 };
 
 void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFlags& flags) {
-  cmd->add_option("--indexers", options.num_indexers, "dsa-indexer processes")
+  cmd->add_option("--indexers", options.num_indexers,
+                  "dsa-indexer processes (with --transport inprocess: none, each attention worker "
+                  "holds its own)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--transport", options.transport,
+                  "How selections reach the attention workers: grpc (a SelectStream to separate "
+                  "dsa-indexer processes) or inprocess (each dsa-attention holds its indexer, "
+                  "co-located; the coordinator runs with --colocated)")
+      ->check(CLI::IsMember({"grpc", "inprocess"}))
       ->capture_default_str();
   cmd->add_option("--attention-workers", options.num_attention_workers, "dsa-attention processes")
       ->check(CLI::PositiveNumber)
@@ -121,8 +129,11 @@ void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFl
       cmd->add_option("--acceptance-rate", flags.acceptance_rate,
                       "dsa-coordinator: acceptance probability of the seeded draft model");
   flags.seed_opt = cmd->add_option("--seed", flags.seed, "dsa-attention and dsa-coordinator: seed");
-  cmd->add_option("--indexer-arg", options.indexer_args,
-                  "Extra flag for every dsa-indexer (repeat; e.g. --indexer-arg=--audit-seed)");
+  cmd->add_option(
+      "--indexer-arg", options.indexer_args,
+      "Extra flag for every dsa-indexer (repeat; e.g. --indexer-arg=--audit-seed); with "
+      "--transport inprocess, for every co-located indexer under its dsa-attention "
+      "name (--audit-seed becomes --indexer-audit-seed)");
   cmd->add_option("--attention-arg", options.attention_args,
                   "Extra flag for every dsa-attention (repeat)");
   cmd->add_option("--coordinator-arg", options.coordinator_args,
@@ -261,14 +272,22 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   std::cout << markdown;
   nlohmann::json json = dsa::ReplayReportToJson(*report);
   json["trace"] = trace_path;
-  json["settings"]["indexers"] = local ? cluster_options.num_indexers : 0;
+  const bool colocated = local && cluster_options.transport == "inprocess";
+  json["settings"]["indexers"] = !local      ? 0
+                                 : colocated ? cluster_options.num_attention_workers
+                                             : cluster_options.num_indexers;
   json["settings"]["attention_workers"] = local ? cluster_options.num_attention_workers : 0;
   const std::string indexer_device =
       local ? cluster_options.indexer_device.value_or("cpu") : "not known (remote cluster)";
   json["settings"]["indexer_device"] = indexer_device;
+  const std::string transport = local ? cluster_options.transport : "not known (remote cluster)";
+  json["settings"]["transport"] = transport;
   const std::string heading =
       "## `dsa replay` of " + std::filesystem::path(trace_path).filename().string() +
-      (local ? " (local cluster, indexer device: " + indexer_device + ")" : "") + "\n\n";
+      (local ? " (local cluster, indexer device: " + indexer_device + ", transport: " + transport +
+                   (colocated ? ", each indexer co-located in its attention worker" : "") + ")"
+             : "") +
+      "\n\n";
   if (!WriteOutput(json_path, json_out, json.dump(2) + "\n") ||
       !WriteOutput(markdown_path, markdown_out, heading + markdown)) {
     return 2;
