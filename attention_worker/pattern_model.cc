@@ -49,16 +49,23 @@ constexpr int kNoiseTerms = 8;
 uint32_t Lo32(uint64_t x) { return static_cast<uint32_t>(x); }
 uint32_t Hi32(uint64_t x) { return static_cast<uint32_t>(x >> 32); }
 
+// Box-Muller's radius sqrt(-2 ln u1) for the uniform u1 = ((word >> 8) + 1) / 2^24 in (0, 1] (so
+// the log is finite), and its angle 2 pi u2 for u2 = UniformFloat(word) in [0, 1); fp32 math.
+float BoxMullerRadius(uint32_t word) {
+  const float u1 = static_cast<float>((word >> 8) + 1u) * (1.0f / 16777216.0f);
+  return std::sqrt(-2.0f * std::log(u1));
+}
+float BoxMullerAngle(uint32_t word) {
+  return 2.0f * std::numbers::pi_v<float> * UniformFloat(word);
+}
+
 // Four N(0, 1) values from one Philox block: Box-Muller on two pairs of words (fp32 math).
 std::array<float, 4> Normals4(PhiloxKey key, PhiloxCounter counter) {
   const PhiloxCounter r = Philox4x32(counter, key);
   std::array<float, 4> out;
   for (int pair = 0; pair < 2; ++pair) {
-    // u1 in (0, 1] so the log is finite; u2 in [0, 1).
-    const float u1 = static_cast<float>((r.c[2 * pair] >> 8) + 1u) * (1.0f / 16777216.0f);
-    const float u2 = UniformFloat(r.c[2 * pair + 1]);
-    const float radius = std::sqrt(-2.0f * std::log(u1));
-    const float angle = 2.0f * std::numbers::pi_v<float> * u2;
+    const float radius = BoxMullerRadius(r.c[2 * pair]);
+    const float angle = BoxMullerAngle(r.c[2 * pair + 1]);
     out[2 * pair] = radius * std::cos(angle);
     out[2 * pair + 1] = radius * std::sin(angle);
   }
@@ -109,7 +116,22 @@ int NumPositionalHeads(const PatternModelConfig& c) {
   return static_cast<int>(std::lround(c.positional_head_fraction * c.num_heads));
 }
 
+// A positional head's gain along the keys' common direction (IndexerQuery).
+float PositionalThreshold(const PatternModelConfig& c, float strength) {
+  return -c.positional_threshold / (1.0f - c.positional_threshold) * strength;
+}
+
 }  // namespace
+
+void BoxMullerFirstNormalTables(std::vector<float>* radius, std::vector<float>* cosine) {
+  radius->resize(kBoxMullerTableSize);
+  cosine->resize(kBoxMullerTableSize);
+  for (int64_t m = 0; m < kBoxMullerTableSize; ++m) {
+    const uint32_t word = static_cast<uint32_t>(m) << 8;
+    (*radius)[m] = BoxMullerRadius(word);
+    (*cosine)[m] = std::cos(BoxMullerAngle(word));
+  }
+}
 
 absl::Status ValidatePatternModelConfig(const PatternModelConfig& c) {
   if (c.num_layers < 1) return Invalid("num_layers", "must be >= 1");
@@ -562,8 +584,8 @@ absl::Status PatternModel::IndexerQuery(int layer, int64_t position, std::span<f
     const bool positional = h < num_positional_heads_;
     // A positional head's threshold: -threshold * peak along the keys' common direction.
     const float threshold =
-        positional ? -c.positional_threshold / (1.0f - c.positional_threshold) *
-                         (h % c.num_diagonals == 0 ? c.recency_strength : c.diagonal_strength)
+        positional ? PositionalThreshold(
+                         c, h % c.num_diagonals == 0 ? c.recency_strength : c.diagonal_strength)
                    : 0.0f;
     for (int d = 0; d < half; ++d) {
       float v = noise_gain * (shared_gain * shared[d] + own_gain * own[d]);
@@ -593,13 +615,99 @@ absl::Status PatternModel::IndexerQuery(int layer, int64_t position, std::span<f
     } else {
       std::fill(rope, rope + half, 0.0f);
     }
-    float weight_noise[4];
-    TimeNormals(kHeadWeightNoise, layer, static_cast<uint32_t>(h), position, 4, weight_noise);
-    const float sigma = c.head_weight_noise;
-    head_weights_out[h] =
-        head_weight_base_[h] * std::exp(sigma * weight_noise[0] - 0.5f * sigma * sigma);
+    head_weights_out[h] = HeadWeight(layer, h, position);
   }
   return absl::OkStatus();
+}
+
+float PatternModel::HeadWeight(int layer, int head, int64_t position) const {
+  float weight_noise[4];
+  TimeNormals(kHeadWeightNoise, layer, static_cast<uint32_t>(head), position, 4, weight_noise);
+  const float sigma = config_.head_weight_noise;
+  return head_weight_base_[head] * std::exp(sigma * weight_noise[0] - 0.5f * sigma * sigma);
+}
+
+absl::Status PatternModel::HeadWeights(int layer, int64_t position,
+                                       std::span<float> head_weights_out) const {
+  if (layer < 0 || layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HeadWeights: layer ", layer, " not in [0, ", config_.num_layers, ")"));
+  }
+  if (position < 0) return absl::InvalidArgumentError("HeadWeights: position must be >= 0");
+  if (head_weights_out.size() != static_cast<size_t>(config_.num_heads)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("HeadWeights: head_weights_out must have num_heads = ", config_.num_heads,
+                     " values, got ", head_weights_out.size()));
+  }
+  for (int h = 0; h < config_.num_heads; ++h) head_weights_out[h] = HeadWeight(layer, h, position);
+  return absl::OkStatus();
+}
+
+PatternTables PatternModel::Tables() const {
+  const PatternModelConfig& c = config_;
+  const int half = c.head_dim / 2;
+  PatternTables out;
+  PatternScalars& s = out.scalars;
+  s.num_layers = c.num_layers;
+  s.num_heads = c.num_heads;
+  s.head_dim = c.head_dim;
+  s.num_topics = c.num_topics;
+  s.num_diagonals = c.num_diagonals;
+  s.num_sink_slots = c.num_sink_slots;
+  s.num_positional_heads = num_positional_heads_;
+  s.query_noise_steps = c.query_noise_steps;
+  s.salience_threshold = salience_threshold_;
+  s.topic_strength = c.topic_strength;
+  s.sink_strength = c.sink_strength;
+  s.salient_strength = c.salient_strength;
+  // The same expressions as KeyOf, PoolNoise and IndexerQuery.
+  s.key_noise_gain = c.key_noise / std::sqrt(static_cast<float>(half));
+  s.rope_key_noise_gain = c.rope_key_noise / std::sqrt(static_cast<float>(half));
+  s.pool_gain = 1.0f / std::sqrt(static_cast<float>(kNoiseTerms));
+  s.query_noise_gain = c.query_noise / std::sqrt(static_cast<float>(half));
+  s.shared_noise_gain = std::sqrt(c.shared_query_noise_fraction);
+  s.own_noise_gain = std::sqrt(1.0f - c.shared_query_noise_fraction);
+  s.recency_threshold = PositionalThreshold(c, c.recency_strength);
+  s.diagonal_threshold = PositionalThreshold(c, c.diagonal_strength);
+  s.topic_switch_rate = c.topic_switch_rate;
+  s.layer_smooth_gain = std::sqrt(static_cast<double>(c.layer_correlation));
+  s.layer_own_gain = std::sqrt(1.0 - static_cast<double>(c.layer_correlation));
+  s.key_noise_slot = stream_keys_[2 * kKeyNoiseSlot];
+  s.key_noise_prefix = stream_keys_[2 * kKeyNoisePrefix];
+  s.salience_slot_lattice = stream_keys_[2 * kSalienceSlot];
+  s.salience_slot_own = stream_keys_[2 * kSalienceSlot + 1];
+  s.salience_prefix_lattice = stream_keys_[2 * kSaliencePrefix];
+  s.salience_prefix_own = stream_keys_[2 * kSaliencePrefix + 1];
+  s.segment_topic_slot = stream_keys_[2 * kSegmentTopicSlot];
+  s.segment_topic_prefix = stream_keys_[2 * kSegmentTopicPrefix];
+  s.query_noise = stream_keys_[2 * kQueryNoise];
+  s.topic_switch = stream_keys_[2 * kTopicSwitch];
+  s.epoch_topic = stream_keys_[2 * kEpochTopic];
+
+  out.rope_theta = rope_theta_;
+  out.diagonal_offsets.assign(diagonal_offsets_.begin(), diagonal_offsets_.end());
+  out.diagonal_spectra = diagonal_spectra_;
+  const int period = c.layer_correlation_length;
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerTables& t = layers_[l];
+    auto append = [](std::vector<float>& to, const std::vector<float>& from) {
+      to.insert(to.end(), from.begin(), from.end());
+    };
+    append(out.topic_directions, t.topic_directions);
+    append(out.sink_direction, t.sink_direction);
+    append(out.salient_direction, t.salient_direction);
+    append(out.common_direction, t.common_direction);
+    append(out.rope_base, t.rope_base);
+    append(out.key_noise_pool, t.key_noise_pool);
+    append(out.query_noise_pool, t.query_noise_pool);
+    // The same expressions as LayerNormals.
+    const double smooth = Smoothstep(static_cast<double>(l % period) / period);
+    out.layer_lattice.push_back(static_cast<uint32_t>(l / period));
+    out.layer_smoothstep.push_back(smooth);
+    out.layer_lattice_norm.push_back(1.0 /
+                                     std::sqrt((1.0 - smooth) * (1.0 - smooth) + smooth * smooth));
+  }
+  return out;
 }
 
 }  // namespace dsa

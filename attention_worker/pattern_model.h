@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "attention_worker/pattern_tables.h"
 #include "common/philox.h"
 
 namespace dsa {
@@ -135,6 +136,13 @@ absl::Status ValidatePatternModelConfig(const PatternModelConfig& config);
 /// state): keys of slot i at layer l of (seed, l, i) (or of a prefix block id and offset),
 /// queries and weights at position t of (seed, l, t). Memory: about 0.8 MB per layer at D = 128
 /// (the noise pools). Thread-safe: all methods are const.
+/// Box-Muller's first normal radius * cos(angle) (pattern_model.cc Normals4, fp32, glibc's logf
+/// and cosf) tabulated over its two 24-bit uniforms: radius[m] for the word m << 8 of u1, cosine[m]
+/// for the word m << 8 of u2, each [kBoxMullerTableSize] (64 MiB). Normals4's first value of a
+/// Philox block r is radius[r.c[0] >> 8] * cosine[r.c[1] >> 8] exactly. Seed-independent; about
+/// 0.3 s of CPU. The GPU generator reads them instead of evaluating logf / cosf.
+void BoxMullerFirstNormalTables(std::vector<float>* radius, std::vector<float>* cosine);
+
 class PatternModel {
  public:
   /// Validates `config` (see ValidatePatternModelConfig) and precomputes the per-layer
@@ -173,6 +181,17 @@ class PatternModel {
   /// any order. Errors: INVALID_ARGUMENT (layer, position < 0, span sizes).
   absl::Status IndexerQuery(int layer, int64_t position, std::span<float> query_out,
                             std::span<float> head_weights_out) const;
+
+  /// The head weights alone of the decode row at (`layer`, `position`): fp32 [num_heads], the
+  /// same values IndexerQuery writes (one shared code path). The GPU generator takes them from
+  /// here: they use glibc's expf, which the device cannot reproduce bit for bit
+  /// (docs/attention_gpu_inputs.md). Errors: INVALID_ARGUMENT (layer, position < 0, span size).
+  absl::Status HeadWeights(int layer, int64_t position, std::span<float> head_weights_out) const;
+
+  /// The precomputed tables and scalars the GPU generator (attention_worker/cuda/pattern_inputs.h)
+  /// needs to produce IndexKeys, PrefixBlockIndexKeys and IndexerQuery's queries bit for bit.
+  /// About 0.8 MB per layer at D = 128.
+  PatternTables Tables() const;
 
   // Introspection of the ground truth (for tests and studies).
 
@@ -225,6 +244,8 @@ class PatternModel {
   // A query-noise vector [D/2] of `head` at `layer`, smooth in the position (period
   // query_noise_steps): value noise over pool noise at the lattice points.
   void QueryNoise(int layer, uint32_t head, int64_t position, float* out) const;
+  // The head weight of `head` at (layer, position) (IndexerQuery, HeadWeights).
+  float HeadWeight(int layer, int head, int64_t position) const;
 
   PatternModelConfig config_;
   int num_positional_heads_ = 0;
