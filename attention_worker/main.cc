@@ -22,6 +22,9 @@
 #include "server/server.h"
 #include "transport/grpc_indexer_client.h"
 #include "transport/in_process_indexer_client.h"
+#ifdef DSA_WITH_CUDA
+#include "attention_worker/cuda/cuda_attention_backend.h"
+#endif
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -79,11 +82,45 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "indexer address the coordinator must name, with --colocated)")
       ->check(CLI::IsMember({"grpc", "inprocess"}))
       ->capture_default_str();
+  std::string attention_device = "cpu";
+  app.add_option("--attention-device", attention_device,
+                 "Where the KV cache and sparse attention live: cpu (fp32 MQA rows of --kv-dim), "
+                 "or cuda (DeepSeek-V3.2's MLA decode shape on a GPU: paged bf16 576-dim latent "
+                 "rows, --attention-heads a multiple of 64, default 128)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  int attention_cuda_device = 0;
+  app.add_option("--attention-cuda-device", attention_cuda_device,
+                 "CUDA ordinal of the attention GPU (--attention-device cuda)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  int64_t standin_weight_bytes = 0;
+  app.add_option("--standin-weight-bytes", standin_weight_bytes,
+                 "--attention-device cuda: weight bytes a cuBLAS GEMM reads after each layer's "
+                 "attention, standing in for the rest of the layer (0: none; DeepSeek-V3.2 on "
+                 "eight H200s: 76009472, docs/attention_gpu_inputs.md)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  double standin_busy_us = 0;
+  app.add_option("--standin-busy-us", standin_busy_us,
+                 "--attention-device cuda: fixed busy time after each layer's GEMM, microseconds")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (attention_device == "cpu") {
+    for (const char* name :
+         {"--attention-cuda-device", "--standin-weight-bytes", "--standin-busy-us"}) {
+      if (app.count(name) > 0) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", std::string(name) + " needs --attention-device cuda"}});
+        return 2;
+      }
+    }
+  }
   if (transport != "inprocess") {
     for (const std::string& name : {"capacity-blocks", "audit-fraction", "audit-seed", "device",
                                     "cuda-device", "scan-kernel", "gpu-spin"}) {
@@ -151,8 +188,36 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
           return address == own_address;
         });
   }
-  auto engine = dsa::MakeCpuAttentionEngine(*schedule, std::move(*model), options,
-                                            std::move(indexer_clients), &metrics);
+  absl::StatusOr<std::unique_ptr<dsa::AttentionEngine>> engine;
+  if (attention_device == "cuda") {
+#ifdef DSA_WITH_CUDA
+    dsa::cuda::CudaAttentionBackendOptions backend_options;
+    backend_options.device = attention_cuda_device;
+    backend_options.num_model_layers = schedule->num_layers();
+    backend_options.num_heads = app.count("--attention-heads") > 0 ? options.attention_heads : 128;
+    backend_options.seed = seed;
+    backend_options.capacity_slots = options.kv_capacity_slots;
+    backend_options.standin_weight_bytes = standin_weight_bytes;
+    backend_options.standin_busy_micros = standin_busy_us;
+    auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
+    if (!backend.ok()) {
+      dsa::LogJson("error", "cannot use the attention GPU",
+                   {{"status", backend.status().ToString()}});
+      return 2;
+    }
+    engine = dsa::AttentionEngine::Create(*schedule, std::move(*model), std::move(*backend),
+                                          std::move(indexer_clients), dsa::ToEngineOptions(options),
+                                          &metrics);
+#else
+    dsa::LogJson("error",
+                 "--attention-device cuda: this dsa-attention was built without CUDA (configure "
+                 "with -DDSA_ENABLE_CUDA=ON where nvcc is installed)");
+    return 2;
+#endif
+  } else {
+    engine = dsa::MakeCpuAttentionEngine(*schedule, std::move(*model), options,
+                                         std::move(indexer_clients), &metrics);
+  }
   if (!engine.ok()) {
     dsa::LogJson("error", "bad model config", {{"status", engine.status().ToString()}});
     return 2;

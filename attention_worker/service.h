@@ -37,6 +37,9 @@ struct AttentionWorkerOptions {
   std::function<void(const AttendedRow&)> observer;
 };
 
+/// The engine's share of `options` (capacity, timeouts, threads, observer).
+AttentionEngineOptions ToEngineOptions(const AttentionWorkerOptions& options);
+
 /// An engine with the CPU backend (kv_dim, attention_heads, seed) and `indexer_clients`.
 /// Errors: AttentionEngine::Create's and CpuAttentionBackend::Create's INVALID_ARGUMENT.
 absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(

@@ -252,6 +252,12 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     add(args, "--layer-pattern", options.layer_pattern);
     add(args, "--kv-capacity-slots", options.kv_capacity_slots);
     add(args, "--seed", options.seed);
+    add(args, "--attention-device", options.attention_device);
+    if (options.attention_device == "cuda" && !options.attention_cuda_devices.empty()) {
+      add(args, "--attention-cuda-device",
+          std::optional<int>(
+              options.attention_cuda_devices[i % options.attention_cuda_devices.size()]));
+    }
     if (colocated) {
       args.insert(args.end(), {"--transport", "inprocess"});
       const std::vector<std::string> flags = indexer_flags(i, "--indexer-");

@@ -40,6 +40,10 @@ struct LocalClusterOptions {
   /// With indexer_device cuda: indexer i gets --cuda-device indexer_cuda_devices[i % size]
   /// (empty: every indexer on the GPU's default, 0).
   std::vector<int> indexer_cuda_devices;
+  std::optional<std::string> attention_device;  // dsa-attention --attention-device (cpu | cuda)
+  /// With attention_device cuda: attention worker i gets --attention-cuda-device
+  /// attention_cuda_devices[i % size] (empty: the GPU's default, 0).
+  std::vector<int> attention_cuda_devices;
   std::optional<int> num_heads;                 // indexer H: dsa-indexer and dsa-attention
   std::optional<int> head_dim;                  // indexer D: dsa-indexer and dsa-attention
   std::optional<std::string> layer_pattern;     // dsa-attention --layer-pattern

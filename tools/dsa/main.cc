@@ -113,6 +113,16 @@ void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFl
                   "i mod count (e.g. 0,1)")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
+  cmd->add_option(
+         "--attention-device", options.attention_device,
+         "dsa-attention: where the KV cache and sparse attention live, cpu or cuda (a GPU, "
+         "in DeepSeek-V3.2's MLA decode shape)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--attention-cuda-devices", options.attention_cuda_devices,
+                  "dsa-attention with --attention-device cuda: CUDA ordinals, attention worker i "
+                  "on entry i mod count")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
   flags.num_heads_opt = cmd->add_option("--num-heads", flags.num_heads,
                                         "Indexer query heads H (dsa-indexer and dsa-attention)");
   flags.head_dim_opt = cmd->add_option("--head-dim", flags.head_dim,
