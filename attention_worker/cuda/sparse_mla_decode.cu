@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "attention_worker/cuda/sparse_mla_decode.h"
 
@@ -493,8 +494,10 @@ __device__ inline void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n"
 __device__ inline void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ inline void WgmmaWaitAll() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most kPending of this warpgroup's committed wgmma groups are still running.
+template <int kPending>
+__device__ inline void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 // Makes this thread's generic-proxy writes to shared memory (cp.async, st.shared) visible to
 // the tensor cores' (async proxy) reads after the next barrier.
@@ -558,27 +561,120 @@ __device__ inline void WgmmaPv(float (&d)[128], uint64_t desc_a, uint64_t desc_b
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// Issues the gather of tile `tile` into stage `stage` of the swizzled layout (as LoadTile).
-__device__ inline void LoadTileSwizzled(const SparseMlaDecodeParams& p, int row, int tile,
-                                        uint8_t* smem, int stage, int32_t position,
-                                        int32_t num_slots) {
-  const int entry_in_tile = threadIdx.x / 4;
-  const int entry = tile * kTileSlots + entry_in_tile;
-  const int32_t slot =
-      entry < p.top_k ? p.selections[static_cast<int64_t>(row) * p.top_k + entry] : -1;
-  const bool attended = Attended(slot, position, num_slots);
-  const uint8_t* src = attended ? reinterpret_cast<const uint8_t*>(LatentRow(p, row, slot))
-                                : reinterpret_cast<const uint8_t*>(p.kv_pool);
-  const uint32_t base = SmemAddress(smem + kWgSmemKv + stage * kPanels * kPanelBytes);
-  for (int c = threadIdx.x % 4; c < kRowChunks; c += 4) {
-    CpAsync16(base + PanelOffset(entry_in_tile, c), src + 16 * c, attended);
+// Accumulator chains of S = Q K^T: k-step ks accumulates into chain ks % kQkChains, their sum is
+// S. Four chains (so that consecutive wgmma do not wait on each other's accumulators) measured no
+// faster than one on the H200 (docs/attention_gpu.md, step 5): one, for the registers.
+constexpr int kQkChains = 1;
+
+// Issues S = Q K^T for this warpgroup's 32 slots of a stage (36 wgmma, one commit group; k-step
+// ks reads dims [16 ks, +16): panel ks / 4, 32 (ks % 4) bytes into its 128-byte rows). The chains'
+// sum is S.
+__device__ inline void IssueQk(float (&qk)[kQkChains][16], uint64_t q_desc, uint64_t k_desc) {
+  WgmmaFence();
+#pragma unroll
+  for (int ks = 0; ks < kMlaKeyDim / 16; ++ks) {
+    const uint64_t offset = ((ks / 4) * kPanelBytes + (ks % 4) * 32) >> 4;
+    WgmmaQk(qk[ks % kQkChains], q_desc + offset, k_desc + offset, ks >= kQkChains);
   }
-  if (threadIdx.x % 4 == 0) {
+  WgmmaCommit();
+}
+
+// The gather of a tile into a stage of the swizzled layout, in two halves that the loop issues
+// apart (the block table read needs the selection entry, the cp.async the block): thread t
+// gathers the 18 chunks (t % 4 + 4 j) of the tile's entry t / 4.
+// The selection entry this thread gathers for `tile` (-1 past the selection or the split).
+__device__ inline int32_t TileEntry(const SparseMlaDecodeParams& p, int row, int tile,
+                                    int last_tile) {
+  const int entry = tile * kTileSlots + static_cast<int>(threadIdx.x) / 4;
+  return tile < last_tile && entry < p.top_k
+             ? p.selections[static_cast<int64_t>(row) * p.top_k + entry]
+             : -1;
+}
+// The latent row of an entry (reads the block table), or null when it is not attended.
+__device__ inline const uint8_t* TileSource(const SparseMlaDecodeParams& p, int row, int32_t slot,
+                                            int32_t position, int32_t num_slots) {
+  return Attended(slot, position, num_slots)
+             ? reinterpret_cast<const uint8_t*>(LatentRow(p, row, slot))
+             : nullptr;
+}
+// A tile's gather is committed as kGatherParts cp.async groups of 3 panels each (dims
+// [192 part, +192)), so S can start on the first panels while the last still arrive (step 7).
+constexpr int kGatherParts = 3;
+constexpr int kStepsPerPart = kMlaKeyDim / 16 / kGatherParts;  // 12 k-steps of S a part
+
+// Issues this thread's cp.async of `src` into `stage` (zero-filled and biased -inf when null), or
+// nothing when `issue` is false; commits kGatherParts groups either way.
+__device__ inline void GatherRow(const SparseMlaDecodeParams& p, bool issue, const uint8_t* src,
+                                 uint8_t* smem, int stage) {
+  const int entry_in_tile = threadIdx.x / 4;
+  const bool attended = src != nullptr;
+  const uint8_t* from = attended ? src : reinterpret_cast<const uint8_t*>(p.kv_pool);
+  const uint32_t base = SmemAddress(smem + kWgSmemKv + stage * kPanels * kPanelBytes);
+  constexpr int kChunksPerThread = kRowChunks / 4;  // 18: chunk threadIdx % 4 + 4 j
+#pragma unroll
+  for (int part = 0; part < kGatherParts; ++part) {
+    if (issue) {
+#pragma unroll
+      for (int j = part * kChunksPerThread / kGatherParts;
+           j < (part + 1) * kChunksPerThread / kGatherParts; ++j) {
+        const int c = threadIdx.x % 4 + 4 * j;
+        CpAsync16(base + PanelOffset(entry_in_tile, c), from + 16 * c, attended);
+      }
+    }
+    CpAsyncCommit();
+  }
+  if (issue && threadIdx.x % 4 == 0) {
     reinterpret_cast<float*>(smem + kWgSmemBias)[stage * kTileSlots + entry_in_tile] =
         attended ? 0.0f : -INFINITY;
   }
 }
 
+// Issues k-steps [kFirst, kFirst + kCount) of S (no fence, no commit).
+template <int kFirst, int kCount>
+__device__ inline void IssueQkSteps(float (&qk)[kQkChains][16], uint64_t q_desc, uint64_t k_desc) {
+#pragma unroll
+  for (int ks = kFirst; ks < kFirst + kCount; ++ks) {
+    const uint64_t offset = ((ks / 4) * kPanelBytes + (ks % 4) * 32) >> 4;
+    WgmmaQk(qk[ks % kQkChains], q_desc + offset, k_desc + offset, ks >= kQkChains);
+  }
+}
+
+// Waits for a tile's gather (kLater groups were committed after its last part) and issues S for
+// it as one commit group. kPanelWait: part by part (wait for a part, barrier, its 12 k-steps);
+// otherwise the whole tile first. kIssue false waits only (an experiment switch).
+template <bool kPanelWait, int kLater, bool kIssue>
+__device__ inline void WaitAndIssueQk(float (&qk)[kQkChains][16], uint64_t q_desc,
+                                      uint64_t k_desc) {
+  static_assert(kGatherParts == 3, "three parts below");
+  if constexpr (kPanelWait) {
+    WgmmaFence();
+    CpAsyncWait<kLater + 2>();
+    FenceProxyAsync();
+    __syncthreads();
+    if constexpr (kIssue) IssueQkSteps<0, kStepsPerPart>(qk, q_desc, k_desc);
+    CpAsyncWait<kLater + 1>();
+    FenceProxyAsync();
+    __syncthreads();
+    if constexpr (kIssue) IssueQkSteps<kStepsPerPart, kStepsPerPart>(qk, q_desc, k_desc);
+    CpAsyncWait<kLater>();
+    FenceProxyAsync();
+    __syncthreads();
+    if constexpr (kIssue) IssueQkSteps<2 * kStepsPerPart, kStepsPerPart>(qk, q_desc, k_desc);
+    WgmmaCommit();
+  } else {
+    CpAsyncWait<kLater>();
+    FenceProxyAsync();
+    __syncthreads();
+    if constexpr (kIssue) IssueQk(qk, q_desc, k_desc);
+  }
+}
+
+// Experiment switches (docs/attention_gpu.md, step 5; DSA_ATTENTION_SKIP in the launcher): leave
+// out S's wgmma, P V's wgmma, or the gathers past a split's first two tiles. Wrong results; for
+// timing differences only.
+constexpr int kSkipQk = 1, kSkipPv = 2, kSkipGather = 4;
+
+template <int kSkip, bool kPanelWait>
 __global__ void __launch_bounds__(kThreads, 1)
     SparseMlaDecodeWgmmaKernel(SparseMlaDecodeParams p, int num_splits, float* partial_out,
                                float* partial_lse) {
@@ -604,12 +700,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       CpAsync16(base + PanelOffset(head, c), q + head * kRowBytes + 16 * c, true);
     }
   }
-  if (first_tile < last_tile) LoadTileSwizzled(p, row, first_tile, smem, 0, position, num_slots);
-  CpAsyncCommit();
-  if (first_tile + 1 < last_tile) {
-    LoadTileSwizzled(p, row, first_tile + 1, smem, 1, position, num_slots);
-  }
-  CpAsyncCommit();
+  const int32_t entry0 = TileEntry(p, row, first_tile, last_tile);
+  const int32_t entry1 = TileEntry(p, row, first_tile + 1, last_tile);
+  int32_t pending_entry = TileEntry(p, row, first_tile + 2, last_tile);  // read one tile ahead
+  // Groups: the query with tile 0's first part, tile 0's other parts, tile 1's three parts.
+  GatherRow(p, first_tile < last_tile, TileSource(p, row, entry0, position, num_slots), smem, 0);
+  GatherRow(p, first_tile + 1 < last_tile, TileSource(p, row, entry1, position, num_slots), smem,
+            1);
 
   const float scale_log2 = Log2Scale(p.softmax_scale);
   const int g = lane / 4, quad = lane % 4;
@@ -626,28 +723,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t p_base = SmemAddress(smem + kWgSmemP);
   uint8_t* p_tile = smem + kWgSmemP;
 
+  // Descriptors of stage 0 (a stage adds kStageDescriptor; a k-step its byte offset / 16).
+  const uint64_t q_desc = SwizzledDescriptor(q_base, 16, 1024);
+  const uint32_t kv0 = SmemAddress(smem + kWgSmemKv);
+  const uint64_t k_desc0 = SwizzledDescriptor(kv0 + wg * 32 * 128, 16, 1024);
+  const uint64_t v_desc0 = SwizzledDescriptor(kv0 + 4 * wg * kPanelBytes, kPanelBytes, 1024);
+  const uint64_t p_desc = SwizzledDescriptor(p_base, 16, 1024);
+  constexpr uint64_t kStageDescriptor = (kPanels * kPanelBytes) >> 4;
+
+  // The loop keeps the tensor cores fed across phases: S of tile t + 1 is issued right behind
+  // P V of tile t (both asynchronous), and the gather of tile t + 2 is issued while S of t + 1
+  // runs. S of the split's first tile comes first.
+  float qk[kQkChains][16];
+#pragma unroll
+  for (int c = 0; c < kQkChains; ++c) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) qk[c][i] = 0.0f;
+  }
+  if (first_tile < last_tile) {
+    WaitAndIssueQk<kPanelWait, kGatherParts, (kSkip & kSkipQk) == 0>(qk, q_desc, k_desc0);
+    WgmmaWait<0>();
+#pragma unroll
+    for (int c = 0; c < kQkChains; ++c) FenceOperands(qk[c]);
+  }
   for (int tile = first_tile; tile < last_tile; ++tile) {
     const int stage = (tile - first_tile) & 1;
-    CpAsyncWait<1>();
-    FenceProxyAsync();
-    __syncthreads();
-    const uint32_t kv_base = SmemAddress(smem + kWgSmemKv + stage * kPanels * kPanelBytes);
-
-    // S = Q K^T: 64 heads x this warpgroup's 32 slots.
+    // The gather of tile + 2 starts here in two reads a tile apart: its block-table entry now
+    // (its selection entry was read an iteration ago), the selection entry of tile + 3 for the
+    // next; the cp.async at the end of the iteration finds both loads done.
+    const uint8_t* next_src = TileSource(p, row, pending_entry, position, num_slots);
+    pending_entry = TileEntry(p, row, tile + 3, last_tile);
     float s[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.0f;
-    WgmmaFence();
+    for (int i = 0; i < 16; ++i) {
+      s[i] = qk[0][i];
 #pragma unroll
-    for (int ks = 0; ks < kMlaKeyDim / 16; ++ks) {
-      const uint32_t k_offset = (ks / 4) * kPanelBytes + (ks % 4) * 32;
-      WgmmaQk(s, SwizzledDescriptor(q_base + k_offset, 16, 1024),
-              SwizzledDescriptor(kv_base + k_offset + wg * 32 * 128, 16, 1024), ks > 0);
+      for (int c = 1; c < kQkChains; ++c) s[i] += qk[c][i];
     }
-    WgmmaCommit();
-    WgmmaWaitAll();
-    FenceOperands(s);
-
     // Online softmax. s[4 j + 2 i + c]: head head0 + 8 i, slot 32 wg + 8 j + 2 quad + c.
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -694,12 +806,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             PackBf16(p0, p1);
       }
     }
+    // Once the row maxima settle, most tiles rescale nothing: skip it when no row of the warp
+    // moved.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
     }
     FenceProxyAsync();
     __syncthreads();
@@ -707,17 +823,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O += P V: 64 heads x this warpgroup's 256 value dims (panels 4 wg .. 4 wg + 3).
     WgmmaFence();
 #pragma unroll
-    for (int ks = 0; ks < kTileSlots / 16; ++ks) {
-      WgmmaPv(o, SwizzledDescriptor(p_base + ks * 32, 16, 1024),
-              SwizzledDescriptor(kv_base + 4 * wg * kPanelBytes + ks * 16 * 128, kPanelBytes, 1024),
-              1);
+    for (int ks = 0; ks < ((kSkip & kSkipPv) ? 0 : kTileSlots / 16); ++ks) {
+      WgmmaPv(o, p_desc + ((ks * 32) >> 4),
+              v_desc0 + stage * kStageDescriptor + ((ks * 16 * 128) >> 4), 1);
     }
     WgmmaCommit();
-    WgmmaWaitAll();
+    const bool has_next = tile + 1 < last_tile;
+    if (has_next) {
+      // tile + 1's parts are the latest groups
+      WaitAndIssueQk<kPanelWait, 0, (kSkip & kSkipQk) == 0>(
+          qk, q_desc, k_desc0 + (stage ^ 1) * kStageDescriptor);
+      WgmmaWait<1>();  // P V of this tile done; S of the next may still run
+    } else {
+      WgmmaWait<0>();
+    }
+    // No accumulator is touched until the next wait<0>: ptxas serializes every wgmma of a kernel
+    // that reads one while a group may still run (C7514).
+    __syncthreads();  // both warpgroups are done with this stage's values and with P
+    GatherRow(p, (kSkip & kSkipGather) == 0 && tile + 2 < last_tile, next_src, smem, stage);
+    WgmmaWait<0>();
     FenceOperands(o);
-    __syncthreads();  // every warp is done with this stage and with P
-    if (tile + 2 < last_tile) LoadTileSwizzled(p, row, tile + 2, smem, stage, position, num_slots);
-    CpAsyncCommit();
+#pragma unroll
+    for (int c = 0; c < kQkChains; ++c) FenceOperands(qk[c]);
   }
   CpAsyncWait<0>();
 
@@ -923,14 +1050,30 @@ cudaError_t LaunchSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params
   if (!CanImplementSparseMlaDecodeTensorCores(params)) return cudaErrorInvalidValue;
   if (params.num_rows == 0) return cudaSuccess;
   const bool wgmma = params.mma != SparseMlaMma::kMmaSync;
-  auto* kernel = wgmma ? SparseMlaDecodeWgmmaKernel : SparseMlaDecodeTensorCoreKernel;
+  // DSA_ATTENTION_SKIP=1|2|4 (read once): an experiment switch of the wgmma kernel (kSkipQk ...).
+  static const int skip = [] {
+    const char* value = std::getenv("DSA_ATTENTION_SKIP");
+    return value == nullptr ? 0 : std::atoi(value);
+  }();
+  // DSA_ATTENTION_PANEL_WAIT=1 (read once): S waits for the gather panel by panel (step 7).
+  static const bool panel_wait = [] {
+    const char* value = std::getenv("DSA_ATTENTION_PANEL_WAIT");
+    return value != nullptr && std::atoi(value) != 0;
+  }();
+  auto* kernel = !wgmma                ? SparseMlaDecodeTensorCoreKernel
+                 : panel_wait          ? SparseMlaDecodeWgmmaKernel<0, true>
+                 : skip == kSkipQk     ? SparseMlaDecodeWgmmaKernel<kSkipQk, false>
+                 : skip == kSkipPv     ? SparseMlaDecodeWgmmaKernel<kSkipPv, false>
+                 : skip == kSkipGather ? SparseMlaDecodeWgmmaKernel<kSkipGather, false>
+                                       : SparseMlaDecodeWgmmaKernel<0, false>;
   const int smem_bytes = wgmma ? kWgSmemBytes : kSmemBytes;
   // The shared-memory opt-in, once a device and kernel.
   constexpr int kMaxDevices = 64;
-  static std::atomic<bool> configured[kMaxDevices][2];
+  static std::atomic<bool> configured[kMaxDevices][2];  // [device][wgmma]: set for skip 0 only
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device >= kMaxDevices || !configured[device][wgmma].load(std::memory_order_acquire)) {
+  if (skip != 0 || panel_wait || device >= kMaxDevices ||
+      !configured[device][wgmma].load(std::memory_order_acquire)) {
     if (cudaError_t e =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         e != cudaSuccess) {
