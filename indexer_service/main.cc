@@ -14,6 +14,9 @@
 #include "indexer_service/metrics.h"
 #include "prometheus/registry.h"
 #include "server/server.h"
+#ifdef DSA_WITH_NCCL
+#include "transport/nccl_server.h"
+#endif
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -37,6 +40,22 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::IndexerMetrics metrics(*registry);
   metrics.SetCacheUsage((*indexer)->Usage());
   dsa::IndexerServiceImpl service(indexer->get(), &metrics);
+#ifdef DSA_WITH_NCCL
+  // OpenDataPlane: NCCL data planes need the GPU (transport/README.md).
+  std::unique_ptr<dsa::NcclDataPlanes> data_planes;
+  if (flags.device == "cuda") {
+    dsa::NcclDataPlaneOptions plane_options;
+    plane_options.link.cuda_device = flags.cuda_device;
+    data_planes = std::make_unique<dsa::NcclDataPlanes>(**indexer, &metrics, plane_options);
+    service.SetDataPlaneOpener(data_planes->Opener());
+  } else {
+    service.SetDataPlaneOpener([](const dsa::indexer::v1::OpenDataPlaneRequest&,
+                                  dsa::indexer::v1::OpenDataPlaneResponse*) {
+      return absl::FailedPreconditionError(
+          "OpenDataPlane: this dsa-indexer was started without --device cuda");
+    });
+  }
+#endif
 
   dsa::ServerSpec spec;
   spec.name = "dsa-indexer";
