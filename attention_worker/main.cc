@@ -94,26 +94,13 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "CUDA ordinal of the attention GPU (--attention-device cuda)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  int64_t standin_weight_bytes = 0;
-  app.add_option("--standin-weight-bytes", standin_weight_bytes,
-                 "--attention-device cuda: weight bytes a cuBLAS GEMM reads after each layer's "
-                 "attention, standing in for the rest of the layer (0: none; DeepSeek-V3.2 on "
-                 "eight H200s: 76009472, docs/attention_gpu_inputs.md)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  double standin_busy_us = 0;
-  app.add_option("--standin-busy-us", standin_busy_us,
-                 "--attention-device cuda: fixed busy time after each layer's GEMM, microseconds")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
   if (attention_device == "cpu") {
-    for (const char* name :
-         {"--attention-cuda-device", "--standin-weight-bytes", "--standin-busy-us"}) {
+    for (const char* name : {"--attention-cuda-device"}) {
       if (app.count(name) > 0) {
         dsa::LogJson("error", "bad config",
                      {{"status", std::string(name) + " needs --attention-device cuda"}});
@@ -197,8 +184,6 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     backend_options.num_heads = app.count("--attention-heads") > 0 ? options.attention_heads : 128;
     backend_options.seed = seed;
     backend_options.capacity_slots = options.kv_capacity_slots;
-    backend_options.standin_weight_bytes = standin_weight_bytes;
-    backend_options.standin_busy_micros = standin_busy_us;
     auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
     if (!backend.ok()) {
       dsa::LogJson("error", "cannot use the attention GPU",

@@ -14,7 +14,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "attention_worker/cuda/layer_standin.h"
 #include "attention_worker/cuda/mla_inputs.h"
 #include "attention_worker/cuda/sparse_mla_decode.h"
 
@@ -70,7 +69,6 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   ~CudaAttentionBackend() override {
     (void)cudaSetDevice(options_.device);
-    if (standin_created_) (void)DestroyLayerStandin(&standin_);
     if (pools_ != nullptr) (void)cudaFree(pools_);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
@@ -107,26 +105,6 @@ class CudaAttentionBackend final : public AttentionBackend {
     DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     free_blocks_.reserve(static_cast<size_t>(num_blocks_));
     for (int64_t b = num_blocks_ - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
-    if (options_.standin_weight_bytes > 0 || options_.standin_busy_micros > 0) {
-      LayerStandinParams params;
-      params.weight_bytes_per_layer = options_.standin_weight_bytes > 0
-                                          ? options_.standin_weight_bytes
-                                          : int64_t{2} * kStandinHiddenDim;
-      params.busy_micros = options_.standin_busy_micros;
-      params.max_rows = kStandinMaxRows;
-      params.seed = options_.seed;
-      DSA_CUDA_RETURN(CreateLayerStandin(params, &standin_), "the layer stand-in");
-      standin_created_ = true;
-      DSA_CUDA_RETURN(
-          activations_.Reserve(static_cast<size_t>(kStandinMaxRows) * kStandinHiddenDim),
-          "stand-in activations");
-      DSA_CUDA_RETURN(
-          cudaMemset(activations_.data, 0, sizeof(__nv_bfloat16) * activations_.capacity),
-          "stand-in activations");
-      DSA_CUDA_RETURN(standin_out_.Reserve(static_cast<size_t>(kStandinMaxRows) *
-                                           static_cast<size_t>(standin_.weight_rows)),
-                      "stand-in output");
-    }
     return absl::OkStatus();
   }
 
@@ -220,12 +198,6 @@ class CudaAttentionBackend final : public AttentionBackend {
           AttendGroup(model_layer, rows, members, static_cast<int>(top_k), outputs);
       if (!status.ok()) return status;
     }
-    if (standin_created_) {
-      const int standin_rows = std::min<int>(static_cast<int>(rows.size()), kStandinMaxRows);
-      DSA_CUDA_RETURN(
-          RunLayerStandin(&standin_, activations_.data, standin_rows, standin_out_.data, stream_),
-          "the layer stand-in");
-    }
     DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "layer attention");
     if (!outputs.empty()) {
       for (size_t r = 0; r < rows.size(); ++r) {
@@ -238,8 +210,6 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
  private:
-  static constexpr int kStandinMaxRows = 1024;
-
   struct SequenceKv {
     int64_t num_slots = 0;
     std::vector<int32_t> block_table;  // logical block -> physical block
@@ -356,9 +326,6 @@ class CudaAttentionBackend final : public AttentionBackend {
   DeviceArray<__nv_bfloat16> d_queries_, d_out_;
   DeviceArray<unsigned char> workspace_;
   std::vector<uint16_t> host_out_;
-  LayerStandin standin_;
-  bool standin_created_ = false;
-  DeviceArray<__nv_bfloat16> activations_, standin_out_;
 };
 
 }  // namespace
@@ -377,9 +344,6 @@ absl::StatusOr<std::unique_ptr<AttentionBackend>> CreateCudaAttentionBackend(
   if (options.capacity_slots < 1 || options.capacity_slots > (int64_t{1} << 31)) {
     return absl::InvalidArgumentError(
         absl::StrCat("capacity_slots must be in [1, 2^31], got ", options.capacity_slots));
-  }
-  if (options.standin_weight_bytes < 0 || options.standin_busy_micros < 0) {
-    return absl::InvalidArgumentError("the stand-in's weight bytes and busy time must be >= 0");
   }
   auto backend = std::make_unique<CudaAttentionBackend>(options);
   if (absl::Status status = backend->Init(); !status.ok()) return status;

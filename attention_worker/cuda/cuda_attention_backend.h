@@ -1,9 +1,10 @@
 // The CUDA attention backend (dsa-attention --attention-device cuda): the KV cache of every model
 // layer on the GPU in DeepSeek-V3.2's MLA decode shape (paged 64-slot blocks of 576-dim bf16
 // latent rows, generated on the device from the seed: MlaKvRow), and each layer's sparse attention
-// over the indexer's selections by the tensor-core sparse MLA decode (sparse_mla_decode.h), with
-// the rest of the layer optionally stood in by layer_standin.h. The host glue of those kernels:
-// the only place their cudaError_t becomes an absl::Status.
+// over the indexer's selections by the tensor-core sparse MLA decode (sparse_mla_decode.h). The
+// host glue of those kernels: the only place their cudaError_t becomes an absl::Status. The rest
+// of the layer (layer_standin.h) is not run here: it needs cuBLAS, which a server with /metrics
+// cannot load (attention_worker/cuda/CMakeLists.txt says why); bench_gpu_decode_step runs it.
 #pragma once
 
 #include <cstdint>
@@ -22,13 +23,9 @@ struct CudaAttentionBackendOptions {
   /// KV slots over all sequences (every model layer holds this many): the pool is
   /// ceil(capacity / 64) blocks a layer of 64 x 576 bf16 (73,728 bytes), allocated at creation.
   int64_t capacity_slots = int64_t{1} << 20;
-  /// Weight bytes the stand-in for the rest of the layer reads after each layer's attention
-  /// (0: no stand-in), and its fixed busy time, microseconds.
-  int64_t standin_weight_bytes = 0;
-  double standin_busy_micros = 0;
 };
 
-/// Creates the backend on `options.device`: the pools, the block tables' staging, the stand-in.
+/// Creates the backend on `options.device`: the pools and the block tables' staging.
 /// Errors: INVALID_ARGUMENT (a field out of range), FAILED_PRECONDITION (no such GPU, or one the
 /// kernels cannot run on: they need sm_90a), RESOURCE_EXHAUSTED (the pools do not fit).
 /// Outputs fp32 [num_heads, 512] a row (copied back only when asked). Thread-safe as the
