@@ -183,6 +183,15 @@ absl::StatusOr<LayerSelection> NcclSelectionTransport::DecodeAnswerLocked(Slot& 
 absl::StatusOr<LayerSelection> NcclSelectionTransport::Await(uint64_t request_id,
                                                              absl::Time deadline) {
   std::shared_ptr<Slot> slot;
+  // The slot's fields as of this request (a slot is reused once its request is collected).
+  uint64_t answer_seq = 0;
+  cudaEvent_t answered_event = nullptr;
+  absl::Time peer_deadline;
+  // Whether `slot` still holds this request (another thread may have collected it meanwhile).
+  auto still_ours = [&] {
+    auto it = slots_.find(request_id);
+    return it != slots_.end() && it->second == slot && !slot->forgotten;
+  };
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = slots_.find(request_id);
@@ -191,23 +200,28 @@ absl::StatusOr<LayerSelection> NcclSelectionTransport::Await(uint64_t request_id
           absl::StrCat("request ", request_id, " was never submitted or is already collected"));
     }
     slot = it->second;
+    answer_seq = slot->answer_seq;
+    answered_event = slot->answered;
+    peer_deadline = slot->submitted + options_.peer_timeout;
   }
+  auto collected = [&] {
+    return absl::NotFoundError(absl::StrCat("request ", request_id, " is already collected"));
+  };
   while (true) {
-    bool answered = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      if (!still_ours()) return collected();
       if (slot->failed) {
-        if (auto it = slots_.find(request_id); it != slots_.end()) RecycleLocked(it);
+        RecycleLocked(slots_.find(request_id));
         return failed_;
       }
-      answered = slot->answered_seen;
+      if (slot->answered_seen) break;
     }
-    if (answered) break;
     // Wait for the caller's deadline or the peer timeout, whichever comes first.
-    const absl::Time peer_deadline = slot->submitted + options_.peer_timeout;
-    const absl::Status waited = link_->Wait(NcclEndpoint::kAttention, slot->answer_seq,
-                                            slot->answered, std::min(deadline, peer_deadline));
+    const absl::Status waited = link_->Wait(NcclEndpoint::kAttention, answer_seq, answered_event,
+                                            std::min(deadline, peer_deadline));
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!still_ours()) return collected();
     if (waited.ok()) {
       slot->answered_seen = true;
       break;
@@ -226,12 +240,9 @@ absl::StatusOr<LayerSelection> NcclSelectionTransport::Await(uint64_t request_id
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = slots_.find(request_id);
-  if (it == slots_.end() || it->second != slot) {
-    return absl::NotFoundError(absl::StrCat("request ", request_id, " is already collected"));
-  }
+  if (!still_ours()) return collected();
   absl::StatusOr<LayerSelection> answer = DecodeAnswerLocked(*slot);
-  if (slots_.count(request_id) > 0) RecycleLocked(slots_.find(request_id));
+  if (still_ours()) RecycleLocked(slots_.find(request_id));
   return answer;
 }
 
