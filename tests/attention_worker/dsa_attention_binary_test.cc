@@ -65,6 +65,41 @@ TEST(DsaAttentionBinaryTest, BadModelConfigExitsWithTwoAndSaysWhy) {
   EXPECT_NE(text.find("head_dim"), std::string::npos) << text;
 }
 
+// Bad transport or device configuration fails at start with exit code 2 and says which flag and
+// why; nothing is served.
+TEST(DsaAttentionBinaryTest, BadTransportOrDeviceConfigExitsWithTwoAndSaysWhy) {
+  const std::string binary = DSA_ATTENTION_BINARY;
+  struct Case {
+    std::string flags;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"--indexer-device cuda", "--indexer-device configures the co-located indexer"},
+      {"--indexer-capacity-blocks 10", "it needs --transport inprocess"},
+      {"--attention-cuda-device 1", "--attention-cuda-device needs --attention-device cuda"},
+      {"--transport nccl-over-carrier-pigeon", "--transport"},
+      {"--transport inprocess --indexer-cuda-device 1",
+       "--indexer-cuda-device is a GPU flag: it needs --indexer-device cuda"},
+      {"--transport inprocess --indexer-capacity-blocks -1", "capacity"},
+  };
+  for (const Case& c : cases) {
+    int exit_code = -1;
+    const std::string text = RunCommand(binary + " " + c.flags, &exit_code);
+    EXPECT_NE(exit_code, 0) << c.flags;
+    EXPECT_NE(text.find(c.says), std::string::npos) << c.flags << ":\n" << text;
+    EXPECT_EQ(text.find("listening on"), std::string::npos) << c.flags;
+  }
+  // Without a usable GPU (or without CUDA in the build), --attention-device cuda refuses to start.
+  int exit_code = -1;
+  const std::string text = RunCommand(binary + " --attention-device cuda", &exit_code);
+  if (text.find("listening on") == std::string::npos) {
+    EXPECT_EQ(exit_code, 2) << text;
+    EXPECT_TRUE(text.find("cannot use the attention GPU") != std::string::npos ||
+                text.find("built without CUDA") != std::string::npos)
+        << text;
+  }
+}
+
 TEST(DsaAttentionBinaryTest, ServesStepsAgainstARealIndexerThenExitsOnSigterm) {
   const Process indexer = dsa::testing::StartServer(
       DSA_INDEXER_BINARY, {"--capacity-blocks", "256", "--num-heads", "8", "--head-dim", "32"});

@@ -292,9 +292,13 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   json["settings"]["indexer_device"] = indexer_device;
   const std::string transport = local ? cluster_options.transport : "not known (remote cluster)";
   json["settings"]["transport"] = transport;
+  const std::string attention_device =
+      local ? cluster_options.attention_device.value_or("cpu") : "not known (remote cluster)";
+  json["settings"]["attention_device"] = attention_device;
   const std::string heading =
       "## `dsa replay` of " + std::filesystem::path(trace_path).filename().string() +
-      (local ? " (local cluster, indexer device: " + indexer_device + ", transport: " + transport +
+      (local ? " (local cluster, attention device: " + attention_device +
+                   ", indexer device: " + indexer_device + ", transport: " + transport +
                    (colocated ? ", each indexer co-located in its attention worker" : "") + ")"
              : "") +
       "\n\n";
