@@ -84,7 +84,8 @@ absl::Status CpuAttentionBackend::AttendLayer(int model_layer,
                                               std::span<const AttentionRowRef> rows,
                                               std::span<float> outputs) {
   const int64_t per_row = output_values_per_row();
-  if (!outputs.empty() && static_cast<int64_t>(outputs.size()) != per_row * rows.size()) {
+  if (!outputs.empty() &&
+      static_cast<int64_t>(outputs.size()) != per_row * static_cast<int64_t>(rows.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("outputs hold ", outputs.size(), " values, expected ", per_row * rows.size()));
   }
