@@ -1,0 +1,764 @@
+// The decode step through the product's own paths on one GPU (issue 10 section 4): the real
+// AttentionEngine with the CUDA attention backend (DeepSeek-V3.2's MLA decode shape) over an
+// Indexer with the CUDA scoring device on the same GPU, the pattern model as the model, every layer
+// full (r = 1) at lag depth 1. Each arm differs only in how selections travel:
+//   inprocess: InProcessIndexerClient's transport (the co-located MLI deployment: Submit returns at
+//              once, the indexer thread selects while the engine attends; awaited at sigma^-1)
+//   grpc:      GrpcIndexerClient's SelectStream to an IndexerServiceImpl over the same Indexer on a
+//              loopback gRPC server in this process
+//   serial:    the in-process transport behind a decorator whose Submit waits for the answer (the
+//              indexer's time exposed: "serial" in the issue)
+//   ceiling:   a transport that answers at once with a fixed valid selection (no indexer work)
+// each with SPIN off (all-keep) and SPIN rho 0.4, each with and without the layer stand-in
+// (layer_standin.h, run after every AttendLayer by an AttentionBackend decorator on a stream of
+// its own, synchronized). Step time: engine->DecodeStep wall time on the steady clock, median over
+// the timed steps after warm-up. docs/decode_step.md ("Through the engine") says how; results in
+// docs/results/engine_decode_step_h200.md. With no GPU it says so and exits 0; --device cpu runs
+// the same arms with the CPU backend and a CPU indexer (no stand-in), to check the bench itself.
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "attention_worker/attention_backend.h"
+#include "attention_worker/cpu_attention_backend.h"
+#include "attention_worker/cuda/cuda_attention_backend.h"
+#include "attention_worker/cuda/layer_standin.h"
+#include "attention_worker/engine.h"
+#include "attention_worker/pattern_model.h"
+#include "common/mli_schedule.h"
+#include "grpcpp/grpcpp.h"
+#include "indexer_service/grpc_service.h"
+#include "indexer_service/indexer.h"
+#include "indexer_service/indexer_flags.h"
+#include "nlohmann/json.hpp"
+#include "transport/grpc_indexer_client.h"
+#include "transport/in_process_indexer_client.h"
+#include "transport/indexer_client.h"
+#include "transport/selection_transport.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto rank = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
+  return values[rank];
+}
+
+// Wall time of the parts of one decode step, seconds (reset before each step).
+struct StepParts {
+  double submit = 0;     // SelectionTransport::Submit calls (serial: the whole select)
+  double await = 0;      // SelectionTransport::Await calls (the engine's selection waits)
+  double attention = 0;  // the CUDA backend's AttendLayer (staging, kernels, its sync)
+  double standin = 0;    // the stand-in after each layer (launch + sync)
+};
+
+// The CUDA (or CPU) backend with the layer stand-in run after each AttendLayer: cuBLAS cannot be
+// loaded by dsa-attention (attention_worker/cuda/CMakeLists.txt), so the stand-in lives here. The
+// engine calls it from its DecodeStep thread only (one step at a time in this bench).
+class StandinBackend final : public dsa::AttentionBackend {
+ public:
+  // `standin` may be null (no stand-in: --device cpu); else activations bf16 [max_rows, M] and
+  // out bf16 [max_rows, N] on the device, and a stream of ours.
+  StandinBackend(std::unique_ptr<dsa::AttentionBackend> inner, dsa::cuda::LayerStandin* standin,
+                 const __nv_bfloat16* activations, __nv_bfloat16* out, cudaStream_t stream,
+                 StepParts* parts)
+      : inner_(std::move(inner)),
+        standin_(standin),
+        activations_(activations),
+        out_(out),
+        stream_(stream),
+        parts_(parts) {}
+
+  void set_standin_enabled(bool enabled) { enabled_ = enabled && standin_ != nullptr; }
+  const absl::Status& standin_status() const { return standin_status_; }
+
+  std::string Description() const override { return inner_->Description(); }
+  int64_t output_values_per_row() const override { return inner_->output_values_per_row(); }
+  absl::Status ResizeSequence(uint64_t sequence_id, int64_t num_slots) override {
+    return inner_->ResizeSequence(sequence_id, num_slots);
+  }
+  absl::Status AttendLayer(int model_layer, std::span<const dsa::AttentionRowRef> rows,
+                           std::span<float> outputs) override {
+    const Clock::time_point start = Clock::now();
+    absl::Status status = inner_->AttendLayer(model_layer, rows, outputs);
+    parts_->attention += SecondsSince(start);
+    if (!status.ok() || !enabled_ || rows.empty()) return status;
+    const Clock::time_point standin_start = Clock::now();
+    cudaError_t error = dsa::cuda::RunLayerStandin(standin_, activations_,
+                                                   static_cast<int>(rows.size()), out_, stream_);
+    if (error == cudaSuccess) error = cudaStreamSynchronize(stream_);
+    parts_->standin += SecondsSince(standin_start);
+    if (error != cudaSuccess) {
+      standin_status_ =
+          absl::InternalError(absl::StrCat("layer stand-in: ", cudaGetErrorString(error)));
+      return standin_status_;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const std::unique_ptr<dsa::AttentionBackend> inner_;
+  dsa::cuda::LayerStandin* const standin_;
+  const __nv_bfloat16* const activations_;
+  __nv_bfloat16* const out_;
+  const cudaStream_t stream_;
+  StepParts* const parts_;
+  bool enabled_ = false;
+  absl::Status standin_status_;
+};
+
+// Arm "serial": Submit runs the select to its end (Await on the inner transport) before returning.
+class SerialTransport final : public dsa::SelectionTransport {
+ public:
+  explicit SerialTransport(dsa::SelectionTransport* inner) : inner_(inner) {}
+  absl::StatusOr<uint64_t> Submit(dsa::LayerSelectRequest request) override {
+    absl::StatusOr<uint64_t> id = inner_->Submit(std::move(request));
+    if (!id.ok()) return id;
+    absl::StatusOr<dsa::LayerSelection> answer =
+        inner_->Await(*id, absl::Now() + absl::Seconds(60));
+    std::lock_guard<std::mutex> lock(mutex_);
+    answers_.emplace(*id, std::move(answer));
+    return id;
+  }
+  absl::StatusOr<dsa::LayerSelection> Await(uint64_t request_id, absl::Time /*deadline*/) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = answers_.find(request_id);
+    if (it == answers_.end()) return absl::NotFoundError(absl::StrCat("request ", request_id));
+    return std::move(answers_.extract(it).mapped());
+  }
+  void Forget(uint64_t request_id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    answers_.erase(request_id);
+  }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  dsa::SelectionTransport* const inner_;
+  std::mutex mutex_;
+  std::map<uint64_t, absl::StatusOr<dsa::LayerSelection>> answers_;
+};
+
+// Arm "ceiling": answers every row at once with a fixed valid selection of its sequence (K slots
+// spread evenly over the slots the sequence had when first seen, best first = ascending), with no
+// indexer work. The indexer's sequences do not advance, so this arm runs last on a sequence set.
+class CeilingTransport final : public dsa::SelectionTransport {
+ public:
+  explicit CeilingTransport(int top_k) : top_k_(top_k) {}
+  absl::StatusOr<uint64_t> Submit(dsa::LayerSelectRequest request) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dsa::LayerSelection answer;
+    answer.groups.reserve(request.groups.size());
+    for (const dsa::SelectRowGroup& group : request.groups) {
+      std::vector<int32_t>& fixed = fixed_[group.sequence_id];
+      if (fixed.empty()) {
+        const int64_t slots = group.first_position + 1;  // row 0 sees 0..t
+        fixed.assign(static_cast<size_t>(top_k_), -1);
+        const int64_t n = std::min<int64_t>(top_k_, slots);
+        for (int64_t j = 0; j < n; ++j) fixed[j] = static_cast<int32_t>(j * slots / n);
+      }
+      dsa::GroupSelection& selection = answer.groups.emplace_back();
+      selection.num_rows = group.num_rows;
+      selection.top_k = top_k_;
+      selection.selections.reserve(static_cast<size_t>(group.num_rows) * top_k_);
+      for (int r = 0; r < group.num_rows; ++r) {
+        selection.selections.insert(selection.selections.end(), fixed.begin(), fixed.end());
+      }
+    }
+    const uint64_t id = next_id_++;
+    answers_.emplace(id, std::move(answer));
+    return id;
+  }
+  absl::StatusOr<dsa::LayerSelection> Await(uint64_t request_id, absl::Time /*deadline*/) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = answers_.find(request_id);
+    if (it == answers_.end()) return absl::NotFoundError(absl::StrCat("request ", request_id));
+    return std::move(answers_.extract(it).mapped());
+  }
+  void Forget(uint64_t request_id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    answers_.erase(request_id);
+  }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  const int top_k_;
+  std::mutex mutex_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, dsa::LayerSelection> answers_;
+  std::map<uint64_t, std::vector<int32_t>> fixed_;  // per sequence
+};
+
+// The transport of the current arm (switched between steps only), timing Submit and Await.
+class ArmTransport final : public dsa::SelectionTransport {
+ public:
+  explicit ArmTransport(StepParts* parts) : parts_(parts) {}
+  void set_arm(dsa::SelectionTransport* arm) { arm_ = arm; }
+  absl::StatusOr<uint64_t> Submit(dsa::LayerSelectRequest request) override {
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<uint64_t> id = arm_->Submit(std::move(request));
+    parts_->submit += SecondsSince(start);
+    return id;
+  }
+  absl::StatusOr<dsa::LayerSelection> Await(uint64_t request_id, absl::Time deadline) override {
+    const Clock::time_point start = Clock::now();
+    absl::StatusOr<dsa::LayerSelection> answer = arm_->Await(request_id, deadline);
+    parts_->await += SecondsSince(start);
+    return answer;
+  }
+  void Forget(uint64_t request_id) override { arm_->Forget(request_id); }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  StepParts* const parts_;
+  dsa::SelectionTransport* arm_ = nullptr;
+};
+
+// The engine's one indexer client: the control plane (prefill's shape check, create, appends,
+// release) goes to the co-located Indexer through InProcessIndexerClient, so that no prefill pays
+// for gRPC; the data plane is the current arm's transport (for arm grpc, GrpcIndexerClient's
+// SelectStream). A decode step uses the data plane only.
+class ArmClient final : public dsa::IndexerClient {
+ public:
+  ArmClient(std::shared_ptr<dsa::IndexerClient> control, ArmTransport* transport)
+      : control_(std::move(control)), transport_(transport) {}
+  const std::string& address() const override { return address_; }
+  absl::StatusOr<dsa::IndexerShape> GetShape(absl::Time deadline) override {
+    return control_->GetShape(deadline);
+  }
+  absl::Status CreateSequence(const dsa::IndexerSequenceSpec& spec, absl::Time deadline) override {
+    return control_->CreateSequence(spec, deadline);
+  }
+  std::unique_ptr<dsa::IndexKeyAppend> BeginAppend(uint64_t sequence_id,
+                                                   absl::Time deadline) override {
+    return control_->BeginAppend(sequence_id, deadline);
+  }
+  absl::Status BeginTurn(uint64_t sequence_id, absl::Time deadline) override {
+    return control_->BeginTurn(sequence_id, deadline);
+  }
+  absl::Status Commit(uint64_t sequence_id, int accepted, absl::Time deadline) override {
+    return control_->Commit(sequence_id, accepted, deadline);
+  }
+  absl::Status Release(uint64_t sequence_id, absl::Time deadline) override {
+    return control_->Release(sequence_id, deadline);
+  }
+  dsa::SelectionTransport& Selections() override { return *transport_; }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  const std::string address_ = "bench-arms";
+  const std::shared_ptr<dsa::IndexerClient> control_;
+  ArmTransport* const transport_;
+};
+
+struct Shape {
+  int batch = 1;
+  int64_t context = 0;
+};
+
+absl::StatusOr<std::vector<Shape>> ParseShapes(const std::string& text) {
+  std::vector<Shape> shapes;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::vector<absl::string_view> parts = absl::StrSplit(item, 'x');
+    Shape shape;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &shape.batch) ||
+        !absl::SimpleAtoi(parts[1], &shape.context) || shape.batch < 1 || shape.context < 64) {
+      return absl::InvalidArgumentError(absl::StrCat("bad shape \"", item, "\" (want BxC)"));
+    }
+    shapes.push_back(shape);
+  }
+  if (shapes.empty()) return absl::InvalidArgumentError("no shapes");
+  return shapes;
+}
+
+constexpr const char* kArms[] = {"inprocess", "grpc", "serial", "ceiling"};
+constexpr int kNumArms = 4;
+constexpr int kCeiling = 3;
+
+// Timed steps of one (arm, stand-in) cell of a sequence set.
+struct Cell {
+  std::vector<double> step_seconds;
+  std::vector<StepParts> parts;
+  std::vector<double> wait_seconds;  // sum of selection_wait_seconds over the layers
+  int64_t blocks_scored = 0;
+  int64_t blocks_visible = 0;
+};
+
+nlohmann::json CellJson(const Cell& cell, int layers) {
+  auto median_of = [&](auto field) {
+    std::vector<double> v;
+    for (const StepParts& p : cell.parts) v.push_back(field(p));
+    return Percentile(v, 0.5);
+  };
+  const double step_ms = Percentile(cell.step_seconds, 0.5) * 1e3;
+  // Per step: what is neither transport, attention nor stand-in (plan, queries, keys, bookkeeping).
+  std::vector<double> rest;
+  for (size_t i = 0; i < cell.parts.size(); ++i) {
+    const StepParts& p = cell.parts[i];
+    rest.push_back(cell.step_seconds[i] - p.submit - p.await - p.attention - p.standin);
+  }
+  return {
+      {"steps", cell.step_seconds.size()},
+      {"step_ms_p50", step_ms},
+      {"step_ms_p10", Percentile(cell.step_seconds, 0.1) * 1e3},
+      {"step_ms_p90", Percentile(cell.step_seconds, 0.9) * 1e3},
+      {"layer_us", step_ms * 1e3 / layers},
+      {"submit_us_per_layer",
+       median_of([](const StepParts& p) { return p.submit; }) * 1e6 / layers},
+      {"await_us_per_layer", median_of([](const StepParts& p) { return p.await; }) * 1e6 / layers},
+      {"attention_us_per_layer",
+       median_of([](const StepParts& p) { return p.attention; }) * 1e6 / layers},
+      {"standin_us_per_layer",
+       median_of([](const StepParts& p) { return p.standin; }) * 1e6 / layers},
+      {"rest_us_per_layer", Percentile(rest, 0.5) * 1e6 / layers},
+      {"selection_wait_us_per_layer", Percentile(cell.wait_seconds, 0.5) * 1e6 / layers},
+      {"realized_block_sparsity", cell.blocks_visible > 0
+                                      ? 1.0 - static_cast<double>(cell.blocks_scored) /
+                                                  static_cast<double>(cell.blocks_visible)
+                                      : 0.0},
+  };
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 and json errors end
+                                   // the process.
+  CLI::App app{"The decode step through the attention engine, its transports and the indexer"};
+  std::string device = "cuda";
+  int layers = 16;
+  std::string shapes_text = "1x65536,1x131072,64x65536";
+  int steps = 80;
+  int batch_steps = 20;
+  int warmup = 5;
+  int batch_warmup = 2;
+  double rho = 0.4;
+  int top_k = 2048;
+  int attention_heads = 128;
+  int prefill_threads = static_cast<int>(std::max(1U, std::thread::hardware_concurrency()));
+  double prefill_budget_s = 60;
+  uint64_t seed = 0;
+  std::string json_path;
+  app.add_option("--device", device, "cuda (the measurement) or cpu (checks the bench, no GPU)")
+      ->check(CLI::IsMember({"cuda", "cpu"}))
+      ->capture_default_str();
+  app.add_option("--layers", layers, "Model layers, every one full (r = 1), lag depth 1")
+      ->capture_default_str();
+  app.add_option("--shapes", shapes_text, "Comma-separated BxC: B sequences of C context slots")
+      ->capture_default_str();
+  app.add_option("--steps", steps, "Timed steps per arm and stand-in setting at B = 1")
+      ->capture_default_str();
+  app.add_option("--batch-steps", batch_steps, "Timed steps per arm and setting at B > 1")
+      ->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed steps before each block of timed ones")
+      ->capture_default_str();
+  app.add_option("--batch-warmup", batch_warmup, "Untimed steps before each block at B > 1")
+      ->capture_default_str();
+  app.add_option("--rho", rho, "SPIN target block sparsity of the SPIN set")->capture_default_str();
+  app.add_option("--top-k", top_k, "K")->capture_default_str();
+  app.add_option("--attention-heads", attention_heads, "Attention heads (CUDA: multiple of 64)")
+      ->capture_default_str();
+  app.add_option("--prefill-threads", prefill_threads, "The engine's key-generating threads")
+      ->capture_default_str();
+  app.add_option("--prefill-budget-s", prefill_budget_s,
+                 "A shape whose prefill the measured key rate predicts above this many seconds "
+                 "runs with fewer sequences (halved until it fits; reported)")
+      ->capture_default_str();
+  app.add_option("--seed", seed, "Pattern model and KV seed")->capture_default_str();
+  app.add_option("--json", json_path,
+                 "Write every figure as JSON here (rewritten after each shape)");
+  CLI11_PARSE(app, argc, argv);
+  auto shapes = ParseShapes(shapes_text);
+  if (!shapes.ok() || layers < 1 || steps < 1 || batch_steps < 1 || warmup < 0 ||
+      batch_warmup < 0) {
+    std::fprintf(stderr, "bad arguments: %s\n",
+                 shapes.ok() ? "layers, steps >= 1" : shapes.status().ToString().c_str());
+    return 2;
+  }
+  const bool on_gpu = device == "cuda";
+  if (on_gpu) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      (void)cudaGetLastError();
+      std::printf("bench_engine_decode_step: no CUDA device is present; nothing measured\n");
+      return 0;
+    }
+    cudaSetDevice(0);
+  }
+
+  // Sizes: the largest shape's two sequence sets (keep and SPIN) with their steps.
+  const int steps_per_set_1 = 8 * (warmup + steps);  // 4 arms x 2 stand-in settings
+  const int steps_per_set_b = 8 * (batch_warmup + batch_steps);
+  int64_t kv_slots = 0;
+  int64_t index_blocks = 0;
+  for (const Shape& s : *shapes) {
+    const int set_steps = s.batch == 1 ? steps_per_set_1 : steps_per_set_b;
+    kv_slots = std::max(kv_slots, s.batch * (s.context + set_steps + 64));
+    // Keep set: context + its steps; SPIN set: shares the keep set's prefix, plus its own steps.
+    index_blocks = std::max<int64_t>(
+        index_blocks, int64_t{s.batch} * layers * ((s.context + 2 * set_steps) / 64 + 4));
+  }
+
+  // The indexer (CUDA scoring device on GPU 0, as dsa-attention --transport inprocess builds it).
+  dsa::IndexerFlags indexer_flags;
+  indexer_flags.options.capacity_blocks = index_blocks;
+  indexer_flags.options.num_heads = 64;
+  indexer_flags.options.head_dim = 128;
+  indexer_flags.device = on_gpu ? "cuda" : "cpu";
+  auto indexer = dsa::CreateIndexerFromFlags(indexer_flags);
+  if (!indexer.ok()) {
+    std::fprintf(stderr, "indexer: %s\n", indexer.status().ToString().c_str());
+    return 1;
+  }
+  // The same Indexer served over gRPC on loopback (port 0).
+  dsa::IndexerServiceImpl service(indexer->get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(dsa::kMaxReceiveMessageBytes);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::fprintf(stderr, "cannot start the loopback gRPC server\n");
+    return 1;
+  }
+  auto grpc_client = dsa::GrpcIndexerClient::Factory()(absl::StrCat("127.0.0.1:", port));
+  auto in_process_client =
+      dsa::InProcessIndexerClient::Factory(indexer->get())(dsa::kInProcessIndexerAddress);
+  if (!grpc_client.ok() || !in_process_client.ok()) return 1;
+  StepParts parts;
+  SerialTransport serial(&(*in_process_client)->Selections());
+  CeilingTransport ceiling(top_k);
+  dsa::SelectionTransport* arm_transports[kNumArms] = {
+      &(*in_process_client)->Selections(), &(*grpc_client)->Selections(), &serial, &ceiling};
+  ArmTransport arm_transport(&parts);
+  auto arm_client = std::make_shared<ArmClient>(*in_process_client, &arm_transport);
+
+  // The attention backend, wrapped with the stand-in.
+  dsa::cuda::LayerStandin standin;
+  __nv_bfloat16* activations = nullptr;
+  __nv_bfloat16* standin_out = nullptr;
+  cudaStream_t standin_stream = nullptr;
+  std::unique_ptr<dsa::AttentionBackend> inner;
+  nlohmann::json standin_json = nullptr;
+  int max_batch = 1;
+  for (const Shape& s : *shapes) max_batch = std::max(max_batch, s.batch);
+  if (on_gpu) {
+    dsa::cuda::CudaAttentionBackendOptions backend_options;
+    backend_options.num_model_layers = layers;
+    backend_options.num_heads = attention_heads;
+    backend_options.seed = seed;
+    backend_options.capacity_slots = kv_slots;
+    auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "attention backend: %s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    inner = std::move(*backend);
+    dsa::cuda::LayerStandinParams params;  // header defaults: 76.0 MB a layer + 84 us busy
+    params.max_rows = std::max(params.max_rows, max_batch);
+    cudaError_t error = dsa::cuda::CreateLayerStandin(params, &standin);
+    if (error == cudaSuccess) {
+      error = cudaMalloc(reinterpret_cast<void**>(&activations),
+                         sizeof(__nv_bfloat16) * params.max_rows * params.hidden_dim);
+    }
+    if (error == cudaSuccess) {
+      error =
+          cudaMemset(activations, 0, sizeof(__nv_bfloat16) * params.max_rows * params.hidden_dim);
+    }
+    if (error == cudaSuccess) {
+      error = cudaMalloc(reinterpret_cast<void**>(&standin_out),
+                         sizeof(__nv_bfloat16) * params.max_rows * standin.weight_rows);
+    }
+    if (error == cudaSuccess)
+      error = cudaStreamCreateWithFlags(&standin_stream, cudaStreamNonBlocking);
+    if (error != cudaSuccess) {
+      std::fprintf(stderr, "layer stand-in: %s\n", cudaGetErrorString(error));
+      return 1;
+    }
+    // The stand-in alone (its GEMM and the whole layer), at each batch's rows.
+    standin_json = nlohmann::json::object();
+    for (const Shape& s : *shapes) {
+      dsa::cuda::LayerStandinTiming timing;
+      error = dsa::cuda::MeasureLayerStandin(&standin, activations, s.batch, standin_out, 50,
+                                             standin_stream, &timing);
+      if (error != cudaSuccess) {
+        std::fprintf(stderr, "layer stand-in timing: %s\n", cudaGetErrorString(error));
+        return 1;
+      }
+      standin_json[absl::StrCat("rows_", s.batch)] = {{"gemm_us", timing.gemm_micros},
+                                                      {"layer_us", timing.layer_micros}};
+      std::printf("stand-in alone, %d rows: GEMM %.1f us, layer %.1f us (%.0f GB/s)\n", s.batch,
+                  timing.gemm_micros, timing.layer_micros, timing.weight_bytes_per_second / 1e9);
+    }
+  } else {
+    dsa::CpuAttentionBackendOptions backend_options;
+    backend_options.num_model_layers = layers;
+    backend_options.seed = seed;
+    auto backend = dsa::CpuAttentionBackend::Create(backend_options);
+    if (!backend.ok()) return 1;
+    inner = std::move(*backend);
+  }
+  auto wrapped = std::make_unique<StandinBackend>(std::move(inner), on_gpu ? &standin : nullptr,
+                                                  activations, standin_out, standin_stream, &parts);
+  StandinBackend* backend = wrapped.get();
+
+  auto schedule = dsa::MliSchedule::FromRetention(layers, 1, 1);
+  dsa::PatternModelConfig model_config;
+  model_config.num_layers = layers;
+  model_config.num_heads = 64;
+  model_config.head_dim = 128;
+  model_config.seed = seed;
+  auto model = dsa::PatternModel::Create(model_config);
+  if (!schedule.ok() || !model.ok()) return 1;
+  dsa::AttentionEngineOptions engine_options;
+  engine_options.kv_capacity_slots = kv_slots;
+  engine_options.prefill_threads = prefill_threads;
+  engine_options.indexer_call_timeout = absl::Seconds(600);
+  auto engine = dsa::AttentionEngine::Create(
+      *schedule, std::move(*model), std::move(wrapped),
+      [arm_client](const std::string&) -> absl::StatusOr<std::shared_ptr<dsa::IndexerClient>> {
+        return std::shared_ptr<dsa::IndexerClient>(arm_client);
+      },
+      engine_options);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "engine: %s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+
+  nlohmann::json out = {
+      {"device", on_gpu ? (*engine)->backend().Description() : "cpu"},
+      {"indexer_device", (*indexer)->DeviceDescription()},
+      {"layers", layers},
+      {"retention", 1},
+      {"lag_depth", 1},
+      {"top_k", top_k},
+      {"indexer_heads", 64},
+      {"indexer_head_dim", 128},
+      {"attention_heads", attention_heads},
+      {"rho", rho},
+      {"warmup", warmup},
+      {"batch_warmup", batch_warmup},
+      {"prefill_threads", prefill_threads},
+      {"standin_alone", standin_json},
+      {"shapes", nlohmann::json::array()},
+  };
+  auto write_json = [&] {
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  };
+  std::printf("engine decode step: %d layers (all full, k = 1), K %d, indexer %s, attention %s\n",
+              layers, top_k, (*indexer)->DeviceDescription().c_str(),
+              (*engine)->backend().Description().c_str());
+
+  double keys_per_second = 0;  // measured by the first prefill
+  uint64_t next_id = 1;
+  int exit_code = 0;
+  for (const Shape& requested : *shapes) {
+    Shape shape = requested;
+    if (keys_per_second > 0) {
+      while (shape.batch > 1 && static_cast<double>(shape.batch) * static_cast<double>(layers) *
+                                        static_cast<double>(shape.context) / keys_per_second >
+                                    prefill_budget_s) {
+        shape.batch /= 2;
+      }
+    }
+    const int timed = shape.batch == 1 ? steps : batch_steps;
+    const int untimed = shape.batch == 1 ? warmup : batch_warmup;
+    std::printf("\n== %d x %lld (requested %d x %lld), %d timed steps a cell ==\n", shape.batch,
+                static_cast<long long>(shape.context), requested.batch,
+                static_cast<long long>(requested.context), timed);
+    std::fflush(stdout);
+    nlohmann::json shape_json = {{"batch", shape.batch},     {"requested_batch", requested.batch},
+                                 {"context", shape.context}, {"timed_steps", timed},
+                                 {"warmup_steps", untimed},  {"sets", nlohmann::json::object()}};
+    std::vector<uint64_t> keep_ids;
+    // [set][arm][standin]
+    Cell cells[2][kNumArms][2];
+    bool failed = false;
+    for (int set = 0; set < 2 && !failed; ++set) {  // 0: all-keep, 1: SPIN rho
+      std::vector<uint64_t> ids;
+      const Clock::time_point prefill_start = Clock::now();
+      for (int b = 0; b < shape.batch && !failed; ++b) {
+        dsa::PrefillSpec spec;
+        spec.sequence_id = next_id++;
+        spec.context_length = shape.context;
+        spec.indexer_worker = "bench-arms";
+        spec.top_k = top_k;
+        spec.spin.enabled = set == 1;
+        spec.spin.target_block_sparsity = rho;
+        if (set == 1) {  // the keep set's index keys, shared (no key generated again)
+          spec.prefix_source_id = keep_ids[b];
+          spec.prefix_slots = shape.context / 64 * 64;
+        }
+        auto prefilled = (*engine)->Prefill(spec);
+        if (!prefilled.ok()) {
+          std::fprintf(stderr, "prefill: %s\n", prefilled.status().ToString().c_str());
+          failed = true;
+        }
+        ids.push_back(spec.sequence_id);
+      }
+      if (failed) break;
+      const double prefill_s = SecondsSince(prefill_start);
+      if (set == 0) {
+        keys_per_second = static_cast<double>(shape.batch) * layers *
+                          static_cast<double>(shape.context) / prefill_s;
+      }
+      std::printf("%s set: prefill of %d x %lld slots x %d layers in %.2f s%s\n",
+                  set == 0 ? "all-keep" : "SPIN", shape.batch,
+                  static_cast<long long>(shape.context), layers, prefill_s,
+                  set == 0 ? absl::StrCat(" (", keys_per_second / 1e6, " M keys/s)").c_str()
+                           : " (keys shared with the all-keep set; KV generated on the device)");
+      std::fflush(stdout);
+      shape_json["sets"][set == 0 ? "keep" : "spin"]["prefill_s"] = prefill_s;
+      std::vector<dsa::StepMember> members;
+      for (uint64_t id : ids) members.push_back({id, 1});
+
+      auto run_step = [&](int arm, Cell* cell) -> bool {
+        arm_transport.set_arm(arm_transports[arm]);
+        parts = StepParts{};
+        const Clock::time_point start = Clock::now();
+        auto result = (*engine)->DecodeStep(members);
+        const double seconds = SecondsSince(start);
+        if (!result.ok()) {
+          std::fprintf(stderr, "%s step: %s\n", kArms[arm], result.status().ToString().c_str());
+          return false;
+        }
+        if (cell != nullptr) {
+          cell->step_seconds.push_back(seconds);
+          cell->parts.push_back(parts);
+          double wait = 0;
+          for (double w : result->selection_wait_seconds) wait += w;
+          cell->wait_seconds.push_back(wait);
+          for (const dsa::SequenceStepResult& s : result->sequences) {
+            cell->blocks_scored += s.blocks_scored;
+            cell->blocks_visible += s.blocks_visible;
+          }
+        }
+        return true;
+      };
+      // The indexer arms interleaved step by step (machine drift hits all alike), then the ceiling
+      // (it leaves the indexer's sequences behind the engine's, so it comes last).
+      for (int with_standin = 0; with_standin < 2 && !failed; ++with_standin) {
+        backend->set_standin_enabled(with_standin == 1);
+        for (int it = 0; it < untimed + timed && !failed; ++it) {
+          for (int arm = 0; arm < kCeiling && !failed; ++arm) {
+            failed = !run_step(arm, it < untimed ? nullptr : &cells[set][arm][with_standin]);
+          }
+        }
+      }
+      for (int with_standin = 0; with_standin < 2 && !failed; ++with_standin) {
+        backend->set_standin_enabled(with_standin == 1);
+        for (int it = 0; it < untimed + timed && !failed; ++it) {
+          failed =
+              !run_step(kCeiling, it < untimed ? nullptr : &cells[set][kCeiling][with_standin]);
+        }
+      }
+      // The keep set stays on the indexer as the SPIN set's prefix donor.
+      for (uint64_t id : ids) (void)(*engine)->Release(id, /*keep_indexer_sequence=*/set == 0);
+      if (set == 0) keep_ids = ids;
+    }
+    for (uint64_t id : keep_ids) (void)(*in_process_client)->Release(id, absl::InfiniteFuture());
+    if (failed) {
+      exit_code = 1;
+      break;
+    }
+
+    // Per-layer table and derived figures.
+    std::printf(
+        "\n| stand-in | set | arm | layer us | step ms p50 (p10-p90) | submit | await | attention "
+        "| stand-in | rest | hidden vs serial keep | hidden vs serial same set |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int with_standin = 0; with_standin < 2; ++with_standin) {
+      const char* standin_name = with_standin == 1 ? "standin" : "bare";
+      const double serial_keep = Percentile(cells[0][2][with_standin].step_seconds, 0.5);
+      for (int set = 0; set < 2; ++set) {
+        const char* set_name = set == 0 ? "keep" : "spin";
+        const double ceiling_step =
+            Percentile(cells[set][kCeiling][with_standin].step_seconds, 0.5);
+        const double serial_same = Percentile(cells[set][2][with_standin].step_seconds, 0.5);
+        for (int arm = 0; arm < kNumArms; ++arm) {
+          const Cell& cell = cells[set][arm][with_standin];
+          nlohmann::json j = CellJson(cell, layers);
+          const double step = Percentile(cell.step_seconds, 0.5);
+          // The ceiling of the same set (the keep set's for serial keep's reference).
+          const double hidden_keep =
+              (serial_keep - step) /
+              (serial_keep - Percentile(cells[0][kCeiling][with_standin].step_seconds, 0.5));
+          const double hidden_same = (serial_same - step) / (serial_same - ceiling_step);
+          if (arm != kCeiling) {
+            j["hidden_vs_serial_keep"] = hidden_keep;
+            j["hidden_vs_serial_same_set"] = hidden_same;
+          }
+          shape_json["sets"][set_name][standin_name][kArms[arm]] = j;
+          const double rest = j["rest_us_per_layer"].get<double>();
+          std::printf(
+              "| %s | %s | %s | %.1f | %.2f (%.2f-%.2f) | %.1f | %.1f | %.1f | %.1f | %.1f | %s | "
+              "%s |\n",
+              standin_name, set_name, kArms[arm], j["layer_us"].get<double>(),
+              j["step_ms_p50"].get<double>(), j["step_ms_p10"].get<double>(),
+              j["step_ms_p90"].get<double>(), j["submit_us_per_layer"].get<double>(),
+              j["await_us_per_layer"].get<double>(), j["attention_us_per_layer"].get<double>(),
+              j["standin_us_per_layer"].get<double>(), rest,
+              arm == kCeiling ? "-" : absl::StrFormat("%.3f", hidden_keep).c_str(),
+              arm == kCeiling ? "-" : absl::StrFormat("%.3f", hidden_same).c_str());
+        }
+      }
+    }
+    const Cell& spin_in = cells[1][0][0];
+    std::printf("SPIN set realized block sparsity (inprocess, bare): %.3f\n",
+                spin_in.blocks_visible > 0 ? 1.0 - static_cast<double>(spin_in.blocks_scored) /
+                                                       static_cast<double>(spin_in.blocks_visible)
+                                           : 0.0);
+    out["shapes"].push_back(shape_json);
+    write_json();
+    std::fflush(stdout);
+  }
+
+  // The scoring device must have served every select (a GPU failure falls back to the CPU).
+  const absl::Status device_status = (*indexer)->DeviceStatus();
+  out["indexer_device_after"] = (*indexer)->DeviceDescription();
+  if (on_gpu && !device_status.ok()) {
+    std::fprintf(stderr, "the indexer's scoring device was dropped: %s\n",
+                 device_status.ToString().c_str());
+    exit_code = 1;
+  }
+  if (on_gpu && !backend->standin_status().ok()) exit_code = 1;
+  write_json();
+  (*engine)->CloseIndexerClients();
+  (void)(*grpc_client)->Close();
+  (void)(*in_process_client)->Close();
+  server->Shutdown();
+  engine->reset();
+  if (on_gpu) {
+    (void)dsa::cuda::DestroyLayerStandin(&standin);
+    (void)cudaFree(activations);
+    (void)cudaFree(standin_out);
+    (void)cudaStreamDestroy(standin_stream);
+  }
+  return exit_code;
+}
