@@ -25,6 +25,12 @@
 #ifdef DSA_WITH_CUDA
 #include "attention_worker/cuda/cuda_attention_backend.h"
 #endif
+#ifdef DSA_WITH_NCCL
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include "transport/nccl_indexer_client.h"
+#endif
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -79,8 +85,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "worker a Prefill names) or inprocess (an indexer in this process, co-located: "
                  "its selects run beside attention on their own thread, MLI's deferred stream; "
                  "it is also served as dsa.indexer.v1 at this worker's address, which is the "
-                 "indexer address the coordinator must name, with --colocated)")
-      ->check(CLI::IsMember({"grpc", "inprocess"}))
+                 "indexer address the coordinator must name, with --colocated), or nccl (the "
+                 "control plane over gRPC, selections over an NCCL communicator per indexer "
+                 "worker, bootstrapped over gRPC; this worker's GPU is --attention-cuda-device, "
+                 "the indexer's another GPU)")
+      ->check(CLI::IsMember({"grpc", "inprocess", "nccl"}))
       ->capture_default_str();
   std::string attention_device = "cpu";
   app.add_option("--attention-device", attention_device,
@@ -99,7 +108,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
-  if (attention_device == "cpu") {
+  if (attention_device == "cpu" && transport != "nccl") {
     for (const char* name : {"--attention-cuda-device"}) {
       if (app.count(name) > 0) {
         dsa::LogJson("error", "bad config",
@@ -174,6 +183,29 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
           std::lock_guard<std::mutex> lock(own_address_mutex);
           return address == own_address;
         });
+  }
+  if (transport == "nccl") {
+#ifdef DSA_WITH_NCCL
+    int gpus = 0;
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess || attention_cuda_device >= gpus) {
+      dsa::LogJson("error", "bad config",
+                   {{"status", "--transport nccl needs a GPU: CUDA device " +
+                                   std::to_string(attention_cuda_device) + " is not present (" +
+                                   std::to_string(gpus) + " visible)"}});
+      return 2;
+    }
+    dsa::NcclConnectOptions nccl_options;
+    nccl_options.link.cuda_device = attention_cuda_device;
+    nccl_options.num_heads = model_config.num_heads;
+    nccl_options.head_dim = model_config.head_dim;
+    nccl_options.attention_worker = "dsa-attention pid " + std::to_string(getpid());
+    indexer_clients = dsa::NcclIndexerClientFactory(nccl_options);
+#else
+    dsa::LogJson("error",
+                 "--transport nccl: this dsa-attention was built without NCCL (configure with "
+                 "-DDSA_ENABLE_CUDA=ON where nvcc and NCCL are installed)");
+    return 2;
+#endif
   }
   absl::StatusOr<std::unique_ptr<dsa::AttentionEngine>> engine;
   if (attention_device == "cuda") {

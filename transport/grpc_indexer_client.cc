@@ -84,12 +84,21 @@ class GrpcIndexKeyAppend final : public IndexKeyAppend {
 
 }  // namespace
 
-GrpcIndexerClient::GrpcIndexerClient(std::string address) : address_(std::move(address)) {
+std::shared_ptr<grpc::Channel> GrpcIndexerClient::MakeChannel(const std::string& address) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), arguments);
-  stub_ = iv1::IndexerService::NewStub(channel_);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments);
 }
+
+GrpcIndexerClient::GrpcIndexerClient(std::string address)
+    : GrpcIndexerClient(address, MakeChannel(address), nullptr) {}
+
+GrpcIndexerClient::GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
+                                     std::unique_ptr<SelectionTransport> data_plane)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
+      stub_(iv1::IndexerService::NewStub(channel_)),
+      transport_(std::move(data_plane)) {}
 
 GrpcIndexerClient::~GrpcIndexerClient() { (void)Close(); }
 

@@ -18,6 +18,13 @@ class GrpcIndexerClient final : public IndexerClient {
   /// A client of the indexer worker at `address` (host:port) on a channel that takes answers up to
   /// kMaxReceiveMessageBytes (indexer_service/grpc_service.h). Connects lazily.
   explicit GrpcIndexerClient(std::string address);
+  /// The same on `channel`, with `data_plane` (e.g. an NCCL transport bootstrapped over this
+  /// channel) in place of the SelectStream.
+  GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
+                    std::unique_ptr<SelectionTransport> data_plane);
+
+  /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes).
+  static std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
   ~GrpcIndexerClient() override;  // Close()s
 
   const std::string& address() const override { return address_; }
@@ -28,7 +35,7 @@ class GrpcIndexerClient final : public IndexerClient {
   absl::Status BeginTurn(uint64_t sequence_id, absl::Time deadline) override;
   absl::Status Commit(uint64_t sequence_id, int accepted, absl::Time deadline) override;
   absl::Status Release(uint64_t sequence_id, absl::Time deadline) override;
-  /// The SelectStream, opened on first use.
+  /// The injected data plane, or the SelectStream (opened on first use).
   SelectionTransport& Selections() override;
   absl::Status Close() override;
 
@@ -40,7 +47,7 @@ class GrpcIndexerClient final : public IndexerClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;
   std::mutex transport_mutex_;  // guards transport_
-  std::unique_ptr<GrpcStreamTransport> transport_;
+  std::unique_ptr<SelectionTransport> transport_;
 };
 
 }  // namespace dsa

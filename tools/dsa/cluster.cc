@@ -147,9 +147,14 @@ int CheckHealth(const std::string& address, const std::string& service,
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
     const LocalClusterOptions& options) {
   const bool colocated = options.transport == "inprocess";
-  if (!colocated && options.transport != "grpc") {
+  if (!colocated && options.transport != "grpc" && options.transport != "nccl") {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown transport \"", options.transport, "\": grpc or inprocess"));
+        absl::StrCat("unknown transport \"", options.transport, "\": grpc, inprocess or nccl"));
+  }
+  if (options.transport == "nccl" && options.indexer_device != "cuda") {
+    return absl::InvalidArgumentError(
+        "--transport nccl needs the indexers on GPUs (--indexer-device cuda): NCCL data planes "
+        "run between an attention GPU and an indexer GPU");
   }
   if (options.num_indexers < 1 || options.num_attention_workers < 1) {
     return absl::InvalidArgumentError(
@@ -258,6 +263,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
           std::optional<int>(
               options.attention_cuda_devices[i % options.attention_cuda_devices.size()]));
     }
+    if (options.transport == "nccl") args.insert(args.end(), {"--transport", "nccl"});
     if (colocated) {
       args.insert(args.end(), {"--transport", "inprocess"});
       const std::vector<std::string> flags = indexer_flags(i, "--indexer-");

@@ -21,7 +21,8 @@ struct LocalClusterOptions {
   int num_indexers = 1;  // dsa-indexer processes, >= 1 (ignored with transport inprocess)
   /// "grpc": separate dsa-indexer processes, reached over a SelectStream; "inprocess": every
   /// dsa-attention holds its own indexer (--transport inprocess, the indexer flags below passed
-  /// under their --indexer- names), the coordinator pairs them (--colocated).
+  /// under their --indexer- names), the coordinator pairs them (--colocated); "nccl": separate
+  /// dsa-indexer processes on GPUs (indexer_device must be cuda), selections over NCCL.
   std::string transport = "grpc";
   int num_attention_workers = 1;  // dsa-attention processes, >= 1
   /// Folder holding the three binaries; empty = the folder of the running executable

@@ -82,8 +82,10 @@ void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFl
   cmd->add_option("--transport", options.transport,
                   "How selections reach the attention workers: grpc (a SelectStream to separate "
                   "dsa-indexer processes) or inprocess (each dsa-attention holds its indexer, "
-                  "co-located; the coordinator runs with --colocated)")
-      ->check(CLI::IsMember({"grpc", "inprocess"}))
+                  "co-located; the coordinator runs with --colocated) or nccl (selections over "
+                  "NCCL between each attention GPU and each indexer GPU; needs --indexer-device "
+                  "cuda and a GPU for each side: --attention-cuda-devices, --indexer-cuda-devices)")
+      ->check(CLI::IsMember({"grpc", "inprocess", "nccl"}))
       ->capture_default_str();
   cmd->add_option("--attention-workers", options.num_attention_workers, "dsa-attention processes")
       ->check(CLI::PositiveNumber)
