@@ -32,6 +32,10 @@ class AttentionBackend {
   /// Values of one attended row's output: attention_heads * value_dim.
   virtual int64_t output_values_per_row() const = 0;
 
+  /// The unit slots are held in (the CUDA pool's 64-slot blocks; 1 on the CPU): a sequence of n
+  /// slots takes ceil(n / g) * g of the backend's capacity, which is what the engine counts.
+  virtual int64_t slot_granularity() const { return 1; }
+
   /// Sets the slots held for `sequence_id` (created on first use) to `num_slots` in every model
   /// layer: new slots [old, num_slots) get the generator's rows, a shrink drops the newest slots,
   /// 0 forgets the sequence. Errors: RESOURCE_EXHAUSTED (the device's memory; nothing changed).

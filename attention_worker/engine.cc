@@ -193,18 +193,27 @@ void AttentionEngine::CloseIndexerClients() {
 absl::StatusOr<std::shared_ptr<IndexerClient>> AttentionEngine::GetClient(
     const std::string& address) {
   if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
-  std::lock_guard<std::mutex> lock(clients_mutex_);
-  auto it = clients_.find(address);
-  if (it != clients_.end()) return it->second;
+  {
+    std::lock_guard<std::mutex> lock(clients_mutex_);
+    auto it = clients_.find(address);
+    if (it != clients_.end()) return it->second;
+  }
+  // Made outside the lock (a factory may dial), so other indexers' calls never wait for it; when
+  // two threads make one at once, the first one stored wins.
   DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client, indexer_clients_(address));
-  clients_[address] = client;
-  return client;
+  std::lock_guard<std::mutex> lock(clients_mutex_);
+  return clients_.emplace(address, std::move(client)).first->second;
 }
 
 void AttentionEngine::DropClient(const std::shared_ptr<IndexerClient>& client) {
   std::lock_guard<std::mutex> lock(clients_mutex_);
   auto it = clients_.find(client->address());
   if (it != clients_.end() && it->second == client) clients_.erase(it);
+}
+
+int64_t AttentionEngine::Footprint(int64_t num_slots) const {
+  const int64_t g = std::max<int64_t>(1, backend_->slot_granularity());
+  return (num_slots + g - 1) / g * g;
 }
 
 absl::Status AttentionEngine::ReserveKv(int64_t num_slots) {
@@ -378,10 +387,12 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
   bool indexer_created = false;
   std::shared_ptr<IndexerClient> client;
   auto run = [&]() -> absl::Status {
-    DSA_RETURN_IF_ERROR(ReserveKv(context));
+    DSA_RETURN_IF_ERROR(ReserveKv(Footprint(context)));
     kv_reserved = true;
     DSA_ASSIGN_OR_RETURN(client, GetClient(spec.indexer_worker));
     DSA_RETURN_IF_ERROR(CheckIndexerShape(*client));
+    // The KV first: a backend out of memory must fail before the indexer holds anything.
+    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
     IndexerSequenceSpec create;
     create.sequence_id = id;
     create.options.num_layers = model_.num_layers();
@@ -397,7 +408,6 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
     }
     indexer_created = true;
     DSA_RETURN_IF_ERROR(AppendKeys(*client, id, spec.prefix_block_ids, spec.prefix_slots, context));
-    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
     sequence->prefix_block_ids = spec.prefix_block_ids;
     return absl::OkStatus();
   };
@@ -405,7 +415,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
   if (!status.ok()) {
     if (indexer_created) (void)client->Release(id, IndexerDeadline());
     (void)ResizeKv(*sequence, 0);
-    if (kv_reserved) FreeKv(context);
+    if (kv_reserved) FreeKv(Footprint(context));
     EraseSequence(id, sequence.get());
     return status;
   }
@@ -445,19 +455,21 @@ absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec
     return absl::InvalidArgumentError(absl::StrCat(
         "context_length ", context, " is shorter than sequence ", id, "'s ", old_length, " slots"));
   }
-  DSA_RETURN_IF_ERROR(ReserveKv(context - old_length));
+  const int64_t more = Footprint(context) - Footprint(old_length);
+  DSA_RETURN_IF_ERROR(ReserveKv(more));
   std::vector<uint64_t> ids = spec.prefix_block_ids;
   if (ids.empty()) ids = sequence->prefix_block_ids;
   auto run = [&]() -> absl::Status {
+    // The KV first: a backend out of memory must fail before the indexer has changed.
+    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
     DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client,
                          GetClient(sequence->indexer_worker));
     DSA_RETURN_IF_ERROR(client->BeginTurn(id, IndexerDeadline()));
     return AppendKeys(*client, id, ids, old_length, context);
   };
-  absl::Status status = run();
-  if (status.ok()) status = ResizeKv(*sequence, context);
-  if (!status.ok()) {
-    FreeKv(context - old_length);
+  if (absl::Status status = run(); !status.ok()) {
+    if (sequence->kv_slots != old_length) (void)ResizeKv(*sequence, old_length);
+    FreeKv(more);
     return status;
   }
   sequence->length = context;
@@ -513,7 +525,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
     m.first_position = s.length;
     m.selections.resize(num_full);
     m.top_k.resize(num_full);
-    total_rows += m.rows;
+    total_rows += Footprint(m.first_position + m.rows) - Footprint(m.first_position);
   }
   DSA_RETURN_IF_ERROR(ReserveKv(total_rows));
   step.total_rows = total_rows;
@@ -548,7 +560,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
 absl::Status AttentionEngine::RollbackStep(absl::Status status, StepState& step) {
   std::vector<uint64_t> broken;
   for (StepState::Member& m : step.members) {
-    if (m.sequence->kv_slots > m.first_position) (void)ResizeKv(*m.sequence, m.first_position);
+    if (m.sequence->kv_slots != m.first_position) (void)ResizeKv(*m.sequence, m.first_position);
     if (m.touched) {
       m.sequence->broken =
           absl::StrCat("a decode step at position ", m.first_position,
@@ -760,7 +772,7 @@ absl::Status AttentionEngine::Commit(uint64_t id, int accepted) {
   DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client, GetClient(sequence->indexer_worker));
   DSA_RETURN_IF_ERROR(client->Commit(id, accepted, IndexerDeadline()));
   const int64_t new_length = sequence->length + accepted + 1;
-  const int64_t dropped = sequence->kv_slots - new_length;
+  const int64_t dropped = Footprint(sequence->kv_slots) - Footprint(new_length);
   (void)ResizeKv(*sequence, new_length);  // a shrink cannot fail
   FreeKv(dropped);
   sequence->length = new_length;
@@ -779,7 +791,7 @@ absl::Status AttentionEngine::Release(uint64_t id, bool keep_indexer_sequence) {
     sequence->live = false;
     address = sequence->indexer_worker;
     pending = sequence->pending_rows > 0 && sequence->broken.empty();
-    const int64_t slots = sequence->kv_slots;
+    const int64_t slots = Footprint(sequence->kv_slots);
     (void)ResizeKv(*sequence, 0);
     FreeKv(slots);
     EraseSequence(id, sequence.get());
@@ -789,7 +801,7 @@ absl::Status AttentionEngine::Release(uint64_t id, bool keep_indexer_sequence) {
     if (!pending) return absl::OkStatus();
     // A kept sequence is a prefix donor, which must not have a step awaiting Commit: keep row 0
     // (the verified token) and drop the drafts.
-    const absl::Status committed = client->Commit(id, 0, IndexerDeadline());
+    absl::Status committed = client->Commit(id, 0, IndexerDeadline());
     if (committed.ok()) return committed;
     return absl::Status(
         committed.code(),

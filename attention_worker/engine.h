@@ -40,8 +40,9 @@ struct AttendedRow {
 
 /// The engine's capacity, timeouts and observer (shapes live in the model, schedule and backend).
 struct AttentionEngineOptions {
-  /// KV slots over all sequences (one slot = one position of every model layer), >= 0. Prefill or
-  /// a decode step that would pass it is RESOURCE_EXHAUSTED.
+  /// KV slots over all sequences (one slot = one position of every model layer), >= 0, each
+  /// sequence counted in whole units of the backend's slot_granularity(). Prefill or a decode step
+  /// that would pass it is RESOURCE_EXHAUSTED.
   int64_t kv_capacity_slots = int64_t{4} << 20;
   /// How long a decode step awaits one selection before it fails with DEADLINE_EXCEEDED; below the
   /// coordinator's DecodeStep deadline (dsa-coordinator --rpc-timeout-ms, 30 s), so the worker
@@ -227,7 +228,9 @@ class AttentionEngine {
                           int64_t end_slot);
   absl::Time IndexerDeadline() const { return absl::Now() + options_.indexer_call_timeout; }
 
-  // KV capacity accounting (slots over all sequences).
+  // KV capacity accounting (slots over all sequences, each sequence's rounded up to the backend's
+  // slot granularity: Footprint).
+  int64_t Footprint(int64_t num_slots) const;
   absl::Status ReserveKv(int64_t num_slots);
   void FreeKv(int64_t num_slots);
   // Sets the backend's slots of `sequence`, keeping kv_slots in step.

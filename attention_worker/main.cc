@@ -108,6 +108,17 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (attention_device == "cuda") {
+    for (const char* name : {"--kv-dim"}) {
+      if (app.count(name) > 0) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", std::string(name) +
+                                     " is the CPU backend's; the CUDA backend's rows are MLA's "
+                                     "576-dim latent (512 values)"}});
+        return 2;
+      }
+    }
+  }
   if (attention_device == "cpu" && transport != "nccl") {
     for (const char* name : {"--attention-cuda-device"}) {
       if (app.count(name) > 0) {
@@ -181,7 +192,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     indexer_clients = dsa::InProcessIndexerClient::Factory(
         indexer.get(), indexer_metrics.get(), [&](const std::string& address) {
           std::lock_guard<std::mutex> lock(own_address_mutex);
-          return address == own_address;
+          if (address == own_address) return true;
+          // Listening on all interfaces: the coordinator names this worker by a host of its own
+          // (DNS, 127.0.0.1); the port is what identifies it.
+          const size_t colon = own_address.rfind(':');
+          const std::string host = own_address.substr(0, colon);
+          const bool wildcard = host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::";
+          return wildcard && colon != std::string::npos &&
+                 address.size() > own_address.size() - colon &&
+                 address.compare(address.size() - (own_address.size() - colon), std::string::npos,
+                                 own_address, colon) == 0;
         });
   }
   if (transport == "nccl") {
@@ -199,6 +219,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     nccl_options.num_heads = model_config.num_heads;
     nccl_options.head_dim = model_config.head_dim;
     nccl_options.attention_worker = "dsa-attention pid " + std::to_string(getpid());
+    // Under the select timeout (20 s): a first select that bootstraps fails before its deadline.
+    nccl_options.connect_timeout = absl::Seconds(15);
     indexer_clients = dsa::NcclIndexerClientFactory(nccl_options);
 #else
     dsa::LogJson("error",
@@ -247,15 +269,17 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   if (indexer_service != nullptr) spec.services.push_back(indexer_service.get());
   spec.registry = registry;
   spec.max_receive_message_bytes = dsa::kMaxReceiveMessageBytes;
-  spec.banner_fields = {{"layer_pattern", pattern},
-                        {"lag_depth", lag_depth},
-                        {"num_heads", model_config.num_heads},
-                        {"head_dim", model_config.head_dim},
-                        {"kv_dim", options.kv_dim},
-                        {"attention_heads", options.attention_heads},
-                        {"kv_capacity_slots", options.kv_capacity_slots},
-                        {"transport", transport},
-                        {"attention_device", service->engine().backend().Description()}};
+  spec.banner_fields = {
+      {"layer_pattern", pattern},
+      {"lag_depth", lag_depth},
+      {"num_heads", model_config.num_heads},
+      {"head_dim", model_config.head_dim},
+      {"kv_dim", attention_device == "cuda" ? 576 : options.kv_dim},
+      {"attention_heads", service->engine().backend().output_values_per_row() /
+                              (attention_device == "cuda" ? 512 : options.kv_dim)},
+      {"kv_capacity_slots", options.kv_capacity_slots},
+      {"transport", transport},
+      {"attention_device", service->engine().backend().Description()}};
   if (indexer != nullptr) {
     spec.banner_fields["indexer_capacity_blocks"] = indexer_flags.options.capacity_blocks;
     spec.banner_fields["indexer_device"] = indexer->DeviceDescription();

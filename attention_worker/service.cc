@@ -68,7 +68,7 @@ AttentionServiceImpl::AttentionServiceImpl(std::unique_ptr<AttentionEngine> engi
     : engine_(std::move(engine)) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServiceImpl>> AttentionServiceImpl::Create(
-    MliSchedule schedule, PatternModel model, AttentionWorkerOptions options,
+    MliSchedule schedule, PatternModel model, const AttentionWorkerOptions& options,
     AttentionMetrics* metrics) {
   DSA_ASSIGN_OR_RETURN(std::unique_ptr<AttentionEngine> engine,
                        MakeCpuAttentionEngine(std::move(schedule), std::move(model), options,

@@ -56,7 +56,7 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   /// The default wiring: the CPU backend and gRPC indexer clients (MakeCpuAttentionEngine with
   /// GrpcIndexerClient::Factory()).
   static absl::StatusOr<std::unique_ptr<AttentionServiceImpl>> Create(
-      MliSchedule schedule, PatternModel model, AttentionWorkerOptions options,
+      MliSchedule schedule, PatternModel model, const AttentionWorkerOptions& options,
       AttentionMetrics* metrics = nullptr);
 
   AttentionEngine& engine() { return *engine_; }

@@ -40,6 +40,15 @@ absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
         "co-located workers pair indexer worker i with attention worker i, but there are ",
         indexers.size(), " indexer and ", attentions.size(), " attention workers"));
   }
+  for (size_t i = 0; options.colocated && i < indexers.size(); ++i) {
+    if (indexers[i].address != attentions[i].address) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "co-located workers pair indexer worker i with attention worker i at the same address, "
+          "but indexer ",
+          i, " is ", indexers[i].address, " and attention worker ", i, " is ",
+          attentions[i].address));
+    }
+  }
   for (const IndexerWorkerInfo& info : indexers) {
     if (info.capacity_blocks < 0) {
       return absl::InvalidArgumentError(

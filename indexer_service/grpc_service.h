@@ -149,8 +149,8 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   // Sets the cache gauges from the engine's usage (no-op without metrics).
   void UpdateCacheMetrics();
 
-  Indexer* indexer_;         // not owned
-  IndexerMetrics* metrics_;  // not owned; may be null
+  Indexer* indexer_;                   // not owned
+  IndexerMetrics* metrics_;            // not owned; may be null
   DataPlaneOpener data_plane_opener_;  // may be empty
 };
 

@@ -84,21 +84,33 @@ class GrpcIndexKeyAppend final : public IndexKeyAppend {
 
 }  // namespace
 
+FailedSelectionTransport::FailedSelectionTransport(absl::Status status)
+    : status_(std::move(status)) {}
+
+absl::StatusOr<uint64_t> FailedSelectionTransport::Submit(LayerSelectRequest /*request*/) {
+  return status_;
+}
+
+absl::StatusOr<LayerSelection> FailedSelectionTransport::Await(uint64_t request_id,
+                                                               absl::Time /*deadline*/) {
+  return absl::NotFoundError(absl::StrCat("select request ", request_id, " was never submitted"));
+}
+
 std::shared_ptr<grpc::Channel> GrpcIndexerClient::MakeChannel(const std::string& address) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments);
 }
 
-GrpcIndexerClient::GrpcIndexerClient(std::string address)
+GrpcIndexerClient::GrpcIndexerClient(const std::string& address)
     : GrpcIndexerClient(address, MakeChannel(address), nullptr) {}
 
 GrpcIndexerClient::GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
-                                     std::unique_ptr<SelectionTransport> data_plane)
+                                     DataPlaneMaker make_data_plane)
     : address_(std::move(address)),
       channel_(std::move(channel)),
       stub_(iv1::IndexerService::NewStub(channel_)),
-      transport_(std::move(data_plane)) {}
+      make_data_plane_(std::move(make_data_plane)) {}
 
 GrpcIndexerClient::~GrpcIndexerClient() { (void)Close(); }
 
@@ -167,7 +179,19 @@ absl::Status GrpcIndexerClient::Release(uint64_t sequence_id, absl::Time deadlin
 
 SelectionTransport& GrpcIndexerClient::Selections() {
   std::lock_guard<std::mutex> lock(transport_mutex_);
-  if (transport_ == nullptr) transport_ = std::make_unique<GrpcStreamTransport>(channel_);
+  if (transport_ != nullptr) return *transport_;
+  if (!make_data_plane_) {
+    transport_ = std::make_unique<GrpcStreamTransport>(channel_);
+    return *transport_;
+  }
+  absl::StatusOr<std::unique_ptr<SelectionTransport>> made = make_data_plane_(*stub_);
+  if (made.ok()) {
+    transport_ = std::move(*made);
+  } else {
+    transport_ = std::make_unique<FailedSelectionTransport>(absl::Status(
+        made.status().code(),
+        absl::StrCat("indexer worker ", address_, ": data plane: ", made.status().message())));
+  }
   return *transport_;
 }
 

@@ -2,6 +2,7 @@
 // for the control plane, a GrpcStreamTransport (SelectStream) for the data plane.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,15 +14,33 @@
 
 namespace dsa {
 
+/// A data plane that could not be opened: every Submit answers `status` (never OK), Await
+/// NOT_FOUND, Close OK.
+class FailedSelectionTransport final : public SelectionTransport {
+ public:
+  explicit FailedSelectionTransport(absl::Status status);
+  absl::StatusOr<uint64_t> Submit(LayerSelectRequest request) override;
+  absl::StatusOr<LayerSelection> Await(uint64_t request_id, absl::Time deadline) override;
+  void Forget(uint64_t /*request_id*/) override {}
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  const absl::Status status_;
+};
+
 class GrpcIndexerClient final : public IndexerClient {
  public:
   /// A client of the indexer worker at `address` (host:port) on a channel that takes answers up to
   /// kMaxReceiveMessageBytes (indexer_service/grpc_service.h). Connects lazily.
-  explicit GrpcIndexerClient(std::string address);
-  /// The same on `channel`, with `data_plane` (e.g. an NCCL transport bootstrapped over this
-  /// channel) in place of the SelectStream.
+  explicit GrpcIndexerClient(const std::string& address);
+  /// Makes a data plane over the client's stub (e.g. an NCCL transport bootstrapped by
+  /// OpenDataPlane); its error is what the data plane's Submit answers.
+  using DataPlaneMaker = std::function<absl::StatusOr<std::unique_ptr<SelectionTransport>>(
+      dsa::indexer::v1::IndexerService::Stub& stub)>;
+  /// The same on `channel`, with the data plane `make_data_plane` makes on the first
+  /// Selections() (the control plane never waits for it) in place of the SelectStream.
   GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
-                    std::unique_ptr<SelectionTransport> data_plane);
+                    DataPlaneMaker make_data_plane);
 
   /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes).
   static std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
@@ -35,7 +54,9 @@ class GrpcIndexerClient final : public IndexerClient {
   absl::Status BeginTurn(uint64_t sequence_id, absl::Time deadline) override;
   absl::Status Commit(uint64_t sequence_id, int accepted, absl::Time deadline) override;
   absl::Status Release(uint64_t sequence_id, absl::Time deadline) override;
-  /// The injected data plane, or the SelectStream (opened on first use).
+  /// The made data plane, or the SelectStream, opened on first use. A data plane that could not
+  /// be made is a transport whose every Submit answers the maker's error (the engine then drops
+  /// this client and makes a new one on its next call).
   SelectionTransport& Selections() override;
   absl::Status Close() override;
 
@@ -46,7 +67,8 @@ class GrpcIndexerClient final : public IndexerClient {
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;
-  std::mutex transport_mutex_;  // guards transport_
+  DataPlaneMaker make_data_plane_;  // empty: the SelectStream
+  std::mutex transport_mutex_;      // guards transport_
   std::unique_ptr<SelectionTransport> transport_;
 };
 

@@ -37,7 +37,9 @@ class InProcessIndexerClient final : public IndexerClient {
   /// A factory that serves kInProcessIndexerAddress, and every address `is_own_address` accepts
   /// (e.g. the attention worker's own gRPC address, where it also serves its indexer to the
   /// coordinator), with one shared client of `indexer`; any other address is INVALID_ARGUMENT
-  /// (a co-located attention worker dials no remote indexer).
+  /// (a co-located attention worker dials no remote indexer). The client is the same for the
+  /// factory's lifetime (the engine's drop-and-remake after UNAVAILABLE gets it back; it is
+  /// closed only when the engine shuts down).
   static IndexerClientFactory Factory(
       Indexer* indexer, IndexerMetrics* metrics = nullptr,
       std::function<bool(const std::string&)> is_own_address = nullptr);

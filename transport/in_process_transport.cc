@@ -59,7 +59,10 @@ absl::StatusOr<LayerSelection> InProcessSelectionTransport::Await(uint64_t reque
     return absl::NotFoundError(
         absl::StrCat("select request ", request_id, " was never submitted or is collected"));
   }
-  const auto ready = [this, request_id] { return answered_ids_.contains(request_id); };
+  // Answered, or no longer outstanding (forgotten, or collected by another Await meanwhile).
+  const auto ready = [this, request_id] {
+    return answered_ids_.contains(request_id) || !outstanding_.contains(request_id);
+  };
   if (deadline == absl::InfiniteFuture()) {
     answered_.wait(lock, ready);
   } else if (!answered_.wait_until(lock, absl::ToChronoTime(deadline), ready)) {
@@ -67,6 +70,10 @@ absl::StatusOr<LayerSelection> InProcessSelectionTransport::Await(uint64_t reque
         absl::StrCat("no selection for request ", request_id, " before the deadline"));
   }
   auto it = outstanding_.find(request_id);
+  if (it == outstanding_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("select request ", request_id, " was forgotten or collected while awaited"));
+  }
   absl::StatusOr<LayerSelection> answer = std::move(it->second);
   outstanding_.erase(it);
   answered_ids_.erase(request_id);
@@ -77,6 +84,7 @@ void InProcessSelectionTransport::Forget(uint64_t request_id) {
   std::lock_guard<std::mutex> lock(mutex_);
   outstanding_.erase(request_id);
   answered_ids_.erase(request_id);
+  answered_.notify_all();  // an Await of it ends with NOT_FOUND
 }
 
 absl::Status InProcessSelectionTransport::Close() {

@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "transport/grpc_indexer_client.h"
 
 namespace dsa {
@@ -14,16 +14,15 @@ IndexerClientFactory NcclIndexerClientFactory(NcclConnectOptions options) {
   return [options = std::move(options)](
              const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
     if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
-    std::shared_ptr<grpc::Channel> channel = GrpcIndexerClient::MakeChannel(address);
-    auto stub = dsa::indexer::v1::IndexerService::NewStub(channel);
-    auto transport = ConnectNcclSelectionTransport(*stub, options);
-    if (!transport.ok()) {
-      return absl::Status(transport.status().code(),
-                          absl::StrCat("indexer worker ", address,
-                                       ": NCCL data plane: ", transport.status().message()));
-    }
-    return std::shared_ptr<IndexerClient>(
-        std::make_shared<GrpcIndexerClient>(address, std::move(channel), std::move(*transport)));
+    // The control plane is usable at once; the communicator is bootstrapped on the first select.
+    return std::shared_ptr<IndexerClient>(std::make_shared<GrpcIndexerClient>(
+        address, GrpcIndexerClient::MakeChannel(address),
+        [options](dsa::indexer::v1::IndexerService::Stub& stub)
+            -> absl::StatusOr<std::unique_ptr<SelectionTransport>> {
+          DSA_ASSIGN_OR_RETURN(std::unique_ptr<NcclSelectionTransport> transport,
+                               ConnectNcclSelectionTransport(stub, options));
+          return std::unique_ptr<SelectionTransport>(std::move(transport));
+        }));
   };
 }
 

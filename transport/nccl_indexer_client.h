@@ -8,12 +8,13 @@
 
 namespace dsa {
 
-/// A factory that, for each indexer address, opens the gRPC channel and the NCCL data plane
-/// (OpenDataPlane, both ranks joining) before it hands the client over. Errors (the address is not
-/// used until a later call succeeds): ConnectNcclSelectionTransport's, with the address in the
-/// message: UNIMPLEMENTED (the indexer was built without NCCL), FAILED_PRECONDITION (it has no
-/// GPU), INVALID_ARGUMENT (H or D differ), UNAVAILABLE (CUDA or NCCL failed here, or the peer did
-/// not join within options.connect_timeout; two ranks on one GPU cannot join).
+/// A factory of GrpcIndexerClients whose data plane is NCCL: the control plane works at once; the
+/// communicator is bootstrapped (OpenDataPlane, both ranks joining, bounded by
+/// options.connect_timeout) on the client's first Selections(). A bootstrap that fails makes every
+/// Submit answer its error, with the address in the message: UNIMPLEMENTED (the indexer was built
+/// without NCCL), FAILED_PRECONDITION (it has no GPU), INVALID_ARGUMENT (H or D differ),
+/// UNAVAILABLE (CUDA or NCCL failed here, or the peer did not join in time; two ranks on one GPU
+/// cannot join). INVALID_ARGUMENT for an empty address.
 IndexerClientFactory NcclIndexerClientFactory(NcclConnectOptions options);
 
 }  // namespace dsa

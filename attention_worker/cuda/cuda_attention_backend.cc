@@ -109,57 +109,64 @@ class CudaAttentionBackend final : public AttentionBackend {
   }
 
   std::string Description() const override { return description_; }
+  int64_t slot_granularity() const override { return kSlotsPerBlock; }
   int64_t output_values_per_row() const override {
     return int64_t{options_.num_heads} * kMlaValueDim;
   }
 
+  // All or nothing: on any error the sequence keeps its slots and blocks. A shrink touches no
+  // device state, so it cannot fail.
   absl::Status ResizeSequence(uint64_t sequence_id, int64_t num_slots) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
-    SequenceKv& kv = sequences_[sequence_id];
-    const int64_t old_slots = kv.num_slots;
+    auto it = sequences_.find(sequence_id);
+    const int64_t old_slots = it == sequences_.end() ? 0 : it->second.num_slots;
     const auto need = static_cast<size_t>((num_slots + kSlotsPerBlock - 1) / kSlotsPerBlock);
-    if (need > kv.block_table.size()) {
-      const size_t more = need - kv.block_table.size();
-      if (more > free_blocks_.size()) {
-        if (kv.num_slots == 0) sequences_.erase(sequence_id);
-        return absl::ResourceExhaustedError(absl::StrCat("GPU KV pool full: ", more,
-                                                         " blocks needed, ", free_blocks_.size(),
-                                                         " free of ", num_blocks_));
+    if (num_slots <= old_slots) {  // host bookkeeping only
+      if (it == sequences_.end()) return absl::OkStatus();
+      SequenceKv& kv = it->second;
+      while (kv.block_table.size() > need) {
+        free_blocks_.push_back(kv.block_table.back());
+        kv.block_table.pop_back();
       }
-      for (size_t i = 0; i < more; ++i) {
-        kv.block_table.push_back(free_blocks_.back());
-        free_blocks_.pop_back();
-      }
-    }
-    while (kv.block_table.size() > need) {
-      free_blocks_.push_back(kv.block_table.back());
-      kv.block_table.pop_back();
-    }
-    kv.num_slots = num_slots;
-    if (num_slots == 0) {
-      sequences_.erase(sequence_id);
+      kv.num_slots = num_slots;
+      if (num_slots == 0) sequences_.erase(it);
       return absl::OkStatus();
     }
-    if (num_slots <= old_slots) return absl::OkStatus();
-    // Rows of the new slots, every layer, from the seed (MlaKvRow on the device).
-    DSA_CUDA_RETURN(table_.Reserve(kv.block_table.size()), "block table");
-    DSA_CUDA_RETURN(
-        cudaMemcpyAsync(table_.data, kv.block_table.data(), kv.block_table.size() * sizeof(int32_t),
-                        cudaMemcpyHostToDevice, stream_),
-        "block table upload");
-    for (int layer = 0; layer < options_.num_model_layers; ++layer) {
-      MlaKvRowsParams params;
-      params.seed = options_.seed;
-      params.layer = layer;
-      params.first_slot = old_slots;
-      params.num_slots = num_slots - old_slots;
-      params.block_table = table_.data;
-      params.num_physical_blocks = num_blocks_;
-      params.kv_pool = Pool(layer);
-      DSA_CUDA_RETURN(LaunchMlaKvRows(params, stream_), "KV rows");
+    std::vector<int32_t> table =
+        it == sequences_.end() ? std::vector<int32_t>() : it->second.block_table;
+    const size_t more = need > table.size() ? need - table.size() : 0;
+    if (more > free_blocks_.size()) {
+      return absl::ResourceExhaustedError(absl::StrCat("GPU KV pool full: ", more,
+                                                       " blocks needed, ", free_blocks_.size(),
+                                                       " free of ", num_blocks_));
     }
-    DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "KV rows");  // the host table stays valid
+    for (size_t i = 0; i < more; ++i) table.push_back(free_blocks_[free_blocks_.size() - 1 - i]);
+    // Rows of the new slots, every layer, from the seed (MlaKvRow on the device).
+    absl::Status written = [&]() -> absl::Status {
+      DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
+      DSA_CUDA_RETURN(table_.Reserve(table.size()), "block table");
+      DSA_CUDA_RETURN(cudaMemcpyAsync(table_.data, table.data(), table.size() * sizeof(int32_t),
+                                      cudaMemcpyHostToDevice, stream_),
+                      "block table upload");
+      for (int layer = 0; layer < options_.num_model_layers; ++layer) {
+        MlaKvRowsParams params;
+        params.seed = options_.seed;
+        params.layer = layer;
+        params.first_slot = old_slots;
+        params.num_slots = num_slots - old_slots;
+        params.block_table = table_.data;
+        params.num_physical_blocks = num_blocks_;
+        params.kv_pool = Pool(layer);
+        DSA_CUDA_RETURN(LaunchMlaKvRows(params, stream_), "KV rows");
+      }
+      DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "KV rows");  // `table` stays valid
+      return absl::OkStatus();
+    }();
+    if (!written.ok()) return written;  // the free list and the sequence untouched
+    free_blocks_.resize(free_blocks_.size() - more);
+    SequenceKv& kv = sequences_[sequence_id];
+    kv.block_table = std::move(table);
+    kv.num_slots = num_slots;
     return absl::OkStatus();
   }
 
@@ -194,7 +201,7 @@ class CudaAttentionBackend final : public AttentionBackend {
       by_k[rows[r].selection.size()].push_back(r);
     }
     for (const auto& [top_k, members] : by_k) {
-      const absl::Status status =
+      absl::Status status =
           AttendGroup(model_layer, rows, members, static_cast<int>(top_k), outputs);
       if (!status.ok()) return status;
     }
@@ -282,12 +289,12 @@ class CudaAttentionBackend final : public AttentionBackend {
     params.selections = d_selections_.data;
     params.top_k = top_k;
     params.out = d_out_.data;
-    const char* why = nullptr;
-    if (CanImplementSparseMlaDecodeTensorCores(params, &why)) {
-      const size_t scratch = SparseMlaDecodeScratchBytes(params);
-      DSA_CUDA_RETURN(workspace_.Reserve(scratch), "attention workspace");
-      params.workspace = workspace_.data;
-      params.workspace_bytes = workspace_.capacity;
+    // The split workspace is attached before the check: with automatic splits, CanImplement
+    // refuses a launch whose partials have nowhere to go.
+    DSA_CUDA_RETURN(workspace_.Reserve(SparseMlaDecodeScratchBytes(params)), "attention workspace");
+    params.workspace = workspace_.data;
+    params.workspace_bytes = workspace_.capacity;
+    if (CanImplementSparseMlaDecodeTensorCores(params)) {
       DSA_CUDA_RETURN(LaunchSparseMlaDecodeTensorCores(params, stream_), "sparse MLA decode");
     } else {
       DSA_CUDA_RETURN(LaunchSparseMlaDecodeCudaCores(params, stream_), "sparse MLA decode");

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -128,7 +129,10 @@ class FakeIndexerClient final : public IndexerClient {
   std::unique_ptr<IndexKeyAppend> BeginAppend(uint64_t, absl::Time) override {
     return std::make_unique<FakeIndexKeyAppend>(append_status);
   }
-  absl::Status BeginTurn(uint64_t, absl::Time) override { return absl::OkStatus(); }
+  absl::Status BeginTurn(uint64_t, absl::Time) override {
+    ++begin_turns;
+    return absl::OkStatus();
+  }
   absl::Status Commit(uint64_t, int, absl::Time) override { return absl::OkStatus(); }
   absl::Status Release(uint64_t id, absl::Time) override {
     std::lock_guard<std::mutex> lock(mutex);
@@ -144,6 +148,7 @@ class FakeIndexerClient final : public IndexerClient {
   absl::Status append_status;
   std::mutex mutex;
   std::vector<uint64_t> created, released;
+  int begin_turns = 0;
 };
 
 // Logs every attend and keeps slot counts; outputs one value per row: its first selected slot.
@@ -153,7 +158,10 @@ class FakeBackend final : public AttentionBackend {
   std::string Description() const override { return "fake"; }
   int64_t output_values_per_row() const override { return 1; }
   absl::Status ResizeSequence(uint64_t id, int64_t num_slots) override {
-    if (!resize_failure.ok() && num_slots > (*slots_)[id]) return resize_failure;
+    if (!resize_failure.ok() && num_slots > (*slots_)[id] &&
+        (fail_ids.empty() || fail_ids.contains(id))) {
+      return resize_failure;
+    }
     if (num_slots == 0) {
       slots_->erase(id);
     } else {
@@ -169,7 +177,8 @@ class FakeBackend final : public AttentionBackend {
     }
     return absl::OkStatus();
   }
-  absl::Status resize_failure;
+  absl::Status resize_failure;  // non-OK: a grow fails with it (of fail_ids only, when not empty)
+  std::set<uint64_t> fail_ids;
 
  private:
   Log* log_;
@@ -354,7 +363,9 @@ TEST_F(EngineTest, ABackendOutOfMemoryFailsTheStepWithNothingChanged) {
   Start("FS", 1);
   MustPrefill(1, 10);
   MustPrefill(2, 10);
+  // Sequence 1 grows first; sequence 2's grow fails: 1 must be shrunk back.
   backend_->resize_failure = absl::ResourceExhaustedError("device memory");
+  backend_->fail_ids = {2};
   const StepMember members[] = {{1, 1}, {2, 2}};
   auto step = engine_->DecodeStep(members);
   EXPECT_EQ(step.status().code(), absl::StatusCode::kResourceExhausted);
@@ -366,6 +377,70 @@ TEST_F(EngineTest, ABackendOutOfMemoryFailsTheStepWithNothingChanged) {
   EXPECT_EQ(engine_->GetInfo().kv_used_slots, 20);
   backend_->resize_failure = absl::OkStatus();
   ASSERT_TRUE(engine_->DecodeStep(members).ok());
+}
+
+TEST_F(EngineTest, ABackendOutOfMemoryAtAContinueLeavesTheIndexerUntouched) {
+  Start("FS", 1);
+  MustPrefill(1, 100);
+  backend_->resize_failure = absl::ResourceExhaustedError("device memory");
+  PrefillSpec spec;
+  spec.sequence_id = 1;
+  spec.context_length = 500;
+  spec.continue_sequence = true;
+  EXPECT_EQ(engine_->Prefill(spec).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(clients_[0]->begin_turns, 0);  // the indexer never heard of the continue
+  EXPECT_EQ(backend_slots_[1], 100);
+  EXPECT_EQ(engine_->GetInfo().kv_used_slots, 100);
+  backend_->resize_failure = absl::OkStatus();
+  ASSERT_TRUE(engine_->Prefill(spec).ok());
+  EXPECT_EQ(clients_[0]->begin_turns, 1);
+  EXPECT_EQ(backend_slots_[1], 500);
+}
+
+// A backend that holds slots in blocks of 64: the engine counts whole blocks, so the capacity is
+// never passed by rounding.
+class BlockBackend final : public AttentionBackend {
+ public:
+  std::string Description() const override { return "blocks"; }
+  int64_t output_values_per_row() const override { return 1; }
+  int64_t slot_granularity() const override { return 64; }
+  absl::Status ResizeSequence(uint64_t, int64_t) override { return absl::OkStatus(); }
+  absl::Status AttendLayer(int, std::span<const AttentionRowRef>, std::span<float>) override {
+    return absl::OkStatus();
+  }
+};
+
+TEST(EngineAccountingTest, KvIsCountedInTheBackendsSlotGranularity) {
+  auto schedule = MliSchedule::FromPattern("F", 1);
+  ASSERT_TRUE(schedule.ok());
+  Log log;
+  AttentionEngineOptions options;
+  options.kv_capacity_slots = 256;  // 4 blocks
+  auto engine = AttentionEngine::Create(
+      *schedule, MakeModel(1), std::make_unique<BlockBackend>(),
+      [&log](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+        return std::shared_ptr<IndexerClient>(std::make_shared<FakeIndexerClient>(address, &log));
+      },
+      options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  PrefillSpec spec;
+  spec.context_length = 65;  // 2 blocks
+  spec.indexer_worker = "indexer-a";
+  spec.top_k = kK;
+  for (uint64_t id : {1, 2}) {
+    spec.sequence_id = id;
+    ASSERT_TRUE((*engine)->Prefill(spec).ok()) << id;
+  }
+  EXPECT_EQ((*engine)->GetInfo().kv_used_slots, 256);
+  spec.sequence_id = 3;
+  spec.context_length = 1;  // one more block: over the 4
+  EXPECT_EQ((*engine)->Prefill(spec).status().code(), absl::StatusCode::kResourceExhausted);
+  // A step within the blocks held costs nothing more; one that crosses a block is refused.
+  const StepMember member{1, 1};
+  EXPECT_EQ((*engine)->DecodeStep(std::span<const StepMember>(&member, 1)).status().code(),
+            absl::StatusCode::kOk);  // 65 -> 66 slots, still 2 blocks
+  EXPECT_TRUE((*engine)->Release(2, false).ok());
+  EXPECT_EQ((*engine)->GetInfo().kv_used_slots, 128);
 }
 
 TEST_F(EngineTest, AFailedAppendReleasesTheIndexerSequenceAndLeavesNothing) {

@@ -366,6 +366,10 @@ TEST(SchedulerColocatedTest, ASequenceRunsOnTheAttentionWorkerThatHoldsItsIndexe
       Scheduler::Create(options, {{"a0", 400}}, {{"a0", 0}, {"a1", 0}}).status();
   EXPECT_EQ(mismatch.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(mismatch.message()), HasSubstr("1 indexer and 2 attention workers"));
+  const absl::Status misordered =
+      Scheduler::Create(options, {{"a1", 400}, {"a0", 400}}, {{"a0", 0}, {"a1", 0}}).status();
+  EXPECT_EQ(misordered.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(misordered.message()), HasSubstr("indexer 0 is a1"));
 }
 
 }  // namespace
