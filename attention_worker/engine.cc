@@ -31,6 +31,10 @@ constexpr int64_t kPrefillChunkSlots = 4096;
 // be served, and refusing it here keeps every slot count far from int64 overflow.
 constexpr int64_t kMaxContextSlots = (int64_t{1} << 31) - 1;
 
+// A decode step generates its groups' indexer inputs on several threads only with at least this
+// many groups a thread (a group of one row is about 0.1-0.2 ms of the pattern model at H = 64).
+constexpr int kMinGroupsPerGenerationThread = 4;
+
 // Verifier rows of one step: 1, or d + 1 with d <= 4.
 constexpr int kMaxStepRows = 5;
 
@@ -584,28 +588,38 @@ absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
     LayerSelectRequest select;
     select.num_heads = num_heads;
     select.head_dim = head_dim;
-    select.groups.reserve(batch.members.size());
-    for (int i : batch.members) {
-      const StepState::Member& m = step.members[i];
-      SelectRowGroup& group = select.groups.emplace_back();
+    const int num_groups = static_cast<int>(batch.members.size());
+    select.groups.resize(num_groups);
+    // The groups' indexer inputs are pure functions of (model, layer, positions): generated on up
+    // to prefill_threads threads when the batch is large enough to pay for them.
+    std::vector<absl::Status> generated(num_groups);
+    const int threads =
+        num_groups >= kMinGroupsPerGenerationThread * 2
+            ? std::min(options_.prefill_threads, num_groups / kMinGroupsPerGenerationThread)
+            : 1;
+    ParallelFor(num_groups, threads, [&](int64_t g) {
+      const StepState::Member& m = step.members[batch.members[g]];
+      SelectRowGroup& group = select.groups[g];
       group.sequence_id = m.sequence->id;
       group.layer = f;
       group.first_position = m.first_position;
       group.num_rows = m.rows;
       group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
       group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
-      for (int r = 0; r < m.rows; ++r) {
-        DSA_RETURN_IF_ERROR(model_.IndexerQuery(
+      for (int r = 0; r < m.rows && generated[g].ok(); ++r) {
+        generated[g] = model_.IndexerQuery(
             f, m.first_position + r,
             std::span<float>(group.queries.data() + static_cast<size_t>(r) * num_heads * head_dim,
                              static_cast<size_t>(num_heads) * head_dim),
             std::span<float>(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
-                             num_heads)));
+                             num_heads));
       }
+      if (!generated[g].ok()) return;
       group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
-      DSA_RETURN_IF_ERROR(SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f,
-                                            m.first_position, m.rows, group.new_index_keys));
-    }
+      generated[g] = SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f, m.first_position,
+                                       m.rows, group.new_index_keys);
+    });
+    for (const absl::Status& status : generated) DSA_RETURN_IF_ERROR(status);
     auto id = batch.client->Selections().Submit(std::move(select));
     if (!id.ok()) {
       DropClient(batch.client);

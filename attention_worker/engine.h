@@ -50,7 +50,8 @@ struct AttentionEngineOptions {
   absl::Duration select_timeout = absl::Seconds(20);
   /// How long Prefill's indexer calls (shape, create, begin turn, commit, release) may take.
   absl::Duration indexer_call_timeout = absl::Seconds(30);
-  /// Threads that generate index keys during Prefill (>= 1).
+  /// Threads that generate index keys during Prefill, and a large decode step's indexer inputs
+  /// (>= 1).
   int prefill_threads = 2;
   /// Optional: called for every attended row of every model layer during DecodeStep, on the
   /// calling thread, before the step returns (also for steps that fail later). Must be

@@ -484,7 +484,8 @@ struct Observation {
   bool operator==(const Observation&) const = default;
 };
 
-std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::string& address) {
+std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::string& address,
+                                     int num_sequences = 2, int threads = 2) {
   std::vector<Observation> observed;
   std::mutex mutex;
   auto schedule = MliSchedule::FromPattern("FSFSFS", 1);
@@ -495,6 +496,7 @@ std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::st
   backend_options.seed = 5;
   auto backend = CpuAttentionBackend::Create(backend_options);
   AttentionEngineOptions options;
+  options.prefill_threads = threads;
   options.observer = [&](const AttendedRow& row) {
     std::lock_guard<std::mutex> lock(mutex);
     observed.push_back({row.sequence_id, row.model_layer, row.position,
@@ -504,10 +506,13 @@ std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::st
   auto engine = AttentionEngine::Create(*schedule, MakeModel(3), std::move(*backend),
                                         std::move(factory), options);
   EXPECT_TRUE(engine.ok()) << engine.status();
-  for (uint64_t id : {11, 12}) {
+  std::vector<StepMember> plain, speculative;
+  for (uint64_t id = 11; id < 11 + static_cast<uint64_t>(num_sequences); ++id) {
+    plain.push_back({id, 1});
+    speculative.push_back({id, id == 11 ? 3 : 1});
     PrefillSpec spec;
     spec.sequence_id = id;
-    spec.context_length = 700 + 100 * static_cast<int64_t>(id);
+    spec.context_length = 700 + 100 * static_cast<int64_t>(id % 16);
     spec.prefix_block_ids = {42};
     spec.indexer_worker = address;
     spec.top_k = kK;
@@ -516,8 +521,6 @@ std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::st
     auto prefilled = (*engine)->Prefill(spec);
     EXPECT_TRUE(prefilled.ok()) << prefilled.status();
   }
-  const StepMember plain[] = {{11, 1}, {12, 1}};
-  const StepMember speculative[] = {{11, 3}, {12, 1}};
   for (int step = 0; step < 3; ++step) EXPECT_TRUE((*engine)->DecodeStep(plain).ok());
   EXPECT_TRUE((*engine)->DecodeStep(speculative).ok());
   EXPECT_TRUE((*engine)->Commit(11, 1).ok());
@@ -554,6 +557,20 @@ TEST(EngineTransportsTest, InProcessAndGrpcIndexerClientsGiveIdenticalSelections
     with_selection += in_process[i].selection[0] >= 0;
   }
   EXPECT_EQ(with_selection, static_cast<int>(in_process.size()));
+}
+
+// A batch large enough that its indexer inputs are generated on several threads gives exactly the
+// observations one thread gives.
+TEST(EngineTransportsTest, ThreadedInputGenerationChangesNothing) {
+  std::vector<std::vector<Observation>> runs;
+  for (int threads : {1, 3}) {
+    auto local = Indexer::Create({8192, kH, kD});
+    ASSERT_TRUE(local.ok());
+    runs.push_back(RunWorkload(InProcessIndexerClient::Factory(local->get()),
+                               kInProcessIndexerAddress, /*num_sequences=*/13, threads));
+  }
+  ASSERT_EQ(runs[0].size(), 13u * 6 * 5 + 6 * (3 + 12));
+  EXPECT_TRUE(runs[0] == runs[1]);
 }
 
 TEST(EngineTransportsTest, TheInProcessFactoryRefusesARemoteAddress) {
