@@ -109,6 +109,19 @@ struct AttentionEngine::Sequence {
   int64_t kv_slots = 0;  // slots held in the backend (and counted in kv_used_slots_)
 };
 
+absl::Status AttentionEngine::CheckUsable(const Sequence& s, bool check_pending) {
+  if (!s.live) return absl::NotFoundError(absl::StrCat("sequence ", s.id, " not found"));
+  if (!s.broken.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", s.id, " is broken (", s.broken, "); release it"));
+  }
+  if (check_pending && s.pending_rows > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence ", s.id, " has a speculative step awaiting Commit"));
+  }
+  return absl::OkStatus();
+}
+
 // The state of one decode step: the batch, its indexer requests and their selections.
 struct AttentionEngine::StepState {
   struct Member {
@@ -436,15 +449,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec
   std::shared_ptr<Sequence> sequence = FindSequence(id);
   if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   std::lock_guard<std::mutex> sequence_lock(sequence->mutex);
-  if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
-  if (!sequence->broken.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", id, " is broken (", sequence->broken, "); release it"));
-  }
-  if (sequence->pending_rows > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", id, " has a speculative step awaiting Commit"));
-  }
+  DSA_RETURN_IF_ERROR(CheckUsable(*sequence, /*check_pending=*/true));
   if (spec.prefix_source_id.has_value()) {
     return absl::InvalidArgumentError("continue_sequence cannot take a prefix source");
   }
@@ -517,15 +522,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
   int64_t total_rows = 0;
   for (StepState::Member& m : step.members) {
     const Sequence& s = *m.sequence;
-    if (!s.live) return absl::NotFoundError(absl::StrCat("sequence ", s.id, " not found"));
-    if (!s.broken.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence ", s.id, " is broken (", s.broken, "); release it"));
-    }
-    if (s.pending_rows > 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence ", s.id, " has a speculative step awaiting Commit"));
-    }
+    DSA_RETURN_IF_ERROR(CheckUsable(s, /*check_pending=*/true));
     m.first_position = s.length;
     m.selections.resize(num_full);
     m.top_k.resize(num_full);
@@ -769,11 +766,7 @@ absl::Status AttentionEngine::Commit(uint64_t id, int accepted) {
   std::shared_ptr<Sequence> sequence = FindSequence(id);
   if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
   std::lock_guard<std::mutex> lock(sequence->mutex);
-  if (!sequence->live) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
-  if (!sequence->broken.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence ", id, " is broken (", sequence->broken, "); release it"));
-  }
+  DSA_RETURN_IF_ERROR(CheckUsable(*sequence, /*check_pending=*/false));
   if (sequence->pending_rows == 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence ", id, " has no speculative step awaiting Commit"));

@@ -217,6 +217,8 @@ class AttentionEngine {
   absl::Status AttendLayer(int model_layer, int attended_rank, StepState& step);
   absl::Status RollbackStep(absl::Status status, StepState& step);
 
+  // NOT_FOUND unless live; FAILED_PRECONDITION if broken or (check_pending) a step awaits Commit.
+  static absl::Status CheckUsable(const Sequence& sequence, bool check_pending);
   // The client of the indexer at `address` (made on first use).
   absl::StatusOr<std::shared_ptr<IndexerClient>> GetClient(const std::string& address);
   // Forgets `client` if it is still the one for its address (its data plane ended).

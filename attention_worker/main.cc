@@ -71,10 +71,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->capture_default_str();
   app.add_option("--attention-heads", options.attention_heads, "Attention query heads (MQA)")
       ->capture_default_str();
-  app.add_option("--kv-capacity-slots", options.kv_capacity_slots,
+  app.add_option("--kv-capacity-slots", options.engine.kv_capacity_slots,
                  "KV-cache slots over all sequences (one slot = one position of every layer)")
       ->capture_default_str();
-  app.add_option("--prefill-threads", options.prefill_threads,
+  app.add_option("--prefill-threads", options.engine.prefill_threads,
                  "Threads generating index keys and KV rows during a prefill")
       ->capture_default_str();
   app.add_option("--seed", seed, "Seed of the pattern model, the KV cache and attention queries")
@@ -237,7 +237,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     backend_options.num_model_layers = schedule->num_layers();
     backend_options.num_heads = app.count("--attention-heads") > 0 ? options.attention_heads : 128;
     backend_options.seed = seed;
-    backend_options.capacity_slots = options.kv_capacity_slots;
+    backend_options.capacity_slots = options.engine.kv_capacity_slots;
     auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
     if (!backend.ok()) {
       dsa::LogJson("error", "cannot use the attention GPU",
@@ -245,8 +245,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       return 2;
     }
     engine = dsa::AttentionEngine::Create(*schedule, std::move(*model), std::move(*backend),
-                                          std::move(indexer_clients), dsa::ToEngineOptions(options),
-                                          &metrics);
+                                          std::move(indexer_clients), options.engine, &metrics);
 #else
     dsa::LogJson("error",
                  "--attention-device cuda: this dsa-attention was built without CUDA (configure "
@@ -277,7 +276,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"kv_dim", attention_device == "cuda" ? 576 : options.kv_dim},
       {"attention_heads", service->engine().backend().output_values_per_row() /
                               (attention_device == "cuda" ? 512 : options.kv_dim)},
-      {"kv_capacity_slots", options.kv_capacity_slots},
+      {"kv_capacity_slots", options.engine.kv_capacity_slots},
       {"transport", transport},
       {"attention_device", service->engine().backend().Description()}};
   if (indexer != nullptr) {

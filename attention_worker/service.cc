@@ -39,16 +39,6 @@ absl::StatusOr<PrefillSpec> ToPrefillSpec(const av1::PrefillRequest& request) {
 
 }  // namespace
 
-AttentionEngineOptions ToEngineOptions(const AttentionWorkerOptions& options) {
-  AttentionEngineOptions engine_options;
-  engine_options.kv_capacity_slots = options.kv_capacity_slots;
-  engine_options.select_timeout = options.select_timeout;
-  engine_options.indexer_call_timeout = options.indexer_call_timeout;
-  engine_options.prefill_threads = options.prefill_threads;
-  engine_options.observer = options.observer;
-  return engine_options;
-}
-
 absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(
     MliSchedule schedule, PatternModel model, const AttentionWorkerOptions& options,
     IndexerClientFactory indexer_clients, AttentionMetrics* metrics) {
@@ -57,11 +47,11 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(
   backend_options.kv_dim = options.kv_dim;
   backend_options.attention_heads = options.attention_heads;
   backend_options.seed = options.seed;
-  backend_options.fill_threads = options.prefill_threads;
+  backend_options.fill_threads = options.engine.prefill_threads;
   DSA_ASSIGN_OR_RETURN(std::unique_ptr<CpuAttentionBackend> backend,
                        CpuAttentionBackend::Create(backend_options));
   return AttentionEngine::Create(std::move(schedule), std::move(model), std::move(backend),
-                                 std::move(indexer_clients), ToEngineOptions(options), metrics);
+                                 std::move(indexer_clients), options.engine, metrics);
 }
 
 AttentionServiceImpl::AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine)

@@ -19,9 +19,8 @@
 
 namespace dsa {
 
-/// The attention worker's shapes, capacity, seed and timeouts with the CPU backend (the pattern
-/// model and the MLI schedule are passed separately); see AttentionEngineOptions for the fields
-/// it shares.
+/// The attention worker's settings with the CPU backend (the pattern model and the MLI schedule are
+/// passed separately): the CPU backend's shapes and seed, and the engine's own options.
 struct AttentionWorkerOptions {
   /// Dk = Dv of the CPU backend's KV cache and attention queries, >= 1.
   int kv_dim = 32;
@@ -29,16 +28,9 @@ struct AttentionWorkerOptions {
   int attention_heads = 8;
   /// Seed of the KV cache and the attention queries (Philox4x32 key), see KvCacheRow.
   uint64_t seed = 0;
-  int64_t kv_capacity_slots = int64_t{4} << 20;
-  absl::Duration select_timeout = absl::Seconds(20);
-  absl::Duration indexer_call_timeout = absl::Seconds(30);
-  /// Threads that generate index keys and KV rows during Prefill (>= 1).
-  int prefill_threads = 2;
-  std::function<void(const AttendedRow&)> observer;
+  /// Capacity, timeouts, threads (also the CPU backend's fill threads) and observer.
+  AttentionEngineOptions engine;
 };
-
-/// The engine's share of `options` (capacity, timeouts, threads, observer).
-AttentionEngineOptions ToEngineOptions(const AttentionWorkerOptions& options);
 
 /// An engine with the CPU backend (kv_dim, attention_heads, seed) and `indexer_clients`.
 /// Errors: AttentionEngine::Create's and CpuAttentionBackend::Create's INVALID_ARGUMENT.

@@ -36,6 +36,10 @@ dsa::indexer::v1::SpinSettings ToSpinSettings(const SpinConfig& config);
 /// absl::Status -> grpc::Status with the same code (Abseil's codes are gRPC's) and message.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
+/// grpc::Status -> absl::Status with the same code; the message prefixed "<context>: " when
+/// `context` is not empty (e.g. "indexer worker host:port: Commit").
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view context = {});
+
 /// Decodes, validates and runs one SelectRequest against `indexer` (shared by Select and
 /// SelectStream; exposed for tests and in-process callers).
 ///

@@ -14,12 +14,6 @@ namespace {
 
 namespace iv1 = ::dsa::indexer::v1;
 
-absl::Status FromGrpc(const grpc::Status& status, absl::string_view context) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      absl::StrCat(context, ": ", status.error_message()));
-}
-
 // One AppendIndexKeys client stream.
 class GrpcIndexKeyAppend final : public IndexKeyAppend {
  public:
@@ -61,8 +55,8 @@ class GrpcIndexKeyAppend final : public IndexKeyAppend {
   absl::StatusOr<int64_t> Finish() override {
     done_ = true;
     if (!ended_) writer_->WritesDone();
-    DSA_RETURN_IF_ERROR(FromGrpc(writer_->Finish(),
-                                 absl::StrCat("indexer worker ", address_, ": AppendIndexKeys")));
+    DSA_RETURN_IF_ERROR(FromGrpcStatus(
+        writer_->Finish(), absl::StrCat("indexer worker ", address_, ": AppendIndexKeys")));
     return response_.keys_appended();
   }
 
@@ -118,8 +112,8 @@ absl::StatusOr<IndexerShape> GrpcIndexerClient::GetShape(absl::Time deadline) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
   iv1::GetLoadResponse load;
-  DSA_RETURN_IF_ERROR(FromGrpc(stub_->GetLoad(&context, iv1::GetLoadRequest(), &load),
-                               absl::StrCat("indexer worker ", address_, ": GetLoad")));
+  DSA_RETURN_IF_ERROR(FromGrpcStatus(stub_->GetLoad(&context, iv1::GetLoadRequest(), &load),
+                                     absl::StrCat("indexer worker ", address_, ": GetLoad")));
   return IndexerShape{load.num_heads(), load.head_dim()};
 }
 
@@ -134,11 +128,7 @@ absl::Status GrpcIndexerClient::CreateSequence(const IndexerSequenceSpec& spec,
     create.set_prefix_source_id(*spec.prefix_source_id);
     create.set_prefix_slots(spec.prefix_slots);
   }
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
-  iv1::CreateSequenceResponse created;
-  return FromGrpc(stub_->CreateSequence(&context, create, &created),
-                  absl::StrCat("indexer worker ", address_, ": CreateSequence"));
+  return Unary(&iv1::IndexerService::Stub::CreateSequence, create, "CreateSequence", deadline);
 }
 
 std::unique_ptr<IndexKeyAppend> GrpcIndexerClient::BeginAppend(uint64_t sequence_id,
@@ -146,35 +136,35 @@ std::unique_ptr<IndexKeyAppend> GrpcIndexerClient::BeginAppend(uint64_t sequence
   return std::make_unique<GrpcIndexKeyAppend>(stub_.get(), address_, sequence_id, deadline);
 }
 
-absl::Status GrpcIndexerClient::BeginTurn(uint64_t sequence_id, absl::Time deadline) {
+template <typename Request, typename Response>
+absl::Status GrpcIndexerClient::Unary(grpc::Status (iv1::IndexerService::Stub::*method)(
+                                          grpc::ClientContext*, const Request&, Response*),
+                                      const Request& request, absl::string_view name,
+                                      absl::Time deadline) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
+  Response response;
+  return FromGrpcStatus((stub_.get()->*method)(&context, request, &response),
+                        absl::StrCat("indexer worker ", address_, ": ", name));
+}
+
+absl::Status GrpcIndexerClient::BeginTurn(uint64_t sequence_id, absl::Time deadline) {
   iv1::BeginTurnRequest request;
   request.set_sequence_id(sequence_id);
-  iv1::BeginTurnResponse response;
-  return FromGrpc(stub_->BeginTurn(&context, request, &response),
-                  absl::StrCat("indexer worker ", address_, ": BeginTurn"));
+  return Unary(&iv1::IndexerService::Stub::BeginTurn, request, "BeginTurn", deadline);
 }
 
 absl::Status GrpcIndexerClient::Commit(uint64_t sequence_id, int accepted, absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
   iv1::CommitRequest request;
   request.set_sequence_id(sequence_id);
   request.set_accepted(accepted);
-  iv1::CommitResponse response;
-  return FromGrpc(stub_->Commit(&context, request, &response),
-                  absl::StrCat("indexer worker ", address_, ": Commit"));
+  return Unary(&iv1::IndexerService::Stub::Commit, request, "Commit", deadline);
 }
 
 absl::Status GrpcIndexerClient::Release(uint64_t sequence_id, absl::Time deadline) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(deadline));
   iv1::ReleaseRequest request;
   request.set_sequence_id(sequence_id);
-  iv1::ReleaseResponse response;
-  return FromGrpc(stub_->Release(&context, request, &response),
-                  absl::StrCat("indexer worker ", address_, ": Release"));
+  return Unary(&iv1::IndexerService::Stub::Release, request, "Release", deadline);
 }
 
 SelectionTransport& GrpcIndexerClient::Selections() {

@@ -64,6 +64,13 @@ class GrpcIndexerClient final : public IndexerClient {
   static IndexerClientFactory Factory();
 
  private:
+  // One unary call of `method` with `deadline`; its status as FromGrpcStatus gives it, prefixed
+  // "indexer worker <address>: <name>".
+  template <typename Request, typename Response>
+  absl::Status Unary(grpc::Status (dsa::indexer::v1::IndexerService::Stub::*method)(
+                         grpc::ClientContext*, const Request&, Response*),
+                     const Request& request, absl::string_view name, absl::Time deadline);
+
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;

@@ -7,16 +7,13 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "indexer_service/grpc_service.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {
 namespace {
 
 namespace v1 = dsa::indexer::v1;
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
 
 }  // namespace
 

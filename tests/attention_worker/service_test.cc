@@ -133,9 +133,9 @@ class AttentionServiceTest : public ::testing::Test {
     AttentionWorkerOptions options;
     options.kv_dim = kKvDim;
     options.attention_heads = kAttentionHeads;
-    options.kv_capacity_slots = kv_capacity_slots;
+    options.engine.kv_capacity_slots = kv_capacity_slots;
     options.seed = kSeed;
-    options.observer = [this](const AttendedRow& row) {
+    options.engine.observer = [this](const AttendedRow& row) {
       std::lock_guard<std::mutex> lock(recorded_mutex_);
       recorded_.push_back({row.sequence_id, row.model_layer, row.attended_full_layer, row.position,
                            std::vector<int32_t>(row.selection.begin(), row.selection.end()),

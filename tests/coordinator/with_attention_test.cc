@@ -62,7 +62,7 @@ class CoordinatorWithAttentionTest : public ::testing::Test {
     AttentionWorkerOptions options;
     options.kv_dim = 8;
     options.attention_heads = 2;
-    options.kv_capacity_slots = 1 << 16;
+    options.engine.kv_capacity_slots = 1 << 16;
     options.seed = 3;
     auto attention = AttentionServiceImpl::Create(*schedule, *model, options);
     ASSERT_TRUE(attention.ok()) << attention.status();
