@@ -4,10 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attention_worker/pattern_model.h"
 
 namespace dsa {
 
@@ -16,6 +19,46 @@ struct AttentionRowRef {
   uint64_t sequence_id = 0;
   int64_t position = 0;                // t: the row attends slots <= t
   std::span<const int32_t> selection;  // int32 [K]: the selection of sigma(l), -1 padding
+  /// The device-resident path only (then `selection` is empty): the selection int32 [top_k] in
+  /// the backend's GPU memory (a DeviceSelectSlot's), read on the backend's stream after its
+  /// DeviceStep::WaitForSelections.
+  const int32_t* device_selection = nullptr;
+  int top_k = 0;  // K of device_selection
+};
+
+/// One full layer's device-resident select of a decode step (the co-located path, issue 10
+/// section 2): the indexer's queries generated on the backend's stream, and where the co-located
+/// indexer writes the selections (transport/selection_transport.h DeviceSelectBuffers).
+struct DeviceSelectSlot {
+  const float* queries = nullptr;    // device fp32 [rows, H, D]: PatternModel::IndexerQuery's
+  void* queries_ready = nullptr;     // cudaEvent_t, recorded after them on the backend's stream
+  int32_t* selections = nullptr;     // device int32 [rows, K], the indexer's to write
+  void* selections_ready = nullptr;  // cudaEvent_t, the indexer's to record
+};
+
+/// A decode step's device buffers (AttentionBackend::BeginDeviceStep): one DeviceSelectSlot per
+/// full layer, reused by later steps once this one is destroyed. Used by one step at a time.
+class DeviceStep {
+ public:
+  virtual ~DeviceStep() = default;
+  /// Generates on the backend's stream the indexer queries of full layer `full_layer` (in [0, the
+  /// model's layers)) for one row at each of `positions` (PatternModel::IndexerQuery, bit for bit),
+  /// records queries_ready, and sizes the selections for [positions.size(), top_k]. The slot's
+  /// buffers stay valid until the step is destroyed. INVALID_ARGUMENT (layer, K, no rows),
+  /// RESOURCE_EXHAUSTED (device memory), INTERNAL (a device error).
+  virtual absl::StatusOr<DeviceSelectSlot> PrepareSelect(int full_layer,
+                                                         std::span<const int64_t> positions,
+                                                         int top_k) = 0;
+  /// Makes the backend's stream wait, on the GPU, for the slot's selections_ready before any later
+  /// work (the host does not wait). Call only after the indexer recorded it
+  /// (SelectionTransport::AwaitEnqueued). INVALID_ARGUMENT (no such slot), INTERNAL.
+  virtual absl::Status WaitForSelections(int full_layer) = 0;
+  /// Blocks until the backend's stream has run all work enqueued so far; INTERNAL on a device
+  /// error.
+  virtual absl::Status Finish() = 0;
+  /// The step's selects may still run on the indexer (a request abandoned after its deadline): its
+  /// buffers are never reused or freed (a leak, so that no late write lands in a later step).
+  virtual void Abandon() = 0;
 };
 
 /// The KV cache of every model layer for the worker's sequences, and the attention over it.
@@ -45,9 +88,31 @@ class AttentionBackend {
   /// core attention over the top-K slots; DESIGN.md 3). With `outputs` non-empty (fp32
   /// [rows.size(), output_values_per_row()]), the outputs are copied there (tests, tools).
   /// Errors: INVALID_ARGUMENT (a selected slot beyond the sequence's slots, an unknown sequence,
-  /// output size), INTERNAL (a device error).
+  /// output size), INTERNAL (a device error). A device backend may only enqueue the work when no
+  /// outputs are asked for: its errors then surface at a later call or at Synchronize.
   virtual absl::Status AttendLayer(int model_layer, std::span<const AttentionRowRef> rows,
                                    std::span<float> outputs) = 0;
+
+  /// Waits until every AttendLayer so far has run (a device backend's queue); INTERNAL on a device
+  /// error. The engine calls it at the end of each decode step. The default does nothing.
+  virtual absl::Status Synchronize() { return absl::OkStatus(); }
+
+  // ---- The device-resident path (co-located indexer on the backend's GPU; optional) ----
+
+  /// The CUDA ordinal of the GPU holding DeviceStep buffers, or -1: no device-resident path (the
+  /// default, the CPU backend).
+  virtual int device_ordinal() const { return -1; }
+
+  /// Readies BeginDeviceStep for `model`'s indexer queries (the CUDA backend uploads its tables,
+  /// about 128 MiB plus 0.8 MB a layer). UNIMPLEMENTED without a device path; RESOURCE_EXHAUSTED.
+  virtual absl::Status EnableDeviceSelects(const PatternModel& model) {
+    return absl::UnimplementedError("this attention backend has no device-resident path");
+  }
+
+  /// A step's device buffers. UNIMPLEMENTED unless EnableDeviceSelects succeeded.
+  virtual absl::StatusOr<std::unique_ptr<DeviceStep>> BeginDeviceStep() {
+    return absl::UnimplementedError("this attention backend has no device-resident path");
+  }
 };
 
 }  // namespace dsa

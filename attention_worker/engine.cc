@@ -107,6 +107,7 @@ struct AttentionEngine::Sequence {
   int64_t length = 0;    // committed slots (t of the next step)
   int pending_rows = 0;  // > 0: a step of that many rows awaits Commit
   int64_t kv_slots = 0;  // slots held in the backend (and counted in kv_used_slots_)
+  int top_k = 0;         // K of the indexer sequence
 };
 
 absl::Status AttentionEngine::CheckUsable(const Sequence& s, bool check_pending) {
@@ -129,9 +130,12 @@ struct AttentionEngine::StepState {
     int rows = 0;
     int64_t first_position = 0;  // t
     int batch = 0;               // index into batches
-    // Per full layer (rank): the selections int32 [rows, top_k].
+    // Per full layer (rank): the selections int32 [rows, top_k] (host), or with the device form
+    // their place on the GPU (null until enqueued).
     std::vector<std::vector<int32_t>> selections;
+    std::vector<const int32_t*> device_selections;
     std::vector<int> top_k;
+    int64_t batch_row = 0;  // the member's first row in its batch's requests
     int64_t blocks_scored = 0;
     int64_t blocks_visible = 0;
     int audited_rows = 0;
@@ -145,12 +149,22 @@ struct AttentionEngine::StepState {
     // answer was collected.
     std::vector<uint64_t> request_ids;
     std::vector<bool> collected;
+    // The device-resident path (AttentionEngineOptions::device_selects): the requests' form, and
+    // per full layer whether its selections are enqueued on the GPU and waited for.
+    bool device_form = false;
+    int device_top_k = 0;
+    int64_t rows = 0;
+    std::vector<DeviceSelectSlot> device_slots;
+    std::vector<bool> submitted_on_device;
+    std::vector<bool> enqueued;
+    std::vector<bool> awaited_on_device;
   };
   std::vector<Member> members;  // request order
   std::vector<Batch> batches;
   std::vector<std::unique_lock<std::mutex>> locks;  // the members' locks, increasing id order
   int64_t total_rows = 0;                           // KV slots reserved for the step
   std::vector<double> selection_wait_seconds;       // per model layer
+  std::unique_ptr<DeviceStep> device_step;          // when a batch has the device form
 };
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
@@ -226,6 +240,27 @@ void AttentionEngine::DropClient(const std::shared_ptr<IndexerClient>& client) {
   std::lock_guard<std::mutex> lock(clients_mutex_);
   auto it = clients_.find(client->address());
   if (it != clients_.end() && it->second == client) clients_.erase(it);
+  host_only_clients_.erase(client.get());
+}
+
+bool AttentionEngine::UsesDeviceSelects(const std::shared_ptr<IndexerClient>& client,
+                                        const std::vector<int>& members, const StepState& step) {
+  const int ordinal = backend_->device_ordinal();
+  if (!options_.device_selects || ordinal < 0 || step.device_step != nullptr) return false;
+  if (client->Selections().device_ordinal() != ordinal) return false;
+  {
+    std::lock_guard<std::mutex> lock(clients_mutex_);
+    if (host_only_clients_.contains(client.get())) return false;
+  }
+  for (int i : members) {  // one K a request: the row stride of its device selections
+    if (step.members[i].sequence->top_k != step.members[members[0]].sequence->top_k) return false;
+  }
+  std::lock_guard<std::mutex> lock(device_selects_mutex_);
+  if (!device_selects_tried_) {
+    device_selects_tried_ = true;
+    device_selects_status_ = backend_->EnableDeviceSelects(model_);
+  }
+  return device_selects_status_.ok();
 }
 
 int64_t AttentionEngine::Footprint(int64_t num_slots) const {
@@ -437,6 +472,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
     return status;
   }
   sequence->indexer_worker = spec.indexer_worker;
+  sequence->top_k = spec.top_k;
   sequence->length = context;
   sequence->live = true;
   UpdateUsageMetrics();
@@ -552,7 +588,23 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
       step.batches.push_back(std::move(batch));
     }
     m.batch = it->second;
-    step.batches[m.batch].members.push_back(static_cast<int>(i));
+    StepState::Batch& batch = step.batches[m.batch];
+    batch.members.push_back(static_cast<int>(i));
+    m.batch_row = batch.rows;
+    batch.rows += m.rows;
+    m.device_selections.assign(num_full, nullptr);
+  }
+  for (StepState::Batch& batch : step.batches) {
+    if (!UsesDeviceSelects(batch.client, batch.members, step)) continue;
+    auto device_step = backend_->BeginDeviceStep();
+    if (!device_step.ok()) break;  // host queries for this step
+    step.device_step = *std::move(device_step);
+    batch.device_form = true;
+    batch.device_top_k = step.members[batch.members[0]].sequence->top_k;
+    batch.device_slots.assign(num_full, DeviceSelectSlot{});
+    batch.submitted_on_device.assign(num_full, false);
+    batch.enqueued.assign(num_full, false);
+    batch.awaited_on_device.assign(num_full, false);
   }
   step.selection_wait_seconds.assign(schedule_.num_layers(), 0.0);
   return absl::OkStatus();
@@ -579,60 +631,132 @@ absl::Status AttentionEngine::RollbackStep(absl::Status status, StepState& step)
 }
 
 absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
-  const int num_heads = model_.num_heads();
-  const int head_dim = model_.head_dim();
-  for (StepState::Batch& batch : step.batches) {
-    LayerSelectRequest select;
-    select.num_heads = num_heads;
-    select.head_dim = head_dim;
-    const int num_groups = static_cast<int>(batch.members.size());
-    select.groups.resize(num_groups);
-    // The groups' indexer inputs are pure functions of (model, layer, positions): generated on up
-    // to prefill_threads threads when the batch is large enough to pay for them.
-    std::vector<absl::Status> generated(num_groups);
-    const int threads =
-        num_groups >= kMinGroupsPerGenerationThread * 2
-            ? std::min(options_.prefill_threads, num_groups / kMinGroupsPerGenerationThread)
-            : 1;
-    ParallelFor(num_groups, threads, [&](int64_t g) {
-      const StepState::Member& m = step.members[batch.members[g]];
-      SelectRowGroup& group = select.groups[g];
-      group.sequence_id = m.sequence->id;
-      group.layer = f;
-      group.first_position = m.first_position;
-      group.num_rows = m.rows;
-      group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
-      group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
-      for (int r = 0; r < m.rows && generated[g].ok(); ++r) {
-        generated[g] = model_.IndexerQuery(
-            f, m.first_position + r,
-            std::span<float>(group.queries.data() + static_cast<size_t>(r) * num_heads * head_dim,
-                             static_cast<size_t>(num_heads) * head_dim),
-            std::span<float>(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
-                             num_heads));
-      }
-      if (!generated[g].ok()) return;
-      group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
-      generated[g] = SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f, m.first_position,
-                                       m.rows, group.new_index_keys);
-    });
-    for (const absl::Status& status : generated) DSA_RETURN_IF_ERROR(status);
-    auto id = batch.client->Selections().Submit(std::move(select));
-    if (!id.ok()) {
-      DropClient(batch.client);
-      return absl::Status(id.status().code(),
-                          absl::StrCat("indexer worker ", batch.client->address(), ", full layer ",
-                                       f, ": ", id.status().message()));
-    }
-    batch.request_ids[f] = *id;
+  for (size_t b = 0; b < step.batches.size(); ++b) {
+    DSA_RETURN_IF_ERROR(SubmitBatchLayer(f, static_cast<int>(b), step));
   }
   return absl::OkStatus();
 }
 
-absl::Status AttentionEngine::CollectLayer(int f, StepState& step) {
+absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
+  StepState::Batch& batch = step.batches[b];
+  const int num_heads = model_.num_heads();
+  const int head_dim = model_.head_dim();
+  const bool on_device = batch.device_form;
+  LayerSelectRequest select;
+  select.num_heads = num_heads;
+  select.head_dim = head_dim;
+  const int num_groups = static_cast<int>(batch.members.size());
+  select.groups.resize(num_groups);
+  if (on_device) {
+    // The queries on the backend's stream; the head weights and new keys (H and D a row) below.
+    std::vector<int64_t> positions;
+    positions.reserve(batch.rows);
+    for (int i : batch.members) {
+      const StepState::Member& m = step.members[i];
+      for (int r = 0; r < m.rows; ++r) positions.push_back(m.first_position + r);
+    }
+    auto slot = step.device_step->PrepareSelect(f, positions, batch.device_top_k);
+    if (!slot.ok()) {
+      return absl::Status(slot.status().code(),
+                          absl::StrCat("full layer ", f, " indexer queries on the device: ",
+                                       slot.status().message()));
+    }
+    batch.device_slots[f] = *slot;
+    select.device = DeviceSelectBuffers{slot->queries, slot->queries_ready, slot->selections,
+                                        batch.device_top_k, slot->selections_ready};
+  }
+  // The groups' indexer inputs are pure functions of (model, layer, positions): generated on up
+  // to prefill_threads threads when the batch is large enough to pay for them.
+  std::vector<absl::Status> generated(num_groups);
+  const int threads =
+      num_groups >= kMinGroupsPerGenerationThread * 2
+          ? std::min(options_.prefill_threads, num_groups / kMinGroupsPerGenerationThread)
+          : 1;
+  ParallelFor(num_groups, threads, [&](int64_t g) {
+    const StepState::Member& m = step.members[batch.members[g]];
+    SelectRowGroup& group = select.groups[g];
+    group.sequence_id = m.sequence->id;
+    group.layer = f;
+    group.first_position = m.first_position;
+    group.num_rows = m.rows;
+    if (!on_device) group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
+    group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
+    for (int r = 0; r < m.rows && generated[g].ok(); ++r) {
+      const std::span<float> weights(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
+                                     num_heads);
+      generated[g] =
+          on_device
+              ? model_.HeadWeights(f, m.first_position + r, weights)
+              : model_.IndexerQuery(
+                    f, m.first_position + r,
+                    std::span<float>(
+                        group.queries.data() + static_cast<size_t>(r) * num_heads * head_dim,
+                        static_cast<size_t>(num_heads) * head_dim),
+                    weights);
+    }
+    if (!generated[g].ok()) return;
+    group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
+    generated[g] = SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f, m.first_position,
+                                     m.rows, group.new_index_keys);
+  });
+  for (const absl::Status& status : generated) DSA_RETURN_IF_ERROR(status);
+  auto id = batch.client->Selections().Submit(std::move(select));
+  if (!id.ok()) {
+    DropClient(batch.client);
+    return absl::Status(id.status().code(),
+                        absl::StrCat("indexer worker ", batch.client->address(), ", full layer ",
+                                     f, ": ", id.status().message()));
+  }
+  batch.request_ids[f] = *id;
+  if (on_device) batch.submitted_on_device[f] = true;
+  return absl::OkStatus();
+}
+
+// The device form's half of collecting full layer f: waits (host) until the batch's selections
+// are enqueued on the GPU and points its members at them. An indexer that cannot take the form
+// gets the layer again with host queries (then collected as any host request). Other errors are
+// left to the host answer (Await), which reports them.
+absl::Status AttentionEngine::CollectDeviceLayer(int f, int b, StepState& step) {
+  StepState::Batch& batch = step.batches[b];
+  if (batch.submitted_on_device.empty() || !batch.submitted_on_device[f] || batch.enqueued[f] ||
+      batch.collected[f] || batch.request_ids[f] == 0) {
+    return absl::OkStatus();
+  }
+  SelectionTransport& transport = batch.client->Selections();
+  const absl::Status enqueued =
+      transport.AwaitEnqueued(batch.request_ids[f], absl::Now() + options_.select_timeout);
+  if (enqueued.ok()) {
+    batch.enqueued[f] = true;
+    for (int i : batch.members) {
+      StepState::Member& m = step.members[i];
+      m.device_selections[f] =
+          batch.device_slots[f].selections + static_cast<size_t>(m.batch_row) * batch.device_top_k;
+      m.top_k[f] = batch.device_top_k;
+    }
+    return absl::OkStatus();
+  }
+  if (enqueued.code() != absl::StatusCode::kUnimplemented) return absl::OkStatus();
+  // Refused before anything changed: the answer is that refusal; host queries from now on.
+  (void)transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+  batch.request_ids[f] = 0;
+  {
+    std::lock_guard<std::mutex> lock(clients_mutex_);
+    host_only_clients_[batch.client.get()] = true;
+  }
+  // Later layers go with host queries too (earlier ones, already enqueued, stay on the device).
+  batch.device_form = false;
+  batch.submitted_on_device[f] = false;
+  return SubmitBatchLayer(f, b, step);
+}
+
+absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_answers) {
   absl::Status first_error;
   for (StepState::Batch& batch : step.batches) {
     if (batch.request_ids[f] == 0 || batch.collected[f]) continue;
+    // A device-form answer enqueued on the GPU is read by the host at the step's end (its blocks
+    // and audit figures), or at once for the observer (its host selections).
+    const bool enqueued = !batch.enqueued.empty() && batch.enqueued[f];
+    if (enqueued && !device_answers && !options_.observer) continue;
     batch.collected[f] = true;
     SelectionTransport& transport = batch.client->Selections();
     auto answer = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
@@ -640,6 +764,10 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step) {
     if (!answer.ok()) {
       if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) {
         transport.Forget(batch.request_ids[f]);  // a late answer is dropped
+        // A device-form select may still run later and write the step's buffers.
+        if (!batch.submitted_on_device.empty() && batch.submitted_on_device[f]) {
+          step.device_step->Abandon();
+        }
       }
       const int applied = IsTransportFailure(answer.status().code())
                               ? num_groups
@@ -676,6 +804,14 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step) {
         }
         continue;
       }
+      if (m.device_selections[f] != nullptr && selection.top_k != m.top_k[f]) {
+        if (first_error.ok()) {
+          first_error = absl::InternalError(absl::StrCat(
+              "indexer worker ", batch.client->address(), " answered group ", g, " with K = ",
+              selection.top_k, " but its device selections hold K = ", m.top_k[f]));
+        }
+        continue;
+      }
       m.top_k[f] = selection.top_k;
       m.selections[f] = std::move(selection.selections);
       m.blocks_scored += selection.blocks_scored;
@@ -689,14 +825,33 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step) {
 
 absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
   const int attended = schedule_.AttendedLayer(l);
+  // Device selections: the attention stream waits for them on the GPU (once a step and layer).
+  for (StepState::Batch& batch : step.batches) {
+    if (batch.enqueued.empty() || !batch.enqueued[fs] || batch.awaited_on_device[fs]) continue;
+    if (absl::Status s = step.device_step->WaitForSelections(fs); !s.ok()) {
+      return absl::InternalError(absl::StrCat("layer ", l, " waiting for the selection of layer ",
+                                              attended, " on the GPU: ", s.message()));
+    }
+    batch.awaited_on_device[fs] = true;
+  }
   std::vector<AttentionRowRef> rows;
+  std::vector<std::span<const int32_t>> host_selections;  // for the observer
   for (StepState::Member& m : step.members) {
     const int top_k = m.top_k[fs];
     for (int r = 0; r < m.rows; ++r) {
-      rows.push_back(AttentionRowRef{
-          m.sequence->id, m.first_position + r,
-          std::span<const int32_t>(m.selections[fs].data() + static_cast<size_t>(r) * top_k,
-                                   static_cast<size_t>(top_k))});
+      const std::span<const int32_t> host =
+          m.selections[fs].empty()
+              ? std::span<const int32_t>()
+              : std::span<const int32_t>(m.selections[fs].data() + static_cast<size_t>(r) * top_k,
+                                         static_cast<size_t>(top_k));
+      if (m.device_selections[fs] != nullptr) {
+        rows.push_back(AttentionRowRef{m.sequence->id, m.first_position + r, {},
+                                       m.device_selections[fs] + static_cast<size_t>(r) * top_k,
+                                       top_k});
+      } else {
+        rows.push_back(AttentionRowRef{m.sequence->id, m.first_position + r, host});
+      }
+      host_selections.push_back(host);
     }
   }
   std::vector<float> outputs;
@@ -709,7 +864,7 @@ absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
     const auto per_row = static_cast<size_t>(backend_->output_values_per_row());
     for (size_t r = 0; r < rows.size(); ++r) {
       options_.observer(AttendedRow{rows[r].sequence_id, l, attended, rows[r].position,
-                                    rows[r].selection,
+                                    host_selections[r],
                                     std::span<const float>(outputs.data() + r * per_row, per_row)});
     }
   }
@@ -723,7 +878,9 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   const int num_full = model_.num_layers();
   // On a failure: collect every answer still outstanding (so we know what was applied).
   auto fail = [&](absl::Status status) -> absl::Status {
-    for (int f = 0; f < num_full; ++f) (void)CollectLayer(f, step);
+    for (int f = 0; f < num_full; ++f) (void)CollectLayer(f, step, /*device_answers=*/true);
+    (void)backend_->Synchronize();
+    step.device_step.reset();  // its buffers back to the backend (or abandoned)
     return RollbackStep(std::move(status), step);
   };
   for (int l = 0; l < schedule_.num_layers(); ++l) {
@@ -732,14 +889,36 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
     }
     const int fs = full_rank_[schedule_.AttendedLayer(l)];
     const Clock::time_point wait_start = Clock::now();
-    if (absl::Status s = CollectLayer(fs, step); !s.ok()) return fail(s);
+    for (size_t b = 0; b < step.batches.size(); ++b) {
+      if (absl::Status s = CollectDeviceLayer(fs, static_cast<int>(b), step); !s.ok()) {
+        return fail(s);
+      }
+    }
+    if (absl::Status s = CollectLayer(fs, step, /*device_answers=*/false); !s.ok()) return fail(s);
     step.selection_wait_seconds[l] = SecondsSince(wait_start);
     if (absl::Status s = AttendLayer(l, fs, step); !s.ok()) return fail(s);
   }
-  // Selections no layer attends (the last k full layers') still have to be collected.
+  // Selections no layer attends (the last k full layers') still have to be collected, and the
+  // host answers of those that went to the GPU read.
   for (int f = 0; f < num_full; ++f) {
-    if (absl::Status s = CollectLayer(f, step); !s.ok()) return fail(s);
+    for (size_t b = 0; b < step.batches.size(); ++b) {
+      if (absl::Status s = CollectDeviceLayer(f, static_cast<int>(b), step); !s.ok()) {
+        return fail(s);
+      }
+    }
+    if (absl::Status s = CollectLayer(f, step, /*device_answers=*/true); !s.ok()) return fail(s);
+    for (StepState::Batch& batch : step.batches) {
+      // Waited for on the GPU too, so that the step's buffers are free once the stream is.
+      if (!batch.enqueued.empty() && batch.enqueued[f] && !batch.awaited_on_device[f]) {
+        if (absl::Status s = step.device_step->WaitForSelections(f); !s.ok()) return fail(s);
+        batch.awaited_on_device[f] = true;
+      }
+    }
   }
+  if (absl::Status s = backend_->Synchronize(); !s.ok()) {
+    return fail(absl::InternalError(absl::StrCat("the decode step's attention: ", s.message())));
+  }
+  step.device_step.reset();
 
   DecodeStepResult result;
   result.sequences.reserve(step.members.size());

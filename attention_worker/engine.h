@@ -53,6 +53,13 @@ struct AttentionEngineOptions {
   /// Threads that generate index keys during Prefill, and a large decode step's indexer inputs
   /// (>= 1).
   int prefill_threads = 2;
+  /// The co-located, device-resident path (issue 10 section 2): where the backend and an indexer
+  /// client's transport share a GPU (both device_ordinal() the same, >= 0), that indexer's selects
+  /// go in device form: the indexer queries are generated on the backend's stream, the selections
+  /// stay on the GPU, and the layer that attends one waits for it on the GPU (an event), not on the
+  /// host. An indexer that cannot take the form (UNIMPLEMENTED: its SPIN settings, auditing, a
+  /// dropped device) gets the layer again with host queries, and host queries from then on.
+  bool device_selects = true;
   /// Optional: called for every attended row of every model layer during DecodeStep, on the
   /// calling thread, before the step returns (also for steps that fail later). Must be
   /// thread-safe when steps run concurrently. With an observer the backend copies its outputs out.
@@ -213,7 +220,16 @@ class AttentionEngine {
   // submit and collect one full layer's selects, attend one model layer, roll back on failure.
   absl::Status PlanStep(std::span<const StepMember> members, StepState& step);
   absl::Status SubmitLayer(int full_rank, StepState& step);
-  absl::Status CollectLayer(int full_rank, StepState& step);
+  // Submits full layer f for one batch (host or device form, as the batch says).
+  absl::Status SubmitBatchLayer(int full_rank, int batch, StepState& step);
+  // The device form's part of collecting full layer f of one batch (before CollectLayer).
+  absl::Status CollectDeviceLayer(int full_rank, int batch, StepState& step);
+  // Whether the batch's client takes the device-resident path (see AttentionEngineOptions).
+  bool UsesDeviceSelects(const std::shared_ptr<IndexerClient>& client,
+                         const std::vector<int>& members, const StepState& step);
+  // Host answers of full layer f; a device-form answer already enqueued on the GPU only with
+  // device_answers (the step's end) or an observer.
+  absl::Status CollectLayer(int full_rank, StepState& step, bool device_answers);
   absl::Status AttendLayer(int model_layer, int attended_rank, StepState& step);
   absl::Status RollbackStep(absl::Status status, StepState& step);
 
@@ -257,8 +273,14 @@ class AttentionEngine {
   std::mutex kv_mutex_;  // guards kv_used_slots_
   int64_t kv_used_slots_ = 0;
 
-  std::mutex clients_mutex_;  // guards clients_
+  std::mutex clients_mutex_;  // guards clients_ and host_only_clients_
   std::map<std::string, std::shared_ptr<IndexerClient>> clients_;
+  // Clients whose indexer refused a device-form select (UNIMPLEMENTED): host queries from then on.
+  std::map<const IndexerClient*, bool> host_only_clients_;
+  // The device-resident path: whether the backend's EnableDeviceSelects ran (and how it ended).
+  std::mutex device_selects_mutex_;
+  bool device_selects_tried_ = false;
+  absl::Status device_selects_status_;
 };
 
 }  // namespace dsa

@@ -191,7 +191,7 @@ absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t
 
 absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
                                         std::span<const IndexerRow> rows,
-                                        PreparedSelect* prepared) {
+                                        PreparedSelect* prepared, bool device_queries) {
   auto found = Find(sequence_id);
   if (!found.ok()) return found.status();
   SequenceState& state = **found;
@@ -202,7 +202,14 @@ absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
   std::vector<int64_t> positions;
   positions.reserve(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
-    if (rows[r].query.size() != query_size) {
+    if (device_queries != (rows[r].device_query != nullptr)) {
+      return absl::InvalidArgumentError(
+          device_queries
+              ? absl::StrCat("row ", r, " of a device-resident select has no device query")
+              : absl::StrCat("row ", r, " has a device query but the select has no device "
+                                        "handoff (SelectBatch with a DeviceHandoff)"));
+    }
+    if (!device_queries && rows[r].query.size() != query_size) {
       return absl::InvalidArgumentError(
           absl::StrCat("indexer query of row ", r, " has ", rows[r].query.size(),
                        " values, expected H ", options_.num_heads, " x D ", options_.head_dim));
@@ -212,7 +219,7 @@ absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
                                                      rows[r].head_weights.size(),
                                                      " values, expected ", options_.num_heads));
     }
-    if (auto s = CheckFinite(rows[r].query, "indexer query", r); !s.ok()) return s;
+    if (auto s = CheckFinite(rows[r].query, "indexer query", r); !s.ok()) return s;  // host only
     if (auto s = CheckFinite(rows[r].head_weights, "head weights", r); !s.ok()) return s;
     if (rows[r].position < 0) {
       return absl::InvalidArgumentError(
@@ -395,7 +402,9 @@ void ChargeShares(std::span<Prepared* const> prepared, double scan_seconds, doub
 
 }  // namespace
 
-bool Indexer::SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared) {
+bool Indexer::SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared,
+                                       const DeviceHandoff* handoff,
+                                       std::span<int32_t* const> device_selections) {
   std::vector<DeviceSpinJob> jobs(prepared.size());
   for (size_t i = 0; i < prepared.size(); ++i) {
     PreparedSelect& p = *prepared[i];
@@ -410,6 +419,10 @@ bool Indexer::SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared
     jobs[i].blocks = &p.result.blocks;
     jobs[i].scores = p.return_scores ? &p.scores : nullptr;
     jobs[i].selections = p.result.selections;
+    if (handoff != nullptr) {
+      jobs[i].handoff = handoff;
+      jobs[i].device_selections = device_selections[i];
+    }
   }
   DeviceScoreSeconds seconds;
   const absl::Status status = device_->SelectWithSpin(jobs, options_.num_heads, &seconds);
@@ -494,11 +507,83 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
   return std::move(prepared.result);
 }
 
+int Indexer::DeviceOrdinal() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return DeviceActiveLocked() ? device_->device_ordinal() : -1;
+}
+
+absl::StatusOr<std::vector<SelectResult>> Indexer::SelectOnDeviceLocked(
+    std::span<const SelectGroup> groups, const DeviceHandoff& handoff, size_t* groups_applied) {
+  if (!DeviceActiveLocked() || device_->device_ordinal() < 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "device-resident selects need an active scoring device that takes device queries; this "
+        "indexer scores on ",
+        device_ == nullptr ? "the CPU" : device_->Describe(),
+        device_status_.ok() ? "" : absl::StrCat(" (dropped: ", device_status_.message(), ")")));
+  }
+  if (options_.audit_fraction > 0) {
+    return absl::UnimplementedError(
+        "device-resident selects are not audited (audit_fraction > 0 needs host queries)");
+  }
+  std::vector<PreparedSelect> prepared(groups.size());
+  std::vector<int32_t*> device_selections(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t h = 0; h < g; ++h) {
+      if (groups[g].sequence_id == groups[h].sequence_id) {
+        return absl::UnimplementedError(absl::StrCat("groups ", h, " and ", g, " of a device-resident "
+                                                     "select address the same sequence ",
+                                                     groups[g].sequence_id));
+      }
+    }
+    auto found = Find(groups[g].sequence_id);
+    if (found.ok() && (*found)->options.top_k != handoff.top_k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group ", g, ": sequence ", groups[g].sequence_id, " has K = ", (*found)->options.top_k,
+          " but the device-resident select's selections hold K = ", handoff.top_k, " a row"));
+    }
+    if (found.ok() && !(*found)->spin_on_device) {
+      return absl::UnimplementedError(absl::StrCat(
+          "group ", g, ": sequence ", groups[g].sequence_id,
+          "'s SPIN settings do not run on the scoring device, so it needs host queries"));
+    }
+    if (groups[g].device_selections == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group ", g, " of a device-resident select has no device_selections"));
+    }
+    if (auto s = CheckSelectLocked(groups[g].sequence_id, groups[g].layer, groups[g].rows,
+                                   &prepared[g], /*device_queries=*/true);
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("group ", g, ": ", s.message()));
+    }
+    device_selections[g] = groups[g].device_selections;
+  }
+  std::vector<PreparedSelect*> all(prepared.size());
+  for (size_t g = 0; g < prepared.size(); ++g) {
+    PlanSelectLocked(prepared[g]);  // spin_on_device: keeps only the warm-up flag
+    all[g] = &prepared[g];
+  }
+  if (!SelectSpinOnDeviceLocked(all, &handoff, device_selections)) {
+    // Dropped (every SPIN-on-device sequence restarts with a warm-up on the CPU); the rows'
+    // queries are on the device, so nothing is scored again here.
+    return absl::InternalError(absl::StrCat("device-resident select: ", device_status_.message()));
+  }
+  std::vector<SelectResult> results;
+  results.reserve(groups.size());
+  for (PreparedSelect& p : prepared) {
+    FinishSelectLocked(p);
+    results.push_back(std::move(p.result));
+  }
+  if (groups_applied != nullptr) *groups_applied = groups.size();
+  return results;
+}
+
 absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const SelectGroup> groups,
-                                                               size_t* groups_applied) {
+                                                               size_t* groups_applied,
+                                                               const DeviceHandoff* handoff) {
   if (groups_applied != nullptr) *groups_applied = 0;
   if (groups.empty()) return absl::InvalidArgumentError("select needs at least one group");
   std::lock_guard<std::mutex> lock(mutex_);
+  if (handoff != nullptr) return SelectOnDeviceLocked(groups, *handoff, groups_applied);
   std::vector<PreparedSelect> prepared(groups.size());
   auto group_error = [](size_t g, const absl::Status& status) {
     return absl::Status(status.code(), absl::StrCat("group ", g, ": ", status.message()));

@@ -84,6 +84,8 @@ struct SelectGroup {
   uint64_t sequence_id = 0;
   int layer = 0;
   std::span<const IndexerRow> rows;
+  /// With a DeviceHandoff (SelectBatch): device int32 [rows, K] that receives the selections.
+  int32_t* device_selections = nullptr;
 };
 
 /// Thread-safe (one mutex; a Select scores with all cores, or on the scoring device).
@@ -154,8 +156,26 @@ class Indexer {
   /// gets the number of groups applied. Errors: Select's, with the message prefixed "group g: ";
   /// INVALID_ARGUMENT for an empty batch. Results in group order; phase_seconds.scan of a shared
   /// pass is split over the groups by their scored blocks.
+  ///
+  /// With `handoff` (the co-located, device-resident path; scoring_device.h DeviceHandoff): every
+  /// row's query is IndexerRow::device_query (in the scoring device's memory: the Indexer checks
+  /// its shape nowhere and its values are not checked for finiteness; the producer is the
+  /// attention worker of this process), every group names its device_selections, and the device
+  /// writes the selections there as well as into the results. Refused with UNIMPLEMENTED before
+  /// anything changes (the caller then sends host queries) when no active scoring device has a
+  /// device_ordinal() >= 0, auditing is on (audit_fraction > 0: the audit reads host queries), a
+  /// sequence appears twice, or a group's SPIN does not run on the device (RunsSpin);
+  /// INVALID_ARGUMENT when a row has no device query or a group no device_selections. A device
+  /// failure during the select drops the device (as above) and fails the batch with its INTERNAL
+  /// error, nothing applied (these rows cannot be scored on the CPU: their queries are on the
+  /// device). Without `handoff`, a row with a device_query is INVALID_ARGUMENT.
   absl::StatusOr<std::vector<SelectResult>> SelectBatch(std::span<const SelectGroup> groups,
-                                                        size_t* groups_applied = nullptr);
+                                                        size_t* groups_applied = nullptr,
+                                                        const DeviceHandoff* handoff = nullptr);
+
+  /// The CUDA ordinal of an active scoring device that takes device-resident selects (SelectBatch
+  /// with a DeviceHandoff), or -1 (no device, a dropped one, or one that takes host queries only).
+  int DeviceOrdinal() const;
 
   /// Ends a speculative step: `accepted` draft tokens were accepted (0..d). For every layer with a
   /// pending step, replays rows 0..accepted in order into the EMAs (or row 0 only under
@@ -220,7 +240,11 @@ class Indexer {
   void ScorePlannedLocked(std::span<PreparedSelect* const> prepared);
   // The whole select on the device for selects whose SPIN runs there; false when the device
   // failed (it is dropped, and these selects are planned again on the CPU).
-  bool SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared);
+  // With `handoff` (every select's SPIN on the device), the device-resident select of SelectBatch;
+  // on failure the device is dropped as well but nothing is planned again.
+  bool SelectSpinOnDeviceLocked(std::span<PreparedSelect* const> prepared,
+                                const DeviceHandoff* handoff = nullptr,
+                                std::span<int32_t* const> device_selections = {});
   // The dense top-K of `rows` over blocks [0, num_blocks) of `view` (the audit), on the device
   // when there is one. selections: [rows, top_k].
   void SelectDenseLocked(const KeyCacheView& view, int64_t num_blocks,
@@ -231,8 +255,13 @@ class Indexer {
   // select on the CPU (its EMAs were on the device), and pending device steps replay nothing.
   void DropDeviceLocked(const absl::Status& status);
   // Every check of Select; fills prepared's sequence, view, rows and positions. Changes nothing.
+  // With device_queries, every row's query is its device_query (not checked); without, a row
+  // with a device_query is refused.
   absl::Status CheckSelectLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
-                                 PreparedSelect* prepared);
+                                 PreparedSelect* prepared, bool device_queries = false);
+  // The device-resident SelectBatch (SelectBatch's `handoff`), under mutex_.
+  absl::StatusOr<std::vector<SelectResult>> SelectOnDeviceLocked(
+      std::span<const SelectGroup> groups, const DeviceHandoff& handoff, size_t* groups_applied);
   // SPIN's plan (clears the warm-up flag) and the score buffer.
   void PlanSelectLocked(PreparedSelect& prepared);
   // Top-K, EMA update or pending step, audit; the scores into the result with return_scores.

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,14 +29,22 @@ struct CheckedGroup {
   std::vector<IndexerRow> rows;
 };
 
+// With `device` (the request's device form), the rows' queries are device rows from row_base on.
 absl::Status CheckGroup(const Indexer& indexer, const SelectRowGroup& group, size_t index,
+                        const DeviceSelectBuffers* device, int64_t row_base,
                         CheckedGroup* checked) {
   const int64_t num_heads = indexer.options().num_heads;
   const int64_t head_dim = indexer.options().head_dim;
   const std::string prefix = absl::StrCat("group ", index, ": ");
   const int64_t num_rows = group.num_rows;
   if (num_rows < 1) return absl::InvalidArgumentError(prefix + "queries have no rows");
-  if (group.queries.size() != static_cast<size_t>(num_rows * num_heads * head_dim)) {
+  if (device != nullptr && !group.queries.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "a device-form request carries its queries on the device, but the group holds ",
+        group.queries.size(), " host values"));
+  }
+  if (device == nullptr &&
+      group.queries.size() != static_cast<size_t>(num_rows * num_heads * head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, "queries hold ", group.queries.size(),
                                                    " values, expected [", num_rows, ", ", num_heads,
                                                    ", ", head_dim, "]"));
@@ -81,8 +90,13 @@ absl::Status CheckGroup(const Indexer& indexer, const SelectRowGroup& group, siz
   const size_t query_size = static_cast<size_t>(num_heads * head_dim);
   checked->rows.resize(num_rows);
   for (int64_t r = 0; r < num_rows; ++r) {
-    checked->rows[r].query =
-        std::span<const float>(group.queries.data() + r * query_size, query_size);
+    if (device != nullptr) {
+      checked->rows[r].device_query =
+          device->queries + static_cast<size_t>(row_base + r) * query_size;
+    } else {
+      checked->rows[r].query =
+          std::span<const float>(group.queries.data() + r * query_size, query_size);
+    }
     checked->rows[r].head_weights =
         std::span<const float>(group.head_weights.data() + r * num_heads, num_heads);
     checked->rows[r].position = group.first_position + r;
@@ -93,7 +107,8 @@ absl::Status CheckGroup(const Indexer& indexer, const SelectRowGroup& group, siz
 }  // namespace
 
 absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelectRequest& request,
-                                              IndexerMetrics* metrics, int* groups_applied_out) {
+                                              IndexerMetrics* metrics, int* groups_applied_out,
+                                              std::function<void()> on_enqueued) {
   if (groups_applied_out != nullptr) *groups_applied_out = 0;
   if (request.groups.empty()) return absl::InvalidArgumentError("select needs at least one group");
   if (request.num_heads != indexer.options().num_heads ||
@@ -103,10 +118,19 @@ absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelec
         " but this indexer has H = ", indexer.options().num_heads,
         ", D = ", indexer.options().head_dim));
   }
+  const DeviceSelectBuffers* device = request.on_device() ? &request.device : nullptr;
+  if (device != nullptr && (device->selections == nullptr || device->top_k < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a device-form request needs device selections and their K >= 1 (got K = ",
+        device->top_k, device->selections == nullptr ? ", no selections buffer)" : ")"));
+  }
   const int num_groups = static_cast<int>(request.groups.size());
   std::vector<CheckedGroup> checked(num_groups);
+  std::vector<int64_t> row_base(num_groups + 1, 0);
   for (int g = 0; g < num_groups; ++g) {
-    DSA_RETURN_IF_ERROR(CheckGroup(indexer, request.groups[g], g, &checked[g]));
+    DSA_RETURN_IF_ERROR(
+        CheckGroup(indexer, request.groups[g], g, device, row_base[g], &checked[g]));
+    row_base[g + 1] = row_base[g] + request.groups[g].num_rows;
   }
   // New index keys make a (sequence, layer)'s slot count change within the request: such a layer
   // may appear in one group only.
@@ -147,9 +171,21 @@ absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelec
   std::vector<SelectGroup> groups(num_groups);
   for (int g = 0; g < num_groups; ++g) {
     groups[g] = {request.groups[g].sequence_id, request.groups[g].layer, checked[g].rows};
+    if (device != nullptr) {
+      groups[g].device_selections =
+          device->selections + static_cast<size_t>(row_base[g]) * device->top_k;
+    }
+  }
+  DeviceHandoff handoff;
+  if (device != nullptr) {
+    handoff.top_k = device->top_k;
+    handoff.inputs_ready = device->queries_ready;
+    handoff.selections_ready = device->selections_ready;
+    handoff.on_enqueued = std::move(on_enqueued);
   }
   size_t groups_applied = 0;
-  auto results = indexer.SelectBatch(groups, &groups_applied);
+  auto results =
+      indexer.SelectBatch(groups, &groups_applied, device != nullptr ? &handoff : nullptr);
   if (!results.ok()) {
     undo_appends(static_cast<int>(groups_applied), num_groups);
     if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);

@@ -3,6 +3,8 @@
 // side (the gRPC stream after decoding its protos, the in-process transport, the NCCL server).
 #pragma once
 
+#include <functional>
+
 #include "absl/status/statusor.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
@@ -26,9 +28,15 @@ namespace dsa {
 /// ending at the newest slot, a layer with new keys in two groups), NOT_FOUND (sequence),
 /// OUT_OF_RANGE (a row's key not appended), FAILED_PRECONDITION (a step awaits Commit),
 /// RESOURCE_EXHAUSTED (new keys do not fit). `metrics` (optional) records every group that ran.
+/// A device-form request (request.on_device(): the co-located path) runs as Indexer::SelectBatch
+/// with a DeviceHandoff: the groups carry no host queries (INVALID_ARGUMENT otherwise, or without
+/// device selections or K), group g's rows are the device rows after those of groups 0..g-1, and
+/// `on_enqueued` is called once the selections are enqueued on the GPU (maybe never, on an error).
+/// UNIMPLEMENTED (nothing changed; the new keys removed again) when the indexer cannot take it.
 /// Thread-safe (the Indexer serializes).
 absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelectRequest& request,
                                               IndexerMetrics* metrics = nullptr,
-                                              int* groups_applied = nullptr);
+                                              int* groups_applied = nullptr,
+                                              std::function<void()> on_enqueued = nullptr);
 
 }  // namespace dsa

@@ -17,6 +17,9 @@ struct IndexerRow {
   std::span<const float> query;
   std::span<const float> head_weights;
   int64_t position = 0;
+  /// The device-resident path only (Indexer::SelectBatch with a DeviceHandoff): the query fp32
+  /// [num_heads, head_dim] in the scoring device's memory, read instead of `query` (then empty).
+  const float* device_query = nullptr;
 };
 
 /// Scores every slot of the given logical blocks for every row, reading each key once for all rows

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -43,6 +44,26 @@ struct DeviceScoreSeconds {
   const char* scan_kernel = "";
 };
 
+/// A batch of selects whose indexer queries are already in the scoring device's memory and whose
+/// selections stay there (the co-located, device-resident path: issue 10 section 2, the MLI
+/// paper's deferred stream). The producer (the attention worker, same GPU) records `inputs_ready`
+/// on its stream after writing the queries; the device's stream waits on it, runs the select,
+/// writes each job's selections to DeviceSpinJob::device_selections, records `selections_ready`
+/// and calls `on_enqueued`; a consumer stream waits on `selections_ready` (not on the host) before
+/// reading them. The host still gets the selections and blocks (the Indexer's bookkeeping).
+struct DeviceHandoff {
+  /// K of every select of the batch (the row stride of device_selections); the Indexer refuses a
+  /// group whose sequence has another K.
+  int top_k = 0;
+  /// cudaEvent_t, as void*: the queries are written once it completes (null: nothing to wait on).
+  void* inputs_ready = nullptr;
+  /// cudaEvent_t, as void*: recorded on the device's stream after every job's device_selections.
+  void* selections_ready = nullptr;
+  /// Called once, on the calling thread, as soon as `selections_ready` is recorded (before the
+  /// device waits for its own results): a consumer may enqueue its wait from then on. Optional.
+  std::function<void()> on_enqueued;
+};
+
 /// One select whose SPIN runs on the device (ScoringDevice::SelectWithSpin): the EMAs V and D of
 /// (sequence, layer) live there; the device plans (DESIGN.md 4.2 steps 1-6), scores, selects and
 /// updates (step 8).
@@ -67,6 +88,12 @@ struct DeviceSpinJob {
   std::vector<float>* scores = nullptr;
   /// Out, int32 [num_rows, top_k]: each row's selection over the scored blocks.
   std::span<int32_t> selections;
+  /// The device-resident path (null otherwise; the same for every job of the call): the rows'
+  /// queries are IndexerRow::device_query, and the selections also go to `device_selections`.
+  const DeviceHandoff* handoff = nullptr;
+  /// With `handoff`: out, device int32 [num_rows, top_k], written on the device's stream before
+  /// handoff->selections_ready.
+  int32_t* device_selections = nullptr;
 };
 
 /// Not thread-safe: the Indexer calls it under its mutex.
@@ -76,6 +103,10 @@ class ScoringDevice {
 
   /// A one-line description for logs, e.g. "cuda:0 NVIDIA H200 (tensor-core scan)".
   virtual std::string Describe() const = 0;
+
+  /// The CUDA ordinal whose memory DeviceSpinJob's device pointers address (the device-resident
+  /// path, DeviceHandoff), or -1 when the device takes host queries only (the default).
+  virtual int device_ordinal() const { return -1; }
 
   /// Binds the device to the host pool it mirrors and the queries' head count H (called once, by
   /// Indexer::Create, before any other call; the pool outlives the device). Allocates the device
@@ -107,7 +138,8 @@ class ScoringDevice {
 
   /// The whole select of every job on the device: plan (or every block), scan, top-K, and for a
   /// job of one row the EMA update; the scores of verifier rows stay on the device until
-  /// CommitSpin. A (sequence, layer) never seen before starts with zero EMAs. Errors:
+  /// CommitSpin. Jobs with a DeviceHandoff (only on a device with device_ordinal() >= 0) read
+  /// device queries and write device selections as DeviceHandoff says. A (sequence, layer) never seen before starts with zero EMAs. Errors:
   /// RESOURCE_EXHAUSTED when its memory cannot grow, INTERNAL on a device failure; the Indexer
   /// drops the device on either (the EMAs kept there are then lost) and plans these selects again
   /// on the CPU. Outputs unspecified on error.

@@ -89,6 +89,11 @@ void GrpcStreamTransport::ReadLoop() {
 }
 
 absl::StatusOr<uint64_t> GrpcStreamTransport::Submit(LayerSelectRequest layer) {
+  if (layer.on_device()) {
+    return absl::InvalidArgumentError(
+        "the gRPC stream carries host buffers only; a device-form request needs the in-process "
+        "transport");
+  }
   std::vector<int> group_rows;
   group_rows.reserve(layer.groups.size());
   for (const SelectRowGroup& group : layer.groups) group_rows.push_back(group.num_rows);

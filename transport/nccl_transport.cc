@@ -73,6 +73,11 @@ void NcclSelectionTransport::ReapLocked(absl::Time now) {
 }
 
 absl::StatusOr<uint64_t> NcclSelectionTransport::Submit(LayerSelectRequest request) {
+  if (request.on_device()) {
+    return absl::InvalidArgumentError(
+        "the NCCL transport takes host-form requests (it stages them itself); a device-form "
+        "request needs the in-process transport");
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (closing_ || closed_) return absl::UnavailableError("the NCCL transport is closed");
   ReapLocked(absl::Now());

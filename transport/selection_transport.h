@@ -38,12 +38,35 @@ struct SelectRowGroup {
   std::vector<float> new_index_keys;
 };
 
+/// The device-resident form of a request (the co-located path on one GPU, issue 10 section 2;
+/// only for a transport whose device_ordinal() >= 0, the in-process one): the queries are already
+/// on that GPU and the selections stay there; a stream of the attention worker waits on
+/// `selections_ready` before reading them, the host never does. Head weights and new index keys
+/// stay host buffers (H and D floats a row; the new keys go to the host cache, the authoritative
+/// copy). The groups' `queries` are empty then.
+struct DeviceSelectBuffers {
+  /// Device fp32 [total rows of the request, H, D] on the transport's GPU, rows in group order.
+  const float* queries = nullptr;
+  /// cudaEvent_t, as void*: recorded after `queries` were written (null: already written).
+  void* queries_ready = nullptr;
+  /// Device int32 out [total rows, top_k], rows in group order; valid once `selections_ready`
+  /// completes. The caller owns it and keeps it until the answer is awaited or forgotten.
+  int32_t* selections = nullptr;
+  /// K of every group's sequence (the row stride of `selections`), >= 1.
+  int top_k = 0;
+  /// cudaEvent_t, as void*: the indexer records it on its stream after writing `selections`.
+  void* selections_ready = nullptr;
+};
+
 /// The indexer inputs of one full layer for every sequence of a decode step on one indexer worker
 /// (one request, one scoring pass on the indexer).
 struct LayerSelectRequest {
   int num_heads = 0;  // H of the indexer query, >= 1
   int head_dim = 0;   // D of queries and index keys, >= 1
   std::vector<SelectRowGroup> groups;
+  /// The device-resident form (device.queries != null), or host buffers only.
+  DeviceSelectBuffers device;
+  bool on_device() const { return device.queries != nullptr; }
 };
 
 /// The answer for one row group.
@@ -70,7 +93,9 @@ class SelectionTransport {
   virtual ~SelectionTransport() = default;
 
   /// Sends `request` without waiting for its answer and returns a fresh id (unique per transport).
-  /// UNAVAILABLE when the transport is closed or its connection ended (the message says why).
+  /// UNAVAILABLE when the transport is closed or its connection ended (the message says why);
+  /// INVALID_ARGUMENT for a device-form request on a transport without device forms (the gRPC
+  /// stream, NCCL); in process, an indexer that cannot take it refuses it (AwaitEnqueued).
   virtual absl::StatusOr<uint64_t> Submit(LayerSelectRequest request) = 0;
 
   /// Blocks until the response to `request_id` arrives, then hands it over (once).
@@ -80,6 +105,21 @@ class SelectionTransport {
   /// requests are unaffected); UNAVAILABLE, or the connection's final status, when the connection
   /// ended before the answer.
   virtual absl::StatusOr<LayerSelection> Await(uint64_t request_id, absl::Time deadline) = 0;
+
+  /// The CUDA ordinal whose memory the device form of a request (LayerSelectRequest::device) may
+  /// address, or -1 when the transport takes host buffers only (the default; the gRPC stream and
+  /// NCCL transports). It turns -1 when the indexer lost its device, and may be asked any time.
+  virtual int device_ordinal() const { return -1; }
+
+  /// For a request submitted in device form: blocks until its selections are enqueued on the GPU
+  /// (device.selections_ready recorded, so a stream may wait on it from then on) or the request
+  /// has failed: OK, or the request's error as Await returns it (the answer stays for Await or
+  /// Forget). An indexer that cannot take the device form refuses with UNIMPLEMENTED having
+  /// changed nothing: send the layer again with host queries. DEADLINE_EXCEEDED at `deadline`;
+  /// NOT_FOUND as Await; UNIMPLEMENTED for a transport without device forms (the default).
+  virtual absl::Status AwaitEnqueued(uint64_t request_id, absl::Time deadline) {
+    return absl::UnimplementedError("this selection transport carries host buffers only");
+  }
 
   /// Gives up on `request_id` (after a DEADLINE_EXCEEDED the caller will not await again): its
   /// answer, now or later, is dropped, so abandoned requests hold no memory. Unknown ids: no-op.

@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "attention_worker/cuda/mla_inputs.h"
+#include "attention_worker/cuda/pattern_inputs.h"
 #include "attention_worker/cuda/sparse_mla_decode.h"
 
 namespace dsa::cuda {
@@ -56,6 +57,66 @@ struct DeviceArray {
   }
 };
 
+// Pinned host buffers for a stream's uploads, used round robin: a buffer is written again only
+// after the copy that read it ran (its event), so the host never waits for the stream (pageable
+// memory could make cudaMemcpyAsync wait for it).
+class PinnedRing {
+ public:
+  static constexpr int kBuffers = 8;
+  ~PinnedRing() {
+    for (Entry& e : entries_) {
+      if (e.data != nullptr) (void)cudaFreeHost(e.data);
+      if (e.copied != nullptr) (void)cudaEventDestroy(e.copied);
+    }
+  }
+  // The next buffer with room for `bytes`; its previous copy has completed.
+  cudaError_t Next(size_t bytes, void** out) {
+    Entry& e = entries_[next_];
+    if (e.copied == nullptr) {
+      const cudaError_t created = cudaEventCreateWithFlags(&e.copied, cudaEventDisableTiming);
+      if (created != cudaSuccess) return created;
+    } else {
+      const cudaError_t waited = cudaEventSynchronize(e.copied);
+      if (waited != cudaSuccess) return waited;
+    }
+    if (bytes > e.capacity) {
+      if (e.data != nullptr) (void)cudaFreeHost(e.data);
+      e.data = nullptr;
+      e.capacity = 0;
+      const cudaError_t error = cudaMallocHost(&e.data, std::max<size_t>(bytes, 4096));
+      if (error != cudaSuccess) return error;
+      e.capacity = std::max<size_t>(bytes, 4096);
+    }
+    *out = e.data;
+    return cudaSuccess;
+  }
+  // Copies `bytes` of the buffer Next returned to `device` on `stream` and moves on.
+  cudaError_t Upload(void* device, size_t bytes, cudaStream_t stream) {
+    Entry& e = entries_[next_];
+    next_ = (next_ + 1) % kBuffers;
+    const cudaError_t copied =
+        cudaMemcpyAsync(device, e.data, bytes, cudaMemcpyHostToDevice, stream);
+    if (copied != cudaSuccess) return copied;
+    return cudaEventRecord(e.copied, stream);
+  }
+
+ private:
+  struct Entry {
+    void* data = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t copied = nullptr;
+  };
+  Entry entries_[kBuffers];
+  int next_ = 0;
+};
+
+// A 16-byte aligned piece of a packed upload.
+size_t Take(size_t& cursor, size_t bytes) {
+  const size_t at = cursor;
+  cursor = (cursor + bytes + 15) / 16 * 16;
+  return at;
+}
+
 float Bf16BitsToFloat(uint16_t bits) {
   const uint32_t word = static_cast<uint32_t>(bits) << 16;
   float value;
@@ -69,6 +130,9 @@ class CudaAttentionBackend final : public AttentionBackend {
 
   ~CudaAttentionBackend() override {
     (void)cudaSetDevice(options_.device);
+    if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+    free_steps_.clear();
+    (void)FreePatternTables(&tables_);
     if (pools_ != nullptr) (void)cudaFree(pools_);
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
   }
@@ -194,19 +258,26 @@ class CudaAttentionBackend final : public AttentionBackend {
         return absl::InvalidArgumentError(
             absl::StrCat("sequence ", rows[r].sequence_id, " holds no KV slot ", rows[r].position));
       }
-      if (rows[r].selection.empty()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("sequence ", rows[r].sequence_id, ": an empty selection"));
+      const size_t top_k = rows[r].device_selection != nullptr
+                               ? static_cast<size_t>(std::max(rows[r].top_k, 0))
+                               : rows[r].selection.size();
+      if (top_k == 0 || (rows[r].device_selection != nullptr && !rows[r].selection.empty())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence ", rows[r].sequence_id,
+            top_k == 0 ? ": an empty selection" : ": both a host and a device selection"));
       }
-      by_k[rows[r].selection.size()].push_back(r);
+      by_k[top_k].push_back(r);
     }
+    if (!outputs.empty()) host_out_.resize(rows.size() * static_cast<size_t>(per_row));
     for (const auto& [top_k, members] : by_k) {
       absl::Status status =
-          AttendGroup(model_layer, rows, members, static_cast<int>(top_k), outputs);
+          AttendGroup(model_layer, rows, members, static_cast<int>(top_k), !outputs.empty());
       if (!status.ok()) return status;
     }
-    DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "layer attention");
+    // Without outputs the work stays queued on the stream: the caller synchronizes at the step's
+    // end (Synchronize, DeviceStep::Finish), so the host runs ahead of the GPU.
     if (!outputs.empty()) {
+      DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "layer attention");
       for (size_t r = 0; r < rows.size(); ++r) {
         for (int64_t i = 0; i < per_row; ++i) {
           outputs[r * per_row + i] = Bf16BitsToFloat(host_out_[r * per_row + i]);
@@ -214,6 +285,129 @@ class CudaAttentionBackend final : public AttentionBackend {
       }
     }
     return absl::OkStatus();
+  }
+
+  absl::Status Synchronize() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
+    DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "the attention stream");
+    return absl::OkStatus();
+  }
+
+  int device_ordinal() const override { return options_.device; }
+
+  absl::Status EnableDeviceSelects(const PatternModel& model) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (tables_.allocation != nullptr) return absl::OkStatus();
+    DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
+    std::vector<float> radius, cosine;
+    BoxMullerFirstNormalTables(&radius, &cosine);
+    const cudaError_t uploaded =
+        UploadPatternTables(model.Tables(), radius.data(), cosine.data(), &tables_);
+    if (uploaded == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the pattern model's tables (about 128 MiB) do not fit on GPU ", options_.device));
+    }
+    DSA_CUDA_RETURN(uploaded, "uploading the pattern model's tables");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<DeviceStep>> BeginDeviceStep() override;
+
+  // ---- for CudaDeviceStep ----
+  struct SelectSlotBuffers {
+    DeviceArray<float> queries;
+    DeviceArray<int32_t> selections;
+    DeviceArray<unsigned char> rows;  // int32 layers [n], then int64 positions [n] (16-aligned)
+    cudaEvent_t queries_ready = nullptr;
+    cudaEvent_t selections_ready = nullptr;
+    bool prepared = false;
+    ~SelectSlotBuffers() {
+      if (queries_ready != nullptr) (void)cudaEventDestroy(queries_ready);
+      if (selections_ready != nullptr) (void)cudaEventDestroy(selections_ready);
+    }
+  };
+  struct StepBuffers {
+    std::vector<std::unique_ptr<SelectSlotBuffers>> slots;  // per full layer
+  };
+
+  absl::StatusOr<DeviceSelectSlot> PrepareSelect(StepBuffers& step, int full_layer,
+                                                 std::span<const int64_t> positions, int top_k) {
+    if (full_layer < 0 || full_layer >= tables_.scalars.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "full layer ", full_layer, " outside [0, ", tables_.scalars.num_layers, ")"));
+    }
+    if (positions.empty() || top_k < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a device-resident select needs rows and K >= 1 (", positions.size(), " rows, K ",
+          top_k, ")"));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
+    if (step.slots.size() <= static_cast<size_t>(full_layer)) step.slots.resize(full_layer + 1);
+    if (step.slots[full_layer] == nullptr) {
+      step.slots[full_layer] = std::make_unique<SelectSlotBuffers>();
+    }
+    SelectSlotBuffers& slot = *step.slots[full_layer];
+    if (slot.queries_ready == nullptr) {
+      DSA_CUDA_RETURN(cudaEventCreateWithFlags(&slot.queries_ready, cudaEventDisableTiming),
+                      "event");
+      DSA_CUDA_RETURN(cudaEventCreateWithFlags(&slot.selections_ready, cudaEventDisableTiming),
+                      "event");
+    }
+    const size_t n = positions.size();
+    const size_t values = n * tables_.scalars.num_heads * tables_.scalars.head_dim;
+    size_t cursor = 0;
+    const size_t at_layers = Take(cursor, sizeof(int32_t) * n);
+    const size_t at_positions = Take(cursor, sizeof(int64_t) * n);
+    if (slot.queries.Reserve(values) != cudaSuccess ||
+        slot.selections.Reserve(n * static_cast<size_t>(top_k)) != cudaSuccess ||
+        slot.rows.Reserve(cursor) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "GPU ", options_.device, " has no room for a device-resident select of ", n, " rows"));
+    }
+    void* staged = nullptr;
+    DSA_CUDA_RETURN(ring_.Next(cursor, &staged), "pinned staging");
+    auto* bytes = static_cast<unsigned char*>(staged);
+    for (size_t i = 0; i < n; ++i) {
+      reinterpret_cast<int32_t*>(bytes + at_layers)[i] = full_layer;
+      reinterpret_cast<int64_t*>(bytes + at_positions)[i] = positions[i];
+    }
+    DSA_CUDA_RETURN(ring_.Upload(slot.rows.data, cursor, stream_), "select rows upload");
+    PatternIndexerQueriesParams params;
+    params.tables = tables_;
+    params.num_rows = static_cast<int>(n);
+    params.layers = reinterpret_cast<const int32_t*>(slot.rows.data + at_layers);
+    params.positions = reinterpret_cast<const int64_t*>(slot.rows.data + at_positions);
+    params.queries = slot.queries.data;
+    DSA_CUDA_RETURN(LaunchPatternIndexerQueries(params, stream_), "indexer queries");
+    DSA_CUDA_RETURN(cudaEventRecord(slot.queries_ready, stream_), "event");
+    slot.prepared = true;
+    return DeviceSelectSlot{slot.queries.data, slot.queries_ready, slot.selections.data,
+                            slot.selections_ready};
+  }
+
+  absl::Status WaitForSelections(StepBuffers& step, int full_layer) {
+    if (full_layer < 0 || static_cast<size_t>(full_layer) >= step.slots.size() ||
+        step.slots[full_layer] == nullptr || !step.slots[full_layer]->prepared) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("full layer ", full_layer, " has no device-resident select in this step"));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
+    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream_, step.slots[full_layer]->selections_ready, 0),
+                    "waiting for the selections");
+    return absl::OkStatus();
+  }
+
+  void ReturnStep(std::unique_ptr<StepBuffers> step) {
+    for (auto& slot : step->slots) {
+      if (slot != nullptr) slot->prepared = false;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_steps_.push_back(std::move(step));
   }
 
  private:
@@ -226,53 +420,74 @@ class CudaAttentionBackend final : public AttentionBackend {
     return pools_ + static_cast<size_t>(layer) * static_cast<size_t>(num_blocks_) * kBlockElements;
   }
 
-  // One launch for `members` (indices into rows), all of K = top_k; the outputs land in
-  // host_out_ at each row's index (copied only when outputs are wanted).
+  // One launch for `members` (indices into rows), all of K = top_k, enqueued on the stream. The
+  // small arrays go up in one packed copy from a pinned buffer; device selections are read in
+  // place when the members' are adjacent (one indexer answer in row order), else gathered on the
+  // device. With want_outputs, the outputs land in host_out_ at each row's index after the
+  // caller's synchronize.
   absl::Status AttendGroup(int layer, std::span<const AttentionRowRef> rows,
-                           const std::vector<size_t>& members, int top_k,
-                           std::span<float> outputs) {
+                           const std::vector<size_t>& members, int top_k, bool want_outputs) {
     const int n = static_cast<int>(members.size());
     size_t max_blocks = 1;
+    int device_rows = 0;
     for (size_t r : members) {
       max_blocks = std::max(max_blocks, sequences_.at(rows[r].sequence_id).block_table.size());
+      if (rows[r].device_selection != nullptr) ++device_rows;
     }
-    std::vector<int32_t> tables(static_cast<size_t>(n) * max_blocks, 0);
-    std::vector<int32_t> num_slots(n), positions(n), selections(static_cast<size_t>(n) * top_k);
-    std::vector<int64_t> positions64(n);
-    for (int i = 0; i < n; ++i) {
-      const AttentionRowRef& row = rows[members[i]];
-      const SequenceKv& kv = sequences_.at(row.sequence_id);
-      std::copy(kv.block_table.begin(), kv.block_table.end(), tables.begin() + i * max_blocks);
-      num_slots[i] = static_cast<int32_t>(kv.num_slots);
-      positions[i] = static_cast<int32_t>(row.position);
-      positions64[i] = row.position;
-      std::copy(row.selection.begin(), row.selection.end(), selections.begin() + i * top_k);
+    bool adjacent = device_rows == n;
+    for (int i = 1; i < n && adjacent; ++i) {
+      adjacent = rows[members[i]].device_selection ==
+                 rows[members[0]].device_selection + static_cast<size_t>(i) * top_k;
     }
+    size_t cursor = 0;
+    const size_t at_tables = Take(cursor, sizeof(int32_t) * n * max_blocks);
+    const size_t at_num_slots = Take(cursor, sizeof(int32_t) * n);
+    const size_t at_positions = Take(cursor, sizeof(int32_t) * n);
+    const size_t at_positions64 = Take(cursor, sizeof(int64_t) * n);
+    const size_t at_selections = Take(cursor, adjacent ? 0 : sizeof(int32_t) * n * top_k);
     const size_t out_values = static_cast<size_t>(n) * options_.num_heads * kMlaValueDim;
-    DSA_CUDA_RETURN(d_tables_.Reserve(tables.size()), "staging");
-    DSA_CUDA_RETURN(d_num_slots_.Reserve(n), "staging");
-    DSA_CUDA_RETURN(d_positions_.Reserve(n), "staging");
-    DSA_CUDA_RETURN(d_positions64_.Reserve(n), "staging");
-    DSA_CUDA_RETURN(d_selections_.Reserve(selections.size()), "staging");
+    DSA_CUDA_RETURN(staging_.Reserve(cursor), "staging");
     DSA_CUDA_RETURN(d_queries_.Reserve(static_cast<size_t>(n) * options_.num_heads * kMlaKeyDim),
                     "queries");
     DSA_CUDA_RETURN(d_out_.Reserve(out_values), "outputs");
-    const auto upload = [&](auto* dst, const auto& src) {
-      return cudaMemcpyAsync(dst, src.data(), src.size() * sizeof(src[0]), cudaMemcpyHostToDevice,
-                             stream_);
-    };
-    DSA_CUDA_RETURN(upload(d_tables_.data, tables), "staging upload");
-    DSA_CUDA_RETURN(upload(d_num_slots_.data, num_slots), "staging upload");
-    DSA_CUDA_RETURN(upload(d_positions_.data, positions), "staging upload");
-    DSA_CUDA_RETURN(upload(d_positions64_.data, positions64), "staging upload");
-    DSA_CUDA_RETURN(upload(d_selections_.data, selections), "staging upload");
+    void* staged = nullptr;
+    DSA_CUDA_RETURN(ring_.Next(cursor, &staged), "pinned staging");
+    auto* bytes = static_cast<unsigned char*>(staged);
+    auto* tables = reinterpret_cast<int32_t*>(bytes + at_tables);
+    auto* selections = reinterpret_cast<int32_t*>(bytes + at_selections);
+    std::fill(tables, tables + n * max_blocks, 0);
+    for (int i = 0; i < n; ++i) {
+      const AttentionRowRef& row = rows[members[i]];
+      const SequenceKv& kv = sequences_.at(row.sequence_id);
+      std::copy(kv.block_table.begin(), kv.block_table.end(), tables + i * max_blocks);
+      reinterpret_cast<int32_t*>(bytes + at_num_slots)[i] = static_cast<int32_t>(kv.num_slots);
+      reinterpret_cast<int32_t*>(bytes + at_positions)[i] = static_cast<int32_t>(row.position);
+      reinterpret_cast<int64_t*>(bytes + at_positions64)[i] = row.position;
+      if (!adjacent && row.device_selection == nullptr) {
+        std::copy(row.selection.begin(), row.selection.end(), selections + i * top_k);
+      }
+    }
+    DSA_CUDA_RETURN(ring_.Upload(staging_.data, cursor, stream_), "staging upload");
+    int32_t* d_selections = reinterpret_cast<int32_t*>(staging_.data + at_selections);
+    if (adjacent) {
+      d_selections = const_cast<int32_t*>(rows[members[0]].device_selection);
+    } else {
+      for (int i = 0; i < n; ++i) {  // device rows gathered after the host rows' upload
+        const AttentionRowRef& row = rows[members[i]];
+        if (row.device_selection == nullptr) continue;
+        DSA_CUDA_RETURN(cudaMemcpyAsync(d_selections + static_cast<size_t>(i) * top_k,
+                                        row.device_selection, sizeof(int32_t) * top_k,
+                                        cudaMemcpyDeviceToDevice, stream_),
+                        "gathering the device selections");
+      }
+    }
 
     MlaQueryRowsParams query;
     query.seed = options_.seed;
     query.layer = layer;
     query.num_rows = n;
     query.num_heads = options_.num_heads;
-    query.positions = d_positions64_.data;
+    query.positions = reinterpret_cast<const int64_t*>(staging_.data + at_positions64);
     query.queries = d_queries_.data;
     DSA_CUDA_RETURN(LaunchMlaQueryRows(query, stream_), "attention queries");
 
@@ -282,11 +497,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     params.num_rows = n;
     params.num_heads = options_.num_heads;
     params.query = d_queries_.data;
-    params.block_tables = d_tables_.data;
+    params.block_tables = reinterpret_cast<const int32_t*>(staging_.data + at_tables);
     params.max_blocks_per_row = static_cast<int>(max_blocks);
-    params.num_slots = d_num_slots_.data;
-    params.positions = d_positions_.data;
-    params.selections = d_selections_.data;
+    params.num_slots = reinterpret_cast<const int32_t*>(staging_.data + at_num_slots);
+    params.positions = reinterpret_cast<const int32_t*>(staging_.data + at_positions);
+    params.selections = d_selections;
     params.top_k = top_k;
     params.out = d_out_.data;
     // The split workspace is attached before the check: with automatic splits, CanImplement
@@ -299,22 +514,19 @@ class CudaAttentionBackend final : public AttentionBackend {
     } else {
       DSA_CUDA_RETURN(LaunchSparseMlaDecodeCudaCores(params, stream_), "sparse MLA decode");
     }
-    if (!outputs.empty()) {
-      // Rows come back in member order; placed at their own index of the batch.
+    if (want_outputs) {
+      // Rows come back in member order; placed at their own index of the batch. (A group's
+      // outputs are read before the next group's launch reuses d_out_.)
       std::vector<uint16_t> group_out(out_values);
       DSA_CUDA_RETURN(cudaMemcpyAsync(group_out.data(), d_out_.data, out_values * 2,
                                       cudaMemcpyDeviceToHost, stream_),
                       "outputs download");
       DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "sparse MLA decode");
       const size_t per_row = static_cast<size_t>(options_.num_heads) * kMlaValueDim;
-      host_out_.resize(rows.size() * per_row);
       for (int i = 0; i < n; ++i) {
         std::copy(group_out.begin() + i * per_row, group_out.begin() + (i + 1) * per_row,
                   host_out_.begin() + members[i] * per_row);
       }
-    } else {
-      // The host staging vectors must outlive the uploads.
-      DSA_CUDA_RETURN(cudaStreamSynchronize(stream_), "sparse MLA decode");
     }
     return absl::OkStatus();
   }
@@ -328,12 +540,63 @@ class CudaAttentionBackend final : public AttentionBackend {
   std::vector<int32_t> free_blocks_;
   absl::flat_hash_map<uint64_t, SequenceKv> sequences_;
   DeviceArray<int32_t> table_;
-  DeviceArray<int32_t> d_tables_, d_num_slots_, d_positions_, d_selections_;
-  DeviceArray<int64_t> d_positions64_;
+  DeviceArray<unsigned char> staging_;  // AttendGroup's packed arrays
+  PinnedRing ring_;
   DeviceArray<__nv_bfloat16> d_queries_, d_out_;
   DeviceArray<unsigned char> workspace_;
   std::vector<uint16_t> host_out_;
+  PatternDeviceTables tables_;  // EnableDeviceSelects
+  std::vector<std::unique_ptr<StepBuffers>> free_steps_;
 };
+
+class CudaDeviceStep final : public DeviceStep {
+ public:
+  CudaDeviceStep(CudaAttentionBackend* backend,
+                 std::unique_ptr<CudaAttentionBackend::StepBuffers> buffers)
+      : backend_(backend), buffers_(std::move(buffers)) {}
+  ~CudaDeviceStep() override {
+    if (abandoned_) {
+      (void)buffers_.release();  // a late select may still write them: never reused or freed
+      return;
+    }
+    // A step that ends without Finish (an error path) still must not hand its buffers on while
+    // the stream uses them.
+    (void)backend_->Synchronize();
+    backend_->ReturnStep(std::move(buffers_));
+  }
+  absl::StatusOr<DeviceSelectSlot> PrepareSelect(int full_layer,
+                                                 std::span<const int64_t> positions,
+                                                 int top_k) override {
+    return backend_->PrepareSelect(*buffers_, full_layer, positions, top_k);
+  }
+  absl::Status WaitForSelections(int full_layer) override {
+    return backend_->WaitForSelections(*buffers_, full_layer);
+  }
+  absl::Status Finish() override { return backend_->Synchronize(); }
+  void Abandon() override { abandoned_ = true; }
+
+ private:
+  CudaAttentionBackend* const backend_;
+  std::unique_ptr<CudaAttentionBackend::StepBuffers> buffers_;
+  bool abandoned_ = false;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceStep>> CudaAttentionBackend::BeginDeviceStep() {
+  std::unique_ptr<StepBuffers> buffers;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (tables_.allocation == nullptr) {
+      return absl::FailedPreconditionError(
+          "device-resident selects are not enabled (EnableDeviceSelects)");
+    }
+    if (!free_steps_.empty()) {
+      buffers = std::move(free_steps_.back());
+      free_steps_.pop_back();
+    }
+  }
+  if (buffers == nullptr) buffers = std::make_unique<StepBuffers>();
+  return std::unique_ptr<DeviceStep>(std::make_unique<CudaDeviceStep>(this, std::move(buffers)));
+}
 
 }  // namespace
 

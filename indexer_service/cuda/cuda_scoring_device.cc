@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "indexer_service/cuda/device_info.h"
+#include "indexer_service/cuda/query_stage.h"
 #include "indexer_service/cuda/scan.h"
 #include "indexer_service/cuda/select.h"
 #include "indexer_service/cuda/spin_update.h"
@@ -157,6 +158,8 @@ class CudaScoringDevice final : public ScoringDevice {
     }
     return absl::OkStatus();
   }
+
+  int device_ordinal() const override { return options_.device; }
 
   std::string Describe() const override {
     const char* kernel = options_.scan_kernel == ScanKernel::kTensorCores ? "tensor-core scan"
@@ -447,7 +450,7 @@ class CudaScoringDevice final : public ScoringDevice {
              a.config->ema_decay == b.config->ema_decay;
     };
     std::vector<bool> done(jobs.size(), false);
-    double total_ms = 0;
+    std::vector<std::vector<const DeviceSpinJob*>> launches;
     for (size_t i = 0; i < jobs.size(); ++i) {
       if (done[i]) continue;
       std::vector<const DeviceSpinJob*> launch;
@@ -457,8 +460,21 @@ class CudaScoringDevice final : public ScoringDevice {
           done[j] = true;
         }
       }
+      launches.push_back(std::move(launch));
+    }
+    // The device-resident path: the producer's queries must be written before the first launch
+    // stages them; the last launch records the handoff's event.
+    const DeviceHandoff* handoff = jobs.empty() ? nullptr : jobs[0].handoff;
+    if (handoff != nullptr && handoff->inputs_ready != nullptr) {
+      DSA_CUDA_RETURN(
+          cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(handoff->inputs_ready), 0),
+          "waiting for the device queries");
+    }
+    double total_ms = 0;
+    for (size_t i = 0; i < launches.size(); ++i) {
       float ms = 0;
-      DSA_RETURN_IF_ERROR(SelectLaunch(launch, num_heads, &ms));
+      DSA_RETURN_IF_ERROR(SelectLaunch(launches[i], num_heads, &ms,
+                                       i + 1 == launches.size() ? handoff : nullptr));
       total_ms += ms;
     }
     seconds->scan = total_ms * 1e-3;
@@ -637,8 +653,12 @@ class CudaScoringDevice final : public ScoringDevice {
   }
 
   // One LaunchSelect over jobs sharing the launch-wide settings; `ms` gets its device time.
+  // One select launch. Jobs with a handoff read IndexerRow::device_query (staged into the batch
+  // buffer on the device) and get their selections copied to device_selections; with `notify`,
+  // its selections_ready is recorded and on_enqueued called once they are enqueued.
   absl::Status SelectLaunch(const std::vector<const DeviceSpinJob*>& jobs, int num_heads,
-                            float* ms) {
+                            float* ms, const DeviceHandoff* notify) {
+    const bool device_queries = jobs[0]->handoff != nullptr;
     const int num_groups = static_cast<int>(jobs.size());
     int64_t num_rows = 0, table_entries = 0, max_visible_blocks = 1;
     for (const DeviceSpinJob* job : jobs) {
@@ -671,6 +691,7 @@ class CudaScoringDevice final : public ScoringDevice {
     const size_t at_diagonal = Take(cursor, sizeof(float*) * num_groups);
     const size_t at_capacity = Take(cursor, sizeof(int64_t) * num_groups);
     const size_t at_seed = Take(cursor, sizeof(uint64_t) * num_groups);
+    const size_t at_query_pointers = Take(cursor, device_queries ? sizeof(float*) * num_rows : 0);
     const size_t upload_bytes = cursor;
     // The outputs, on the device after the upload.
     const size_t at_selection = Take(cursor, sizeof(int32_t) * num_rows * jobs[0]->top_k);
@@ -700,7 +721,13 @@ class CudaScoringDevice final : public ScoringDevice {
       upload_.as<int64_t>(at_capacity)[g] = slot.capacity;
       upload_.as<uint64_t>(at_seed)[g] = job.config->seed;
       for (const IndexerRow& r : job.rows) {
-        WriteRow(r, row, tensor_cores, num_heads, at_query, at_weights);
+        if (device_queries) {
+          upload_.as<const float*>(at_query_pointers)[row] = r.device_query;
+          std::memcpy(upload_.as<float>(at_weights) + row * num_heads, r.head_weights.data(),
+                      sizeof(float) * num_heads);
+        } else {
+          WriteRow(r, row, tensor_cores, num_heads, at_query, at_weights);
+        }
         upload_.as<int64_t>(at_position)[row] = r.position;
         ++row;
       }
@@ -753,9 +780,49 @@ class CudaScoringDevice final : public ScoringDevice {
     DSA_CUDA_RETURN(cudaMemcpyAsync(batch_.as<void>(), upload_.as<void>(), upload_bytes,
                                     cudaMemcpyHostToDevice, stream_),
                     "uploading the batch");
+    if (device_queries) {
+      StageQueriesParams stage;
+      stage.row_queries = batch_.as<const float* const>(at_query_pointers);
+      stage.num_rows = num_rows;
+      stage.values_per_row = static_cast<int64_t>(query_values);
+      stage.to_bfloat16 = tensor_cores;
+      stage.out = batch_.as<void>(at_query);
+      DSA_CUDA_RETURN(LaunchStageQueries(stage, stream_), "staging the device queries");
+    }
     DSA_CUDA_RETURN(cudaEventRecord(events_[0], stream_), "event");
     DSA_CUDA_RETURN(LaunchSelect(p, stream_), "launching the select");
     DSA_CUDA_RETURN(cudaEventRecord(events_[1], stream_), "event");
+    if (device_queries) {
+      // Each job's rows to its device_selections; runs of jobs whose outputs are adjacent (the
+      // usual case: one buffer in batch order) in one copy.
+      const int32_t* source = batch_.as<int32_t>(at_selection);
+      const int64_t top_k = jobs[0]->top_k;
+      int64_t first = 0;
+      for (int g = 0; g < num_groups;) {
+        int h = g;
+        int64_t rows = static_cast<int64_t>(jobs[g]->rows.size());
+        while (h + 1 < num_groups &&
+               jobs[h + 1]->device_selections ==
+                   jobs[g]->device_selections + rows * top_k) {
+          ++h;
+          rows += static_cast<int64_t>(jobs[h]->rows.size());
+        }
+        DSA_CUDA_RETURN(cudaMemcpyAsync(jobs[g]->device_selections, source + first * top_k,
+                                        sizeof(int32_t) * rows * top_k, cudaMemcpyDeviceToDevice,
+                                        stream_),
+                        "handing over the selections");
+        first += rows;
+        g = h + 1;
+      }
+    }
+    if (notify != nullptr) {
+      if (notify->selections_ready != nullptr) {
+        DSA_CUDA_RETURN(
+            cudaEventRecord(static_cast<cudaEvent_t>(notify->selections_ready), stream_),
+            "recording the handoff's event");
+      }
+      if (notify->on_enqueued) notify->on_enqueued();
+    }
     DSA_CUDA_RETURN(cudaMemcpyAsync(download_.as<void>(), batch_.as<uint8_t>() + at_selection,
                                     download_bytes, cudaMemcpyDeviceToHost, stream_),
                     "downloading the selections");

@@ -8,13 +8,17 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/scoring_device.h"
+#include "indexer_service/layer_select.h"
 #include "indexer_service/topk.h"
 #include "tests/indexer_service/device_workload.h"
+#include "transport/in_process_transport.h"
 
 namespace dsa {
 namespace {
@@ -48,6 +52,10 @@ struct FakeControls {
   bool runs_spin = false;             // take SPIN too (RunsSpin for K <= max_top_k)
   int spin_calls = 0;
   std::optional<int> fail_spin_at;  // the n-th SelectWithSpin call returns INTERNAL
+  // device_ordinal(): >= 0 makes the fake take device-resident selects, its "device memory"
+  // being host memory (the events are never touched).
+  int ordinal = -1;
+  int enqueued_calls = 0;  // DeviceHandoff::on_enqueued calls
 };
 
 class FakeDevice : public ScoringDevice {
@@ -55,6 +63,7 @@ class FakeDevice : public ScoringDevice {
   explicit FakeDevice(FakeControls* controls) : controls_(controls) {}
 
   std::string Describe() const override { return "fake"; }
+  int device_ordinal() const override { return controls_->ordinal; }
 
   absl::Status Attach(const BlockPool& pool, int num_heads) override {
     host_ = &pool;
@@ -102,7 +111,22 @@ class FakeDevice : public ScoringDevice {
     if (controls_->fail_spin_at == controls_->spin_calls++) {
       return absl::InternalError("fake SPIN failure");
     }
-    for (const DeviceSpinJob& job : jobs) {
+    const DeviceHandoff* handoff = jobs.empty() ? nullptr : jobs[0].handoff;
+    for (const DeviceSpinJob& job_in : jobs) {
+      // Device queries are host memory here: read them as host rows.
+      DeviceSpinJob job = job_in;
+      std::vector<IndexerRow> device_rows;
+      if (job.handoff != nullptr) {
+        const size_t values = static_cast<size_t>(num_heads) * host_->head_dim();
+        for (IndexerRow row : job.rows) {
+          if (row.device_query == nullptr || !row.query.empty()) {
+            return absl::InternalError("a device-resident job's row without a device query");
+          }
+          row.query = std::span<const float>(row.device_query, values);
+          device_rows.push_back(row);
+        }
+        job.rows = device_rows;
+      }
       auto [it, fresh] =
           spin_.try_emplace({job.sequence_id, job.layer}, *job.config, job.top_k, job.layer);
       SpinSlot& slot = it->second;
@@ -131,6 +155,13 @@ class FakeDevice : public ScoringDevice {
       }
       if (job.scores != nullptr) *job.scores = scores;
       *job.blocks = std::move(blocks);
+      if (job.handoff != nullptr) {
+        std::copy(job.selections.begin(), job.selections.end(), job.device_selections);
+      }
+    }
+    if (handoff != nullptr && handoff->on_enqueued) {
+      ++controls_->enqueued_calls;
+      handoff->on_enqueued();
     }
     seconds->scan = 1e-6;
     return absl::OkStatus();
@@ -334,6 +365,209 @@ TEST(IndexerDeviceTest, WithoutADeviceTheStatusSaysCpu) {
   ASSERT_TRUE(indexer.ok());
   EXPECT_EQ((*indexer)->DeviceDescription(), "cpu");
   EXPECT_EQ((*indexer)->DeviceStatus().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+
+// ---- The device-resident path (the co-located attention worker's; scoring_device.h
+// DeviceHandoff): the fake's "device memory" is host memory. ----
+
+constexpr int kHeads = 16;
+constexpr int kDim = 64;
+constexpr int kTopK = 64;
+constexpr int kLayers = 2;
+constexpr int64_t kPrefill = 1000;
+
+std::vector<float> RandomValues(uint64_t seed, size_t n) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> values(n);
+  for (float& v : values) v = normal(rng);
+  return values;
+}
+
+IndexerOptions DeviceResidentOptions() {
+  IndexerOptions options;
+  options.capacity_blocks = 256;
+  options.num_heads = kHeads;
+  options.head_dim = kDim;
+  return options;
+}
+
+// An indexer on the fake device with sequence 7 (2 layers, K 64, SPIN rho 0.5) prefilled.
+std::unique_ptr<Indexer> DeviceResidentIndexer(FakeControls* controls,
+                                               IndexerOptions options = DeviceResidentOptions()) {
+  auto indexer = Indexer::Create(options, std::make_unique<FakeDevice>(controls));
+  EXPECT_TRUE(indexer.ok()) << indexer.status();
+  SequenceOptions sequence;
+  sequence.num_layers = kLayers;
+  sequence.top_k = kTopK;
+  sequence.spin.target_block_sparsity = 0.5;
+  EXPECT_TRUE((*indexer)->CreateSequence(7, sequence).ok());
+  for (int layer = 0; layer < kLayers; ++layer) {
+    EXPECT_TRUE((*indexer)
+                    ->AppendIndexKeys(7, layer, RandomValues(layer, kPrefill * kDim), kPrefill)
+                    .ok());
+  }
+  return *std::move(indexer);
+}
+
+// Decode step `step`'s request for `layer` (position kPrefill + step, one new key), host form.
+LayerSelectRequest DecodeRequest(int step, int layer) {
+  LayerSelectRequest request;
+  request.num_heads = kHeads;
+  request.head_dim = kDim;
+  SelectRowGroup group;
+  group.sequence_id = 7;
+  group.layer = layer;
+  group.first_position = kPrefill + step;
+  group.num_rows = 1;
+  group.queries = RandomValues(1000 + 10 * step + layer, kHeads * kDim);
+  group.head_weights = RandomValues(2000 + 10 * step + layer, kHeads);
+  group.new_index_keys = RandomValues(3000 + 10 * step + layer, kDim);
+  request.groups.push_back(std::move(group));
+  return request;
+}
+
+// The same request in device form: its queries moved to `device_queries`, selections to
+// `device_selections` (sized here).
+LayerSelectRequest DeviceForm(LayerSelectRequest request, std::vector<float>* device_queries,
+                              std::vector<int32_t>* device_selections) {
+  *device_queries = std::move(request.groups[0].queries);
+  request.groups[0].queries.clear();
+  device_selections->assign(kTopK, -7);
+  request.device.queries = device_queries->data();
+  request.device.selections = device_selections->data();
+  request.device.top_k = kTopK;
+  return request;
+}
+
+TEST(DeviceResidentSelectTest, TheDeviceFormGivesTheHostFormsSelectionsOnTheDeviceAndTheHost) {
+  FakeControls host_controls, device_controls;
+  host_controls.runs_spin = device_controls.runs_spin = true;
+  device_controls.ordinal = 0;
+  std::unique_ptr<Indexer> host = DeviceResidentIndexer(&host_controls);
+  std::unique_ptr<Indexer> device = DeviceResidentIndexer(&device_controls);
+  InProcessSelectionTransport transport(device.get());
+  EXPECT_EQ(transport.device_ordinal(), 0);
+  int pruned = 0;
+  for (int step = 0; step < 6; ++step) {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      auto expected = RunLayerSelect(*host, DecodeRequest(step, layer));
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      std::vector<float> queries;
+      std::vector<int32_t> selections;
+      auto id = transport.Submit(DeviceForm(DecodeRequest(step, layer), &queries, &selections));
+      ASSERT_TRUE(id.ok());
+      ASSERT_TRUE(transport.AwaitEnqueued(*id, absl::InfiniteFuture()).ok());
+      EXPECT_EQ(selections, expected->groups[0].selections) << "step " << step << " " << layer;
+      auto answer = transport.Await(*id, absl::InfiniteFuture());
+      ASSERT_TRUE(answer.ok()) << answer.status();
+      EXPECT_EQ(answer->groups[0].selections, expected->groups[0].selections);
+      EXPECT_EQ(answer->groups[0].blocks_scored, expected->groups[0].blocks_scored);
+      if (!answer->groups[0].all_blocks) ++pruned;
+    }
+  }
+  EXPECT_GT(pruned, 0);  // SPIN pruned: the EMAs the device kept match the host's
+  EXPECT_EQ(device_controls.enqueued_calls, 6 * kLayers);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    EXPECT_EQ(*device->NumSlots(7, layer), kPrefill + 6);
+    EXPECT_EQ(device->GetSpinState(7, layer)->vertical(), host->GetSpinState(7, layer)->vertical());
+  }
+}
+
+// The refusal of a device-form request: UNIMPLEMENTED from AwaitEnqueued and Await, with the
+// request's new key removed again (the caller sends the layer again with host queries).
+void ExpectRefusedAndNothingChanged(Indexer& indexer, const std::string& why) {
+  InProcessSelectionTransport transport(&indexer);
+  std::vector<float> queries;
+  std::vector<int32_t> selections;
+  auto id = transport.Submit(DeviceForm(DecodeRequest(0, 0), &queries, &selections));
+  ASSERT_TRUE(id.ok());
+  const absl::Status enqueued = transport.AwaitEnqueued(*id, absl::InfiniteFuture());
+  EXPECT_EQ(enqueued.code(), absl::StatusCode::kUnimplemented) << enqueued;
+  EXPECT_NE(enqueued.message().find(why), std::string::npos) << enqueued;
+  EXPECT_EQ(transport.Await(*id, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(*indexer.NumSlots(7, 0), kPrefill);
+  // The same layer with host queries then runs.
+  EXPECT_TRUE(RunLayerSelect(indexer, DecodeRequest(0, 0)).ok());
+}
+
+TEST(DeviceResidentSelectTest, AnIndexerThatCannotTakeTheDeviceFormRefusesItChangingNothing) {
+  {
+    FakeControls controls;  // host queries only (device_ordinal -1)
+    controls.runs_spin = true;
+    std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
+    EXPECT_EQ(InProcessSelectionTransport(indexer.get()).device_ordinal(), -1);
+    ExpectRefusedAndNothingChanged(*indexer, "takes device queries");
+  }
+  {
+    FakeControls controls;  // SPIN planned on the CPU
+    controls.ordinal = 0;
+    std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
+    ExpectRefusedAndNothingChanged(*indexer, "SPIN settings do not run on the scoring device");
+  }
+  {
+    FakeControls controls;  // auditing reads host queries
+    controls.runs_spin = true;
+    controls.ordinal = 0;
+    IndexerOptions options = DeviceResidentOptions();
+    options.audit_fraction = 0.5;
+    std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls, options);
+    ExpectRefusedAndNothingChanged(*indexer, "not audited");
+  }
+}
+
+TEST(DeviceResidentSelectTest, MalformedDeviceFormsAreInvalidArguments) {
+  FakeControls controls;
+  controls.runs_spin = true;
+  controls.ordinal = 0;
+  std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
+  std::vector<float> queries;
+  std::vector<int32_t> selections;
+  LayerSelectRequest wrong_k = DeviceForm(DecodeRequest(0, 0), &queries, &selections);
+  wrong_k.device.top_k = kTopK / 2;
+  auto refused = RunLayerSelect(*indexer, wrong_k);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("K = 64"), std::string::npos) << refused.status();
+  LayerSelectRequest host_queries_too = DeviceForm(DecodeRequest(0, 0), &queries, &selections);
+  host_queries_too.groups[0].queries = queries;
+  EXPECT_EQ(RunLayerSelect(*indexer, host_queries_too).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  LayerSelectRequest no_selections = DeviceForm(DecodeRequest(0, 0), &queries, &selections);
+  no_selections.device.selections = nullptr;
+  EXPECT_EQ(RunLayerSelect(*indexer, no_selections).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A device row without a handoff.
+  IndexerRow row;
+  row.device_query = queries.data();
+  const std::vector<float> weights(kHeads, 1.0f);
+  row.head_weights = weights;
+  row.position = kPrefill - 1;
+  const SelectGroup group{7, 0, std::span<const IndexerRow>(&row, 1)};
+  EXPECT_EQ(indexer->SelectBatch(std::span<const SelectGroup>(&group, 1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (int layer = 0; layer < kLayers; ++layer) EXPECT_EQ(*indexer->NumSlots(7, layer), kPrefill);
+}
+
+TEST(DeviceResidentSelectTest, ADeviceFailureFailsTheSelectAndDropsTheDevicePath) {
+  FakeControls controls;
+  controls.runs_spin = true;
+  controls.ordinal = 0;
+  controls.fail_spin_at = 0;
+  std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
+  InProcessSelectionTransport transport(indexer.get());
+  std::vector<float> queries;
+  std::vector<int32_t> selections;
+  auto id = transport.Submit(DeviceForm(DecodeRequest(0, 0), &queries, &selections));
+  ASSERT_TRUE(id.ok());
+  const absl::Status enqueued = transport.AwaitEnqueued(*id, absl::InfiniteFuture());
+  EXPECT_EQ(enqueued.code(), absl::StatusCode::kInternal) << enqueued;
+  EXPECT_EQ(transport.Await(*id, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kInternal);
+  EXPECT_EQ(*indexer->NumSlots(7, 0), kPrefill);  // the new key removed again
+  EXPECT_EQ(transport.device_ordinal(), -1);      // dropped: host queries from now on
+  EXPECT_TRUE(RunLayerSelect(*indexer, DecodeRequest(0, 0)).ok());
 }
 
 }  // namespace
