@@ -684,15 +684,14 @@ absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
     for (int r = 0; r < m.rows && generated[g].ok(); ++r) {
       const std::span<float> weights(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
                                      num_heads);
-      generated[g] =
-          on_device
-              ? model_.HeadWeights(f, m.first_position + r, weights)
-              : model_.IndexerQuery(
-                    f, m.first_position + r,
-                    std::span<float>(
-                        group.queries.data() + static_cast<size_t>(r) * num_heads * head_dim,
-                        static_cast<size_t>(num_heads) * head_dim),
-                    weights);
+      generated[g] = on_device
+                         ? model_.HeadWeights(f, m.first_position + r, weights)
+                         : model_.IndexerQuery(
+                               f, m.first_position + r,
+                               std::span<float>(group.queries.data() +
+                                                    static_cast<size_t>(r) * num_heads * head_dim,
+                                                static_cast<size_t>(num_heads) * head_dim),
+                               weights);
     }
     if (!generated[g].ok()) return;
     group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
@@ -704,8 +703,8 @@ absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
   if (!id.ok()) {
     DropClient(batch.client);
     return absl::Status(id.status().code(),
-                        absl::StrCat("indexer worker ", batch.client->address(), ", full layer ",
-                                     f, ": ", id.status().message()));
+                        absl::StrCat("indexer worker ", batch.client->address(), ", full layer ", f,
+                                     ": ", id.status().message()));
   }
   batch.request_ids[f] = *id;
   if (on_device) batch.submitted_on_device[f] = true;
@@ -807,8 +806,8 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_a
       if (m.device_selections[f] != nullptr && selection.top_k != m.top_k[f]) {
         if (first_error.ok()) {
           first_error = absl::InternalError(absl::StrCat(
-              "indexer worker ", batch.client->address(), " answered group ", g, " with K = ",
-              selection.top_k, " but its device selections hold K = ", m.top_k[f]));
+              "indexer worker ", batch.client->address(), " answered group ", g,
+              " with K = ", selection.top_k, " but its device selections hold K = ", m.top_k[f]));
         }
         continue;
       }
@@ -845,7 +844,9 @@ absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
               : std::span<const int32_t>(m.selections[fs].data() + static_cast<size_t>(r) * top_k,
                                          static_cast<size_t>(top_k));
       if (m.device_selections[fs] != nullptr) {
-        rows.push_back(AttentionRowRef{m.sequence->id, m.first_position + r, {},
+        rows.push_back(AttentionRowRef{m.sequence->id,
+                                       m.first_position + r,
+                                       {},
                                        m.device_selections[fs] + static_cast<size_t>(r) * top_k,
                                        top_k});
       } else {
@@ -934,6 +935,9 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
                                                   m.audit_miss_rate_sum});
   }
   result.selection_wait_seconds = std::move(step.selection_wait_seconds);
+  for (const StepState::Batch& batch : step.batches) {
+    for (bool on_device : batch.submitted_on_device) result.device_selects += on_device;
+  }
   if (metrics_ != nullptr) {
     metrics_->RecordDecodeStep(SecondsSince(start));
     metrics_->RecordSelectionWaits(result.selection_wait_seconds);

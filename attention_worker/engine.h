@@ -103,8 +103,12 @@ struct SequenceStepResult {
 
 struct DecodeStepResult {
   std::vector<SequenceStepResult> sequences;
-  /// Per model layer: how long the layer waited for its selection, seconds (0 if already there).
+  /// Per model layer: how long the layer waited for its selection, seconds (0 if already there);
+  /// for a device-form select, until it was enqueued on the GPU (the GPU's wait is not counted).
   std::vector<double> selection_wait_seconds;
+  /// Full-layer selects of the step that went in device form (AttentionEngineOptions::
+  /// device_selects), over all indexer workers.
+  int device_selects = 0;
 };
 
 /// The engine's shape and load (dsa.attention.v1.GetInfoResponse).

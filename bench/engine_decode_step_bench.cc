@@ -8,12 +8,15 @@
 //              loopback gRPC server in this process
 //   serial:    the in-process transport behind a decorator whose Submit waits for the answer (the
 //              indexer's time exposed: "serial" in the issue)
+//   device:    the in-process transport with device-form requests (the co-located device-resident
+//              path: the indexer queries generated on the GPU, the selections left there, the
+//              attention stream waiting on their event at the layer that attends them)
 //   ceiling:   a transport that answers at once with a fixed valid selection (no indexer work)
 // each with SPIN off (all-keep) and SPIN rho 0.4, each with and without the layer stand-in
-// (layer_standin.h, run after every AttendLayer by an AttentionBackend decorator on a stream of
-// its own, synchronized). Step time: engine->DecodeStep wall time on the steady clock, median over
-// the timed steps after warm-up. docs/decode_step.md ("Through the engine") says how; results in
-// docs/results/engine_decode_step_h200.md. With no GPU it says so and exits 0; --device cpu runs
+// (layer_standin.h, enqueued on the backend's stream after every layer's attention: no host wait
+// between layers in any arm). Step time: engine->DecodeStep wall time on the steady clock, median
+// over the timed steps after warm-up. docs/decode_step.md ("Through the engine") says how; results
+// in docs/results/engine_decode_step_h200.md. With no GPU it says so and exits 0; --device cpu runs
 // the same arms with the CPU backend and a CPU indexer (no stand-in), to check the bench itself.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
@@ -75,32 +78,21 @@ double Percentile(std::vector<double> values, double p) {
 struct StepParts {
   double submit = 0;     // SelectionTransport::Submit calls (serial: the whole select)
   double await = 0;      // SelectionTransport::Await calls (the engine's selection waits)
-  double attention = 0;  // the CUDA backend's AttendLayer (staging, kernels, its sync)
-  double standin = 0;    // the stand-in after each layer (launch + sync)
+  double attention = 0;  // the backend's AttendLayer calls (staging and enqueueing on the GPU)
+  double drain = 0;      // the step's end: Synchronize, the GPU finishing what the host enqueued
 };
 
-// The CUDA (or CPU) backend with the layer stand-in run after each AttendLayer: cuBLAS cannot be
-// loaded by dsa-attention (attention_worker/cuda/CMakeLists.txt), so the stand-in lives here. The
-// engine calls it from its DecodeStep thread only (one step at a time in this bench).
-class StandinBackend final : public dsa::AttentionBackend {
+// The CUDA (or CPU) backend, timing the engine's calls. The layer stand-in runs inside the CUDA
+// backend, on its stream after each layer's attention (CudaAttentionBackendOptions::rest_of_layer:
+// cuBLAS cannot be loaded by dsa-attention, attention_worker/cuda/CMakeLists.txt says why).
+class TimedBackend final : public dsa::AttentionBackend {
  public:
-  // `standin` may be null (no stand-in: --device cpu); else activations bf16 [max_rows, M] and
-  // out bf16 [max_rows, N] on the device, and a stream of ours.
-  StandinBackend(std::unique_ptr<dsa::AttentionBackend> inner, dsa::cuda::LayerStandin* standin,
-                 const __nv_bfloat16* activations, __nv_bfloat16* out, cudaStream_t stream,
-                 StepParts* parts)
-      : inner_(std::move(inner)),
-        standin_(standin),
-        activations_(activations),
-        out_(out),
-        stream_(stream),
-        parts_(parts) {}
-
-  void set_standin_enabled(bool enabled) { enabled_ = enabled && standin_ != nullptr; }
-  const absl::Status& standin_status() const { return standin_status_; }
+  TimedBackend(std::unique_ptr<dsa::AttentionBackend> inner, StepParts* parts)
+      : inner_(std::move(inner)), parts_(parts) {}
 
   std::string Description() const override { return inner_->Description(); }
   int64_t output_values_per_row() const override { return inner_->output_values_per_row(); }
+  int64_t slot_granularity() const override { return inner_->slot_granularity(); }
   absl::Status ResizeSequence(uint64_t sequence_id, int64_t num_slots) override {
     return inner_->ResizeSequence(sequence_id, num_slots);
   }
@@ -109,29 +101,25 @@ class StandinBackend final : public dsa::AttentionBackend {
     const Clock::time_point start = Clock::now();
     absl::Status status = inner_->AttendLayer(model_layer, rows, outputs);
     parts_->attention += SecondsSince(start);
-    if (!status.ok() || !enabled_ || rows.empty()) return status;
-    const Clock::time_point standin_start = Clock::now();
-    cudaError_t error = dsa::cuda::RunLayerStandin(standin_, activations_,
-                                                   static_cast<int>(rows.size()), out_, stream_);
-    if (error == cudaSuccess) error = cudaStreamSynchronize(stream_);
-    parts_->standin += SecondsSince(standin_start);
-    if (error != cudaSuccess) {
-      standin_status_ =
-          absl::InternalError(absl::StrCat("layer stand-in: ", cudaGetErrorString(error)));
-      return standin_status_;
-    }
-    return absl::OkStatus();
+    return status;
+  }
+  absl::Status Synchronize() override {
+    const Clock::time_point start = Clock::now();
+    absl::Status status = inner_->Synchronize();
+    parts_->drain += SecondsSince(start);
+    return status;
+  }
+  int device_ordinal() const override { return inner_->device_ordinal(); }
+  absl::Status EnableDeviceSelects(const dsa::PatternModel& model) override {
+    return inner_->EnableDeviceSelects(model);
+  }
+  absl::StatusOr<std::unique_ptr<dsa::DeviceStep>> BeginDeviceStep() override {
+    return inner_->BeginDeviceStep();
   }
 
  private:
   const std::unique_ptr<dsa::AttentionBackend> inner_;
-  dsa::cuda::LayerStandin* const standin_;
-  const __nv_bfloat16* const activations_;
-  __nv_bfloat16* const out_;
-  const cudaStream_t stream_;
   StepParts* const parts_;
-  bool enabled_ = false;
-  absl::Status standin_status_;
 };
 
 // Arm "serial": Submit runs the select to its end (Await on the inner transport) before returning.
@@ -215,11 +203,23 @@ class CeilingTransport final : public dsa::SelectionTransport {
   std::map<uint64_t, std::vector<int32_t>> fixed_;  // per sequence
 };
 
-// The transport of the current arm (switched between steps only), timing Submit and Await.
+// The transport of the current arm (switched between steps only), timing Submit and Await (and
+// AwaitEnqueued). Only the device arm shows the in-process transport's GPU (device_ordinal), so
+// only it gets device-form requests from the engine.
 class ArmTransport final : public dsa::SelectionTransport {
  public:
   explicit ArmTransport(StepParts* parts) : parts_(parts) {}
-  void set_arm(dsa::SelectionTransport* arm) { arm_ = arm; }
+  void set_arm(dsa::SelectionTransport* arm, bool device_form) {
+    arm_ = arm;
+    device_form_ = device_form;
+  }
+  int device_ordinal() const override { return device_form_ ? arm_->device_ordinal() : -1; }
+  absl::Status AwaitEnqueued(uint64_t request_id, absl::Time deadline) override {
+    const Clock::time_point start = Clock::now();
+    absl::Status status = arm_->AwaitEnqueued(request_id, deadline);
+    parts_->await += SecondsSince(start);
+    return status;
+  }
   absl::StatusOr<uint64_t> Submit(dsa::LayerSelectRequest request) override {
     const Clock::time_point start = Clock::now();
     absl::StatusOr<uint64_t> id = arm_->Submit(std::move(request));
@@ -238,6 +238,7 @@ class ArmTransport final : public dsa::SelectionTransport {
  private:
   StepParts* const parts_;
   dsa::SelectionTransport* arm_ = nullptr;
+  bool device_form_ = false;
 };
 
 // The engine's one indexer client: the control plane (prefill's shape check, create, appends,
@@ -297,9 +298,13 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(const std::string& text) {
   return shapes;
 }
 
-constexpr const char* kArms[] = {"inprocess", "grpc", "serial", "ceiling"};
-constexpr int kNumArms = 4;
-constexpr int kCeiling = 3;
+// inprocess: host-form requests to the co-located Indexer; device: the same transport with the
+// device-resident form (queries generated on the GPU, selections left there, event waits).
+constexpr const char* kArms[] = {"inprocess", "grpc", "serial", "device", "ceiling"};
+constexpr int kNumArms = 5;
+constexpr int kSerial = 2;
+constexpr int kDevice = 3;
+constexpr int kCeiling = 4;
 
 // Timed steps of one (arm, stand-in) cell of a sequence set.
 struct Cell {
@@ -317,11 +322,12 @@ nlohmann::json CellJson(const Cell& cell, int layers) {
     return Percentile(v, 0.5);
   };
   const double step_ms = Percentile(cell.step_seconds, 0.5) * 1e3;
-  // Per step: what is neither transport, attention nor stand-in (plan, queries, keys, bookkeeping).
+  // Per step: what is neither transport, attention nor the drain (plan, queries, keys,
+  // bookkeeping).
   std::vector<double> rest;
   for (size_t i = 0; i < cell.parts.size(); ++i) {
     const StepParts& p = cell.parts[i];
-    rest.push_back(cell.step_seconds[i] - p.submit - p.await - p.attention - p.standin);
+    rest.push_back(cell.step_seconds[i] - p.submit - p.await - p.attention - p.drain);
   }
   return {
       {"steps", cell.step_seconds.size()},
@@ -334,8 +340,7 @@ nlohmann::json CellJson(const Cell& cell, int layers) {
       {"await_us_per_layer", median_of([](const StepParts& p) { return p.await; }) * 1e6 / layers},
       {"attention_us_per_layer",
        median_of([](const StepParts& p) { return p.attention; }) * 1e6 / layers},
-      {"standin_us_per_layer",
-       median_of([](const StepParts& p) { return p.standin; }) * 1e6 / layers},
+      {"drain_us_per_layer", median_of([](const StepParts& p) { return p.drain; }) * 1e6 / layers},
       {"rest_us_per_layer", Percentile(rest, 0.5) * 1e6 / layers},
       {"selection_wait_us_per_layer", Percentile(cell.wait_seconds, 0.5) * 1e6 / layers},
       {"realized_block_sparsity", cell.blocks_visible > 0
@@ -412,8 +417,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   }
 
   // Sizes: the largest shape's two sequence sets (keep and SPIN) with their steps.
-  const int steps_per_set_1 = 8 * (warmup + steps);  // 4 arms x 2 stand-in settings
-  const int steps_per_set_b = 8 * (batch_warmup + batch_steps);
+  const int steps_per_set_1 = 2 * kNumArms * (warmup + steps);  // arms x 2 stand-in settings
+  const int steps_per_set_b = 2 * kNumArms * (batch_warmup + batch_steps);
   int64_t kv_slots = 0;
   int64_t index_blocks = 0;
   for (const Shape& s : *shapes) {
@@ -455,31 +460,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   SerialTransport serial(&(*in_process_client)->Selections());
   CeilingTransport ceiling(top_k);
   dsa::SelectionTransport* arm_transports[kNumArms] = {
-      &(*in_process_client)->Selections(), &(*grpc_client)->Selections(), &serial, &ceiling};
+      &(*in_process_client)->Selections(), &(*grpc_client)->Selections(), &serial,
+      &(*in_process_client)->Selections(), &ceiling};
   ArmTransport arm_transport(&parts);
   auto arm_client = std::make_shared<ArmClient>(*in_process_client, &arm_transport);
 
-  // The attention backend, wrapped with the stand-in.
+  // The attention backend with the stand-in as the rest of each layer (on its stream).
   dsa::cuda::LayerStandin standin;
   __nv_bfloat16* activations = nullptr;
   __nv_bfloat16* standin_out = nullptr;
   cudaStream_t standin_stream = nullptr;
+  bool standin_enabled = false;
+  cudaError_t standin_error = cudaSuccess;
   std::unique_ptr<dsa::AttentionBackend> inner;
   nlohmann::json standin_json = nullptr;
   int max_batch = 1;
   for (const Shape& s : *shapes) max_batch = std::max(max_batch, s.batch);
   if (on_gpu) {
-    dsa::cuda::CudaAttentionBackendOptions backend_options;
-    backend_options.num_model_layers = layers;
-    backend_options.num_heads = attention_heads;
-    backend_options.seed = seed;
-    backend_options.capacity_slots = kv_slots;
-    auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
-    if (!backend.ok()) {
-      std::fprintf(stderr, "attention backend: %s\n", backend.status().ToString().c_str());
-      return 1;
-    }
-    inner = std::move(*backend);
     dsa::cuda::LayerStandinParams params;  // header defaults: 76.0 MB a layer + 84 us busy
     params.max_rows = std::max(params.max_rows, max_batch);
     cudaError_t error = dsa::cuda::CreateLayerStandin(params, &standin);
@@ -516,6 +513,24 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
       std::printf("stand-in alone, %d rows: GEMM %.1f us, layer %.1f us (%.0f GB/s)\n", s.batch,
                   timing.gemm_micros, timing.layer_micros, timing.weight_bytes_per_second / 1e9);
     }
+    dsa::cuda::CudaAttentionBackendOptions backend_options;
+    backend_options.num_model_layers = layers;
+    backend_options.num_heads = attention_heads;
+    backend_options.seed = seed;
+    backend_options.capacity_slots = kv_slots;
+    backend_options.rest_of_layer = [&](void* stream, int rows) -> cudaError_t {
+      if (!standin_enabled) return cudaSuccess;
+      const cudaError_t ran = dsa::cuda::RunLayerStandin(&standin, activations, rows, standin_out,
+                                                         static_cast<cudaStream_t>(stream));
+      if (ran != cudaSuccess) standin_error = ran;
+      return ran;
+    };
+    auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
+    if (!backend.ok()) {
+      std::fprintf(stderr, "attention backend: %s\n", backend.status().ToString().c_str());
+      return 1;
+    }
+    inner = std::move(*backend);
   } else {
     dsa::CpuAttentionBackendOptions backend_options;
     backend_options.num_model_layers = layers;
@@ -524,9 +539,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
     if (!backend.ok()) return 1;
     inner = std::move(*backend);
   }
-  auto wrapped = std::make_unique<StandinBackend>(std::move(inner), on_gpu ? &standin : nullptr,
-                                                  activations, standin_out, standin_stream, &parts);
-  StandinBackend* backend = wrapped.get();
+  auto wrapped = std::make_unique<TimedBackend>(std::move(inner), &parts);
 
   auto schedule = dsa::MliSchedule::FromRetention(layers, 1, 1);
   dsa::PatternModelConfig model_config;
@@ -639,13 +652,17 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
       for (uint64_t id : ids) members.push_back({id, 1});
 
       auto run_step = [&](int arm, Cell* cell) -> bool {
-        arm_transport.set_arm(arm_transports[arm]);
+        arm_transport.set_arm(arm_transports[arm], arm == kDevice);
         parts = StepParts{};
         const Clock::time_point start = Clock::now();
         auto result = (*engine)->DecodeStep(members);
         const double seconds = SecondsSince(start);
         if (!result.ok()) {
           std::fprintf(stderr, "%s step: %s\n", kArms[arm], result.status().ToString().c_str());
+          return false;
+        }
+        if (arm == kDevice && on_gpu && result->device_selects == 0) {
+          std::fprintf(stderr, "device step: no select went in device form\n");
           return false;
         }
         if (cell != nullptr) {
@@ -664,7 +681,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
       // The indexer arms interleaved step by step (machine drift hits all alike), then the ceiling
       // (it leaves the indexer's sequences behind the engine's, so it comes last).
       for (int with_standin = 0; with_standin < 2 && !failed; ++with_standin) {
-        backend->set_standin_enabled(with_standin == 1);
+        standin_enabled = on_gpu && with_standin == 1;
         for (int it = 0; it < untimed + timed && !failed; ++it) {
           for (int arm = 0; arm < kCeiling && !failed; ++arm) {
             failed = !run_step(arm, it < untimed ? nullptr : &cells[set][arm][with_standin]);
@@ -672,7 +689,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
         }
       }
       for (int with_standin = 0; with_standin < 2 && !failed; ++with_standin) {
-        backend->set_standin_enabled(with_standin == 1);
+        standin_enabled = on_gpu && with_standin == 1;
         for (int it = 0; it < untimed + timed && !failed; ++it) {
           failed =
               !run_step(kCeiling, it < untimed ? nullptr : &cells[set][kCeiling][with_standin]);
@@ -691,16 +708,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
     // Per-layer table and derived figures.
     std::printf(
         "\n| stand-in | set | arm | layer us | step ms p50 (p10-p90) | submit | await | attention "
-        "| stand-in | rest | hidden vs serial keep | hidden vs serial same set |\n"
+        "| drain | rest | hidden vs serial keep | hidden vs serial same set |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int with_standin = 0; with_standin < 2; ++with_standin) {
       const char* standin_name = with_standin == 1 ? "standin" : "bare";
-      const double serial_keep = Percentile(cells[0][2][with_standin].step_seconds, 0.5);
+      const double serial_keep = Percentile(cells[0][kSerial][with_standin].step_seconds, 0.5);
       for (int set = 0; set < 2; ++set) {
         const char* set_name = set == 0 ? "keep" : "spin";
         const double ceiling_step =
             Percentile(cells[set][kCeiling][with_standin].step_seconds, 0.5);
-        const double serial_same = Percentile(cells[set][2][with_standin].step_seconds, 0.5);
+        const double serial_same = Percentile(cells[set][kSerial][with_standin].step_seconds, 0.5);
         for (int arm = 0; arm < kNumArms; ++arm) {
           const Cell& cell = cells[set][arm][with_standin];
           nlohmann::json j = CellJson(cell, layers);
@@ -723,7 +740,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
               j["step_ms_p50"].get<double>(), j["step_ms_p10"].get<double>(),
               j["step_ms_p90"].get<double>(), j["submit_us_per_layer"].get<double>(),
               j["await_us_per_layer"].get<double>(), j["attention_us_per_layer"].get<double>(),
-              j["standin_us_per_layer"].get<double>(), rest,
+              j["drain_us_per_layer"].get<double>(), rest,
               arm == kCeiling ? "-" : absl::StrFormat("%.3f", hidden_keep).c_str(),
               arm == kCeiling ? "-" : absl::StrFormat("%.3f", hidden_same).c_str());
         }
@@ -747,7 +764,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
                  device_status.ToString().c_str());
     exit_code = 1;
   }
-  if (on_gpu && !backend->standin_status().ok()) exit_code = 1;
+  if (standin_error != cudaSuccess) {
+    std::fprintf(stderr, "layer stand-in: %s\n", cudaGetErrorString(standin_error));
+    exit_code = 1;
+  }
   write_json();
   (*engine)->CloseIndexerClients();
   (void)(*grpc_client)->Close();

@@ -190,8 +190,8 @@ absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t
 }
 
 absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
-                                        std::span<const IndexerRow> rows,
-                                        PreparedSelect* prepared, bool device_queries) {
+                                        std::span<const IndexerRow> rows, PreparedSelect* prepared,
+                                        bool device_queries) {
   auto found = Find(sequence_id);
   if (!found.ok()) return found.status();
   SequenceState& state = **found;
@@ -206,8 +206,9 @@ absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
       return absl::InvalidArgumentError(
           device_queries
               ? absl::StrCat("row ", r, " of a device-resident select has no device query")
-              : absl::StrCat("row ", r, " has a device query but the select has no device "
-                                        "handoff (SelectBatch with a DeviceHandoff)"));
+              : absl::StrCat("row ", r,
+                             " has a device query but the select has no device "
+                             "handoff (SelectBatch with a DeviceHandoff)"));
     }
     if (!device_queries && rows[r].query.size() != query_size) {
       return absl::InvalidArgumentError(
@@ -530,7 +531,8 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectOnDeviceLocked(
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t h = 0; h < g; ++h) {
       if (groups[g].sequence_id == groups[h].sequence_id) {
-        return absl::UnimplementedError(absl::StrCat("groups ", h, " and ", g, " of a device-resident "
+        return absl::UnimplementedError(absl::StrCat("groups ", h, " and ", g,
+                                                     " of a device-resident "
                                                      "select address the same sequence ",
                                                      groups[g].sequence_id));
       }

@@ -121,8 +121,8 @@ absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelec
   const DeviceSelectBuffers* device = request.on_device() ? &request.device : nullptr;
   if (device != nullptr && (device->selections == nullptr || device->top_k < 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a device-form request needs device selections and their K >= 1 (got K = ",
-        device->top_k, device->selections == nullptr ? ", no selections buffer)" : ")"));
+        "a device-form request needs device selections and their K >= 1 (got K = ", device->top_k,
+        device->selections == nullptr ? ", no selections buffer)" : ")"));
   }
   const int num_groups = static_cast<int>(request.groups.size());
   std::vector<CheckedGroup> checked(num_groups);

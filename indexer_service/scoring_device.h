@@ -139,10 +139,10 @@ class ScoringDevice {
   /// The whole select of every job on the device: plan (or every block), scan, top-K, and for a
   /// job of one row the EMA update; the scores of verifier rows stay on the device until
   /// CommitSpin. Jobs with a DeviceHandoff (only on a device with device_ordinal() >= 0) read
-  /// device queries and write device selections as DeviceHandoff says. A (sequence, layer) never seen before starts with zero EMAs. Errors:
-  /// RESOURCE_EXHAUSTED when its memory cannot grow, INTERNAL on a device failure; the Indexer
-  /// drops the device on either (the EMAs kept there are then lost) and plans these selects again
-  /// on the CPU. Outputs unspecified on error.
+  /// device queries and write device selections as DeviceHandoff says. A (sequence, layer) never
+  /// seen before starts with zero EMAs. Errors: RESOURCE_EXHAUSTED when its memory cannot grow,
+  /// INTERNAL on a device failure; the Indexer drops the device on either (the EMAs kept there are
+  /// then lost) and plans these selects again on the CPU. Outputs unspecified on error.
   virtual absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
                                       DeviceScoreSeconds* seconds) {
     return absl::UnimplementedError("this scoring device does not run SPIN");

@@ -102,8 +102,8 @@ absl::Status InProcessSelectionTransport::AwaitEnqueued(uint64_t request_id, abs
   if (deadline == absl::InfiniteFuture()) {
     answered_.wait(lock, ready);
   } else if (!answered_.wait_until(lock, absl::ToChronoTime(deadline), ready)) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the selections of request ", request_id, " were not enqueued before the deadline"));
+    return absl::DeadlineExceededError(absl::StrCat("the selections of request ", request_id,
+                                                    " were not enqueued before the deadline"));
   }
   auto it = outstanding_.find(request_id);
   if (it == outstanding_.end()) {

@@ -57,7 +57,8 @@ class InProcessSelectionTransport final : public SelectionTransport {
   // Submitted and not collected or forgotten: the answer once it is there.
   std::map<uint64_t, absl::StatusOr<LayerSelection>> outstanding_;
   std::map<uint64_t, bool> answered_ids_;  // ids of outstanding_ whose answer is in
-  std::map<uint64_t, bool> enqueued_ids_;  // ids of outstanding_ whose device selections are enqueued
+  std::map<uint64_t, bool>
+      enqueued_ids_;  // ids of outstanding_ whose device selections are enqueued
   bool closed_ = false;
   std::thread thread_;
   std::mutex close_mutex_;  // serializes Close()

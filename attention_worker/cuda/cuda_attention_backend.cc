@@ -274,6 +274,10 @@ class CudaAttentionBackend final : public AttentionBackend {
           AttendGroup(model_layer, rows, members, static_cast<int>(top_k), !outputs.empty());
       if (!status.ok()) return status;
     }
+    if (options_.rest_of_layer) {
+      DSA_CUDA_RETURN(options_.rest_of_layer(stream_, static_cast<int>(rows.size())),
+                      "the rest of the layer");
+    }
     // Without outputs the work stays queued on the stream: the caller synchronizes at the step's
     // end (Synchronize, DeviceStep::Finish), so the host runs ahead of the GPU.
     if (!outputs.empty()) {
@@ -335,13 +339,13 @@ class CudaAttentionBackend final : public AttentionBackend {
   absl::StatusOr<DeviceSelectSlot> PrepareSelect(StepBuffers& step, int full_layer,
                                                  std::span<const int64_t> positions, int top_k) {
     if (full_layer < 0 || full_layer >= tables_.scalars.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "full layer ", full_layer, " outside [0, ", tables_.scalars.num_layers, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("full layer ", full_layer, " outside [0, ",
+                                                     tables_.scalars.num_layers, ")"));
     }
     if (positions.empty() || top_k < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "a device-resident select needs rows and K >= 1 (", positions.size(), " rows, K ",
-          top_k, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("a device-resident select needs rows and K >= 1 (", positions.size(),
+                       " rows, K ", top_k, ")"));
     }
     std::lock_guard<std::mutex> lock(mutex_);
     DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
@@ -475,10 +479,10 @@ class CudaAttentionBackend final : public AttentionBackend {
       for (int i = 0; i < n; ++i) {  // device rows gathered after the host rows' upload
         const AttentionRowRef& row = rows[members[i]];
         if (row.device_selection == nullptr) continue;
-        DSA_CUDA_RETURN(cudaMemcpyAsync(d_selections + static_cast<size_t>(i) * top_k,
-                                        row.device_selection, sizeof(int32_t) * top_k,
-                                        cudaMemcpyDeviceToDevice, stream_),
-                        "gathering the device selections");
+        DSA_CUDA_RETURN(
+            cudaMemcpyAsync(d_selections + static_cast<size_t>(i) * top_k, row.device_selection,
+                            sizeof(int32_t) * top_k, cudaMemcpyDeviceToDevice, stream_),
+            "gathering the device selections");
       }
     }
 
@@ -564,8 +568,7 @@ class CudaDeviceStep final : public DeviceStep {
     (void)backend_->Synchronize();
     backend_->ReturnStep(std::move(buffers_));
   }
-  absl::StatusOr<DeviceSelectSlot> PrepareSelect(int full_layer,
-                                                 std::span<const int64_t> positions,
+  absl::StatusOr<DeviceSelectSlot> PrepareSelect(int full_layer, std::span<const int64_t> positions,
                                                  int top_k) override {
     return backend_->PrepareSelect(*buffers_, full_layer, positions, top_k);
   }

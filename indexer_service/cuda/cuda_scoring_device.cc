@@ -473,8 +473,8 @@ class CudaScoringDevice final : public ScoringDevice {
     double total_ms = 0;
     for (size_t i = 0; i < launches.size(); ++i) {
       float ms = 0;
-      DSA_RETURN_IF_ERROR(SelectLaunch(launches[i], num_heads, &ms,
-                                       i + 1 == launches.size() ? handoff : nullptr));
+      DSA_RETURN_IF_ERROR(
+          SelectLaunch(launches[i], num_heads, &ms, i + 1 == launches.size() ? handoff : nullptr));
       total_ms += ms;
     }
     seconds->scan = total_ms * 1e-3;
@@ -656,8 +656,8 @@ class CudaScoringDevice final : public ScoringDevice {
   // One select launch. Jobs with a handoff read IndexerRow::device_query (staged into the batch
   // buffer on the device) and get their selections copied to device_selections; with `notify`,
   // its selections_ready is recorded and on_enqueued called once they are enqueued.
-  absl::Status SelectLaunch(const std::vector<const DeviceSpinJob*>& jobs, int num_heads,
-                            float* ms, const DeviceHandoff* notify) {
+  absl::Status SelectLaunch(const std::vector<const DeviceSpinJob*>& jobs, int num_heads, float* ms,
+                            const DeviceHandoff* notify) {
     const bool device_queries = jobs[0]->handoff != nullptr;
     const int num_groups = static_cast<int>(jobs.size());
     int64_t num_rows = 0, table_entries = 0, max_visible_blocks = 1;
@@ -802,15 +802,14 @@ class CudaScoringDevice final : public ScoringDevice {
         int h = g;
         int64_t rows = static_cast<int64_t>(jobs[g]->rows.size());
         while (h + 1 < num_groups &&
-               jobs[h + 1]->device_selections ==
-                   jobs[g]->device_selections + rows * top_k) {
+               jobs[h + 1]->device_selections == jobs[g]->device_selections + rows * top_k) {
           ++h;
           rows += static_cast<int64_t>(jobs[h]->rows.size());
         }
-        DSA_CUDA_RETURN(cudaMemcpyAsync(jobs[g]->device_selections, source + first * top_k,
-                                        sizeof(int32_t) * rows * top_k, cudaMemcpyDeviceToDevice,
-                                        stream_),
-                        "handing over the selections");
+        DSA_CUDA_RETURN(
+            cudaMemcpyAsync(jobs[g]->device_selections, source + first * top_k,
+                            sizeof(int32_t) * rows * top_k, cudaMemcpyDeviceToDevice, stream_),
+            "handing over the selections");
         first += rows;
         g = h + 1;
       }

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
+#include "tests/indexer_service/fake_scoring_device.h"
 #include "transport/grpc_indexer_client.h"
 #include "transport/in_process_indexer_client.h"
 
@@ -484,8 +486,89 @@ struct Observation {
   bool operator==(const Observation&) const = default;
 };
 
+// The CPU backend with the device-resident path, its "device memory" host memory: a DeviceStep
+// generates the indexer queries with PatternModel::IndexerQuery, and device selections are read
+// in place. Counts what the engine asks of the path.
+class DeviceFakeBackend final : public AttentionBackend {
+ public:
+  struct Counts {
+    int steps = 0;
+    int prepared = 0;     // PrepareSelect calls
+    int waits = 0;        // WaitForSelections calls
+    int device_rows = 0;  // rows attended over a device selection
+  };
+  DeviceFakeBackend(std::unique_ptr<AttentionBackend> inner, Counts* counts)
+      : inner_(std::move(inner)), counts_(counts) {}
+  std::string Description() const override { return "fake device"; }
+  int64_t output_values_per_row() const override { return inner_->output_values_per_row(); }
+  absl::Status ResizeSequence(uint64_t id, int64_t slots) override {
+    return inner_->ResizeSequence(id, slots);
+  }
+  absl::Status AttendLayer(int layer, std::span<const AttentionRowRef> rows,
+                           std::span<float> outputs) override {
+    std::vector<AttentionRowRef> host(rows.begin(), rows.end());
+    for (AttentionRowRef& row : host) {
+      if (row.device_selection == nullptr) continue;
+      row.selection = std::span<const int32_t>(row.device_selection, row.top_k);
+      row.device_selection = nullptr;
+      ++counts_->device_rows;
+    }
+    return inner_->AttendLayer(layer, host, outputs);
+  }
+  int device_ordinal() const override { return 0; }
+  absl::Status EnableDeviceSelects(const PatternModel& model) override {
+    model_.emplace(model);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<DeviceStep>> BeginDeviceStep() override {
+    if (!model_.has_value()) return absl::FailedPreconditionError("not enabled");
+    ++counts_->steps;
+    return std::unique_ptr<DeviceStep>(std::make_unique<Step>(&*model_, counts_));
+  }
+
+ private:
+  class Step final : public DeviceStep {
+   public:
+    Step(const PatternModel* model, Counts* counts) : model_(model), counts_(counts) {}
+    absl::StatusOr<DeviceSelectSlot> PrepareSelect(int f, std::span<const int64_t> positions,
+                                                   int top_k) override {
+      ++counts_->prepared;
+      Slot& slot = slots_[f];
+      const size_t per_row = static_cast<size_t>(model_->num_heads()) * model_->head_dim();
+      slot.queries.assign(positions.size() * per_row, 0);
+      std::vector<float> weights(model_->num_heads());
+      for (size_t r = 0; r < positions.size(); ++r) {
+        const absl::Status status = model_->IndexerQuery(
+            f, positions[r], std::span<float>(slot.queries.data() + r * per_row, per_row), weights);
+        if (!status.ok()) return status;
+      }
+      slot.selections.assign(positions.size() * top_k, -9);
+      return DeviceSelectSlot{slot.queries.data(), nullptr, slot.selections.data(), nullptr};
+    }
+    absl::Status WaitForSelections(int f) override {
+      ++counts_->waits;
+      return slots_.contains(f) ? absl::OkStatus() : absl::InvalidArgumentError("no slot");
+    }
+    absl::Status Finish() override { return absl::OkStatus(); }
+    void Abandon() override {}
+
+   private:
+    struct Slot {
+      std::vector<float> queries;
+      std::vector<int32_t> selections;
+    };
+    const PatternModel* model_;
+    Counts* counts_;
+    std::map<int, Slot> slots_;
+  };
+  std::unique_ptr<AttentionBackend> inner_;
+  Counts* counts_;
+  std::optional<PatternModel> model_;
+};
+
 std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::string& address,
-                                     int num_sequences = 2, int threads = 2) {
+                                     int num_sequences = 2, int threads = 2,
+                                     DeviceFakeBackend::Counts* device_counts = nullptr) {
   std::vector<Observation> observed;
   std::mutex mutex;
   auto schedule = MliSchedule::FromPattern("FSFSFS", 1);
@@ -503,7 +586,11 @@ std::vector<Observation> RunWorkload(IndexerClientFactory factory, const std::st
                         std::vector<int32_t>(row.selection.begin(), row.selection.end()),
                         std::vector<float>(row.output.begin(), row.output.end())});
   };
-  auto engine = AttentionEngine::Create(*schedule, MakeModel(3), std::move(*backend),
+  std::unique_ptr<AttentionBackend> chosen = std::move(*backend);
+  if (device_counts != nullptr) {
+    chosen = std::make_unique<DeviceFakeBackend>(std::move(chosen), device_counts);
+  }
+  auto engine = AttentionEngine::Create(*schedule, MakeModel(3), std::move(chosen),
                                         std::move(factory), options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   std::vector<StepMember> plain, speculative;
@@ -571,6 +658,64 @@ TEST(EngineTransportsTest, ThreadedInputGenerationChangesNothing) {
   }
   ASSERT_EQ(runs[0].size(), 13u * 6 * 5 + 6 * (3 + 12));
   EXPECT_TRUE(runs[0] == runs[1]);
+}
+
+// The device-resident path (a backend and a co-located indexer on one "GPU", the fakes' host
+// memory): the same observations as host queries, every full layer's select in device form and
+// waited for on the device by the layer that attends it.
+TEST(EngineTransportsTest, DeviceResidentSelectsGiveTheHostPathsObservations) {
+  auto host = Indexer::Create({4096, kH, kD});
+  ASSERT_TRUE(host.ok());
+  const std::vector<Observation> expected =
+      RunWorkload(InProcessIndexerClient::Factory(host->get()), kInProcessIndexerAddress);
+
+  testing_fakes::FakeControls controls;
+  controls.runs_spin = true;
+  controls.ordinal = 0;
+  auto device =
+      Indexer::Create({4096, kH, kD}, std::make_unique<testing_fakes::FakeDevice>(&controls));
+  ASSERT_TRUE(device.ok());
+  DeviceFakeBackend::Counts counts;
+  const std::vector<Observation> observed =
+      RunWorkload(InProcessIndexerClient::Factory(device->get()), kInProcessIndexerAddress,
+                  /*num_sequences=*/2, /*threads=*/2, &counts);
+  ASSERT_EQ(observed.size(), expected.size());
+  for (size_t i = 0; i < observed.size(); ++i) {
+    EXPECT_EQ(observed[i], expected[i]) << "observation " << i;
+  }
+  // 6 decode steps x 3 full layers, all in device form; each awaited once on the device.
+  EXPECT_EQ(counts.steps, 6);
+  EXPECT_EQ(counts.prepared, 6 * 3);
+  EXPECT_EQ(counts.waits, 6 * 3);
+  EXPECT_EQ(controls.enqueued_calls, 6 * 3);
+  EXPECT_EQ(counts.device_rows, static_cast<int>(observed.size()));
+}
+
+// An indexer whose device takes host queries only: no device form is sent (the transport says
+// device ordinal -1); one whose sequences' SPIN runs on the CPU refuses the first, and the engine
+// sends that layer and all later ones with host queries.
+TEST(EngineTransportsTest, AnIndexerThatRefusesTheDeviceFormGetsHostQueries) {
+  auto host = Indexer::Create({4096, kH, kD});
+  ASSERT_TRUE(host.ok());
+  const std::vector<Observation> expected =
+      RunWorkload(InProcessIndexerClient::Factory(host->get()), kInProcessIndexerAddress);
+  for (const bool device_ordinal : {false, true}) {
+    testing_fakes::FakeControls controls;
+    controls.runs_spin = false;  // SPIN planned on the CPU: a device-form select is refused
+    controls.ordinal = device_ordinal ? 0 : -1;
+    auto device =
+        Indexer::Create({4096, kH, kD}, std::make_unique<testing_fakes::FakeDevice>(&controls));
+    ASSERT_TRUE(device.ok());
+    DeviceFakeBackend::Counts counts;
+    const std::vector<Observation> observed =
+        RunWorkload(InProcessIndexerClient::Factory(device->get()), kInProcessIndexerAddress,
+                    /*num_sequences=*/2, /*threads=*/2, &counts);
+    EXPECT_TRUE(observed == expected) << "device ordinal " << controls.ordinal;
+    EXPECT_EQ(counts.steps, device_ordinal ? 1 : 0);     // the refused step only
+    EXPECT_EQ(counts.prepared, device_ordinal ? 1 : 0);  // its first full layer
+    EXPECT_EQ(counts.waits, 0);
+    EXPECT_EQ(controls.enqueued_calls, 0);
+  }
 }
 
 TEST(EngineTransportsTest, TheInProcessFactoryRefusesARemoteAddress) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "attention_worker/mla_kv.h"
 #include "attention_worker/mla_sparse_attention.h"
 #include "gtest/gtest.h"
+#include "indexer_service/cuda/cuda_scoring_device.h"
 #include "tests/indexer_service/cuda/cuda_test_util.h"
 #include "transport/in_process_indexer_client.h"
 
@@ -214,6 +216,106 @@ TEST_F(CudaAttentionBackendTest, TheEngineDecodesOnItOverACoLocatedIndexer) {
   // Row 0 (layer 0, step 0) against the CPU reference over its own selection.
   ExpectClose(outputs[0], CpuLayer(0, {{3001, positions[0], selections[0]}}, 256));
   EXPECT_TRUE((*engine)->Release(5, false).ok());
+}
+
+// The co-located device-resident path on the GPU (issue 10 section 2): the engine over a CUDA
+// indexer on the same GPU, with the indexer queries generated on the GPU and the selections left
+// there, gives the selections and outputs of the host path (device_selects off) for plain,
+// speculative and committed steps of three sequences, at a tensor-core and a CUDA-core scan shape.
+struct GpuObservation {
+  uint64_t sequence_id;
+  int layer;
+  int64_t position;
+  std::vector<int32_t> selection;
+  std::vector<float> output;
+};
+
+std::vector<GpuObservation> RunOnGpu(int num_heads, int head_dim, bool device_selects,
+                                     int* device_selects_seen) {
+  auto schedule = MliSchedule::FromPattern("FSFSFS", 1);
+  EXPECT_TRUE(schedule.ok());
+  PatternModelConfig config;
+  config.num_layers = 3;
+  config.num_heads = num_heads;
+  config.head_dim = head_dim;
+  config.seed = 3;
+  config.num_diagonals = 2;
+  auto model = PatternModel::Create(config);
+  EXPECT_TRUE(model.ok()) << model.status();
+  CudaAttentionBackendOptions options;
+  options.num_model_layers = 6;
+  options.seed = kSeed;
+  options.capacity_slots = 1 << 15;
+  auto backend = CreateCudaAttentionBackend(options);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  auto device = CreateCudaScoringDevice(CudaScoringOptions{});
+  EXPECT_TRUE(device.ok()) << device.status();
+  IndexerOptions indexer_options;
+  indexer_options.capacity_blocks = 4096;
+  indexer_options.num_heads = num_heads;
+  indexer_options.head_dim = head_dim;
+  auto indexer = Indexer::Create(indexer_options, std::move(*device));
+  EXPECT_TRUE(indexer.ok()) << indexer.status();
+  std::vector<GpuObservation> observed;
+  std::mutex mutex;
+  AttentionEngineOptions engine_options;
+  engine_options.device_selects = device_selects;
+  engine_options.observer = [&](const AttendedRow& row) {
+    std::lock_guard<std::mutex> lock(mutex);
+    observed.push_back({row.sequence_id, row.model_layer, row.position,
+                        std::vector<int32_t>(row.selection.begin(), row.selection.end()),
+                        std::vector<float>(row.output.begin(), row.output.end())});
+  };
+  auto engine =
+      AttentionEngine::Create(*schedule, *model, std::move(*backend),
+                              InProcessIndexerClient::Factory(indexer->get()), engine_options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  std::vector<StepMember> plain, speculative;
+  for (uint64_t id = 1; id <= 3; ++id) {
+    PrefillSpec spec;
+    spec.sequence_id = id;
+    spec.context_length = 2500 + 1700 * static_cast<int64_t>(id);
+    spec.indexer_worker = kInProcessIndexerAddress;
+    spec.top_k = 512;
+    spec.spin.target_block_sparsity = 0.4;
+    EXPECT_TRUE((*engine)->Prefill(spec).ok());
+    plain.push_back({id, 1});
+    speculative.push_back({id, id == 2 ? 3 : 1});
+  }
+  *device_selects_seen = 0;
+  auto step = [&](const std::vector<StepMember>& members) {
+    auto result = (*engine)->DecodeStep(members);
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (result.ok()) *device_selects_seen += result->device_selects;
+  };
+  for (int i = 0; i < 4; ++i) step(plain);
+  step(speculative);
+  EXPECT_TRUE((*engine)->Commit(2, 1).ok());
+  for (int i = 0; i < 2; ++i) step(plain);
+  return observed;
+}
+
+TEST_F(CudaAttentionBackendTest, DeviceResidentSelectsGiveTheHostPathsSelectionsAndOutputs) {
+  for (auto [heads, dim] : {std::pair<int, int>{64, 128}, {8, 32}}) {
+    SCOPED_TRACE(::testing::Message() << "H " << heads << " D " << dim);
+    int host_device_selects = 0, device_device_selects = 0;
+    const std::vector<GpuObservation> host = RunOnGpu(heads, dim, false, &host_device_selects);
+    const std::vector<GpuObservation> device = RunOnGpu(heads, dim, true, &device_device_selects);
+    EXPECT_EQ(host_device_selects, 0);
+    EXPECT_EQ(device_device_selects, 7 * 3);  // every step's three full layers
+    ASSERT_EQ(host.size(), 3u * 6 * 7 + 6 * 2);
+    ASSERT_EQ(device.size(), host.size());
+    int pruned_rows = 0;
+    for (size_t i = 0; i < host.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "observation " << i);
+      EXPECT_EQ(device[i].sequence_id, host[i].sequence_id);
+      EXPECT_EQ(device[i].position, host[i].position);
+      EXPECT_EQ(device[i].selection, host[i].selection);
+      EXPECT_EQ(device[i].output, host[i].output);  // same kernels over the same selection
+      pruned_rows += host[i].selection.back() == -1;
+    }
+    EXPECT_LT(pruned_rows, static_cast<int>(host.size()));
+  }
 }
 
 }  // namespace
