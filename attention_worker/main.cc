@@ -103,6 +103,14 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "CUDA ordinal of the attention GPU (--attention-device cuda)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--device-selects", options.engine.device_selects,
+                 "With --transport inprocess, --attention-device cuda and --indexer-device cuda "
+                 "on the same GPU: send each full layer's select in device form (the indexer "
+                 "queries generated on the GPU, the selections left there, the layer that attends "
+                 "one waiting for it on the GPU); false sends host queries (the indexer refuses "
+                 "the device form by itself when it cannot take it: SPIN settings the GPU does not "
+                 "run, auditing, a dropped device)")
+      ->capture_default_str();
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
@@ -278,6 +286,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                               (attention_device == "cuda" ? 512 : options.kv_dim)},
       {"kv_capacity_slots", options.engine.kv_capacity_slots},
       {"transport", transport},
+      {"device_selects", options.engine.device_selects},
       {"attention_device", service->engine().backend().Description()}};
   if (indexer != nullptr) {
     spec.banner_fields["indexer_capacity_blocks"] = indexer_flags.options.capacity_blocks;
