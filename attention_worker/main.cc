@@ -4,8 +4,10 @@
 // grpc.health.v1 ("liveness", "readiness"), server reflection, Prometheus /metrics (DESIGN.md
 // section 6) and graceful shutdown on SIGTERM or SIGINT.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -24,6 +26,7 @@
 #include "transport/in_process_indexer_client.h"
 #ifdef DSA_WITH_CUDA
 #include "attention_worker/cuda/cuda_attention_backend.h"
+#include "attention_worker/cuda/standin_loader.h"
 #endif
 #ifdef DSA_WITH_NCCL
 #include <cuda_runtime_api.h>
@@ -111,11 +114,46 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "the device form by itself when it cannot take it: SPIN settings the GPU does not "
                  "run, auditing, a dropped device)")
       ->capture_default_str();
+  bool layer_standin = false;
+  app.add_option("--layer-standin", layer_standin,
+                 "With --attention-device cuda: run the rest of each layer (feed-forward / MoE) as "
+                 "the stand-in, a cuBLAS GEMM reading --layer-standin-weight-bytes of weights plus "
+                 "--layer-standin-busy-us, on the attention stream (docs/attention_gpu_inputs.md); "
+                 "loaded from libdsa_layer_standin.so beside this binary once /metrics runs")
+      ->capture_default_str();
+  int64_t standin_weight_bytes = 0;
+  app.add_option("--layer-standin-weight-bytes", standin_weight_bytes,
+                 "Weight bytes a layer's stand-in GEMM reads (0: the calibrated 76,009,472, "
+                 "DeepSeek-V3.2 on 8 GPUs)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  double standin_busy_us = -1;
+  app.add_option("--layer-standin-busy-us", standin_busy_us,
+                 "Busy time after the stand-in's GEMM, microseconds (-1: the calibrated 84)")
+      ->capture_default_str();
+  int standin_max_rows = 256;
+  app.add_option("--layer-standin-max-rows", standin_max_rows,
+                 "Most decode rows a layer of the stand-in takes (a step's rows)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (attention_device != "cuda" || !layer_standin) {
+    for (const char* name : {"--layer-standin", "--layer-standin-weight-bytes",
+                             "--layer-standin-busy-us", "--layer-standin-max-rows"}) {
+      if (app.count(name) > 0 &&
+          (attention_device != "cuda" || std::string(name) != "--layer-standin")) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", std::string(name) + (attention_device != "cuda"
+                                                          ? " needs --attention-device cuda"
+                                                          : " needs --layer-standin true")}});
+        return 2;
+      }
+    }
+  }
   if (attention_device == "cuda") {
     for (const char* name : {"--kv-dim"}) {
       if (app.count(name) > 0) {
@@ -238,6 +276,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 #endif
   }
   absl::StatusOr<std::unique_ptr<dsa::AttentionEngine>> engine;
+  std::function<std::string()> before_ready;  // ServerSpec::before_ready
+#ifdef DSA_WITH_CUDA
+  std::unique_ptr<dsa::cuda::LoadedLayerStandin> standin_owner;
+  std::atomic<const dsa::cuda::LoadedLayerStandin*> standin_slot{nullptr};
+#endif
   if (attention_device == "cuda") {
 #ifdef DSA_WITH_CUDA
     dsa::cuda::CudaAttentionBackendOptions backend_options;
@@ -246,6 +289,31 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     backend_options.num_heads = app.count("--attention-heads") > 0 ? options.attention_heads : 128;
     backend_options.seed = seed;
     backend_options.capacity_slots = options.engine.kv_capacity_slots;
+    if (layer_standin) {
+      // The stand-in comes in once /metrics runs (before_ready below); a layer before then fails
+      // (cudaErrorNotReady), as a call before readiness may.
+      backend_options.rest_of_layer = [&standin_slot, standin_max_rows](void* stream,
+                                                                        int rows) -> cudaError_t {
+        const dsa::cuda::LoadedLayerStandin* standin = standin_slot.load(std::memory_order_acquire);
+        if (standin == nullptr) return cudaErrorNotReady;
+        // A step of more rows than the stand-in was sized for reads the same weights once.
+        return standin->Run(stream, std::min(rows, standin_max_rows));
+      };
+      before_ready = [&, attention_cuda_device]() -> std::string {
+        DsaLayerStandinConfig config{};
+        config.device = attention_cuda_device;
+        config.weight_bytes_per_layer = standin_weight_bytes;
+        config.busy_micros = standin_busy_us;
+        config.max_rows = standin_max_rows;
+        config.seed = seed;
+        auto loaded = dsa::cuda::LoadedLayerStandin::Load(
+            dsa::cuda::ExecutableDirectory() + dsa::cuda::kLayerStandinModuleName, config);
+        if (!loaded.ok()) return loaded.status().ToString();
+        standin_owner = *std::move(loaded);
+        standin_slot.store(standin_owner.get(), std::memory_order_release);
+        return "";
+      };
+    }
     auto backend = dsa::cuda::CreateCudaAttentionBackend(backend_options);
     if (!backend.ok()) {
       dsa::LogJson("error", "cannot use the attention GPU",
@@ -287,6 +355,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"kv_capacity_slots", options.engine.kv_capacity_slots},
       {"transport", transport},
       {"device_selects", options.engine.device_selects},
+      {"layer_standin", layer_standin},
       {"attention_device", service->engine().backend().Description()}};
   if (indexer != nullptr) {
     spec.banner_fields["indexer_capacity_blocks"] = indexer_flags.options.capacity_blocks;
@@ -297,5 +366,6 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     own_address = address;
   };
   spec.on_stopped = [&service] { service->CloseTransports(); };
+  spec.before_ready = before_ready;
   return dsa::RunServer(server_flags, spec);
 }

@@ -81,6 +81,10 @@ TEST(DsaAttentionBinaryTest, BadTransportOrDeviceConfigExitsWithTwoAndSaysWhy) {
       {"--transport inprocess --indexer-cuda-device 1",
        "--indexer-cuda-device is a GPU flag: it needs --indexer-device cuda"},
       {"--transport inprocess --indexer-capacity-blocks -1", "capacity"},
+      {"--layer-standin true", "--layer-standin needs --attention-device cuda"},
+      {"--layer-standin-busy-us 5", "--layer-standin-busy-us needs --attention-device cuda"},
+      {"--attention-device cuda --layer-standin-weight-bytes 1000000",
+       "--layer-standin-weight-bytes needs --layer-standin true"},
   };
   for (const Case& c : cases) {
     int exit_code = -1;
@@ -89,15 +93,16 @@ TEST(DsaAttentionBinaryTest, BadTransportOrDeviceConfigExitsWithTwoAndSaysWhy) {
     EXPECT_NE(text.find(c.says), std::string::npos) << c.flags << ":\n" << text;
     EXPECT_EQ(text.find("listening on"), std::string::npos) << c.flags;
   }
-  // Without a usable GPU (or without CUDA in the build), --attention-device cuda refuses to start.
+  // An attention GPU that is not there (none at all, one too many, or no CUDA in the build) is
+  // refused at start, with the reason.
   int exit_code = -1;
-  const std::string text = RunCommand(binary + " --attention-device cuda", &exit_code);
-  if (text.find("listening on") == std::string::npos) {
-    EXPECT_EQ(exit_code, 2) << text;
-    EXPECT_TRUE(text.find("cannot use the attention GPU") != std::string::npos ||
-                text.find("built without CUDA") != std::string::npos)
-        << text;
-  }
+  const std::string text =
+      RunCommand(binary + " --attention-device cuda --attention-cuda-device 4096", &exit_code);
+  EXPECT_EQ(exit_code, 2) << text;
+  EXPECT_TRUE(text.find("cannot use the attention GPU") != std::string::npos ||
+              text.find("built without CUDA") != std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("listening on"), std::string::npos) << text;
 }
 
 TEST(DsaAttentionBinaryTest, ServesStepsAgainstARealIndexerThenExitsOnSigterm) {
@@ -171,6 +176,55 @@ TEST(DsaAttentionBinaryTest, ServesStepsAgainstARealIndexerThenExitsOnSigterm) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
   ASSERT_EQ(kill(indexer.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(indexer.pid, std::chrono::seconds(10)), 0);
+}
+
+// On a GPU (skipped without one, or in a build without CUDA): the cuBLAS stand-in, loaded from
+// its module after /metrics started, runs as the rest of each layer; /metrics still serves (it
+// could not while dsa-attention linked cuBLAS), and the device-resident co-located steps run.
+TEST(DsaAttentionBinaryTest, OnTheGpuTheLayerStandinLoadsAfterMetricsAndStepsRun) {
+  // A CUDA build on a machine with a GPU names how many there are when asked for one too many.
+  int probe_exit = -1;
+  const std::string probe = RunCommand(
+      std::string(DSA_ATTENTION_BINARY) + " --attention-device cuda --attention-cuda-device 4096",
+      &probe_exit);
+  if (probe.find("does not exist (") == std::string::npos) {
+    GTEST_SKIP() << "no GPU, or no CUDA in this build: " << probe;
+  }
+  const Process attention = dsa::testing::StartServer(
+      DSA_ATTENTION_BINARY,
+      {"--attention-device", "cuda", "--layer-standin", "true", "--transport", "inprocess",
+       "--indexer-device", "cuda", "--retention", "2", "--num-model-layers", "4",
+       "--kv-capacity-slots", "20000", "--shutdown-grace-ms", "500"});
+  ASSERT_FALSE(attention.address.empty());
+  auto channel = grpc::CreateChannel(attention.address, grpc::InsecureChannelCredentials());
+  EXPECT_EQ(HealthStatus(channel, "readiness"), 1);
+  auto stub = av1::AttentionService::NewStub(channel);
+  {
+    grpc::ClientContext context;
+    av1::PrefillRequest request;
+    request.set_sequence_id(1);
+    request.set_context_length(5000);
+    request.set_indexer_worker(attention.address);
+    request.mutable_settings()->set_top_k(512);
+    av1::PrefillResponse response;
+    const grpc::Status status = stub->Prefill(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  for (int step = 0; step < 3; ++step) {
+    grpc::ClientContext context;
+    av1::DecodeStepRequest request;
+    request.add_sequences()->set_sequence_id(1);
+    request.mutable_sequences(0)->set_rows(1);
+    av1::DecodeStepResponse response;
+    const grpc::Status status = stub->DecodeStep(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_FALSE(attention.metrics_address.empty());
+  const std::string metrics = HttpGetMetrics(attention.metrics_address);
+  EXPECT_NE(metrics.find("dsa_attention_decode_step_duration_seconds_count 3"), std::string::npos)
+      << metrics;
+  ASSERT_EQ(kill(attention.pid, SIGTERM), 0);
+  EXPECT_EQ(WaitExit(attention.pid, std::chrono::seconds(10)), 0);
 }
 
 }  // namespace
