@@ -18,13 +18,14 @@ shared=${DSA_SHARED_DIR:-../shared}
 tests="device_info key_append scan topk spin_predict spin_update select scoring_device"
 benches="bench_gpu_indexer bench_gpu_select bench_gpu_spin bench_gpu_topk"
 servers="dsa dsa-indexer dsa-attention dsa-coordinator"
-targets="$servers $benches"
+targets="$servers $benches dsa_layer_standin_module"
 for t in $tests; do targets="$targets indexer_cuda_${t}_test"; done
 DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON ${DSA_CMAKE_ARGS:-}" \
   DSA_BUILD_TARGETS=$targets bash scripts/build.sh
 rm -rf "$dir"
 mkdir -p "$dir"
-for t in $targets; do cp "$build/bin/$t" "$dir/"; done
+for t in $targets; do [ "$t" = dsa_layer_standin_module ] || cp "$build/bin/$t" "$dir/"; done
+cp "$build/bin/libdsa_layer_standin.so" "$dir/"  # dsa-attention --layer-standin
 cp "$shared/device/torch_reference_indexer.py" "$shared/data/traces/mooncake_conversation_trace.jsonl" \
   "$dir/"
 bash "$shared/device/pack-runtime.sh" .devrt "$dir"/dsa* "$dir"/indexer_cuda_* "$dir"/bench_*

@@ -7,7 +7,9 @@
 // (pattern_inputs.h) and device selections attended in place after an event wait. The host glue
 // of those kernels: the only place their cudaError_t becomes an absl::Status. The rest of the
 // layer (layer_standin.h) is not linked here: it needs cuBLAS, which a server with /metrics cannot
-// load (attention_worker/cuda/CMakeLists.txt says why); the benches pass it as rest_of_layer.
+// load at start (attention_worker/cuda/CMakeLists.txt says why); the benches pass it as
+// rest_of_layer, and dsa-attention --layer-standin passes the module it loads later
+// (standin_loader.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
