@@ -37,7 +37,9 @@ struct DeviceSelectSlot {
 };
 
 /// A decode step's device buffers (AttentionBackend::BeginDeviceStep): one DeviceSelectSlot per
-/// full layer, reused by later steps once this one is destroyed. Used by one step at a time.
+/// full layer, reused by later steps once this one is destroyed (after the backend's stream
+/// drained: the engine calls AttentionBackend::Synchronize at the step's end). Used by one step
+/// at a time.
 class DeviceStep {
  public:
   virtual ~DeviceStep() = default;
@@ -53,9 +55,6 @@ class DeviceStep {
   /// work (the host does not wait). Call only after the indexer recorded it
   /// (SelectionTransport::AwaitEnqueued). INVALID_ARGUMENT (no such slot), INTERNAL.
   virtual absl::Status WaitForSelections(int full_layer) = 0;
-  /// Blocks until the backend's stream has run all work enqueued so far; INTERNAL on a device
-  /// error.
-  virtual absl::Status Finish() = 0;
   /// The step's selects may still run on the indexer (a request abandoned after its deadline): its
   /// buffers are never reused or freed (a leak, so that no late write lands in a later step).
   virtual void Abandon() = 0;

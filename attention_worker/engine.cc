@@ -165,6 +165,17 @@ struct AttentionEngine::StepState {
   int64_t total_rows = 0;                           // KV slots reserved for the step
   std::vector<double> selection_wait_seconds;       // per model layer
   std::unique_ptr<DeviceStep> device_step;          // when a batch has the device form
+  // Rows attended over device selections, reported to the observer once their host selections
+  // are read (the step's end).
+  struct Observation {
+    size_t member = 0;
+    int row = 0;
+    int model_layer = 0;
+    int attended_layer = 0;
+    int full_rank = 0;
+    std::vector<float> output;
+  };
+  std::vector<Observation> observations;
 };
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
@@ -735,8 +746,17 @@ absl::Status AttentionEngine::CollectDeviceLayer(int f, int b, StepState& step) 
     return absl::OkStatus();
   }
   if (enqueued.code() != absl::StatusCode::kUnimplemented) return absl::OkStatus();
-  // Refused before anything changed: the answer is that refusal; host queries from now on.
-  (void)transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+  // Refused before anything changed: the answer is that refusal; host queries from now on. Any
+  // other answer (a transport that has no AwaitEnqueued, a late success) is not resent.
+  auto refused = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+  if (refused.status().code() != absl::StatusCode::kUnimplemented) {
+    batch.collected[f] = true;
+    for (int i : batch.members) step.members[i].touched = true;
+    return absl::InternalError(
+        absl::StrCat("indexer worker ", batch.client->address(),
+                     "'s transport said it takes device forms, but could not say when full layer ",
+                     f, "'s selections were enqueued: ", enqueued.message()));
+  }
   batch.request_ids[f] = 0;
   {
     std::lock_guard<std::mutex> lock(clients_mutex_);
@@ -755,7 +775,7 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_a
     // A device-form answer enqueued on the GPU is read by the host at the step's end (its blocks
     // and audit figures), or at once for the observer (its host selections).
     const bool enqueued = !batch.enqueued.empty() && batch.enqueued[f];
-    if (enqueued && !device_answers && !options_.observer) continue;
+    if (enqueued && !device_answers) continue;
     batch.collected[f] = true;
     SelectionTransport& transport = batch.client->Selections();
     auto answer = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
@@ -863,10 +883,21 @@ absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
   }
   if (options_.observer) {
     const auto per_row = static_cast<size_t>(backend_->output_values_per_row());
-    for (size_t r = 0; r < rows.size(); ++r) {
-      options_.observer(AttendedRow{rows[r].sequence_id, l, attended, rows[r].position,
-                                    host_selections[r],
-                                    std::span<const float>(outputs.data() + r * per_row, per_row)});
+    size_t r = 0;
+    for (size_t i = 0; i < step.members.size(); ++i) {
+      const StepState::Member& m = step.members[i];
+      for (int row = 0; row < m.rows; ++row, ++r) {
+        const std::span<const float> output(outputs.data() + r * per_row, per_row);
+        if (m.device_selections[fs] == nullptr) {
+          options_.observer(AttendedRow{rows[r].sequence_id, l, attended, rows[r].position,
+                                        host_selections[r], output});
+        } else {
+          // Its host selection is read at the step's end (the attention read the device's,
+          // ordered by the event alone): reported then.
+          step.observations.push_back(StepState::Observation{
+              i, row, l, attended, fs, std::vector<float>(output.begin(), output.end())});
+        }
+      }
     }
   }
   return absl::OkStatus();
@@ -878,9 +909,26 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   DSA_RETURN_IF_ERROR(PlanStep(members, step));
   const int num_full = model_.num_layers();
   // On a failure: collect every answer still outstanding (so we know what was applied).
+  // The observer's rows that waited for their host selections (an empty one if it never came).
+  auto report_observations = [&] {
+    for (const StepState::Observation& o : step.observations) {
+      const StepState::Member& m = step.members[o.member];
+      const int top_k = m.top_k[o.full_rank];
+      const std::vector<int32_t>& selection = m.selections[o.full_rank];
+      const std::span<const int32_t> row =
+          selection.size() >= static_cast<size_t>(o.row + 1) * top_k
+              ? std::span<const int32_t>(selection.data() + static_cast<size_t>(o.row) * top_k,
+                                         static_cast<size_t>(top_k))
+              : std::span<const int32_t>();
+      options_.observer(AttendedRow{m.sequence->id, o.model_layer, o.attended_layer,
+                                    m.first_position + o.row, row, o.output});
+    }
+    step.observations.clear();
+  };
   auto fail = [&](absl::Status status) -> absl::Status {
     for (int f = 0; f < num_full; ++f) (void)CollectLayer(f, step, /*device_answers=*/true);
     (void)backend_->Synchronize();
+    report_observations();
     step.device_step.reset();  // its buffers back to the backend (or abandoned)
     return RollbackStep(std::move(status), step);
   };
@@ -920,6 +968,7 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
     return fail(absl::InternalError(absl::StrCat("the decode step's attention: ", s.message())));
   }
   step.device_step.reset();
+  report_observations();
 
   DecodeStepResult result;
   result.sequences.reserve(step.members.size());
@@ -935,9 +984,13 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
                                                   m.audit_miss_rate_sum});
   }
   result.selection_wait_seconds = std::move(step.selection_wait_seconds);
+  int host_selects = 0;
   for (const StepState::Batch& batch : step.batches) {
     for (bool on_device : batch.submitted_on_device) result.device_selects += on_device;
+    for (uint64_t id : batch.request_ids) host_selects += id != 0;
   }
+  host_selects -= result.device_selects;
+  if (metrics_ != nullptr) metrics_->RecordSelects(host_selects, result.device_selects);
   if (metrics_ != nullptr) {
     metrics_->RecordDecodeStep(SecondsSince(start));
     metrics_->RecordSelectionWaits(result.selection_wait_seconds);

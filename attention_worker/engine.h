@@ -63,6 +63,8 @@ struct AttentionEngineOptions {
   /// Optional: called for every attended row of every model layer during DecodeStep, on the
   /// calling thread, before the step returns (also for steps that fail later). Must be
   /// thread-safe when steps run concurrently. With an observer the backend copies its outputs out.
+  /// Rows attended over device-resident selections are reported at the step's end, once their
+  /// host selections are read (their attention waited for the selections on the GPU alone).
   std::function<void(const AttendedRow&)> observer;
 };
 
@@ -232,7 +234,7 @@ class AttentionEngine {
   bool UsesDeviceSelects(const std::shared_ptr<IndexerClient>& client,
                          const std::vector<int>& members, const StepState& step);
   // Host answers of full layer f; a device-form answer already enqueued on the GPU only with
-  // device_answers (the step's end) or an observer.
+  // device_answers (the step's end).
   absl::Status CollectLayer(int full_rank, StepState& step, bool device_answers);
   absl::Status AttendLayer(int model_layer, int attended_rank, StepState& step);
   absl::Status RollbackStep(absl::Status status, StepState& step);

@@ -141,11 +141,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
+  if (standin_busy_us < 0 && standin_busy_us != -1) {
+    dsa::LogJson("error", "bad config",
+                 {{"status", "--layer-standin-busy-us must be >= 0, or -1 for the default"}});
+    return 2;
+  }
   if (attention_device != "cuda" || !layer_standin) {
     for (const char* name : {"--layer-standin", "--layer-standin-weight-bytes",
                              "--layer-standin-busy-us", "--layer-standin-max-rows"}) {
-      if (app.count(name) > 0 &&
-          (attention_device != "cuda" || std::string(name) != "--layer-standin")) {
+      // --layer-standin false is no stand-in on any device.
+      const bool is_switch = std::string(name) == "--layer-standin";
+      if (app.count(name) > 0 && !(is_switch && !layer_standin) &&
+          (attention_device != "cuda" || !is_switch)) {
         dsa::LogJson("error", "bad config",
                      {{"status", std::string(name) + (attention_device != "cuda"
                                                           ? " needs --attention-device cuda"
@@ -276,7 +283,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 #endif
   }
   absl::StatusOr<std::unique_ptr<dsa::AttentionEngine>> engine;
-  std::function<std::string()> before_ready;  // ServerSpec::before_ready
+  std::function<std::string()> before_serving;  // ServerSpec::before_serving
 #ifdef DSA_WITH_CUDA
   std::unique_ptr<dsa::cuda::LoadedLayerStandin> standin_owner;
   std::atomic<const dsa::cuda::LoadedLayerStandin*> standin_slot{nullptr};
@@ -290,8 +297,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     backend_options.seed = seed;
     backend_options.capacity_slots = options.engine.kv_capacity_slots;
     if (layer_standin) {
-      // The stand-in comes in once /metrics runs (before_ready below); a layer before then fails
-      // (cudaErrorNotReady), as a call before readiness may.
+      // The stand-in comes in once /metrics runs, before the gRPC server starts (before_serving
+      // below), so every layer finds it.
       backend_options.rest_of_layer = [&standin_slot, standin_max_rows](void* stream,
                                                                         int rows) -> cudaError_t {
         const dsa::cuda::LoadedLayerStandin* standin = standin_slot.load(std::memory_order_acquire);
@@ -299,7 +306,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
         // A step of more rows than the stand-in was sized for reads the same weights once.
         return standin->Run(stream, std::min(rows, standin_max_rows));
       };
-      before_ready = [&, attention_cuda_device]() -> std::string {
+      before_serving = [&, attention_cuda_device]() -> std::string {
         DsaLayerStandinConfig config{};
         config.device = attention_cuda_device;
         config.weight_bytes_per_layer = standin_weight_bytes;
@@ -366,6 +373,6 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     own_address = address;
   };
   spec.on_stopped = [&service] { service->CloseTransports(); };
-  spec.before_ready = before_ready;
+  spec.before_serving = before_serving;
   return dsa::RunServer(server_flags, spec);
 }

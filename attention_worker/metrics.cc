@@ -51,6 +51,19 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry, int num_model
                     .Help("Sequences held by this attention worker")
                     .Register(registry)
                     .Add({});
+  auto& selects = prometheus::BuildCounter()
+                      .Name("dsa_attention_full_layer_selects_total")
+                      .Help(
+                          "Full-layer selects sent to indexer workers, by form (host buffers, or "
+                          "device-resident on the co-located GPU)")
+                      .Register(registry);
+  host_selects_ = &selects.Add({{"form", "host"}});
+  device_selects_ = &selects.Add({{"form", "device"}});
+}
+
+void AttentionMetrics::RecordSelects(int64_t host_selects, int64_t device_selects) {
+  host_selects_->Increment(static_cast<double>(host_selects));
+  device_selects_->Increment(static_cast<double>(device_selects));
 }
 
 void AttentionMetrics::RecordSelectionWaits(const std::vector<double>& wait_seconds) {

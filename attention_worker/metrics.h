@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -22,6 +23,9 @@ namespace dsa {
 /// - dsa_attention_kv_slots{state="used"|"capacity"} (gauge, slots; one slot holds every model
 ///   layer's key and value of one position).
 /// - dsa_attention_sequences (gauge): sequences held.
+/// - dsa_attention_full_layer_selects_total{form="host"|"device"} (counter): full-layer selects
+///   sent, by form (device: the co-located device-resident path, AttentionEngineOptions::
+///   device_selects).
 /// Thread-safe (prometheus-cpp metrics are).
 class AttentionMetrics {
  public:
@@ -32,6 +36,8 @@ class AttentionMetrics {
   /// are ignored).
   void RecordSelectionWaits(const std::vector<double>& wait_seconds);
   void RecordDecodeStep(double seconds);
+  /// Counts one decode step's full-layer selects by form.
+  void RecordSelects(int64_t host_selects, int64_t device_selects);
   void RecordPrefill(double seconds);
   /// Sets the KV-slot and sequence gauges.
   void SetUsage(int64_t kv_used_slots, int64_t kv_capacity_slots, int64_t sequences);
@@ -43,6 +49,8 @@ class AttentionMetrics {
   prometheus::Gauge* kv_used_slots_;
   prometheus::Gauge* kv_capacity_slots_;
   prometheus::Gauge* sequences_;
+  prometheus::Counter* host_selects_;
+  prometheus::Counter* device_selects_;
 };
 
 }  // namespace dsa

@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& o
   std::unique_ptr<Indexer> indexer(new Indexer(options, std::move(*cache)));
   if (device != nullptr) {
     DSA_RETURN_IF_ERROR(device->Attach(indexer->cache_.pool(), options.num_heads));
+    indexer->device_ordinal_.store(device->device_ordinal(), std::memory_order_release);
     indexer->device_ = std::move(device);
     indexer->on_device_failure_ = std::move(on_device_failure);
   }
@@ -62,6 +63,7 @@ absl::Status Indexer::DeviceStatus() const {
 
 void Indexer::DropDeviceLocked(const absl::Status& status) {
   device_status_ = status.ok() ? absl::InternalError("scoring device failed") : status;
+  device_ordinal_.store(-1, std::memory_order_release);
   for (auto& [id, state] : sequences_) {
     if (!state.spin_on_device) continue;
     state.spin_on_device = false;
@@ -274,6 +276,9 @@ absl::Status Indexer::CheckSelectLocked(uint64_t sequence_id, int layer,
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Rows of one device-resident select at most (the CUDA query staging's grid; more are refused).
+constexpr size_t kMaxDeviceSelectRows = 65535;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -508,10 +513,7 @@ absl::StatusOr<SelectResult> Indexer::Select(uint64_t sequence_id, int layer,
   return std::move(prepared.result);
 }
 
-int Indexer::DeviceOrdinal() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return DeviceActiveLocked() ? device_->device_ordinal() : -1;
-}
+int Indexer::DeviceOrdinal() const { return device_ordinal_.load(std::memory_order_acquire); }
 
 absl::StatusOr<std::vector<SelectResult>> Indexer::SelectOnDeviceLocked(
     std::span<const SelectGroup> groups, const DeviceHandoff& handoff, size_t* groups_applied) {
@@ -525,6 +527,13 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectOnDeviceLocked(
   if (options_.audit_fraction > 0) {
     return absl::UnimplementedError(
         "device-resident selects are not audited (audit_fraction > 0 needs host queries)");
+  }
+  size_t total_rows = 0;
+  for (const SelectGroup& g : groups) total_rows += g.rows.size();
+  if (total_rows > kMaxDeviceSelectRows) {
+    return absl::UnimplementedError(absl::StrCat("a device-resident select of ", total_rows,
+                                                 " rows is above the device's ",
+                                                 kMaxDeviceSelectRows));
   }
   std::vector<PreparedSelect> prepared(groups.size());
   std::vector<int32_t*> device_selections(groups.size());
@@ -564,10 +573,25 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectOnDeviceLocked(
     PlanSelectLocked(prepared[g]);  // spin_on_device: keeps only the warm-up flag
     all[g] = &prepared[g];
   }
-  if (!SelectSpinOnDeviceLocked(all, &handoff, device_selections)) {
+  // Whether the device got as far as handing the selections over (then a consumer may have read
+  // them: a failure after that is the select's error, not a refusal).
+  bool enqueued = false;
+  DeviceHandoff watched = handoff;
+  watched.on_enqueued = [&enqueued, &handoff] {
+    enqueued = true;
+    if (handoff.on_enqueued) handoff.on_enqueued();
+  };
+  if (!SelectSpinOnDeviceLocked(all, &watched, device_selections)) {
     // Dropped (every SPIN-on-device sequence restarts with a warm-up on the CPU); the rows'
-    // queries are on the device, so nothing is scored again here.
-    return absl::InternalError(absl::StrCat("device-resident select: ", device_status_.message()));
+    // queries are on the device, so nothing is scored again here. Before the hand-over nothing
+    // was applied or read: the caller may send host queries (UNIMPLEMENTED, as a refusal).
+    const std::string why =
+        absl::StrCat("the scoring device failed and was dropped: ", device_status_.message());
+    if (!enqueued) {
+      return absl::UnimplementedError(
+          absl::StrCat("device-resident select refused (send host queries): ", why));
+    }
+    return absl::InternalError(absl::StrCat("device-resident select: ", why));
   }
   std::vector<SelectResult> results;
   results.reserve(groups.size());

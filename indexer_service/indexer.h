@@ -3,6 +3,7 @@
 // on the CPU, or on a ScoringDevice (the CUDA backend) that mirrors the cache.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -164,11 +165,13 @@ class Indexer {
   /// writes the selections there as well as into the results. Refused with UNIMPLEMENTED before
   /// anything changes (the caller then sends host queries) when no active scoring device has a
   /// device_ordinal() >= 0, auditing is on (audit_fraction > 0: the audit reads host queries), a
-  /// sequence appears twice, or a group's SPIN does not run on the device (RunsSpin);
+  /// sequence appears twice, a group's SPIN does not run on the device (RunsSpin), the batch has
+  /// more than 65,535 rows, or the device fails before it handed the selections over (it is then
+  /// dropped, as below);
   /// INVALID_ARGUMENT when a row has no device query or a group no device_selections. A device
-  /// failure during the select drops the device (as above) and fails the batch with its INTERNAL
-  /// error, nothing applied (these rows cannot be scored on the CPU: their queries are on the
-  /// device). Without `handoff`, a row with a device_query is INVALID_ARGUMENT.
+  /// failure after the hand-over drops the device and fails the batch with INTERNAL, nothing
+  /// applied (these rows cannot be scored on the CPU: their queries are on the device). Without
+  /// `handoff`, a row with a device_query is INVALID_ARGUMENT.
   absl::StatusOr<std::vector<SelectResult>> SelectBatch(std::span<const SelectGroup> groups,
                                                         size_t* groups_applied = nullptr,
                                                         const DeviceHandoff* handoff = nullptr);
@@ -285,6 +288,9 @@ class Indexer {
   std::unique_ptr<ScoringDevice> device_;
   DeviceFailureCallback on_device_failure_;
   absl::Status device_status_;  // OK while the device serves; why it was dropped otherwise
+  // device_->device_ordinal() while the device serves, -1 otherwise (read without mutex_: the
+  // transport asks it while a select holds the lock).
+  std::atomic<int> device_ordinal_{-1};
   absl::flat_hash_map<uint64_t, SequenceState> sequences_;
 };
 

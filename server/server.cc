@@ -84,6 +84,12 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
       exposer->RegisterCollectable(spec.registry);
     }
   }
+  if (spec.before_serving) {
+    if (const std::string error = spec.before_serving(); !error.empty()) {
+      LogJson("error", "cannot start serving", {{"error", error}});
+      return 1;
+    }
+  }
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
@@ -103,14 +109,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   }
   const std::string address = AddressWithPort(flags.listen, port);
   if (spec.on_serving) spec.on_serving(address);
-  if (spec.before_ready) {
-    if (const std::string error = spec.before_ready(); !error.empty()) {
-      LogJson("error", "cannot become ready", {{"error", error}});
-      server->Shutdown();
-      if (spec.on_stopped) spec.on_stopped();
-      return 1;
-    }
-  }
+
   health->SetServingStatus(kLivenessService, true);
   health->SetServingStatus(kReadinessService, true);
   std::printf("%s: listening on %s\n", spec.name.c_str(), address.c_str());

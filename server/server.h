@@ -58,11 +58,10 @@ struct ServerSpec {
   /// Called once with the bound gRPC address (host:port) after the server started, before
   /// readiness turns SERVING. May be empty.
   std::function<void(const std::string& address)> on_serving;
-  /// Called once after on_serving, before readiness turns SERVING, with /metrics already serving:
-  /// for what may only be loaded once /metrics' threads exist (dsa-attention's cuBLAS stand-in).
-  /// A non-empty return is an error: logged, the server stops and RunServer returns 1. May be
-  /// empty.
-  std::function<std::string()> before_ready;
+  /// Called once /metrics serves, before the gRPC server starts (so no call can come before it
+  /// ends): for what may only be loaded once /metrics' threads exist (dsa-attention's cuBLAS
+  /// stand-in). A non-empty return is an error: logged, and RunServer returns 1. May be empty.
+  std::function<std::string()> before_serving;
   /// Called after the gRPC server has stopped (all calls finished or cancelled), before exit:
   /// release clients and threads here. May be empty.
   std::function<void()> on_stopped;

@@ -50,7 +50,9 @@ struct DeviceSelectBuffers {
   /// cudaEvent_t, as void*: recorded after `queries` were written (null: already written).
   void* queries_ready = nullptr;
   /// Device int32 out [total rows, top_k], rows in group order; valid once `selections_ready`
-  /// completes. The caller owns it and keeps it until the answer is awaited or forgotten.
+  /// completes. The caller owns it (and `queries`) and keeps both until the answer is awaited; a
+  /// forgotten request may still run later and read and write them, so after Forget they are
+  /// never reused (the engine leaks its step's buffers then: DeviceStep::Abandon).
   int32_t* selections = nullptr;
   /// K of every group's sequence (the row stride of `selections`), >= 1.
   int top_k = 0;

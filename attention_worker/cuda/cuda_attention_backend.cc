@@ -45,8 +45,13 @@ struct DeviceArray {
   ~DeviceArray() {
     if (data != nullptr) (void)cudaFree(data);
   }
-  cudaError_t Reserve(size_t n) {
+  // Grows to n elements. Work queued on `stream` may still read the old buffer: it runs first.
+  cudaError_t Reserve(size_t n, cudaStream_t stream) {
     if (n <= capacity) return cudaSuccess;
+    if (data != nullptr && stream != nullptr) {
+      const cudaError_t drained = cudaStreamSynchronize(stream);
+      if (drained != cudaSuccess) return drained;
+    }
     if (data != nullptr) (void)cudaFree(data);
     data = nullptr;
     capacity = 0;
@@ -208,7 +213,7 @@ class CudaAttentionBackend final : public AttentionBackend {
     // Rows of the new slots, every layer, from the seed (MlaKvRow on the device).
     absl::Status written = [&]() -> absl::Status {
       DSA_CUDA_RETURN(cudaSetDevice(options_.device), "cudaSetDevice");
-      DSA_CUDA_RETURN(table_.Reserve(table.size()), "block table");
+      DSA_CUDA_RETURN(table_.Reserve(table.size(), stream_), "block table");
       DSA_CUDA_RETURN(cudaMemcpyAsync(table_.data, table.data(), table.size() * sizeof(int32_t),
                                       cudaMemcpyHostToDevice, stream_),
                       "block table upload");
@@ -365,9 +370,9 @@ class CudaAttentionBackend final : public AttentionBackend {
     size_t cursor = 0;
     const size_t at_layers = Take(cursor, sizeof(int32_t) * n);
     const size_t at_positions = Take(cursor, sizeof(int64_t) * n);
-    if (slot.queries.Reserve(values) != cudaSuccess ||
-        slot.selections.Reserve(n * static_cast<size_t>(top_k)) != cudaSuccess ||
-        slot.rows.Reserve(cursor) != cudaSuccess) {
+    if (slot.queries.Reserve(values, stream_) != cudaSuccess ||
+        slot.selections.Reserve(n * static_cast<size_t>(top_k), stream_) != cudaSuccess ||
+        slot.rows.Reserve(cursor, stream_) != cudaSuccess) {
       (void)cudaGetLastError();
       return absl::ResourceExhaustedError(absl::StrCat(
           "GPU ", options_.device, " has no room for a device-resident select of ", n, " rows"));
@@ -450,10 +455,11 @@ class CudaAttentionBackend final : public AttentionBackend {
     const size_t at_positions64 = Take(cursor, sizeof(int64_t) * n);
     const size_t at_selections = Take(cursor, adjacent ? 0 : sizeof(int32_t) * n * top_k);
     const size_t out_values = static_cast<size_t>(n) * options_.num_heads * kMlaValueDim;
-    DSA_CUDA_RETURN(staging_.Reserve(cursor), "staging");
-    DSA_CUDA_RETURN(d_queries_.Reserve(static_cast<size_t>(n) * options_.num_heads * kMlaKeyDim),
-                    "queries");
-    DSA_CUDA_RETURN(d_out_.Reserve(out_values), "outputs");
+    DSA_CUDA_RETURN(staging_.Reserve(cursor, stream_), "staging");
+    DSA_CUDA_RETURN(
+        d_queries_.Reserve(static_cast<size_t>(n) * options_.num_heads * kMlaKeyDim, stream_),
+        "queries");
+    DSA_CUDA_RETURN(d_out_.Reserve(out_values, stream_), "outputs");
     void* staged = nullptr;
     DSA_CUDA_RETURN(ring_.Next(cursor, &staged), "pinned staging");
     auto* bytes = static_cast<unsigned char*>(staged);
@@ -510,7 +516,8 @@ class CudaAttentionBackend final : public AttentionBackend {
     params.out = d_out_.data;
     // The split workspace is attached before the check: with automatic splits, CanImplement
     // refuses a launch whose partials have nowhere to go.
-    DSA_CUDA_RETURN(workspace_.Reserve(SparseMlaDecodeScratchBytes(params)), "attention workspace");
+    DSA_CUDA_RETURN(workspace_.Reserve(SparseMlaDecodeScratchBytes(params), stream_),
+                    "attention workspace");
     params.workspace = workspace_.data;
     params.workspace_bytes = workspace_.capacity;
     if (CanImplementSparseMlaDecodeTensorCores(params)) {
@@ -575,7 +582,6 @@ class CudaDeviceStep final : public DeviceStep {
   absl::Status WaitForSelections(int full_layer) override {
     return backend_->WaitForSelections(*buffers_, full_layer);
   }
-  absl::Status Finish() override { return backend_->Synchronize(); }
   void Abandon() override { abandoned_ = true; }
 
  private:

@@ -1,6 +1,6 @@
 // Loads the layer stand-in module (standin_module.h) into dsa-attention at run time and runs it as
 // the CUDA backend's rest of each layer (CudaAttentionBackendOptions::rest_of_layer). Load it only
-// after the /metrics server's threads exist (ServerSpec::before_ready): the module brings cuBLAS.
+// after the /metrics server's threads exist (ServerSpec::before_serving): the module brings cuBLAS.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -164,7 +164,9 @@ TEST(DsaAttentionBinaryTest, ServesStepsAgainstARealIndexerThenExitsOnSigterm) {
         "dsa_attention_decode_step_duration_seconds_count 2",
         "dsa_attention_prefill_duration_seconds_count 1",
         "dsa_attention_kv_slots{state=\"used\"} 1002",
-        "dsa_attention_kv_slots{state=\"capacity\"} 10000", "dsa_attention_sequences 1"}) {
+        "dsa_attention_kv_slots{state=\"capacity\"} 10000", "dsa_attention_sequences 1",
+        "dsa_attention_full_layer_selects_total{form=\"host\"} 6",
+        "dsa_attention_full_layer_selects_total{form=\"device\"} 0"}) {
     EXPECT_NE(metrics.find(sample), std::string::npos) << sample << "\n" << metrics;
   }
 
@@ -222,6 +224,13 @@ TEST(DsaAttentionBinaryTest, OnTheGpuTheLayerStandinLoadsAfterMetricsAndStepsRun
   ASSERT_FALSE(attention.metrics_address.empty());
   const std::string metrics = HttpGetMetrics(attention.metrics_address);
   EXPECT_NE(metrics.find("dsa_attention_decode_step_duration_seconds_count 3"), std::string::npos)
+      << metrics;
+  // 3 steps x 2 full layers, every one in device form (the co-located GPU path was taken).
+  EXPECT_NE(metrics.find("dsa_attention_full_layer_selects_total{form=\"device\"} 6"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("dsa_attention_full_layer_selects_total{form=\"host\"} 0"),
+            std::string::npos)
       << metrics;
   ASSERT_EQ(kill(attention.pid, SIGTERM), 0);
   EXPECT_EQ(WaitExit(attention.pid, std::chrono::seconds(10)), 0);

@@ -549,7 +549,6 @@ class DeviceFakeBackend final : public AttentionBackend {
       ++counts_->waits;
       return slots_.contains(f) ? absl::OkStatus() : absl::InvalidArgumentError("no slot");
     }
-    absl::Status Finish() override { return absl::OkStatus(); }
     void Abandon() override {}
 
    private:

@@ -47,7 +47,8 @@ struct FakeControls {
   // device_ordinal(): >= 0 makes the fake take device-resident selects, its "device memory"
   // being host memory (the events are never touched).
   int ordinal = -1;
-  int enqueued_calls = 0;  // DeviceHandoff::on_enqueued calls
+  int enqueued_calls = 0;           // DeviceHandoff::on_enqueued calls
+  bool fail_after_enqueue = false;  // with fail_spin_at: fail after on_enqueued, not before
 };
 
 class FakeDevice : public ScoringDevice {
@@ -100,9 +101,8 @@ class FakeDevice : public ScoringDevice {
 
   absl::Status SelectWithSpin(std::span<const DeviceSpinJob> jobs, int num_heads,
                               DeviceScoreSeconds* seconds) override {
-    if (controls_->fail_spin_at == controls_->spin_calls++) {
-      return absl::InternalError("fake SPIN failure");
-    }
+    const bool fail = controls_->fail_spin_at == controls_->spin_calls++;
+    if (fail && !controls_->fail_after_enqueue) return absl::InternalError("fake SPIN failure");
     const DeviceHandoff* handoff = jobs.empty() ? nullptr : jobs[0].handoff;
     for (const DeviceSpinJob& job_in : jobs) {
       // Device queries are host memory here: read them as host rows.
@@ -155,6 +155,7 @@ class FakeDevice : public ScoringDevice {
       ++controls_->enqueued_calls;
       handoff->on_enqueued();
     }
+    if (fail) return absl::InternalError("fake SPIN failure after the hand-over");
     seconds->scan = 1e-6;
     return absl::OkStatus();
   }

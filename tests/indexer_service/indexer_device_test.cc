@@ -362,24 +362,33 @@ TEST(DeviceResidentSelectTest, MalformedDeviceFormsAreInvalidArguments) {
   for (int layer = 0; layer < kLayers; ++layer) EXPECT_EQ(*indexer->NumSlots(7, layer), kPrefill);
 }
 
-TEST(DeviceResidentSelectTest, ADeviceFailureFailsTheSelectAndDropsTheDevicePath) {
-  FakeControls controls;
-  controls.runs_spin = true;
-  controls.ordinal = 0;
-  controls.fail_spin_at = 0;
-  std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
-  InProcessSelectionTransport transport(indexer.get());
-  std::vector<float> queries;
-  std::vector<int32_t> selections;
-  auto id = transport.Submit(DeviceForm(DecodeRequest(0, 0), &queries, &selections));
-  ASSERT_TRUE(id.ok());
-  const absl::Status enqueued = transport.AwaitEnqueued(*id, absl::InfiniteFuture());
-  EXPECT_EQ(enqueued.code(), absl::StatusCode::kInternal) << enqueued;
-  EXPECT_EQ(transport.Await(*id, absl::InfiniteFuture()).status().code(),
-            absl::StatusCode::kInternal);
-  EXPECT_EQ(*indexer->NumSlots(7, 0), kPrefill);  // the new key removed again
-  EXPECT_EQ(transport.device_ordinal(), -1);      // dropped: host queries from now on
-  EXPECT_TRUE(RunLayerSelect(*indexer, DecodeRequest(0, 0)).ok());
+// A device failure before the selections were handed over is a refusal (UNIMPLEMENTED: send
+// host queries), after it the select's INTERNAL error; either way nothing is applied, the device
+// is dropped, and host queries then run on the CPU.
+TEST(DeviceResidentSelectTest, ADeviceFailureDropsTheDevicePathAndAppliesNothing) {
+  for (const bool after_hand_over : {false, true}) {
+    SCOPED_TRACE(after_hand_over ? "after the hand-over" : "before the hand-over");
+    FakeControls controls;
+    controls.runs_spin = true;
+    controls.ordinal = 0;
+    controls.fail_spin_at = 0;
+    controls.fail_after_enqueue = after_hand_over;
+    std::unique_ptr<Indexer> indexer = DeviceResidentIndexer(&controls);
+    InProcessSelectionTransport transport(indexer.get());
+    std::vector<float> queries;
+    std::vector<int32_t> selections;
+    auto id = transport.Submit(DeviceForm(DecodeRequest(0, 0), &queries, &selections));
+    ASSERT_TRUE(id.ok());
+    const absl::Status enqueued = transport.AwaitEnqueued(*id, absl::InfiniteFuture());
+    EXPECT_EQ(enqueued.ok(), after_hand_over) << enqueued;  // after: the event was recorded
+    const auto answer = transport.Await(*id, absl::InfiniteFuture());
+    EXPECT_EQ(answer.status().code(),
+              after_hand_over ? absl::StatusCode::kInternal : absl::StatusCode::kUnimplemented)
+        << answer.status();
+    EXPECT_EQ(*indexer->NumSlots(7, 0), kPrefill);  // the new key removed again
+    EXPECT_EQ(transport.device_ordinal(), -1);      // dropped: host queries from now on
+    EXPECT_TRUE(RunLayerSelect(*indexer, DecodeRequest(0, 0)).ok());
+  }
 }
 
 }  // namespace
