@@ -116,7 +116,8 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
         {"dsa_indexer_",
          {"dsa_indexer_select_duration_seconds", "dsa_indexer_blocks_scored_total",
           "dsa_indexer_blocks_visible_total", "dsa_indexer_miss_rate", "dsa_indexer_cache_blocks"}},
-        {"dsa_attention_", {"dsa_attention_selection_wait_seconds"}},
+        {"dsa_attention_",
+         {"dsa_attention_selection_wait_seconds", "dsa_attention_full_layer_selects_total"}},
         {"dsa_coordinator_",
          {"dsa_coordinator_time_to_first_token_seconds",
           "dsa_coordinator_inter_token_latency_seconds", "dsa_coordinator_queue_duration_seconds",
@@ -129,7 +130,7 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
     }
     // Every label of every dsa_ sample is one of the bounded, non-request labels.
     const std::set<std::string> allowed = {"phase",     "state", "outcome", "layer",
-                                           "scored_on", "le",    "quantile"};
+                                           "scored_on", "form",  "le",      "quantile"};
     std::istringstream lines(metrics);
     std::string line;
     int dsa_samples = 0;
