@@ -659,25 +659,34 @@ TEST(EngineTransportsTest, ThreadedInputGenerationChangesNothing) {
   EXPECT_TRUE(runs[0] == runs[1]);
 }
 
+// The workload's observations over a co-located CPU indexer (the host path).
+std::vector<Observation> HostPathObservations() {
+  auto host = Indexer::Create({4096, kH, kD});
+  EXPECT_TRUE(host.ok());
+  return RunWorkload(InProcessIndexerClient::Factory(host->get()), kInProcessIndexerAddress);
+}
+
+// The workload's observations with the fake device backend over an indexer on the fake scoring
+// device that `controls` steer.
+std::vector<Observation> FakeDeviceObservations(testing_fakes::FakeControls& controls,
+                                                DeviceFakeBackend::Counts* counts) {
+  auto device =
+      Indexer::Create({4096, kH, kD}, std::make_unique<testing_fakes::FakeDevice>(&controls));
+  EXPECT_TRUE(device.ok());
+  return RunWorkload(InProcessIndexerClient::Factory(device->get()), kInProcessIndexerAddress,
+                     /*num_sequences=*/2, /*threads=*/2, counts);
+}
+
 // The device-resident path (a backend and a co-located indexer on one "GPU", the fakes' host
 // memory): the same observations as host queries, every full layer's select in device form and
 // waited for on the device by the layer that attends it.
 TEST(EngineTransportsTest, DeviceResidentSelectsGiveTheHostPathsObservations) {
-  auto host = Indexer::Create({4096, kH, kD});
-  ASSERT_TRUE(host.ok());
-  const std::vector<Observation> expected =
-      RunWorkload(InProcessIndexerClient::Factory(host->get()), kInProcessIndexerAddress);
-
+  const std::vector<Observation> expected = HostPathObservations();
   testing_fakes::FakeControls controls;
   controls.runs_spin = true;
   controls.ordinal = 0;
-  auto device =
-      Indexer::Create({4096, kH, kD}, std::make_unique<testing_fakes::FakeDevice>(&controls));
-  ASSERT_TRUE(device.ok());
   DeviceFakeBackend::Counts counts;
-  const std::vector<Observation> observed =
-      RunWorkload(InProcessIndexerClient::Factory(device->get()), kInProcessIndexerAddress,
-                  /*num_sequences=*/2, /*threads=*/2, &counts);
+  const std::vector<Observation> observed = FakeDeviceObservations(controls, &counts);
   ASSERT_EQ(observed.size(), expected.size());
   for (size_t i = 0; i < observed.size(); ++i) {
     EXPECT_EQ(observed[i], expected[i]) << "observation " << i;
@@ -694,21 +703,13 @@ TEST(EngineTransportsTest, DeviceResidentSelectsGiveTheHostPathsObservations) {
 // device ordinal -1); one whose sequences' SPIN runs on the CPU refuses the first, and the engine
 // sends that layer and all later ones with host queries.
 TEST(EngineTransportsTest, AnIndexerThatRefusesTheDeviceFormGetsHostQueries) {
-  auto host = Indexer::Create({4096, kH, kD});
-  ASSERT_TRUE(host.ok());
-  const std::vector<Observation> expected =
-      RunWorkload(InProcessIndexerClient::Factory(host->get()), kInProcessIndexerAddress);
+  const std::vector<Observation> expected = HostPathObservations();
   for (const bool device_ordinal : {false, true}) {
     testing_fakes::FakeControls controls;
     controls.runs_spin = false;  // SPIN planned on the CPU: a device-form select is refused
     controls.ordinal = device_ordinal ? 0 : -1;
-    auto device =
-        Indexer::Create({4096, kH, kD}, std::make_unique<testing_fakes::FakeDevice>(&controls));
-    ASSERT_TRUE(device.ok());
     DeviceFakeBackend::Counts counts;
-    const std::vector<Observation> observed =
-        RunWorkload(InProcessIndexerClient::Factory(device->get()), kInProcessIndexerAddress,
-                    /*num_sequences=*/2, /*threads=*/2, &counts);
+    const std::vector<Observation> observed = FakeDeviceObservations(controls, &counts);
     EXPECT_TRUE(observed == expected) << "device ordinal " << controls.ordinal;
     EXPECT_EQ(counts.steps, device_ordinal ? 1 : 0);     // the refused step only
     EXPECT_EQ(counts.prepared, device_ordinal ? 1 : 0);  // its first full layer
