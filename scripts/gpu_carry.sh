@@ -26,8 +26,7 @@ rm -rf "$dir"
 mkdir -p "$dir"
 for t in $targets; do [ "$t" = dsa_layer_standin_module ] || cp "$build/bin/$t" "$dir/"; done
 cp "$build/bin/libdsa_layer_standin.so" "$dir/"  # dsa-attention --layer-standin
-cp "$shared/device/torch_reference_indexer.py" "$shared/data/traces/mooncake_conversation_trace.jsonl" \
-  "$dir/"
+cp "$shared/device/torch_reference_indexer.py" data/traces/mooncake_conversation_trace.jsonl "$dir/"
 bash "$shared/device/pack-runtime.sh" .devrt "$dir"/dsa* "$dir"/indexer_cuda_* "$dir"/bench_*
 for ignored in "/$dir/" "/.devrt/"; do
   grep -qxF "$ignored" .git/info/exclude 2>/dev/null || echo "$ignored" >>.git/info/exclude

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 out=${DSA_EVAL_OUT:-docs/results}
 bin=${DSA_BUILD_DIR:-build}/bin
 plot=${DSA_EVAL_PLOT:-$(dirname "$out")/eval_miss_vs_sparsity.png}
-trace=${DSA_REPLAY_TRACE:-../shared/data/traces/mooncake_conversation_trace.jsonl}
+trace=${DSA_REPLAY_TRACE:-data/traces/mooncake_conversation_trace.jsonl}
 # 250 requests, contexts capped at 8192 tokens and outputs at 32, sent as fast as 16 concurrent
 # streams allow, draft length 2; the production indexer shape (H=64, D=128, K=2048), rho=0.4; 10%
 # of pruned selects audited for the miss rate. About 2.5 minutes on 2 cores.
@@ -48,8 +48,8 @@ if [ -f "$trace" ]; then
   echo "main job: wrote $out/$name.json and $out/$name.md" \
     "(replay $(($(date +%s) - start)) s)"
 else
-  echo "main job: no trace at $trace: the replay needs the project's ../shared/data beside the" \
-    "clone, or DSA_REPLAY_TRACE set to a Mooncake .jsonl or Azure .csv trace" >&2
+  echo "main job: no trace at $trace: the repository carries it in data/traces/; set" \
+    "DSA_REPLAY_TRACE to a Mooncake .jsonl or Azure .csv trace to use another" >&2
   exit 1
 fi
 

@@ -49,7 +49,6 @@ LocalClusterOptions SmallCluster(const std::string& log_name) {
 
 TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
   const std::string path = std::string(DSA_TRACE_DIR) + "/mooncake_conversation_trace.jsonl";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
   auto trace = ReadTraceFile(path);
   ASSERT_TRUE(trace.ok()) << trace.status();
   const ReplayCaps caps = {20, 4096, 8};
@@ -166,7 +165,6 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
 // pairing matters; every request completes and both indexers' metrics are on their workers.
 TEST(LocalClusterTest, ReplaysWithIndexersCoLocatedInTheAttentionWorkers) {
   const std::string path = std::string(DSA_TRACE_DIR) + "/mooncake_conversation_trace.jsonl";
-  if (!std::filesystem::exists(path)) GTEST_SKIP() << path << " is absent";
   auto trace = ReadTraceFile(path);
   ASSERT_TRUE(trace.ok()) << trace.status();
   const ReplayCaps caps = {12, 4096, 8};

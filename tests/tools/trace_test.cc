@@ -1,5 +1,5 @@
 // Tests of the trace readers: hand-written traces, every malformed line refused with its line
-// number, and the real Mooncake and Azure traces (when ../shared/data is beside the checkout).
+// number, and the real Mooncake and Azure traces the repository carries (data/traces/).
 #include "tools/dsa/trace.h"
 
 #include <algorithm>
@@ -88,12 +88,9 @@ TEST(TraceFile, UnknownPathAndExtension) {
   EXPECT_EQ(ReadTraceFile(__FILE__).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// The real traces, with the figures ../shared/data/README.md gives for them.
+// The real traces, with the figures data/README.md gives for them.
 TEST(TraceFile, RealTracesMatchTheirDescription) {
   const std::filesystem::path dir = DSA_TRACE_DIR;
-  if (!std::filesystem::exists(dir / "mooncake_conversation_trace.jsonl")) {
-    GTEST_SKIP() << "no " << dir << " beside the checkout";
-  }
   auto mooncake = ReadTraceFile((dir / "mooncake_conversation_trace.jsonl").string());
   ASSERT_TRUE(mooncake.ok()) << mooncake.status();
   EXPECT_EQ(mooncake->size(), 12031u);
