@@ -1,0 +1,393 @@
+{{- /*
+Named templates of the dsa-indexer chart: names, labels, the image, the TOML flag files, the
+worker addresses the coordinator is given, and the pod template all three components share.
+Components are "coordinator", "indexer" and "attention"; their values are .Values.<component>.
+*/ -}}
+
+{{/* The chart's name (nameOverride wins). */}}
+{{- define "dsa.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+<release>-<chart>, or the release alone when it already holds the chart's name. At most 40
+characters: "<fullname>-attention" plus a StatefulSet's "-<ordinal>" and its revision hash
+suffix must stay within Kubernetes' 63.
+*/}}
+{{- define "dsa.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* name-version of the chart, for helm.sh/chart. */}}
+{{- define "dsa.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* A component's object name: <fullname>-<component>. Call with (dict "root" $ "component" "indexer"). */}}
+{{- define "dsa.componentName" -}}
+{{- printf "%s-%s" (include "dsa.fullname" .root) .component -}}
+{{- end -}}
+
+{{/* Labels that select a component's pods (never change them on upgrade). */}}
+{{- define "dsa.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsa.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end -}}
+
+{{/* Kubernetes' recommended labels plus helm.sh/chart and commonLabels. Call with (dict "root" $ "component" NAME); component may be "" for objects of the whole release. */}}
+{{- define "dsa.labels" -}}
+helm.sh/chart: {{ include "dsa.chart" .root }}
+{{ include "dsa.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: dsa-indexer
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The service account the pods run as. */}}
+{{- define "dsa.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "dsa.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* cpu or cuda: the image variant a component runs. Call with (dict "root" $ "component" NAME). */}}
+{{- define "dsa.imageVariant" -}}
+{{- $c := index .root.Values .component -}}
+{{- default .root.Values.image.variant $c.imageVariant -}}
+{{- end -}}
+
+{{/* repository:tag of a component's image (the cuda variant adds image.cudaTagSuffix). */}}
+{{- define "dsa.image" -}}
+{{- $image := .root.Values.image -}}
+{{- $tag := default .root.Chart.AppVersion $image.tag -}}
+{{- if eq (include "dsa.imageVariant" .) "cuda" -}}
+{{- $tag = printf "%s%s" $tag $image.cudaTagSuffix -}}
+{{- end -}}
+{{- printf "%s:%s" $image.repository $tag -}}
+{{- end -}}
+
+{{/* The binary of a component, under /usr/local/bin. */}}
+{{- define "dsa.binary" -}}
+{{- printf "/usr/local/bin/dsa-%s" .component -}}
+{{- end -}}
+
+{{/* "true" when the attention workers hold their indexers (attention.transport inprocess). */}}
+{{- define "dsa.colocated" -}}
+{{- if eq .Values.attention.transport "inprocess" -}}true{{- end -}}
+{{- end -}}
+
+{{/* The headless Service of a worker component, fully qualified. */}}
+{{- define "dsa.headlessHost" -}}
+{{- printf "%s.%s.svc.%s" (include "dsa.componentName" .) .root.Release.Namespace .root.Values.clusterDomain -}}
+{{- end -}}
+
+{{/* One StatefulSet pod's stable name: <sts>-<ordinal>.<headless>.<ns>.svc.<domain>. Call with (dict "root" $ "component" NAME "ordinal" N). */}}
+{{- define "dsa.podHost" -}}
+{{- printf "%s-%d.%s" (include "dsa.componentName" .) (int .ordinal) (include "dsa.headlessHost" .) -}}
+{{- end -}}
+
+{{/*
+terminationGracePeriodSeconds of a component: its whole drain (drainDelayMs + shutdownGraceMs,
+rounded up to seconds) plus terminationGraceMarginSeconds, so the kubelet's SIGKILL never comes
+before the server's own exit.
+*/}}
+{{- define "dsa.terminationGrace" -}}
+{{- $c := index .root.Values .component -}}
+{{- $drainMs := add (int64 $c.drainDelayMs) (int64 $c.shutdownGraceMs) -}}
+{{- add (div (add $drainMs 999) 1000) (int64 .root.Values.terminationGraceMarginSeconds) -}}
+{{- end -}}
+
+{{/*
+The flags of a component's TOML file (/etc/dsa/<component>.toml): the chart's own (log-level, the
+device and transport keys, the coordinator's check interval and --colocated) and then the
+component's `config` map. Values go through toJson: a JSON string, number, boolean or array of them
+is also a TOML one.
+*/}}
+{{- define "dsa.configToml" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .component -}}
+{{- $flags := dict "log-level" (default $root.Values.logLevel $c.logLevel) -}}
+{{- if eq .component "coordinator" -}}
+{{- $_ := set $flags "worker-check-interval-ms" $c.discovery.workerCheckIntervalMs -}}
+{{- if include "dsa.colocated" $root -}}
+{{- $_ := set $flags "colocated" true -}}
+{{- end -}}
+{{- else if eq .component "indexer" -}}
+{{- $_ := set $flags "device" $c.device -}}
+{{- else if eq .component "attention" -}}
+{{- $_ := set $flags "attention-device" $c.device -}}
+{{- $_ := set $flags "transport" $c.transport -}}
+{{- end -}}
+# dsa-{{ .component }}'s flags, rendered by the {{ $root.Chart.Name }} chart from .Values.{{ .component }}.
+# The command line (listen addresses, drain timing, discovery) and DSA_* variables take precedence.
+{{- range $key := keys $flags | sortAlpha }}
+{{ $key }} = {{ index $flags $key | toJson }}
+{{- end }}
+{{- range $key := keys $c.config | sortAlpha }}
+{{ $key }} = {{ index $c.config $key | toJson }}
+{{- end }}
+{{ end -}}
+
+{{/* The command-line arguments of a component's server. */}}
+{{- define "dsa.args" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .component -}}
+- --config=/etc/dsa/{{ .component }}.toml
+- --listen=0.0.0.0:{{ $c.ports.grpc }}
+- --metrics-listen=0.0.0.0:{{ $c.ports.metrics }}
+- --drain-delay-ms={{ int64 $c.drainDelayMs }}
+- --shutdown-grace-ms={{ int64 $c.shutdownGraceMs }}
+{{- if eq .component "coordinator" }}
+{{- if include "dsa.colocated" $root }}
+{{- /* --colocated pairs indexer i with attention worker i: fixed, ordered addresses. */}}
+{{- range $i := until (int $root.Values.attention.replicas) }}
+{{- $host := include "dsa.podHost" (dict "root" $root "component" "attention" "ordinal" $i) }}
+- --indexer={{ $host }}:{{ $root.Values.attention.ports.grpc }}
+- --attention={{ $host }}:{{ $root.Values.attention.ports.grpc }}
+{{- end }}
+{{- else if eq $c.discovery.mode "static" }}
+{{- range $i := until (int $root.Values.indexer.replicas) }}
+- --indexer={{ include "dsa.podHost" (dict "root" $root "component" "indexer" "ordinal" $i) }}:{{ $root.Values.indexer.ports.grpc }}
+{{- end }}
+{{- range $i := until (int $root.Values.attention.replicas) }}
+- --attention={{ include "dsa.podHost" (dict "root" $root "component" "attention" "ordinal" $i) }}:{{ $root.Values.attention.ports.grpc }}
+{{- end }}
+{{- else }}
+- --indexer-dns={{ include "dsa.headlessHost" (dict "root" $root "component" "indexer") }}:{{ $root.Values.indexer.ports.grpc }}
+- --attention-dns={{ include "dsa.headlessHost" (dict "root" $root "component" "attention") }}:{{ $root.Values.attention.ports.grpc }}
+{{- end }}
+{{- end }}
+{{- range $c.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* true when a component is a worker that takes part in the NCCL data plane (RDMA, NCCL_*). */}}
+{{- define "dsa.isWorker" -}}
+{{- if or (eq .component "indexer") (eq .component "attention") -}}true{{- end -}}
+{{- end -}}
+
+{{/* A component's resources: .resources plus its GPUs and, on RDMA workers, the RDMA device. */}}
+{{- define "dsa.resources" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .component -}}
+{{- $resources := deepCopy (default (dict) $c.resources) -}}
+{{- $requests := default (dict) $resources.requests -}}
+{{- $limits := default (dict) $resources.limits -}}
+{{- if gt (int $c.gpu) 0 -}}
+{{- $_ := set $requests $root.Values.gpuResourceName (int $c.gpu) -}}
+{{- $_ := set $limits $root.Values.gpuResourceName (int $c.gpu) -}}
+{{- end -}}
+{{- if and (include "dsa.isWorker" .) $root.Values.rdma.enabled $root.Values.rdma.resourceName -}}
+{{- $_ := set $requests $root.Values.rdma.resourceName (int $root.Values.rdma.resourceCount) -}}
+{{- $_ := set $limits $root.Values.rdma.resourceName (int $root.Values.rdma.resourceCount) -}}
+{{- end -}}
+{{- if $requests -}}{{- $_ := set $resources "requests" $requests -}}{{- end -}}
+{{- if $limits -}}{{- $_ := set $resources "limits" $limits -}}{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}
+
+{{/* A component's container security context: securityContext plus rdma.capabilities on RDMA workers. */}}
+{{- define "dsa.securityContext" -}}
+{{- $root := .root -}}
+{{- $context := deepCopy $root.Values.securityContext -}}
+{{- if and (include "dsa.isWorker" .) $root.Values.rdma.enabled $root.Values.rdma.capabilities -}}
+{{- $capabilities := default (dict) $context.capabilities -}}
+{{- $_ := set $capabilities "add" (concat (default (list) $capabilities.add) $root.Values.rdma.capabilities | uniq) -}}
+{{- $_ := set $context "capabilities" $capabilities -}}
+{{- end -}}
+{{- toYaml $context -}}
+{{- end -}}
+
+{{/* One probe of a component: (dict "root" $ "component" NAME "probe" "startup|readiness|liveness" "service" "liveness|readiness"). */}}
+{{- define "dsa.probe" -}}
+{{- $c := index .root.Values .component -}}
+{{- $p := index $c.probes .probe -}}
+grpc:
+  port: {{ $c.ports.grpc }}
+  service: {{ .service }}
+periodSeconds: {{ $p.periodSeconds }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+{{- end -}}
+
+{{/*
+The pod template of a component (Deployment or StatefulSet): one server container, non-root, a
+read-only root filesystem, the TOML file, /dev/shm and /tmp.
+*/}}
+{{- define "dsa.podTemplate" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .component -}}
+{{- $worker := include "dsa.isWorker" . -}}
+{{- $hostNetwork := and $worker $root.Values.rdma.enabled $root.Values.rdma.hostNetwork -}}
+metadata:
+  labels:
+    {{- include "dsa.labels" . | nindent 4 }}
+    {{- with $c.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include "dsa.configToml" . | sha256sum }}
+    {{- with $c.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  serviceAccountName: {{ include "dsa.serviceAccountName" $root }}
+  automountServiceAccountToken: {{ $root.Values.serviceAccount.automountServiceAccountToken }}
+  {{- /* Service links would put <SERVICE>_PORT variables in the environment; with a release
+  named dsa-* some would start with DSA_ and read as flags. */}}
+  enableServiceLinks: false
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
+  terminationGracePeriodSeconds: {{ include "dsa.terminationGrace" . }}
+  {{- if $hostNetwork }}
+  hostNetwork: true
+  dnsPolicy: ClusterFirstWithHostNet
+  {{- end }}
+  {{- with $c.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with $c.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  {{- with $c.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $c.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .component }}
+      image: {{ include "dsa.image" . | quote }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      command:
+        - {{ include "dsa.binary" . }}
+      args:
+        {{- include "dsa.args" . | nindent 8 }}
+      ports:
+        - name: grpc
+          containerPort: {{ $c.ports.grpc }}
+          protocol: TCP
+        - name: metrics
+          containerPort: {{ $c.ports.metrics }}
+          protocol: TCP
+      {{- $env := list }}
+      {{- if $worker }}
+      {{- range $name := keys $root.Values.nccl.env | sortAlpha }}
+      {{- $env = append $env (dict "name" $name "value" (toString (index $root.Values.nccl.env $name))) }}
+      {{- end }}
+      {{- end }}
+      {{- $env = concat $env $c.extraEnv }}
+      {{- with $env }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      startupProbe:
+        {{- include "dsa.probe" (dict "root" $root "component" .component "probe" "startup" "service" "liveness") | nindent 8 }}
+      readinessProbe:
+        {{- include "dsa.probe" (dict "root" $root "component" .component "probe" "readiness" "service" "readiness") | nindent 8 }}
+      livenessProbe:
+        {{- include "dsa.probe" (dict "root" $root "component" .component "probe" "liveness" "service" "liveness") | nindent 8 }}
+      resources:
+        {{- include "dsa.resources" . | nindent 8 }}
+      securityContext:
+        {{- include "dsa.securityContext" . | nindent 8 }}
+      volumeMounts:
+        - name: config
+          mountPath: /etc/dsa
+          readOnly: true
+        - name: shm
+          mountPath: /dev/shm
+        - name: tmp
+          mountPath: /tmp
+        {{- with $c.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+  volumes:
+    - name: config
+      configMap:
+        name: {{ include "dsa.fullname" $root }}-config
+        items:
+          - key: {{ .component }}.toml
+            path: {{ .component }}.toml
+    - name: shm
+      emptyDir:
+        medium: Memory
+        sizeLimit: {{ $c.shm.sizeLimit }}
+    - name: tmp
+      emptyDir:
+        sizeLimit: 256Mi
+    {{- with $c.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
+
+{{/*
+Checks across values that values.schema.json cannot say clearly; each failure names the values
+to change. Included once, from the ConfigMap.
+*/}}
+{{- define "dsa.validate" -}}
+{{- $v := .Values -}}
+{{- range $component := list "indexer" "attention" -}}
+{{- $c := index $v $component -}}
+{{- if eq $c.device "cuda" -}}
+{{- if lt (int $c.gpu) 1 -}}
+{{- fail (printf "%s.device is cuda but %s.gpu is %d: set %s.gpu to at least 1" $component $component (int $c.gpu) $component) -}}
+{{- end -}}
+{{- if ne (include "dsa.imageVariant" (dict "root" $ "component" $component)) "cuda" -}}
+{{- fail (printf "%s.device is cuda but its image is the cpu variant: set image.variant (or %s.imageVariant) to cuda" $component $component) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $v.attention.transport "nccl" -}}
+{{- if ne $v.indexer.device "cuda" -}}
+{{- fail "attention.transport nccl needs indexer.device cuda: the indexer's end of the NCCL data plane is its GPU" -}}
+{{- end -}}
+{{- if lt (int $v.attention.gpu) 1 -}}
+{{- fail "attention.transport nccl needs attention.gpu of at least 1: the attention worker's end of the NCCL data plane is its GPU" -}}
+{{- end -}}
+{{- if ne (include "dsa.imageVariant" (dict "root" $ "component" "attention")) "cuda" -}}
+{{- fail "attention.transport nccl needs the cuda image variant for the attention workers: set image.variant (or attention.imageVariant) to cuda" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.rdma.enabled (not $v.rdma.hostNetwork) (not $v.rdma.resourceName) -}}
+{{- fail "rdma.enabled needs rdma.hostNetwork true or an rdma.resourceName (e.g. rdma/rdma_shared_device_a)" -}}
+{{- end -}}
+{{- if and (not (include "dsa.colocated" $)) (eq $v.coordinator.discovery.mode "static") (or (lt (int $v.indexer.replicas) 1) (lt (int $v.attention.replicas) 1)) -}}
+{{- fail "coordinator.discovery.mode static needs indexer.replicas and attention.replicas of at least 1 (the coordinator needs one address of each)" -}}
+{{- end -}}
+{{- if and (include "dsa.colocated" $) (lt (int $v.attention.replicas) 1) -}}
+{{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
+{{- end -}}
+{{- end -}}
