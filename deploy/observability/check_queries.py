@@ -12,6 +12,9 @@
 4. Every family of metrics.txt is used by a rule or a dashboard, and every recorded series by a
    dashboard or an alert.
 
+dashboard_queries() and plain_promql() need only the standard library (the Prometheus integration
+test, tests/integration/prometheus_rules_test.sh, imports them).
+
 Usage: python check_queries.py --rules FILE --dashboards DIR --metrics FILE --contract FILE
        [--promtool PATH]. Exits 1 and lists the problems when there are any.
 """
@@ -26,8 +29,6 @@ import subprocess
 import sys
 import tempfile
 from typing import Iterator, Optional
-
-import yaml
 
 TARGET_LABELS = {"namespace", "job", "instance", "pod", "container", "endpoint", "service"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -182,6 +183,8 @@ def check_expr(where, expr, families, recorded, problems, used):
 
 
 def promtool_check(exprs: list[tuple[str, str]], promtool: str, problems: list[str]) -> None:
+    import yaml  # pylint: disable=import-outside-toplevel (the rest needs only the standard library)
+
     rules = {"groups": [{"name": "dashboard-queries", "rules": [
         {"record": f"check:dashboard_query_{i}", "expr": plain_promql(expr)}
         for i, (_, expr) in enumerate(exprs)]}]}
@@ -208,6 +211,8 @@ def main() -> int:
     parser.add_argument("--contract", type=pathlib.Path, required=True)
     parser.add_argument("--promtool", default="promtool")
     args = parser.parse_args()
+
+    import yaml  # pylint: disable=import-outside-toplevel
 
     problems: list[str] = []
     families = load_metrics(args.metrics)
