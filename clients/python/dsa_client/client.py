@@ -1,0 +1,197 @@
+"""A small client of dsa-coordinator for routers: Generate (streamed events), Abort, GetLoad, and
+the grpc.health.v1 check of the three health names (docs/deploy.md, "The contract").
+
+    from dsa_client import CoordinatorClient
+
+    with CoordinatorClient.connect("127.0.0.1:50051") as client:
+        print(client.health("readiness"))              # "SERVING"
+        for event in client.generate("req-1", context_length=4096, max_new_tokens=16):
+            print(event.WhichOneof("event"))           # admitted, tokens..., finished
+        print(client.get_load().queued)
+
+Errors are grpc.RpcError with the status codes the proto documents (coordinator.proto):
+RESOURCE_EXHAUSTED (queue full), INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION,
+UNAVAILABLE, CANCELLED (the request was aborted), NOT_FOUND (abort of an unknown id).
+Thread-safety: one client may be used from many threads (a gRPC channel is thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+__all__ = ["CoordinatorClient", "Overrides", "Generation", "HEALTH_SERVICE_NAMES"]
+
+#: The health names every dsa server answers (docs/deploy.md, "Health").
+HEALTH_SERVICE_NAMES = ("liveness", "readiness", "")
+
+
+def _health_messages():
+    """The request and response classes of grpc.health.v1.Health/Check, described here (two
+    fields) instead of depending on another package for them. Wire-compatible with the standard
+    health.proto: HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus
+    status = 1} with UNKNOWN 0, SERVING 1, NOT_SERVING 2, SERVICE_UNKNOWN 3."""
+    pool = descriptor_pool.DescriptorPool()
+    file = descriptor_pb2.FileDescriptorProto(
+        name="dsa_client/grpc_health_v1.proto", package="grpc.health.v1", syntax="proto3")
+    request = file.message_type.add(name="HealthCheckRequest")
+    field = descriptor_pb2.FieldDescriptorProto
+    request.field.add(name="service", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
+    response = file.message_type.add(name="HealthCheckResponse")
+    status = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
+        status.value.add(name=name, number=number)
+    response.field.add(name="status", number=1, type=field.TYPE_ENUM, label=field.LABEL_OPTIONAL,
+                       type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
+    pool.Add(file)
+    return tuple(
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.health.v1.{name}"))
+        for name in ("HealthCheckRequest", "HealthCheckResponse"))
+
+
+#: grpc.health.v1 messages: HealthCheckRequest(service=...), HealthCheckResponse(status=...).
+HealthCheckRequest, HealthCheckResponse = _health_messages()
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Per-request overrides of the deployment's defaults (coordinator.proto's Overrides); None
+    keeps the default.
+
+    target_block_sparsity: SPIN's rho, in [0, 1). exploration_fraction: gamma, in [0, 1).
+    top_k: selection size K, >= 1. all_keep: select every block. acceptance_rate: of the seeded
+    draft acceptance model, in [0, 1].
+    """
+
+    target_block_sparsity: Optional[float] = None
+    exploration_fraction: Optional[float] = None
+    top_k: Optional[int] = None
+    all_keep: Optional[bool] = None
+    acceptance_rate: Optional[float] = None
+
+    def to_proto(self) -> coordinator_pb2.Overrides:
+        fields = {name: value for name, value in vars(self).items() if value is not None}
+        return coordinator_pb2.Overrides(**fields)
+
+
+class Generation:
+    """One Generate call in flight: iterate it for its GenerateEvents (admitted once, then one
+    tokens per decode step, then finished); the iteration raises grpc.RpcError if the stream ends
+    with an error (CANCELLED after an abort). cancel() drops the stream from this side only (the
+    coordinator sees the client go away); abort the request by id to stop it for every caller."""
+
+    def __init__(self, request_id: str, call):
+        self.request_id = request_id
+        self._call = call
+
+    def __iter__(self) -> Iterator[coordinator_pb2.GenerateEvent]:
+        return iter(self._call)
+
+    def cancel(self) -> None:
+        """Cancels the call on the client side (the iteration then raises CANCELLED)."""
+        self._call.cancel()
+
+    def code(self) -> grpc.StatusCode:
+        """The stream's final status code (blocks until the stream has ended)."""
+        return self._call.code()
+
+
+class CoordinatorClient:
+    """A client of one dsa-coordinator (CoordinatorService and grpc.health.v1) over one channel.
+    Build it with connect(); close() (or a with block) closes the channel."""
+
+    def __init__(self, channel: grpc.Channel):
+        """Wraps an existing channel (the caller's options, interceptors or credentials)."""
+        self._channel = channel
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        self._health_check = channel.unary_unary(
+            HEALTH_CHECK_METHOD,
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString)
+
+    @classmethod
+    def connect(cls, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
+                root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                certificate_chain: Optional[bytes] = None,
+                options: Sequence[tuple[str, object]] = ()) -> "CoordinatorClient":
+        """Opens a channel to target ("host:port"). Plaintext unless TLS is asked for: either
+        credentials (any grpc.ChannelCredentials), or PEM bytes: root_certificates (the CA to
+        trust; None = the system's), with private_key and certificate_chain for mutual TLS.
+        options: gRPC channel arguments, e.g. [("grpc.max_receive_message_length", 8 << 20)]."""
+        if credentials is None and (root_certificates or private_key or certificate_chain):
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=root_certificates, private_key=private_key,
+                certificate_chain=certificate_chain)
+        if credentials is not None:
+            channel = grpc.secure_channel(target, credentials, options=list(options))
+        else:
+            channel = grpc.insecure_channel(target, options=list(options))
+        return cls(channel)
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight end with CANCELLED."""
+        self._channel.close()
+
+    def __enter__(self) -> "CoordinatorClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def generate(self, request_id: str, *, max_new_tokens: int,
+                 context_length: Optional[int] = None,
+                 context_tokens: Optional[Iterable[int]] = None,
+                 prefix_block_ids: Iterable[int] = (), draft_length: int = 0,
+                 session_id: str = "", overrides: Optional[Overrides] = None,
+                 timeout_s: Optional[float] = None,
+                 wait_for_ready: Optional[bool] = None) -> Generation:
+        """Starts a Generate and returns it; iterate the result for its events.
+
+        request_id: caller-chosen, 1..128 bytes, unique among requests in flight.
+        context_length (synthetic tokens, >= 1) or context_tokens (token ids): exactly one.
+        max_new_tokens: >= 1. prefix_block_ids: shared-prefix block ids, one per 512 tokens.
+        draft_length: speculative draft length in 0..4. session_id: continue a multi-turn
+        sequence (empty = a one-off request). timeout_s: deadline of the whole stream (None =
+        none). wait_for_ready: gRPC's wait-for-ready (queue the call while the channel connects).
+        Raises ValueError when both or neither context form is given.
+        """
+        if (context_length is None) == (context_tokens is None):
+            raise ValueError("give exactly one of context_length and context_tokens")
+        request = coordinator_pb2.GenerateRequest(
+            request_id=request_id, max_new_tokens=max_new_tokens,
+            prefix_block_ids=list(prefix_block_ids), draft_length=draft_length,
+            session_id=session_id)
+        if context_length is not None:
+            request.context_length = context_length
+        else:
+            request.context_tokens.tokens.extend(context_tokens)
+        if overrides is not None:
+            request.overrides.CopyFrom(overrides.to_proto())
+        call = self._stub.Generate(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        return Generation(request_id, call)
+
+    def abort(self, request_id: str, *, timeout_s: float = 5.0) -> None:
+        """Stops a request in flight (queued or running); its Generate stream ends with
+        CANCELLED. Raises grpc.RpcError NOT_FOUND if the coordinator knows no such request."""
+        self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+
+    def get_load(self, *, timeout_s: float = 5.0) -> coordinator_pb2.GetLoadResponse:
+        """Queue, running requests and index-key cache use (blocks used / capacity, over all
+        indexer workers and per worker): what a router balances on."""
+        return self._stub.GetLoad(coordinator_pb2.GetLoadRequest(), timeout=timeout_s)
+
+    def health(self, service: str = "readiness", *, timeout_s: float = 2.0) -> str:
+        """The grpc.health.v1 status of one name ("liveness", "readiness" or "" = readiness) as
+        its enum name: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" or "UNKNOWN". Raises
+        grpc.RpcError when the server cannot be reached (UNAVAILABLE, DEADLINE_EXCEEDED) or does
+        not know the name (NOT_FOUND)."""
+        response = self._health_check(HealthCheckRequest(service=service), timeout=timeout_s)
+        return HealthCheckResponse.DESCRIPTOR.enum_types_by_name["ServingStatus"].values_by_number[
+            response.status].name

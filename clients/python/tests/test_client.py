@@ -1,0 +1,180 @@
+"""Unit tests of dsa_client.CoordinatorClient against an in-process fake coordinator (a gRPC server
+on a free loopback port): the requests it builds, the events it streams, abort, GetLoad, health,
+and TLS credentials passed through."""
+
+import os
+import sys
+import threading
+import unittest
+from concurrent import futures
+
+import grpc
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsa_client import CoordinatorClient, Overrides  # noqa: E402
+from dsa_client.client import (HEALTH_CHECK_METHOD, HealthCheckRequest,  # noqa: E402
+                               HealthCheckResponse)
+from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
+
+
+class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """Streams Admitted, max_new_tokens Tokens and Finished; a request with max_new_tokens above
+    1000 waits until aborted and then ends with CANCELLED."""
+
+    def __init__(self):
+        self.requests = []
+        self.aborts = {}  # request id -> threading.Event
+        self.lock = threading.Lock()
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        aborted = threading.Event()
+        with self.lock:
+            self.aborts[request.request_id] = aborted
+        yield coordinator_pb2.GenerateEvent(admitted=coordinator_pb2.Admitted(
+            indexer_worker="indexer-0", attention_worker="attention-0"))
+        if request.max_new_tokens > 1000:
+            yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(count=1))
+            aborted.wait(timeout=10)
+            context.abort(grpc.StatusCode.CANCELLED, "aborted")
+        for position in range(request.max_new_tokens):
+            yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(
+                first_position=position, count=1))
+        yield coordinator_pb2.GenerateEvent(finished=coordinator_pb2.Finished(
+            generated_tokens=request.max_new_tokens))
+
+    def Abort(self, request, context):
+        with self.lock:
+            aborted = self.aborts.get(request.request_id)
+        if aborted is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no request {request.request_id}")
+        aborted.set()
+        return coordinator_pb2.AbortResponse()
+
+    def GetLoad(self, request, context):
+        return coordinator_pb2.GetLoadResponse(
+            queued=2, running=3, cache_blocks_used=10, cache_blocks_capacity=100,
+            indexer_workers=[coordinator_pb2.WorkerLoad(address="indexer-0", sequences=3)])
+
+
+def _health_handler(statuses):
+    def check(request, context):
+        if request.service not in statuses:
+            context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return HealthCheckResponse(status=statuses[request.service])
+
+    _, service, method = HEALTH_CHECK_METHOD.split("/")
+    handler = grpc.unary_unary_rpc_method_handler(
+        check, request_deserializer=HealthCheckRequest.FromString,
+        response_serializer=HealthCheckResponse.SerializeToString)
+    return grpc.method_handlers_generic_handler(service, {method: handler})
+
+
+class CoordinatorClientTest(unittest.TestCase):
+    def setUp(self):
+        self.fake = FakeCoordinator()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(self.fake, self.server)
+        self.server.add_generic_rpc_handlers(
+            [_health_handler({"liveness": 1, "readiness": 2, "": 2})])
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.client = CoordinatorClient.connect(f"127.0.0.1:{port}")
+
+    def tearDown(self):
+        self.client.close()
+        self.server.stop(grace=None)
+
+    def test_generate_streams_admitted_tokens_finished(self):
+        events = list(self.client.generate("r1", context_length=4096, max_new_tokens=3))
+        kinds = [event.WhichOneof("event") for event in events]
+        self.assertEqual(kinds, ["admitted", "tokens", "tokens", "tokens", "finished"])
+        self.assertEqual(events[0].admitted.indexer_worker, "indexer-0")
+        self.assertEqual(events[-1].finished.generated_tokens, 3)
+
+    def test_generate_builds_the_request(self):
+        list(self.client.generate(
+            "r2", context_tokens=[5, 6, 7], max_new_tokens=1, prefix_block_ids=[11, 12],
+            draft_length=2, session_id="s", overrides=Overrides(top_k=64, all_keep=True)))
+        request = self.fake.requests[-1]
+        self.assertEqual(request.request_id, "r2")
+        self.assertEqual(request.WhichOneof("context"), "context_tokens")
+        self.assertEqual(list(request.context_tokens.tokens), [5, 6, 7])
+        self.assertEqual(list(request.prefix_block_ids), [11, 12])
+        self.assertEqual((request.draft_length, request.session_id), (2, "s"))
+        self.assertEqual(request.overrides.top_k, 64)
+        self.assertTrue(request.overrides.all_keep)
+        # Unset overrides stay unset (the deployment's defaults apply).
+        self.assertFalse(request.overrides.HasField("target_block_sparsity"))
+        self.assertFalse(request.overrides.HasField("acceptance_rate"))
+
+    def test_generate_needs_exactly_one_context(self):
+        with self.assertRaises(ValueError):
+            self.client.generate("r3", max_new_tokens=1)
+        with self.assertRaises(ValueError):
+            self.client.generate("r3", context_length=1, context_tokens=[1], max_new_tokens=1)
+
+    def test_abort_ends_the_stream_with_cancelled(self):
+        generation = self.client.generate("long", context_length=16, max_new_tokens=5000)
+        events = iter(generation)
+        self.assertEqual(next(events).WhichOneof("event"), "admitted")
+        self.assertEqual(next(events).WhichOneof("event"), "tokens")
+        self.client.abort("long")
+        with self.assertRaises(grpc.RpcError) as raised:
+            list(events)
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.CANCELLED)
+        self.assertEqual(generation.code(), grpc.StatusCode.CANCELLED)
+
+    def test_abort_of_an_unknown_request_is_not_found(self):
+        with self.assertRaises(grpc.RpcError) as raised:
+            self.client.abort("nobody")
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_get_load(self):
+        load = self.client.get_load()
+        self.assertEqual((load.queued, load.running), (2, 3))
+        self.assertEqual((load.cache_blocks_used, load.cache_blocks_capacity), (10, 100))
+        self.assertEqual([w.address for w in load.indexer_workers], ["indexer-0"])
+
+    def test_health_names(self):
+        self.assertEqual(self.client.health("liveness"), "SERVING")
+        self.assertEqual(self.client.health("readiness"), "NOT_SERVING")
+        self.assertEqual(self.client.health(""), "NOT_SERVING")
+        with self.assertRaises(grpc.RpcError) as raised:
+            self.client.health("nope")
+        self.assertEqual(raised.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+    def test_health_of_an_unreachable_server_raises(self):
+        self.server.stop(grace=None)
+        with self.assertRaises(grpc.RpcError) as raised:
+            self.client.health("liveness", timeout_s=0.5)
+        self.assertIn(raised.exception.code(),
+                      (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+class ConnectTest(unittest.TestCase):
+    def test_tls_arguments_make_a_secure_channel(self):
+        made = {}
+        original_ssl, original_secure = grpc.ssl_channel_credentials, grpc.secure_channel
+
+        def fake_ssl(**kwargs):
+            made["ssl"] = kwargs
+            return original_ssl()
+
+        def fake_secure(target, credentials, options=None):
+            made["secure"] = target
+            return original_secure(target, credentials, options=options)
+
+        grpc.ssl_channel_credentials, grpc.secure_channel = fake_ssl, fake_secure
+        try:
+            CoordinatorClient.connect("localhost:1", root_certificates=b"ca").close()
+        finally:
+            grpc.ssl_channel_credentials, grpc.secure_channel = original_ssl, original_secure
+        self.assertEqual(made["ssl"], {"root_certificates": b"ca", "private_key": None,
+                                       "certificate_chain": None})
+        self.assertEqual(made["secure"], "localhost:1")
+
+
+if __name__ == "__main__":
+    unittest.main()
