@@ -1,0 +1,573 @@
+#!/usr/bin/env python3
+"""The Helm chart's CI check (scripts/check_chart.sh runs it; docs/deploy.md, "The Helm chart").
+
+Renders helm/dsa-indexer with Helm's own engine (helm-python-sdk's libhelm_c, offline) for the
+default values, every examples/*.yaml and a few scenarios that reach the other branches, test
+hooks included, then:
+  1. lints the chart (Helm's linter, warnings are failures);
+  2. validates every rendered object: Kubernetes kinds with kubernetes-validate (strict, against
+     KUBE_VERSION's bundled schemas), Prometheus Operator kinds with check-jsonschema against
+     deploy/schemas/prometheus-operator/ (vendored, see deploy/schemas/README.md);
+  3. checks what the chart promises in every render (recommended labels, grpc probes, the drain
+     fitting in terminationGracePeriodSeconds, non-root pods, only flags the binaries have, the
+     coordinator's discovery names matching the headless Services, the helm test pods) and what
+     each example promises (GPUs, IPC_LOCK and the RDMA device, NCCL over nccl, monitoring);
+  4. checks that values.schema.json and the templates' own checks refuse bad values, each with
+     the message a user needs.
+Prints one line per scenario and exits 1 with every failure listed. Needs no network.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from typing import Any, Callable
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+from helm_python import _native
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CHART = os.path.join(REPO, "helm", "dsa-indexer")
+CRD_SCHEMAS = os.path.join(REPO, "deploy", "schemas", "prometheus-operator")
+KUBE_VERSION = "1.30.0"  # the oldest version the chart is validated against (Chart.yaml annotation)
+RELEASE, NAMESPACE = "dsa", "serving"
+# Kinds kubernetes-validate does not know, and the vendored schema of each.
+CRD_KINDS = {
+    "ServiceMonitor": "servicemonitor_v1.json",
+    "PodMonitor": "podmonitor_v1.json",
+    "PrometheusRule": "prometheusrule_v1.json",
+}
+BINARIES = {
+    "coordinator": "/usr/local/bin/dsa-coordinator",
+    "indexer": "/usr/local/bin/dsa-indexer",
+    "attention": "/usr/local/bin/dsa-attention",
+}
+# The flags of each binary (without "--"): server/server.cc, coordinator/main.cc,
+# indexer_service/indexer_flags.cc + main.cc, attention_worker/main.cc, plus the ones
+# docs/deploy.md's contract adds (--config, --log-level, --indexer-dns, --attention-dns,
+# --worker-check-interval-ms, --ttft-buckets, --itl-buckets; --worker-check-timeout-ms is the
+# coordinator's own). A flag the chart renders (on the
+# command line or in a TOML file) must be one of these.
+SERVER_FLAGS = {"listen", "metrics-listen", "shutdown-grace-ms", "drain-delay-ms", "log-level", "config"}
+INDEXER_ENGINE_FLAGS = {"capacity-blocks", "audit-fraction", "audit-seed", "device", "cuda-device",
+                        "scan-kernel", "gpu-spin"}
+KNOWN_FLAGS = {
+    "coordinator": SERVER_FLAGS | {
+        "indexer", "attention", "indexer-dns", "attention-dns", "worker-check-interval-ms",
+        "worker-check-timeout-ms",
+        "max-queue", "colocated", "max-running", "top-k", "target-block-sparsity",
+        "exploration-fraction", "all-keep", "acceptance-rate", "seed", "retain-finished",
+        "startup-timeout-ms", "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets"},
+    "indexer": SERVER_FLAGS | INDEXER_ENGINE_FLAGS | {"num-heads", "head-dim"},
+    "attention": SERVER_FLAGS | {"indexer-" + f for f in INDEXER_ENGINE_FLAGS} | {
+        "layer-pattern", "retention", "num-model-layers", "lag-depth", "num-heads", "head-dim",
+        "kv-dim", "attention-heads", "kv-capacity-slots", "prefill-threads", "seed", "transport",
+        "attention-device", "attention-cuda-device", "device-selects", "layer-standin",
+        "layer-standin-weight-bytes", "layer-standin-busy-us", "layer-standin-max-rows"},
+}
+RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
+                      "app.kubernetes.io/version", "app.kubernetes.io/component",
+                      "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by", "helm.sh/chart")
+
+
+class Failures:
+    """Collects failures with the scenario and object they belong to."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.checks = 0
+
+    def check(self, ok: bool, where: str, message: str) -> bool:
+        self.checks += 1
+        if not ok:
+            self.messages.append(f"{where}: {message}")
+        return ok
+
+
+def render(chart: helm.Chart, values: dict[str, Any] | None) -> dict[str, str]:
+    """Renders the chart (templates and test hooks) as `helm install` would, offline, with the
+    capabilities of KUBE_VERSION and the Prometheus Operator's API. Raises helm.HelmError."""
+    options = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True,
+               "kube_version": "v" + KUBE_VERSION, "api_versions": ["monitoring.coreos.com/v1"]}
+    # helm_render's own options (Chart.render does not expose kube_version / api_versions).
+    rendered = _native.call_string("helm_render", chart._raw(),
+                                   None if values is None else json.dumps(values), json.dumps(options))
+    return json.loads(rendered)
+
+
+def objects_of(manifests: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """(template, object) of every rendered YAML document."""
+    found = []
+    for template, text in sorted(manifests.items()):
+        if template.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                found.append((template.split("/templates/", 1)[-1], doc))
+    return found
+
+
+def name_of(obj: dict[str, Any]) -> str:
+    return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+
+
+def validate_objects(scenario: str, objs: list[tuple[str, dict[str, Any]]], f: Failures) -> None:
+    """kubernetes-validate (strict) for Kubernetes kinds, check-jsonschema for the CRD kinds."""
+    crd_docs: dict[str, list[dict[str, Any]]] = {}
+    for template, obj in objs:
+        where = f"{scenario}: {template}: {name_of(obj)}"
+        if obj.get("kind") in CRD_KINDS:
+            crd_docs.setdefault(obj["kind"], []).append(obj)
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+            f.check(True, where, "")
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            f.check(False, where, f"kubernetes-validate {KUBE_VERSION} (strict): {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError as e:
+            f.check(False, where, e.message)
+    check_jsonschema = os.path.join(os.path.dirname(sys.executable), "check-jsonschema")
+    for kind, docs in crd_docs.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = []
+            for n, doc in enumerate(docs):
+                path = os.path.join(tmp, f"{kind.lower()}-{n}.yaml")
+                with open(path, "w", encoding="utf-8") as out:
+                    yaml.safe_dump(doc, out)
+                paths.append(path)
+            run = subprocess.run([check_jsonschema, "--no-cache", "--schemafile",
+                                  os.path.join(CRD_SCHEMAS, CRD_KINDS[kind]), *paths],
+                                 capture_output=True, text=True, check=False)
+            f.check(run.returncode == 0, f"{scenario}: {kind}",
+                    "check-jsonschema against the Prometheus Operator CRD schema:\n"
+                    + (run.stdout + run.stderr).strip())
+
+
+def flag_name(arg: str) -> str:
+    return arg[2:].split("=", 1)[0]
+
+
+def flag_values(args: list[str], name: str) -> list[str]:
+    return [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+
+
+def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str, dict[str, Any]]],
+                     f: Failures) -> dict[str, Any]:
+    """What every render must hold. Returns what the example checks need (pods by component)."""
+    by_kind: dict[str, dict[str, dict[str, Any]]] = {}
+    for _, obj in objs:
+        by_kind.setdefault(obj["kind"], {})[obj["metadata"]["name"]] = obj
+    configmaps = by_kind.get("ConfigMap", {})
+    services = by_kind.get("Service", {})
+    headless = {n: s for n, s in services.items() if s["spec"].get("clusterIP") == "None"}
+    pods: dict[str, dict[str, Any]] = {}  # component -> pod template (Deployment / StatefulSet)
+    tomls: dict[str, dict[str, Any]] = {}
+
+    for template, obj in objs:
+        where = f"{scenario}: {template}: {name_of(obj)}"
+        labels = obj["metadata"].get("labels", {})
+        missing = [k for k in RECOMMENDED_LABELS if k not in labels and
+                   not (k == "app.kubernetes.io/component" and obj["kind"] in
+                        ("ConfigMap", "ServiceAccount", "PodMonitor", "ServiceMonitor", "PrometheusRule"))]
+        f.check(not missing, where, f"missing labels {missing}")
+        f.check(obj["metadata"].get("namespace") == NAMESPACE or obj["kind"] == "ConfigMap",
+                where, f"namespace is {obj['metadata'].get('namespace')!r}, not the release's")
+
+    for name, svc in headless.items():
+        f.check(svc["spec"].get("publishNotReadyAddresses") is False, f"{scenario}: Service/{name}",
+                "a headless worker Service must set publishNotReadyAddresses: false "
+                "(only ready workers may resolve)")
+
+    for kind in ("Deployment", "StatefulSet"):
+        for name, workload in by_kind.get(kind, {}).items():
+            where = f"{scenario}: {kind}/{name}"
+            template = workload["spec"]["template"]
+            component = template["metadata"]["labels"].get("app.kubernetes.io/component")
+            pods[component] = template
+            spec = template["spec"]
+            selector = workload["spec"]["selector"]["matchLabels"]
+            f.check(all(template["metadata"]["labels"].get(k) == v for k, v in selector.items()),
+                    where, "the selector does not match the pod template's labels")
+            if kind == "StatefulSet":
+                f.check(workload["spec"]["serviceName"] in headless, where,
+                        f"serviceName {workload['spec']['serviceName']!r} is not a rendered headless Service")
+            psc = spec.get("securityContext", {})
+            f.check(psc.get("runAsNonRoot") is True and psc.get("runAsUser") == 10001 and
+                    psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where,
+                    f"pod securityContext must be non-root uid 10001 with seccomp RuntimeDefault, is {psc}")
+            f.check(spec.get("enableServiceLinks") is False, where,
+                    "enableServiceLinks must be false (service-link variables named DSA_* would read as flags)")
+            (container,) = spec["containers"]
+            csc = container.get("securityContext", {})
+            caps = csc.get("capabilities", {})
+            f.check(csc.get("readOnlyRootFilesystem") is True and csc.get("allowPrivilegeEscalation") is False
+                    and caps.get("drop") == ["ALL"], where,
+                    f"container securityContext must drop ALL, read-only root, no escalation; is {csc}")
+            f.check(set(caps.get("add", [])) <= {"IPC_LOCK"}, where,
+                    f"capabilities added beyond IPC_LOCK: {caps.get('add')}")
+            f.check(container["command"] == [BINARIES.get(component, "?")], where,
+                    f"command {container['command']} is not {BINARIES.get(component)}")
+            args = container["args"]
+            unknown = [a for a in args if not a.startswith("--") or flag_name(a) not in KNOWN_FLAGS[component]]
+            f.check(not unknown, where, f"arguments the binary does not have: {unknown}")
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            f.check(set(ports) == {"grpc", "metrics"}, where, f"ports must be grpc and metrics, are {ports}")
+            f.check(flag_values(args, "listen") == [f"0.0.0.0:{ports.get('grpc')}"] and
+                    flag_values(args, "metrics-listen") == [f"0.0.0.0:{ports.get('metrics')}"], where,
+                    "--listen / --metrics-listen must be the grpc / metrics container ports")
+            for probe, service in (("startupProbe", "liveness"), ("readinessProbe", "readiness"),
+                                   ("livenessProbe", "liveness")):
+                p = container.get(probe, {})
+                f.check(p.get("grpc") == {"port": ports.get("grpc"), "service": service}, where,
+                        f"{probe} must be grpc {{port: {ports.get('grpc')}, service: {service}}}, is {p}")
+            drain = flag_values(args, "drain-delay-ms")
+            grace = flag_values(args, "shutdown-grace-ms")
+            if f.check(len(drain) == 1 and len(grace) == 1, where,
+                       "--drain-delay-ms and --shutdown-grace-ms must each be passed once"):
+                total_ms = int(drain[0]) + int(grace[0])
+                tgps = spec.get("terminationGracePeriodSeconds", 30)
+                f.check(tgps * 1000 >= total_ms + 1000, where,
+                        f"terminationGracePeriodSeconds {tgps} s does not cover the drain "
+                        f"({drain[0]} + {grace[0]} ms) plus a second")
+            volumes = {v["name"]: v for v in spec.get("volumes", [])}
+            mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+            shm = volumes.get(mounts.get("/dev/shm", {}).get("name"), {}).get("emptyDir", {})
+            f.check(shm.get("medium") == "Memory" and "sizeLimit" in shm, where,
+                    f"/dev/shm must be a Memory emptyDir with a sizeLimit, is {shm}")
+            config = flag_values(args, "config")
+            if f.check(len(config) == 1 and os.path.dirname(config[0]) in mounts, where,
+                       f"--config {config} is not a file in a mounted volume"):
+                volume = volumes[mounts[os.path.dirname(config[0])]["name"]]
+                cm = configmaps.get(volume.get("configMap", {}).get("name"), {})
+                key = os.path.basename(config[0])
+                if f.check(key in cm.get("data", {}), where, f"ConfigMap has no {key} for --config"):
+                    try:
+                        toml = tomllib.loads(cm["data"][key])
+                    except tomllib.TOMLDecodeError as e:
+                        f.check(False, where, f"{key} is not valid TOML: {e}")
+                        toml = {}
+                    tomls[component] = toml
+                    bad = sorted(k for k in toml if k not in KNOWN_FLAGS[component])
+                    f.check(not bad, where, f"{key} sets flags the binary does not have: {bad}")
+                    f.check(toml.get("log-level") in ("debug", "info", "warn", "error"), where,
+                            f"{key}: log-level is {toml.get('log-level')!r}")
+            if component in ("indexer", "attention"):
+                env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                expected_nccl = values.get("nccl", {}).get("env", {"NCCL_NVLS_ENABLE": "0"})
+                for k, v in expected_nccl.items():
+                    f.check(env.get(k) == str(v), where, f"env {k} is {env.get(k)!r}, values say {v!r}")
+
+    # The coordinator's worker addresses name the rendered headless Services and pods.
+    coordinator = pods.get("coordinator")
+    if f.check(coordinator is not None, f"{scenario}", "no coordinator rendered"):
+        args = coordinator["spec"]["containers"][0]["args"]
+        suffix = f".{NAMESPACE}.svc.cluster.local"
+        for kind in ("indexer", "attention"):
+            addresses = flag_values(args, f"{kind}-dns") + flag_values(args, kind)
+            f.check(bool(addresses), f"{scenario}: coordinator",
+                    f"neither --{kind}-dns nor --{kind} is passed (the coordinator needs one)")
+            for address in addresses:
+                host, _, port = address.rpartition(":")
+                svc_name = host.removesuffix(suffix).split(".")[-1]
+                svc = headless.get(svc_name)
+                if f.check(host.endswith(suffix) and svc is not None, f"{scenario}: coordinator",
+                           f"--{kind} address {address} is not a rendered headless Service"):
+                    f.check(int(port) in [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"],
+                            f"{scenario}: coordinator", f"{address}: port is not {svc_name}'s grpc port")
+        if tomls.get("attention", {}).get("transport") == "inprocess":
+            f.check(tomls.get("coordinator", {}).get("colocated") is True and
+                    flag_values(args, "indexer") == flag_values(args, "attention"), f"{scenario}: coordinator",
+                    "transport inprocess needs --colocated and the same ordered --indexer / --attention lists")
+
+    # helm test pods: dsa health --service readiness against the coordinator Service and workers.
+    tests = [o for _, o in objs if o["kind"] == "Pod"]
+    if values.get("tests", {}).get("enabled", True):
+        f.check(len(tests) >= 2, scenario, f"expected helm test pods, found {len(tests)}")
+    for pod in tests:
+        where = f"{scenario}: {name_of(pod)}"
+        f.check(pod["metadata"].get("annotations", {}).get("helm.sh/hook") == "test", where,
+                "a test pod needs the helm.sh/hook: test annotation")
+        (container,) = pod["spec"]["containers"]
+        args = container["args"]
+        f.check(container["command"] == ["/usr/local/bin/dsa"] and args[0] == "health" and
+                "--service=readiness" in args and flag_values(args, "timeout-ms") != [], where,
+                f"must run dsa health --service readiness --timeout-ms N, runs {container['command'] + args}")
+        (target,) = flag_values(args, "target")
+        host = target.rpartition(":")[0].removesuffix(f".{NAMESPACE}.svc.cluster.local")
+        f.check(host in services or host.split(".")[-1] in headless, where,
+                f"--target {target} is not a rendered Service or a StatefulSet pod's stable name")
+    targets = " ".join(" ".join(p["spec"]["containers"][0]["args"]) for p in tests)
+    if tests:
+        f.check(f"{RELEASE}-dsa-indexer-coordinator.{NAMESPACE}" in targets, scenario,
+                "no helm test pod checks the coordinator Service")
+        f.check("attention-0." in targets, scenario, "no helm test pod checks attention worker 0")
+
+    # Every PodDisruptionBudget selects a rendered component.
+    for name, pdb in by_kind.get("PodDisruptionBudget", {}).items():
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        f.check(any(all(t["metadata"]["labels"].get(k) == v for k, v in sel.items()) for t in pods.values()),
+                f"{scenario}: PodDisruptionBudget/{name}", "selects no rendered pods")
+    return {"pods": pods, "tomls": tomls, "by_kind": by_kind}
+
+
+def gpu_of(template: dict[str, Any], kind: str = "requests") -> Any:
+    return template["spec"]["containers"][0].get("resources", {}).get(kind, {}).get("nvidia.com/gpu")
+
+
+def expect(f: Failures, scenario: str, checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        f.check(ok, scenario, message)
+
+
+def promises_default(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods, kinds = r["pods"], r["by_kind"]
+    args = pods["coordinator"]["spec"]["containers"][0]["args"]
+    return [
+        (all(gpu_of(t) is None for t in pods.values()), "the default requests no GPU"),
+        (any(a.startswith("--indexer-dns=") for a in args), "the default discovers indexers by DNS"),
+        (not any(k in kinds for k in CRD_KINDS), "monitoring objects must be off by default"),
+        (set(pods) == {"coordinator", "indexer", "attention"}, f"components rendered: {sorted(pods)}"),
+    ]
+
+
+def promises_cpu_only(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods, tomls = r["pods"], r["tomls"]
+    images = [t["spec"]["containers"][0]["image"] for t in pods.values()]
+    return [
+        (all(gpu_of(t) is None for t in pods.values()), "cpu-only must request no GPU"),
+        (tomls["indexer"].get("device") == "cpu" and tomls["attention"].get("attention-device") == "cpu",
+         "cpu-only: indexer device and attention-device must be cpu"),
+        (not any(i.endswith("-cuda") for i in images), f"cpu-only must use the cpu image, uses {images}"),
+    ]
+
+
+def promises_gpu(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods, tomls, kinds = r["pods"], r["tomls"], r["by_kind"]
+    dashboards = [c for n, c in kinds.get("ConfigMap", {}).items() if n.endswith("-dashboards")]
+    checks = [
+        (gpu_of(pods[c]) == 1 and gpu_of(pods[c], "limits") == 1,
+         f"{c} must request and limit nvidia.com/gpu: 1, has {gpu_of(pods[c])} / {gpu_of(pods[c], 'limits')}")
+        for c in ("indexer", "attention")
+    ] + [
+        (gpu_of(pods["coordinator"]) is None, "the coordinator must not request a GPU"),
+        (tomls["indexer"].get("device") == "cuda", "the indexer must run with --device cuda"),
+        (tomls["attention"].get("attention-device") == "cuda", "attention must run with --attention-device cuda"),
+        (all(pods[c]["spec"]["containers"][0]["image"].endswith("-cuda") for c in ("indexer", "attention")),
+         "GPU workers must use the cuda image"),
+        (all(pods[c]["spec"].get("runtimeClassName") == "nvidia" for c in ("indexer", "attention")),
+         "GPU workers must run with runtimeClassName nvidia"),
+        ("PrometheusRule" in kinds and list(kinds["PrometheusRule"].values())[0]["spec"]["groups"]
+         == load_yaml(os.path.join(CHART, "files", "prometheus-rules.yaml"))["groups"],
+         "the GPU example's PrometheusRule must hold files/prometheus-rules.yaml's groups"),
+        (len(dashboards) == 1 and dashboards[0]["metadata"]["labels"].get("grafana_dashboard") == "1",
+         "the GPU example renders one dashboards ConfigMap labelled grafana_dashboard: \"1\""),
+    ] + scrape_checks(r, "PodMonitor")
+    for cm in dashboards:
+        for key, text in cm.get("data", {}).items():
+            try:
+                ok = key.endswith(".json") and "title" in json.loads(text)
+            except json.JSONDecodeError:
+                ok = False
+            checks.append((ok, f"dashboard {key} must be JSON with a title"))
+        files = {os.path.basename(p) for p in glob.glob(os.path.join(CHART, "files", "dashboards", "*.json"))}
+        size = sum(len(v.encode()) for v in cm.get("data", {}).values())
+        checks.append((size < 1_000_000, f"dashboards ConfigMap is {size} bytes; a ConfigMap holds 1 MiB"))
+        checks.append((set(cm.get("data", {})) == files, f"dashboards ConfigMap must hold every "
+                       f"files/dashboards/*.json: has {sorted(cm.get('data', {}))}, files {sorted(files)}"))
+    return checks
+
+
+def scrape_checks(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]:
+    """A PodMonitor / ServiceMonitor of kind `kind` scraping `metrics`, job = <fullname>-<component>."""
+    monitors = list(r["by_kind"].get(kind, {}).values())
+    if not monitors:
+        return [(False, f"no {kind} rendered")]
+    spec = monitors[0]["spec"]
+    (endpoint,) = spec.get("podMetricsEndpoints" if kind == "PodMonitor" else "endpoints", [{}])
+    relabel = [x for x in endpoint.get("relabelings", []) if x.get("targetLabel") == "job"]
+    return [(endpoint.get("port") == "metrics", f"the {kind} must scrape the metrics port"),
+            (len(relabel) == 1 and relabel[0].get("replacement") == f"{RELEASE}-dsa-indexer-$1",
+             f"the {kind} must set job to <fullname>-<component>: {relabel}")]
+
+
+def promises_rdma(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods, tomls, kinds = r["pods"], r["tomls"], r["by_kind"]
+    checks = [(tomls["attention"].get("transport") == "nccl", "the RDMA example must use --transport nccl"),
+              (tomls["indexer"].get("device") == "cuda", "NCCL needs the indexer on its GPU")]
+    for c in ("indexer", "attention"):
+        container = pods[c]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        checks += [
+            ("IPC_LOCK" in container["securityContext"].get("capabilities", {}).get("add", []),
+             f"{c} must have the IPC_LOCK capability"),
+            (container["resources"]["limits"].get("rdma/rdma_shared_device_a") == 1,
+             f"{c} must request the RDMA device rdma/rdma_shared_device_a"),
+            (gpu_of(pods[c]) == 1, f"{c} must request one GPU"),
+            (env.get("NCCL_NVLS_ENABLE") == "0" and "NCCL_IB_HCA" in env and "NCCL_SOCKET_IFNAME" in env,
+             f"{c} must have NCCL_NVLS_ENABLE=0, NCCL_IB_HCA and NCCL_SOCKET_IFNAME, has {sorted(env)}"),
+        ]
+    coordinator_caps = pods["coordinator"]["spec"]["containers"][0]["securityContext"]["capabilities"]
+    checks += [
+        ("add" not in coordinator_caps, "the coordinator must not get RDMA capabilities"),
+        ("podAntiAffinity" in pods["attention"]["spec"].get("affinity", {}),
+         "the RDMA example keeps attention workers off the indexers' nodes"),
+    ] + scrape_checks(r, "ServiceMonitor")
+    return checks
+
+
+def promises_colocated(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    return [("indexer" not in r["pods"], "transport inprocess must render no indexer StatefulSet"),
+            (r["tomls"]["coordinator"].get("colocated") is True, "inprocess: the coordinator runs --colocated")]
+
+
+def promises_host_network(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods = r["pods"]
+    return [(pods[c]["spec"].get("hostNetwork") is True and
+             pods[c]["spec"].get("dnsPolicy") == "ClusterFirstWithHostNet", f"{c} must use hostNetwork with "
+             "dnsPolicy ClusterFirstWithHostNet") for c in ("indexer", "attention")] + [
+            (not pods["coordinator"]["spec"].get("hostNetwork"), "the coordinator stays off the host network")]
+
+
+def promises_static(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    args = r["pods"]["coordinator"]["spec"]["containers"][0]["args"]
+    return [(len(flag_values(args, "indexer")) == 3 and len(flag_values(args, "attention")) == 2,
+             f"static discovery: one --indexer per indexer pod (3) and --attention per attention pod (2): {args}")]
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+# (scenario, values, promises): the renders that must succeed.
+GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, Any]], list]]] = [
+    ("default values", lambda: None, promises_default),
+    ("examples/cpu-only.yaml", lambda: load_yaml(os.path.join(CHART, "examples", "cpu-only.yaml")),
+     promises_cpu_only),
+    ("examples/gpu-one-per-worker.yaml",
+     lambda: load_yaml(os.path.join(CHART, "examples", "gpu-one-per-worker.yaml")), promises_gpu),
+    ("examples/multi-node-rdma.yaml",
+     lambda: load_yaml(os.path.join(CHART, "examples", "multi-node-rdma.yaml")), promises_rdma),
+    ("co-located (attention.transport inprocess)",
+     lambda: {"attention": {"transport": "inprocess", "replicas": 3}, "monitoring": {"dashboards": {"enabled": True}}},
+     promises_colocated),
+    ("RDMA over hostNetwork",
+     lambda: {"image": {"variant": "cuda"}, "rdma": {"enabled": True, "hostNetwork": True},
+              "indexer": {"device": "cuda", "gpu": 1, "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
+              "attention": {"device": "cuda", "gpu": 2, "transport": "nccl"}},
+     promises_host_network),
+    ("static discovery",
+     lambda: {"coordinator": {"discovery": {"mode": "static", "workerCheckIntervalMs": 1000}},
+              "indexer": {"replicas": 3}, "tests": {"enabled": False},
+              "monitoring": {"scrape": {"enabled": True, "kind": "ServiceMonitor"}}},
+     promises_static),
+]
+
+# (scenario, values, a fragment the error must contain): values the chart must refuse.
+BAD: list[tuple[str, dict[str, Any], str]] = [
+    ("negative replicas", {"indexer": {"replicas": -1}}, "at '/indexer/replicas': minimum: got -1, want 0"),
+    ("a bad port", {"coordinator": {"ports": {"grpc": 70000, "metrics": 9401}}},
+     "at '/coordinator/ports/grpc': maximum"),
+    ("an unknown key", {"attention": {"replica": 2}}, "additional properties 'replica' not allowed"),
+    ("a bad log level", {"logLevel": "verbose"}, "at '/logLevel': value must be one of 'debug', 'info', 'warn', 'error'"),
+    ("a bad transport", {"attention": {"transport": "tcp"}}, "at '/attention/transport': value must be one of"),
+    ("a flag the chart sets in config", {"indexer": {"config": {"listen": "0.0.0.0:1"}}}, "invalid propertyName 'listen'"),
+    ("a non-NCCL name in nccl.env", {"nccl": {"env": {"LD_PRELOAD": "x"}}}, "invalid propertyName 'LD_PRELOAD'"),
+    ("no margin above the drain", {"terminationGraceMarginSeconds": 0},
+     "at '/terminationGraceMarginSeconds': minimum: got 0, want 1"),
+    ("a bad image pull policy", {"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
+    ("device cuda without a GPU", {"image": {"variant": "cuda"}, "indexer": {"device": "cuda"}},
+     "indexer.device is cuda but indexer.gpu is 0: set indexer.gpu to at least 1"),
+    ("device cuda on the cpu image", {"attention": {"device": "cuda", "gpu": 1}},
+     "attention.device is cuda but its image is the cpu variant"),
+    ("nccl with a CPU indexer", {"image": {"variant": "cuda"}, "attention": {"transport": "nccl", "gpu": 1}},
+     "attention.transport nccl needs indexer.device cuda"),
+    ("RDMA with neither hostNetwork nor a device", {"rdma": {"enabled": True}},
+     "rdma.enabled needs rdma.hostNetwork true or an rdma.resourceName"),
+]
+
+
+def main() -> int:
+    helm.disable_logging()  # the library's own log lines; failures come back as exceptions
+    f = Failures()
+    lines = []
+    with helm.Chart.load(CHART) as chart:
+        # values.schema.json is itself a valid 2020-12 schema.
+        run = subprocess.run([os.path.join(os.path.dirname(sys.executable), "check-jsonschema"),
+                              "--check-metaschema", os.path.join(CHART, "values.schema.json")],
+                             capture_output=True, text=True, check=False)
+        f.check(run.returncode == 0, "values.schema.json", (run.stdout + run.stderr).strip())
+        generated = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "values_schema.py")],
+                                   capture_output=True, text=True, check=False).stdout
+        with open(os.path.join(CHART, "values.schema.json"), encoding="utf-8") as committed:
+            f.check(generated == committed.read(), "values.schema.json",
+                    "differs from helm/tests/values_schema.py's output: run python3 helm/tests/values_schema.py "
+                    "> helm/dsa-indexer/values.schema.json")
+        examples = sorted(glob.glob(os.path.join(CHART, "examples", "*.yaml")))
+        covered = {s for s, _, _ in GOOD}
+        for path in examples:
+            f.check(f"examples/{os.path.basename(path)}" in covered, path, "an example no scenario checks")
+
+        for scenario, values_of, promises in GOOD:
+            values = values_of()
+            before = len(f.messages)
+            lint = helm.lint(CHART, values, strict=True, kube_version="v" + KUBE_VERSION)
+            for m in lint["messages"]:
+                f.check(m["severity"] < 2, f"{scenario}: helm lint", f"{m['path']}: {m['error']}")
+            for e in lint["errors"]:
+                f.check(False, f"{scenario}: helm lint", e)
+            try:
+                manifests = render(chart, values)
+            except helm.HelmError as e:
+                f.check(False, scenario, f"the chart does not render: {e}")
+                lines.append(f"FAIL {scenario}: does not render")
+                continue
+            objs = objects_of(manifests)
+            validate_objects(scenario, objs, f)
+            try:
+                rendered = check_invariants(scenario, values or {}, objs, f)
+                for ok, message in promises(rendered):
+                    f.check(ok, scenario, message)
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                f.check(False, scenario, f"rendered objects lack what the checks read: {e!r}")
+            kinds: dict[str, int] = {}
+            for _, obj in objs:
+                kinds[obj["kind"]] = kinds.get(obj["kind"], 0) + 1
+            status = "ok  " if len(f.messages) == before else "FAIL"
+            lines.append(f"{status} {scenario}: {len(objs)} objects ("
+                         + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")")
+
+        for scenario, values, fragment in BAD:
+            before = len(f.messages)
+            try:
+                render(chart, values)
+                f.check(False, f"bad values, {scenario}", f"rendered; the chart must refuse {values}")
+            except helm.HelmError as e:
+                message = " ".join(str(e).split())
+                f.check(fragment in message, f"bad values, {scenario}",
+                        f"refused, but the message lacks {fragment!r}: {message}")
+            status = "ok  " if len(f.messages) == before else "FAIL"
+            lines.append(f"{status} refuses {scenario}")
+
+    print("\n".join(lines))
+    if f.messages:
+        print(f"\nrender_and_validate: {len(f.messages)} of {f.checks} checks failed:", file=sys.stderr)
+        for m in f.messages:
+            print(f"  - {m}", file=sys.stderr)
+        return 1
+    print(f"render_and_validate: all {f.checks} checks passed "
+          f"(Kubernetes {KUBE_VERSION} strict, Prometheus Operator CRD schemas)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""Writes helm/dsa-indexer/values.schema.json (JSON Schema 2020-12 of the chart's values): the
+schema's source, shorter than the JSON it expands to. Edit this, then run
+  python3 helm/tests/values_schema.py > helm/dsa-indexer/values.schema.json
+helm/tests/render_and_validate.py fails when the two differ. Every object refuses unknown keys;
+the descriptions are what a user reads next to Helm's error.
+"""
+import json
+
+
+
+def obj(props, required=None, desc=None, addl=False):
+    """An object of `props` that refuses other keys (unless addl)."""
+    o = {"type": "object", "additionalProperties": addl, "properties": props}
+    if required:
+        o["required"] = required
+    if desc:
+        o["description"] = desc
+    return o
+
+
+def s(desc=None, **kw):
+    """A string with keywords kw (pattern, maxLength, ...)."""
+    o = {"type": "string", **kw}
+    if desc:
+        o["description"] = desc
+    return o
+
+
+def i(lo=None, hi=None, desc=None):
+    """An integer in [lo, hi] (both inclusive)."""
+    o = {"type": "integer"}
+    if lo is not None:
+        o["minimum"] = lo
+    if hi is not None:
+        o["maximum"] = hi
+    if desc:
+        o["description"] = desc
+    return o
+
+
+def b(desc=None):
+    """A boolean."""
+    return {"type": "boolean", "description": desc} if desc else {"type": "boolean"}
+
+
+def ref(name):
+    """A reference to $defs/name."""
+    return {"$ref": "#/$defs/" + name}
+
+
+defs = {
+  "port": i(1, 65535, "A TCP port, 1..65535."),
+  "logLevel": {"type": "string", "enum": ["debug", "info", "warn", "error"], "description": "--log-level: debug, info, warn or error."},
+  "logLevelOrInherit": {"type": "string", "enum": ["", "debug", "info", "warn", "error"], "description": "--log-level of this component; empty = the top-level logLevel."},
+  "imageVariant": {"type": "string", "enum": ["", "cpu", "cuda"], "description": "Image variant of this component; empty = image.variant."},
+  "quantity": {"description": "A Kubernetes quantity, e.g. 500m, 2, 4Gi.",
+               "anyOf": [{"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"},
+                         {"type": "number", "minimum": 0}]},
+  "bytesQuantity": {"type": "string", "pattern": "^[0-9]+(\\.[0-9]+)?(k|M|G|T|Ki|Mi|Gi|Ti)?$", "description": "A size, e.g. 64Mi, 1Gi."},
+  "stringMap": {"type": "object", "additionalProperties": {"type": "string"}, "description": "A map of string to string."},
+  "k8sName": {"type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$", "maxLength": 253, "description": "A Kubernetes object name (lower case, digits, '-', '.'), or empty."},
+  "duration": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$", "description": "A Prometheus duration, e.g. 15s, 1m."},
+  "intOrPercent": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": "^[0-9]{1,3}%$"}], "description": "A count (>= 0) or a percentage like 50%."},
+  "resources": obj({
+      "requests": {"type": "object", "additionalProperties": ref("quantity")},
+      "limits": {"type": "object", "additionalProperties": ref("quantity")},
+      "claims": {"type": "array", "items": {"type": "object"}},
+  }, desc="Container resources (requests / limits); GPUs come from .gpu, not from here."),
+  "probe": obj({
+      "periodSeconds": i(1, 3600), "timeoutSeconds": i(1, 3600), "failureThreshold": i(1, 10000),
+  }, required=["periodSeconds", "timeoutSeconds", "failureThreshold"]),
+  "envVar": {"type": "object", "required": ["name"],
+             "properties": {"name": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                            "value": {"type": "string"}, "valueFrom": {"type": "object"}},
+             "additionalProperties": False,
+             "description": "A container environment variable {name, value} or {name, valueFrom}."},
+  "flagValue": {"description": "A flag's value: a string, number, boolean or a list of them (a repeatable flag).",
+                "anyOf": [{"type": ["string", "number", "boolean"]},
+                          {"type": "array", "items": {"type": ["string", "number", "boolean"]}}]},
+}
+
+def config(reserved):
+    return {"type": "object",
+            "description": "Flags for the component's TOML file: the flag's name without '--' (e.g. max-queue) to its value. The chart sets " + ", ".join(reserved) + " itself.",
+            "propertyNames": {"pattern": "^[a-z][a-z0-9]*(-[a-z0-9]+)*$", "not": {"enum": reserved}},
+            "additionalProperties": ref("flagValue")}
+
+RESERVED_COMMON = ["config", "listen", "metrics-listen", "drain-delay-ms", "shutdown-grace-ms", "log-level", "version", "help"]
+
+def component(kind):
+    props = {
+      "replicas": i(0, 1024, "Pods of this component."),
+      "imageVariant": ref("imageVariant"),
+      "logLevel": ref("logLevelOrInherit"),
+      "ports": obj({"grpc": ref("port"), "metrics": ref("port")}, required=["grpc", "metrics"]),
+      "drainDelayMs": i(0, 3600000, "--drain-delay-ms: readiness NOT_SERVING this long on SIGTERM before the server stops taking calls."),
+      "shutdownGraceMs": i(0, 3600000, "--shutdown-grace-ms: then how long in-flight calls may run."),
+      "extraArgs": {"type": "array", "items": {"type": "string", "pattern": "^--[a-z]"}, "description": "More command-line flags, each '--name=value'."},
+      "extraEnv": {"type": "array", "items": ref("envVar")},
+      "extraVolumes": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+      "extraVolumeMounts": {"type": "array", "items": {"type": "object", "required": ["name", "mountPath"]}},
+      "resources": ref("resources"),
+      "gpu": i(0, 16, "GPUs (gpuResourceName) requested and limited per pod."),
+      "shm": obj({"sizeLimit": ref("bytesQuantity")}, required=["sizeLimit"], desc="/dev/shm, a memory-backed emptyDir."),
+      "nodeSelector": ref("stringMap"),
+      "affinity": {"type": "object"},
+      "tolerations": {"type": "array", "items": {"type": "object"}},
+      "topologySpreadConstraints": {"type": "array", "items": {"type": "object"}},
+      "priorityClassName": ref("k8sName"),
+      "runtimeClassName": ref("k8sName"),
+      "podAnnotations": ref("stringMap"),
+      "podLabels": ref("stringMap"),
+      "probes": obj({"startup": ref("probe"), "readiness": ref("probe"), "liveness": ref("probe")},
+                    required=["startup", "readiness", "liveness"]),
+      "podDisruptionBudget": obj({"enabled": b(), "maxUnavailable": ref("intOrPercent"), "minAvailable": ref("intOrPercent")},
+                                 required=["enabled"], desc="minAvailable, when set, wins over maxUnavailable."),
+    }
+    reserved = list(RESERVED_COMMON)
+    if kind == "coordinator":
+        props["discovery"] = obj({
+            "mode": {"type": "string", "enum": ["dns", "static"], "description": "dns: --indexer-dns / --attention-dns on the headless Services; static: --indexer / --attention per pod."},
+            "workerCheckIntervalMs": i(0, 600000, "--worker-check-interval-ms; 0 = resolve and check only at start."),
+        }, required=["mode", "workerCheckIntervalMs"])
+        props["service"] = obj({"type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                                "annotations": ref("stringMap")}, required=["type"])
+        reserved += ["indexer", "attention", "indexer-dns", "attention-dns", "worker-check-interval-ms", "colocated"]
+    elif kind == "indexer":
+        props["device"] = {"type": "string", "enum": ["cpu", "cuda"], "description": "--device: cpu, or cuda (gpu >= 1, the cuda image)."}
+        reserved += ["device"]
+    else:
+        props["device"] = {"type": "string", "enum": ["cpu", "cuda"], "description": "--attention-device: cpu, or cuda (gpu >= 1, the cuda image)."}
+        props["transport"] = {"type": "string", "enum": ["grpc", "inprocess", "nccl"], "description": "--transport: grpc, inprocess (co-located indexers) or nccl."}
+        reserved += ["attention-device", "transport"]
+    props["config"] = config(reserved)
+    return obj(props, required=[k for k in props if k not in ("extraArgs", "extraEnv", "extraVolumes", "extraVolumeMounts")],
+               desc="The " + kind + " component.")
+
+top = {
+  "global": {"type": "object", "description": "Helm's global values (unused by this chart)."},
+  "nameOverride": s(pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$", maxLength=40),
+  "fullnameOverride": s(pattern="^([a-z]([-a-z0-9]*[a-z0-9])?)?$", maxLength=40, desc="At most 40 characters, a DNS label starting with a letter."),
+  "clusterDomain": s(pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"),
+  "commonLabels": ref("stringMap"),
+  "image": obj({
+      "repository": s(minLength=1, pattern="^[a-z0-9][a-z0-9._/:-]*[a-z0-9]$", desc="Image repository (registry host and path), no tag."),
+      "tag": s(pattern="^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$", desc="Image tag; empty = appVersion."),
+      "variant": {"type": "string", "enum": ["cpu", "cuda"]},
+      "cudaTagSuffix": s(pattern="^[A-Za-z0-9_.-]*$"),
+      "pullPolicy": {"type": "string", "enum": ["Always", "IfNotPresent", "Never"]},
+  }, required=["repository", "variant", "pullPolicy"]),
+  "imagePullSecrets": {"type": "array", "items": obj({"name": s(minLength=1)}, required=["name"])},
+  "serviceAccount": obj({"create": b(), "name": ref("k8sName"), "annotations": ref("stringMap"),
+                         "automountServiceAccountToken": b()}, required=["create"]),
+  "logLevel": ref("logLevel"),
+  "gpuResourceName": s(pattern="^[a-z0-9.-]+/[a-zA-Z0-9_.-]+$", desc="Extended resource of a GPU, e.g. nvidia.com/gpu."),
+  "terminationGraceMarginSeconds": i(1, 600, "Seconds above the drain in terminationGracePeriodSeconds (at least 1: the kubelet must not kill a pod as its drain ends)."),
+  "podSecurityContext": {"type": "object"},
+  "securityContext": {"type": "object"},
+  "nccl": obj({"env": {"type": "object",
+                        "description": "NCCL_* variables of the indexer and attention workers.",
+                        "propertyNames": {"pattern": "^NCCL_[A-Z0-9_]+$"},
+                        "additionalProperties": {"type": ["string", "integer"]}}}),
+  "rdma": obj({
+      "enabled": b(), "hostNetwork": b(),
+      "resourceName": s(pattern="^([a-z0-9.-]+/[a-zA-Z0-9_.-]+)?$", desc="Device-plugin resource of an RDMA device, e.g. rdma/rdma_shared_device_a; empty = none."),
+      "resourceCount": i(1, 64),
+      "capabilities": {"type": "array", "items": {"type": "string", "pattern": "^[A-Z_]+$"}},
+  }, required=["enabled", "hostNetwork"]),
+  "coordinator": component("coordinator"),
+  "indexer": component("indexer"),
+  "attention": component("attention"),
+  "monitoring": obj({
+      "scrape": obj({"enabled": b(), "kind": {"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]},
+                     "interval": ref("duration"), "scrapeTimeout": ref("duration"), "labels": ref("stringMap")},
+                    required=["enabled", "kind", "interval", "scrapeTimeout"]),
+      "prometheusRule": obj({"enabled": b(), "labels": ref("stringMap")}, required=["enabled"]),
+      "dashboards": obj({"enabled": b(), "labels": ref("stringMap"), "annotations": ref("stringMap"),
+                         "namespace": ref("k8sName")}, required=["enabled"]),
+  }),
+  "tests": obj({"enabled": b(), "timeoutMs": i(1, 600000), "nodeSelector": ref("stringMap"),
+                "tolerations": {"type": "array", "items": {"type": "object"}}, "resources": ref("resources")},
+               required=["enabled", "timeoutMs"]),
+}
+schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+          "$id": "dsa-indexer/values.schema.json",
+          "title": "Values of the dsa-indexer chart",
+          "description": "Every key is documented in values.yaml; unknown keys are refused.",
+          "type": "object", "additionalProperties": False, "properties": top,
+          "required": ["image", "coordinator", "indexer", "attention"],
+          "$defs": defs}
+
+
+if __name__ == "__main__":
+    print(json.dumps(schema, indent=2))
