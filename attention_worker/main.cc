@@ -40,7 +40,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   CLI::App app{
       "dsa-attention: the DSA attention worker (pattern model, KV cache, MLI schedule, sparse "
       "attention over the indexer workers' selections) over gRPC"};
-  dsa::ServerFlags server_flags;
+  dsa::ServerFlags server_flags = dsa::DefaultServerFlags(dsa::ServerComponent::kAttention);
   dsa::AddServerFlags(app, server_flags);
   std::string layer_pattern = "FSFSFSFS";
   int retention = 0;
@@ -139,6 +139,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
+  dsa::AddFlagSources(app, "dsa-attention");
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
   if (standin_busy_us < 0 && standin_busy_us != -1) {
@@ -347,6 +348,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 
   dsa::ServerSpec spec;
   spec.name = "dsa-attention";
+  spec.component = dsa::ServerComponent::kAttention;
   spec.services = {service.get()};
   if (indexer_service != nullptr) spec.services.push_back(indexer_service.get());
   spec.registry = registry;

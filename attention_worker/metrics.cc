@@ -2,16 +2,27 @@
 #include "attention_worker/metrics.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 namespace dsa {
 namespace {
 
-// Exponential bucket bounds from `start` seconds, `factor` apart, `count` of them.
-prometheus::Histogram::BucketBoundaries ExponentialBuckets(double start, double factor, int count) {
+// Bucket bounds 1, 2.5 and 5 x 10^e seconds for e from `lowest` to `highest` (decades), then 10^
+// (highest + 1). Each is parsed from its decimal text, so that the `le` labels prometheus-cpp
+// writes (16 significant digits) read as written: 0.25, not 0.2500000000000001.
+prometheus::Histogram::BucketBoundaries DecadeBuckets(int lowest, int highest) {
   prometheus::Histogram::BucketBoundaries bounds;
-  double bound = start;
-  for (int i = 0; i < count; ++i, bound *= factor) bounds.push_back(bound);
+  char text[32];
+  for (int e = lowest; e <= highest; ++e) {
+    for (const char* mantissa : {"1", "2.5", "5"}) {
+      std::snprintf(text, sizeof(text), "%se%d", mantissa, e);
+      bounds.push_back(std::strtod(text, nullptr));
+    }
+  }
+  std::snprintf(text, sizeof(text), "1e%d", highest + 1);
+  bounds.push_back(std::strtod(text, nullptr));
   return bounds;
 }
 
@@ -24,12 +35,11 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry, int num_model
                        "Time a model layer waited for the selection it attends (MLI lag), per "
                        "decode step")
                    .Register(registry);
-  // 10 us .. about 10 s.
-  const auto wait_buckets = ExponentialBuckets(1e-5, 2.0, 21);
+  const auto wait_buckets = DecadeBuckets(-5, 0);  // 10 us .. 10 s
   for (int layer = 0; layer < num_model_layers; ++layer) {
     selection_wait_seconds_.push_back(&wait.Add({{"layer", std::to_string(layer)}}, wait_buckets));
   }
-  const auto duration_buckets = ExponentialBuckets(1e-4, 2.0, 20);  // 100 us .. about 50 s
+  const auto duration_buckets = DecadeBuckets(-4, 1);  // 100 us .. 100 s
   decode_step_seconds_ = &prometheus::BuildHistogram()
                               .Name("dsa_attention_decode_step_duration_seconds")
                               .Help("Duration of one DecodeStep over all model layers")
@@ -42,10 +52,12 @@ AttentionMetrics::AttentionMetrics(prometheus::Registry& registry, int num_model
                           .Add({}, duration_buckets);
   auto& kv = prometheus::BuildGauge()
                  .Name("dsa_attention_kv_slots")
-                 .Help("KV-cache slots (one position of every model layer) by state")
+                 .Help(
+                     "KV-cache slots (one position of every model layer) by state; used and free "
+                     "add up to the capacity")
                  .Register(registry);
   kv_used_slots_ = &kv.Add({{"state", "used"}});
-  kv_capacity_slots_ = &kv.Add({{"state", "capacity"}});
+  kv_free_slots_ = &kv.Add({{"state", "free"}});
   sequences_ = &prometheus::BuildGauge()
                     .Name("dsa_attention_sequences")
                     .Help("Sequences held by this attention worker")
@@ -78,7 +90,7 @@ void AttentionMetrics::RecordPrefill(double seconds) { prefill_seconds_->Observe
 void AttentionMetrics::SetUsage(int64_t kv_used_slots, int64_t kv_capacity_slots,
                                 int64_t sequences) {
   kv_used_slots_->Set(static_cast<double>(kv_used_slots));
-  kv_capacity_slots_->Set(static_cast<double>(kv_capacity_slots));
+  kv_free_slots_->Set(static_cast<double>(std::max<int64_t>(0, kv_capacity_slots - kv_used_slots)));
   sequences_->Set(static_cast<double>(sequences));
 }
 

@@ -20,8 +20,8 @@ namespace dsa {
 ///   already arrived.
 /// - dsa_attention_decode_step_duration_seconds (histogram, seconds): one DecodeStep, all layers.
 /// - dsa_attention_prefill_duration_seconds (histogram, seconds): one successful Prefill.
-/// - dsa_attention_kv_slots{state="used"|"capacity"} (gauge, slots; one slot holds every model
-///   layer's key and value of one position).
+/// - dsa_attention_kv_slots{state="used"|"free"} (gauge, slots; one slot holds every model
+///   layer's key and value of one position; the two add up to the capacity).
 /// - dsa_attention_sequences (gauge): sequences held.
 /// - dsa_attention_full_layer_selects_total{form="host"|"device"} (counter): full-layer selects
 ///   sent, by form (device: the co-located device-resident path, AttentionEngineOptions::
@@ -47,7 +47,7 @@ class AttentionMetrics {
   prometheus::Histogram* decode_step_seconds_;
   prometheus::Histogram* prefill_seconds_;
   prometheus::Gauge* kv_used_slots_;
-  prometheus::Gauge* kv_capacity_slots_;
+  prometheus::Gauge* kv_free_slots_;
   prometheus::Gauge* sequences_;
   prometheus::Counter* host_selects_;
   prometheus::Counter* device_selects_;

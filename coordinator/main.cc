@@ -1,10 +1,14 @@
 // `dsa-coordinator`: the router-facing coordinator binary. Serves dsa.coordinator.v1
 // (Generate, Abort, GetLoad) over the attention and indexer workers given by --attention and
-// --indexer, with grpc.health.v1 ("liveness", "readiness"), server reflection, Prometheus /metrics
-// and the SIGTERM drain (new requests UNAVAILABLE, queued ones failed, running ones finish within
+// --indexer or found by --attention-dns and --indexer-dns, with grpc.health.v1 ("liveness",
+// "readiness": ready while a worker of each kind is), server reflection, Prometheus /metrics and
+// the SIGTERM drain (new requests UNAVAILABLE, queued ones failed, running ones finish within
 // --shutdown-grace-ms). See docs/services.md "Coordinator".
+#include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -19,15 +23,40 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   CLI::App app{
       "dsa-coordinator: the DSA serving front door (admission, prefix-aware placement, continuous "
       "batching, speculative decoding, sessions) over attention and indexer workers"};
-  dsa::ServerFlags server_flags;
+  dsa::ServerFlags server_flags = dsa::DefaultServerFlags(dsa::ServerComponent::kCoordinator);
   dsa::AddServerFlags(app, server_flags);
   dsa::CoordinatorOptions options;
   app.add_option("--indexer", options.indexer_addresses,
                  "host:port of an indexer worker (repeat for several)")
-      ->required();
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
   app.add_option("--attention", options.attention_addresses,
                  "host:port of an attention worker (repeat for several)")
-      ->required();
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  app.add_option("--indexer-dns", options.indexer_dns,
+                 "NAME:PORT of a headless Service: every address NAME resolves to is an indexer "
+                 "worker, re-resolved every --worker-check-interval-ms (repeat for several)")
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  app.add_option("--attention-dns", options.attention_dns,
+                 "NAME:PORT of a headless Service of attention workers (as --indexer-dns)")
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  app.add_option("--worker-check-interval-ms", options.worker_check_interval_ms,
+                 "How often the workers are resolved and their readiness checked; 0 = only at "
+                 "start")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--worker-check-timeout-ms", options.worker_check_timeout_ms,
+                 "Deadline of each check of a worker")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  dsa::CoordinatorBuckets buckets;
+  app.add_option("--ttft-buckets", buckets.time_to_first_token,
+                 "Bucket bounds (seconds, increasing) of the time-to-first-token histogram")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--itl-buckets", buckets.inter_token_latency,
+                 "Bucket bounds (seconds, increasing) of the inter-token-latency histogram")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--max-queue", options.max_queue,
                  "Requests waiting for admission at most; a full queue refuses with "
                  "RESOURCE_EXHAUSTED")
@@ -64,7 +93,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Keep finished sequences' index keys as prefix donors while space allows")
       ->capture_default_str();
   app.add_option("--startup-timeout-ms", options.startup_timeout_ms,
-                 "How long to retry unreachable workers at startup before failing")
+                 "How long the first look at the fixed workers waits for them to listen (the "
+                 "coordinator then serves, not ready, until a worker of each kind is)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--stall-timeout-ms", options.stall_timeout_ms,
@@ -76,10 +106,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Deadline of each DecodeStep, Commit, Release and GetLoad call to a worker")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  dsa::AddFlagSources(app, "dsa-coordinator");
   CLI11_PARSE(app, argc, argv);
 
+  for (const auto& [bounds, flag] : {std::pair{&buckets.time_to_first_token, "--ttft-buckets"},
+                                     std::pair{&buckets.inter_token_latency, "--itl-buckets"}}) {
+    if (absl::Status valid = dsa::ValidateBuckets(*bounds, flag); !valid.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(valid.message()).c_str());
+      return 2;
+    }
+  }
   auto registry = std::make_shared<prometheus::Registry>();
-  dsa::CoordinatorMetrics metrics(*registry);
+  dsa::CoordinatorMetrics metrics(*registry, buckets);
   auto service = dsa::CoordinatorServiceImpl::Create(options, &metrics);
   if (!service.ok()) {
     dsa::LogJson("error", "cannot start the coordinator",
@@ -88,14 +126,17 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   }
   dsa::ServerSpec spec;
   spec.name = "dsa-coordinator";
+  spec.component = dsa::ServerComponent::kCoordinator;
   spec.services = {service->get()};
   spec.registry = registry;
-  spec.banner_fields = {{"indexers", options.indexer_addresses},
-                        {"attention_workers", options.attention_addresses},
-                        {"num_full_layers", (*service)->num_full_layers()},
-                        {"max_queue", options.max_queue},
-                        {"max_running", options.max_running_per_attention},
-                        {"colocated", options.colocated}};
+  spec.banner_fields = {
+      {"indexers", options.indexer_addresses}, {"attention_workers", options.attention_addresses},
+      {"indexer_dns", options.indexer_dns},    {"attention_dns", options.attention_dns},
+      {"max_queue", options.max_queue},        {"max_running", options.max_running_per_attention},
+      {"colocated", options.colocated}};
+  spec.watch_readiness = [&service](std::function<void(bool)> set_ready) {
+    (*service)->SetReadinessListener(std::move(set_ready));
+  };
   spec.on_drain = [&service] { (*service)->StartDrain(); };
   spec.on_stopped = [&service] { (*service)->Stop(); };
   return dsa::RunServer(server_flags, spec);

@@ -1,32 +1,44 @@
 // Prometheus metrics of the coordinator (see metrics.h).
 #include "coordinator/metrics.h"
 
-namespace dsa {
-namespace {
+#include <cmath>
 
-// 1 ms to 60 s: a decode step on the CPU backend takes milliseconds, a queued long prefill minutes.
-prometheus::Histogram::BucketBoundaries LatencyBuckets() {
-  return {1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0};
+#include "absl/strings/str_cat.h"
+
+namespace dsa {
+
+absl::Status ValidateBuckets(const std::vector<double>& bounds, const std::string& what) {
+  if (bounds.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": no bucket bound"));
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    if (!std::isfinite(bounds[i]) || bounds[i] <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": bound ", bounds[i], " is not a finite number > 0"));
+    }
+    if (i > 0 && bounds[i] <= bounds[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": bounds must increase, but ",
+                                                     bounds[i], " follows ", bounds[i - 1]));
+    }
+  }
+  return absl::OkStatus();
 }
 
-}  // namespace
-
-CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry) {
+CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
+                                       const CoordinatorBuckets& buckets) {
   ttft_ = &prometheus::BuildHistogram()
                .Name("dsa_coordinator_time_to_first_token_seconds")
                .Help("Generate arrival to the request's first Tokens event")
                .Register(registry)
-               .Add({}, LatencyBuckets());
+               .Add({}, buckets.time_to_first_token);
   itl_ = &prometheus::BuildHistogram()
               .Name("dsa_coordinator_inter_token_latency_seconds")
               .Help("Per decode step after the first: time since the previous step / its tokens")
               .Register(registry)
-              .Add({}, LatencyBuckets());
+              .Add({}, buckets.inter_token_latency);
   queue_ = &prometheus::BuildHistogram()
                 .Name("dsa_coordinator_queue_duration_seconds")
                 .Help("Generate arrival to admission (placement on the workers)")
                 .Register(registry)
-                .Add({}, LatencyBuckets());
+                .Add({}, buckets.queue);
   auto& requests = prometheus::BuildCounter()
                        .Name("dsa_coordinator_requests_total")
                        .Help("Generate requests by how they ended")
@@ -45,6 +57,24 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry) {
                    .Help("Draft tokens accepted by speculative decode steps")
                    .Register(registry)
                    .Add({});
+  generated_ = &prometheus::BuildCounter()
+                    .Name("dsa_coordinator_generated_tokens_total")
+                    .Help("Tokens sent to clients in Tokens events")
+                    .Register(registry)
+                    .Add({});
+  max_queued_ = &prometheus::BuildGauge()
+                     .Name("dsa_coordinator_max_queued_requests")
+                     .Help("The queue's bound (--max-queue): a full queue refuses requests")
+                     .Register(registry)
+                     .Add({});
+  auto& workers = prometheus::BuildGauge()
+                      .Name("dsa_coordinator_workers")
+                      .Help("Workers taken in, by kind and readiness (placed on only when ready)")
+                      .Register(registry);
+  ready_indexers_ = &workers.Add({{"kind", "indexer"}, {"state", "ready"}});
+  not_ready_indexers_ = &workers.Add({{"kind", "indexer"}, {"state", "not_ready"}});
+  ready_attention_ = &workers.Add({{"kind", "attention"}, {"state", "ready"}});
+  not_ready_attention_ = &workers.Add({{"kind", "attention"}, {"state", "not_ready"}});
   queued_ = &prometheus::BuildGauge()
                  .Name("dsa_coordinator_queued_requests")
                  .Help("Requests waiting for admission")
@@ -72,6 +102,11 @@ void CoordinatorMetrics::CountRequest(RequestOutcome outcome) {
       cancelled_->Increment();
       break;
   }
+}
+
+void CoordinatorMetrics::SetWorkers(bool attention, int ready, int not_ready) {
+  (attention ? ready_attention_ : ready_indexers_)->Set(ready);
+  (attention ? not_ready_attention_ : not_ready_indexers_)->Set(not_ready);
 }
 
 void CoordinatorMetrics::CountSpeculativeStep(int drafted, int accepted) {

@@ -18,8 +18,6 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
                                             std::vector<IndexerWorkerInfo> indexers,
                                             std::vector<AttentionWorkerInfo> attentions) {
-  if (indexers.empty()) return absl::InvalidArgumentError("no indexer worker");
-  if (attentions.empty()) return absl::InvalidArgumentError("no attention worker");
   if (options.num_full_layers < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_full_layers must be >= 1, got ", options.num_full_layers));
@@ -66,6 +64,76 @@ Scheduler::Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> in
       indexers_(indexer_info_.size()),
       attentions_(attention_info_.size()),
       next_sequence_id_(options_.first_sequence_id) {}
+
+absl::StatusOr<int> Scheduler::AddIndexer(IndexerWorkerInfo info) {
+  if (info.capacity_blocks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("indexer worker ", info.address, " has a negative capacity"));
+  }
+  if (options_.colocated && indexer_info_.size() != attention_info_.size()) {
+    return absl::FailedPreconditionError(
+        "co-located workers are added in pairs: indexer worker i, then attention worker i");
+  }
+  indexer_info_.push_back(std::move(info));
+  indexers_.emplace_back();
+  return static_cast<int>(indexer_info_.size()) - 1;
+}
+
+absl::StatusOr<int> Scheduler::AddAttention(AttentionWorkerInfo info) {
+  if (options_.colocated) {
+    if (attention_info_.size() + 1 != indexer_info_.size()) {
+      return absl::FailedPreconditionError(
+          "co-located workers are added in pairs: indexer worker i, then attention worker i");
+    }
+    if (indexer_info_.back().address != info.address) {
+      return absl::InvalidArgumentError(absl::StrCat("co-located attention worker ", info.address,
+                                                     " must have its indexer's address ",
+                                                     indexer_info_.back().address));
+    }
+  }
+  attention_info_.push_back(std::move(info));
+  attentions_.emplace_back();
+  return static_cast<int>(attention_info_.size()) - 1;
+}
+
+absl::Status Scheduler::SetIndexerReady(int indexer, bool ready) {
+  if (indexer < 0 || indexer >= static_cast<int>(indexers_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no indexer worker ", indexer));
+  }
+  indexers_[indexer].ready = ready;
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::SetAttentionReady(int attention, bool ready) {
+  if (attention < 0 || attention >= static_cast<int>(attentions_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no attention worker ", attention));
+  }
+  attentions_[attention].ready = ready;
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::SetNumFullLayers(int num_full_layers) {
+  if (num_full_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_full_layers must be >= 1, got ", num_full_layers));
+  }
+  if (!sequences_.empty() || !queue_.empty()) {
+    return absl::FailedPreconditionError(
+        "num_full_layers can change only while no sequence is held and none is queued");
+  }
+  options_.num_full_layers = num_full_layers;
+  return absl::OkStatus();
+}
+
+int Scheduler::ReadyIndexers() const {
+  return static_cast<int>(
+      std::count_if(indexers_.begin(), indexers_.end(), [](const auto& i) { return i.ready; }));
+}
+
+int Scheduler::ReadyAttentions() const {
+  return static_cast<int>(
+      std::count_if(attentions_.begin(), attentions_.end(), [](const auto& a) { return a.ready; }));
+}
 
 int64_t Scheduler::BlocksPerLayer(const SequenceDemand& demand) const {
   return CeilDiv(demand.context_length + demand.max_new_tokens + demand.draft_length,
@@ -267,6 +335,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
   if (session_it != session_sequences_.end()) {  // a new turn of a kept sequence
     const uint64_t id = session_it->second;
     Sequence& s = sequences_.at(id);
+    if (!indexers_[s.indexer].ready || !attentions_[s.attention].ready) return std::nullopt;
     const int64_t extra_blocks =
         std::max<int64_t>(0, blocks_per_layer - static_cast<int64_t>(s.blocks.size())) * layers;
     const int64_t extra_kv = std::max<int64_t>(0, kv - s.kv_slots);
@@ -342,9 +411,11 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
   });
 
   for (const Candidate& c : candidates) {
+    if (!indexers_[c.indexer].ready) continue;
     const int64_t shared_blocks = c.shared_slots / kSlotsPerCacheBlock;
     for (int j : attention_order) {
       if (options_.colocated && j != c.indexer) continue;  // its indexer lives in worker j
+      if (!attentions_[j].ready) continue;
       std::optional<std::vector<uint64_t>> plan =
           PlanEvictions(c.indexer, (blocks_per_layer - shared_blocks) * layers, j, kv, c.donor);
       if (!plan.has_value()) continue;

@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace dsa {
@@ -118,11 +119,30 @@ struct SchedulerLoad {
 /// the caller serializes every call.
 class Scheduler {
  public:
-  /// INVALID_ARGUMENT when there is no worker of either kind, num_full_layers < 1, max_queue < 0
-  /// or max_running_per_attention < 1.
+  /// Starts with `indexers` and `attentions` (either may be empty: AddIndexer and AddAttention add
+  /// workers later), all ready. INVALID_ARGUMENT when num_full_layers < 1, max_queue < 0,
+  /// max_running_per_attention < 1, a capacity is negative, or co-located lists differ.
   static absl::StatusOr<Scheduler> Create(SchedulerOptions options,
                                           std::vector<IndexerWorkerInfo> indexers,
                                           std::vector<AttentionWorkerInfo> attentions);
+
+  /// Adds a worker, ready; returns its index (the next one: indices never change or get reused).
+  /// Co-located (SchedulerOptions::colocated): add indexer worker i, then attention worker i at
+  /// the same address, else FAILED_PRECONDITION / INVALID_ARGUMENT. INVALID_ARGUMENT for a
+  /// negative capacity.
+  absl::StatusOr<int> AddIndexer(IndexerWorkerInfo info);
+  absl::StatusOr<int> AddAttention(AttentionWorkerInfo info);
+  /// Whether new sequences may be placed on a worker (what it holds already stays; a session's
+  /// next turn on a worker that is not ready waits in the queue). OUT_OF_RANGE for an unknown
+  /// index.
+  absl::Status SetIndexerReady(int indexer, bool ready);
+  absl::Status SetAttentionReady(int attention, bool ready);
+  /// Sets the full layers of every sequence (the attention workers' GetInfo, known once the first
+  /// one answers). FAILED_PRECONDITION while a sequence is held or queued; INVALID_ARGUMENT < 1.
+  absl::Status SetNumFullLayers(int num_full_layers);
+  /// Workers of each kind that are ready.
+  int ReadyIndexers() const;
+  int ReadyAttentions() const;
 
   /// Blocks (over all layers) that `demand` reserves without sharing.
   int64_t BlocksNeeded(const SequenceDemand& demand) const;
@@ -201,10 +221,12 @@ class Scheduler {
   };
   struct IndexerState {
     absl::flat_hash_map<uint64_t, int> block_refs;  // block id -> holders
+    bool ready = true;                              // placed on
   };
   struct AttentionState {
     int64_t kv_reserved_slots = 0;
     int running = 0;
+    bool ready = true;  // placed on
   };
 
   Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,

@@ -1,13 +1,22 @@
 // The coordinator service (see service.h).
 #include "coordinator/service.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "server/health_check.h"
+#include "server/server.h"
 
 namespace dsa {
 namespace {
@@ -53,23 +62,6 @@ grpc::Status WorkerStatus(const grpc::Status& status, const std::string& address
 
 double Seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
-}
-
-// Retries `call` (one RPC with a deadline) until it succeeds or `deadline` passes.
-template <typename Call>
-grpc::Status RetryUntil(std::chrono::system_clock::time_point deadline, Call call) {
-  grpc::Status status;
-  while (true) {
-    const auto now = std::chrono::system_clock::now();
-    const auto attempt_deadline = std::min(deadline, now + std::chrono::seconds(1));
-    status = call(attempt_deadline);
-    if (status.ok() || std::chrono::system_clock::now() >= deadline) return status;
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE &&
-        status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-      return status;
-    }
-    std::this_thread::sleep_until(std::min(deadline, now + std::chrono::milliseconds(100)));
-  }
 }
 
 }  // namespace
@@ -139,16 +131,68 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::Create(
-    const CoordinatorOptions& options, CoordinatorMetrics* metrics) {
-  if (options.attention_addresses.empty()) {
-    return absl::InvalidArgumentError("no attention worker (--attention)");
+absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port) {
+  const size_t colon = name_port.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(name_port.substr(colon + 1), &port) || port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"", name_port, "\" is not NAME:PORT with a port in 1..65535"));
   }
-  if (options.indexer_addresses.empty()) {
-    return absl::InvalidArgumentError("no indexer worker (--indexer)");
+  const std::string name = name_port.substr(0, colon);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int error = getaddrinfo(name.c_str(), nullptr, &hints, &found);
+  if (error != 0) {
+    const std::string message = absl::StrCat("cannot resolve ", name, ": ", gai_strerror(error));
+    return error == EAI_AGAIN ? absl::UnavailableError(message) : absl::NotFoundError(message);
+  }
+  std::vector<std::string> addresses;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char host[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr, host,
+                sizeof(host));
+      addresses.push_back(absl::StrCat(host, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr, host,
+                sizeof(host));
+      addresses.push_back(absl::StrCat("[", host, "]:", port));
+    }
+  }
+  freeaddrinfo(found);
+  std::sort(addresses.begin(), addresses.end());
+  addresses.erase(std::unique(addresses.begin(), addresses.end()), addresses.end());
+  return addresses;
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::Create(
+    const CoordinatorOptions& options, CoordinatorMetrics* metrics, AddressResolver resolve) {
+  if (options.attention_addresses.empty() && options.attention_dns.empty()) {
+    return absl::InvalidArgumentError("no attention worker (--attention or --attention-dns)");
+  }
+  if (options.colocated) {
+    if (!options.indexer_dns.empty()) {
+      return absl::InvalidArgumentError(
+          "co-located indexers are the attention workers: give no --indexer-dns");
+    }
+    if (!options.indexer_addresses.empty() &&
+        options.indexer_addresses != options.attention_addresses) {
+      return absl::InvalidArgumentError(
+          "co-located indexers are the attention workers: --indexer must list the --attention "
+          "addresses in the same order, or be left out");
+    }
+  } else if (options.indexer_addresses.empty() && options.indexer_dns.empty()) {
+    return absl::InvalidArgumentError("no indexer worker (--indexer or --indexer-dns)");
   }
   if (options.stall_timeout_ms < 0) {
     return absl::InvalidArgumentError("stall_timeout_ms must be >= 0");
+  }
+  if (options.worker_check_interval_ms < 0 || options.worker_check_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        "worker_check_interval_ms must be >= 0 and worker_check_timeout_ms >= 1");
   }
   if (options.max_pending_events < 2) {
     return absl::InvalidArgumentError("max_pending_events must be >= 2");
@@ -164,70 +208,23 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
         absl::StrCat("acceptance_rate must be in [0, 1], got ", options.acceptance_rate));
   }
   if (metrics == nullptr) return absl::InvalidArgumentError("metrics are required");
-  const auto deadline =
-      std::chrono::system_clock::now() + std::chrono::milliseconds(options.startup_timeout_ms);
-
-  std::vector<AttentionWorkerInfo> attention_info;
-  std::vector<av1::GetInfoResponse> infos;
-  for (const std::string& address : options.attention_addresses) {
-    auto stub = av1::AttentionService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    av1::GetInfoResponse info;
-    const grpc::Status status = RetryUntil(deadline, [&](auto attempt_deadline) {
-      grpc::ClientContext context;
-      context.set_deadline(attempt_deadline);
-      context.set_wait_for_ready(true);
-      return stub->GetInfo(&context, av1::GetInfoRequest(), &info);
-    });
-    if (!status.ok()) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(status.error_code()),
-          absl::StrCat("attention worker ", address, " did not answer GetInfo within ",
-                       options.startup_timeout_ms, " ms: ", status.error_message()));
-    }
-    if (!infos.empty() && info.num_full_layers() != infos.front().num_full_layers()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "attention workers disagree on the number of full layers: ",
-          options.attention_addresses.front(), " has ", infos.front().num_full_layers(), ", ",
-          address, " has ", info.num_full_layers()));
-    }
-    if (info.num_full_layers() < 1) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("attention worker ", address, " reports no full layer"));
-    }
-    infos.push_back(info);
-    attention_info.push_back({address, info.kv_capacity_slots()});
-  }
-  std::vector<IndexerWorkerInfo> indexer_info;
-  for (const std::string& address : options.indexer_addresses) {
-    auto stub = iv1::IndexerService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    iv1::GetLoadResponse load;
-    const grpc::Status status = RetryUntil(deadline, [&](auto attempt_deadline) {
-      grpc::ClientContext context;
-      context.set_deadline(attempt_deadline);
-      context.set_wait_for_ready(true);
-      return stub->GetLoad(&context, iv1::GetLoadRequest(), &load);
-    });
-    if (!status.ok()) {
-      return absl::Status(
-          static_cast<absl::StatusCode>(status.error_code()),
-          absl::StrCat("indexer worker ", address, " did not answer GetLoad within ",
-                       options.startup_timeout_ms, " ms: ", status.error_message()));
-    }
-    for (size_t j = 0; j < infos.size(); ++j) {
-      if (infos[j].num_heads() != load.num_heads() || infos[j].head_dim() != load.head_dim()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "indexer worker ", address, " has H = ", load.num_heads(), ", D = ", load.head_dim(),
-            " but attention worker ", options.attention_addresses[j],
-            " has H = ", infos[j].num_heads(), ", D = ", infos[j].head_dim()));
+  if (!resolve) return absl::InvalidArgumentError("an address resolver is required");
+  for (const std::vector<std::string>* list :
+       {&options.indexer_addresses, &options.attention_addresses, &options.indexer_dns,
+        &options.attention_dns}) {
+    for (const std::string& address : *list) {
+      const size_t colon = address.rfind(':');
+      int port = 0;
+      if (colon == std::string::npos || colon == 0 ||
+          !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker address \"", address, "\" is not HOST:PORT (port 1..65535)"));
       }
     }
-    indexer_info.push_back({address, load.capacity_blocks()});
   }
 
   SchedulerOptions scheduler_options;
-  scheduler_options.num_full_layers = infos.front().num_full_layers();
+  scheduler_options.num_full_layers = 1;  // set from the first attention worker's GetInfo
   scheduler_options.max_queue = options.max_queue;
   scheduler_options.max_running_per_attention = options.max_running_per_attention;
   scheduler_options.retain_finished = options.retain_finished;
@@ -236,46 +233,372 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   // 2^62, counting up.
   absl::BitGen gen;
   scheduler_options.first_sequence_id = absl::Uniform<uint64_t>(gen, 1, uint64_t{1} << 62);
-  auto scheduler = Scheduler::Create(scheduler_options, indexer_info, attention_info);
+  auto scheduler = Scheduler::Create(scheduler_options, {}, {});
   if (!scheduler.ok()) return scheduler.status();
-  return std::unique_ptr<CoordinatorServiceImpl>(new CoordinatorServiceImpl(
-      options, metrics, scheduler_options.num_full_layers, *std::move(scheduler)));
+  auto service = std::unique_ptr<CoordinatorServiceImpl>(
+      new CoordinatorServiceImpl(options, metrics, std::move(resolve), *std::move(scheduler)));
+  service->RefreshWorkersWith(std::chrono::milliseconds(std::max<int64_t>(
+                                  options.startup_timeout_ms, options.worker_check_timeout_ms)),
+                              /*wait_for_ready=*/true);
+  if (options.worker_check_interval_ms > 0) {
+    service->watch_ = std::thread([raw = service.get()] { raw->WatchWorkers(); });
+  }
+  return service;
 }
 
 CoordinatorServiceImpl::CoordinatorServiceImpl(const CoordinatorOptions& options,
-                                               CoordinatorMetrics* metrics, int num_full_layers,
+                                               CoordinatorMetrics* metrics, AddressResolver resolve,
                                                Scheduler scheduler)
     : options_(options),
       metrics_(metrics),
-      num_full_layers_(num_full_layers),
+      resolve_(std::move(resolve)),
+      attention_(kMaxWorkersPerKind),
+      indexers_(kMaxWorkersPerKind),
       scheduler_(std::move(scheduler)) {
-  for (const std::string& address : options_.indexer_addresses) {
-    indexers_.push_back({address, iv1::IndexerService::NewStub(grpc::CreateChannel(
-                                      address, grpc::InsecureChannelCredentials()))});
-  }
-  for (const std::string& address : options_.attention_addresses) {
-    auto worker = std::make_unique<AttentionWorker>();
-    worker->address = address;
-    worker->stub = av1::AttentionService::NewStub(
-        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    attention_.push_back(std::move(worker));
-  }
-  for (int j = 0; j < static_cast<int>(attention_.size()); ++j) {
-    attention_[j]->loop = std::thread([this, j] { DecodeLoop(j); });
-  }
+  metrics_->SetMaxQueued(options_.max_queue);
+  metrics_->SetWorkers(/*attention=*/false, 0, 0);
+  metrics_->SetWorkers(/*attention=*/true, 0, 0);
 }
 
 CoordinatorServiceImpl::~CoordinatorServiceImpl() { Stop(); }
 
 void CoordinatorServiceImpl::Stop() {
   if (stopped_.exchange(true)) return;
+  int num_attention = 0;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    for (auto& worker : attention_) worker->wake.SignalAll();
+    num_attention = num_attention_;
+    for (int j = 0; j < num_attention; ++j) attention_[j]->wake.SignalAll();
+    watch_wake_.SignalAll();
   }
-  for (auto& worker : attention_) {
-    if (worker->loop.joinable()) worker->loop.join();
+  if (watch_.joinable()) watch_.join();
+  absl::MutexLock refresh(&refresh_mu_);  // no refresh adds a worker from here on
+  {
+    absl::MutexLock lock(&mu_);
+    num_attention = num_attention_;
+  }
+  for (int j = 0; j < num_attention; ++j) {
+    if (attention_[j]->loop.joinable()) attention_[j]->loop.join();
+  }
+}
+
+void CoordinatorServiceImpl::WatchWorkers() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + absl::Milliseconds(options_.worker_check_interval_ms);
+      while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
+      }
+      if (stopping_) return;
+    }
+    RefreshWorkers();
+  }
+}
+
+void CoordinatorServiceImpl::RefreshWorkers() {
+  RefreshWorkersWith(std::chrono::milliseconds(options_.worker_check_timeout_ms),
+                     /*wait_for_ready=*/false);
+}
+
+void CoordinatorServiceImpl::SetReadinessListener(std::function<void(bool ready)> listener) {
+  absl::MutexLock refresh(&refresh_mu_);
+  readiness_listener_ = std::move(listener);
+  bool ready = false;
+  {
+    absl::MutexLock lock(&mu_);
+    ready = ReadyLocked();
+  }
+  told_ready_ = ready;
+  if (readiness_listener_) readiness_listener_(ready);
+}
+
+int CoordinatorServiceImpl::num_full_layers() const {
+  absl::MutexLock lock(&mu_);
+  return shape_.num_full_layers;
+}
+
+bool CoordinatorServiceImpl::ReadyLocked() const {
+  return scheduler_.ReadyIndexers() > 0 && scheduler_.ReadyAttentions() > 0;
+}
+
+std::vector<std::string> CoordinatorServiceImpl::WantedAddresses(
+    const std::vector<std::string>& fixed, const std::vector<std::string>& names) {
+  std::vector<std::string> wanted = fixed;
+  for (const std::string& name : names) {
+    absl::StatusOr<std::vector<std::string>> resolved = resolve_(name);
+    if (resolved.ok()) {
+      dns_answers_[name] = *resolved;
+    } else {
+      LogJson("warn", "cannot resolve workers; keeping the last answer",
+              {{"name", name}, {"status", resolved.status().ToString()}});
+    }
+    const auto& answer = dns_answers_[name];
+    wanted.insert(wanted.end(), answer.begin(), answer.end());
+  }
+  std::vector<std::string> unique;
+  for (const std::string& address : wanted) {
+    if (std::find(unique.begin(), unique.end(), address) == unique.end()) {
+      unique.push_back(address);
+    }
+  }
+  return unique;
+}
+
+CoordinatorServiceImpl::Probe CoordinatorServiceImpl::ProbeWorker(
+    const std::string& address, std::shared_ptr<grpc::Channel> channel, bool attention,
+    std::chrono::milliseconds timeout, bool wait_for_ready) const {
+  Probe probe;
+  probe.address = address;
+  probe.channel = channel != nullptr
+                      ? std::move(channel)
+                      : grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + timeout);
+    context.set_wait_for_ready(wait_for_ready);
+    probe.status = attention ? av1::AttentionService::NewStub(probe.channel)
+                                   ->GetInfo(&context, av1::GetInfoRequest(), &probe.info)
+                             : iv1::IndexerService::NewStub(probe.channel)
+                                   ->GetLoad(&context, iv1::GetLoadRequest(), &probe.load);
+  }
+  if (!probe.status.ok()) {
+    probe.reason =
+        absl::StrCat(attention ? "GetInfo" : "GetLoad", " failed: ", probe.status.error_message());
+    return probe;
+  }
+  const HealthCheckResult health =
+      CheckHealth(*probe.channel, kReadinessService, timeout, /*wait_for_ready=*/false);
+  const grpc::StatusCode code = health.call.error_code();
+  if (health.serving == 1 || code == grpc::StatusCode::UNIMPLEMENTED ||
+      code == grpc::StatusCode::NOT_FOUND) {
+    probe.healthy = true;
+  } else {
+    probe.reason = health.call.ok()
+                       ? "its readiness is not SERVING (draining?)"
+                       : absl::StrCat("its health check failed: ", health.call.error_message());
+  }
+  return probe;
+}
+
+std::string CoordinatorServiceImpl::CheckShapeLocked(const Probe& probe, bool attention) {
+  const int64_t heads = attention ? probe.info.num_heads() : probe.load.num_heads();
+  const int64_t dim = attention ? probe.info.head_dim() : probe.load.head_dim();
+  if (attention && probe.info.num_full_layers() < 1) return "it reports no full layer";
+  if (shape_.num_heads != 0 && (heads != shape_.num_heads || dim != shape_.head_dim)) {
+    return absl::StrCat("it has H = ", heads, ", D = ", dim,
+                        " but the workers taken in have H = ", shape_.num_heads,
+                        ", D = ", shape_.head_dim);
+  }
+  if (attention && shape_.num_full_layers != 0 &&
+      probe.info.num_full_layers() != shape_.num_full_layers) {
+    return absl::StrCat("attention workers disagree on the number of full layers: it has ",
+                        probe.info.num_full_layers(), ", the workers taken in have ",
+                        shape_.num_full_layers);
+  }
+  if (attention && shape_.num_full_layers == 0) {
+    if (absl::Status set = scheduler_.SetNumFullLayers(probe.info.num_full_layers()); !set.ok()) {
+      return std::string(set.message());
+    }
+    shape_.num_full_layers = probe.info.num_full_layers();
+  }
+  shape_.num_heads = heads;
+  shape_.head_dim = dim;
+  return "";
+}
+
+void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeout,
+                                                bool wait_for_ready) {
+  absl::MutexLock refresh(&refresh_mu_);
+  const std::vector<std::string> attention_wanted =
+      WantedAddresses(options_.attention_addresses, options_.attention_dns);
+  const std::vector<std::string> indexer_wanted =
+      options_.colocated ? attention_wanted
+                         : WantedAddresses(options_.indexer_addresses, options_.indexer_dns);
+  // Every wanted or known address of each kind, with the channel of a known one.
+  struct Target {
+    std::string address;
+    bool attention;
+    bool wanted;
+    int slot;  // -1: not taken in yet
+    std::shared_ptr<grpc::Channel> channel;
+  };
+  std::vector<Target> targets;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    for (bool attention : {true, false}) {
+      const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
+      const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
+      for (const std::string& address : wanted) {
+        auto it = by_address.find(address);
+        const int slot = it == by_address.end() ? -1 : it->second;
+        targets.push_back(
+            {address, attention, true, slot,
+             slot < 0 ? nullptr
+                      : (attention ? attention_[slot]->channel : indexers_[slot]->channel)});
+      }
+      for (const auto& [address, slot] : by_address) {
+        if (std::find(wanted.begin(), wanted.end(), address) == wanted.end()) {
+          targets.push_back({address, attention, false, slot,
+                             attention ? attention_[slot]->channel : indexers_[slot]->channel});
+        }
+      }
+    }
+  }
+  // Check them all at once: a dead worker costs one timeout, not one each.
+  std::vector<Probe> probes(targets.size());
+  {
+    std::vector<std::thread> checks;
+    checks.reserve(targets.size());
+    for (size_t t = 0; t < targets.size(); ++t) {
+      checks.emplace_back([&, t] {
+        probes[t] = ProbeWorker(targets[t].address, targets[t].channel, targets[t].attention,
+                                timeout, wait_for_ready && targets[t].slot < 0);
+      });
+    }
+    for (std::thread& check : checks) check.join();
+  }
+
+  bool ready = false;
+  {
+    absl::MutexLock lock(&mu_);
+    bool any_became_ready = false;
+    // In a co-located pair, both halves must answer before the pair is taken in.
+    auto probe_of = [&](const std::string& address, bool attention) -> const Probe* {
+      for (size_t t = 0; t < targets.size(); ++t) {
+        if (targets[t].address == address && targets[t].attention == attention) {
+          return &probes[t];
+        }
+      }
+      return nullptr;
+    };
+    for (size_t t = 0; t < targets.size(); ++t) {
+      Target& target = targets[t];
+      const Probe& probe = probes[t];
+      const char* kind = target.attention ? "attention" : "indexer";
+      if (target.slot < 0) {               // not taken in yet
+        if (!probe.status.ok()) continue;  // looked at again at the next refresh
+        if (options_.colocated && !target.attention) continue;  // added with its attention half
+        const Probe* indexer_half = options_.colocated ? probe_of(target.address, false) : nullptr;
+        if (options_.colocated && (indexer_half == nullptr || !indexer_half->status.ok())) continue;
+        std::string refusal = CheckShapeLocked(probe, target.attention);
+        if (refusal.empty() && indexer_half != nullptr) {
+          refusal = CheckShapeLocked(*indexer_half, /*attention=*/false);
+        }
+        if (refusal.empty() &&
+            (target.attention ? num_attention_ : num_indexers_) >= kMaxWorkersPerKind) {
+          refusal = absl::StrCat("the coordinator holds ", kMaxWorkersPerKind, " ", kind,
+                                 " workers already");
+        }
+        if (!refusal.empty()) {
+          if (refused_[absl::StrCat(kind, " ", target.address)] != refusal) {
+            refused_[absl::StrCat(kind, " ", target.address)] = refusal;
+            LogJson("error", "worker refused",
+                    {{"kind", kind}, {"address", target.address}, {"reason", refusal}});
+          }
+          continue;
+        }
+        auto add_indexer = [&](const Probe& p) -> bool {
+          absl::StatusOr<int> slot = scheduler_.AddIndexer({p.address, p.load.capacity_blocks()});
+          if (!slot.ok()) {
+            LogJson("error", "worker refused",
+                    {{"kind", "indexer"},
+                     {"address", p.address},
+                     {"reason", slot.status().ToString()}});
+            return false;
+          }
+          auto worker = std::make_unique<IndexerWorker>();
+          worker->address = p.address;
+          worker->channel = p.channel;
+          worker->stub = iv1::IndexerService::NewStub(p.channel);
+          worker->ready = p.healthy;
+          indexers_[*slot] = std::move(worker);
+          indexer_by_address_[p.address] = *slot;
+          num_indexers_ = *slot + 1;
+          (void)scheduler_.SetIndexerReady(*slot, p.healthy);
+          LogJson("info", "worker taken in",
+                  {{"kind", "indexer"},
+                   {"address", p.address},
+                   {"ready", p.healthy},
+                   {"capacity_blocks", p.load.capacity_blocks()}});
+          return true;
+        };
+        if (!target.attention) {
+          any_became_ready |= add_indexer(probe) && probe.healthy;
+          continue;
+        }
+        if (indexer_half != nullptr && !add_indexer(*indexer_half)) continue;
+        absl::StatusOr<int> slot =
+            scheduler_.AddAttention({probe.address, probe.info.kv_capacity_slots()});
+        if (!slot.ok()) {
+          LogJson("error", "worker refused",
+                  {{"kind", "attention"},
+                   {"address", probe.address},
+                   {"reason", slot.status().ToString()}});
+          continue;
+        }
+        const bool healthy = probe.healthy && (indexer_half == nullptr || indexer_half->healthy);
+        auto worker = std::make_unique<AttentionWorker>();
+        worker->address = probe.address;
+        worker->channel = probe.channel;
+        worker->stub = av1::AttentionService::NewStub(probe.channel);
+        worker->ready = healthy;
+        attention_[*slot] = std::move(worker);
+        attention_by_address_[probe.address] = *slot;
+        num_attention_ = *slot + 1;
+        (void)scheduler_.SetAttentionReady(*slot, healthy);
+        if (indexer_half != nullptr) {
+          indexers_[*slot]->ready = healthy;
+          (void)scheduler_.SetIndexerReady(*slot, healthy);
+        }
+        attention_[*slot]->loop = std::thread([this, j = *slot] { DecodeLoop(j); });
+        LogJson("info", "worker taken in",
+                {{"kind", "attention"},
+                 {"address", probe.address},
+                 {"ready", healthy},
+                 {"num_full_layers", probe.info.num_full_layers()},
+                 {"kv_capacity_slots", probe.info.kv_capacity_slots()}});
+        any_became_ready |= healthy;
+        continue;
+      }
+      // A known worker: ready while wanted and healthy (a co-located pair: both halves).
+      bool healthy = target.wanted && probe.healthy;
+      std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
+      if (options_.colocated) {
+        const Probe* other = probe_of(target.address, !target.attention);
+        if (other != nullptr && !other->healthy && healthy) {
+          healthy = false;
+          reason = other->reason;
+        }
+      }
+      bool& flag =
+          target.attention ? attention_[target.slot]->ready : indexers_[target.slot]->ready;
+      if (flag == healthy) continue;
+      flag = healthy;
+      if (target.attention) {
+        (void)scheduler_.SetAttentionReady(target.slot, healthy);
+      } else {
+        (void)scheduler_.SetIndexerReady(target.slot, healthy);
+      }
+      any_became_ready |= healthy;
+      if (healthy) {
+        LogJson("info", "worker ready", {{"kind", kind}, {"address", target.address}});
+      } else {
+        LogJson("warn", "worker not ready",
+                {{"kind", kind}, {"address", target.address}, {"reason", reason}});
+      }
+    }
+    if (any_became_ready && !draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    ready = ReadyLocked();
+    metrics_->SetWorkers(/*attention=*/false, scheduler_.ReadyIndexers(),
+                         num_indexers_ - scheduler_.ReadyIndexers());
+    metrics_->SetWorkers(/*attention=*/true, scheduler_.ReadyAttentions(),
+                         num_attention_ - scheduler_.ReadyAttentions());
+  }
+  if (!told_ready_.has_value() || *told_ready_ != ready) {
+    told_ready_ = ready;
+    if (readiness_listener_) readiness_listener_(ready);
   }
 }
 
@@ -357,7 +680,7 @@ void CoordinatorServiceImpl::CarryOutEvictions(const std::vector<Eviction>& evic
       iv1::ReleaseRequest request;
       request.set_sequence_id(eviction.sequence_id);
       iv1::ReleaseResponse response;
-      status = indexers_[eviction.indexer].stub->Release(&context, request, &response);
+      status = indexers_[eviction.indexer]->stub->Release(&context, request, &response);
     }
     (void)status;  // a worker that lost the sequence already freed it
   }
@@ -372,7 +695,7 @@ grpc::Status CoordinatorServiceImpl::Prefill(grpc::ServerContext* context, const
   prefill.set_sequence_id(admission.sequence_id);
   prefill.set_context_length(request.demand.context_length);
   for (uint64_t id : g.prefix_block_ids()) prefill.add_prefix_block_ids(id);
-  prefill.set_indexer_worker(indexers_[admission.indexer].address);
+  prefill.set_indexer_worker(indexers_[admission.indexer]->address);
   av1::SequenceSettings* settings = prefill.mutable_settings();
   settings->set_top_k(o.has_top_k() ? o.top_k() : options_.top_k);
   iv1::SpinSettings* spin = settings->mutable_spin();
@@ -424,6 +747,13 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     if (draining_ || stopping_) {
       metrics_->CountRequest(RequestOutcome::kRejected);
       return {grpc::StatusCode::UNAVAILABLE, "draining: the coordinator admits no new requests"};
+    }
+    if (!ReadyLocked()) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return {grpc::StatusCode::UNAVAILABLE,
+              absl::StrCat("not ready: ", scheduler_.ReadyIndexers(), " of ", num_indexers_,
+                           " indexer and ", scheduler_.ReadyAttentions(), " of ", num_attention_,
+                           " attention workers are ready (a worker of each kind is needed)")};
     }
     if (by_id_.contains(request->id)) {
       metrics_->CountRequest(RequestOutcome::kRejected);
@@ -508,7 +838,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
   cv1::GenerateEvent admitted_event;
   cv1::Admitted* admitted = admitted_event.mutable_admitted();
   admitted->set_queue_seconds(Seconds(admitted_at - arrival));
-  admitted->set_indexer_worker(indexers_[admission.indexer].address);
+  admitted->set_indexer_worker(indexers_[admission.indexer]->address);
   admitted->set_attention_worker(attention_[admission.attention]->address);
   admitted->set_prefix_slots_reused(admission.prefix_source_id.has_value() ? admission.prefix_slots
                                                                            : 0);
@@ -550,22 +880,32 @@ grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* context,
                                              const cv1::GetLoadRequest* request,
                                              cv1::GetLoadResponse* response) {
   SchedulerLoad load;
+  std::vector<bool> indexer_ready;
   {
     absl::MutexLock lock(&mu_);
     load = scheduler_.Load();
+    for (int i = 0; i < num_indexers_; ++i) indexer_ready.push_back(indexers_[i]->ready);
+    for (int j = 0; j < num_attention_; ++j) {
+      cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
+      worker->set_address(attention_[j]->address);
+      worker->set_ready(attention_[j]->ready);
+      worker->set_decoding(static_cast<int32_t>(attention_[j]->decoding.size()));
+    }
   }
   response->set_queued(load.queued);
   response->set_running(load.running);
   response->set_retained_sequences(load.retained);
   int64_t used = 0;
   int64_t capacity = 0;
-  for (size_t i = 0; i < indexers_.size(); ++i) {
+  for (size_t i = 0; i < indexer_ready.size(); ++i) {
     cv1::WorkerLoad* worker = response->add_indexer_workers();
-    worker->set_address(indexers_[i].address);
+    worker->set_address(indexers_[i]->address);
+    worker->set_ready(indexer_ready[i]);
     grpc::ClientContext client;
-    client.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    client.set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(options_.worker_check_timeout_ms));
     iv1::GetLoadResponse indexer_load;
-    if (indexers_[i].stub->GetLoad(&client, iv1::GetLoadRequest(), &indexer_load).ok()) {
+    if (indexers_[i]->stub->GetLoad(&client, iv1::GetLoadRequest(), &indexer_load).ok()) {
       worker->set_cache_blocks_used(indexer_load.used_blocks());
       worker->set_cache_blocks_capacity(indexer_load.capacity_blocks());
       worker->set_sequences(static_cast<int32_t>(indexer_load.sequences()));
@@ -706,6 +1046,7 @@ void CoordinatorServiceImpl::AdvanceSequence(const std::shared_ptr<Request>& req
   }
   request->last_step_time = now;
   request->generated += count;
+  metrics_->CountGeneratedTokens(count);
 
   cv1::GenerateEvent event;
   cv1::Tokens* tokens = event.mutable_tokens();

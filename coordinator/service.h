@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,22 +33,32 @@ namespace dsa {
 
 /// Deployment settings of the coordinator (the dsa-coordinator flags).
 struct CoordinatorOptions {
-  std::vector<std::string> indexer_addresses;    // host:port, >= 1
-  std::vector<std::string> attention_addresses;  // host:port, >= 1
-  int max_queue = 64;                            // queued requests at most
-  int max_running_per_attention = 32;            // running sequences per attention worker
-  int top_k = 2048;                              // K of every sequence unless overridden
-  double target_block_sparsity = 0.4;            // SPIN rho in [0, 1)
-  double exploration_fraction = 0.05;            // SPIN gamma in [0, 1)
-  bool all_keep = false;                         // SPIN off
-  double acceptance_rate = 0.7;                  // of the seeded acceptance model, [0, 1]
-  uint64_t seed = 0;            // acceptance draws (mixed with the request id) and SPIN
-  bool retain_finished = true;  // keep finished sequences as prefix donors
+  std::vector<std::string> indexer_addresses;    // host:port of fixed indexer workers
+  std::vector<std::string> attention_addresses;  // host:port of fixed attention workers
+  /// NAME:PORT of headless Services (DNS): every address NAME resolves to is a worker, taken in
+  /// and left out as the answer changes (RefreshWorkers). Each kind needs a fixed address or a
+  /// name; co-located (below), the indexers are the attention workers and take neither.
+  std::vector<std::string> indexer_dns;
+  std::vector<std::string> attention_dns;
+  /// How often the watch thread runs RefreshWorkers; 0 = never (a test calls it).
+  int64_t worker_check_interval_ms = 2000;
+  /// Deadline of each check RefreshWorkers makes of a worker (> 0).
+  int64_t worker_check_timeout_ms = 1000;
+  int max_queue = 64;                  // queued requests at most
+  int max_running_per_attention = 32;  // running sequences per attention worker
+  int top_k = 2048;                    // K of every sequence unless overridden
+  double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
+  double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)
+  bool all_keep = false;               // SPIN off
+  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1]
+  uint64_t seed = 0;                   // acceptance draws (mixed with the request id) and SPIN
+  bool retain_finished = true;         // keep finished sequences as prefix donors
   /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
   /// usually the same address): sequences on indexer i run on attention worker i.
   bool colocated = false;
-  int64_t startup_timeout_ms = 10000;  // how long Create retries unreachable workers
-  int64_t rpc_timeout_ms = 30000;      // deadline of DecodeStep, Commit, Release and GetLoad calls
+  /// How long Create's first RefreshWorkers waits for the fixed workers to start listening.
+  int64_t startup_timeout_ms = 10000;
+  int64_t rpc_timeout_ms = 30000;  // deadline of DecodeStep, Commit, Release and GetLoad calls
   /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
   int max_pending_events = 16;
   /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
@@ -63,7 +74,26 @@ struct CoordinatorOptions {
 /// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
 absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
 
+/// The addresses ("ip:port", IPv6 as "[ip]:port", sorted, no duplicates) that `name_port`
+/// ("NAME:PORT") resolves to. Errors: INVALID_ARGUMENT (not NAME:PORT), NOT_FOUND (NAME does not
+/// resolve; the message has getaddrinfo's reason), UNAVAILABLE (a temporary resolver failure).
+using AddressResolver =
+    std::function<absl::StatusOr<std::vector<std::string>>(const std::string& name_port)>;
+
+/// AddressResolver over getaddrinfo (the system resolver: Kubernetes' cluster DNS in a pod; a
+/// headless Service's name resolves to its ready pods' addresses).
+absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port);
+
 /// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread.
+///
+/// Workers: RefreshWorkers (at Create, then every worker_check_interval_ms on the watch thread)
+/// takes in every fixed or resolved address that answers its first check (GetInfo of an attention
+/// worker, GetLoad of an indexer worker; they must agree on the full layers and H, D) and marks
+/// every known worker ready or not: ready while it is still listed and its grpc.health.v1
+/// "readiness" is SERVING (a server without the health service: while its GetInfo / GetLoad
+/// answers). New sequences go only to ready workers; what a worker that is not ready holds stays
+/// there (issue 13 moves it). The coordinator is ready (SetReadinessListener) while at least one
+/// worker of each kind is; Generate answers UNAVAILABLE while it is not.
 ///
 /// Generate: after validation and admission, the handler thread itself runs the request's
 /// evictions and its Prefill (so prefills never stall a decode loop), writes Admitted, then hands
@@ -92,15 +122,28 @@ absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest
 /// request.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
-  /// Connects to every worker: GetInfo of each attention worker (their num_full_layers must agree)
-  /// and GetLoad of each indexer worker (capacity; H and D must equal the attention workers'),
-  /// retrying unreachable workers until startup_timeout_ms. Starts one decode loop per attention
-  /// worker. `metrics` is caller-owned and outlives the service. Errors: INVALID_ARGUMENT (no
-  /// workers, bad options), UNAVAILABLE / DEADLINE_EXCEEDED (a worker unreachable until the
-  /// deadline; the message names it), FAILED_PRECONDITION (workers disagree on full layers or on
-  /// the indexer shape).
+  /// Validates the options, runs a first RefreshWorkers (waiting up to startup_timeout_ms for the
+  /// fixed workers to listen; workers that do not answer are looked at again later, so the
+  /// coordinator starts, not ready, when none does) and starts the watch thread. `metrics` is
+  /// caller-owned and outlives the service; `resolve` resolves the *_dns names. Errors:
+  /// INVALID_ARGUMENT (no source of workers of a kind, a bad address or option).
   static absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> Create(
-      const CoordinatorOptions& options, CoordinatorMetrics* metrics);
+      const CoordinatorOptions& options, CoordinatorMetrics* metrics,
+      AddressResolver resolve = ResolveDnsAddresses);
+
+  /// Resolves the *_dns names, takes in new workers that answer, and sets every known worker's
+  /// readiness (see the class comment), logging each change with its reason; then updates
+  /// dsa_coordinator_workers and tells the readiness listener. A name that fails to resolve keeps
+  /// its last answer (logged). Thread-safe; calls are serialized.
+  void RefreshWorkers();
+
+  /// `listener` is called now with whether the coordinator is ready, then on every change (from
+  /// the thread that runs RefreshWorkers). Replaces any earlier listener.
+  void SetReadinessListener(std::function<void(bool ready)> listener);
+
+  /// The attention workers' full layers (GetInfo), the indexer sequences' num_layers; 0 until
+  /// the first attention worker was taken in.
+  int num_full_layers() const;
 
   /// Stops the decode loops (Stop).
   ~CoordinatorServiceImpl() override;
@@ -137,9 +180,6 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   /// still decoding stay unfinished: call after the gRPC server has stopped.
   void Stop();
 
-  /// Number of attention workers' full layers (GetInfo), the indexer sequences' num_layers.
-  int num_full_layers() const { return num_full_layers_; }
-
  private:
   using Clock = std::chrono::steady_clock;
   enum class Phase { kQueued, kPrefilling, kDecoding, kEnded };
@@ -175,18 +215,60 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   // One attention worker: its stub and decode loop.
   struct AttentionWorker {
     std::string address;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<dsa::attention::v1::AttentionService::Stub> stub;
     std::vector<std::shared_ptr<Request>> decoding;  // guarded by mu_
     absl::CondVar wake;                              // new work, room in an event queue, stop
+    bool ready = true;                               // guarded by mu_
     std::thread loop;
   };
   struct IndexerWorker {
     std::string address;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub;
+    bool ready = true;  // guarded by mu_
+  };
+  // What one check of a worker saw (RefreshWorkers).
+  struct Probe {
+    std::string address;
+    std::shared_ptr<grpc::Channel> channel;
+    grpc::Status status;  // of GetInfo / GetLoad
+    dsa::attention::v1::GetInfoResponse info;
+    dsa::indexer::v1::GetLoadResponse load;
+    bool healthy = false;  // readiness SERVING, or no health service and the call above OK
+    std::string reason;    // why not healthy
+  };
+  // The model shape every worker must share: known once the first worker answered.
+  struct WorkerShape {
+    int num_full_layers = 0;  // 0 until an attention worker answered
+    int64_t num_heads = 0;
+    int64_t head_dim = 0;
   };
 
+  /// Worker slots of each kind: stubs and decode loops live in fixed slots so that threads may
+  /// read a slot below the published count without a lock; a worker that leaves keeps its slot.
+  static constexpr int kMaxWorkersPerKind = 1024;
+
   CoordinatorServiceImpl(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
-                         int num_full_layers, Scheduler scheduler);
+                         AddressResolver resolve, Scheduler scheduler);
+
+  // RefreshWorkers with `timeout` per check, waiting for listeners when `wait_for_ready`.
+  void RefreshWorkersWith(std::chrono::milliseconds timeout, bool wait_for_ready);
+  // The addresses of a kind: fixed ones, then each name's resolution (the last good answer when
+  // it fails now). Called with refresh_mu_ held.
+  std::vector<std::string> WantedAddresses(const std::vector<std::string>& fixed,
+                                           const std::vector<std::string>& names);
+  // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness.
+  Probe ProbeWorker(const std::string& address, std::shared_ptr<grpc::Channel> channel,
+                    bool attention, std::chrono::milliseconds timeout, bool wait_for_ready) const;
+  // Whether `probe`'s worker fits the shape (an empty string) or why not; records the shape
+  // from the first worker.
+  std::string CheckShapeLocked(const Probe& probe, bool attention)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The watch thread's body.
+  void WatchWorkers();
+  // Readiness: a ready worker of each kind.
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The decode loop of attention worker `worker`.
   void DecodeLoop(int worker);
@@ -229,11 +311,27 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
 
   const CoordinatorOptions options_;
   CoordinatorMetrics* const metrics_;  // not owned
-  const int num_full_layers_;
+  const AddressResolver resolve_;
+  // kMaxWorkersPerKind slots each; [0, num_attention_) / [0, num_indexers_) are set, and a set
+  // slot never changes (its ready flag aside).
   std::vector<std::unique_ptr<AttentionWorker>> attention_;
-  std::vector<IndexerWorker> indexers_;
+  std::vector<std::unique_ptr<IndexerWorker>> indexers_;
 
-  absl::Mutex mu_;
+  absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
+  absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
+      ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
+  absl::flat_hash_map<std::string, std::string> refused_ ABSL_GUARDED_BY(refresh_mu_);  // logged
+  std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
+  std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
+  std::thread watch_;
+
+  mutable absl::Mutex mu_;
+  int num_attention_ ABSL_GUARDED_BY(mu_) = 0;
+  int num_indexers_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
+  WorkerShape shape_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar watch_wake_;  // stop
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);

@@ -24,8 +24,9 @@ void AddIndexerFlags(CLI::App& app, IndexerFlags& flags, const std::string& pref
     app.add_option("--head-dim", flags.options.head_dim, "Index-key and query dimension D")
         ->capture_default_str();
   }
-  app.add_option(prefix + "audit-fraction", flags.options.audit_fraction,
-                 "Fraction of pruned selects re-scored densely to export dsa_indexer_miss_rate")
+  app.add_option(
+         prefix + "audit-fraction", flags.options.audit_fraction,
+         "Fraction of pruned selects re-scored densely to export dsa_indexer_audited_miss_ratio")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option(prefix + "audit-seed", flags.options.audit_seed, "Seed of the audit draws")

@@ -23,11 +23,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   CLI::App app{
       "dsa-indexer: the DSA lightning-indexer worker (paged index-key cache, SPIN, top-K) over "
       "gRPC"};
-  dsa::ServerFlags server_flags;
+  dsa::ServerFlags server_flags = dsa::DefaultServerFlags(dsa::ServerComponent::kIndexer);
   dsa::AddServerFlags(app, server_flags);
   dsa::IndexerFlags flags;
   flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, flags, "--", /*with_shape_flags=*/true);
+  dsa::AddFlagSources(app, "dsa-indexer");
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
   const dsa::IndexerOptions& options = flags.options;
@@ -59,6 +60,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
 
   dsa::ServerSpec spec;
   spec.name = "dsa-indexer";
+  spec.component = dsa::ServerComponent::kIndexer;
   spec.services = {&service};
   spec.registry = registry;
   spec.max_receive_message_bytes = dsa::kMaxReceiveMessageBytes;

@@ -40,16 +40,18 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
   selects_on_device_ = &selects.Add({{"scored_on", "device"}});
   selects_on_cpu_ = &selects.Add({{"scored_on", "cpu"}});
   miss_rate_ = &prometheus::BuildHistogram()
-                    .Name("dsa_indexer_miss_rate")
+                    .Name("dsa_indexer_audited_miss_ratio")
                     .Help("Audited rows: fraction of the dense top-K the pruned selection lost")
                     .Register(registry)
                     .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.01, 0.02, 0.05, 0.1,
                                                                      0.2, 0.3, 0.5, 0.75, 1.0});
   auto& cache = prometheus::BuildGauge()
                     .Name("dsa_indexer_cache_blocks")
-                    .Help("64-slot blocks of the index-key cache by state")
+                    .Help(
+                        "64-slot blocks of the index-key cache by state (exclusive: held by one "
+                        "sequence; shared: by several; the states add up to the capacity)")
                     .Register(registry);
-  used_blocks_ = &cache.Add({{"state", "used"}});
+  exclusive_blocks_ = &cache.Add({{"state", "exclusive"}});
   shared_blocks_ = &cache.Add({{"state", "shared"}});
   free_blocks_ = &cache.Add({{"state", "free"}});
 }
@@ -67,7 +69,7 @@ void IndexerMetrics::RecordSelect(const SelectResult& result) {
 }
 
 void IndexerMetrics::SetCacheUsage(const CacheUsage& usage) {
-  used_blocks_->Set(static_cast<double>(usage.used_blocks));
+  exclusive_blocks_->Set(static_cast<double>(usage.used_blocks - usage.shared_blocks));
   shared_blocks_->Set(static_cast<double>(usage.shared_blocks));
   free_blocks_->Set(static_cast<double>(usage.free_blocks));
 }

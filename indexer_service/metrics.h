@@ -14,9 +14,10 @@ namespace dsa {
 /// The indexer's metric families, registered in a caller-owned registry that outlives this object:
 /// - dsa_indexer_select_duration_seconds{phase="predict"|"scan"|"topk"|"update"} (histogram)
 /// - dsa_indexer_blocks_scored_total, dsa_indexer_blocks_visible_total (counters, 64-slot blocks)
-/// - dsa_indexer_cache_blocks{state="used"|"shared"|"free"} (gauge, 64-slot blocks)
-/// - dsa_indexer_miss_rate (histogram of audited rows' miss rate against the dense top-K, 0..1;
-///   only rows of selects the engine audited, IndexerOptions::audit_fraction)
+/// - dsa_indexer_cache_blocks{state="exclusive"|"shared"|"free"} (gauge, 64-slot blocks; a block
+///   held by one sequence, by several, or by none: the three add up to the capacity)
+/// - dsa_indexer_audited_miss_ratio (histogram of audited rows' miss ratio against the dense
+///   top-K, 0..1; only rows of selects the engine audited, IndexerOptions::audit_fraction)
 /// - dsa_indexer_selects_total{scored_on="device"|"cpu"} (counter of row groups by where their
 ///   scan and top-K ran: with --device cuda, "cpu" grows when the GPU declined a batch or was
 ///   dropped after a failure)
@@ -41,7 +42,7 @@ class IndexerMetrics {
   prometheus::Counter* blocks_visible_;
   prometheus::Counter* selects_on_device_;
   prometheus::Counter* selects_on_cpu_;
-  prometheus::Gauge* used_blocks_;
+  prometheus::Gauge* exclusive_blocks_;
   prometheus::Gauge* shared_blocks_;
   prometheus::Gauge* free_blocks_;
 };

@@ -19,4 +19,17 @@ namespace dsa {
 int CheckHealthStatus(grpc::Channel& channel, const std::string& service,
                       std::chrono::milliseconds timeout, bool wait_for_ready);
 
+/// What CheckHealth saw: the call's status, and the serving status when the call succeeded (1
+/// SERVING, 2 NOT_SERVING, 0 UNKNOWN; -1 when the call failed or the answer could not be read).
+/// A server without the health service answers UNIMPLEMENTED; one that does not know the name,
+/// NOT_FOUND.
+struct HealthCheckResult {
+  grpc::Status call;
+  int serving = -1;
+};
+
+/// CheckHealthStatus with the call's status kept.
+HealthCheckResult CheckHealth(grpc::Channel& channel, const std::string& service,
+                              std::chrono::milliseconds timeout, bool wait_for_ready);
+
 }  // namespace dsa

@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <atomic>
+#include <cctype>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -9,20 +11,75 @@
 #include <exception>
 #include <thread>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
+#include "server/process_metrics.h"
 
 namespace dsa {
+
+ServerFlags DefaultServerFlags(ServerComponent component) {
+  ServerFlags flags;
+  int port = kIndexerPort;
+  int metrics_port = kIndexerMetricsPort;
+  if (component == ServerComponent::kCoordinator) {
+    port = kCoordinatorPort;
+    metrics_port = kCoordinatorMetricsPort;
+  } else if (component == ServerComponent::kAttention) {
+    port = kAttentionPort;
+    metrics_port = kAttentionMetricsPort;
+  }
+  flags.listen = absl::StrCat("0.0.0.0:", port);
+  flags.metrics_listen = absl::StrCat("0.0.0.0:", metrics_port);
+  return flags;
+}
+
+CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
+  return CLI::Validator(
+      [min_port, allow_empty](const std::string& address) -> std::string {
+        if (address.empty()) return allow_empty ? "" : "an empty address (want host:port)";
+        const size_t colon = address.rfind(':');
+        if (colon == std::string::npos || colon == 0) {
+          return absl::StrCat("\"", address, "\" is not host:port");
+        }
+        const std::string host = address.substr(0, colon);
+        const std::string port = address.substr(colon + 1);
+        if (host.front() == '[' ? host.back() != ']' || host.size() < 3
+                                : host.find(':') != std::string::npos) {
+          return absl::StrCat("bad host \"", host, "\" in ", address,
+                              " (an IPv6 address goes in brackets: [::1]:50051)");
+        }
+        int value = 0;
+        if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &value) ||
+            port.find_first_not_of("0123456789") != std::string::npos) {
+          return absl::StrCat("bad port \"", port, "\" in ", address);
+        }
+        if (value < min_port || value > 65535) {
+          return absl::StrCat("port ", value, " is out of range ", min_port, "..65535 in ",
+                              address);
+        }
+        return "";
+      },
+      "HOST:PORT");
+}
 
 void AddServerFlags(CLI::App& app, ServerFlags& flags) {
   app.add_option("--listen", flags.listen,
                  "host:port to serve on; port 0 picks a free one (the bound address is printed)")
+      ->check(HostPortValidator(0, /*allow_empty=*/false))
       ->capture_default_str();
   app.add_option(
          "--metrics-listen", flags.metrics_listen,
          "host:port of the Prometheus /metrics endpoint; port 0 picks a free one (printed); "
          "empty = no endpoint")
+      ->check(HostPortValidator(0, /*allow_empty=*/true))
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", flags.shutdown_grace_ms,
                  "On SIGTERM: how long in-flight calls may run before they are cancelled")
@@ -33,11 +90,62 @@ void AddServerFlags(CLI::App& app, ServerFlags& flags) {
                  "so load balancers stop routing here before the server stops")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--log-level", flags.log_level, "Lowest level of the JSON log lines on stderr")
+      ->check(CLI::IsMember({"debug", "info", "warn", "error"}))
+      ->each([](const std::string& level) { SetLogLevel(level); })
+      ->capture_default_str();
+}
+
+void AddFlagSources(CLI::App& app, const std::string& binary) {
+  const char* config_from_env = std::getenv("DSA_CONFIG");
+  const bool env_config = config_from_env != nullptr && config_from_env[0] != '\0';
+  app.set_config("--config", env_config ? config_from_env : "",
+                 "A TOML file of flags (name = value, one a line; lists as [\"a\", \"b\"]); "
+                 "the command line overrides it (env: DSA_CONFIG)",
+                 /*config_required=*/env_config);
+  app.allow_config_extras(false);  // a misspelt key in the file is an error, not ignored
+  app.set_version_flag("--version", absl::StrCat(binary, " ", BuildVersion()));
+  for (CLI::Option* option : app.get_options()) {
+    const std::vector<std::string>& names = option->get_lnames();
+    if (names.empty() || names.front() == "help" || names.front() == "version" ||
+        names.front() == "config") {
+      continue;
+    }
+    std::string env = "DSA_" + names.front();
+    for (char& c : env) c = c == '-' ? '_' : static_cast<char>(std::toupper(c));
+    option->envname(env);
+    if (option->get_items_expected_max() > 1) option->delimiter(',');
+  }
+}
+
+namespace {
+
+std::atomic<int> min_log_level{static_cast<int>(LogLevel::kInfo)};
+
+int LevelOf(absl::string_view name) {
+  if (name == "debug") return static_cast<int>(LogLevel::kDebug);
+  if (name == "info") return static_cast<int>(LogLevel::kInfo);
+  if (name == "warn") return static_cast<int>(LogLevel::kWarn);
+  if (name == "error") return static_cast<int>(LogLevel::kError);
+  return -1;
+}
+
+}  // namespace
+
+bool SetLogLevel(const std::string& level) {
+  const int value = LevelOf(level);
+  if (value < 0) return false;
+  min_log_level.store(value, std::memory_order_relaxed);
+  return true;
 }
 
 void LogJson(const char* level, const char* msg, nlohmann::json fields) {
-  fields["ts"] =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const int value = LevelOf(level);
+  if ((value < 0 ? static_cast<int>(LogLevel::kError) : value) <
+      min_log_level.load(std::memory_order_relaxed)) {
+    return;
+  }
+  fields["ts"] = absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
   fields["level"] = level;
   fields["msg"] = msg;
   const std::string line = fields.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
@@ -61,6 +169,53 @@ sigset_t TerminationSignals() {
   return signals;
 }
 
+const char* ComponentName(ServerComponent component) {
+  switch (component) {
+    case ServerComponent::kCoordinator:
+      return "coordinator";
+    case ServerComponent::kIndexer:
+      return "indexer";
+    case ServerComponent::kAttention:
+      return "attention";
+  }
+  return "unknown";
+}
+
+// "readiness" and "" of the health service: SERVING while the engine says it is ready and no
+// drain has begun. Thread-safe; outlives RunServer's callers through shared ownership.
+class Readiness {
+ public:
+  Readiness(grpc::HealthCheckServiceInterface* health, bool ready)
+      : health_(health), ready_(ready) {
+    absl::MutexLock lock(&mu_);
+    ApplyLocked();
+  }
+  void SetReady(bool ready) {
+    absl::MutexLock lock(&mu_);
+    if (ready == ready_) return;
+    ready_ = ready;
+    LogJson(ready ? "info" : "warn", ready ? "ready" : "not ready");
+    ApplyLocked();
+  }
+  void StartDrain() {
+    absl::MutexLock lock(&mu_);
+    draining_ = true;
+    ApplyLocked();
+  }
+
+ private:
+  void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool serving = ready_ && !draining_;
+    health_->SetServingStatus(kReadinessService, serving);
+    health_->SetServingStatus("", serving);
+  }
+
+  grpc::HealthCheckServiceInterface* const health_;
+  absl::Mutex mu_;
+  bool ready_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 }  // namespace
 
 void BlockTerminationSignals() {
@@ -83,6 +238,17 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     if (spec.registry != nullptr) {
       exposer->RegisterCollectable(spec.registry);
     }
+  }
+  // The exposer holds collectables weakly: this one lives as long as RunServer (until exit).
+  const auto process_metrics = std::make_shared<ProcessMetrics>();
+  if (exposer != nullptr) exposer->RegisterCollectable(process_metrics);
+  if (spec.registry != nullptr) {
+    prometheus::BuildGauge()
+        .Name("dsa_build_info")
+        .Help("1, labelled with the server's component and the version it was built from")
+        .Register(*spec.registry)
+        .Add({{"component", ComponentName(spec.component)}, {"version", BuildVersion()}})
+        .Set(1);
   }
   if (spec.before_serving) {
     if (const std::string error = spec.before_serving(); !error.empty()) {
@@ -111,7 +277,10 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   if (spec.on_serving) spec.on_serving(address);
 
   health->SetServingStatus(kLivenessService, true);
-  health->SetServingStatus(kReadinessService, true);
+  auto readiness = std::make_shared<Readiness>(health, !spec.watch_readiness);
+  if (spec.watch_readiness) {
+    spec.watch_readiness([readiness](bool ready) { readiness->SetReady(ready); });
+  }
   std::printf("%s: listening on %s\n", spec.name.c_str(), address.c_str());
   nlohmann::json fields = spec.banner_fields;
   fields["address"] = address;
@@ -131,7 +300,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
           {{"signal", signal_number == SIGTERM ? "SIGTERM" : "SIGINT"},
            {"drain_delay_ms", flags.drain_delay_ms},
            {"shutdown_grace_ms", flags.shutdown_grace_ms}});
-  health->SetServingStatus(kReadinessService, false);
+  readiness->StartDrain();
   if (spec.on_drain) {
     spec.on_drain();
   }

@@ -13,28 +13,70 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
+#include "server/version.h"
 
 namespace dsa {
 
 /// Health service names (grpc.health.v1): liveness is SERVING from start to exit; readiness is
-/// SERVING from start until a drain begins.
+/// SERVING while the server can do its job (ServerSpec::watch_readiness) until a drain begins; the
+/// unnamed service "" always equals readiness.
 inline constexpr char kLivenessService[] = "liveness";
 inline constexpr char kReadinessService[] = "readiness";
 
+/// Which server a binary is: names its default ports (docs/deploy.md, "Flags every server
+/// takes") and its `component` label of dsa_build_info.
+enum class ServerComponent { kCoordinator, kIndexer, kAttention };
+
+/// Default gRPC and /metrics ports, one pair a component (so the three can share one host).
+inline constexpr int kCoordinatorPort = 50051;
+inline constexpr int kIndexerPort = 50052;
+inline constexpr int kAttentionPort = 50053;
+inline constexpr int kCoordinatorMetricsPort = 9401;
+inline constexpr int kIndexerMetricsPort = 9402;
+inline constexpr int kAttentionMetricsPort = 9403;
+
 /// Flags every server binary takes.
 struct ServerFlags {
-  std::string listen = "127.0.0.1:0";          // gRPC address; port 0 = a free one (printed)
-  std::string metrics_listen = "127.0.0.1:0";  // /metrics address; empty = none
+  std::string listen;                // gRPC host:port; port 0 = a free one (printed)
+  std::string metrics_listen;        // /metrics host:port; empty = none
   int64_t shutdown_grace_ms = 5000;  // in-flight calls may run this long after the drain delay
   int64_t drain_delay_ms = 0;        // readiness NOT_SERVING this long before Shutdown
+  std::string log_level = "info";    // debug | info | warn | error (SetLogLevel)
 };
 
-/// Registers --listen, --metrics-listen, --shutdown-grace-ms and --drain-delay-ms on `app`,
-/// writing into `flags` (which must outlive the parse).
+/// `component`'s defaults: listen on every interface at its fixed ports
+/// (0.0.0.0:kCoordinatorPort and 0.0.0.0:kCoordinatorMetricsPort for the coordinator, ...).
+ServerFlags DefaultServerFlags(ServerComponent component);
+
+/// Registers --listen, --metrics-listen, --shutdown-grace-ms, --drain-delay-ms and --log-level on
+/// `app`, writing into `flags` (which must outlive the parse). The addresses are checked by
+/// HostPortValidator (metrics may be empty); --log-level takes effect as it is parsed.
 void AddServerFlags(CLI::App& app, ServerFlags& flags);
 
-/// One structured log line on stderr: {"ts": unix seconds, "level", "msg", fields...}. Invalid
-/// UTF-8 in a field is replaced, never thrown on. Thread-safe (one fprintf per line).
+/// A CLI11 validator of "host:port" (host a name, an IPv4 address or a bracketed IPv6 address;
+/// port a decimal number from `min_port` to 65535); with `allow_empty`, "" passes too. The error
+/// names what is wrong, e.g. "port 70000 is out of range 0..65535 in 127.0.0.1:70000".
+CLI::Validator HostPortValidator(int min_port, bool allow_empty);
+
+/// Call after every option of `app` is added, before parsing: every option `--some-name` also
+/// reads the environment variable DSA_SOME_NAME (a list option splits it at commas); `--config
+/// FILE` (or DSA_CONFIG) reads options from a TOML file (`some-name = value`, lists as
+/// `["a", "b"]`); `--version` prints "<binary> <BuildVersion()>" and exits 0. Precedence: the
+/// command line, then the config file, then the environment, then the default. A DSA_CONFIG or
+/// --config file that does not exist, or a key in it that is no flag, fails the parse, naming it.
+void AddFlagSources(CLI::App& app, const std::string& binary);
+
+/// The log levels of LogJson, lowest first.
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
+
+/// Lines below `level` are dropped from then on (thread-safe). Returns false, changing nothing,
+/// for a name other than "debug", "info", "warn" or "error".
+bool SetLogLevel(const std::string& level);
+
+/// One structured log line on stderr: {"ts": RFC 3339 UTC time with microseconds, "level", "msg",
+/// fields...}, unless `level` ("debug", "info", "warn" or "error"; anything else counts as
+/// "error") is below SetLogLevel's. Invalid UTF-8 in a field is replaced, never thrown on.
+/// Thread-safe (one fprintf per line).
 void LogJson(const char* level, const char* msg, nlohmann::json fields = nlohmann::json::object());
 
 /// "host:port" with the port replaced by `port`.
@@ -47,10 +89,11 @@ void BlockTerminationSignals();
 
 /// What RunServer serves.
 struct ServerSpec {
-  std::string name;                      // binary name, e.g. "dsa-attention" (logs, banner)
-  std::vector<grpc::Service*> services;  // not owned; outlive RunServer
-  std::shared_ptr<prometheus::Registry> registry;  // exposed on /metrics; may be null
-  int max_receive_message_bytes = 4 << 20;         // grpc::ServerBuilder::SetMaxReceiveMessageSize
+  std::string name;  // binary name, e.g. "dsa-attention" (logs, banner)
+  ServerComponent component = ServerComponent::kIndexer;  // dsa_build_info's component label
+  std::vector<grpc::Service*> services;                   // not owned; outlive RunServer
+  std::shared_ptr<prometheus::Registry> registry;         // exposed on /metrics; may be null
+  int max_receive_message_bytes = 4 << 20;  // grpc::ServerBuilder::SetMaxReceiveMessageSize
   nlohmann::json banner_fields = nlohmann::json::object();  // added to the "serving" log line
   /// Called once when a drain begins (readiness already NOT_SERVING), before the drain delay:
   /// stop admitting work here. May be empty.
@@ -62,19 +105,26 @@ struct ServerSpec {
   /// ends): for what may only be loaded once /metrics' threads exist (dsa-attention's cuBLAS
   /// stand-in). A non-empty return is an error: logged, and RunServer returns 1. May be empty.
   std::function<std::string()> before_serving;
+  /// Readiness beyond the drain, for a server that depends on others (the coordinator on its
+  /// workers). When set, it is called once before serving with a function that the engine may
+  /// call from any thread, at any time until exit, with whether it can do its job; "readiness"
+  /// and "" are SERVING while the last value given is true and no drain has begun, and start
+  /// NOT_SERVING. When empty, both are SERVING from start until the drain.
+  std::function<void(std::function<void(bool ready)> set_ready)> watch_readiness;
   /// Called after the gRPC server has stopped (all calls finished or cancelled), before exit:
   /// release clients and threads here. May be empty.
   std::function<void()> on_stopped;
 };
 
-/// Builds and starts the gRPC server with health (both names SERVING) and reflection, serves
-/// /metrics, prints "<name>: listening on HOST:PORT" and "<name>: metrics on http://.../metrics"
-/// on stdout, then waits for SIGTERM or SIGINT (BlockTerminationSignals must have run). On the
-/// signal: readiness NOT_SERVING, on_drain, drain_delay_ms of still taking calls, Shutdown with a
-/// deadline of shutdown_grace_ms (new calls refused, in-flight calls cancelled at the deadline),
-/// on_stopped, then the process exits with 0 through std::_Exit (stopping the /metrics server
-/// would take over a second). Returns only on a startup failure, with exit code 1 after logging
-/// why (cannot listen, cannot serve metrics).
+/// Builds and starts the gRPC server with health ("liveness"; "readiness" and "" as
+/// watch_readiness says) and reflection, serves /metrics (spec.registry, dsa_build_info and
+/// ProcessMetrics), prints "<name>: listening on HOST:PORT" and "<name>: metrics on
+/// http://.../metrics" on stdout, then waits for SIGTERM or SIGINT (BlockTerminationSignals must
+/// have run). On the signal: readiness NOT_SERVING, on_drain, drain_delay_ms of still taking calls,
+/// Shutdown with a deadline of shutdown_grace_ms (new calls refused, in-flight calls cancelled at
+/// the deadline), on_stopped, then the process exits with 0 through std::_Exit (stopping the
+/// /metrics server would take over a second). Returns only on a startup failure, with exit code 1
+/// after logging why (cannot listen, cannot serve metrics).
 int RunServer(const ServerFlags& flags, const ServerSpec& spec);
 
 }  // namespace dsa

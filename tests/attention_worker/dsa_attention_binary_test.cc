@@ -164,7 +164,7 @@ TEST(DsaAttentionBinaryTest, ServesStepsAgainstARealIndexerThenExitsOnSigterm) {
         "dsa_attention_decode_step_duration_seconds_count 2",
         "dsa_attention_prefill_duration_seconds_count 1",
         "dsa_attention_kv_slots{state=\"used\"} 1002",
-        "dsa_attention_kv_slots{state=\"capacity\"} 10000", "dsa_attention_sequences 1",
+        "dsa_attention_kv_slots{state=\"free\"} 8998", "dsa_attention_sequences 1",
         "dsa_attention_full_layer_selects_total{form=\"host\"} 6",
         "dsa_attention_full_layer_selects_total{form=\"device\"} 0"}) {
     EXPECT_NE(metrics.find(sample), std::string::npos) << sample << "\n" << metrics;

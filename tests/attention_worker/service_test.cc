@@ -410,7 +410,8 @@ TEST_F(AttentionServiceTest, PrefillAppendsThePatternModelKeysAndStepsAttendSigm
   EXPECT_EQ(MetricValue(*registry_, "dsa_attention_decode_step_duration_seconds", "", ""), 4);
   EXPECT_EQ(MetricValue(*registry_, "dsa_attention_prefill_duration_seconds", "", ""), 2);
   EXPECT_EQ(MetricValue(*registry_, "dsa_attention_kv_slots", "state", "used"), 1504 + 903);
-  EXPECT_EQ(MetricValue(*registry_, "dsa_attention_kv_slots", "state", "capacity"), 1 << 20);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_attention_kv_slots", "state", "free"),
+            (1 << 20) - (1504 + 903));
   EXPECT_EQ(MetricValue(*registry_, "dsa_attention_sequences", "", ""), 2);
 }
 

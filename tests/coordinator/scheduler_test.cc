@@ -76,10 +76,60 @@ uint64_t RunToRetained(Scheduler& s, uint64_t ticket, const SequenceDemand& dema
 
 TEST(SchedulerTest, CreateRefusesBadOptions) {
   SchedulerOptions options;
-  EXPECT_FALSE(Scheduler::Create(options, {}, {{"a", 0}}).ok());
-  EXPECT_FALSE(Scheduler::Create(options, {{"i", 10}}, {}).ok());
+  EXPECT_TRUE(Scheduler::Create(options, {}, {}).ok());  // workers may come later
+  EXPECT_FALSE(Scheduler::Create(options, {{"i", -1}}, {}).ok());
   options.num_full_layers = 0;
   EXPECT_FALSE(Scheduler::Create(options, {{"i", 10}}, {{"a", 0}}).ok());
+}
+
+// Workers added later get the next index; one that is not ready is not placed on, and what it
+// holds stays; once ready again it is placed on.
+TEST(SchedulerTest, AddedWorkersArePlacedOnOnlyWhileReady) {
+  SchedulerOptions options;
+  options.num_full_layers = 1;
+  auto created = Scheduler::Create(options, {}, {});
+  ASSERT_TRUE(created.ok());
+  Scheduler& s = *created;
+  EXPECT_EQ(s.ReadyIndexers(), 0);
+  EXPECT_EQ(*s.AddIndexer({"i0", 100}), 0);
+  EXPECT_EQ(*s.AddIndexer({"i1", 100}), 1);
+  EXPECT_EQ(*s.AddAttention({"a0", 0}), 0);
+  EXPECT_EQ(s.AddIndexer({"bad", -1}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.ReadyIndexers(), 2);
+  EXPECT_EQ(s.ReadyAttentions(), 1);
+  ASSERT_TRUE(s.SetIndexerReady(0, false).ok());
+  EXPECT_EQ(s.SetIndexerReady(2, false).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(s.ReadyIndexers(), 1);
+  for (uint64_t ticket = 1; ticket <= 3; ++ticket) {
+    EXPECT_EQ(Admit(s, ticket, Demand(100, 10)).indexer, 1) << ticket;
+  }
+  // No ready attention worker: a request waits in the queue, and is placed once one is ready.
+  ASSERT_TRUE(s.SetAttentionReady(0, false).ok());
+  auto queued = s.Submit(4, Demand(100, 10));
+  ASSERT_TRUE(queued.ok());
+  EXPECT_FALSE(queued->has_value());
+  EXPECT_TRUE(s.AdmitQueued().empty());
+  ASSERT_TRUE(s.SetAttentionReady(0, true).ok());
+  const std::vector<Admission> admitted = s.AdmitQueued();
+  ASSERT_EQ(admitted.size(), 1u);
+  EXPECT_EQ(admitted[0].ticket, 4u);
+  // num_full_layers changes only while nothing is held or queued.
+  EXPECT_EQ(s.SetNumFullLayers(2).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.SetNumFullLayers(0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SchedulerColocatedTest, WorkersAreAddedInPairsAtOneAddress) {
+  SchedulerOptions options;
+  options.colocated = true;
+  auto created = Scheduler::Create(options, {}, {});
+  ASSERT_TRUE(created.ok());
+  EXPECT_EQ(created->AddAttention({"a0", 0}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(created->AddIndexer({"a0", 100}).ok());
+  EXPECT_EQ(created->AddIndexer({"a1", 100}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(created->AddAttention({"a1", 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*created->AddAttention({"a0", 0}), 0);
 }
 
 TEST(SchedulerTest, BlocksAreFullLayersTimesCeilOfContextNewTokensAndDraft) {

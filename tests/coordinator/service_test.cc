@@ -5,6 +5,7 @@
 // GetLoad, drain, metrics and startup checks.
 #include "coordinator/service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "coordinator/metrics.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -85,6 +87,7 @@ class Cluster {
     options_.seed = 7;
     options_.max_pending_events = o.max_pending_events;
     options_.startup_timeout_ms = 2000;
+    options_.worker_check_interval_ms = 0;  // no watch thread: tests call RefreshWorkers
     metrics_ = std::make_unique<CoordinatorMetrics>(registry_);
     auto service = CoordinatorServiceImpl::Create(options_, metrics_.get());
     EXPECT_TRUE(service.ok()) << service.status();
@@ -707,7 +710,9 @@ TEST(CoordinatorServiceTest, BatchesRunningSequencesOfAWorkerIntoOneDecodeStep) 
   EXPECT_GT(cluster.fake(1).max_batch_size(), 1);
 }
 
-TEST(CoordinatorServiceTest, StartupFailsOnUnreachableOrDisagreeingWorkers) {
+// Workers that do not answer or do not fit are not taken in, and the coordinator still starts:
+// it is not ready (Generate UNAVAILABLE) until a fitting worker of each kind answers.
+TEST(CoordinatorServiceTest, StartsNotReadyAndRefusesWorkersThatDoNotFit) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);
   Cluster cluster;
@@ -715,29 +720,196 @@ TEST(CoordinatorServiceTest, StartupFailsOnUnreachableOrDisagreeingWorkers) {
   options.indexer_addresses = {cluster.indexer_address()};
   options.attention_addresses = {"127.0.0.1:1"};  // nothing listens there
   options.startup_timeout_ms = 300;
-  const auto start = std::chrono::steady_clock::now();
+  options.worker_check_interval_ms = 0;
   auto unreachable = CoordinatorServiceImpl::Create(options, &metrics);
-  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(250));
-  ASSERT_FALSE(unreachable.ok());
-  EXPECT_THAT(unreachable.status().message(), HasSubstr("attention worker 127.0.0.1:1"));
+  ASSERT_TRUE(unreachable.ok()) << unreachable.status();
+  std::vector<bool> told;
+  (*unreachable)->SetReadinessListener([&told](bool ready) { told.push_back(ready); });
+  EXPECT_EQ(told, std::vector<bool>{false});
+  std::string address;
+  auto server = Serve(unreachable->get(), &address);
+  auto stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  const Stream refused = Generate(*stub, Request("early", 100, 4));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(refused.status.error_message(),
+              HasSubstr("1 of 1 indexer and 0 of 0 attention workers are ready"));
+  EXPECT_THAT(prometheus::TextSerializer().Serialize(registry.Collect()),
+              HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} 1"));
+  server->Shutdown();
 
   FakeAttentionService other({kLayers + 1, kHeads, kDim, 0});
   std::string other_address;
   auto other_server = Serve(&other, &other_address);
   options.attention_addresses = {cluster.attention_address(), other_address};
   auto disagree = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_EQ(disagree.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(disagree.status().message(), HasSubstr("disagree on the number of full layers"));
+  ASSERT_TRUE(disagree.ok()) << disagree.status();
+  bool ready = false;
+  (*disagree)->SetReadinessListener([&ready](bool r) { ready = r; });
+  EXPECT_TRUE(ready);  // the first attention worker fits; the other is refused
+  std::string disagree_address;
+  auto disagree_server = Serve(disagree->get(), &disagree_address);
+  auto disagree_stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateChannel(disagree_address, grpc::InsecureChannelCredentials()));
+  const cv1::GetLoadResponse load = Load(*disagree_stub);
+  ASSERT_EQ(load.attention_workers_size(), 1);
+  EXPECT_EQ(load.attention_workers(0).address(), cluster.attention_address());
+  disagree_server->Shutdown();
 
   FakeAttentionService wide({kLayers, kHeads * 2, kDim, 0});
   std::string wide_address;
   auto wide_server = Serve(&wide, &wide_address);
   options.attention_addresses = {wide_address};
   auto shape = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_EQ(shape.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(shape.status().message(), HasSubstr("H = 4"));
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  (*shape)->SetReadinessListener([&ready](bool r) { ready = r; });
+  EXPECT_FALSE(ready);  // H = 8 does not fit the indexer's H = 4
   other_server->Shutdown();
   wide_server->Shutdown();
+}
+
+TEST(CoordinatorServiceTest, RefusesOptionsWithoutWorkersOrWithBadAddresses) {
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.attention_addresses = {"127.0.0.1:1"};
+  auto none = CoordinatorServiceImpl::Create(options, &metrics);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(none.status().message(), HasSubstr("--indexer or --indexer-dns"));
+  options.indexer_dns = {"indexers.example"};  // no port
+  auto bad = CoordinatorServiceImpl::Create(options, &metrics);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("\"indexers.example\" is not HOST:PORT"));
+}
+
+TEST(CoordinatorServiceTest, ResolvesNamesToSortedAddressesAndRefusesBadOnes) {
+  auto local = ResolveDnsAddresses("localhost:50052");
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_FALSE(local->empty());
+  for (const std::string& address : *local) {
+    EXPECT_TRUE(address == "127.0.0.1:50052" || address == "[::1]:50052") << address;
+  }
+  EXPECT_TRUE(std::is_sorted(local->begin(), local->end()));
+  EXPECT_EQ(ResolveDnsAddresses("localhost").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ResolveDnsAddresses("localhost:0").status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status unknown = ResolveDnsAddresses("no-such-host.invalid:1").status();
+  EXPECT_TRUE(unknown.code() == absl::StatusCode::kNotFound ||
+              unknown.code() == absl::StatusCode::kUnavailable)
+      << unknown;
+  EXPECT_THAT(unknown.message(), HasSubstr("no-such-host.invalid"));
+}
+
+// Workers found by name (a headless Service): taken in as they appear in the answer, placed on
+// only while listed and answering, and taken back when they return; a failed resolution keeps the
+// last answer. The resolver is a fake, so the answers are the test's.
+TEST(CoordinatorServiceTest, FollowsWorkersThatComeAndGoInTheDnsAnswer) {
+  Cluster cluster(ClusterOptions{.num_indexers = 2, .num_attention = 2});
+  absl::Mutex mu;
+  std::vector<std::string> indexer_answer, attention_answer;
+  bool resolver_fails = false;
+  AddressResolver resolve =
+      [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
+    absl::MutexLock lock(&mu);
+    if (resolver_fails) return absl::UnavailableError("resolver down");
+    return name == "indexers:1" ? indexer_answer : attention_answer;
+  };
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.indexer_dns = {"indexers:1"};
+  options.attention_dns = {"attention:1"};
+  options.top_k = 64;
+  options.worker_check_interval_ms = 0;
+  auto created = CoordinatorServiceImpl::Create(options, &metrics, resolve);
+  ASSERT_TRUE(created.ok()) << created.status();
+  CoordinatorServiceImpl& coordinator = **created;
+  std::vector<bool> told;
+  coordinator.SetReadinessListener([&told](bool ready) { told.push_back(ready); });
+  std::string address;
+  auto server = Serve(&coordinator, &address);
+  auto stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  EXPECT_EQ(told, std::vector<bool>{false});
+
+  {
+    absl::MutexLock lock(&mu);
+    indexer_answer = {cluster.indexer_address(0)};
+    attention_answer = {cluster.attention_address(0)};
+  }
+  coordinator.RefreshWorkers();
+  EXPECT_EQ(told, (std::vector<bool>{false, true}));
+  const Stream first = Generate(*stub, Request("first", 100, 3));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.admitted()->indexer_worker(), cluster.indexer_address(0));
+
+  // Indexer 0 leaves the answer, indexer 1 joins: new requests go to indexer 1 only.
+  {
+    absl::MutexLock lock(&mu);
+    indexer_answer = {cluster.indexer_address(1)};
+  }
+  coordinator.RefreshWorkers();
+  EXPECT_EQ(told.back(), true);
+  cv1::GetLoadResponse load = Load(*stub);
+  ASSERT_EQ(load.indexer_workers_size(), 2);
+  EXPECT_FALSE(load.indexer_workers(0).ready());
+  EXPECT_TRUE(load.indexer_workers(1).ready());
+  for (int i = 0; i < 3; ++i) {
+    const Stream s = Generate(*stub, Request(absl::StrCat("moved", i), 100, 2));
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_EQ(s.admitted()->indexer_worker(), cluster.indexer_address(1));
+  }
+  EXPECT_THAT(prometheus::TextSerializer().Serialize(registry.Collect()),
+              HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"not_ready\"} 1"));
+
+  // The resolver fails: the last answer stands, nothing changes.
+  {
+    absl::MutexLock lock(&mu);
+    resolver_fails = true;
+  }
+  coordinator.RefreshWorkers();
+  EXPECT_EQ(told.back(), true);
+  EXPECT_TRUE(Load(*stub).indexer_workers(1).ready());
+
+  // Every attention worker leaves: not ready, Generate UNAVAILABLE; back: ready again.
+  {
+    absl::MutexLock lock(&mu);
+    resolver_fails = false;
+    attention_answer = {};
+  }
+  coordinator.RefreshWorkers();
+  EXPECT_EQ(told.back(), false);
+  EXPECT_EQ(Generate(*stub, Request("none", 100, 2)).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  {
+    absl::MutexLock lock(&mu);
+    attention_answer = {cluster.attention_address(1), cluster.attention_address(0)};
+  }
+  coordinator.RefreshWorkers();
+  EXPECT_EQ(told.back(), true);
+  load = Load(*stub);
+  ASSERT_EQ(load.attention_workers_size(), 2);
+  EXPECT_TRUE(load.attention_workers(0).ready());
+  EXPECT_TRUE(load.attention_workers(1).ready());
+  EXPECT_TRUE(Generate(*stub, Request("back", 100, 2)).status.ok());
+  server->Shutdown();
+  coordinator.Stop();
+}
+
+// A listed worker that stops answering is not placed on; the coordinator stays ready while the
+// other worker of its kind is.
+TEST(CoordinatorServiceTest, AWorkerThatStopsAnsweringIsNotPlacedOn) {
+  Cluster cluster(ClusterOptions{.num_indexers = 1, .num_attention = 2});
+  cluster.StopAttention(0);
+  cluster.coordinator().RefreshWorkers();
+  const cv1::GetLoadResponse load = Load(cluster.stub());
+  ASSERT_EQ(load.attention_workers_size(), 2);
+  EXPECT_FALSE(load.attention_workers(0).ready());
+  EXPECT_TRUE(load.attention_workers(1).ready());
+  for (int i = 0; i < 3; ++i) {
+    const Stream s = Generate(cluster.stub(), Request(absl::StrCat("r", i), 100, 2));
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
+    EXPECT_EQ(s.admitted()->attention_worker(), cluster.attention_address(1));
+  }
 }
 
 }  // namespace

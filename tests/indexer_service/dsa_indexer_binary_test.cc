@@ -64,6 +64,7 @@ TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {
   auto channel = grpc::CreateChannel(process.address, grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(channel, "liveness"), 1);
   EXPECT_EQ(HealthStatus(channel, "readiness"), 1);
+  EXPECT_EQ(HealthStatus(channel, ""), 1);
 
   const std::string services = ReflectionListServices(channel);
   EXPECT_NE(services.find("dsa.indexer.v1.IndexerService"), std::string::npos) << services;
@@ -93,7 +94,7 @@ TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {
   EXPECT_NE(metrics.find("200 OK"), std::string::npos) << metrics;
   for (const char* sample : {"dsa_indexer_select_duration_seconds_count{phase=\"scan\"}",
                              "dsa_indexer_blocks_scored_total", "dsa_indexer_blocks_visible_total",
-                             "dsa_indexer_cache_blocks{state=\"used\"} 0",
+                             "dsa_indexer_cache_blocks{state=\"exclusive\"} 0",
                              "dsa_indexer_cache_blocks{state=\"free\"} 64"}) {
     EXPECT_NE(metrics.find(sample), std::string::npos) << sample;
   }
@@ -107,6 +108,7 @@ TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {
     readiness = HealthStatus(channel, "readiness");
   }
   EXPECT_EQ(readiness, 2);
+  EXPECT_EQ(HealthStatus(channel, ""), 2);  // the unnamed service follows readiness
   EXPECT_EQ(HealthStatus(channel, "liveness"), 1);
   EXPECT_EQ(WaitExit(process.pid, std::chrono::seconds(10)), 0);
 }

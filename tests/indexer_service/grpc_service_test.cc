@@ -350,8 +350,10 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
     EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_select_duration_seconds", phase), groups)
         << phase;
   }
-  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "used"),
-            twin_->Usage().used_blocks);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "exclusive"),
+            twin_->Usage().used_blocks - twin_->Usage().shared_blocks);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "shared"),
+            twin_->Usage().shared_blocks);
   EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "free"),
             twin_->Usage().free_blocks);
   // A CPU engine: every group is counted as scored on the CPU.
@@ -422,7 +424,7 @@ TEST_F(GrpcServiceTest, FullFlowEqualsTheEngine) {
   EXPECT_EQ(load.free_blocks(), 256);
   EXPECT_EQ(load.num_heads(), kH);
   EXPECT_EQ(load.head_dim(), kD);
-  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "used"), 0);
+  EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "exclusive"), 0);
   EXPECT_EQ(MetricValue(*registry_, "dsa_indexer_cache_blocks", "free"), 256);
 }
 
@@ -780,7 +782,7 @@ TEST_F(GrpcServiceTest, AnAuditedGroupCarriesItsRowsMissRates) {
 TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
   prometheus::Registry registry;
   IndexerMetrics metrics(registry);
-  EXPECT_EQ(MetricValue(registry, "dsa_indexer_miss_rate"), 0);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_audited_miss_ratio"), 0);
   SelectResult result;
   result.top_k = 4;
   result.selections.assign(8, -1);  // two verifier rows
@@ -788,9 +790,9 @@ TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
   metrics.RecordSelect(result);
   result.audit_miss_rates.clear();  // a select that was not audited observes nothing
   metrics.RecordSelect(result);
-  EXPECT_EQ(MetricValue(registry, "dsa_indexer_miss_rate"), 2);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_audited_miss_ratio"), 2);
   for (const prometheus::MetricFamily& family : registry.Collect()) {
-    if (family.name == "dsa_indexer_miss_rate") {
+    if (family.name == "dsa_indexer_audited_miss_ratio") {
       EXPECT_DOUBLE_EQ(family.metric[0].histogram.sample_sum, 0.75);
     }
   }

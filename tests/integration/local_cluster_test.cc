@@ -7,6 +7,8 @@
 #include <spawn.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -114,22 +116,32 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
     const std::map<std::string, std::vector<std::string>> named = {
         {"dsa_indexer_",
          {"dsa_indexer_select_duration_seconds", "dsa_indexer_blocks_scored_total",
-          "dsa_indexer_blocks_visible_total", "dsa_indexer_miss_rate", "dsa_indexer_cache_blocks"}},
+          "dsa_indexer_blocks_visible_total", "dsa_indexer_audited_miss_ratio",
+          "dsa_indexer_cache_blocks"}},
         {"dsa_attention_",
          {"dsa_attention_selection_wait_seconds", "dsa_attention_full_layer_selects_total"}},
         {"dsa_coordinator_",
          {"dsa_coordinator_time_to_first_token_seconds",
           "dsa_coordinator_inter_token_latency_seconds", "dsa_coordinator_queue_duration_seconds",
           "dsa_coordinator_requests_total", "dsa_coordinator_spec_decode_draft_tokens_total",
-          "dsa_coordinator_spec_decode_accepted_tokens_total"}}};
-    for (const std::string& name : named.at(family)) {
+          "dsa_coordinator_spec_decode_accepted_tokens_total",
+          "dsa_coordinator_generated_tokens_total", "dsa_coordinator_workers",
+          "dsa_coordinator_max_queued_requests"}}};
+    std::vector<std::string> every = named.at(family);
+    for (const char* common :
+         {"dsa_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes",
+          "process_start_time_seconds", "process_open_fds"}) {
+      every.emplace_back(common);
+    }
+    for (const std::string& name : every) {
       EXPECT_NE(metrics.find("# TYPE " + name + " "), std::string::npos)
           << process.name << " lacks " << name;
       EXPECT_NE(metrics.find("\n" + name), std::string::npos) << process.name << " lacks " << name;
     }
     // Every label of every dsa_ sample is one of the bounded, non-request labels.
-    const std::set<std::string> allowed = {"phase",     "state", "outcome", "layer",
-                                           "scored_on", "form",  "le",      "quantile"};
+    const std::set<std::string> allowed = {"phase",     "state",     "outcome", "layer",
+                                           "scored_on", "form",      "kind",    "le",
+                                           "quantile",  "component", "version"};
     std::istringstream lines(metrics);
     std::string line;
     int dsa_samples = 0;
@@ -145,7 +157,14 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
         ASSERT_NE(eq, std::string::npos) << line;
         const std::string name = labels.substr(at, eq - at);
         EXPECT_TRUE(allowed.contains(name)) << process.name << ": label " << name << " in " << line;
-        const size_t close_quote = labels.find('"', labels.find('"', eq) + 1);
+        const size_t open_quote = labels.find('"', eq);
+        const size_t close_quote = labels.find('"', open_quote + 1);
+        if (name == "le") {  // bucket bounds read as written: no float noise
+          const std::string bound = labels.substr(open_quote + 1, close_quote - open_quote - 1);
+          char shortest[32];
+          std::snprintf(shortest, sizeof(shortest), "%.6g", std::strtod(bound.c_str(), nullptr));
+          EXPECT_TRUE(bound == "+Inf" || bound == shortest) << process.name << ": " << line;
+        }
         at = labels.find_first_not_of(',', close_quote + 1);
         if (at == std::string::npos) break;
       }

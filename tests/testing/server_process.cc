@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "grpcpp/impl/client_unary_call.h"
@@ -25,7 +26,15 @@ Process StartServer(const std::string& binary_path, const std::vector<std::strin
   int out[2];
   EXPECT_EQ(pipe(out), 0);
   std::string binary = binary_path;
-  std::vector<std::string> args = flags;
+  // Loopback and free ports unless the test says otherwise (the binaries' defaults are fixed
+  // ports on every interface, for pods).
+  std::vector<std::string> args;
+  for (const char* flag : {"--listen", "--metrics-listen"}) {
+    if (std::find(flags.begin(), flags.end(), flag) == flags.end()) {
+      args.insert(args.end(), {flag, "127.0.0.1:0"});
+    }
+  }
+  args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;
   argv.push_back(binary.data());
   for (std::string& a : args) argv.push_back(a.data());

@@ -21,7 +21,8 @@ struct Process {
   std::string metrics_address;  // /metrics, host:port ("" if none was printed)
 };
 
-/// Spawns `binary` with `flags`, stdout piped; reads the first two stdout lines
+/// Spawns `binary` with `flags` (after --listen 127.0.0.1:0 and --metrics-listen 127.0.0.1:0 where
+/// `flags` has no such flag), stdout piped; reads the first two stdout lines
 /// ("NAME: listening on HOST:PORT", "NAME: metrics on http://HOST:PORT/metrics").
 Process StartServer(const std::string& binary, const std::vector<std::string>& flags);
 

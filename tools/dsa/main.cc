@@ -19,7 +19,11 @@
 #include <utility>
 
 #include "CLI/CLI.hpp"
+#include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "server/health_check.h"
+#include "server/server.h"
+#include "server/version.h"
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/eval.h"
 #include "tools/dsa/replay.h"
@@ -317,6 +321,28 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   return exit_code;
 }
 
+// `dsa health`: prints the status ("SERVING", "NOT_SERVING", "UNKNOWN", or why the call failed)
+// and returns 0 only for SERVING.
+int RunHealth(const std::string& target, const std::string& service, int64_t timeout_ms) {
+  if (service.size() >= 128) {
+    std::fprintf(stderr, "dsa health: --service must be under 128 bytes\n");
+    return 2;
+  }
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  const dsa::HealthCheckResult result = dsa::CheckHealth(
+      *channel, service, std::chrono::milliseconds(timeout_ms), /*wait_for_ready=*/true);
+  if (!result.call.ok()) {
+    std::printf("%s \"%s\": check failed: %s (%d)\n", target.c_str(), service.c_str(),
+                result.call.error_message().c_str(), static_cast<int>(result.call.error_code()));
+    return 1;
+  }
+  const char* names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};
+  const bool known = result.serving >= 0 && result.serving <= 3;
+  std::printf("%s \"%s\": %s\n", target.c_str(), service.c_str(),
+              known ? names[result.serving] : "unreadable answer");
+  return result.serving == 1 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
@@ -425,18 +451,42 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                          "Write the report as a markdown table to this file");
   AddClusterFlags(replay_cmd, replay_cluster, replay_flags);
 
+  std::string health_target, health_service = dsa::kReadinessService;
+  int64_t health_timeout_ms = 2000;
+  CLI::App* health_cmd = app.add_subcommand(
+      "health",
+      "grpc.health.v1 Check of one service name of a server: exit 0 when SERVING, else 1 (for "
+      "probes and helm test)");
+  health_cmd->add_option("--target", health_target, "host:port of the server")
+      ->required()
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  health_cmd
+      ->add_option("--service", health_service,
+                   "Health service name: readiness, liveness, or \"\" (the server as a whole)")
+      ->capture_default_str();
+  health_cmd
+      ->add_option("--timeout-ms", health_timeout_ms,
+                   "Deadline of the check, waiting for the server to listen until then")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.set_version_flag("--version", std::string("dsa ") + dsa::BuildVersion());
+
   // CLI11 says only "A subcommand is required" for a misspelt one: name it.
   const std::string first = argc > 1 ? argv[1] : "";
   const auto named_first = [&first](const CLI::App* sub) { return sub->check_name(first); };
   if (!first.empty() && first[0] != '-' &&
       std::as_const(app).get_subcommands(named_first).empty()) {
-    std::fprintf(stderr,
-                 "dsa: unknown subcommand '%s' (available: eval, up, replay); see dsa --help\n",
-                 argv[1]);
+    std::fprintf(
+        stderr,
+        "dsa: unknown subcommand '%s' (available: eval, up, replay, health); see dsa --help\n",
+        argv[1]);
     return 106;
   }
   CLI11_PARSE(app, argc, argv);
 
+  if (*health_cmd) {
+    return RunHealth(health_target, health_service, health_timeout_ms);
+  }
   if (*up_cmd) {
     ResolveClusterFlags(up_flags, up_options);
     return RunUp(up_options);
