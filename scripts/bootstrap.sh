@@ -7,7 +7,8 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config git
   libabsl-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
-  python3 python3-matplotlib clang-format clang-tidy
+  python3 python3-matplotlib python3-venv clang-format clang-tidy
+  prometheus
 )
 
 missing=()

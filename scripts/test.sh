@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: install what is missing, build (CUDA kernels too when nvcc is present),
-# run every GoogleTest case with CTest, then check the formatting of every C++ and CUDA source and
-# run clang-tidy over the library and tool sources.
+# run every test with CTest (GoogleTest cases and the real-Prometheus test), check the formatting
+# of every C++ and CUDA source, run clang-tidy over the library and tool sources, then check the
+# deployment: the Helm chart, the Prometheus rules and Grafana dashboards, the Dockerfiles, the
+# protos (buf lint) and the Python client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
@@ -9,3 +11,10 @@ bash scripts/build.sh
 ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
 bash scripts/check_format.sh
 bash scripts/check_tidy.sh
+# Deployment (docs/deploy.md, "What CI checks"): the chart rendered by Helm's engine and validated,
+# the rules and dashboards, the images' lint, the protos' lint, the Python client.
+bash scripts/check_chart.sh
+bash scripts/check_observability.sh
+bash scripts/check_images.sh
+bash scripts/check_protos.sh
+bash scripts/check_client.sh
