@@ -238,7 +238,11 @@ absl::StatusOr<std::shared_ptr<IndexerClient>> AttentionEngine::GetClient(
   {
     std::lock_guard<std::mutex> lock(clients_mutex_);
     auto it = clients_.find(address);
-    if (it != clients_.end()) return it->second;
+    if (it != clients_.end() && !it->second->DataPlaneEnded()) return it->second;
+    if (it != clients_.end()) {  // its connection ended (the indexer restarted): a new client
+      host_only_clients_.erase(it->second.get());
+      clients_.erase(it);
+    }
   }
   // Made outside the lock (a factory may dial), so other indexers' calls never wait for it; when
   // two threads make one at once, the first one stored wins.

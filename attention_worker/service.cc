@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention_worker/cpu_attention_backend.h"
+#include "common/instance_id.h"
 #include "common/status_macros.h"
 #include "indexer_service/grpc_service.h"
 #include "transport/grpc_indexer_client.h"
@@ -78,6 +79,7 @@ grpc::Status AttentionServiceImpl::GetInfo(grpc::ServerContext* /*context*/,
   response->set_kv_capacity_slots(info.kv_capacity_slots);
   response->set_kv_used_slots(info.kv_used_slots);
   response->set_sequences(info.sequences);
+  response->set_instance_id(ProcessInstanceId());
   return grpc::Status::OK;
 }
 

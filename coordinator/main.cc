@@ -92,11 +92,6 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   app.add_option("--retain-finished", options.retain_finished,
                  "Keep finished sequences' index keys as prefix donors while space allows")
       ->capture_default_str();
-  app.add_option("--startup-timeout-ms", options.startup_timeout_ms,
-                 "How long the first look at the fixed workers waits for them to listen (the "
-                 "coordinator then serves, not ready, until a worker of each kind is)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
   app.add_option("--stall-timeout-ms", options.stall_timeout_ms,
                  "End a request whose client has left its events unread this long (frees its "
                  "sequence); 0 = never")

@@ -100,6 +100,9 @@ absl::Status Scheduler::SetIndexerReady(int indexer, bool ready) {
   if (indexer < 0 || indexer >= static_cast<int>(indexers_.size())) {
     return absl::OutOfRangeError(absl::StrCat("no indexer worker ", indexer));
   }
+  if (ready && indexers_[indexer].retired) {
+    return absl::FailedPreconditionError(absl::StrCat("indexer worker ", indexer, " is retired"));
+  }
   indexers_[indexer].ready = ready;
   return absl::OkStatus();
 }
@@ -108,8 +111,80 @@ absl::Status Scheduler::SetAttentionReady(int attention, bool ready) {
   if (attention < 0 || attention >= static_cast<int>(attentions_.size())) {
     return absl::OutOfRangeError(absl::StrCat("no attention worker ", attention));
   }
+  if (ready && attentions_[attention].retired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("attention worker ", attention, " is retired"));
+  }
   attentions_[attention].ready = ready;
   return absl::OkStatus();
+}
+
+absl::Status Scheduler::RetireIndexer(int indexer) {
+  if (indexer < 0 || indexer >= static_cast<int>(indexers_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no indexer worker ", indexer));
+  }
+  indexers_[indexer].ready = false;
+  indexers_[indexer].retired = true;
+  ForgetRetainedOn(indexer, -1);
+  return absl::OkStatus();
+}
+
+absl::Status Scheduler::RetireAttention(int attention) {
+  if (attention < 0 || attention >= static_cast<int>(attentions_.size())) {
+    return absl::OutOfRangeError(absl::StrCat("no attention worker ", attention));
+  }
+  attentions_[attention].ready = false;
+  attentions_[attention].retired = true;
+  ForgetRetainedOn(-1, attention);
+  return absl::OkStatus();
+}
+
+void Scheduler::ForgetRetainedOn(int indexer, int attention) {
+  std::vector<uint64_t> forget;
+  for (auto& [id, s] : sequences_) {
+    if (s.indexer != indexer && s.attention != attention) continue;
+    if (!s.session_id.empty()) {  // its next turn starts afresh
+      auto session = session_sequences_.find(s.session_id);
+      if (session != session_sequences_.end() && session->second == id) {
+        session_sequences_.erase(session);
+      }
+      if (s.state == State::kRetained) s.session_id.clear();
+    }
+    if (s.state != State::kRetained) continue;
+    if (s.pins > 0) {
+      s.release_when_unpinned = true;  // dropped when the prefill that uses it ends
+    } else {
+      forget.push_back(id);
+    }
+  }
+  for (uint64_t id : forget) (void)Evict(id);  // nothing to release on a worker that is gone
+}
+
+bool Scheduler::FitsAReadyWorker(const SequenceDemand& demand) const {
+  bool indexer_fits = false;
+  for (size_t i = 0; i < indexers_.size(); ++i) {
+    indexer_fits |= indexers_[i].ready && BlocksNeeded(demand) <= indexer_info_[i].capacity_blocks;
+  }
+  bool attention_fits = false;
+  for (size_t j = 0; j < attentions_.size(); ++j) {
+    const int64_t capacity = attention_info_[j].kv_capacity_slots;
+    attention_fits |= attentions_[j].ready && (capacity <= 0 || KvSlots(demand) <= capacity);
+  }
+  return indexer_fits && attention_fits;
+}
+
+std::vector<uint64_t> Scheduler::TakeUnplaceableQueued() {
+  std::vector<uint64_t> taken;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (FitsAReadyWorker(it->demand)) {
+      ++it;
+      continue;
+    }
+    taken.push_back(it->ticket);
+    if (!it->demand.session_id.empty()) busy_sessions_.erase(it->demand.session_id);
+    it = queue_.erase(it);
+  }
+  return taken;
 }
 
 absl::Status Scheduler::SetNumFullLayers(int num_full_layers) {
@@ -179,8 +254,10 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
   }
   const int64_t blocks = BlocksNeeded(demand);
   int64_t largest_blocks = 0;
-  for (const IndexerWorkerInfo& info : indexer_info_) {
-    largest_blocks = std::max(largest_blocks, info.capacity_blocks);
+  for (size_t i = 0; i < indexer_info_.size(); ++i) {
+    if (!indexers_[i].retired) {
+      largest_blocks = std::max(largest_blocks, indexer_info_[i].capacity_blocks);
+    }
   }
   if (blocks > largest_blocks) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -192,14 +269,24 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
   }
   int64_t largest_kv = 0;
   bool kv_unlimited = false;
-  for (const AttentionWorkerInfo& info : attention_info_) {
-    kv_unlimited = kv_unlimited || info.kv_capacity_slots <= 0;
-    largest_kv = std::max(largest_kv, info.kv_capacity_slots);
+  for (size_t j = 0; j < attention_info_.size(); ++j) {
+    if (attentions_[j].retired) continue;
+    kv_unlimited = kv_unlimited || attention_info_[j].kv_capacity_slots <= 0;
+    largest_kv = std::max(largest_kv, attention_info_[j].kv_capacity_slots);
   }
   if (!kv_unlimited && KvSlots(demand) > largest_kv) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "request needs ", KvSlots(demand),
         " KV slots, more than any attention worker's capacity (largest: ", largest_kv, " slots)"));
+  }
+  if (!FitsAReadyWorker(demand)) {
+    return absl::UnavailableError(absl::StrCat(
+        "no ready worker can hold the request now (", blocks, " index-key-cache blocks, ",
+        KvSlots(demand), " KV slots): the workers large enough are not ready"));
+  }
+  if (session_sequence != nullptr && (!indexers_[session_sequence->indexer].ready ||
+                                      !attentions_[session_sequence->attention].ready)) {
+    session_sequence = nullptr;  // its workers are not ready: the turn starts afresh (TryPlace)
   }
   if (session_sequence != nullptr) {  // a turn stays on its session's workers
     const IndexerWorkerInfo& indexer = indexer_info_[session_sequence->indexer];
@@ -332,10 +419,20 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
 
   auto session_it = demand.session_id.empty() ? session_sequences_.end()
                                               : session_sequences_.find(demand.session_id);
+  if (session_it != session_sequences_.end()) {
+    Sequence& kept = sequences_.at(session_it->second);
+    if (!indexers_[kept.indexer].ready || !attentions_[kept.attention].ready) {
+      // Its workers are not ready: the turn is placed afresh (the session's context is the whole
+      // conversation, so nothing is lost). The kept sequence becomes a plain retained one, evicted
+      // like any other once its workers are back.
+      kept.session_id.clear();
+      session_sequences_.erase(session_it);
+      session_it = session_sequences_.end();
+    }
+  }
   if (session_it != session_sequences_.end()) {  // a new turn of a kept sequence
     const uint64_t id = session_it->second;
     Sequence& s = sequences_.at(id);
-    if (!indexers_[s.indexer].ready || !attentions_[s.attention].ready) return std::nullopt;
     const int64_t extra_blocks =
         std::max<int64_t>(0, blocks_per_layer - static_cast<int64_t>(s.blocks.size())) * layers;
     const int64_t extra_kv = std::max<int64_t>(0, kv - s.kv_slots);

@@ -132,11 +132,22 @@ class Scheduler {
   /// negative capacity.
   absl::StatusOr<int> AddIndexer(IndexerWorkerInfo info);
   absl::StatusOr<int> AddAttention(AttentionWorkerInfo info);
-  /// Whether new sequences may be placed on a worker (what it holds already stays; a session's
-  /// next turn on a worker that is not ready waits in the queue). OUT_OF_RANGE for an unknown
-  /// index.
+  /// Whether new sequences may be placed on a worker. What it holds stays; a session whose
+  /// sequence is on a worker that is not ready starts its next turn afresh on ready workers (the
+  /// old sequence is dropped, best effort). OUT_OF_RANGE for an unknown index,
+  /// FAILED_PRECONDITION to make a retired worker ready.
   absl::Status SetIndexerReady(int indexer, bool ready);
   absl::Status SetAttentionReady(int attention, bool ready);
+  /// A worker that restarted or is gone for good: never placed on again, and its retained
+  /// sequences (prefix donors, idle sessions) are forgotten at once, since what they held died
+  /// with it (a donor that a prefill in progress uses goes when that prefill ends). Its running
+  /// sequences stay until Finish. OUT_OF_RANGE for an unknown index.
+  absl::Status RetireIndexer(int indexer);
+  absl::Status RetireAttention(int attention);
+  /// Removes and returns (in queue order) the queued tickets that no ready worker could hold even
+  /// when empty (or all of them when no worker of a kind is ready): the caller fails them, so a
+  /// worker that left cannot keep requests queued forever.
+  std::vector<uint64_t> TakeUnplaceableQueued();
   /// Sets the full layers of every sequence (the attention workers' GetInfo, known once the first
   /// one answers). FAILED_PRECONDITION while a sequence is held or queued; INVALID_ARGUMENT < 1.
   absl::Status SetNumFullLayers(int num_full_layers);
@@ -222,11 +233,13 @@ class Scheduler {
   struct IndexerState {
     absl::flat_hash_map<uint64_t, int> block_refs;  // block id -> holders
     bool ready = true;                              // placed on
+    bool retired = false;                           // never ready again
   };
   struct AttentionState {
     int64_t kv_reserved_slots = 0;
     int running = 0;
-    bool ready = true;  // placed on
+    bool ready = true;     // placed on
+    bool retired = false;  // never ready again
   };
 
   Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,
@@ -244,6 +257,10 @@ class Scheduler {
                                                      int64_t kv, uint64_t protect) const;
   // Forgets a sequence's reservations; returns how to drop it on the workers.
   Eviction Evict(uint64_t sequence_id);
+  // Forgets the retained sequences on a retired worker (`indexer` or `attention` >= 0).
+  void ForgetRetainedOn(int indexer, int attention);
+  // Whether `demand` fits some ready worker of each kind when it is empty.
+  bool FitsAReadyWorker(const SequenceDemand& demand) const;
   void DropBlocks(Sequence& sequence);
   // Unpins `donor`; appends its eviction when it was kept only for the pin.
   void Unpin(uint64_t donor, std::vector<Eviction>& evictions);

@@ -139,7 +139,10 @@ absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& 
     return absl::InvalidArgumentError(
         absl::StrCat("\"", name_port, "\" is not NAME:PORT with a port in 1..65535"));
   }
-  const std::string name = name_port.substr(0, colon);
+  std::string name = name_port.substr(0, colon);
+  if (name.size() > 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);  // a bracketed IPv6 address
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -237,9 +240,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   if (!scheduler.ok()) return scheduler.status();
   auto service = std::unique_ptr<CoordinatorServiceImpl>(
       new CoordinatorServiceImpl(options, metrics, std::move(resolve), *std::move(scheduler)));
-  service->RefreshWorkersWith(std::chrono::milliseconds(std::max<int64_t>(
-                                  options.startup_timeout_ms, options.worker_check_timeout_ms)),
-                              /*wait_for_ready=*/true);
+  service->RefreshWorkers();
   if (options.worker_check_interval_ms > 0) {
     service->watch_ = std::thread([raw = service.get()] { raw->WatchWorkers(); });
   }
@@ -296,11 +297,6 @@ void CoordinatorServiceImpl::WatchWorkers() {
   }
 }
 
-void CoordinatorServiceImpl::RefreshWorkers() {
-  RefreshWorkersWith(std::chrono::milliseconds(options_.worker_check_timeout_ms),
-                     /*wait_for_ready=*/false);
-}
-
 void CoordinatorServiceImpl::SetReadinessListener(std::function<void(bool ready)> listener) {
   absl::MutexLock refresh(&refresh_mu_);
   readiness_listener_ = std::move(listener);
@@ -315,7 +311,7 @@ void CoordinatorServiceImpl::SetReadinessListener(std::function<void(bool ready)
 
 int CoordinatorServiceImpl::num_full_layers() const {
   absl::MutexLock lock(&mu_);
-  return shape_.num_full_layers;
+  return num_full_layers_;
 }
 
 bool CoordinatorServiceImpl::ReadyLocked() const {
@@ -329,8 +325,9 @@ std::vector<std::string> CoordinatorServiceImpl::WantedAddresses(
     absl::StatusOr<std::vector<std::string>> resolved = resolve_(name);
     if (resolved.ok()) {
       dns_answers_[name] = *resolved;
+      logged_.erase(absl::StrCat("dns ", name));
     } else {
-      LogJson("warn", "cannot resolve workers; keeping the last answer",
+      LogOnce(absl::StrCat("dns ", name), "warn", "cannot resolve workers; keeping the last answer",
               {{"name", name}, {"status", resolved.status().ToString()}});
     }
     const auto& answer = dns_answers_[name];
@@ -345,18 +342,26 @@ std::vector<std::string> CoordinatorServiceImpl::WantedAddresses(
   return unique;
 }
 
+std::shared_ptr<grpc::Channel> CoordinatorServiceImpl::WorkerChannel(
+    const std::string& address) const {
+  grpc::ChannelArguments args;
+  const int max_backoff_ms = static_cast<int>(std::clamp<int64_t>(
+      options_.worker_check_interval_ms, options_.worker_check_timeout_ms, int64_t{60000}));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms, 100));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms, 100));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, max_backoff_ms);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
 CoordinatorServiceImpl::Probe CoordinatorServiceImpl::ProbeWorker(
-    const std::string& address, std::shared_ptr<grpc::Channel> channel, bool attention,
-    std::chrono::milliseconds timeout, bool wait_for_ready) const {
+    const std::string& address, std::shared_ptr<grpc::Channel> channel, bool attention) const {
+  const auto timeout = std::chrono::milliseconds(options_.worker_check_timeout_ms);
   Probe probe;
   probe.address = address;
-  probe.channel = channel != nullptr
-                      ? std::move(channel)
-                      : grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  probe.channel = channel != nullptr ? std::move(channel) : WorkerChannel(address);
   {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + timeout);
-    context.set_wait_for_ready(wait_for_ready);
     probe.status = attention ? av1::AttentionService::NewStub(probe.channel)
                                    ->GetInfo(&context, av1::GetInfoRequest(), &probe.info)
                              : iv1::IndexerService::NewStub(probe.channel)
@@ -385,37 +390,73 @@ std::string CoordinatorServiceImpl::CheckShapeLocked(const Probe& probe, bool at
   const int64_t heads = attention ? probe.info.num_heads() : probe.load.num_heads();
   const int64_t dim = attention ? probe.info.head_dim() : probe.load.head_dim();
   if (attention && probe.info.num_full_layers() < 1) return "it reports no full layer";
-  if (shape_.num_heads != 0 && (heads != shape_.num_heads || dim != shape_.head_dim)) {
+  // The shape of the workers ready now (any one: they all agree).
+  int64_t ready_heads = 0;
+  int64_t ready_dim = 0;
+  int ready_layers = 0;
+  for (int j = 0; j < num_attention_; ++j) {
+    if (!attention_[j]->ready) continue;
+    ready_heads = attention_[j]->num_heads;
+    ready_dim = attention_[j]->head_dim;
+    ready_layers = attention_[j]->num_full_layers;
+  }
+  for (int i = 0; i < num_indexers_ && ready_heads == 0; ++i) {
+    if (!indexers_[i]->ready) continue;
+    ready_heads = indexers_[i]->num_heads;
+    ready_dim = indexers_[i]->head_dim;
+  }
+  if (ready_heads != 0 && (heads != ready_heads || dim != ready_dim)) {
     return absl::StrCat("it has H = ", heads, ", D = ", dim,
-                        " but the workers taken in have H = ", shape_.num_heads,
-                        ", D = ", shape_.head_dim);
+                        " but the ready workers have H = ", ready_heads, ", D = ", ready_dim);
   }
-  if (attention && shape_.num_full_layers != 0 &&
-      probe.info.num_full_layers() != shape_.num_full_layers) {
+  if (!attention) return "";
+  if (ready_layers != 0 && probe.info.num_full_layers() != ready_layers) {
     return absl::StrCat("attention workers disagree on the number of full layers: it has ",
-                        probe.info.num_full_layers(), ", the workers taken in have ",
-                        shape_.num_full_layers);
+                        probe.info.num_full_layers(), ", the ready workers have ", ready_layers);
   }
-  if (attention && shape_.num_full_layers == 0) {
+  if (probe.info.num_full_layers() != num_full_layers_) {
     if (absl::Status set = scheduler_.SetNumFullLayers(probe.info.num_full_layers()); !set.ok()) {
-      return std::string(set.message());
+      return absl::StrCat("it has ", probe.info.num_full_layers(), " full layers, the sequences ",
+                          "held have ", num_full_layers_, ": ", set.message());
     }
-    shape_.num_full_layers = probe.info.num_full_layers();
+    num_full_layers_ = probe.info.num_full_layers();
   }
-  shape_.num_heads = heads;
-  shape_.head_dim = dim;
   return "";
 }
 
-void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeout,
-                                                bool wait_for_ready) {
+void CoordinatorServiceImpl::RetireLocked(int slot, bool attention) {
+  for (bool kind : {true, false}) {
+    if (kind != attention && !options_.colocated) continue;  // co-located: the pair goes together
+    if (kind) {
+      attention_[slot]->ready = false;
+      attention_[slot]->retired = true;
+      attention_by_address_.erase(attention_[slot]->address);
+      (void)scheduler_.RetireAttention(slot);
+    } else {
+      indexers_[slot]->ready = false;
+      indexers_[slot]->retired = true;
+      indexer_by_address_.erase(indexers_[slot]->address);
+      (void)scheduler_.RetireIndexer(slot);
+    }
+  }
+}
+
+void CoordinatorServiceImpl::LogOnce(const std::string& key, const char* level, const char* message,
+                                     nlohmann::json fields) {
+  const std::string text = absl::StrCat(message, " ", fields.dump());
+  if (logged_[key] == text) return;
+  logged_[key] = text;
+  LogJson(level, message, std::move(fields));
+}
+
+void CoordinatorServiceImpl::RefreshWorkers() {
   absl::MutexLock refresh(&refresh_mu_);
   const std::vector<std::string> attention_wanted =
       WantedAddresses(options_.attention_addresses, options_.attention_dns);
   const std::vector<std::string> indexer_wanted =
       options_.colocated ? attention_wanted
                          : WantedAddresses(options_.indexer_addresses, options_.indexer_dns);
-  // Every wanted or known address of each kind, with the channel of a known one.
+  // Every wanted or known (not retired) address of each kind, with the channel of a known one.
   struct Target {
     std::string address;
     bool attention;
@@ -430,18 +471,17 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
     for (bool attention : {true, false}) {
       const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
       const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
+      auto channel_of = [&](int slot) {
+        return attention ? attention_[slot]->channel : indexers_[slot]->channel;
+      };
       for (const std::string& address : wanted) {
         auto it = by_address.find(address);
         const int slot = it == by_address.end() ? -1 : it->second;
-        targets.push_back(
-            {address, attention, true, slot,
-             slot < 0 ? nullptr
-                      : (attention ? attention_[slot]->channel : indexers_[slot]->channel)});
+        targets.push_back({address, attention, true, slot, slot < 0 ? nullptr : channel_of(slot)});
       }
       for (const auto& [address, slot] : by_address) {
         if (std::find(wanted.begin(), wanted.end(), address) == wanted.end()) {
-          targets.push_back({address, attention, false, slot,
-                             attention ? attention_[slot]->channel : indexers_[slot]->channel});
+          targets.push_back({address, attention, false, slot, channel_of(slot)});
         }
       }
     }
@@ -453,35 +493,69 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
     checks.reserve(targets.size());
     for (size_t t = 0; t < targets.size(); ++t) {
       checks.emplace_back([&, t] {
-        probes[t] = ProbeWorker(targets[t].address, targets[t].channel, targets[t].attention,
-                                timeout, wait_for_ready && targets[t].slot < 0);
+        probes[t] = ProbeWorker(targets[t].address, targets[t].channel, targets[t].attention);
       });
     }
     for (std::thread& check : checks) check.join();
   }
+  auto probe_of = [&](const std::string& address, bool attention) -> Probe* {
+    for (size_t t = 0; t < targets.size(); ++t) {
+      if (targets[t].address == address && targets[t].attention == attention) return &probes[t];
+    }
+    return nullptr;
+  };
+  auto instance_of = [](const Probe& p, bool attention) -> const std::string& {
+    return attention ? p.info.instance_id() : p.load.instance_id();
+  };
 
   bool ready = false;
+  std::vector<uint64_t> unplaceable;
   {
     absl::MutexLock lock(&mu_);
     bool any_became_ready = false;
-    // In a co-located pair, both halves must answer before the pair is taken in.
-    auto probe_of = [&](const std::string& address, bool attention) -> const Probe* {
-      for (size_t t = 0; t < targets.size(); ++t) {
-        if (targets[t].address == address && targets[t].attention == attention) {
-          return &probes[t];
+    // A known worker that answers with another instance id restarted: what the scheduler thinks
+    // it holds is gone. Retire its slot; the new instance is taken in below like a new worker.
+    for (Target& target : targets) {
+      const Probe& probe = probes[&target - targets.data()];
+      if (target.slot < 0 || !probe.status.ok()) continue;
+      const std::string& now = instance_of(probe, target.attention);
+      std::string& then = target.attention ? attention_[target.slot]->instance_id
+                                           : indexers_[target.slot]->instance_id;
+      if (then.empty()) then = now;  // a server that did not say before: nothing to compare
+      if (now.empty() || now == then) continue;
+      LogJson("warn", "worker restarted",
+              {{"kind", target.attention ? "attention" : "indexer"},
+               {"address", target.address},
+               {"reason", "its instance id changed: the sequences it held are gone"}});
+      const int slot = target.slot;
+      RetireLocked(slot, target.attention);
+      for (Target& other : targets) {  // co-located: the other half of the pair too
+        if (other.slot == slot && (other.attention == target.attention || options_.colocated)) {
+          other.slot = -1;
+          other.channel = nullptr;
         }
       }
-      return nullptr;
-    };
+    }
+    int unreached[2] = {0, 0};  // [attention]
     for (size_t t = 0; t < targets.size(); ++t) {
       Target& target = targets[t];
       const Probe& probe = probes[t];
       const char* kind = target.attention ? "attention" : "indexer";
-      if (target.slot < 0) {               // not taken in yet
-        if (!probe.status.ok()) continue;  // looked at again at the next refresh
-        if (options_.colocated && !target.attention) continue;  // added with its attention half
+      const std::string key = absl::StrCat(kind, " ", target.address);
+      if (target.slot < 0) {  // not taken in yet
+        if (!target.wanted) continue;
+        if (options_.colocated && !target.attention) continue;  // taken in with its attention half
+        ++unreached[target.attention ? 1 : 0];
         const Probe* indexer_half = options_.colocated ? probe_of(target.address, false) : nullptr;
-        if (options_.colocated && (indexer_half == nullptr || !indexer_half->status.ok())) continue;
+        const grpc::Status& failed =
+            !probe.status.ok() ? probe.status
+                               : (indexer_half != nullptr ? indexer_half->status : probe.status);
+        if (!failed.ok()) {
+          LogOnce(
+              key, "warn", "worker unreachable",
+              {{"kind", kind}, {"address", target.address}, {"reason", failed.error_message()}});
+          continue;  // looked at again at the next refresh
+        }
         std::string refusal = CheckShapeLocked(probe, target.attention);
         if (refusal.empty() && indexer_half != nullptr) {
           refusal = CheckShapeLocked(*indexer_half, /*attention=*/false);
@@ -492,17 +566,14 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
                                  " workers already");
         }
         if (!refusal.empty()) {
-          if (refused_[absl::StrCat(kind, " ", target.address)] != refusal) {
-            refused_[absl::StrCat(kind, " ", target.address)] = refusal;
-            LogJson("error", "worker refused",
-                    {{"kind", kind}, {"address", target.address}, {"reason", refusal}});
-          }
+          LogOnce(key, "error", "worker refused",
+                  {{"kind", kind}, {"address", target.address}, {"reason", refusal}});
           continue;
         }
         auto add_indexer = [&](const Probe& p) -> bool {
           absl::StatusOr<int> slot = scheduler_.AddIndexer({p.address, p.load.capacity_blocks()});
           if (!slot.ok()) {
-            LogJson("error", "worker refused",
+            LogOnce(key, "error", "worker refused",
                     {{"kind", "indexer"},
                      {"address", p.address},
                      {"reason", slot.status().ToString()}});
@@ -513,6 +584,9 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
           worker->channel = p.channel;
           worker->stub = iv1::IndexerService::NewStub(p.channel);
           worker->ready = p.healthy;
+          worker->instance_id = p.load.instance_id();
+          worker->num_heads = p.load.num_heads();
+          worker->head_dim = p.load.head_dim();
           indexers_[*slot] = std::move(worker);
           indexer_by_address_[p.address] = *slot;
           num_indexers_ = *slot + 1;
@@ -525,14 +599,17 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
           return true;
         };
         if (!target.attention) {
-          any_became_ready |= add_indexer(probe) && probe.healthy;
+          if (!add_indexer(probe)) continue;
+          --unreached[0];
+          logged_.erase(key);
+          any_became_ready |= probe.healthy;
           continue;
         }
         if (indexer_half != nullptr && !add_indexer(*indexer_half)) continue;
         absl::StatusOr<int> slot =
             scheduler_.AddAttention({probe.address, probe.info.kv_capacity_slots()});
         if (!slot.ok()) {
-          LogJson("error", "worker refused",
+          LogOnce(key, "error", "worker refused",
                   {{"kind", "attention"},
                    {"address", probe.address},
                    {"reason", slot.status().ToString()}});
@@ -544,6 +621,10 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
         worker->channel = probe.channel;
         worker->stub = av1::AttentionService::NewStub(probe.channel);
         worker->ready = healthy;
+        worker->instance_id = probe.info.instance_id();
+        worker->num_full_layers = probe.info.num_full_layers();
+        worker->num_heads = probe.info.num_heads();
+        worker->head_dim = probe.info.head_dim();
         attention_[*slot] = std::move(worker);
         attention_by_address_[probe.address] = *slot;
         num_attention_ = *slot + 1;
@@ -559,6 +640,8 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
                  {"ready", healthy},
                  {"num_full_layers", probe.info.num_full_layers()},
                  {"kv_capacity_slots", probe.info.kv_capacity_slots()}});
+        --unreached[1];
+        logged_.erase(key);
         any_became_ready |= healthy;
         continue;
       }
@@ -589,12 +672,32 @@ void CoordinatorServiceImpl::RefreshWorkersWith(std::chrono::milliseconds timeou
                 {{"kind", kind}, {"address", target.address}, {"reason", reason}});
       }
     }
+    unreached_attention_ = unreached[1];
+    unreached_indexers_ = options_.colocated ? unreached[1] : unreached[0];
     if (any_became_ready && !draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    unplaceable = scheduler_.TakeUnplaceableQueued();
+    for (uint64_t ticket : unplaceable) {
+      auto it = by_ticket_.find(ticket);
+      if (it == by_ticket_.end()) continue;
+      it->second->phase = Phase::kEnded;
+      SetFinalLocked(*it->second,
+                     grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                  "no ready worker can hold the request now (the workers large "
+                                  "enough for it are not ready)"));
+    }
+    if (!unplaceable.empty()) UpdateGaugesLocked();
     ready = ReadyLocked();
+    auto known = [](const auto& workers, int count) {
+      int n = 0;
+      for (int i = 0; i < count; ++i) n += workers[i]->retired ? 0 : 1;
+      return n;
+    };
+    const int indexers = known(indexers_, num_indexers_);
+    const int attention = known(attention_, num_attention_);
     metrics_->SetWorkers(/*attention=*/false, scheduler_.ReadyIndexers(),
-                         num_indexers_ - scheduler_.ReadyIndexers());
+                         indexers - scheduler_.ReadyIndexers() + unreached_indexers_);
     metrics_->SetWorkers(/*attention=*/true, scheduler_.ReadyAttentions(),
-                         num_attention_ - scheduler_.ReadyAttentions());
+                         attention - scheduler_.ReadyAttentions() + unreached_attention_);
   }
   if (!told_ready_.has_value() || *told_ready_ != ready) {
     told_ready_ = ready;
@@ -881,11 +984,16 @@ grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* context,
                                              cv1::GetLoadResponse* response) {
   SchedulerLoad load;
   std::vector<bool> indexer_ready;
+  std::vector<bool> indexer_retired;
   {
     absl::MutexLock lock(&mu_);
     load = scheduler_.Load();
-    for (int i = 0; i < num_indexers_; ++i) indexer_ready.push_back(indexers_[i]->ready);
+    for (int i = 0; i < num_indexers_; ++i) {
+      indexer_ready.push_back(indexers_[i]->ready);
+      indexer_retired.push_back(indexers_[i]->retired);
+    }
     for (int j = 0; j < num_attention_; ++j) {
+      if (attention_[j]->retired) continue;  // restarted: its new instance has its own entry
       cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
       worker->set_address(attention_[j]->address);
       worker->set_ready(attention_[j]->ready);
@@ -895,17 +1003,34 @@ grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* context,
   response->set_queued(load.queued);
   response->set_running(load.running);
   response->set_retained_sequences(load.retained);
+  // Ask the ready indexers at once (a worker that is not ready reports the reservations).
+  const size_t count = indexer_ready.size();
+  std::vector<grpc::ClientContext> clients(count);
+  std::vector<iv1::GetLoadResponse> loads(count);
+  std::vector<grpc::Status> statuses(count, grpc::Status(grpc::StatusCode::UNAVAILABLE, ""));
+  const iv1::GetLoadRequest load_request;
+  absl::BlockingCounter answered(
+      static_cast<int>(std::count(indexer_ready.begin(), indexer_ready.end(), true)));
+  for (size_t i = 0; i < count; ++i) {
+    if (!indexer_ready[i]) continue;
+    clients[i].set_deadline(std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(options_.worker_check_timeout_ms));
+    indexers_[i]->stub->async()->GetLoad(&clients[i], &load_request, &loads[i],
+                                         [&statuses, &answered, i](grpc::Status status) {
+                                           statuses[i] = std::move(status);
+                                           answered.DecrementCount();
+                                         });
+  }
+  answered.Wait();
   int64_t used = 0;
   int64_t capacity = 0;
-  for (size_t i = 0; i < indexer_ready.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
+    if (indexer_retired[i]) continue;
     cv1::WorkerLoad* worker = response->add_indexer_workers();
     worker->set_address(indexers_[i]->address);
     worker->set_ready(indexer_ready[i]);
-    grpc::ClientContext client;
-    client.set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(options_.worker_check_timeout_ms));
-    iv1::GetLoadResponse indexer_load;
-    if (indexers_[i]->stub->GetLoad(&client, iv1::GetLoadRequest(), &indexer_load).ok()) {
+    const iv1::GetLoadResponse& indexer_load = loads[i];
+    if (statuses[i].ok()) {
       worker->set_cache_blocks_used(indexer_load.used_blocks());
       worker->set_cache_blocks_capacity(indexer_load.capacity_blocks());
       worker->set_sequences(static_cast<int32_t>(indexer_load.sequences()));

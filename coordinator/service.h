@@ -28,6 +28,7 @@
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
 
 namespace dsa {
 
@@ -56,8 +57,6 @@ struct CoordinatorOptions {
   /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
   /// usually the same address): sequences on indexer i run on attention worker i.
   bool colocated = false;
-  /// How long Create's first RefreshWorkers waits for the fixed workers to start listening.
-  int64_t startup_timeout_ms = 10000;
   int64_t rpc_timeout_ms = 30000;  // deadline of DecodeStep, Commit, Release and GetLoad calls
   /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
   int max_pending_events = 16;
@@ -122,9 +121,9 @@ absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& 
 /// request.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
-  /// Validates the options, runs a first RefreshWorkers (waiting up to startup_timeout_ms for the
-  /// fixed workers to listen; workers that do not answer are looked at again later, so the
-  /// coordinator starts, not ready, when none does) and starts the watch thread. `metrics` is
+  /// Validates the options, runs a first RefreshWorkers (each check bounded by
+  /// worker_check_timeout_ms; workers that do not answer are looked at again at the next one, so
+  /// the coordinator starts, not ready, when none does) and starts the watch thread. `metrics` is
   /// caller-owned and outlives the service; `resolve` resolves the *_dns names. Errors:
   /// INVALID_ARGUMENT (no source of workers of a kind, a bad address or option).
   static absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> Create(
@@ -132,7 +131,10 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
       AddressResolver resolve = ResolveDnsAddresses);
 
   /// Resolves the *_dns names, takes in new workers that answer, and sets every known worker's
-  /// readiness (see the class comment), logging each change with its reason; then updates
+  /// readiness (see the class comment), logging each change with its reason. A worker whose
+  /// instance id changed restarted: its slot is retired (nothing placed there again, its retained
+  /// sequences forgotten) and the new instance is taken in afresh, its shape checked again. Then
+  /// fails the queued requests that no ready worker could hold (UNAVAILABLE), updates
   /// dsa_coordinator_workers and tells the readiness listener. A name that fails to resolve keeps
   /// its last answer (logged). Thread-safe; calls are serialized.
   void RefreshWorkers();
@@ -220,13 +222,22 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
     std::vector<std::shared_ptr<Request>> decoding;  // guarded by mu_
     absl::CondVar wake;                              // new work, room in an event queue, stop
     bool ready = true;                               // guarded by mu_
+    bool retired = false;                            // guarded by mu_; restarted or gone
+    std::string instance_id;                         // GetInfo's, when taken in
+    int num_full_layers = 0;
+    int64_t num_heads = 0;
+    int64_t head_dim = 0;
     std::thread loop;
   };
   struct IndexerWorker {
     std::string address;
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub;
-    bool ready = true;  // guarded by mu_
+    bool ready = true;        // guarded by mu_
+    bool retired = false;     // guarded by mu_; restarted or gone
+    std::string instance_id;  // GetLoad's, when taken in
+    int64_t num_heads = 0;
+    int64_t head_dim = 0;
   };
   // What one check of a worker saw (RefreshWorkers).
   struct Probe {
@@ -238,12 +249,6 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
     bool healthy = false;  // readiness SERVING, or no health service and the call above OK
     std::string reason;    // why not healthy
   };
-  // The model shape every worker must share: known once the first worker answered.
-  struct WorkerShape {
-    int num_full_layers = 0;  // 0 until an attention worker answered
-    int64_t num_heads = 0;
-    int64_t head_dim = 0;
-  };
 
   /// Worker slots of each kind: stubs and decode loops live in fixed slots so that threads may
   /// read a slot below the published count without a lock; a worker that leaves keeps its slot.
@@ -252,19 +257,27 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   CoordinatorServiceImpl(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
                          AddressResolver resolve, Scheduler scheduler);
 
-  // RefreshWorkers with `timeout` per check, waiting for listeners when `wait_for_ready`.
-  void RefreshWorkersWith(std::chrono::milliseconds timeout, bool wait_for_ready);
+  // A channel to a worker whose reconnection backoff is bounded by the check interval, so a
+  // worker that comes back is seen at the next check, not after gRPC's default backoff (2 min).
+  std::shared_ptr<grpc::Channel> WorkerChannel(const std::string& address) const;
   // The addresses of a kind: fixed ones, then each name's resolution (the last good answer when
   // it fails now). Called with refresh_mu_ held.
   std::vector<std::string> WantedAddresses(const std::vector<std::string>& fixed,
-                                           const std::vector<std::string>& names);
+                                           const std::vector<std::string>& names)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
   // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness.
   Probe ProbeWorker(const std::string& address, std::shared_ptr<grpc::Channel> channel,
-                    bool attention, std::chrono::milliseconds timeout, bool wait_for_ready) const;
-  // Whether `probe`'s worker fits the shape (an empty string) or why not; records the shape
-  // from the first worker.
+                    bool attention) const;
+  // Whether `probe`'s worker fits the shape of the workers ready now (an empty string) or why
+  // not; with none ready any shape fits (the full layers change only while nothing is held).
   std::string CheckShapeLocked(const Probe& probe, bool attention)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Retires a known worker's slot (a restart): not ready for good, its address free for the new
+  // instance; co-located, the pair goes together.
+  void RetireLocked(int slot, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Logs `message` for `key` unless the last message logged for it was the same.
+  void LogOnce(const std::string& key, const char* level, const char* message,
+               nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
   // The watch thread's body.
   void WatchWorkers();
   // Readiness: a ready worker of each kind.
@@ -320,7 +333,8 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
   absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
       ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
-  absl::flat_hash_map<std::string, std::string> refused_ ABSL_GUARDED_BY(refresh_mu_);  // logged
+  // key -> the last message logged for it (LogOnce)
+  absl::flat_hash_map<std::string, std::string> logged_ ABSL_GUARDED_BY(refresh_mu_);
   std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
   std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
   std::thread watch_;
@@ -330,7 +344,9 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   int num_indexers_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
-  WorkerShape shape_ ABSL_GUARDED_BY(mu_);
+  int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
+  int unreached_indexers_ ABSL_GUARDED_BY(mu_) = 0;  // wanted, not taken in (no answer or refused)
+  int unreached_attention_ ABSL_GUARDED_BY(mu_) = 0;
   absl::CondVar watch_wake_;  // stop
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);

@@ -51,6 +51,9 @@ CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
         }
         const std::string host = address.substr(0, colon);
         const std::string port = address.substr(colon + 1);
+        if (host.find_first_of(" \t\r\n") != std::string::npos) {
+          return absl::StrCat("bad host \"", host, "\" in \"", address, "\" (white space)");
+        }
         if (host.front() == '[' ? host.back() != ']' || host.size() < 3
                                 : host.find(':') != std::string::npos) {
           return absl::StrCat("bad host \"", host, "\" in ", address,
@@ -70,6 +73,32 @@ CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
       "HOST:PORT");
 }
 
+namespace {
+
+// --metrics-listen: "none", made "" (so that DSA_METRICS_LISTEN, which CLI11 ignores when empty,
+// can turn the endpoint off), or host:port without brackets: prometheus-cpp's civetweb here has no
+// IPv6.
+constexpr char kNoMetricsEndpoint[] = "none";
+
+CLI::Validator MetricsAddressValidator() {
+  const CLI::Validator host_port = HostPortValidator(0, /*allow_empty=*/true);
+  return CLI::Validator(
+      [host_port](std::string& address) -> std::string {
+        if (address == kNoMetricsEndpoint) {
+          address.clear();
+          return "";
+        }
+        if (!address.empty() && address.front() == '[') {
+          return absl::StrCat(address,
+                              ": the /metrics endpoint takes IPv4 addresses or names only");
+        }
+        return host_port(address);
+      },
+      "HOST:PORT|none");
+}
+
+}  // namespace
+
 void AddServerFlags(CLI::App& app, ServerFlags& flags) {
   app.add_option("--listen", flags.listen,
                  "host:port to serve on; port 0 picks a free one (the bound address is printed)")
@@ -77,9 +106,9 @@ void AddServerFlags(CLI::App& app, ServerFlags& flags) {
       ->capture_default_str();
   app.add_option(
          "--metrics-listen", flags.metrics_listen,
-         "host:port of the Prometheus /metrics endpoint; port 0 picks a free one (printed); "
-         "empty = no endpoint")
-      ->check(HostPortValidator(0, /*allow_empty=*/true))
+         "host:port (IPv4 or a name) of the Prometheus /metrics endpoint; port 0 picks a free one "
+         "(printed); empty or \"none\" = no endpoint")
+      ->transform(MetricsAddressValidator())
       ->capture_default_str();
   app.add_option("--shutdown-grace-ms", flags.shutdown_grace_ms,
                  "On SIGTERM: how long in-flight calls may run before they are cancelled")

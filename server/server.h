@@ -38,7 +38,7 @@ inline constexpr int kAttentionMetricsPort = 9403;
 /// Flags every server binary takes.
 struct ServerFlags {
   std::string listen;                // gRPC host:port; port 0 = a free one (printed)
-  std::string metrics_listen;        // /metrics host:port; empty = none
+  std::string metrics_listen;        // /metrics host:port; empty (or "none" on the flag) = none
   int64_t shutdown_grace_ms = 5000;  // in-flight calls may run this long after the drain delay
   int64_t drain_delay_ms = 0;        // readiness NOT_SERVING this long before Shutdown
   std::string log_level = "info";    // debug | info | warn | error (SetLogLevel)

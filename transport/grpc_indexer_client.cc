@@ -190,6 +190,11 @@ absl::Status GrpcIndexerClient::Close() {
   return transport_ == nullptr ? absl::OkStatus() : transport_->Close();
 }
 
+bool GrpcIndexerClient::DataPlaneEnded() const {
+  std::lock_guard<std::mutex> lock(transport_mutex_);
+  return transport_ != nullptr && transport_->ended();
+}
+
 IndexerClientFactory GrpcIndexerClient::Factory() {
   return [](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
     if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");

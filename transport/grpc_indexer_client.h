@@ -59,6 +59,8 @@ class GrpcIndexerClient final : public IndexerClient {
   /// this client and makes a new one on its next call).
   SelectionTransport& Selections() override;
   absl::Status Close() override;
+  /// The SelectStream (or other data plane) was made and its connection has ended.
+  bool DataPlaneEnded() const override;
 
   /// A factory of GrpcIndexerClient for any address.
   static IndexerClientFactory Factory();
@@ -74,8 +76,8 @@ class GrpcIndexerClient final : public IndexerClient {
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;
-  DataPlaneMaker make_data_plane_;  // empty: the SelectStream
-  std::mutex transport_mutex_;      // guards transport_
+  DataPlaneMaker make_data_plane_;      // empty: the SelectStream
+  mutable std::mutex transport_mutex_;  // guards transport_
   std::unique_ptr<SelectionTransport> transport_;
 };
 

@@ -164,6 +164,11 @@ void GrpcStreamTransport::Forget(uint64_t request_id) {
   responses_.erase(request_id);
 }
 
+bool GrpcStreamTransport::ended() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return ended_ || closed_;
+}
+
 absl::Status GrpcStreamTransport::Close() {
   std::lock_guard<std::mutex> close_lock(close_mutex_);  // one closer at a time; later ones return
   {

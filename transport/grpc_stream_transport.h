@@ -37,6 +37,8 @@ class GrpcStreamTransport final : public SelectionTransport {
   absl::StatusOr<LayerSelection> Await(uint64_t request_id, absl::Time deadline) override;
   void Forget(uint64_t request_id) override;
   absl::Status Close() override;
+  /// The read side finished (the stream's status arrived) or Close ran.
+  bool ended() const override;
 
  private:
   void ReadLoop();
@@ -51,7 +53,7 @@ class GrpcStreamTransport final : public SelectionTransport {
   std::mutex write_mutex_;  // one writer at a time (gRPC streams allow one outstanding write)
   bool writes_done_ = false;
 
-  std::mutex mutex_;  // guards everything below
+  mutable std::mutex mutex_;  // guards everything below
   std::condition_variable arrived_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::vector<int>> outstanding_;  // submitted, not yet collected: rows a group

@@ -74,6 +74,9 @@ class IndexerClient {
   virtual SelectionTransport& Selections() = 0;
   /// Closes the data plane (SelectionTransport::Close). Idempotent.
   virtual absl::Status Close() = 0;
+  /// True when the data plane was made and its connection has ended (SelectionTransport::ended):
+  /// the client cannot serve selects any more and should be replaced. Never makes the data plane.
+  virtual bool DataPlaneEnded() const { return false; }
 };
 
 /// Makes the client of the indexer worker at `address` (an address the coordinator named in a

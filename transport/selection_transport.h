@@ -131,6 +131,11 @@ class SelectionTransport {
   /// cancelled), and waits for the connection to end. Returns its final status. Idempotent and
   /// safe to call from several threads.
   virtual absl::Status Close() = 0;
+
+  /// True once the connection has ended (the peer went away, or Close): every later Submit fails
+  /// with UNAVAILABLE, so the owner should make a new transport. False for a transport without a
+  /// connection of its own (the default: in process).
+  virtual bool ended() const { return false; }
 };
 
 }  // namespace dsa

@@ -65,7 +65,7 @@ KNOWN_FLAGS = {
         "worker-check-timeout-ms",
         "max-queue", "colocated", "max-running", "top-k", "target-block-sparsity",
         "exploration-fraction", "all-keep", "acceptance-rate", "seed", "retain-finished",
-        "startup-timeout-ms", "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets"},
+        "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets"},
     "indexer": SERVER_FLAGS | INDEXER_ENGINE_FLAGS | {"num-heads", "head-dim"},
     "attention": SERVER_FLAGS | {"indexer-" + f for f in INDEXER_ENGINE_FLAGS} | {
         "layer-pattern", "retention", "num-model-layers", "lag-depth", "num-heads", "head-dim",

@@ -63,7 +63,7 @@ TEST(DsaCoordinatorBinaryTest, HelpListsTheFlags) {
                            "--acceptance-rate",
                            "--seed",
                            "--retain-finished",
-                           "--startup-timeout-ms",
+                           "--worker-check-timeout-ms",
                            "--indexer-dns",
                            "--attention-dns",
                            "--worker-check-interval-ms",
@@ -149,10 +149,10 @@ int AwaitHealth(const std::shared_ptr<grpc::Channel>& channel, const std::string
 TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
   const std::string indexer_address = "127.0.0.1:" + std::to_string(FreePort());
   const std::string attention_address = "127.0.0.1:" + std::to_string(FreePort());
-  const Process coordinator = StartServer(
-      DSA_COORDINATOR_BINARY, {"--indexer", indexer_address, "--attention", attention_address,
-                               "--top-k", "64", "--startup-timeout-ms", "100",
-                               "--worker-check-interval-ms", "100", "--shutdown-grace-ms", "500"});
+  const Process coordinator =
+      StartServer(DSA_COORDINATOR_BINARY,
+                  {"--indexer", indexer_address, "--attention", attention_address, "--top-k", "64",
+                   "--worker-check-interval-ms", "100", "--shutdown-grace-ms", "500"});
   ASSERT_FALSE(coordinator.address.empty());
   auto channel = grpc::CreateChannel(coordinator.address, grpc::InsecureChannelCredentials());
   EXPECT_EQ(HealthStatus(channel, "liveness"), 1);
@@ -176,7 +176,11 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
   ASSERT_EQ(attention.address, attention_address);
   EXPECT_EQ(AwaitHealth(channel, "readiness", 1), 1);
   EXPECT_EQ(HealthStatus(channel, ""), 1);
-  const Stream served = Generate(*stub, Request("late", 300, 4, 0));
+  // A request whose prefix stays on the indexer as a donor (retained).
+  cv1::GenerateRequest with_prefix = Request("late", 1100, 4, 0);
+  with_prefix.add_prefix_block_ids(7);
+  with_prefix.add_prefix_block_ids(8);
+  const Stream served = Generate(*stub, with_prefix);
   EXPECT_TRUE(served.status.ok()) << served.status.error_message();
   EXPECT_EQ(served.tokens, 4);
 
@@ -200,6 +204,21 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
                              "dsa_build_info{component=\"coordinator\""}) {
     EXPECT_NE(metrics.find(sample), std::string::npos) << sample << "\n" << metrics;
   }
+
+  // The indexer comes back at the same address, a new process: the coordinator sees the new
+  // instance, forgets the donor the old one held, and a request with the same prefix is served
+  // (from a fresh prefill, not from the lost donor).
+  const Process restarted = StartServer(
+      DSA_INDEXER_BINARY, {"--listen", indexer_address, "--capacity-blocks", "1024", "--num-heads",
+                           "4", "--head-dim", "16", "--shutdown-grace-ms", "500"});
+  ASSERT_EQ(restarted.address, indexer_address);
+  EXPECT_EQ(AwaitHealth(channel, "readiness", 1), 1);
+  with_prefix.set_request_id("after-restart");
+  const Stream again = Generate(*stub, with_prefix);
+  EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_EQ(again.tokens, 4);
+  kill(restarted.pid, SIGTERM);
+  EXPECT_EQ(WaitExit(restarted.pid, std::chrono::seconds(10)), 0);
   kill(attention.pid, SIGTERM);
   kill(coordinator.pid, SIGTERM);
   EXPECT_EQ(WaitExit(attention.pid, std::chrono::seconds(10)), 0);

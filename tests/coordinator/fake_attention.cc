@@ -26,7 +26,13 @@ grpc::Status FakeAttentionService::GetInfo(grpc::ServerContext* context,
   response->set_head_dim(shape_.head_dim);
   response->set_kv_capacity_slots(shape_.kv_capacity_slots);
   response->set_sequences(static_cast<int32_t>(sequences_.size()));
+  response->set_instance_id(instance_id_);
   return grpc::Status::OK;
+}
+
+void FakeAttentionService::SetInstanceId(const std::string& instance_id) {
+  absl::MutexLock lock(&mu_);
+  instance_id_ = instance_id;
 }
 
 iv1::IndexerService::Stub& FakeAttentionService::IndexerStub(const std::string& address) {

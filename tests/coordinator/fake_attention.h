@@ -51,6 +51,8 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   void SetStepDelayMs(int delay_ms);
   /// Every Prefill sleeps this long first.
   void SetPrefillDelayMs(int delay_ms);
+  /// What GetInfo reports as instance_id from now on ("" until set): a new value plays a restart.
+  void SetInstanceId(const std::string& instance_id);
 
   /// A sequence's length (slots), nullopt if unknown.
   std::optional<int64_t> Length(uint64_t sequence_id);
@@ -87,6 +89,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   int prefill_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
   int max_batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string instance_id_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace dsa::testing

@@ -103,19 +103,60 @@ TEST(SchedulerTest, AddedWorkersArePlacedOnOnlyWhileReady) {
   for (uint64_t ticket = 1; ticket <= 3; ++ticket) {
     EXPECT_EQ(Admit(s, ticket, Demand(100, 10)).indexer, 1) << ticket;
   }
-  // No ready attention worker: a request waits in the queue, and is placed once one is ready.
+  // No ready attention worker: refused at once (UNAVAILABLE), nothing queued.
   ASSERT_TRUE(s.SetAttentionReady(0, false).ok());
-  auto queued = s.Submit(4, Demand(100, 10));
-  ASSERT_TRUE(queued.ok());
-  EXPECT_FALSE(queued->has_value());
-  EXPECT_TRUE(s.AdmitQueued().empty());
+  const absl::Status refused = s.Submit(4, Demand(100, 10)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  EXPECT_EQ(s.Load().queued, 0);
   ASSERT_TRUE(s.SetAttentionReady(0, true).ok());
-  const std::vector<Admission> admitted = s.AdmitQueued();
-  ASSERT_EQ(admitted.size(), 1u);
-  EXPECT_EQ(admitted[0].ticket, 4u);
+  EXPECT_EQ(Admit(s, 5, Demand(100, 10)).indexer, 1);
   // num_full_layers changes only while nothing is held or queued.
   EXPECT_EQ(s.SetNumFullLayers(2).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(s.SetNumFullLayers(0).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A queued request that only a worker that left could hold is taken out for the caller to fail;
+// the others stay queued in order.
+TEST(SchedulerTest, QueuedRequestsNoReadyWorkerCanHoldAreTakenOut) {
+  Scheduler s = Make(/*layers=*/1, {100, 20}, /*num_attention=*/1);
+  // Fill indexer 0 so that the next large request queues.
+  const Admission big = Admit(s, 1, Demand(64 * 60, 10));
+  EXPECT_EQ(big.indexer, 0);
+  ASSERT_TRUE(s.Submit(2, Demand(64 * 60, 10)).ok());  // 61 blocks: only indexer 0 holds that
+  ASSERT_TRUE(s.Submit(3, Demand(64, 10)).ok());       // queued behind it (FIFO)
+  EXPECT_EQ(s.Load().queued, 2);
+  EXPECT_TRUE(s.TakeUnplaceableQueued().empty());
+  ASSERT_TRUE(s.SetIndexerReady(0, false).ok());
+  EXPECT_EQ(s.TakeUnplaceableQueued(), std::vector<uint64_t>{2});
+  const std::vector<Admission> admitted = s.AdmitQueued();  // ticket 3 fits indexer 1
+  ASSERT_EQ(admitted.size(), 1u);
+  EXPECT_EQ(admitted[0].ticket, 3u);
+  EXPECT_EQ(admitted[0].indexer, 1);
+}
+
+// A session whose workers are not ready starts its next turn afresh on ready workers instead of
+// waiting; a retired worker's retained sequences are forgotten and it is never ready again.
+TEST(SchedulerTest, SessionsMoveOffWorkersThatAreNotReadyAndRetiredWorkersForgetTheirDonors) {
+  Scheduler s = Make(/*layers=*/1, {1000, 1000}, /*num_attention=*/1);
+  SequenceDemand turn1 = Demand(600, 10);
+  turn1.session_id = "chat";
+  const Admission first = Admit(s, 1, turn1);
+  s.PrefillDone(first.sequence_id);
+  End(s, first.sequence_id, /*completed=*/true, 610);
+  ASSERT_TRUE(s.SetIndexerReady(first.indexer, false).ok());
+  SequenceDemand turn2 = Demand(700, 10);
+  turn2.session_id = "chat";
+  const Admission second = Admit(s, 2, turn2);
+  EXPECT_FALSE(second.continue_sequence);
+  EXPECT_NE(second.sequence_id, first.sequence_id);
+  EXPECT_NE(second.indexer, first.indexer);
+
+  const int retained_before = s.Load().retained;
+  EXPECT_GE(retained_before, 1);  // the first turn's sequence, kept as a plain retained one
+  ASSERT_TRUE(s.RetireIndexer(first.indexer).ok());
+  EXPECT_EQ(s.Load().retained, retained_before - 1);
+  EXPECT_EQ(s.SetIndexerReady(first.indexer, true).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.RetireIndexer(7).code(), absl::StatusCode::kOutOfRange);
 }
 
 TEST(SchedulerColocatedTest, WorkersAreAddedInPairsAtOneAddress) {

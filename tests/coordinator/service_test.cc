@@ -29,6 +29,7 @@
 namespace dsa {
 namespace {
 
+namespace av1 = ::dsa::attention::v1;
 namespace cv1 = ::dsa::coordinator::v1;
 using testing::FakeAttentionService;
 using ::testing::HasSubstr;
@@ -86,7 +87,6 @@ class Cluster {
     options_.top_k = 64;
     options_.seed = 7;
     options_.max_pending_events = o.max_pending_events;
-    options_.startup_timeout_ms = 2000;
     options_.worker_check_interval_ms = 0;  // no watch thread: tests call RefreshWorkers
     metrics_ = std::make_unique<CoordinatorMetrics>(registry_);
     auto service = CoordinatorServiceImpl::Create(options_, metrics_.get());
@@ -719,7 +719,6 @@ TEST(CoordinatorServiceTest, StartsNotReadyAndRefusesWorkersThatDoNotFit) {
   CoordinatorOptions options;
   options.indexer_addresses = {cluster.indexer_address()};
   options.attention_addresses = {"127.0.0.1:1"};  // nothing listens there
-  options.startup_timeout_ms = 300;
   options.worker_check_interval_ms = 0;
   auto unreachable = CoordinatorServiceImpl::Create(options, &metrics);
   ASSERT_TRUE(unreachable.ok()) << unreachable.status();
@@ -893,6 +892,99 @@ TEST(CoordinatorServiceTest, FollowsWorkersThatComeAndGoInTheDnsAnswer) {
   EXPECT_TRUE(Generate(*stub, Request("back", 100, 2)).status.ok());
   server->Shutdown();
   coordinator.Stop();
+}
+
+// A worker that answers with a new instance id restarted: its slot is retired (a session on it
+// starts afresh elsewhere, its retained donors are forgotten) and the new instance is taken in
+// as a new worker, its shape checked again.
+TEST(CoordinatorServiceTest, AWorkerThatRestartedIsTakenInAfreshAndItsOldStateForgotten) {
+  Cluster cluster(ClusterOptions{.num_indexers = 1, .num_attention = 1});
+  cluster.fake().SetInstanceId("first");
+  cluster.coordinator().RefreshWorkers();  // taken in before it said: "first" is learnt, no restart
+  EXPECT_EQ(Load(cluster.stub()).attention_workers_size(), 1);
+  cv1::GenerateRequest turn = Request("turn1", 600, 4);
+  turn.set_session_id("chat");
+  const Stream first = Generate(cluster.stub(), turn);
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 1);
+
+  cluster.fake().SetInstanceId("second");
+  cluster.coordinator().RefreshWorkers();
+  EXPECT_THAT(cluster.Metrics(),
+              HasSubstr("dsa_coordinator_workers{kind=\"attention\",state=\"ready\"} 1"));
+  const cv1::GetLoadResponse load = Load(cluster.stub());
+  ASSERT_EQ(load.attention_workers_size(), 1);  // the retired slot is not listed
+  EXPECT_TRUE(load.attention_workers(0).ready());
+  EXPECT_EQ(load.retained_sequences(), 0);  // the session's sequence died with the old instance
+
+  turn.set_request_id("turn2");
+  turn.set_context_length(700);
+  const Stream second = Generate(cluster.stub(), turn);
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  const std::vector<av1::PrefillRequest> prefills = cluster.fake().prefills();
+  ASSERT_EQ(prefills.size(), 2u);
+  EXPECT_FALSE(prefills[1].continue_sequence());  // afresh, not a continuation
+  EXPECT_NE(prefills[1].sequence_id(), prefills[0].sequence_id());
+}
+
+// Queued requests that only a worker that left could hold fail with UNAVAILABLE at the next
+// refresh instead of waiting forever; a worker that never answers counts as not ready.
+TEST(CoordinatorServiceTest, QueuedRequestsFailWhenTheirWorkersLeaveAndUnreachableOnesAreCounted) {
+  Cluster cluster;
+  absl::Mutex mu;
+  std::vector<std::string> indexer_answer = {cluster.indexer_address()};
+  AddressResolver resolve =
+      [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
+    absl::MutexLock lock(&mu);
+    return indexer_answer;
+  };
+  prometheus::Registry dns_registry;
+  CoordinatorMetrics dns_metrics(dns_registry);
+  CoordinatorOptions dns_options;
+  dns_options.indexer_dns = {"indexers:1"};
+  dns_options.attention_addresses = {cluster.attention_address()};
+  dns_options.max_running_per_attention = 1;
+  dns_options.top_k = 64;
+  dns_options.worker_check_interval_ms = 0;
+  auto created = CoordinatorServiceImpl::Create(dns_options, &dns_metrics, resolve);
+  ASSERT_TRUE(created.ok()) << created.status();
+  std::string address;
+  auto server = Serve(created->get(), &address);
+  auto stub = cv1::CoordinatorService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  cluster.fake().SetStepDelayMs(2);
+  Stream running, queued;
+  std::thread a([&] { running = Generate(*stub, Request("running", 100, 100000)); });
+  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 0; }));
+  std::thread b([&] { queued = Generate(*stub, Request("queued", 100, 4)); });
+  ASSERT_TRUE(WaitFor([&] { return Load(*stub).queued() == 1; }));
+  {
+    absl::MutexLock lock(&mu);
+    indexer_answer.clear();  // the only indexer leaves (it still runs the first request)
+  }
+  (*created)->RefreshWorkers();
+  b.join();
+  EXPECT_EQ(queued.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(queued.status.error_message(), HasSubstr("no ready worker can hold the request"));
+  EXPECT_EQ(Load(*stub).running(), 1);  // what the worker holds goes on
+  EXPECT_TRUE(Abort(*stub, "running").ok());
+  a.join();
+  EXPECT_EQ(running.status.error_code(), grpc::StatusCode::CANCELLED);
+  server->Shutdown();
+  (*created)->Stop();
+
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.indexer_addresses = {cluster.indexer_address(), "127.0.0.1:1"};
+  options.attention_addresses = {"127.0.0.1:1"};
+  options.worker_check_interval_ms = 0;
+  auto unreachable = CoordinatorServiceImpl::Create(options, &metrics);
+  ASSERT_TRUE(unreachable.ok());
+  const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
+  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"not_ready\"} 1"));
+  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} 1"));
+  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"attention\",state=\"not_ready\"} 1"));
 }
 
 // A listed worker that stops answering is not placed on; the coordinator stays ready while the

@@ -148,6 +148,23 @@ TEST_P(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
   }
 }
 
+// ended() tells the owner to replace a transport whose connection is gone (an indexer that
+// restarted): false while the stream serves, true once the server went away.
+TEST_P(TransportTest, EndedTurnsTrueOnceTheServerWentAway) {
+  auto transport = MakeTransport();
+  auto id = transport->Submit(Request(7, 0, kSlots - 1));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(transport->Await(*id, absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_FALSE(transport->ended());
+  if (GetParam() != Kind::kGrpcStream) return;  // in process: never ends
+  server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!transport->ended() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_TRUE(transport->ended());
+  EXPECT_EQ(transport->Submit(Request(7, 0, kSlots - 1)).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
 TEST_P(TransportTest, DeadlinePassedBeforeTheAnswerIsDeadlineExceededAndTheAnswerStaysCollectable) {
   std::unique_ptr<SelectionTransport> owned = MakeTransport();
   SelectionTransport& transport = *owned;
