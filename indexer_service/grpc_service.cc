@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/instance_id.h"
 #include "common/status_macros.h"
 #include "indexer_service/index_key_append.h"
 #include "indexer_service/layer_select.h"
@@ -368,6 +369,7 @@ grpc::Status IndexerServiceImpl::GetLoad(grpc::ServerContext* /*context*/,
   response->set_sequences(indexer_->num_sequences());
   response->set_num_heads(indexer_->options().num_heads);
   response->set_head_dim(indexer_->options().head_dim);
+  response->set_instance_id(ProcessInstanceId());
   return grpc::Status::OK;
 }
 
