@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("num_model_layers", "num_full_layers", "lag_depth", "num_heads", "head_dim", "kv_capacity_slots", "kv_used_slots", "sequences")
+    __slots__ = ("num_model_layers", "num_full_layers", "lag_depth", "num_heads", "head_dim", "kv_capacity_slots", "kv_used_slots", "sequences", "instance_id")
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_FULL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAG_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class GetInfoResponse(_message.Message):
     KV_CAPACITY_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     num_model_layers: int
     num_full_layers: int
     lag_depth: int
@@ -29,7 +30,8 @@ class GetInfoResponse(_message.Message):
     kv_capacity_slots: int
     kv_used_slots: int
     sequences: int
-    def __init__(self, num_model_layers: _Optional[int] = ..., num_full_layers: _Optional[int] = ..., lag_depth: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_capacity_slots: _Optional[int] = ..., kv_used_slots: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, num_model_layers: _Optional[int] = ..., num_full_layers: _Optional[int] = ..., lag_depth: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_capacity_slots: _Optional[int] = ..., kv_used_slots: _Optional[int] = ..., sequences: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SequenceSettings(_message.Message):
     __slots__ = ("top_k", "spin")

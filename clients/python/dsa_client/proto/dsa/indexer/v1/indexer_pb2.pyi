@@ -216,7 +216,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("capacity_blocks", "used_blocks", "shared_blocks", "free_blocks", "sequences", "num_heads", "head_dim")
+    __slots__ = ("capacity_blocks", "used_blocks", "shared_blocks", "free_blocks", "sequences", "num_heads", "head_dim", "instance_id")
     CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class GetLoadResponse(_message.Message):
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     capacity_blocks: int
     used_blocks: int
     shared_blocks: int
@@ -231,7 +232,8 @@ class GetLoadResponse(_message.Message):
     sequences: int
     num_heads: int
     head_dim: int
-    def __init__(self, capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class OpenDataPlaneRequest(_message.Message):
     __slots__ = ("nccl_unique_id", "num_ranks", "indexer_rank", "attention_cuda_device", "num_heads", "head_dim", "max_top_k", "max_message_bytes", "attention_worker")
