@@ -10,11 +10,11 @@
 #include <utility>
 
 #include "absl/random/random.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/status_macros.h"
 #include "server/health_check.h"
 #include "server/server.h"
 
@@ -132,15 +132,10 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
 }
 
 absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port) {
-  const size_t colon = name_port.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(name_port.substr(colon + 1), &port) || port < 1 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("\"", name_port, "\" is not NAME:PORT with a port in 1..65535"));
-  }
-  std::string name = name_port.substr(0, colon);
-  if (name.size() > 2 && name.front() == '[' && name.back() == ']') {
+  DSA_ASSIGN_OR_RETURN(const HostPort parsed, ParseHostPort(name_port, /*min_port=*/1));
+  const int port = parsed.port;
+  std::string name = parsed.host;
+  if (name.front() == '[') {
     name = name.substr(1, name.size() - 2);  // a bracketed IPv6 address
   }
   addrinfo hints{};
@@ -216,12 +211,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
        {&options.indexer_addresses, &options.attention_addresses, &options.indexer_dns,
         &options.attention_dns}) {
     for (const std::string& address : *list) {
-      const size_t colon = address.rfind(':');
-      int port = 0;
-      if (colon == std::string::npos || colon == 0 ||
-          !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535) {
+      if (absl::StatusOr<HostPort> parsed = ParseHostPort(address, /*min_port=*/1); !parsed.ok()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("worker address \"", address, "\" is not HOST:PORT (port 1..65535)"));
+            absl::StrCat("worker address: ", parsed.status().message()));
       }
     }
   }

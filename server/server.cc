@@ -41,34 +41,43 @@ ServerFlags DefaultServerFlags(ServerComponent component) {
   return flags;
 }
 
+absl::StatusOr<HostPort> ParseHostPort(const std::string& address, int min_port) {
+  if (address.empty()) return absl::InvalidArgumentError("an empty address (want host:port)");
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("\"", address, "\" is not host:port"));
+  }
+  HostPort parsed;
+  parsed.host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  const std::string& host = parsed.host;
+  if (host.find_first_of(" \t\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad host \"", host, "\" in \"", address, "\" (white space)"));
+  }
+  if (host.front() == '[' ? host.back() != ']' || host.size() < 3
+                          : host.find(':') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad host \"", host, "\" in ", address,
+                     " (an IPv6 address goes in brackets: [::1]:50051)"));
+  }
+  if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &parsed.port) ||
+      port.find_first_not_of("0123456789") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("bad port \"", port, "\" in ", address));
+  }
+  if (parsed.port < min_port || parsed.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("port ", parsed.port, " is out of range ", min_port, "..65535 in ", address));
+  }
+  return parsed;
+}
+
 CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
   return CLI::Validator(
       [min_port, allow_empty](const std::string& address) -> std::string {
-        if (address.empty()) return allow_empty ? "" : "an empty address (want host:port)";
-        const size_t colon = address.rfind(':');
-        if (colon == std::string::npos || colon == 0) {
-          return absl::StrCat("\"", address, "\" is not host:port");
-        }
-        const std::string host = address.substr(0, colon);
-        const std::string port = address.substr(colon + 1);
-        if (host.find_first_of(" \t\r\n") != std::string::npos) {
-          return absl::StrCat("bad host \"", host, "\" in \"", address, "\" (white space)");
-        }
-        if (host.front() == '[' ? host.back() != ']' || host.size() < 3
-                                : host.find(':') != std::string::npos) {
-          return absl::StrCat("bad host \"", host, "\" in ", address,
-                              " (an IPv6 address goes in brackets: [::1]:50051)");
-        }
-        int value = 0;
-        if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &value) ||
-            port.find_first_not_of("0123456789") != std::string::npos) {
-          return absl::StrCat("bad port \"", port, "\" in ", address);
-        }
-        if (value < min_port || value > 65535) {
-          return absl::StrCat("port ", value, " is out of range ", min_port, "..65535 in ",
-                              address);
-        }
-        return "";
+        if (address.empty() && allow_empty) return "";
+        absl::StatusOr<HostPort> parsed = ParseHostPort(address, min_port);
+        return parsed.ok() ? "" : std::string(parsed.status().message());
       },
       "HOST:PORT");
 }

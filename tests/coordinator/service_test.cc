@@ -778,7 +778,8 @@ TEST(CoordinatorServiceTest, RefusesOptionsWithoutWorkersOrWithBadAddresses) {
   options.indexer_dns = {"indexers.example"};  // no port
   auto bad = CoordinatorServiceImpl::Create(options, &metrics);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(), HasSubstr("\"indexers.example\" is not HOST:PORT"));
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("worker address: \"indexers.example\" is not host:port"));
 }
 
 TEST(CoordinatorServiceTest, ResolvesNamesToSortedAddressesAndRefusesBadOnes) {
