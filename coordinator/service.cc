@@ -507,8 +507,9 @@ void CoordinatorServiceImpl::RefreshWorkers() {
     bool any_became_ready = false;
     // A known worker that answers with another instance id restarted: what the scheduler thinks
     // it holds is gone. Retire its slot; the new instance is taken in below like a new worker.
-    for (Target& target : targets) {
-      const Probe& probe = probes[&target - targets.data()];
+    for (size_t t = 0; t < targets.size(); ++t) {
+      Target& target = targets[t];
+      const Probe& probe = probes[t];
       if (target.slot < 0 || !probe.status.ok()) continue;
       const std::string& now = instance_of(probe, target.attention);
       std::string& then = target.attention ? attention_[target.slot]->instance_id
@@ -664,8 +665,9 @@ void CoordinatorServiceImpl::RefreshWorkers() {
                 {{"kind", kind}, {"address", target.address}, {"reason", reason}});
       }
     }
-    unreached_attention_ = unreached[1];
-    unreached_indexers_ = options_.colocated ? unreached[1] : unreached[0];
+    // Wanted but not taken in (no answer, or refused): not ready. Co-located, a pair is one.
+    const int unreached_attention = unreached[1];
+    const int unreached_indexers = options_.colocated ? unreached[1] : unreached[0];
     if (any_became_ready && !draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
     unplaceable = scheduler_.TakeUnplaceableQueued();
     for (uint64_t ticket : unplaceable) {
@@ -687,9 +689,9 @@ void CoordinatorServiceImpl::RefreshWorkers() {
     const int indexers = known(indexers_, num_indexers_);
     const int attention = known(attention_, num_attention_);
     metrics_->SetWorkers(/*attention=*/false, scheduler_.ReadyIndexers(),
-                         indexers - scheduler_.ReadyIndexers() + unreached_indexers_);
+                         indexers - scheduler_.ReadyIndexers() + unreached_indexers);
     metrics_->SetWorkers(/*attention=*/true, scheduler_.ReadyAttentions(),
-                         attention - scheduler_.ReadyAttentions() + unreached_attention_);
+                         attention - scheduler_.ReadyAttentions() + unreached_attention);
   }
   if (!told_ready_.has_value() || *told_ready_ != ready) {
     told_ready_ = ready;

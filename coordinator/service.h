@@ -345,9 +345,7 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
   int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
-  int unreached_indexers_ ABSL_GUARDED_BY(mu_) = 0;  // wanted, not taken in (no answer or refused)
-  int unreached_attention_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::CondVar watch_wake_;  // stop
+  absl::CondVar watch_wake_;                      // stop
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
