@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/limits.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
 
@@ -34,9 +35,6 @@ constexpr int64_t kMaxContextSlots = (int64_t{1} << 31) - 1;
 // A decode step generates its groups' indexer inputs on several threads only with at least this
 // many groups a thread (a group of one row is about 0.1-0.2 ms of the pattern model at H = 64).
 constexpr int kMinGroupsPerGenerationThread = 4;
-
-// Verifier rows of one step: 1, or d + 1 with d <= 4.
-constexpr int kMaxStepRows = 5;
 
 // Whether a failed select's status came from the transport (the outcome on the indexer unknown)
 // rather than from the indexer refusing the request.
@@ -87,9 +85,9 @@ absl::Status ValidatePrefill(const PrefillSpec& spec) {
   if (spec.indexer_worker.empty() && !spec.continue_sequence) {
     return absl::InvalidArgumentError("indexer_worker (host:port) is required");
   }
-  if (!spec.continue_sequence && spec.top_k < 1) {
+  if (!spec.continue_sequence && (spec.top_k < 1 || spec.top_k > kMaxTopK)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("settings.top_k must be >= 1, got ", spec.top_k));
+        absl::StrCat("settings.top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", spec.top_k));
   }
   return absl::OkStatus();
 }
@@ -608,6 +606,22 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
     m.batch_row = batch.rows;
     batch.rows += m.rows;
     m.device_selections.assign(num_full, nullptr);
+  }
+  // Each layer's select to an indexer worker carries its batch's rows: its answer must fit a
+  // message (common/limits.h), or every sequence of the batch would fail at the first layer.
+  for (const StepState::Batch& batch : step.batches) {
+    int64_t bound = kSelectResponseFramingBytes;
+    for (int i : batch.members) {
+      bound += SelectResponseBytesBound(step.members[i].rows, step.members[i].sequence->top_k);
+    }
+    if (bound > kMaxReceiveMessageBytes) {
+      return RollbackStep(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "the step's selections from indexer worker ", batch.client->address(), " could take ",
+              bound, " bytes a layer, over the message limit of ", kMaxReceiveMessageBytes,
+              " bytes (kMaxReceiveMessageBytes): step fewer sequences")),
+          step);
+    }
   }
   for (StepState::Batch& batch : step.batches) {
     if (!UsesDeviceSelects(batch.client, batch.members, step)) continue;

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "common/philox.h"
 
 namespace dsa {
@@ -14,9 +15,9 @@ absl::StatusOr<AcceptanceModel> AcceptanceModel::Create(double acceptance_rate, 
     return absl::InvalidArgumentError(
         absl::StrCat("acceptance rate must be in [0, 1], got ", acceptance_rate));
   }
-  if (draft_length < 0 || draft_length > 4) {
+  if (draft_length < 0 || draft_length > kMaxDraftLength) {
     return absl::InvalidArgumentError(
-        absl::StrCat("draft length must be in [0, 4], got ", draft_length));
+        absl::StrCat("draft length must be in [0, ", kMaxDraftLength, "], got ", draft_length));
   }
   return AcceptanceModel(acceptance_rate, draft_length, seed);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/limits.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
 #include "prometheus/registry.h"
@@ -72,7 +73,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--top-k", options.top_k, "K: slots each selection keeps")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(1, dsa::kMaxTopK))
       ->capture_default_str();
   app.add_option("--target-block-sparsity", options.target_block_sparsity,
                  "SPIN rho: fraction of context blocks to skip, in [0, 1)")

@@ -14,6 +14,7 @@
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 #include "server/health_check.h"
 #include "server/server.h"
@@ -93,9 +94,9 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_new_tokens must be >= 1, got ", request.max_new_tokens()));
   }
-  if (request.draft_length() < 0 || request.draft_length() > 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("draft_length must be in 0..4, got ", request.draft_length()));
+  if (request.draft_length() < 0 || request.draft_length() > kMaxDraftLength) {
+    return absl::InvalidArgumentError(absl::StrCat("draft_length must be in 0..", kMaxDraftLength,
+                                                   ", got ", request.draft_length()));
   }
   if (context > kMaxSlots || request.max_new_tokens() > kMaxSlots ||
       context + request.max_new_tokens() + request.draft_length() > kMaxSlots) {
@@ -120,9 +121,9 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
     return absl::InvalidArgumentError(absl::StrCat(
         "overrides.exploration_fraction must be in [0, 1), got ", o.exploration_fraction()));
   }
-  if (o.has_top_k() && o.top_k() < 1) {
+  if (o.has_top_k() && (o.top_k() < 1 || o.top_k() > kMaxTopK)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("overrides.top_k must be >= 1, got ", o.top_k()));
+        absl::StrCat("overrides.top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", o.top_k()));
   }
   if (o.has_acceptance_rate() && !(o.acceptance_rate() >= 0.0 && o.acceptance_rate() <= 1.0)) {
     return absl::InvalidArgumentError(
@@ -195,11 +196,25 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   if (options.max_pending_events < 2) {
     return absl::InvalidArgumentError("max_pending_events must be >= 2");
   }
-  if (options.top_k < 1 ||
+  if (options.top_k < 1 || options.top_k > kMaxTopK ||
       !(options.target_block_sparsity >= 0 && options.target_block_sparsity < 1) ||
       !(options.exploration_fraction >= 0 && options.exploration_fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, ", kMaxTopK,
+                                                   "], target_block_sparsity and "
+                                                   "exploration_fraction in [0, 1)"));
+  }
+  // A decode step's select to one indexer worker carries every running sequence of an attention
+  // worker at most: its answer must fit a message (common/limits.h) at the largest rows and K.
+  if (options.max_running_per_attention < 1 ||
+      kSelectResponseFramingBytes + int64_t{options.max_running_per_attention} *
+                                        SelectResponseBytesBound(kMaxStepRows, kMaxTopK) >
+          kMaxReceiveMessageBytes) {
     return absl::InvalidArgumentError(
-        "top_k must be >= 1, target_block_sparsity and exploration_fraction in [0, 1)");
+        absl::StrCat("max_running_per_attention must be in [1, ",
+                     (kMaxReceiveMessageBytes - kSelectResponseFramingBytes) /
+                         SelectResponseBytesBound(kMaxStepRows, kMaxTopK),
+                     "] (a step's selections must fit the ", kMaxReceiveMessageBytes,
+                     "-byte message limit), got ", options.max_running_per_attention));
   }
   if (!AcceptanceModel::Create(options.acceptance_rate, 0, 0).ok()) {
     return absl::InvalidArgumentError(

@@ -69,7 +69,8 @@ struct CoordinatorOptions {
 /// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
 /// coordinator.proto: request_id 1..128 bytes; a context (context_length >= 1, or context_tokens
 /// with >= 1 token); at most ceil(context / 512) prefix ids; max_new_tokens >= 1; draft_length
-/// 0..4; overrides in range (rho, gamma in [0, 1), top_k >= 1, acceptance_rate in [0, 1]);
+/// 0..kMaxDraftLength; overrides in range (rho, gamma in [0, 1), top_k in [1, kMaxTopK],
+/// acceptance_rate in [0, 1]);
 /// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
 absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
 

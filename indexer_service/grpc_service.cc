@@ -12,11 +12,18 @@
 #include "indexer_service/index_key_append.h"
 #include "indexer_service/layer_select.h"
 #include "proto/tensor_codec.h"
+#include "server/parse_errors.h"
 
 namespace dsa {
 namespace {
 
 namespace v1 = ::dsa::indexer::v1;
+
+// The streaming methods' positions in dsa.indexer.v1.IndexerService (indexer.proto's order), for
+// grpc::Service::MarkMethodStreamed. A wrong index fails GrpcServiceTest's unparseable-message
+// tests.
+constexpr int kAppendIndexKeysMethod = 1;
+constexpr int kSelectStreamMethod = 3;
 
 // The tensors of one group decoded into the transport's plain struct (every other check is
 // RunLayerSelect's).
@@ -213,6 +220,25 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+namespace {
+
+// RESOURCE_EXHAUSTED when the answer to `request` could pass kMaxReceiveMessageBytes. Groups of
+// unknown sequences count nothing (the select refuses them anyway).
+absl::Status CheckSelectResponseFits(const Indexer& indexer, const v1::SelectRequest& request) {
+  int64_t bound = kSelectResponseFramingBytes;
+  for (const v1::RowGroup& group : request.groups()) {
+    const absl::StatusOr<int> top_k = indexer.TopK(group.sequence_id());
+    if (!top_k.ok() || group.queries().shape_size() < 1) continue;
+    bound += SelectResponseBytesBound(group.queries().shape(0), *top_k);
+  }
+  if (bound <= kMaxReceiveMessageBytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the selections of this request could take ", bound, " bytes, over the message limit of ",
+      kMaxReceiveMessageBytes, " bytes (kMaxReceiveMessageBytes): send fewer rows per request"));
+}
+
+}  // namespace
+
 absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
                        v1::SelectResponse* response, IndexerMetrics* metrics,
                        int* groups_applied_out) {
@@ -220,6 +246,7 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   response->Clear();
   if (request.groups().empty())
     return absl::InvalidArgumentError("select needs at least one group");
+  DSA_RETURN_IF_ERROR(CheckSelectResponseFits(indexer, request));
   LayerSelectRequest decoded;
   decoded.num_heads = indexer.options().num_heads;
   decoded.head_dim = indexer.options().head_dim;
@@ -240,6 +267,30 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
     for (const double miss_rate : group.audit_miss_rates) out->add_audit_miss_rates(miss_rate);
   }
   return absl::OkStatus();
+}
+
+IndexerServiceImpl::IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics)
+    : indexer_(indexer), metrics_(metrics) {
+  // gRPC's synchronous handlers of bidi streams (the client-streaming AppendIndexKeys served as
+  // one, which the wire cannot tell apart) over raw messages.
+  MarkMethodStreamed(
+      kAppendIndexKeysMethod,
+      new grpc::internal::BidiStreamingHandler<IndexerServiceImpl, grpc::ByteBuffer,
+                                               v1::AppendIndexKeysResponse>(
+          [](IndexerServiceImpl* service, grpc::ServerContext* context,
+             grpc::ServerReaderWriter<v1::AppendIndexKeysResponse, grpc::ByteBuffer>* stream) {
+            return service->AppendIndexKeysRaw(context, stream);
+          },
+          this));
+  MarkMethodStreamed(
+      kSelectStreamMethod,
+      new grpc::internal::BidiStreamingHandler<IndexerServiceImpl, grpc::ByteBuffer,
+                                               v1::SelectResponse>(
+          [](IndexerServiceImpl* service, grpc::ServerContext* context,
+             grpc::ServerReaderWriter<v1::SelectResponse, grpc::ByteBuffer>* stream) {
+            return service->SelectStreamRaw(context, stream);
+          },
+          this));
 }
 
 void IndexerServiceImpl::UpdateCacheMetrics() {
@@ -266,9 +317,9 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* /*context*/
   return ToGrpcStatus(indexer_->CreateSequence(request->sequence_id(), options));
 }
 
-grpc::Status IndexerServiceImpl::AppendIndexKeys(
-    grpc::ServerContext* context, grpc::ServerReader<v1::AppendIndexKeysRequest>* reader,
-    v1::AppendIndexKeysResponse* response) {
+grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::AppendIndexKeysResponse, grpc::ByteBuffer>* stream) {
   IndexKeyAppendCall call(indexer_);
   const int64_t key_shape[] = {-1, indexer_->options().head_dim};
   auto append_chunk = [&](const v1::AppendIndexKeysRequest& chunk, int64_t index) -> absl::Status {
@@ -285,9 +336,12 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
 
   absl::Status status;
   v1::AppendIndexKeysRequest chunk;
+  grpc::ByteBuffer buffer;
   int64_t index = 0;
-  while (reader->Read(&chunk)) {
-    status = append_chunk(chunk, index++);
+  while (stream->Read(&buffer)) {
+    status = ParseStreamMessage(buffer, index, &chunk);
+    if (status.ok()) status = append_chunk(chunk, index);
+    ++index;
     if (!status.ok()) break;
   }
   if (status.ok() && context->IsCancelled()) {
@@ -299,7 +353,13 @@ grpc::Status IndexerServiceImpl::AppendIndexKeys(
     return ToGrpcStatus(status);
   }
   UpdateCacheMetrics();
-  response->set_keys_appended(call.keys_appended());
+  v1::AppendIndexKeysResponse response;
+  response.set_keys_appended(call.keys_appended());
+  if (!stream->Write(response)) {
+    call.Undo();
+    UpdateCacheMetrics();
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the response");
+  }
   return grpc::Status::OK;
 }
 
@@ -311,12 +371,14 @@ grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* /*context*/,
   return ToGrpcStatus(status);
 }
 
-grpc::Status IndexerServiceImpl::SelectStream(
+grpc::Status IndexerServiceImpl::SelectStreamRaw(
     grpc::ServerContext* /*context*/,
-    grpc::ServerReaderWriter<v1::SelectResponse, v1::SelectRequest>* stream) {
+    grpc::ServerReaderWriter<v1::SelectResponse, grpc::ByteBuffer>* stream) {
   v1::SelectRequest request;
   v1::SelectResponse response;
-  while (stream->Read(&request)) {
+  grpc::ByteBuffer buffer;
+  for (int64_t index = 0; stream->Read(&buffer); ++index) {
+    if (auto s = ParseStreamMessage(buffer, index, &request); !s.ok()) return ToGrpcStatus(s);
     // One stream carries many sequences' layers: a refused request gets its own status and the
     // others go on.
     int groups_applied = 0;

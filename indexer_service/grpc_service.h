@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "common/limits.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/indexer.h"
@@ -18,11 +19,10 @@ namespace dsa {
 /// A larger one is refused with RESOURCE_EXHAUSTED by the handler, which undoes the call's earlier
 /// chunks before the status is sent.
 inline constexpr int kMaxAppendChunkBytes = 4 << 20;
-/// The receive limit a server of this service sets (grpc::ServerBuilder::SetMaxReceiveMessageSize)
-/// so that chunks up to this size reach the handler and are refused deterministically as above. A
-/// message over it is failed by gRPC itself before the handler sees it; the handler then undoes
-/// the call's chunks only if gRPC has already marked the call cancelled when the stream ends.
-inline constexpr int kMaxReceiveMessageBytes = 64 << 20;
+// kMaxReceiveMessageBytes (common/limits.h) is the receive limit a server of this service sets, so
+// that chunks up to kMaxAppendChunkBytes reach the handler and are refused deterministically as
+// above. A message over it is failed by gRPC itself before the handler sees it; the handler then
+// undoes the call's chunks only if gRPC has already marked the call cancelled when the stream ends.
 
 /// Applies `settings` to `config` (whose fields are the defaults for unset ones): unset mode =
 /// SPIN on at the config's rho; all_keep = SPIN off; unset optional fields and UNSPECIFIED enums
@@ -55,10 +55,12 @@ absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view contex
 /// engine error then (a position not after the layer's last selected one, a pending speculative
 /// step) changes nothing when the sequences differ; when a sequence has several groups, the groups
 /// before the failing one stay applied. The new keys of every group not applied are removed; the
-/// message names the group. Errors: INVALID_ARGUMENT (no groups, dtype,
-/// shape, non-finite values, layer, positions, rows not ending at the newest slot, a layer with new
-/// keys in two groups), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not appended),
-/// FAILED_PRECONDITION (a step awaits Commit), RESOURCE_EXHAUSTED (new keys do not fit).
+/// message names the group. Before anything runs, the answer's size is bounded
+/// (SelectResponseBytesBound over the groups of known sequences): over kMaxReceiveMessageBytes, the
+/// request is refused with RESOURCE_EXHAUSTED naming the limit. Errors: INVALID_ARGUMENT (no
+/// groups, dtype, shape, non-finite values, layer, positions, rows not ending at the newest slot, a
+/// layer with new keys in two groups), NOT_FOUND (sequence), OUT_OF_RANGE (a row's key not
+/// appended), FAILED_PRECONDITION (a step awaits Commit), RESOURCE_EXHAUSTED (new keys do not fit).
 /// `response` gets request_id echoed and one GroupSelection per group, in order: selections int32
 /// [rows, K], best first, -1 padding; audit_miss_rates per row when the indexer audited the group.
 /// `metrics` (optional) records every group that ran.
@@ -80,8 +82,10 @@ using DataPlaneOpener = std::function<absl::Status(const dsa::indexer::v1::OpenD
 /// unchanged. With metrics, selects are recorded and the cache gauges follow every change.
 class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Service {
  public:
-  explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr)
-      : indexer_(indexer), metrics_(metrics) {}
+  /// Serves AppendIndexKeys and SelectStream over grpc::ByteBuffer (server/parse_errors.h), so
+  /// that an unparseable message inside either stream fails the call with INVALID_ARGUMENT instead
+  /// of looking like the stream's end.
+  explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr);
 
   /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
   /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
@@ -98,13 +102,15 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// they arrive; on any error (or cancellation) every chunk this call appended is removed again
   /// (Indexer::TruncateIndexKeys), so a failed call changes nothing. One append call per layer at a
   /// time (a concurrent append to the same layer would see its first_slot refused).
-  /// Response: keys_appended over all chunks. Errors: NOT_FOUND; INVALID_ARGUMENT (dtype, shape,
-  /// non-finite key, layer); FAILED_PRECONDITION (first_slot differs from the layer's slot count,
-  /// the layer's verifier rows await Commit); RESOURCE_EXHAUSTED (pool full, layer over 2^31
-  /// slots, a chunk over kMaxAppendChunkBytes); CANCELLED (the client went away).
-  grpc::Status AppendIndexKeys(grpc::ServerContext* context,
-                               grpc::ServerReader<dsa::indexer::v1::AppendIndexKeysRequest>* reader,
-                               dsa::indexer::v1::AppendIndexKeysResponse* response) override;
+  /// Response: keys_appended over all chunks. Errors: NOT_FOUND; INVALID_ARGUMENT (a message that
+  /// does not parse, dtype, shape, non-finite key, layer); FAILED_PRECONDITION (first_slot differs
+  /// from the layer's slot count, the layer's verifier rows await Commit); RESOURCE_EXHAUSTED (pool
+  /// full, layer over 2^31 slots, a chunk over kMaxAppendChunkBytes); CANCELLED (the client went
+  /// away). Served raw (the constructor's comment); the stream's messages as bytes.
+  grpc::Status AppendIndexKeysRaw(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<dsa::indexer::v1::AppendIndexKeysResponse, grpc::ByteBuffer>*
+          stream);
 
   /// Selections for row groups of many sequences in one call; see RunSelect for shapes, dtypes,
   /// atomicity and errors.
@@ -114,11 +120,12 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// Bidirectional stream of SelectRequests (per-layer traffic): one SelectResponse per request,
   /// in order, each as Select would answer. A refused request is answered with its status in
   /// SelectResponse.error (same code and message as Select's) and the stream goes on, since one
-  /// stream carries many sequences; OK when the client half-closes, CANCELLED if it goes away.
-  grpc::Status SelectStream(
+  /// stream carries many sequences; OK when the client half-closes, CANCELLED if it goes away,
+  /// INVALID_ARGUMENT naming the message when one does not parse (the requests before it stand).
+  /// Served raw (the constructor's comment).
+  grpc::Status SelectStreamRaw(
       grpc::ServerContext* context,
-      grpc::ServerReaderWriter<dsa::indexer::v1::SelectResponse, dsa::indexer::v1::SelectRequest>*
-          stream) override;
+      grpc::ServerReaderWriter<dsa::indexer::v1::SelectResponse, grpc::ByteBuffer>* stream);
 
   /// Indexer::Commit: NOT_FOUND, FAILED_PRECONDITION (nothing pending), OUT_OF_RANGE (accepted).
   grpc::Status Commit(grpc::ServerContext* context, const dsa::indexer::v1::CommitRequest* request,

@@ -77,9 +77,9 @@ absl::Status Indexer::ValidateSequenceOptions(const SequenceOptions& options) co
     return absl::InvalidArgumentError(
         absl::StrCat("num_layers must be in [1, 4096], got ", options.num_layers));
   }
-  if (options.top_k < 1 || options.top_k > (1 << 20)) {
+  if (options.top_k < 1 || options.top_k > kMaxTopK) {
     return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be in [1, 2^20], got ", options.top_k));
+        absl::StrCat("top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", options.top_k));
   }
   return ValidateSpinConfig(options.spin);
 }
@@ -740,6 +740,12 @@ absl::Status Indexer::Release(uint64_t sequence_id) {
   if (device_ != nullptr) device_->ReleaseSpin(sequence_id);
   sequences_.erase(sequence_id);
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> Indexer::TopK(uint64_t sequence_id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DSA_ASSIGN_OR_RETURN(const SequenceState* state, Find(sequence_id));
+  return state->options.top_k;
 }
 
 absl::StatusOr<int64_t> Indexer::NumSlots(uint64_t sequence_id, int layer) const {

@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/limits.h"
 #include "indexer_service/index_key_cache.h"
 #include "indexer_service/scoring.h"
 #include "indexer_service/scoring_device.h"
@@ -41,7 +42,7 @@ using DeviceFailureCallback = std::function<void(const absl::Status&)>;
 /// Per-sequence settings.
 struct SequenceOptions {
   int num_layers = 1;  // full layers with an indexer (index-key cache and SPIN state each)
-  int top_k = 2048;    // K, >= 1
+  int top_k = 2048;    // K, in [1, kMaxTopK]
   /// SPIN settings; the exploration draws use MixSeed(spin.seed, sequence id), so sequences with
   /// the same configured seed still draw independently, and a rerun with the same ids repeats.
   SpinConfig spin;
@@ -193,6 +194,8 @@ class Indexer {
   /// Drops the sequence and its blocks. NOT_FOUND if unknown.
   absl::Status Release(uint64_t sequence_id);
 
+  /// The sequence's K (SequenceOptions::top_k). NOT_FOUND.
+  absl::StatusOr<int> TopK(uint64_t sequence_id) const;
   /// Slots filled at (sequence, layer). NOT_FOUND, INVALID_ARGUMENT.
   absl::StatusOr<int64_t> NumSlots(uint64_t sequence_id, int layer) const;
   /// A copy of the SPIN state of (sequence, layer), for tests and tools. With SPIN on the device,

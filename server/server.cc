@@ -21,6 +21,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
+#include "server/parse_errors.h"
 #include "server/process_metrics.h"
 
 namespace dsa {
@@ -39,37 +40,6 @@ ServerFlags DefaultServerFlags(ServerComponent component) {
   flags.listen = absl::StrCat("0.0.0.0:", port);
   flags.metrics_listen = absl::StrCat("0.0.0.0:", metrics_port);
   return flags;
-}
-
-absl::StatusOr<HostPort> ParseHostPort(const std::string& address, int min_port) {
-  if (address.empty()) return absl::InvalidArgumentError("an empty address (want host:port)");
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("\"", address, "\" is not host:port"));
-  }
-  HostPort parsed;
-  parsed.host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  const std::string& host = parsed.host;
-  if (host.find_first_of(" \t\r\n") != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad host \"", host, "\" in \"", address, "\" (white space)"));
-  }
-  if (host.front() == '[' ? host.back() != ']' || host.size() < 3
-                          : host.find(':') != std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bad host \"", host, "\" in ", address,
-                     " (an IPv6 address goes in brackets: [::1]:50051)"));
-  }
-  if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &parsed.port) ||
-      port.find_first_not_of("0123456789") != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("bad port \"", port, "\" in ", address));
-  }
-  if (parsed.port < min_port || parsed.port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("port ", parsed.port, " is out of range ", min_port, "..65535 in ", address));
-  }
-  return parsed;
 }
 
 CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
@@ -301,6 +271,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     builder.RegisterService(service);
   }
   builder.SetMaxReceiveMessageSize(spec.max_receive_message_bytes);
+  AddServerInterceptors(builder);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     LogJson("error", "cannot listen", {{"address", flags.listen}});

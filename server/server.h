@@ -11,6 +11,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
+#include "common/host_port.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
@@ -53,18 +54,6 @@ ServerFlags DefaultServerFlags(ServerComponent component);
 /// `app`, writing into `flags` (which must outlive the parse). The addresses are checked by
 /// HostPortValidator (metrics may be empty); --log-level takes effect as it is parsed.
 void AddServerFlags(CLI::App& app, ServerFlags& flags);
-
-/// An address split into its host (as written: a name, an IPv4 address, or an IPv6 address in
-/// brackets) and its port.
-struct HostPort {
-  std::string host;
-  int port = 0;
-};
-
-/// Parses "host:port": host a name, an IPv4 address or a bracketed IPv6 address, without white
-/// space; port a decimal number from `min_port` to 65535. INVALID_ARGUMENT naming what is wrong,
-/// e.g. "port 70000 is out of range 0..65535 in 127.0.0.1:70000".
-absl::StatusOr<HostPort> ParseHostPort(const std::string& address, int min_port);
 
 /// ParseHostPort as a CLI11 validator (its error message is the status's); with `allow_empty`,
 /// "" passes too.

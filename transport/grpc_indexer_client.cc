@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "common/status_macros.h"
 #include "indexer_service/grpc_service.h"
 #include "proto/tensor_codec.h"
@@ -195,9 +196,16 @@ bool GrpcIndexerClient::DataPlaneEnded() const {
   return transport_ != nullptr && transport_->ended();
 }
 
+absl::Status GrpcIndexerClient::CheckAddress(const std::string& address) {
+  if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
+  const absl::StatusOr<HostPort> parsed = ParseHostPort(address, /*min_port=*/1);
+  if (parsed.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("indexer_worker: ", parsed.status().message()));
+}
+
 IndexerClientFactory GrpcIndexerClient::Factory() {
   return [](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
-    if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
+    DSA_RETURN_IF_ERROR(CheckAddress(address));
     return std::make_shared<GrpcIndexerClient>(address);
   };
 }

@@ -62,8 +62,12 @@ class GrpcIndexerClient final : public IndexerClient {
   /// The SelectStream (or other data plane) was made and its connection has ended.
   bool DataPlaneEnded() const override;
 
-  /// A factory of GrpcIndexerClient for any address.
+  /// A factory of GrpcIndexerClient for any host:port address (CheckAddress).
   static IndexerClientFactory Factory();
+
+  /// OK when `address` is host:port with a port in 1..65535 (ParseHostPort); otherwise
+  /// INVALID_ARGUMENT "indexer_worker: ..." saying what is wrong, before anything is dialed.
+  static absl::Status CheckAddress(const std::string& address);
 
  private:
   // One unary call of `method` with `deadline`; its status as FromGrpcStatus gives it, prefixed

@@ -13,7 +13,7 @@ namespace dsa {
 IndexerClientFactory NcclIndexerClientFactory(NcclConnectOptions options) {
   return [options = std::move(options)](
              const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
-    if (address.empty()) return absl::InvalidArgumentError("no indexer_worker address");
+    DSA_RETURN_IF_ERROR(GrpcIndexerClient::CheckAddress(address));
     // The control plane is usable at once; the communicator is bootstrapped on the first select.
     return std::shared_ptr<IndexerClient>(std::make_shared<GrpcIndexerClient>(
         address, GrpcIndexerClient::MakeChannel(address),

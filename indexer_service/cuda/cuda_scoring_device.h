@@ -45,7 +45,7 @@ struct CudaScoringOptions {
 /// Creates the device on GPU `options.device`. Errors: FAILED_PRECONDITION when no GPU is visible,
 /// the ordinal is out of range, or the GPU cannot run the kernels (they are built for sm_90a);
 /// INTERNAL for other CUDA errors. Device memory is taken by Attach (the Indexer calls it).
-/// The device's ScoreAndSelect declines (UNIMPLEMENTED) a K above cuda::kMaxTopK (2,048).
+/// The device's ScoreAndSelect declines (UNIMPLEMENTED) a K above kMaxTopK (2,048).
 absl::StatusOr<std::unique_ptr<ScoringDevice>> CreateCudaScoringDevice(
     const CudaScoringOptions& options);
 

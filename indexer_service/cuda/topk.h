@@ -7,10 +7,10 @@
 
 #include <cstdint>
 
-namespace dsa::cuda {
+#include "common/limits.h"  // kMaxTopK: the largest K the kernel takes (its winners live in
+                            // shared memory)
 
-/// Largest K the kernel takes (its candidate buffer lives in shared memory).
-inline constexpr int kMaxTopK = 2048;
+namespace dsa::cuda {
 
 /// One top-K launch over a ragged batch of rows. All pointers are device pointers.
 struct TopKParams {

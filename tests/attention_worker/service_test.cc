@@ -576,6 +576,20 @@ TEST_F(AttentionServiceTest, BadRequestsArePreciseAndLeaveOtherSequencesServing)
   av1::PrefillRequest bad_spin = PrefillRequest(31, 600);
   bad_spin.mutable_settings()->mutable_spin()->set_target_block_sparsity(1.5);
   EXPECT_EQ(Prefill(bad_spin, &prefilled).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  av1::PrefillRequest wide = PrefillRequest(31, 600);
+  wide.mutable_settings()->set_top_k(kMaxTopK + 1);  // above what the backends take
+  const grpc::Status wide_status = Prefill(wide, &prefilled);
+  EXPECT_EQ(wide_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(wide_status.error_message().find("(kMaxTopK)"), std::string::npos);
+  // An indexer address that is not host:port is refused before anything is dialed (it was
+  // UNKNOWN from the channel before).
+  for (const char* address : {"no-port", "host:0", "host:99999", "two words:50052", "::1:50052"}) {
+    av1::PrefillRequest bad_address = PrefillRequest(31, 600);
+    bad_address.set_indexer_worker(address);
+    const grpc::Status status = Prefill(bad_address, &prefilled);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << address;
+    EXPECT_EQ(status.error_message().rfind("indexer_worker: ", 0), 0u) << status.error_message();
+  }
 
   EXPECT_EQ(Step({{99, 1}}, &response).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(Step({{30, 1}, {99, 1}}, &response).error_code(), grpc::StatusCode::NOT_FOUND);

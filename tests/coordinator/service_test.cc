@@ -24,7 +24,9 @@
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "server/parse_errors.h"
 #include "tests/coordinator/fake_attention.h"
+#include "tests/testing/raw_call.h"
 
 namespace dsa {
 namespace {
@@ -42,6 +44,7 @@ std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  AddServerInterceptors(builder);
   auto server = builder.BuildAndStart();
   *address = absl::StrCat("127.0.0.1:", port);
   return server;
@@ -297,6 +300,28 @@ TEST(CoordinatorServiceTest, SpeculativeStepsNeverExceedMaxNewTokens) {
   }
 }
 
+TEST(CoordinatorServiceTest, UnparseableRequestsGetInvalidArgument) {
+  Cluster cluster;
+  const auto channel =
+      grpc::CreateChannel(cluster.coordinator_address(), grpc::InsecureChannelCredentials());
+  // A request id that is not UTF-8 (proto3 strings must be): field 1, length 2, bytes ff fe.
+  const std::string bad_id = std::string("\x0a\x02\xff\xfe", 4);
+  for (const auto& [method, message] : std::vector<std::pair<std::string, std::string>>{
+           {"Generate", bad_id},
+           {"Generate", dsa::testing::UnparseableMessage()},
+           {"Abort", bad_id},
+           {"GetLoad", dsa::testing::UnparseableMessage()}}) {
+    const std::string name = "/dsa.coordinator.v1.CoordinatorService/" + method;
+    const dsa::testing::RawCallResult result = dsa::testing::RawCall(channel, name, {message});
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_THAT(result.status.error_message(),
+                HasSubstr(name + ": the request is not a valid message"));
+    EXPECT_TRUE(result.responses.empty());
+  }
+  EXPECT_EQ(Load(cluster.stub()).running(), 0);
+  EXPECT_TRUE(Generate(cluster.stub(), Request("after", 10, 1)).status.ok());
+}
+
 TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
   Cluster cluster;
   struct Case {
@@ -333,7 +358,14 @@ TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
   {
     cv1::GenerateRequest r = Request("a", 10, 1);
     r.mutable_overrides()->set_top_k(0);
-    cases.push_back({r, "overrides.top_k must be >= 1, got 0"});
+    cases.push_back({r, "overrides.top_k must be in [1, 2048] (kMaxTopK), got 0"});
+  }
+  {
+    // A K the backends cannot run (the GPU top-K's largest is 2,048) is refused at admission, so
+    // it can never fail a decode batch it would share with others.
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.mutable_overrides()->set_top_k(1 << 20);
+    cases.push_back({r, "overrides.top_k must be in [1, 2048] (kMaxTopK), got 1048576"});
   }
   {
     cv1::GenerateRequest r = Request("a", 10, 1);
@@ -359,7 +391,8 @@ TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
   EXPECT_EQ(ok.events[1].tokens().first_position(), 70);
   EXPECT_EQ(cluster.fake().prefills().size(), 1u);  // only the good one reached a worker
   EXPECT_THAT(cluster.Metrics(),
-              HasSubstr("dsa_coordinator_requests_total{outcome=\"rejected\"} 13"));
+              HasSubstr(absl::StrCat("dsa_coordinator_requests_total{outcome=\"rejected\"} ",
+                                     cases.size())));
 }
 
 TEST(CoordinatorServiceTest, TooLargeIsRefusedAtOnceWithTheNumbers) {

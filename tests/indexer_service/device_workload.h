@@ -66,8 +66,11 @@ inline ExactRow MakeExactRow(std::mt19937& rng, int num_heads, int head_dim) {
 }
 
 /// Runs the script on `indexer` (capacity >= 1024 blocks, audit fraction 1) with K = `top_k` for
-/// the SPIN sequences (<= 2,048). Fails the current test on an unexpected status.
-inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
+/// the SPIN sequences (<= kMaxTopK) and K = `wide_top_k` for the "wide" sequence, which a device
+/// whose largest K is below it declines (the fake's FakeControls::max_top_k; the CPU scores it
+/// then). `wide_top_k` 0: no wide sequence and no batch mixing it. Fails the current test on an
+/// unexpected status.
+inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256, int wide_top_k = kMaxTopK) {
   const int num_heads = indexer.options().num_heads;
   const int head_dim = indexer.options().head_dim;
   std::mt19937 rng(20261129);
@@ -156,17 +159,17 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256) {
     append(2, 0, 1);
     if (!select_pair(1, 1, 3026, 2, 0, 3306, "batch of two layers")) return record;
   }
-  // K = 4,096 (above the GPU top-K's largest): the device declines, the CPU scores it.
-  SequenceOptions wide = options;
-  wide.num_layers = 1;
-  wide.top_k = 4096;
-  EXPECT_TRUE(indexer.CreateSequence(3, wide).ok());
-  append(3, 0, 9000);
-  select(3, 0, 8999, "wide warm-up");
-  append(3, 0, 1);
-  select(3, 0, 9000, "wide decode");
-  // One batch mixing it (planned on the CPU) with a sequence whose SPIN may run on the device.
-  {
+  // K = wide_top_k (above the device's largest): the device declines, the CPU scores it.
+  if (wide_top_k > 0) {
+    SequenceOptions wide = options;
+    wide.num_layers = 1;
+    wide.top_k = wide_top_k;
+    EXPECT_TRUE(indexer.CreateSequence(3, wide).ok());
+    append(3, 0, 9000);
+    select(3, 0, 8999, "wide warm-up");
+    append(3, 0, 1);
+    select(3, 0, 9000, "wide decode");
+    // One batch mixing it (planned on the CPU) with a sequence whose SPIN may run on the device.
     append(3, 0, 1);
     append(2, 1, 1);
     if (!select_pair(3, 0, 9001, 2, 1, 3300, "mixed batch")) return record;

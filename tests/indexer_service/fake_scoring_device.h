@@ -40,8 +40,10 @@ struct FakeControls {
   int score_calls = 0;
   std::optional<int> fail_mirror_at;  // the n-th MirrorBlocks call (0-based) returns INTERNAL
   std::optional<int> fail_score_at;   // the n-th ScoreAndSelect call returns INTERNAL
-  int max_top_k = 2048;               // larger K: UNIMPLEMENTED, as the CUDA backend
-  bool runs_spin = false;             // take SPIN too (RunsSpin for K <= max_top_k)
+  // Larger K: UNIMPLEMENTED, as a device with a smaller top-K would (RunWorkload's wide sequence
+  // has K = kMaxTopK, which the engine allows and this fake declines).
+  int max_top_k = kMaxTopK / 2;
+  bool runs_spin = false;  // take SPIN too (RunsSpin for K <= max_top_k)
   int spin_calls = 0;
   std::optional<int> fail_spin_at;  // the n-th SelectWithSpin call returns INTERNAL
   // device_ordinal(): >= 0 makes the fake take device-resident selects, its "device memory"

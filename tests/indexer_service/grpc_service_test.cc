@@ -22,6 +22,8 @@
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "proto/tensor_codec.h"
+#include "server/parse_errors.h"
+#include "tests/testing/raw_call.h"
 
 namespace dsa {
 namespace {
@@ -188,11 +190,13 @@ class GrpcServiceTest : public ::testing::Test {
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
     builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+    AddServerInterceptors(builder);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
-    stub_ = v1::IndexerService::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    channel_ =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    stub_ = v1::IndexerService::NewStub(channel_);
   }
   void TearDown() override {
     if (server_) server_->Shutdown();
@@ -281,6 +285,7 @@ class GrpcServiceTest : public ::testing::Test {
   std::unique_ptr<IndexerServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::IndexerService::Stub> stub_;
+  std::shared_ptr<grpc::Channel> channel_;
 };
 
 TEST(ToGrpcStatusTest, SameCodeAndMessage) {
@@ -654,6 +659,135 @@ TEST_F(GrpcServiceTest, SelectStreamAnswersAFailedRequestWithItsStatusAndGoesOn)
   stream->WritesDone();
   EXPECT_FALSE(stream->Read(&response));
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(GrpcServiceTest, KAboveTheBackendsLargestIsRefused) {
+  StartServer(8);
+  v1::CreateSequenceRequest request = CreateRequest(1, 1, 0.4);
+  request.set_top_k(kMaxTopK + 1);
+  const grpc::Status status = Create(request);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("top_k must be in [1, 2048] (kMaxTopK), got 2049"),
+            std::string::npos)
+      << status.error_message();
+  request.set_top_k(kMaxTopK);
+  EXPECT_TRUE(Create(request).ok());
+}
+
+TEST_F(GrpcServiceTest, ASelectWhoseAnswerCouldPassTheMessageLimitIsRefusedBeforeItRuns) {
+  StartServer(8);
+  std::mt19937 rng(33);
+  v1::CreateSequenceRequest create = CreateRequest(1, 1, 0.4);
+  create.set_top_k(kMaxTopK);
+  ASSERT_TRUE(Create(create).ok());
+  ASSERT_TRUE(Append({{1, 0, 0, RandomValues(rng, 64 * kD)}}).ok());
+  // 8,200 rows of K = 2,048: 8,200 x 8,200 bytes of selections and rates, over 64 MiB (the
+  // request itself is 2.2 MB). Before the limit, SelectStream built such an answer and protobuf
+  // aborted the process past 2 GB.
+  const int rows = 8200;
+  ASSERT_GT(SelectResponseBytesBound(rows, kMaxTopK), kMaxReceiveMessageBytes);
+  v1::SelectRequest request;
+  AddGroup(&request, 1, 0, 0, MakeRows(rng, rows, common::v1::DTYPE_FLOAT32));
+  v1::SelectResponse response;
+  const grpc::Status status = Select(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(status.error_message().find("over the message limit of 67108864 bytes"),
+            std::string::npos)
+      << status.error_message();
+  // Refused before anything ran: the layer selects from its first position as before.
+  AddGroup(&request, 1, 0, 0, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+  request.mutable_groups()->DeleteSubrange(0, 1);
+  EXPECT_TRUE(Select(request, &response).ok());
+}
+
+// A chunk's request message, serialized (for raw calls).
+std::string ChunkBytes(uint64_t id, int layer, int64_t first_slot, const std::vector<float>& keys) {
+  v1::AppendIndexKeysRequest request;
+  request.set_sequence_id(id);
+  request.set_layer(layer);
+  request.set_first_slot(first_slot);
+  const int64_t shape[] = {static_cast<int64_t>(keys.size()) / kD, kD};
+  EncodeFloatTensor(keys, shape, request.mutable_keys());
+  return request.SerializeAsString();
+}
+
+TEST_F(GrpcServiceTest, AnUnparseableChunkFailsTheAppendAndUndoesItsChunks) {
+  StartServer(8);
+  std::mt19937 rng(31);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  const std::vector<std::string> messages = {ChunkBytes(1, 0, 0, RandomValues(rng, 10 * kD)),
+                                             testing::UnparseableMessage(),
+                                             ChunkBytes(1, 0, 10, RandomValues(rng, 10 * kD))};
+  const testing::RawCallResult result =
+      testing::RawCall(channel_, "/dsa.indexer.v1.IndexerService/AppendIndexKeys", messages);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(result.status.error_message().find(
+                "message 1 of the stream is not a valid dsa.indexer.v1.AppendIndexKeysRequest"),
+            std::string::npos)
+      << result.status.error_message();
+  EXPECT_TRUE(result.responses.empty());
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 0);  // the first chunk was appended, then undone
+  EXPECT_EQ(Load().used_blocks(), 0);
+  // The same bytes without the bad message append both chunks.
+  const testing::RawCallResult good = testing::RawCall(
+      channel_, "/dsa.indexer.v1.IndexerService/AppendIndexKeys", {messages[0], messages[2]});
+  ASSERT_TRUE(good.status.ok()) << good.status.error_message();
+  ASSERT_EQ(good.responses.size(), 1u);
+  v1::AppendIndexKeysResponse response;
+  ASSERT_TRUE(response.ParseFromString(good.responses[0]));
+  EXPECT_EQ(response.keys_appended(), 20);
+  EXPECT_EQ(*indexer_->NumSlots(1, 0), 20);
+}
+
+TEST_F(GrpcServiceTest, AnUnparseableSelectStreamMessageFailsTheStreamNamingIt) {
+  StartServer(8);
+  std::mt19937 rng(32);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  ASSERT_TRUE(twin_->CreateSequence(1, EngineOptions(1, 0.4)).ok());
+  AppendBoth(1, 0, RandomValues(rng, 82 * kD), 82);
+  v1::SelectRequest good;
+  good.set_request_id(1);
+  AddGroup(&good, 1, 0, 79, MakeRows(rng, 1, common::v1::DTYPE_FLOAT32));
+  v1::SelectRequest later = good;
+  later.set_request_id(3);
+  later.mutable_groups(0)->set_first_position(81);
+  const testing::RawCallResult result = testing::RawCall(
+      channel_, "/dsa.indexer.v1.IndexerService/SelectStream",
+      {good.SerializeAsString(), testing::UnparseableMessage(), later.SerializeAsString()});
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(result.status.error_message().find(
+                "message 1 of the stream is not a valid dsa.indexer.v1.SelectRequest"),
+            std::string::npos)
+      << result.status.error_message();
+  ASSERT_EQ(result.responses.size(), 1u);  // the request before it was answered; none after
+  v1::SelectResponse response;
+  ASSERT_TRUE(response.ParseFromString(result.responses[0]));
+  EXPECT_EQ(response.request_id(), 1u);
+  EXPECT_EQ(response.selections_size(), 1);
+}
+
+TEST_F(GrpcServiceTest, UnparseableUnaryRequestsGetInvalidArgumentNamingTheMethod) {
+  StartServer(8);
+  ASSERT_TRUE(Create(CreateRequest(1, 1, 0.4)).ok());
+  for (const char* method :
+       {"CreateSequence", "Select", "Commit", "BeginTurn", "Release", "GetLoad", "OpenDataPlane"}) {
+    const std::string name = absl::StrCat("/dsa.indexer.v1.IndexerService/", method);
+    const testing::RawCallResult result =
+        testing::RawCall(channel_, name, {testing::UnparseableMessage()});
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method;
+    EXPECT_NE(result.status.error_message().find(
+                  name + ": the request is not a valid message of the method's request type"),
+              std::string::npos)
+        << result.status.error_message();
+  }
+  // Nothing changed: the sequence is still there and a valid raw Release is served as usual.
+  EXPECT_EQ(Load().sequences(), 1);
+  v1::ReleaseRequest release;
+  release.set_sequence_id(1);
+  EXPECT_TRUE(testing::RawCall(channel_, "/dsa.indexer.v1.IndexerService/Release",
+                               {release.SerializeAsString()})
+                  .status.ok());
+  EXPECT_EQ(Load().sequences(), 0);
 }
 
 // Adds new_index_keys fp32 [n, D] to the last group of `request`.

@@ -52,8 +52,8 @@ TEST(IndexerDeviceTest, SameRecordAsTheCpuAndEverySelectOnTheDeviceButTheWideOne
   EXPECT_EQ((*indexer)->DeviceDescription(), "fake");
   const WorkloadRecord record = RunWorkload(**indexer);
   ExpectSameRecord(CpuRecord(), record);
-  // Every select but the three with K = 4,096 and the mixed batch's other group (the device
-  // declines a batch with any K above its largest) ran on the device.
+  // Every select but the three with K = kMaxTopK (above the fake's largest) and the mixed batch's
+  // other group (the device declines a batch with any K above its largest) ran on the device.
   EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()) - 4);
   EXPECT_TRUE((*indexer)->DeviceStatus().ok());
   EXPECT_GT(controls.mirror_calls, 0);
@@ -131,6 +131,7 @@ TEST(IndexerDeviceTest, SpinOnTheDeviceGivesTheCpuRecordBitForBit) {
 TEST(IndexerDeviceTest, SpinOnTheDeviceWithKOf2048) {
   FakeControls controls;
   controls.runs_spin = true;
+  controls.max_top_k = kMaxTopK;
   auto indexer = Indexer::Create(WorkloadOptions(), std::make_unique<FakeDevice>(&controls));
   ASSERT_TRUE(indexer.ok());
   auto cpu = Indexer::Create(WorkloadOptions());

@@ -438,6 +438,31 @@ TEST_F(FakeCoordinatorTest, StopCancelsStreamsInFlight) {
   EXPECT_EQ(report->failures_by_code.count("CANCELLED"), 1u);
 }
 
+TEST_F(FakeCoordinatorTest, AStopBeforeTheLastArrivalCountsTheUnsentRequestsAsFailed) {
+  // Before, the requests a stop kept from being sent counted as completed and the replay passed.
+  std::atomic<bool> stop{false};
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 1;
+  options.stop = &stop;
+  const std::vector<TraceRequest> requests = Trace(4, 600000);  // one every 10 minutes
+  std::thread stopper([&stop] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    stop = true;
+  });
+  auto report = RunReplay(requests, options);
+  stopper.join();
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->stopped);
+  EXPECT_EQ(report->completed, 1);  // the first arrives at once and finishes in 9 steps
+  EXPECT_EQ(report->failed, 3);
+  EXPECT_EQ(report->failures_by_code, (std::map<std::string, int64_t>{{"CANCELLED", 3}}));
+  EXPECT_NE(report->first_error.find("replay stopped before sending"), std::string::npos)
+      << report->first_error;
+  EXPECT_NE(ReplayReportToMarkdown(*report).find("stopped by a signal"), std::string::npos);
+  EXPECT_EQ(ReplayReportToJson(*report)["requests"]["stopped"], true);
+}
+
 // Runs the `dsa` binary; its exit code.
 int RunDsa(const std::vector<std::string>& args) {
   std::string command = DSA_BINARY;

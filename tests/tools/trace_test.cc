@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include "gtest/gtest.h"
@@ -26,6 +27,38 @@ TEST(MooncakeTrace, ReadsRequestsWithPrefixBlocks) {
   EXPECT_EQ((*trace)[1].arrival_ms, 40);
   EXPECT_EQ((*trace)[1].prefix_block_ids, (std::vector<uint64_t>{0}));
   EXPECT_TRUE((*trace)[2].prefix_block_ids.empty());
+}
+
+TEST(MooncakeTrace, ArrivalsAreRelativeToTheFirstRequest) {
+  // A trace that starts 90 s in: the replay must not idle 90 s before its first request.
+  std::istringstream in(
+      "{\"timestamp\": 90000, \"input_length\": 10, \"output_length\": 1}\n"
+      "{\"timestamp\": 90250, \"input_length\": 10, \"output_length\": 1}\n"
+      "{\"timestamp\": 90250, \"input_length\": 10, \"output_length\": 1}\n");
+  auto trace = ReadMooncakeTrace(in);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  ASSERT_EQ(trace->size(), 3u);
+  EXPECT_EQ((*trace)[0].arrival_ms, 0);
+  EXPECT_EQ((*trace)[1].arrival_ms, 250);
+  EXPECT_EQ((*trace)[2].arrival_ms, 250);
+  // Going backwards is still measured against the previous timestamp, not the relative time.
+  std::istringstream back(
+      "{\"timestamp\": 90000, \"input_length\": 10, \"output_length\": 1}\n"
+      "{\"timestamp\": 100, \"input_length\": 10, \"output_length\": 1}\n");
+  EXPECT_EQ(ReadMooncakeTrace(back).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TraceFile, ErrorsNameTheFile) {
+  const std::filesystem::path path =
+      std::filesystem::temp_directory_path() / "dsa_trace_test_bad.jsonl";
+  {
+    std::ofstream out(path);
+    out << "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 1}\nnot json\n";
+  }
+  const auto trace = ReadTraceFile(path.string());
+  EXPECT_EQ(trace.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(trace.status().message(), path.string() + ": trace line 2: not a JSON object");
+  std::filesystem::remove(path);
 }
 
 TEST(MooncakeTrace, MalformedLinesAreInvalidArgumentNamingTheLine) {

@@ -312,6 +312,14 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
       !WriteOutput(markdown_path, markdown_out, heading + markdown)) {
     return 2;
   }
+  if (report->stopped) {
+    std::fprintf(stderr,
+                 "dsa replay: stopped by a signal; %lld of %lld requests completed (the report "
+                 "counts the rest as failed)\n",
+                 static_cast<long long>(report->completed),
+                 static_cast<long long>(report->requests));
+    return 1;
+  }
   if (report->failed > 0) {
     std::fprintf(stderr, "dsa replay: %lld of %lld requests failed; first: %s\n",
                  static_cast<long long>(report->failed), static_cast<long long>(report->requests),

@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/limits.h"
 #include "coordinator/scheduler.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -135,6 +136,14 @@ class ReplayRun {
     Dispatch();
     for (std::thread& worker : workers) worker.join();
     const double wall_seconds = SecondsBetween(start_, Clock::now());
+    // A stop leaves the requests never dispatched: each fails as never sent (not as completed).
+    for (size_t i = 0; i < records_.size(); ++i) {
+      RequestRecord& record = records_[i];
+      if (record.sent || record.status_code != 0) continue;
+      record.index = static_cast<int64_t>(i);
+      record.status_code = static_cast<int>(grpc::StatusCode::CANCELLED);
+      record.error = "replay stopped before sending";
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
@@ -144,6 +153,7 @@ class ReplayRun {
     Sample();
     ReplayReport report = AggregateReplay(records_, samples_, wall_seconds, options_);
     report.prefix_slots_reusable = ReusablePrefixSlots(requests_);
+    report.stopped = StopRequested();
     return report;
   }
 
@@ -195,6 +205,7 @@ class ReplayRun {
       record.context_tokens = request.context_tokens;
       record.max_new_tokens = request.output_tokens;
       record.client_wait_seconds = SecondsBetween(pending.arrival, Clock::now());
+      record.sent = true;
       RunOne(*stub_, request, pending.index, options_, context, record);
       std::lock_guard<std::mutex> lock(mutex_);
       contexts_.erase(&context);
@@ -452,9 +463,9 @@ absl::StatusOr<ReplayReport> RunReplay(const std::vector<TraceRequest>& requests
     return absl::InvalidArgumentError(
         absl::StrCat("--time-scale must be >= 0, not ", options.time_scale));
   }
-  if (options.draft_length < 0 || options.draft_length > 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--draft-length must be in 0..4, not ", options.draft_length));
+  if (options.draft_length < 0 || options.draft_length > kMaxDraftLength) {
+    return absl::InvalidArgumentError(absl::StrCat("--draft-length must be in 0..", kMaxDraftLength,
+                                                   ", not ", options.draft_length));
   }
   if (options.sample_ms < 1 || options.request_timeout_ms < 1) {
     return absl::InvalidArgumentError("--sample-ms and the request timeout must be >= 1 ms");
@@ -472,11 +483,10 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report) {
                       {"time_scale", report.time_scale},
                       {"max_in_flight", report.max_in_flight},
                       {"draft_length", report.draft_length}};
-  json["requests"] = {{"total", report.requests},
-                      {"completed", report.completed},
-                      {"failed", report.failed},
-                      {"failures_by_code", report.failures_by_code},
-                      {"first_error", report.first_error}};
+  json["requests"] = {
+      {"total", report.requests},          {"completed", report.completed},
+      {"failed", report.failed},           {"failures_by_code", report.failures_by_code},
+      {"first_error", report.first_error}, {"stopped", report.stopped}};
   json["wall_seconds"] = report.wall_seconds;
   json["latency_seconds"] = {{"ttft_p50", report.ttft_p50},
                              {"ttft_p99", report.ttft_p99},
@@ -546,7 +556,8 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
                                           : absl::StrFormat("%g", report.time_scale),
                    " / ", report.max_in_flight, " / ", report.draft_length));
   row("requests completed / failed",
-      absl::StrCat(report.completed, " / ", report.failed, failures, " of ", report.requests));
+      absl::StrCat(report.completed, " / ", report.failed, failures, " of ", report.requests,
+                   report.stopped ? " (stopped by a signal before the end)" : ""));
   row("wall time", absl::StrFormat("%.2f s", report.wall_seconds));
   row("TTFT p50 / p99", absl::StrCat(ms(report.ttft_p50), " / ", ms(report.ttft_p99)));
   row("inter-token latency p50 / p99", absl::StrCat(ms(report.itl_p50), " / ", ms(report.itl_p99)));

@@ -58,6 +58,7 @@ struct RequestRecord {
   int64_t index = 0;           // position in the (capped) trace
   int64_t context_tokens = 0;  // as sent
   int64_t max_new_tokens = 0;  // as sent
+  bool sent = false;           // its Generate call was made
   int status_code = 0;         // grpc::StatusCode of the stream (0 = OK)
   std::string error;           // the status message when it failed
   bool admitted = false;
@@ -105,7 +106,9 @@ struct ReplayReport {
   // Outcomes.
   int64_t requests = 0;
   int64_t completed = 0;
-  int64_t failed = 0;
+  int64_t failed = 0;  // includes requests never sent because the replay was stopped
+  /// The replay was stopped (ReplayOptions::stop) before every request was sent and answered.
+  bool stopped = false;
   std::map<std::string, int64_t> failures_by_code;  // e.g. "RESOURCE_EXHAUSTED" -> 3
   std::string first_error;                          // one failure's message, for the log
   double wall_seconds = 0;

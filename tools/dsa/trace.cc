@@ -34,6 +34,7 @@ absl::StatusOr<std::vector<TraceRequest>> ReadMooncakeTrace(std::istream& in) {
   std::vector<TraceRequest> requests;
   std::string text;
   int64_t line = 0;
+  int64_t first_timestamp = 0, last_timestamp = 0;
   while (std::getline(in, text)) {
     ++line;
     if (absl::StripAsciiWhitespace(text).empty()) continue;
@@ -66,9 +67,14 @@ absl::StatusOr<std::vector<TraceRequest>> ReadMooncakeTrace(std::istream& in) {
                                       request.context_tokens, " tokens (at most ", blocks, ")"));
       }
     }
-    if (!requests.empty() && request.arrival_ms < requests.back().arrival_ms) {
+    if (!requests.empty() && request.arrival_ms < last_timestamp) {
       return LineError(line, "timestamps go backwards");
     }
+    // Arrivals relative to the first request (as the Azure reader's), so that a trace whose first
+    // timestamp is late does not idle before it.
+    if (requests.empty()) first_timestamp = request.arrival_ms;
+    last_timestamp = request.arrival_ms;
+    request.arrival_ms -= first_timestamp;
     requests.push_back(std::move(request));
   }
   if (requests.empty()) return absl::InvalidArgumentError("trace has no requests");
@@ -121,10 +127,17 @@ absl::StatusOr<std::vector<TraceRequest>> ReadTraceFile(const std::string& path)
     return absl::NotFoundError(
         absl::StrCat("cannot open trace ", path, ": ", std::strerror(errno)));
   }
-  if (absl::EndsWith(path, ".jsonl")) return ReadMooncakeTrace(in);
-  if (absl::EndsWith(path, ".csv")) return ReadAzureTrace(in);
-  return absl::InvalidArgumentError(
-      absl::StrCat("trace ", path, ": unknown format (expected .jsonl Mooncake or .csv Azure)"));
+  absl::StatusOr<std::vector<TraceRequest>> read;
+  if (absl::EndsWith(path, ".jsonl")) {
+    read = ReadMooncakeTrace(in);
+  } else if (absl::EndsWith(path, ".csv")) {
+    read = ReadAzureTrace(in);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace ", path, ": unknown format (expected .jsonl Mooncake or .csv Azure)"));
+  }
+  if (read.ok()) return read;
+  return absl::Status(read.status().code(), absl::StrCat(path, ": ", read.status().message()));
 }
 
 }  // namespace dsa

@@ -25,9 +25,10 @@ struct TraceRequest {
 };
 
 /// Reads Mooncake JSON lines: {"timestamp": ms, "input_length": n, "output_length": n,
-/// "hash_ids": [...]} per line; blank lines are skipped. Errors (INVALID_ARGUMENT, naming the
-/// line): malformed JSON, a missing or mistyped field, a negative timestamp, a length < 1, more
-/// hash ids than ceil(input_length / 512), timestamps going backwards.
+/// "hash_ids": [...]} per line; blank lines are skipped. Arrival times are the timestamps relative
+/// to the first request's (ms). Errors (INVALID_ARGUMENT, naming the line): malformed JSON, a
+/// missing or mistyped field, a negative timestamp, a length < 1, more hash ids than
+/// ceil(input_length / 512), timestamps going backwards.
 absl::StatusOr<std::vector<TraceRequest>> ReadMooncakeTrace(std::istream& in);
 
 /// Reads the Azure CSV: header `TIMESTAMP,ContextTokens,GeneratedTokens`, then rows like
@@ -38,7 +39,8 @@ absl::StatusOr<std::vector<TraceRequest>> ReadMooncakeTrace(std::istream& in);
 absl::StatusOr<std::vector<TraceRequest>> ReadAzureTrace(std::istream& in);
 
 /// Reads `path` by its extension: `.jsonl` (Mooncake) or `.csv` (Azure). NOT_FOUND when the file
-/// cannot be opened; INVALID_ARGUMENT for another extension or the readers' errors.
+/// cannot be opened; INVALID_ARGUMENT for another extension or the readers' errors, prefixed with
+/// "<path>: ".
 absl::StatusOr<std::vector<TraceRequest>> ReadTraceFile(const std::string& path);
 
 }  // namespace dsa

@@ -91,7 +91,8 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
   const Shape shape = GetParam();
   auto cpu = Indexer::Create(WorkloadOptions(shape.num_heads, shape.head_dim));
   ASSERT_TRUE(cpu.ok());
-  const WorkloadRecord expected = RunWorkload(**cpu);
+  // No wide sequence: the GPU takes every K the engine allows (kMaxTopK), so nothing declines.
+  const WorkloadRecord expected = RunWorkload(**cpu, 256, /*wide_top_k=*/0);
 
   auto device = CreateCudaScoringDevice({0, shape.kernel, shape.spin});
   ASSERT_TRUE(device.ok()) << device.status();
@@ -105,20 +106,18 @@ TEST_P(CudaScoringDeviceTest, SameRecordAsTheCpuEngine) {
                                    ADD_FAILURE() << s;
                                  });
   ASSERT_TRUE(indexer.ok()) << indexer.status();
-  const WorkloadRecord record = RunWorkload(**indexer);
+  const WorkloadRecord record = RunWorkload(**indexer, 256, /*wide_top_k=*/0);
   ExpectSameRecord(expected, record);
   EXPECT_EQ(failures, 0) << (*indexer)->DeviceDescription();
   EXPECT_TRUE((*indexer)->DeviceStatus().ok()) << (*indexer)->DeviceStatus();
-  // Every select but the three with K = 4,096 ran on the GPU; with SPIN on the CPU the mixed
-  // batch's other group too (the GPU declines a batch with any K above its largest).
-  EXPECT_EQ(record.selects_on_device,
-            static_cast<int>(record.labels.size()) - (shape.spin ? 3 : 4));
+  // Every select ran on the GPU.
+  EXPECT_EQ(record.selects_on_device, static_cast<int>(record.labels.size()));
   EXPECT_EQ(kernels, std::set<std::string>{shape.expected_scan});
-  // With SPIN on the GPU every select of K <= 2,048 is a whole select there (the audits' dense
-  // selects still go through ScoreAndSelect): one call a select, one a batch (the six of two
-  // groups, the one of two layers, the mixed one), none for the three with K = 4,096.
+  // With SPIN on the GPU every select is a whole select there (the audits' dense selects still go
+  // through ScoreAndSelect): one call a select, one a batch (the six of two groups and the one of
+  // two layers each answer two labels).
   if (shape.spin) {
-    EXPECT_EQ(spy_view->spin_selects, static_cast<int>(record.labels.size()) - 3 - 6 - 1);
+    EXPECT_EQ(spy_view->spin_selects, static_cast<int>(record.labels.size()) - 6 - 1);
   } else {
     EXPECT_EQ(spy_view->spin_selects, 0);
   }
@@ -148,7 +147,8 @@ TEST(CudaScoringDeviceWideKTest, SameRecordAsTheCpuEngineWithKOf2048) {
   ASSERT_TRUE(device.ok()) << device.status();
   auto indexer = Indexer::Create(WorkloadOptions(64, 128), std::move(*device));
   ASSERT_TRUE(indexer.ok()) << indexer.status();
-  ExpectSameRecord(RunWorkload(**cpu, 2048), RunWorkload(**indexer, 2048));
+  ExpectSameRecord(RunWorkload(**cpu, 2048, /*wide_top_k=*/0),
+                   RunWorkload(**indexer, 2048, /*wide_top_k=*/0));
   EXPECT_TRUE((*indexer)->DeviceStatus().ok()) << (*indexer)->DeviceStatus();
 }
 

@@ -1,0 +1,35 @@
+// Limits every part checks before it does any work (issue 13, "Hostile input"), one name each.
+#pragma once
+
+#include <cstdint>
+
+namespace dsa {
+
+/// Largest K (selections per row) a sequence may have: the GPU top-K's (indexer_service/cuda/
+/// topk.cu keeps 2 x 1,024 threads' winners in shared memory). The CPU backend takes no more, so
+/// where a sequence may run never depends on its K; DeepSeek-V3.2 uses K = 2,048 (DESIGN.md 1).
+inline constexpr int kMaxTopK = 2048;
+
+/// Most draft tokens d of a speculative step (DESIGN.md 4.3: MTP drafts of up to 4 tokens).
+inline constexpr int kMaxDraftLength = 4;
+/// Rows of one sequence in one decode step at most: 1, or the d + 1 verifier rows.
+inline constexpr int kMaxStepRows = kMaxDraftLength + 1;
+
+/// Largest serialized message a dsa gRPC peer receives (grpc::ServerBuilder::
+/// SetMaxReceiveMessageSize and the clients' channel argument): 64 MiB. An indexer refuses a select
+/// whose answer could pass it (RESOURCE_EXHAUSTED naming this limit) before running it.
+inline constexpr int kMaxReceiveMessageBytes = 64 << 20;
+
+/// The most bytes a dsa.indexer.v1 SelectResponse's answer to a group of `rows` rows of a
+/// sequence with K = `top_k` can take: the selections (int32 [rows, K]), the audit miss rates (a
+/// double a row) and the framing of the group's fields (under 80 bytes). A select whose groups'
+/// bounds, plus 16 bytes, pass kMaxReceiveMessageBytes is refused before it runs.
+constexpr int64_t SelectResponseBytesBound(int64_t rows, int top_k) {
+  constexpr int64_t kGroupFramingBytes = 80;
+  return kGroupFramingBytes + rows * (int64_t{4} * top_k + static_cast<int64_t>(sizeof(double)));
+}
+
+/// The bytes a SelectResponse has besides its groups (the request_id), with room to spare.
+inline constexpr int64_t kSelectResponseFramingBytes = 16;
+
+}  // namespace dsa
