@@ -13,6 +13,7 @@
 #include <string>
 
 #include "CLI/CLI.hpp"
+#include "absl/time/time.h"
 #include "attention_worker/metrics.h"
 #include "attention_worker/pattern_model.h"
 #include "attention_worker/service.h"
@@ -80,6 +81,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   app.add_option("--prefill-threads", options.engine.prefill_threads,
                  "Threads generating index keys and KV rows during a prefill")
       ->capture_default_str();
+  int64_t select_timeout_ms = absl::ToInt64Milliseconds(options.engine.select_timeout);
+  app.add_option("--select-timeout-ms", select_timeout_ms,
+                 "How long a decode step waits for one selection before it fails "
+                 "(DEADLINE_EXCEEDED); keep it below the coordinator's --rpc-timeout-ms")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  int64_t indexer_call_timeout_ms = absl::ToInt64Milliseconds(options.engine.indexer_call_timeout);
+  app.add_option("--indexer-call-timeout-ms", indexer_call_timeout_ms,
+                 "Deadline of each indexer call of a prefill or release (shape, create, append, "
+                 "commit, release)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--seed", seed, "Seed of the pattern model, the KV cache and attention queries")
       ->capture_default_str();
   std::string transport = "grpc";
@@ -141,6 +154,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
   dsa::AddFlagSources(app, "dsa-attention");
   CLI11_PARSE(app, argc, argv);
+  options.engine.select_timeout = absl::Milliseconds(select_timeout_ms);
+  options.engine.indexer_call_timeout = absl::Milliseconds(indexer_call_timeout_ms);
   dsa::BlockTerminationSignals();
   if (standin_busy_us < 0 && standin_busy_us != -1) {
     dsa::LogJson("error", "bad config",

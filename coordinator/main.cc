@@ -72,6 +72,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Running sequences per attention worker at most")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-migrations", options.max_migrations,
+                 "Times a running request may move off a failed worker to a surviving one "
+                 "(re-prefill of its context and generated tokens) before the failure ends it; 0 "
+                 "= never")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--top-k", options.top_k, "K: slots each selection keeps")
       ->check(CLI::Range(1, dsa::kMaxTopK))
       ->capture_default_str();

@@ -62,6 +62,13 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
                     .Help("Tokens sent to clients in Tokens events")
                     .Register(registry)
                     .Add({});
+  migrations_ = &prometheus::BuildCounter()
+                     .Name("dsa_coordinator_migrations_total")
+                     .Help(
+                         "Running requests moved off a failed worker to a surviving one "
+                         "(re-prefill of the context and the tokens generated)")
+                     .Register(registry)
+                     .Add({});
   max_queued_ = &prometheus::BuildGauge()
                      .Name("dsa_coordinator_max_queued_requests")
                      .Help("The queue's bound (--max-queue): a full queue refuses requests")

@@ -44,6 +44,7 @@ absl::Status ValidateBuckets(const std::vector<double>& bounds, const std::strin
 /// - dsa_coordinator_requests_total{outcome="completed"|"failed"|"rejected"|"cancelled"}
 /// - dsa_coordinator_spec_decode_draft_tokens_total, ..._accepted_tokens_total (counters)
 /// - dsa_coordinator_generated_tokens_total (counter): tokens sent to clients in Tokens events
+/// - dsa_coordinator_migrations_total (counter): running requests moved off a failed worker
 /// - dsa_coordinator_queued_requests, dsa_coordinator_running_requests (gauges)
 /// - dsa_coordinator_max_queued_requests (gauge): the queue's bound (--max-queue)
 /// - dsa_coordinator_workers{kind="indexer"|"attention",state="ready"|"not_ready"} (gauge): the
@@ -65,6 +66,7 @@ class CoordinatorMetrics {
   void SetRunning(int running) { running_->Set(running); }
   void SetMaxQueued(int max_queue) { max_queued_->Set(max_queue); }
   void CountGeneratedTokens(int tokens) { generated_->Increment(tokens); }
+  void CountMigration() { migrations_->Increment(); }
   /// Workers of a kind (`attention` true: attention workers; false: indexer workers) by state.
   void SetWorkers(bool attention, int ready, int not_ready);
 
@@ -79,6 +81,7 @@ class CoordinatorMetrics {
   prometheus::Counter* drafted_;
   prometheus::Counter* accepted_;
   prometheus::Counter* generated_;
+  prometheus::Counter* migrations_;
   prometheus::Gauge* queued_;
   prometheus::Gauge* running_;
   prometheus::Gauge* max_queued_;

@@ -233,7 +233,8 @@ int64_t Scheduler::FreeKv(int attention) const {
 }
 
 absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
-                                                           const SequenceDemand& demand) {
+                                                           const SequenceDemand& demand,
+                                                           bool migrated) {
   const std::string& session = demand.session_id;
   const Sequence* session_sequence = nullptr;
   if (!session.empty()) {
@@ -303,12 +304,17 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
                        " holds (", attention.kv_capacity_slots, " slots)"));
     }
   }
-  if (queue_.empty()) {
+  if (queue_.empty() || migrated) {
     std::optional<Admission> admission = TryPlace(ticket, demand);
     if (admission.has_value()) {
       if (!session.empty()) busy_sessions_.insert(session);
       return admission;
     }
+  }
+  if (migrated) {
+    queue_.push_front(Pending{ticket, demand});
+    if (!session.empty()) busy_sessions_.insert(session);
+    return std::nullopt;
   }
   if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
     return absl::ResourceExhaustedError(absl::StrCat(

@@ -165,7 +165,11 @@ class Scheduler {
   /// workers' capacity, or the queue is full; FAILED_PRECONDITION
   /// when its session has a turn queued or running; INVALID_ARGUMENT when its session's sequence
   /// is longer than the new context (previous context + generated tokens).
-  absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand);
+  /// `migrated`: the request is moving off a worker that failed (its context now includes the
+  /// tokens it generated): it is placed ahead of every queued request and, when it must wait,
+  /// queued at the head even when the queue is full.
+  absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand,
+                                                  bool migrated = false);
 
   /// Places queued requests in FIFO order while the head fits; call after anything freed room.
   std::vector<Admission> AdmitQueued();

@@ -61,6 +61,23 @@ grpc::Status WorkerStatus(const grpc::Status& status, const std::string& address
       absl::StrCat("attention worker ", address, " cancelled the call: ", status.error_message())};
 }
 
+// Whether a sequence that failed with `status` may migrate: the codes of a worker's failure
+// (CoordinatorServiceImpl's class comment), not a refusal of the request itself.
+bool WorkerFailure(const grpc::Status& status) {
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::INTERNAL:
+    case grpc::StatusCode::UNKNOWN:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return true;
+    default:
+      return false;
+  }
+}
+
 double Seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
@@ -192,6 +209,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   if (options.worker_check_interval_ms < 0 || options.worker_check_timeout_ms < 1) {
     return absl::InvalidArgumentError(
         "worker_check_interval_ms must be >= 0 and worker_check_timeout_ms >= 1");
+  }
+  if (options.max_migrations < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_migrations must be >= 0, got ", options.max_migrations));
   }
   if (options.max_pending_events < 2) {
     return absl::InvalidArgumentError("max_pending_events must be >= 2");
@@ -712,6 +733,7 @@ void CoordinatorServiceImpl::RefreshWorkers() {
     told_ready_ = ready;
     if (readiness_listener_) readiness_listener_(ready);
   }
+  ReleaseUnreleased();  // what failed workers could not release, on those that answer again
 }
 
 void CoordinatorServiceImpl::StartDrain() {
@@ -901,77 +923,104 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     }
   } unregister{this, request};
 
-  // Wait for admission (or the end while queued).
-  Admission admission;
-  {
-    absl::MutexLock lock(&mu_);
-    while (!request->admission.has_value() && !request->final_status.has_value()) {
-      request->changed.WaitWithTimeout(&mu_, kCancelPoll);
-      if (context->IsCancelled()) AbortLocked(*request);
-    }
-    if (request->final_status.has_value()) return *request->final_status;
-    admission = *request->admission;
-  }
-  const Clock::time_point admitted_at = Clock::now();
-  metrics_->ObserveQueueDuration(Seconds(admitted_at - arrival));
-
-  CarryOutEvictions(admission.evictions);
-  av1::PrefillResponse prefilled;
-  const grpc::Status prefill_status = Prefill(context, *request, admission, &prefilled);
-  std::vector<Eviction> unpinned;
-  bool decoding = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (prefill_status.ok() && !request->cancel_requested && !context->IsCancelled()) {
-      unpinned = scheduler_.PrefillDone(admission.sequence_id);
-      request->phase = Phase::kDecoding;
-      decoding = true;
-      attention_[admission.attention]->decoding.push_back(request);
-      attention_[admission.attention]->wake.Signal();
-    }
-  }
-  if (admission.prefix_source_id.has_value()) {
-    // The donor is unpinned (evictable, or released now): queued requests may fit.
-    CarryOutEvictions(unpinned);
-    absl::MutexLock lock(&mu_);
-    if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
-  }
-  if (!decoding) {
-    // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers, a
-    // cancelled successful one is released by EndSequence.
-    const grpc::Status status =
-        prefill_status.ok() ? grpc::Status(grpc::StatusCode::CANCELLED, "aborted during prefill")
-                            : prefill_status;
-    EndSequence(request, status, /*completed=*/false);
-    absl::MutexLock lock(&mu_);
-    return *request->final_status;
-  }
-
-  cv1::GenerateEvent admitted_event;
-  cv1::Admitted* admitted = admitted_event.mutable_admitted();
-  admitted->set_queue_seconds(Seconds(admitted_at - arrival));
-  admitted->set_indexer_worker(indexers_[admission.indexer]->address);
-  admitted->set_attention_worker(attention_[admission.attention]->address);
-  admitted->set_prefix_slots_reused(admission.prefix_source_id.has_value() ? admission.prefix_slots
-                                                                           : 0);
-  admitted->set_prefill_seconds(prefilled.seconds());
-  bool writable = writer->Write(admitted_event);
-
+  // Placed, prefilled and decoded once, and again after each migration (FailSequence).
+  bool admitted_sent = false;
   while (true) {
-    cv1::GenerateEvent event;
+    // Wait for admission (or the end while queued).
+    Admission admission;
     {
       absl::MutexLock lock(&mu_);
-      if (!writable) AbortLocked(*request);
-      while (request->events.empty() && !request->final_status.has_value()) {
+      while (!request->admission.has_value() && !request->final_status.has_value()) {
         request->changed.WaitWithTimeout(&mu_, kCancelPoll);
         if (context->IsCancelled()) AbortLocked(*request);
       }
-      if (request->events.empty()) return *request->final_status;
-      event = std::move(request->events.front());
-      request->events.pop_front();
-      attention_[admission.attention]->wake.Signal();  // room in the queue
+      if (request->final_status.has_value()) return *request->final_status;
+      admission = *request->admission;
     }
-    if (writable) writable = writer->Write(event);
+    const Clock::time_point admitted_at = Clock::now();
+    if (!admitted_sent) metrics_->ObserveQueueDuration(Seconds(admitted_at - arrival));
+
+    CarryOutEvictions(admission.evictions);
+    av1::PrefillResponse prefilled;
+    const grpc::Status prefill_status = Prefill(context, *request, admission, &prefilled);
+    std::vector<Eviction> unpinned;
+    bool decoding = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (prefill_status.ok() && !request->cancel_requested && !context->IsCancelled()) {
+        unpinned = scheduler_.PrefillDone(admission.sequence_id);
+        request->phase = Phase::kDecoding;
+        decoding = true;
+        attention_[admission.attention]->decoding.push_back(request);
+        attention_[admission.attention]->wake.Signal();
+      }
+    }
+    if (admission.prefix_source_id.has_value()) {
+      // The donor is unpinned (evictable, or released now): queued requests may fit.
+      CarryOutEvictions(unpinned);
+      absl::MutexLock lock(&mu_);
+      if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    }
+    if (!decoding) {
+      // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers
+      // (a worker's failure migrates it), a cancelled successful one is released by EndSequence.
+      if (!prefill_status.ok() && !context->IsCancelled()) {
+        FailSequence(request,
+                     WorkerStatus(prefill_status, attention_[admission.attention]->address));
+      } else {
+        EndSequence(request, grpc::Status(grpc::StatusCode::CANCELLED, "aborted during prefill"),
+                    /*completed=*/false);
+      }
+    }
+
+    if (decoding && !admitted_sent) {
+      cv1::GenerateEvent admitted_event;
+      cv1::Admitted* admitted = admitted_event.mutable_admitted();
+      admitted->set_queue_seconds(Seconds(admitted_at - arrival));
+      admitted->set_indexer_worker(indexers_[admission.indexer]->address);
+      admitted->set_attention_worker(attention_[admission.attention]->address);
+      admitted->set_prefix_slots_reused(
+          admission.prefix_source_id.has_value() ? admission.prefix_slots : 0);
+      admitted->set_prefill_seconds(prefilled.seconds());
+      admitted_sent = true;
+      if (!writer->Write(admitted_event)) {
+        absl::MutexLock lock(&mu_);
+        AbortLocked(*request);
+      }
+    }
+
+    // Write the events until the end, or until the request must migrate.
+    bool migrate = false;
+    while (true) {
+      cv1::GenerateEvent event;
+      {
+        absl::MutexLock lock(&mu_);
+        while (request->events.empty() && !request->final_status.has_value() &&
+               request->phase != Phase::kMigrating) {
+          request->changed.WaitWithTimeout(&mu_, kCancelPoll);
+          if (context->IsCancelled()) AbortLocked(*request);
+        }
+        if (request->events.empty()) {
+          if (request->final_status.has_value()) return *request->final_status;
+          migrate = true;
+          break;
+        }
+        event = std::move(request->events.front());
+        request->events.pop_front();
+        attention_[admission.attention]->wake.Signal();  // room in the queue
+      }
+      if (!writer->Write(event)) {
+        absl::MutexLock lock(&mu_);
+        AbortLocked(*request);
+      }
+    }
+    if (migrate) {
+      if (grpc::Status placed = PlaceAgain(request); !placed.ok()) {
+        absl::MutexLock lock(&mu_);
+        SetFinalLocked(*request, placed);
+        return *request->final_status;
+      }
+    }
   }
 }
 
@@ -1056,48 +1105,192 @@ grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request,
-                                         const grpc::Status& status, bool completed) {
+void CoordinatorServiceImpl::LeaveWorkers(const std::shared_ptr<Request>& request, bool completed,
+                                          bool worker_failed) {
   Scheduler::FinishResult finish;
   uint64_t sequence_id = 0;
   int attention = 0;
-  grpc::Status final_status = status;
+  int indexer = 0;
   {
     absl::MutexLock lock(&mu_);
     const Admission& admission = *request->admission;
     sequence_id = admission.sequence_id;
     attention = admission.attention;
+    indexer = admission.indexer;
     auto& decoding = attention_[attention]->decoding;
     decoding.erase(std::remove(decoding.begin(), decoding.end(), request), decoding.end());
-    const int64_t length = request->demand.context_length + request->generated;
+    // The sequence holds the context it was prefilled with and the tokens generated since.
+    const int64_t length =
+        request->demand.context_length + request->generated - request->generated_when_placed;
     finish = scheduler_.Finish(sequence_id, completed, length);
-    request->phase = Phase::kEnded;
-    if (request->cancel_requested && !completed) {
-      final_status = grpc::Status(grpc::StatusCode::CANCELLED, request->cancel_reason);
-    }
     UpdateGaugesLocked();
   }
   std::vector<Eviction> evictions = std::move(finish.evictions);
   if (finish.release_attention) {
+    // After a failure the worker may be gone: a short deadline, and what it could not take is
+    // retried when it answers again (ReleaseUnreleased).
+    const auto deadline = worker_failed
+                              ? std::chrono::system_clock::now() +
+                                    std::chrono::milliseconds(options_.worker_check_timeout_ms)
+                              : RpcDeadline();
     grpc::ClientContext context;
-    context.set_deadline(RpcDeadline());
+    context.set_deadline(deadline);
     av1::ReleaseRequest release;
     release.set_sequence_id(sequence_id);
     release.set_keep_indexer_sequence(finish.keep_indexer_sequence);
     av1::ReleaseResponse released;
     // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected.
-    (void)attention_[attention]->stub->Release(&context, release, &released);
+    const grpc::Status attention_status =
+        attention_[attention]->stub->Release(&context, release, &released);
+    grpc::Status indexer_status;
+    if (worker_failed && !finish.keep_indexer_sequence) {
+      // The attention worker may have died, or failed to reach the indexer: release the indexer
+      // sequence directly (NOT_FOUND when the attention worker's Release already did).
+      grpc::ClientContext indexer_context;
+      indexer_context.set_deadline(deadline);
+      iv1::ReleaseRequest indexer_release;
+      indexer_release.set_sequence_id(sequence_id);
+      iv1::ReleaseResponse indexer_released;
+      indexer_status =
+          indexers_[indexer]->stub->Release(&indexer_context, indexer_release, &indexer_released);
+    }
     absl::MutexLock lock(&mu_);
+    for (const auto& [is_attention, status] :
+         {std::pair<bool, const grpc::Status&>{true, attention_status},
+          std::pair<bool, const grpc::Status&>{false, indexer_status}}) {
+      if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+          status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+        unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id});
+      }
+    }
     std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
     evictions.insert(evictions.end(), more.begin(), more.end());
   }
   CarryOutEvictions(evictions);
+}
+
+void CoordinatorServiceImpl::EndSequence(const std::shared_ptr<Request>& request,
+                                         const grpc::Status& status, bool completed,
+                                         bool worker_failed) {
+  LeaveWorkers(request, completed, worker_failed);
   absl::MutexLock lock(&mu_);
+  request->phase = Phase::kEnded;
+  grpc::Status final_status = status;
+  if (request->cancel_requested && !completed) {
+    final_status = grpc::Status(grpc::StatusCode::CANCELLED, request->cancel_reason);
+  }
   // The stream ends only now, so that a client that saw it end finds the space accounted free
   // (or the sequence retained) in GetLoad and in its next request's placement.
   SetFinalLocked(*request, final_status);
   if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
   UpdateGaugesLocked();
+}
+
+void CoordinatorServiceImpl::FailSequence(const std::shared_ptr<Request>& request,
+                                          const grpc::Status& status) {
+  grpc::Status final_status = status;
+  {
+    absl::MutexLock lock(&mu_);
+    const bool can_migrate = WorkerFailure(status) && !request->cancel_requested && !stopping_;
+    if (can_migrate && request->migrations >= options_.max_migrations) {
+      final_status = grpc::Status(
+          status.error_code(), absl::StrCat(status.error_message(), " (after ", request->migrations,
+                                            " migrations, --max-migrations)"));
+    } else if (can_migrate) {
+      final_status = grpc::Status::OK;
+    }
+  }
+  if (!final_status.ok()) {
+    EndSequence(request, final_status, /*completed=*/false, WorkerFailure(status));
+    return;
+  }
+  LeaveWorkers(request, /*completed=*/false, /*worker_failed=*/true);
+  absl::MutexLock lock(&mu_);
+  request->phase = Phase::kMigrating;
+  request->migrate_reason = status;
+  request->changed.SignalAll();
+  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
+}
+
+grpc::Status CoordinatorServiceImpl::PlaceAgain(const std::shared_ptr<Request>& request) {
+  // The worker that failed is checked first, so that the request does not go back to it.
+  RefreshWorkers();
+  absl::MutexLock lock(&mu_);
+  if (request->cancel_requested) {
+    request->phase = Phase::kEnded;
+    return {grpc::StatusCode::CANCELLED, request->cancel_reason};
+  }
+  const Admission& old = *request->admission;
+  LogJson("warn", "migrating a request off a failed worker",
+          {{"request_id", request->id},
+           {"attention_worker", attention_[old.attention]->address},
+           {"indexer_worker", indexers_[old.indexer]->address},
+           {"migration", request->migrations + 1},
+           {"generated_tokens", request->generated},
+           {"status", request->migrate_reason.error_message()}});
+  by_ticket_.erase(request->ticket);
+  request->ticket = next_ticket_++;
+  by_ticket_[request->ticket] = request;
+  request->admission.reset();
+  request->demand.context_length = ContextLength(request->proto) + request->generated;
+  request->demand.max_new_tokens = request->proto.max_new_tokens() - request->generated;
+  request->generated_when_placed = request->generated;
+  ++request->migrations;
+  metrics_->CountMigration();
+  absl::StatusOr<std::optional<Admission>> submitted =
+      scheduler_.Submit(request->ticket, request->demand, /*migrated=*/true);
+  if (!submitted.ok()) {
+    request->phase = Phase::kEnded;
+    return {static_cast<grpc::StatusCode>(submitted.status().code()),
+            absl::StrCat("migrating after ", request->migrate_reason.error_message(), ": ",
+                         submitted.status().message())};
+  }
+  if (submitted->has_value()) {
+    request->admission = **std::move(submitted);
+    request->phase = Phase::kPrefilling;
+  } else {
+    request->phase = Phase::kQueued;
+  }
+  UpdateGaugesLocked();
+  return grpc::Status::OK;
+}
+
+void CoordinatorServiceImpl::ReleaseUnreleased() {
+  std::vector<Unreleased> due;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<Unreleased> later;
+    for (const Unreleased& u : unreleased_) {
+      const bool retired = u.attention ? attention_[u.slot]->retired : indexers_[u.slot]->retired;
+      const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
+      if (retired) continue;  // a new process holds nothing of the old one
+      (ready ? due : later).push_back(u);
+    }
+    unreleased_ = std::move(later);
+  }
+  for (const Unreleased& u : due) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::milliseconds(options_.worker_check_timeout_ms));
+    grpc::Status status;
+    if (u.attention) {
+      av1::ReleaseRequest release;
+      release.set_sequence_id(u.sequence_id);
+      av1::ReleaseResponse released;
+      status = attention_[u.slot]->stub->Release(&context, release, &released);
+    } else {
+      iv1::ReleaseRequest release;
+      release.set_sequence_id(u.sequence_id);
+      iv1::ReleaseResponse released;
+      status = indexers_[u.slot]->stub->Release(&context, release, &released);
+    }
+    if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      absl::MutexLock lock(&mu_);
+      unreleased_.push_back(u);
+    }
+  }
 }
 
 CoordinatorServiceImpl::StepOutcome CoordinatorServiceImpl::RunStep(
@@ -1156,7 +1349,7 @@ void CoordinatorServiceImpl::ApplyStep(int worker,
   for (size_t i = 0; i < n; ++i) {
     const grpc::Status status = WorkerStatus(committed[i], attention_[worker]->address);
     if (!status.ok()) {
-      EndSequence(batch[i], status, /*completed=*/false);
+      FailSequence(batch[i], status);
       continue;
     }
     AdvanceSequence(batch[i], rows[i], accepted[i], outcome.response.sequences(i), outcome.response,
@@ -1194,7 +1387,7 @@ void CoordinatorServiceImpl::AdvanceSequence(const std::shared_ptr<Request>& req
   tokens->set_audited_rows(result.audited_rows());
   tokens->set_audit_miss_rate_sum(result.audit_miss_rate_sum());
   for (double wait : response.selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
-  const bool done = request->generated >= request->demand.max_new_tokens;
+  const bool done = request->generated >= request->proto.max_new_tokens();
   {
     absl::MutexLock lock(&mu_);
     request->events.push_back(std::move(event));
@@ -1202,6 +1395,7 @@ void CoordinatorServiceImpl::AdvanceSequence(const std::shared_ptr<Request>& req
       cv1::GenerateEvent finished_event;
       cv1::Finished* finished = finished_event.mutable_finished();
       finished->set_generated_tokens(request->generated);
+      finished->set_migrations(request->migrations);
       finished->set_time_to_first_token_seconds(
           Seconds(request->first_token_time - request->arrival));
       const int64_t later = request->generated - request->first_count;
@@ -1235,7 +1429,7 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
           } else if (request->events.size() <= room) {
             request->stalled_since.reset();
             batch.push_back(request);
-            const int64_t left = request->demand.max_new_tokens - request->generated;
+            const int64_t left = request->proto.max_new_tokens() - request->generated;
             rows.push_back(
                 static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
           } else if (options_.stall_timeout_ms > 0) {
@@ -1276,6 +1470,7 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
     // The batch failed; sequences the attention worker rolled back can go on: find the failing
     // ones by stepping each alone (a sequence it marked broken fails again, FAILED_PRECONDITION),
     // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
+    // The failing ones migrate (FailSequence).
     const bool hung = outcome.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
     for (size_t i = 0; i < batch.size(); ++i) {
       StepOutcome alone =
@@ -1283,7 +1478,7 @@ void CoordinatorServiceImpl::DecodeLoop(int worker) {
       if (alone.status.ok()) {
         ApplyStep(worker, {batch[i]}, {rows[i]}, alone);
       } else {
-        EndSequence(batch[i], alone.status, /*completed=*/false);
+        FailSequence(batch[i], alone.status);
       }
     }
   }

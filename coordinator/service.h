@@ -64,6 +64,9 @@ struct CoordinatorOptions {
   /// message says why) and its sequence released, so a client that stops reading cannot hold a
   /// running slot, KV and index-key blocks forever. 0 = never.
   int64_t stall_timeout_ms = 60000;
+  /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
+  /// 0 = a worker's failure ends its requests.
+  int max_migrations = 3;
 };
 
 /// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
@@ -110,15 +113,20 @@ absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& 
 /// catches up. A slow reader slows only itself; memory per request stays bounded.
 ///
 /// Failures: a DecodeStep error is retried once per sequence alone, so the sequences the attention
-/// worker left intact (it rolls back every sequence the indexer did not apply) go on and only the
-/// failing ones end with the worker's status. A sequence the indexer may already have advanced for
-/// some layers before another sequence's failure is marked broken by the attention worker and ends
-/// too (FAILED_PRECONDITION naming the cause): a failure after the first full layer can thus end
-/// the batch's other sequences (docs/services.md, known limits). DEADLINE_EXCEEDED (rpc_timeout_ms:
-/// a hung worker) ends the whole batch without retries. Abort and a client cancelling its stream
-/// end the request with CANCELLED at the decode loop's next iteration (queued ones at once). A
-/// stream's status is sent only after its sequence was released on the workers (or retained), so a
-/// client that saw the end finds that reflected in GetLoad and in the placement of its next
+/// worker left intact (it rolls back every sequence the indexer did not apply) go on. A sequence
+/// that still fails with a worker's failure (UNAVAILABLE, DEADLINE_EXCEEDED: a hung worker, whose
+/// batch is not retried; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
+/// FAILED_PRECONDITION: the attention worker marked it broken because another sequence's failure
+/// came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves both
+/// workers (released on each; what a dead worker could not release is released when it answers
+/// again), the workers are checked at once (RefreshWorkers), and the request is placed again ahead
+/// of the queue with its context plus the tokens generated so far, prefilled there and decoded on,
+/// its stream unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
+/// that fails so migrates too. Past max_migrations, or for any other status (INVALID_ARGUMENT,
+/// RESOURCE_EXHAUSTED, ...), the request ends with the status. Abort and a client cancelling its
+/// stream end the request with CANCELLED at the decode loop's next iteration (queued ones at once).
+/// A stream's status is sent only after its sequence was released on the workers (or retained), so
+/// a client that saw the end finds that reflected in GetLoad and in the placement of its next
 /// request.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
@@ -185,7 +193,8 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
 
  private:
   using Clock = std::chrono::steady_clock;
-  enum class Phase { kQueued, kPrefilling, kDecoding, kEnded };
+  // kMigrating: off its failed workers, waiting for its handler to place it again.
+  enum class Phase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
 
   // One Generate call in flight.
   struct Request {
@@ -205,9 +214,12 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
     std::optional<Clock::time_point> stalled_since;  // event queue full since
     std::deque<dsa::coordinator::v1::GenerateEvent> events;
     std::optional<grpc::Status> final_status;
-    absl::CondVar changed;  // admission, an event, the final status
+    absl::CondVar changed;        // admission, an event, the final status
+    int migrations = 0;           // guarded by mu_; moves off a failed worker so far
+    grpc::Status migrate_reason;  // guarded by mu_; the failure that made it kMigrating
     // Owned by the decode loop once the request is decoding.
     int64_t generated = 0;
+    int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
     uint64_t verification_steps = 0;
     std::optional<AcceptanceModel> acceptance;
     int first_count = 0;
@@ -303,10 +315,23 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   void AdvanceSequence(const std::shared_ptr<Request>& request, int rows, int accepted,
                        const dsa::attention::v1::SequenceStepResult& result,
                        const dsa::attention::v1::DecodeStepResponse& response, double seconds);
-  // Ends an admitted request: scheduler Finish, attention Release, evictions, queued admissions.
-  // `status` becomes the stream's status unless one is already set.
+  // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
+  // already set) and queued admissions.
   void EndSequence(const std::shared_ptr<Request>& request, const grpc::Status& status,
-                   bool completed);
+                   bool completed, bool worker_failed = false);
+  // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
+  // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
+  // Releases a worker could not take are kept for ReleaseUnreleased.
+  void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
+  // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
+  // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
+  void FailSequence(const std::shared_ptr<Request>& request, const grpc::Status& status);
+  // The handler's side of a migration: checks the workers, then places the request again (ahead
+  // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
+  grpc::Status PlaceAgain(const std::shared_ptr<Request>& request);
+  // Retries the releases that failed because a worker was unreachable, on workers that are ready
+  // now; forgets those of retired workers (a restarted process holds nothing).
+  void ReleaseUnreleased();
   // Sets the stream's status and counts the outcome (first call wins).
   void SetFinalLocked(Request& request, const grpc::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -349,6 +374,13 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   absl::CondVar watch_wake_;                      // stop
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
+  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased.
+  struct Unreleased {
+    bool attention = false;  // an attention worker's Release, else an indexer worker's
+    int slot = 0;
+    uint64_t sequence_id = 0;
+  };
+  std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

@@ -174,6 +174,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
 
   std::unique_ptr<LocalCluster> cluster(new LocalCluster());
   cluster->stop_timeout_ = options.stop_timeout;
+  cluster->startup_timeout_ = options.startup_timeout;
   if (options.log_dir.empty()) {
     const char* tmp = std::getenv("TMPDIR");
     std::string pattern =
@@ -301,13 +302,18 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   return cluster;
 }
 
-absl::Status LocalCluster::StartProcess(ClusterProcess process, std::chrono::milliseconds timeout) {
+absl::Status LocalCluster::StartProcess(ClusterProcess process, std::chrono::milliseconds timeout,
+                                        std::optional<size_t> replace) {
   absl::StatusOr<pid_t> pid =
       Spawn(process.binary, process.args, process.stdout_path, process.log_path);
   if (!pid.ok()) return pid.status();
   process.pid = *pid;
-  processes_.push_back(std::move(process));
-  ClusterProcess& started = processes_.back();
+  if (replace.has_value()) {
+    processes_[*replace] = std::move(process);
+  } else {
+    processes_.push_back(std::move(process));
+  }
+  ClusterProcess& started = replace.has_value() ? processes_[*replace] : processes_.back();
   const auto deadline = Clock::now() + timeout;
   const auto exited = [&started]() {
     return absl::UnavailableError(absl::StrCat(started.name, " exited with code ",
@@ -409,6 +415,42 @@ absl::Status LocalCluster::CheckRunning() {
     }
   }
   return absl::OkStatus();
+}
+
+std::vector<size_t> LocalCluster::ReapExited() {
+  std::vector<size_t> exited;
+  for (size_t i = 0; i < processes_.size(); ++i) {
+    if (processes_[i].pid >= 0 && Reaped(processes_[i])) exited.push_back(i);
+  }
+  return exited;
+}
+
+absl::Status LocalCluster::Restart(size_t index) {
+  if (index >= processes_.size()) {
+    return absl::OutOfRangeError(absl::StrCat("no process ", index));
+  }
+  ClusterProcess process = processes_[index];
+  if (process.pid >= 0 && !Reaped(processes_[index])) {
+    return absl::FailedPreconditionError(absl::StrCat(process.name, " still runs"));
+  }
+  if (process.name == "dsa-coordinator") {
+    return absl::FailedPreconditionError("the coordinator is not restarted: its clients hold it");
+  }
+  // The same flags, at the addresses it had.
+  for (size_t a = 0; a + 1 < process.args.size(); ++a) {
+    if (process.args[a] == "--listen") process.args[a + 1] = process.address;
+    if (process.args[a] == "--metrics-listen" && !process.metrics_address.empty()) {
+      process.args[a + 1] = process.metrics_address;
+    }
+  }
+  ++process.restarts;
+  const std::string stem = absl::StrCat(log_dir_, "/", process.name, ".restart", process.restarts);
+  process.stdout_path = stem + ".stdout";
+  process.log_path = stem + ".log";
+  process.address.clear();
+  process.metrics_address.clear();
+  process.exit_code = -1;
+  return StartProcess(std::move(process), startup_timeout_, index);
 }
 
 const std::string& LocalCluster::coordinator_address() const {

@@ -69,6 +69,7 @@ struct ClusterProcess {
   std::string stdout_path;        // its stdout (the printed addresses)
   std::string log_path;           // its stderr (JSON log lines)
   int exit_code = -1;             // after Stop: exit code, 128 + signal if killed; -1 = running
+  int restarts = 0;               // times Restart started it again
 };
 
 /// A running local cluster. Start brings every process up (indexers, then attention workers, then
@@ -96,6 +97,17 @@ class LocalCluster {
   /// code, log file and stderr tail).
   absl::Status CheckRunning();
 
+  /// Reaps every process that has exited since the last call and returns their indices into
+  /// processes() (exit_code set, pid -1).
+  std::vector<size_t> ReapExited();
+
+  /// Starts processes()[index], which must have exited, again with its flags and at the addresses
+  /// it had (so the coordinator finds it where it was, and sees the restart by its new instance
+  /// id), its output in `<name>.restart<N>.stdout` / `.log`; waits for its readiness as Start
+  /// does. Errors: FAILED_PRECONDITION (it still runs, or it is the coordinator, whose clients
+  /// hold its address), OUT_OF_RANGE (index), and Start's for the process.
+  absl::Status Restart(size_t index);
+
   /// The coordinator's gRPC address (host:port).
   const std::string& coordinator_address() const;
   /// Every process: indexers, attention workers, then the coordinator.
@@ -105,14 +117,17 @@ class LocalCluster {
 
  private:
   LocalCluster() = default;
-  /// Spawns one process and waits for its printed address and readiness.
-  absl::Status StartProcess(ClusterProcess process, std::chrono::milliseconds timeout);
+  /// Spawns one process and waits for its printed address and readiness; appended to processes_,
+  /// or put at processes_[*replace].
+  absl::Status StartProcess(ClusterProcess process, std::chrono::milliseconds timeout,
+                            std::optional<size_t> replace = std::nullopt);
   /// SIGTERM to processes_[i] for i in `indices`, then waits (SIGKILL past the timeout).
   void StopGroup(const std::vector<size_t>& indices, std::chrono::milliseconds timeout);
 
   std::vector<ClusterProcess> processes_;
   std::string log_dir_;
   std::chrono::milliseconds stop_timeout_{15000};
+  std::chrono::milliseconds startup_timeout_{60000};
   bool stopped_ = false;
 };
 

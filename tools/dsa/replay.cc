@@ -82,6 +82,7 @@ void RunOne(v1::CoordinatorService::Stub& stub, const TraceRequest& request, int
                                                  tokens.selection_wait_seconds().end());
     } else if (event.has_finished()) {
       finished = true;
+      record.migrations = event.finished().migrations();
     }
   }
   const grpc::Status status = reader->Finish();
@@ -388,6 +389,8 @@ ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
     }
     client_wait.push_back(record.client_wait_seconds);
     report.generated_tokens += record.generated_tokens;
+    report.migrations += record.migrations;
+    report.migrated_requests += record.migrations > 0 ? 1 : 0;
     report.blocks_scored += record.blocks_scored;
     report.blocks_visible += record.blocks_visible;
     report.audited_rows += record.audited_rows;
@@ -558,6 +561,8 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
   row("requests completed / failed",
       absl::StrCat(report.completed, " / ", report.failed, failures, " of ", report.requests,
                    report.stopped ? " (stopped by a signal before the end)" : ""));
+  row("migrations (requests moved off a failed worker)",
+      absl::StrCat(report.migrations, " (", report.migrated_requests, " requests)"));
   row("wall time", absl::StrFormat("%.2f s", report.wall_seconds));
   row("TTFT p50 / p99", absl::StrCat(ms(report.ttft_p50), " / ", ms(report.ttft_p99)));
   row("inter-token latency p50 / p99", absl::StrCat(ms(report.itl_p50), " / ", ms(report.itl_p99)));

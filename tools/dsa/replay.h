@@ -69,6 +69,7 @@ struct RequestRecord {
   /// per-token inter-token latency of that step.
   std::vector<double> inter_token_seconds;
   int64_t generated_tokens = 0;    // sum of Tokens.count
+  int migrations = 0;              // Finished.migrations: moves off a failed worker
   int64_t drafted_tokens = 0;      // sum of Tokens.drafted
   int64_t accepted_tokens = 0;     // sum of Tokens.accepted
   int64_t blocks_scored = 0;       // sum of Tokens.blocks_scored
@@ -111,6 +112,8 @@ struct ReplayReport {
   bool stopped = false;
   std::map<std::string, int64_t> failures_by_code;  // e.g. "RESOURCE_EXHAUSTED" -> 3
   std::string first_error;                          // one failure's message, for the log
+  int64_t migrations = 0;         // sum of Finished.migrations (moves off a failed worker)
+  int64_t migrated_requests = 0;  // requests that moved at least once
   double wall_seconds = 0;
   // Latency (seconds; nearest-rank percentiles over completed requests / their steps).
   double ttft_p50 = 0, ttft_p99 = 0;

@@ -182,6 +182,11 @@ def router() -> dashboard_builders.Dashboard:
              "Generated tokens/s", "Tokens sent to clients per second (5 m).", "suffix: tok/s",
              [(f"dsa:coordinator_generated_tokens:rate5m{{{SEL}}}", "{{job}}")]))
          .with_panel(timeseries(
+             "Migrations/s", "Running requests moved off a failed worker per second (5 m): each "
+             "re-prefills its context and generated tokens on a surviving worker "
+             "(docs/reliability.md).", "reqps",
+             [(f"dsa:coordinator_migrations:rate5m{{{SEL}}}", "{{job}}")]))
+         .with_panel(timeseries(
              "Time to first token", "Generate arrival to the first Tokens event: p50 and p99 "
              "over 5 m.", "s",
              [(f"dsa:coordinator_ttft_seconds:p50_5m{{{SEL}}}", "p50"),

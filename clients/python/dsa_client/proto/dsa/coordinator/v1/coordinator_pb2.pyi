@@ -95,14 +95,16 @@ class Tokens(_message.Message):
     def __init__(self, first_position: _Optional[int] = ..., count: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., step_seconds: _Optional[float] = ..., blocks_scored: _Optional[int] = ..., blocks_visible: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_miss_rate_sum: _Optional[float] = ..., selection_wait_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("generated_tokens", "time_to_first_token_seconds", "mean_inter_token_latency_seconds")
+    __slots__ = ("generated_tokens", "time_to_first_token_seconds", "mean_inter_token_latency_seconds", "migrations")
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_INTER_TOKEN_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     time_to_first_token_seconds: float
     mean_inter_token_latency_seconds: float
-    def __init__(self, generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., mean_inter_token_latency_seconds: _Optional[float] = ...) -> None: ...
+    migrations: int
+    def __init__(self, generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., mean_inter_token_latency_seconds: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

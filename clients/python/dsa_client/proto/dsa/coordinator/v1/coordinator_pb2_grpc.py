@@ -57,10 +57,13 @@ class CoordinatorServiceServicer:
     def Generate(self, request, context):
         """Admits a request (by index-key-cache capacity, with a bounded queue), places it on an indexer
         worker (prefix-aware) and an attention worker, prefills, and streams events: Admitted once,
-        then one Tokens per decode step, then Finished, until max_new_tokens or Abort.
+        then one Tokens per decode step, then Finished, until max_new_tokens or Abort. A request
+        whose worker fails while it runs moves to a surviving worker and goes on (Finished.migrations
+        counts the moves); it fails only past the coordinator's --max-migrations.
         Errors (the stream's status): RESOURCE_EXHAUSTED (queue full, or a context no worker can ever
         hold; never a hang), INVALID_ARGUMENT, ALREADY_EXISTS (request id in flight),
-        FAILED_PRECONDITION (session busy), UNAVAILABLE (draining, a worker lost), CANCELLED (Abort).
+        FAILED_PRECONDITION (session busy), UNAVAILABLE (draining, no ready worker, a worker lost
+        past --max-migrations), CANCELLED (Abort).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
