@@ -11,18 +11,18 @@ namespace dsa {
 absl::Status IndexKeyAppendCall::Append(uint64_t sequence_id, int layer, int64_t first_slot,
                                         std::span<const float> keys, int64_t num_keys,
                                         absl::string_view chunk_name) {
-  DSA_ASSIGN_OR_RETURN(int64_t slots, indexer_->NumSlots(sequence_id, layer));
-  if (first_slot != slots) {
-    return absl::FailedPreconditionError(absl::StrCat(chunk_name, "first_slot ", first_slot,
-                                                      " but layer ", layer, " of sequence ",
-                                                      sequence_id, " holds ", slots, " slots"));
+  // The slot count is checked and the keys appended under one lock (AppendIndexKeysAt), so two
+  // calls appending to one layer cannot both pass the check.
+  if (absl::Status appended =
+          indexer_->AppendIndexKeysAt(sequence_id, layer, first_slot, keys, num_keys);
+      !appended.ok()) {
+    return absl::Status(appended.code(), absl::StrCat(chunk_name, appended.message()));
   }
-  DSA_RETURN_IF_ERROR(indexer_->AppendIndexKeys(sequence_id, layer, keys, num_keys));
   bool seen = false;
   for (const Touched& t : touched_) {
     seen = seen || (t.sequence_id == sequence_id && t.layer == layer);
   }
-  if (!seen) touched_.push_back({sequence_id, layer, slots});
+  if (!seen) touched_.push_back({sequence_id, layer, first_slot});  // what it held before
   keys_appended_ += num_keys;
   return absl::OkStatus();
 }

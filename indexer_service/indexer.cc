@@ -142,6 +142,23 @@ absl::Status Indexer::CreateSequenceFromPrefix(uint64_t sequence_id, const Seque
 absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span<const float> keys,
                                       int64_t num_keys) {
   std::lock_guard<std::mutex> lock(mutex_);
+  return AppendIndexKeysLocked(sequence_id, layer, keys, num_keys);
+}
+
+absl::Status Indexer::AppendIndexKeysAt(uint64_t sequence_id, int layer, int64_t first_slot,
+                                        std::span<const float> keys, int64_t num_keys) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  DSA_ASSIGN_OR_RETURN(const int64_t slots, cache_.NumSlots(sequence_id, layer));
+  if (first_slot != slots) {
+    return absl::FailedPreconditionError(absl::StrCat("first_slot ", first_slot, " but layer ",
+                                                      layer, " of sequence ", sequence_id,
+                                                      " holds ", slots, " slots"));
+  }
+  return AppendIndexKeysLocked(sequence_id, layer, keys, num_keys);
+}
+
+absl::Status Indexer::AppendIndexKeysLocked(uint64_t sequence_id, int layer,
+                                            std::span<const float> keys, int64_t num_keys) {
   auto state = Find(sequence_id);
   if (!state.ok()) return state.status();
   // A layer whose own verifier rows await Commit takes no keys (Commit truncates it); the other
@@ -171,6 +188,10 @@ absl::Status Indexer::AppendIndexKeys(uint64_t sequence_id, int layer, std::span
 
 absl::Status Indexer::TruncateIndexKeys(uint64_t sequence_id, int layer, int64_t num_slots) {
   std::lock_guard<std::mutex> lock(mutex_);
+  return TruncateIndexKeysLocked(sequence_id, layer, num_slots);
+}
+
+absl::Status Indexer::TruncateIndexKeysLocked(uint64_t sequence_id, int layer, int64_t num_slots) {
   auto found = Find(sequence_id);
   if (!found.ok()) return found.status();
   const SequenceState& state = **found;
@@ -608,7 +629,52 @@ absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatch(std::span<const S
                                                                const DeviceHandoff* handoff) {
   if (groups_applied != nullptr) *groups_applied = 0;
   if (groups.empty()) return absl::InvalidArgumentError("select needs at least one group");
+  const int64_t head_dim = options_.head_dim;
   std::lock_guard<std::mutex> lock(mutex_);
+  // Removes the new keys of groups [from, to), newest first.
+  auto undo_appends = [&](size_t from, size_t to) {
+    for (size_t g = to; g-- > from;) {
+      if (!groups[g].new_index_keys.empty()) {
+        (void)TruncateIndexKeysLocked(groups[g].sequence_id, groups[g].layer,
+                                      groups[g].new_keys_first_slot);
+      }
+    }
+  };
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const SelectGroup& group = groups[g];
+    if (group.new_index_keys.empty()) continue;
+    absl::Status appended;
+    if (group.new_index_keys.size() % static_cast<size_t>(head_dim) != 0) {
+      appended = absl::InvalidArgumentError(
+          absl::StrCat(group.new_index_keys.size(), " values, not a multiple of D = ", head_dim));
+    } else if (absl::StatusOr<int64_t> slots = cache_.NumSlots(group.sequence_id, group.layer);
+               !slots.ok()) {
+      appended = slots.status();
+    } else if (*slots != group.new_keys_first_slot) {
+      appended = absl::FailedPreconditionError(
+          absl::StrCat("they go at slot ", group.new_keys_first_slot, " but layer ", group.layer,
+                       " holds ", *slots, " slots (another call appended)"));
+    } else {
+      appended =
+          AppendIndexKeysLocked(group.sequence_id, group.layer, group.new_index_keys,
+                                static_cast<int64_t>(group.new_index_keys.size()) / head_dim);
+    }
+    if (!appended.ok()) {
+      undo_appends(0, g);  // groups before g appended; g did not
+      return absl::Status(appended.code(),
+                          absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
+    }
+  }
+  size_t applied = 0;
+  absl::StatusOr<std::vector<SelectResult>> results = SelectBatchLocked(groups, &applied, handoff);
+  if (groups_applied != nullptr) *groups_applied = applied;
+  if (!results.ok()) undo_appends(applied, groups.size());
+  return results;
+}
+
+absl::StatusOr<std::vector<SelectResult>> Indexer::SelectBatchLocked(
+    std::span<const SelectGroup> groups, size_t* groups_applied, const DeviceHandoff* handoff) {
+  *groups_applied = 0;
   if (handoff != nullptr) return SelectOnDeviceLocked(groups, *handoff, groups_applied);
   std::vector<PreparedSelect> prepared(groups.size());
   auto group_error = [](size_t g, const absl::Status& status) {

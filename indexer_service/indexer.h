@@ -88,6 +88,12 @@ struct SelectGroup {
   std::span<const IndexerRow> rows;
   /// With a DeviceHandoff (SelectBatch): device int32 [rows, K] that receives the selections.
   int32_t* device_selections = nullptr;
+  /// Optional: the step's new index keys of this layer, fp32 [n, D] (finite; the caller checks),
+  /// appended before the rows select at slot `new_keys_first_slot`, which must then be the layer's
+  /// slot count. The appends, the selects and the undo of the appends of every group not applied
+  /// run under one lock (SelectBatch), so no other call can append between them.
+  std::span<const float> new_index_keys;
+  int64_t new_keys_first_slot = 0;
 };
 
 /// Thread-safe (one mutex; a Select scores with all cores, or on the scoring device).
@@ -173,6 +179,12 @@ class Indexer {
   /// failure after the hand-over drops the device and fails the batch with INTERNAL, nothing
   /// applied (these rows cannot be scored on the CPU: their queries are on the device). Without
   /// `handoff`, a row with a device_query is INVALID_ARGUMENT.
+  ///
+  /// New index keys (SelectGroup::new_index_keys): every group's are appended first, all or none,
+  /// each at its new_keys_first_slot (FAILED_PRECONDITION "group g new_index_keys: ..." when the
+  /// layer's slot count differs: another caller appended; the pool's RESOURCE_EXHAUSTED); when the
+  /// batch then fails, the new keys of the groups it did not apply are removed again. All of it
+  /// under the Indexer's one lock.
   absl::StatusOr<std::vector<SelectResult>> SelectBatch(std::span<const SelectGroup> groups,
                                                         size_t* groups_applied = nullptr,
                                                         const DeviceHandoff* handoff = nullptr);
@@ -193,6 +205,12 @@ class Indexer {
 
   /// Drops the sequence and its blocks. NOT_FOUND if unknown.
   absl::Status Release(uint64_t sequence_id);
+
+  /// AppendIndexKeys when the layer holds exactly `first_slot` slots, checked under the same lock
+  /// as the append (so two callers cannot both pass the check); FAILED_PRECONDITION "first_slot
+  /// ... but layer ... holds ..." otherwise, nothing appended.
+  absl::Status AppendIndexKeysAt(uint64_t sequence_id, int layer, int64_t first_slot,
+                                 std::span<const float> keys, int64_t num_keys);
 
   /// The sequence's K (SequenceOptions::top_k). NOT_FOUND.
   absl::StatusOr<int> TopK(uint64_t sequence_id) const;
@@ -284,6 +302,14 @@ class Indexer {
   void AddSequenceState(uint64_t sequence_id, const SequenceOptions& options);
   absl::StatusOr<SequenceState*> Find(uint64_t sequence_id);
   absl::StatusOr<const SequenceState*> Find(uint64_t sequence_id) const;
+  // AppendIndexKeys and TruncateIndexKeys with mutex_ held.
+  absl::Status AppendIndexKeysLocked(uint64_t sequence_id, int layer, std::span<const float> keys,
+                                     int64_t num_keys);
+  absl::Status TruncateIndexKeysLocked(uint64_t sequence_id, int layer, int64_t num_slots);
+  // SelectBatch's selects (without the new keys), mutex_ held.
+  absl::StatusOr<std::vector<SelectResult>> SelectBatchLocked(std::span<const SelectGroup> groups,
+                                                              size_t* groups_applied,
+                                                              const DeviceHandoff* handoff);
 
   IndexerOptions options_;
   mutable std::mutex mutex_;

@@ -146,31 +146,16 @@ absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelec
       }
     }
   }
-  // Appends first, all or none; then the selects (one batch). When the batch fails, the new keys
-  // of the groups it did not apply are removed again.
-  // Removes the new keys of groups [from, to), newest first.
-  auto undo_appends = [&](int from, int to) {
-    for (int g = to - 1; g >= from; --g) {
-      if (checked[g].num_new_keys > 0) {
-        (void)indexer.TruncateIndexKeys(request.groups[g].sequence_id, request.groups[g].layer,
-                                        checked[g].slots_before);
-      }
-    }
-  };
-  for (int g = 0; g < num_groups; ++g) {
-    if (checked[g].num_new_keys == 0) continue;
-    const SelectRowGroup& group = request.groups[g];
-    const absl::Status appended = indexer.AppendIndexKeys(
-        group.sequence_id, group.layer, group.new_index_keys, checked[g].num_new_keys);
-    if (!appended.ok()) {
-      undo_appends(0, g);  // groups before g appended; g did not
-      return absl::Status(appended.code(),
-                          absl::StrCat("group ", g, " new_index_keys: ", appended.message()));
-    }
-  }
+  // The new keys, the selects and the undo of the appends of groups not applied run as one
+  // SelectBatch under the Indexer's lock; each group's keys go at the slot count checked above
+  // (another caller's append in between is refused, not interleaved).
   std::vector<SelectGroup> groups(num_groups);
   for (int g = 0; g < num_groups; ++g) {
     groups[g] = {request.groups[g].sequence_id, request.groups[g].layer, checked[g].rows};
+    if (checked[g].num_new_keys > 0) {
+      groups[g].new_index_keys = request.groups[g].new_index_keys;
+      groups[g].new_keys_first_slot = checked[g].slots_before;
+    }
     if (device != nullptr) {
       groups[g].device_selections =
           device->selections + static_cast<size_t>(row_base[g]) * device->top_k;
@@ -187,7 +172,6 @@ absl::StatusOr<LayerSelection> RunLayerSelect(Indexer& indexer, const LayerSelec
   auto results =
       indexer.SelectBatch(groups, &groups_applied, device != nullptr ? &handoff : nullptr);
   if (!results.ok()) {
-    undo_appends(static_cast<int>(groups_applied), num_groups);
     if (groups_applied_out != nullptr) *groups_applied_out = static_cast<int>(groups_applied);
     return results.status();
   }

@@ -996,6 +996,66 @@ TEST(IndexerTest, TruncateIndexKeysUndoesUnselectedAppendsOnly) {
   ExpectRowMatchesReference(*result, 0, 99, keys, D, q, H, "after truncate and re-append");
 }
 
+TEST(IndexerTest, AppendsCheckTheirFirstSlotUnderTheAppendsLock) {
+  // Two callers that both saw 100 slots: the first append wins, the second is refused and changes
+  // nothing (before, the check and the append took the lock separately and both could pass).
+  const int H = 2, D = 8;
+  auto indexer = MakeIndexer(8, H, D);
+  ASSERT_TRUE(indexer->CreateSequence(1, Options(64, 0.4, true, 1)).ok());
+  std::mt19937 rng(16);
+  const std::vector<float> keys = RandomValues(rng, 120 * D);
+  ASSERT_TRUE(indexer->AppendIndexKeysAt(1, 0, 0, std::span(keys).first(100 * D), 100).ok());
+  ASSERT_TRUE(
+      indexer->AppendIndexKeysAt(1, 0, 100, std::span(keys).subspan(100 * D, 10 * D), 10).ok());
+  const absl::Status late =
+      indexer->AppendIndexKeysAt(1, 0, 100, std::span(keys).subspan(110 * D, 10 * D), 10);
+  EXPECT_EQ(late.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(late.message(), "first_slot 100 but layer 0 of sequence 1 holds 110 slots");
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 110);
+  EXPECT_EQ(indexer->AppendIndexKeysAt(9, 0, 0, std::span(keys).first(D), 1).code(),
+            StatusCode::kNotFound);
+}
+
+TEST(IndexerTest, ASelectsNewKeysAtAStaleSlotAreRefusedAndAFailedBatchUndoesItsAppends) {
+  const int H = 2, D = 8;
+  auto indexer = MakeIndexer(16, H, D);
+  ASSERT_TRUE(indexer->CreateSequence(1, Options(64, 0.4, true, 1)).ok());
+  ASSERT_TRUE(indexer->CreateSequence(2, Options(64, 0.4, true, 1)).ok());
+  std::mt19937 rng(17);
+  const std::vector<float> keys = RandomValues(rng, 300 * D);
+  ASSERT_TRUE(indexer->AppendIndexKeys(1, 0, std::span(keys).first(200 * D), 200).ok());
+  ASSERT_TRUE(indexer->AppendIndexKeys(2, 0, std::span(keys).first(200 * D), 200).ok());
+  const Query q = RandomQuery(rng, H, D);
+  const IndexerRow row{q.query, q.weights, 200};
+  const std::span<const float> new_key = std::span(keys).subspan(200 * D, D);
+  // Keys meant for slot 199 of a layer that holds 200: refused, nothing appended or selected.
+  SelectGroup stale{1, 0, std::span<const IndexerRow>(&row, 1)};
+  stale.new_index_keys = new_key;
+  stale.new_keys_first_slot = 199;
+  auto refused = indexer->SelectBatch(std::span<const SelectGroup>(&stale, 1));
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("group 0 new_index_keys: they go at slot 199 but "
+                                            "layer 0 holds 200 slots (another call appended)"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 200);
+  // A batch whose second group fails (its row is past its layer) removes the first group's keys.
+  SelectGroup good{1, 0, std::span<const IndexerRow>(&row, 1)};
+  good.new_index_keys = new_key;
+  good.new_keys_first_slot = 200;
+  const IndexerRow past{q.query, q.weights, 205};
+  SelectGroup bad{2, 0, std::span<const IndexerRow>(&past, 1)};
+  const SelectGroup both[] = {good, bad};
+  size_t applied = 9;
+  EXPECT_FALSE(indexer->SelectBatch(both, &applied).ok());
+  EXPECT_EQ(applied, 0u);
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 200);
+  // The same step alone appends its key and selects at the new slot.
+  auto selected = indexer->SelectBatch(std::span<const SelectGroup>(&good, 1));
+  ASSERT_TRUE(selected.ok()) << selected.status();
+  EXPECT_EQ(*indexer->NumSlots(1, 0), 201);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad requests: precise status, no state change, and the next good request answers as on a twin.
 
