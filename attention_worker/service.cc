@@ -2,12 +2,14 @@
 #include "attention_worker/service.h"
 
 #include <chrono>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "attention_worker/cpu_attention_backend.h"
 #include "common/instance_id.h"
 #include "common/status_macros.h"
+#include "common/trace_context.h"
 #include "indexer_service/grpc_service.h"
 #include "transport/grpc_indexer_client.h"
 
@@ -83,10 +85,19 @@ grpc::Status AttentionServiceImpl::GetInfo(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
-grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* /*context*/,
+grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
                                            const av1::PrefillRequest* request,
                                            av1::PrefillResponse* response) {
   const Clock::time_point start = Clock::now();
+  // The indexer calls of this prefill carry the caller's trace (common/trace_context.h).
+  std::optional<TraceContext> trace;
+  if (context != nullptr) {
+    auto it = context->client_metadata().find(kTraceparentKey);
+    if (it != context->client_metadata().end()) {
+      trace = ParseTraceparent(absl::string_view(it->second.data(), it->second.size()));
+    }
+  }
+  const ScopedTraceContext scoped(std::move(trace));
   absl::StatusOr<PrefillSpec> spec = ToPrefillSpec(*request);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
   absl::StatusOr<PrefillResult> result = engine_->Prefill(*spec);

@@ -272,6 +272,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
   if (options.worker_check_interval_ms > 0) {
     service->watch_ = std::thread([raw = service.get()] { raw->WatchWorkers(); });
   }
+  if (options.stall_timeout_ms > 0) {
+    service->stall_watch_ = std::thread([raw = service.get()] { raw->WatchStalledWrites(); });
+  }
   return service;
 }
 
@@ -302,6 +305,7 @@ void CoordinatorServiceImpl::Stop() {
     watch_wake_.SignalAll();
   }
   if (watch_.joinable()) watch_.join();
+  if (stall_watch_.joinable()) stall_watch_.join();
   absl::MutexLock refresh(&refresh_mu_);  // no refresh adds a worker from here on
   {
     absl::MutexLock lock(&mu_);
@@ -322,6 +326,45 @@ void CoordinatorServiceImpl::WatchWorkers() {
       if (stopping_) return;
     }
     RefreshWorkers();
+  }
+}
+
+void CoordinatorServiceImpl::WatchStalledWrites() {
+  // A quarter of the timeout between looks (10 ms .. 1 s): a stalled write is cut within 1.25x.
+  const absl::Duration period = std::clamp(absl::Milliseconds(options_.stall_timeout_ms) / 4,
+                                           absl::Milliseconds(10), absl::Seconds(1));
+  const auto timeout = std::chrono::milliseconds(options_.stall_timeout_ms);
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    const absl::Time until = absl::Now() + period;
+    while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
+    }
+    if (stopping_) return;
+    const Clock::time_point now = Clock::now();
+    for (auto& [id, request] : by_id_) {
+      if (!request->write_blocked_since.has_value() || request->server_context == nullptr ||
+          now - *request->write_blocked_since < timeout) {
+        continue;
+      }
+      LogJson("warn", "ending a stream whose client stopped reading",
+              {{"request_id", id},
+               {"blocked_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  now - *request->write_blocked_since)
+                                  .count()},
+               {"stall_timeout_ms", options_.stall_timeout_ms},
+               {"finished", request->final_status.has_value()}});
+      if (!request->final_status.has_value() && !request->cancel_requested) {
+        request->cancel_reason =
+            absl::StrCat("the client read nothing for ", options_.stall_timeout_ms,
+                         " ms (--stall-timeout-ms); request ended");
+        request->cancel_requested = true;
+        request->changed.SignalAll();
+        if (request->admission.has_value())
+          attention_[request->admission->attention]->wake.Signal();
+      }
+      request->write_blocked_since.reset();  // cancelled once
+      request->server_context->TryCancel();  // unblocks the Write
+    }
   }
 }
 
@@ -756,6 +799,26 @@ std::chrono::system_clock::time_point CoordinatorServiceImpl::RpcDeadline() cons
 void CoordinatorServiceImpl::SetFinalLocked(Request& request, const grpc::Status& status) {
   if (request.final_status.has_value()) return;
   request.final_status = status;
+  // One line per request (docs/reliability.md, "Traceability"): its ids, outcome, sizes and
+  // durations, and where it last ran.
+  nlohmann::json fields = {
+      {"request_id", request.id},
+      {"trace_id", request.trace.trace_id},
+      {"code", status.ok() ? "OK" : absl::StrCat(static_cast<int>(status.error_code()))},
+      {"context_tokens", ContextLength(request.proto)},
+      {"generated_tokens", request.generated},
+      {"migrations", request.migrations},
+      {"duration_s", Seconds(Clock::now() - request.arrival)}};
+  if (!status.ok()) fields["message"] = status.error_message();
+  if (request.generated > 0) {
+    fields["ttft_s"] = Seconds(request.first_token_time - request.arrival);
+  }
+  if (request.admission.has_value()) {
+    fields["indexer_worker"] = indexers_[request.admission->indexer]->address;
+    fields["attention_worker"] = attention_[request.admission->attention]->address;
+  }
+  LogJson(status.ok() || status.error_code() == grpc::StatusCode::CANCELLED ? "info" : "warn",
+          "request", std::move(fields));
   RequestOutcome outcome = RequestOutcome::kFailed;
   if (status.ok()) {
     outcome = RequestOutcome::kCompleted;
@@ -849,6 +912,7 @@ grpc::Status CoordinatorServiceImpl::Prefill(grpc::ServerContext* context, const
   prefill.set_continue_sequence(admission.continue_sequence);
   // Cancelled with the Generate call (client gone, server shutdown).
   std::unique_ptr<grpc::ClientContext> client = grpc::ClientContext::FromServerContext(*context);
+  client->AddMetadata(kTraceparentKey, request.trace.Child().ToTraceparent());
   return attention_[admission.attention]->stub->Prefill(client.get(), prefill, response);
 }
 
@@ -862,6 +926,14 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
   }
   auto request = std::make_shared<Request>();
   request->id = proto->request_id();
+  {
+    auto it = context->client_metadata().find(kTraceparentKey);
+    std::optional<TraceContext> trace;
+    if (it != context->client_metadata().end()) {
+      trace = ParseTraceparent(absl::string_view(it->second.data(), it->second.size()));
+    }
+    request->trace = trace.has_value() ? *trace : NewTraceContext();
+  }
   request->proto = *proto;
   request->arrival = arrival;
   request->demand.context_length = ContextLength(*proto);
@@ -923,6 +995,19 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     }
   } unregister{this, request};
 
+  // Writes one event; while it is blocked (the client's HTTP/2 window is full: it stopped reading)
+  // WatchStalledWrites may cancel the call after the stall timeout, which unblocks it.
+  auto write = [&](const cv1::GenerateEvent& event) {
+    {
+      absl::MutexLock lock(&mu_);
+      request->write_blocked_since = Clock::now();
+    }
+    const bool written = writer->Write(event);
+    absl::MutexLock lock(&mu_);
+    request->write_blocked_since.reset();
+    return written;
+  };
+
   // Placed, prefilled and decoded once, and again after each migration (FailSequence).
   bool admitted_sent = false;
   while (true) {
@@ -983,7 +1068,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
           admission.prefix_source_id.has_value() ? admission.prefix_slots : 0);
       admitted->set_prefill_seconds(prefilled.seconds());
       admitted_sent = true;
-      if (!writer->Write(admitted_event)) {
+      if (!write(admitted_event)) {
         absl::MutexLock lock(&mu_);
         AbortLocked(*request);
       }
@@ -1009,7 +1094,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
         request->events.pop_front();
         attention_[admission.attention]->wake.Signal();  // room in the queue
       }
-      if (!writer->Write(event)) {
+      if (!write(event)) {
         absl::MutexLock lock(&mu_);
         AbortLocked(*request);
       }
@@ -1135,6 +1220,7 @@ void CoordinatorServiceImpl::LeaveWorkers(const std::shared_ptr<Request>& reques
                               : RpcDeadline();
     grpc::ClientContext context;
     context.set_deadline(deadline);
+    context.AddMetadata(kTraceparentKey, request->trace.Child().ToTraceparent());
     av1::ReleaseRequest release;
     release.set_sequence_id(sequence_id);
     release.set_keep_indexer_sequence(finish.keep_indexer_sequence);
@@ -1148,6 +1234,7 @@ void CoordinatorServiceImpl::LeaveWorkers(const std::shared_ptr<Request>& reques
       // sequence directly (NOT_FOUND when the attention worker's Release already did).
       grpc::ClientContext indexer_context;
       indexer_context.set_deadline(deadline);
+      indexer_context.AddMetadata(kTraceparentKey, request->trace.Child().ToTraceparent());
       iv1::ReleaseRequest indexer_release;
       indexer_release.set_sequence_id(sequence_id);
       iv1::ReleaseResponse indexer_released;
@@ -1337,6 +1424,7 @@ void CoordinatorServiceImpl::ApplyStep(int worker,
     accepted[i] = std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
     contexts[i] = std::make_unique<grpc::ClientContext>();
     contexts[i]->set_deadline(RpcDeadline());
+    contexts[i]->AddMetadata(kTraceparentKey, request.trace.Child().ToTraceparent());
     commits[i].set_sequence_id(request.admission->sequence_id);
     commits[i].set_accepted(accepted[i]);
     attention_[worker]->stub->async()->Commit(contexts[i].get(), &commits[i], &responses[i],

@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/trace_context.h"
 #include "coordinator/acceptance_model.h"
 #include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
@@ -62,7 +63,9 @@ struct CoordinatorOptions {
   int max_pending_events = 16;
   /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
   /// message says why) and its sequence released, so a client that stops reading cannot hold a
-  /// running slot, KV and index-key blocks forever. 0 = never.
+  /// running slot, KV and index-key blocks forever; a stream whose Write has been blocked this
+  /// long (the client's window full, also after its request finished) is cancelled, so it cannot
+  /// hold a handler thread either. 0 = never.
   int64_t stall_timeout_ms = 60000;
   /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
   /// 0 = a worker's failure ends its requests.
@@ -199,6 +202,7 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   // One Generate call in flight.
   struct Request {
     std::string id;
+    TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
     uint64_t ticket = 0;
     dsa::coordinator::v1::GenerateRequest proto;
     SequenceDemand demand;
@@ -211,7 +215,8 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
     // The Generate call's context while its handler runs (TryCancel unblocks a Write that a
     // stalled reader holds); null once the handler returns.
     grpc::ServerContext* server_context = nullptr;
-    std::optional<Clock::time_point> stalled_since;  // event queue full since
+    std::optional<Clock::time_point> stalled_since;        // event queue full since
+    std::optional<Clock::time_point> write_blocked_since;  // a Write in progress since
     std::deque<dsa::coordinator::v1::GenerateEvent> events;
     std::optional<grpc::Status> final_status;
     absl::CondVar changed;        // admission, an event, the final status
@@ -293,6 +298,10 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
                nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
   // The watch thread's body.
   void WatchWorkers();
+  // The stall watch's body: cancels every Generate call whose Write has been blocked for the
+  // stall timeout (its client stopped reading and its HTTP/2 window is full), ending the request
+  // if it still runs, so that no handler thread waits on a client forever.
+  void WatchStalledWrites();
   // Readiness: a ready worker of each kind.
   bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -364,6 +373,7 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
   std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
   std::thread watch_;
+  std::thread stall_watch_;  // WatchStalledWrites, when stall_timeout_ms > 0
 
   mutable absl::Mutex mu_;
   int num_attention_ ABSL_GUARDED_BY(mu_) = 0;

@@ -60,9 +60,12 @@ NewParseErrorInterceptorFactory() {
   return std::make_unique<ParseErrorInterceptorFactory>();
 }
 
-void AddServerInterceptors(grpc::ServerBuilder& builder) {
+void AddServerInterceptors(
+    grpc::ServerBuilder& builder,
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> more) {
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
   factories.push_back(NewParseErrorInterceptorFactory());
+  for (auto& factory : more) factories.push_back(std::move(factory));
   builder.experimental().SetInterceptorCreators(std::move(factories));
 }
 

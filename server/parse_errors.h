@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -29,9 +30,12 @@ namespace dsa {
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
 NewParseErrorInterceptorFactory();
 
-/// Installs the interceptors every dsa server runs (today the parse-error one) on `builder`.
-/// RunServer calls it; so do tests that stand up a service on their own builder.
-void AddServerInterceptors(grpc::ServerBuilder& builder);
+/// Installs the interceptors every dsa server runs on `builder`: the parse-error one, then
+/// `more` (RunServer adds the request log, server/server.h). RunServer calls it; so do tests that
+/// stand up a service on their own builder.
+void AddServerInterceptors(
+    grpc::ServerBuilder& builder,
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> more = {});
 
 /// Parses message `index` (0-based) of a stream into `message`. INVALID_ARGUMENT "message
 /// <index> of the stream is not a valid <full type name> (malformed protobuf, or a string field

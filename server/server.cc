@@ -23,6 +23,7 @@
 #include "prometheus/gauge.h"
 #include "server/parse_errors.h"
 #include "server/process_metrics.h"
+#include "server/request_log.h"
 
 namespace dsa {
 
@@ -271,7 +272,11 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     builder.RegisterService(service);
   }
   builder.SetMaxReceiveMessageSize(spec.max_receive_message_bytes);
-  AddServerInterceptors(builder);
+  {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> more;
+    more.push_back(NewRequestLogInterceptorFactory());
+    AddServerInterceptors(builder, std::move(more));
+  }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     LogJson("error", "cannot listen", {{"address", flags.listen}});

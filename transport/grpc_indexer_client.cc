@@ -2,15 +2,27 @@
 #include "transport/grpc_indexer_client.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/host_port.h"
 #include "common/status_macros.h"
+#include "common/trace_context.h"
 #include "indexer_service/grpc_service.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {
+namespace {
+
+// The calls made on behalf of a request carry its trace (the caller's ScopedTraceContext).
+void AddTraceparent(grpc::ClientContext& context) {
+  if (const std::optional<TraceContext> trace = CurrentTraceContext(); trace.has_value()) {
+    context.AddMetadata(kTraceparentKey, trace->Child().ToTraceparent());
+  }
+}
+
+}  // namespace
 namespace {
 
 namespace iv1 = ::dsa::indexer::v1;
@@ -22,6 +34,7 @@ class GrpcIndexKeyAppend final : public IndexKeyAppend {
                      uint64_t sequence_id, absl::Time deadline)
       : address_(address), sequence_id_(sequence_id) {
     context_.set_deadline(absl::ToChronoTime(deadline));
+    AddTraceparent(context_);
     writer_ = stub->AppendIndexKeys(&context_, &response_);
   }
   ~GrpcIndexKeyAppend() override {
@@ -144,6 +157,7 @@ absl::Status GrpcIndexerClient::Unary(grpc::Status (iv1::IndexerService::Stub::*
                                       absl::Time deadline) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(deadline));
+  AddTraceparent(context);
   Response response;
   return FromGrpcStatus((stub_.get()->*method)(&context, request, &response),
                         absl::StrCat("indexer worker ", address_, ": ", name));

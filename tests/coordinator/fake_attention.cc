@@ -73,6 +73,10 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
   {
     absl::MutexLock lock(&mu_);
     prefills_.push_back(*request);
+    auto trace = context->client_metadata().find("traceparent");
+    prefill_traceparents_.push_back(trace == context->client_metadata().end()
+                                        ? std::string()
+                                        : std::string(trace->second.data(), trace->second.size()));
     delay_ms = prefill_delay_ms_;
     auto it = sequences_.find(request->sequence_id());
     if (request->continue_sequence()) {
@@ -255,6 +259,11 @@ int FakeAttentionService::NumSequences() {
 std::vector<av1::PrefillRequest> FakeAttentionService::prefills() {
   absl::MutexLock lock(&mu_);
   return prefills_;
+}
+
+std::vector<std::string> FakeAttentionService::prefill_traceparents() {
+  absl::MutexLock lock(&mu_);
+  return prefill_traceparents_;
 }
 
 std::vector<av1::ReleaseRequest> FakeAttentionService::releases() {

@@ -58,6 +58,8 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   std::optional<int64_t> Length(uint64_t sequence_id);
   int NumSequences();
   std::vector<dsa::attention::v1::PrefillRequest> prefills();
+  /// The `traceparent` metadata of each Prefill, in order ("" when absent).
+  std::vector<std::string> prefill_traceparents();
   std::vector<dsa::attention::v1::ReleaseRequest> releases();
   std::vector<dsa::attention::v1::CommitRequest> commits();
   int max_batch_size();
@@ -82,6 +84,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   absl::flat_hash_map<std::string, std::unique_ptr<dsa::indexer::v1::IndexerService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::PrefillRequest> prefills_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> prefill_traceparents_ ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::ReleaseRequest> releases_ ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::CommitRequest> commits_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/trace_context.h"
 #include "coordinator/metrics.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "gmock/gmock.h"
@@ -59,6 +60,7 @@ struct ClusterOptions {
   bool retain_finished = true;
   double acceptance_rate = 0.7;
   int max_pending_events = 16;
+  int64_t stall_timeout_ms = 60000;
 };
 
 // Real indexers, fake attention workers and the coordinator, each on its own port.
@@ -90,6 +92,7 @@ class Cluster {
     options_.top_k = 64;
     options_.seed = 7;
     options_.max_pending_events = o.max_pending_events;
+    options_.stall_timeout_ms = o.stall_timeout_ms;
     options_.worker_check_interval_ms = 0;  // no watch thread: tests call RefreshWorkers
     metrics_ = std::make_unique<CoordinatorMetrics>(registry_);
     auto service = CoordinatorServiceImpl::Create(options_, metrics_.get());
@@ -298,6 +301,40 @@ TEST(CoordinatorServiceTest, SpeculativeStepsNeverExceedMaxNewTokens) {
       EXPECT_EQ(accepted, first_run);
     }
   }
+}
+
+TEST(CoordinatorServiceTest, TheRoutersTraceparentIsCarriedToTheWorkersAsAChildSpan) {
+  Cluster cluster;
+  const std::string traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("traceparent", traceparent);
+    auto reader = cluster.stub().Generate(&context, Request("traced", 100, 3));
+    cv1::GenerateEvent event;
+    while (reader->Read(&event)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  // Without one (or with a malformed one) the coordinator starts a trace of its own.
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("traceparent", "00-00000000000000000000000000000000-00f067aa0ba902b7-01");
+    auto reader = cluster.stub().Generate(&context, Request("untraced", 100, 3));
+    cv1::GenerateEvent event;
+    while (reader->Read(&event)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  const std::vector<std::string> sent = cluster.fake().prefill_traceparents();
+  ASSERT_EQ(sent.size(), 2u);
+  const std::optional<TraceContext> first = ParseTraceparent(sent[0]);
+  ASSERT_TRUE(first.has_value()) << sent[0];
+  EXPECT_EQ(first->trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");  // the router's trace
+  EXPECT_NE(first->parent_id, "00f067aa0ba902b7");                 // the coordinator's own span
+  const std::optional<TraceContext> second = ParseTraceparent(sent[1]);
+  ASSERT_TRUE(second.has_value()) << sent[1];
+  EXPECT_NE(second->trace_id, "00000000000000000000000000000000");
+  EXPECT_NE(second->trace_id, first->trace_id);
 }
 
 TEST(CoordinatorServiceTest, UnparseableRequestsGetInvalidArgument) {
@@ -579,6 +616,43 @@ TEST(CoordinatorServiceTest, ASlowReaderSlowsOnlyItselfAndIsBounded) {
   while (reader->Read(&event)) tokens += event.has_tokens() ? event.tokens().count() : 0;
   ASSERT_TRUE(reader->Finish().ok());
   EXPECT_EQ(tokens, kSlowTokens);
+}
+
+TEST(CoordinatorServiceTest,
+     AStreamBlockedOnAClientThatStoppedReadingIsCancelledAtTheStallTimeout) {
+  // The request finishes generating (its 64-event queue never fills), but the client's 1 KiB
+  // window holds only part of its events: the handler's Write blocks. Before, nothing watched a
+  // finished request, and the handler thread waited on the client for good.
+  ClusterOptions o;
+  o.max_pending_events = 64;
+  o.stall_timeout_ms = 300;
+  Cluster cluster(o);
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  auto stub = cv1::CoordinatorService::NewStub(grpc::CreateCustomChannel(
+      cluster.coordinator_address(), grpc::InsecureChannelCredentials(), args));
+  grpc::ClientContext context;
+  constexpr int64_t kTokens = 60;
+  auto reader = stub->Generate(&context, Request("stops-reading", 100, kTokens));
+  // Not reading for 4 stall timeouts (the watch looks every quarter of one).
+  std::this_thread::sleep_for(std::chrono::milliseconds(4 * o.stall_timeout_ms));
+  cv1::GenerateEvent event;
+  int64_t tokens = 0;
+  bool finished = false;
+  while (reader->Read(&event)) {
+    tokens += event.has_tokens() ? event.tokens().count() : 0;
+    finished = finished || event.has_finished();
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(tokens, kTokens);  // what the window held
+  EXPECT_FALSE(finished);
+  // The request itself had completed; its sequence is released or retained, nothing runs.
+  EXPECT_EQ(Load(cluster.stub()).running(), 0);
+  // A reader that keeps up is not cut, however long its request takes.
+  const Stream fast = Generate(cluster.stub(), Request("reads", 100, 200));
+  ASSERT_TRUE(fast.status.ok()) << fast.status.error_message();
+  EXPECT_EQ(fast.TokenCount(), 200);
 }
 
 TEST(CoordinatorServiceTest, SharesPrefixesOnTheIndexerWorkerHoldingThem) {

@@ -10,12 +10,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/testing/server_process.h"
@@ -223,6 +225,59 @@ TEST(LocalClusterTest, ReplaysWithIndexersCoLocatedInTheAttentionWorkers) {
   }
   const absl::Status stopped = (*cluster)->Stop();
   EXPECT_TRUE(stopped.ok()) << stopped;
+}
+
+TEST(LocalClusterTest, OneRequestsTraceIdRunsThroughEveryServersLog) {
+  // The router's traceparent reaches the coordinator, the attention worker's Prefill and the
+  // indexer's CreateSequence and AppendIndexKeys; each server logs one line per call with it, and
+  // the coordinator one line for the request.
+  LocalClusterOptions options = SmallCluster("trace");
+  options.indexer_args = {"--log-level=debug"};
+  options.attention_args = {"--log-level=debug"};
+  options.coordinator_args = {"--log-level=debug"};
+  auto cluster = LocalCluster::Start(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::string trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+  {
+    auto stub = dsa::coordinator::v1::CoordinatorService::NewStub(
+        grpc::CreateChannel((*cluster)->coordinator_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.AddMetadata("traceparent", "00-" + trace_id + "-00f067aa0ba902b7-01");
+    dsa::coordinator::v1::GenerateRequest request;
+    request.set_request_id("traced-request");
+    request.set_context_length(300);
+    request.set_max_new_tokens(4);
+    auto reader = stub->Generate(&context, request);
+    dsa::coordinator::v1::GenerateEvent event;
+    while (reader->Read(&event)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  ASSERT_TRUE((*cluster)->Stop().ok());
+  std::map<std::string, std::string> logs;
+  for (const ClusterProcess& process : (*cluster)->processes()) {
+    std::ifstream in(process.log_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    logs[process.name] = text.str();
+  }
+  const std::string traced = "\"trace_id\":\"" + trace_id + "\"";
+  const auto has_line = [&](const std::string& log, const std::string& what) {
+    std::istringstream lines(log);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.find(traced) != std::string::npos && line.find(what) != std::string::npos) {
+        return true;
+      }
+    }
+    return false;
+  };
+  EXPECT_TRUE(has_line(logs["dsa-coordinator"], "\"msg\":\"request\"")) << logs["dsa-coordinator"];
+  EXPECT_TRUE(has_line(logs["dsa-coordinator"], "\"request_id\":\"traced-request\""));
+  EXPECT_TRUE(has_line(logs["dsa-attention-0"], "/dsa.attention.v1.AttentionService/Prefill"))
+      << logs["dsa-attention-0"];
+  EXPECT_TRUE(has_line(logs["dsa-indexer-0"], "/dsa.indexer.v1.IndexerService/CreateSequence"))
+      << logs["dsa-indexer-0"];
+  EXPECT_TRUE(has_line(logs["dsa-indexer-0"], "/dsa.indexer.v1.IndexerService/AppendIndexKeys"));
 }
 
 TEST(LocalClusterTest, MissingBinaryIsNotFound) {
