@@ -86,7 +86,7 @@ absl::StatusOr<std::vector<float>> DecodeFloatTensor(const Tensor& tensor,
   const auto* data = reinterpret_cast<const uint8_t*>(tensor.data().data());
   switch (tensor.dtype()) {
     case dsa::common::v1::DTYPE_FLOAT32:
-      std::memcpy(values.data(), data, values.size() * sizeof(float));
+      if (!values.empty()) std::memcpy(values.data(), data, values.size() * sizeof(float));
       break;
     case dsa::common::v1::DTYPE_BFLOAT16:
       for (size_t i = 0; i < values.size(); ++i) {
@@ -110,7 +110,11 @@ absl::StatusOr<std::vector<int32_t>> DecodeInt32Tensor(const Tensor& tensor,
   auto elements = CheckTensor(tensor, expected_shape, name, kAccepted);
   if (!elements.ok()) return elements.status();
   std::vector<int32_t> values(*elements);
-  std::memcpy(values.data(), tensor.data().data(), values.size() * sizeof(int32_t));
+  // An empty tensor has no buffer: memcpy's pointers must not be null even for 0 bytes (found by
+  // fuzz_tensor_codec under UBSan).
+  if (!values.empty()) {
+    std::memcpy(values.data(), tensor.data().data(), values.size() * sizeof(int32_t));
+  }
   return values;
 }
 

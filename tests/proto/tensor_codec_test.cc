@@ -57,6 +57,26 @@ TEST(TensorCodec, Int32RoundTrip) {
   EXPECT_EQ(*decoded, values);
 }
 
+TEST(TensorCodec, EmptyTensorsDecodeToNoValues) {
+  // Found by fuzz_tensor_codec under UBSan: a [0, 4] tensor copied 0 bytes from a null pointer.
+  for (const auto dtype : {common::v1::DTYPE_INT32, common::v1::DTYPE_FLOAT32}) {
+    Tensor t;
+    t.set_dtype(dtype);
+    t.add_shape(0);
+    t.add_shape(4);
+    const std::vector<int64_t> shape = {-1, 4};
+    if (dtype == common::v1::DTYPE_INT32) {
+      auto decoded = DecodeInt32Tensor(t, shape, "selections");
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      EXPECT_TRUE(decoded->empty());
+    } else {
+      auto decoded = DecodeFloatTensor(t, shape, "keys");
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      EXPECT_TRUE(decoded->empty());
+    }
+  }
+}
+
 TEST(TensorCodec, MalformedTensorsAreInvalidArgument) {
   const std::vector<int64_t> two_by_any = {2, -1};
   const std::string eight_bytes(8, '\0');
