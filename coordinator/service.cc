@@ -1242,16 +1242,23 @@ void CoordinatorServiceImpl::LeaveWorkers(const std::shared_ptr<Request>& reques
           indexers_[indexer]->stub->Release(&indexer_context, indexer_release, &indexer_released);
     }
     absl::MutexLock lock(&mu_);
+    int undelivered = 0;
     for (const auto& [is_attention, status] :
          {std::pair<bool, const grpc::Status&>{true, attention_status},
           std::pair<bool, const grpc::Status&>{false, indexer_status}}) {
       if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
           status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-        unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id});
+        unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id,
+                               finish.keep_indexer_sequence});
+        ++undelivered;
       }
     }
-    std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
-    evictions.insert(evictions.end(), more.begin(), more.end());
+    if (undelivered > 0) {
+      undelivered_[sequence_id] = undelivered;  // ReleaseDone once delivered (ReleaseUnreleased)
+    } else {
+      std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
+      evictions.insert(evictions.end(), more.begin(), more.end());
+    }
   }
   CarryOutEvictions(evictions);
 }
@@ -1323,8 +1330,6 @@ grpc::Status CoordinatorServiceImpl::PlaceAgain(const std::shared_ptr<Request>& 
   request->demand.context_length = ContextLength(request->proto) + request->generated;
   request->demand.max_new_tokens = request->proto.max_new_tokens() - request->generated;
   request->generated_when_placed = request->generated;
-  ++request->migrations;
-  metrics_->CountMigration();
   absl::StatusOr<std::optional<Admission>> submitted =
       scheduler_.Submit(request->ticket, request->demand, /*migrated=*/true);
   if (!submitted.ok()) {
@@ -1333,6 +1338,16 @@ grpc::Status CoordinatorServiceImpl::PlaceAgain(const std::shared_ptr<Request>& 
             absl::StrCat("migrating after ", request->migrate_reason.error_message(), ": ",
                          submitted.status().message())};
   }
+  if (!submitted->has_value() && draining_) {
+    // A drain admits nothing queued: end it now, retryable, rather than at the grace's end.
+    scheduler_.CancelQueued(request->ticket);
+    request->phase = Phase::kEnded;
+    return {grpc::StatusCode::UNAVAILABLE,
+            absl::StrCat("draining: no worker could take the request at once after ",
+                         request->migrate_reason.error_message())};
+  }
+  ++request->migrations;
+  metrics_->CountMigration();
   if (submitted->has_value()) {
     request->admission = **std::move(submitted);
     request->phase = Phase::kPrefilling;
@@ -1345,14 +1360,18 @@ grpc::Status CoordinatorServiceImpl::PlaceAgain(const std::shared_ptr<Request>& 
 
 void CoordinatorServiceImpl::ReleaseUnreleased() {
   std::vector<Unreleased> due;
+  std::vector<Unreleased> done;  // delivered, or their worker retired
   {
     absl::MutexLock lock(&mu_);
     std::vector<Unreleased> later;
     for (const Unreleased& u : unreleased_) {
       const bool retired = u.attention ? attention_[u.slot]->retired : indexers_[u.slot]->retired;
       const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
-      if (retired) continue;  // a new process holds nothing of the old one
-      (ready ? due : later).push_back(u);
+      if (retired) {
+        done.push_back(u);  // a new process holds nothing of the old one
+      } else {
+        (ready ? due : later).push_back(u);
+      }
     }
     unreleased_ = std::move(later);
   }
@@ -1364,6 +1383,7 @@ void CoordinatorServiceImpl::ReleaseUnreleased() {
     if (u.attention) {
       av1::ReleaseRequest release;
       release.set_sequence_id(u.sequence_id);
+      release.set_keep_indexer_sequence(u.keep_indexer_sequence);
       av1::ReleaseResponse released;
       status = attention_[u.slot]->stub->Release(&context, release, &released);
     } else {
@@ -1376,8 +1396,27 @@ void CoordinatorServiceImpl::ReleaseUnreleased() {
         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       absl::MutexLock lock(&mu_);
       unreleased_.push_back(u);
+    } else {
+      done.push_back(u);
     }
   }
+  if (done.empty()) return;
+  std::vector<Eviction> evictions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Unreleased& u : done) {
+      auto it = undelivered_.find(u.sequence_id);
+      if (it == undelivered_.end() || --it->second > 0) continue;
+      undelivered_.erase(it);
+      // Every Release of the sequence reached its worker: its space is free now.
+      std::vector<Eviction> more = scheduler_.ReleaseDone(u.sequence_id);
+      evictions.insert(evictions.end(), more.begin(), more.end());
+    }
+  }
+  CarryOutEvictions(evictions);
+  absl::MutexLock lock(&mu_);
+  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
 }
 
 CoordinatorServiceImpl::StepOutcome CoordinatorServiceImpl::RunStep(

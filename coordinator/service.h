@@ -384,13 +384,18 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   absl::CondVar watch_wake_;                      // stop
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased.
+  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
+  // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
+  // delivered or its worker retired, so nothing is placed into space a worker still holds.
   struct Unreleased {
     bool attention = false;  // an attention worker's Release, else an indexer worker's
     int slot = 0;
     uint64_t sequence_id = 0;
+    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
   };
   std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
+  // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
+  absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;

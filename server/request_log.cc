@@ -93,6 +93,11 @@ class RequestLogInterceptor final : public grpc::experimental::Interceptor {
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
       const grpc::Status status = methods->GetSendStatus();
+      const char* level = ClientCaused(status.error_code()) ? "debug" : "warn";
+      if (!LogLevelEnabled(level)) {
+        methods->Proceed();
+        return;
+      }
       nlohmann::json fields = {{"method", info_->method()},
                                {"code", CodeName(status.error_code())},
                                {"duration_ms", std::chrono::duration<double, std::milli>(
@@ -101,7 +106,7 @@ class RequestLogInterceptor final : public grpc::experimental::Interceptor {
                                {"peer", info_->server_context()->peer()}};
       if (!trace_id_.empty()) fields["trace_id"] = trace_id_;
       if (!status.ok()) fields["message"] = status.error_message();
-      LogJson(ClientCaused(status.error_code()) ? "debug" : "warn", "rpc", std::move(fields));
+      LogJson(level, "rpc", std::move(fields));
     }
     methods->Proceed();
   }

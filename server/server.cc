@@ -148,12 +148,14 @@ bool SetLogLevel(const std::string& level) {
   return true;
 }
 
-void LogJson(const char* level, const char* msg, nlohmann::json fields) {
+bool LogLevelEnabled(const char* level) {
   const int value = LevelOf(level);
-  if ((value < 0 ? static_cast<int>(LogLevel::kError) : value) <
-      min_log_level.load(std::memory_order_relaxed)) {
-    return;
-  }
+  return (value < 0 ? static_cast<int>(LogLevel::kError) : value) >=
+         min_log_level.load(std::memory_order_relaxed);
+}
+
+void LogJson(const char* level, const char* msg, nlohmann::json fields) {
+  if (!LogLevelEnabled(level)) return;
   fields["ts"] = absl::FormatTime("%Y-%m-%dT%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
   fields["level"] = level;
   fields["msg"] = msg;

@@ -74,6 +74,9 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
 /// for a name other than "debug", "info", "warn" or "error".
 bool SetLogLevel(const std::string& level);
 
+/// Whether LogJson would write a line at `level` now (to skip building its fields when not).
+bool LogLevelEnabled(const char* level);
+
 /// One structured log line on stderr: {"ts": RFC 3339 UTC time with microseconds, "level", "msg",
 /// fields...}, unless `level` ("debug", "info", "warn" or "error"; anything else counts as
 /// "error") is below SetLogLevel's. Invalid UTF-8 in a field is replaced, never thrown on.

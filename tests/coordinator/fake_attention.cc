@@ -214,6 +214,10 @@ grpc::Status FakeAttentionService::Release(grpc::ServerContext* context,
   {
     absl::MutexLock lock(&mu_);
     releases_.push_back(*request);
+    if (fail_releases_ > 0) {
+      --fail_releases_;
+      return {grpc::StatusCode::UNAVAILABLE, "the fake is unreachable"};
+    }
     auto it = sequences_.find(request->sequence_id());
     if (it == sequences_.end()) return {grpc::StatusCode::NOT_FOUND, "unknown sequence"};
     if (!request->keep_indexer_sequence()) stub = &IndexerStub(it->second.indexer);
@@ -259,6 +263,11 @@ int FakeAttentionService::NumSequences() {
 std::vector<av1::PrefillRequest> FakeAttentionService::prefills() {
   absl::MutexLock lock(&mu_);
   return prefills_;
+}
+
+void FakeAttentionService::FailReleases(int count) {
+  absl::MutexLock lock(&mu_);
+  fail_releases_ = count;
 }
 
 std::vector<std::string> FakeAttentionService::prefill_traceparents() {

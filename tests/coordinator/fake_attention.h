@@ -53,6 +53,8 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   void SetPrefillDelayMs(int delay_ms);
   /// What GetInfo reports as instance_id from now on ("" until set): a new value plays a restart.
   void SetInstanceId(const std::string& instance_id);
+  /// The next `count` Releases answer UNAVAILABLE and keep the sequence (a worker unreachable).
+  void FailReleases(int count);
 
   /// A sequence's length (slots), nullopt if unknown.
   std::optional<int64_t> Length(uint64_t sequence_id);
@@ -85,6 +87,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
       ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::PrefillRequest> prefills_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> prefill_traceparents_ ABSL_GUARDED_BY(mu_);
+  int fail_releases_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<dsa::attention::v1::ReleaseRequest> releases_ ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::CommitRequest> commits_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);

@@ -337,6 +337,31 @@ TEST(CoordinatorServiceTest, TheRoutersTraceparentIsCarriedToTheWorkersAsAChildS
   EXPECT_NE(second->trace_id, first->trace_id);
 }
 
+TEST(CoordinatorServiceTest, AReleaseAWorkerDidNotTakeIsRetriedWithItsFlagsAndHoldsItsSpace) {
+  // The retained donor's Release (keep_indexer_sequence) fails UNAVAILABLE: the scheduler keeps
+  // its space reserved until the retry delivers it, and the retry keeps the index keys.
+  Cluster cluster;  // retain_finished: a finished request stays as a prefix donor
+  cluster.fake().FailReleases(1);
+  cv1::GenerateRequest donor = Request("donor", 1100, 2);
+  for (uint64_t id : {21, 22}) donor.add_prefix_block_ids(id);
+  const Stream d = Generate(cluster.stub(), donor);
+  ASSERT_TRUE(d.status.ok()) << d.status.error_message();
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 0);  // still releasing
+  ASSERT_EQ(cluster.fake().releases().size(), 1u);
+  cluster.coordinator().RefreshWorkers();  // the worker answers its check: the retry
+  const std::vector<av1::ReleaseRequest> releases = cluster.fake().releases();
+  ASSERT_EQ(releases.size(), 2u);
+  EXPECT_EQ(releases[1].sequence_id(), releases[0].sequence_id());
+  EXPECT_TRUE(releases[1].keep_indexer_sequence());  // the donor's index keys stay
+  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 1);
+  // And the donor serves a request with the same prefix.
+  cv1::GenerateRequest user = Request("user", 1200, 2);
+  for (uint64_t id : {21, 22}) user.add_prefix_block_ids(id);
+  const Stream u = Generate(cluster.stub(), user);
+  ASSERT_TRUE(u.status.ok()) << u.status.error_message();
+  EXPECT_GT(u.admitted()->prefix_slots_reused(), 0);
+}
+
 TEST(CoordinatorServiceTest, UnparseableRequestsGetInvalidArgument) {
   Cluster cluster;
   const auto channel =

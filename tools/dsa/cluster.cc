@@ -437,8 +437,11 @@ absl::Status LocalCluster::Restart(size_t index) {
     return absl::FailedPreconditionError("the coordinator is not restarted: its clients hold it");
   }
   // The same flags, at the addresses it had.
+  // (After a failed restart the flags already hold them and the addresses are empty.)
   for (size_t a = 0; a + 1 < process.args.size(); ++a) {
-    if (process.args[a] == "--listen") process.args[a + 1] = process.address;
+    if (process.args[a] == "--listen" && !process.address.empty()) {
+      process.args[a + 1] = process.address;
+    }
     if (process.args[a] == "--metrics-listen" && !process.metrics_address.empty()) {
       process.args[a + 1] = process.metrics_address;
     }
@@ -450,7 +453,17 @@ absl::Status LocalCluster::Restart(size_t index) {
   process.address.clear();
   process.metrics_address.clear();
   process.exit_code = -1;
-  return StartProcess(std::move(process), startup_timeout_, index);
+  absl::Status started = StartProcess(std::move(process), startup_timeout_, index);
+  ClusterProcess& restarted = processes_[index];
+  if (!started.ok() && restarted.pid >= 0) {
+    // Alive but not ready in time: killed, so that a later Restart starts afresh.
+    kill(restarted.pid, SIGKILL);
+    int wait_status = 0;
+    waitpid(restarted.pid, &wait_status, 0);
+    restarted.exit_code = ExitCode(wait_status);
+    restarted.pid = -1;
+  }
+  return started;
 }
 
 const std::string& LocalCluster::coordinator_address() const {

@@ -105,7 +105,8 @@ class LocalCluster {
   /// it had (so the coordinator finds it where it was, and sees the restart by its new instance
   /// id), its output in `<name>.restart<N>.stdout` / `.log`; waits for its readiness as Start
   /// does. Errors: FAILED_PRECONDITION (it still runs, or it is the coordinator, whose clients
-  /// hold its address), OUT_OF_RANGE (index), and Start's for the process.
+  /// hold its address), OUT_OF_RANGE (index), and Start's for the process (a process that is not
+  /// ready in time is killed; Restart may be called again).
   absl::Status Restart(size_t index);
 
   /// The coordinator's gRPC address (host:port).
