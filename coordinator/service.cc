@@ -78,6 +78,12 @@ bool WorkerFailure(const grpc::Status& status) {
   }
 }
 
+// A Release (or other call) that did not reach its worker: kept for a retry.
+bool Unreached(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+}
+
 double Seconds(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
@@ -804,7 +810,7 @@ void CoordinatorServiceImpl::SetFinalLocked(Request& request, const grpc::Status
   nlohmann::json fields = {
       {"request_id", request.id},
       {"trace_id", request.trace.trace_id},
-      {"code", status.ok() ? "OK" : absl::StrCat(static_cast<int>(status.error_code()))},
+      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
       {"context_tokens", ContextLength(request.proto)},
       {"generated_tokens", request.generated},
       {"migrations", request.migrations},
@@ -863,23 +869,33 @@ void CoordinatorServiceImpl::DeliverAdmissionsLocked(std::vector<Admission> admi
   UpdateGaugesLocked();
 }
 
+grpc::Status CoordinatorServiceImpl::ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
+                                                     bool keep_indexer_sequence,
+                                                     std::chrono::system_clock::time_point deadline,
+                                                     const TraceContext* trace) {
+  grpc::ClientContext context;
+  context.set_deadline(deadline);
+  if (trace != nullptr) context.AddMetadata(kTraceparentKey, trace->Child().ToTraceparent());
+  if (attention) {
+    av1::ReleaseRequest release;
+    release.set_sequence_id(sequence_id);
+    release.set_keep_indexer_sequence(keep_indexer_sequence);
+    av1::ReleaseResponse released;
+    return attention_[slot]->stub->Release(&context, release, &released);
+  }
+  iv1::ReleaseRequest release;
+  release.set_sequence_id(sequence_id);
+  iv1::ReleaseResponse released;
+  return indexers_[slot]->stub->Release(&context, release, &released);
+}
+
 void CoordinatorServiceImpl::CarryOutEvictions(const std::vector<Eviction>& evictions) {
   for (const Eviction& eviction : evictions) {
-    grpc::ClientContext context;
-    context.set_deadline(RpcDeadline());
-    grpc::Status status;
-    if (eviction.release_on_attention) {
-      av1::ReleaseRequest request;
-      request.set_sequence_id(eviction.sequence_id);
-      av1::ReleaseResponse response;
-      status = attention_[eviction.attention]->stub->Release(&context, request, &response);
-    } else {
-      iv1::ReleaseRequest request;
-      request.set_sequence_id(eviction.sequence_id);
-      iv1::ReleaseResponse response;
-      status = indexers_[eviction.indexer]->stub->Release(&context, request, &response);
-    }
-    (void)status;  // a worker that lost the sequence already freed it
+    // A worker that lost the sequence already freed it: the status does not matter.
+    (void)ReleaseOnWorker(eviction.release_on_attention,
+                          eviction.release_on_attention ? eviction.attention : eviction.indexer,
+                          eviction.sequence_id, /*keep_indexer_sequence=*/false, RpcDeadline(),
+                          /*trace=*/nullptr);
   }
 }
 
@@ -1218,36 +1234,23 @@ void CoordinatorServiceImpl::LeaveWorkers(const std::shared_ptr<Request>& reques
                               ? std::chrono::system_clock::now() +
                                     std::chrono::milliseconds(options_.worker_check_timeout_ms)
                               : RpcDeadline();
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    context.AddMetadata(kTraceparentKey, request->trace.Child().ToTraceparent());
-    av1::ReleaseRequest release;
-    release.set_sequence_id(sequence_id);
-    release.set_keep_indexer_sequence(finish.keep_indexer_sequence);
-    av1::ReleaseResponse released;
     // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected.
     const grpc::Status attention_status =
-        attention_[attention]->stub->Release(&context, release, &released);
+        ReleaseOnWorker(/*attention=*/true, attention, sequence_id, finish.keep_indexer_sequence,
+                        deadline, &request->trace);
     grpc::Status indexer_status;
     if (worker_failed && !finish.keep_indexer_sequence) {
       // The attention worker may have died, or failed to reach the indexer: release the indexer
       // sequence directly (NOT_FOUND when the attention worker's Release already did).
-      grpc::ClientContext indexer_context;
-      indexer_context.set_deadline(deadline);
-      indexer_context.AddMetadata(kTraceparentKey, request->trace.Child().ToTraceparent());
-      iv1::ReleaseRequest indexer_release;
-      indexer_release.set_sequence_id(sequence_id);
-      iv1::ReleaseResponse indexer_released;
-      indexer_status =
-          indexers_[indexer]->stub->Release(&indexer_context, indexer_release, &indexer_released);
+      indexer_status = ReleaseOnWorker(/*attention=*/false, indexer, sequence_id,
+                                       /*keep_indexer_sequence=*/false, deadline, &request->trace);
     }
     absl::MutexLock lock(&mu_);
     int undelivered = 0;
     for (const auto& [is_attention, status] :
          {std::pair<bool, const grpc::Status&>{true, attention_status},
           std::pair<bool, const grpc::Status&>{false, indexer_status}}) {
-      if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-          status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      if (Unreached(status)) {
         unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id,
                                finish.keep_indexer_sequence});
         ++undelivered;
@@ -1376,24 +1379,12 @@ void CoordinatorServiceImpl::ReleaseUnreleased() {
     unreleased_ = std::move(later);
   }
   for (const Unreleased& u : due) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::milliseconds(options_.worker_check_timeout_ms));
-    grpc::Status status;
-    if (u.attention) {
-      av1::ReleaseRequest release;
-      release.set_sequence_id(u.sequence_id);
-      release.set_keep_indexer_sequence(u.keep_indexer_sequence);
-      av1::ReleaseResponse released;
-      status = attention_[u.slot]->stub->Release(&context, release, &released);
-    } else {
-      iv1::ReleaseRequest release;
-      release.set_sequence_id(u.sequence_id);
-      iv1::ReleaseResponse released;
-      status = indexers_[u.slot]->stub->Release(&context, release, &released);
-    }
-    if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-        status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    const grpc::Status status =
+        ReleaseOnWorker(u.attention, u.slot, u.sequence_id, u.keep_indexer_sequence,
+                        std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(options_.worker_check_timeout_ms),
+                        /*trace=*/nullptr);
+    if (Unreached(status)) {
       absl::MutexLock lock(&mu_);
       unreleased_.push_back(u);
     } else {

@@ -352,6 +352,12 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops evicted sequences on their workers (best effort; failures are logged).
   void CarryOutEvictions(const std::vector<Eviction>& evictions);
+  // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, by
+  // `deadline`, carrying a child of `trace` (may be null); the worker's status.
+  grpc::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
+                               bool keep_indexer_sequence,
+                               std::chrono::system_clock::time_point deadline,
+                               const TraceContext* trace);
   // Prefill of an admitted request on its attention worker.
   grpc::Status Prefill(grpc::ServerContext* context, const Request& request,
                        const Admission& admission, dsa::attention::v1::PrefillResponse* response);

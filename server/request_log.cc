@@ -4,6 +4,7 @@
 #include <chrono>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "common/trace_context.h"
 #include "server/server.h"
@@ -13,47 +14,6 @@ namespace {
 
 using grpc::experimental::InterceptionHookPoints;
 using grpc::experimental::ServerRpcInfo;
-
-const char* CodeName(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK:
-      return "OK";
-    case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED:
-      return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
-    default:
-      return "UNKNOWN";
-  }
-}
 
 // Statuses a client's request causes (logged at debug like OK); the rest are the server's.
 bool ClientCaused(grpc::StatusCode code) {
@@ -98,12 +58,13 @@ class RequestLogInterceptor final : public grpc::experimental::Interceptor {
         methods->Proceed();
         return;
       }
-      nlohmann::json fields = {{"method", info_->method()},
-                               {"code", CodeName(status.error_code())},
-                               {"duration_ms", std::chrono::duration<double, std::milli>(
-                                                   std::chrono::steady_clock::now() - start_)
-                                                   .count()},
-                               {"peer", info_->server_context()->peer()}};
+      nlohmann::json fields = {
+          {"method", info_->method()},
+          {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code()))},
+          {"duration_ms",
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+               .count()},
+          {"peer", info_->server_context()->peer()}};
       if (!trace_id_.empty()) fields["trace_id"] = trace_id_;
       if (!status.ok()) fields["message"] = status.error_message();
       LogJson(level, "rpc", std::move(fields));

@@ -26,6 +26,7 @@
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
+#include "tests/testing/loopback_server.h"
 
 namespace dsa {
 namespace {
@@ -39,14 +40,7 @@ constexpr int64_t kContext = 300;
 constexpr int64_t kNewTokens = 400;
 
 std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address) {
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(service);
-  builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
-  auto server = builder.BuildAndStart();
-  *address = absl::StrCat("127.0.0.1:", port);
-  return server;
+  return dsa::testing::ServeOnLoopback(service, address);
 }
 
 // One request's stream, read on its own thread.

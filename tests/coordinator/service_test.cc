@@ -27,6 +27,7 @@
 #include "prometheus/text_serializer.h"
 #include "server/parse_errors.h"
 #include "tests/coordinator/fake_attention.h"
+#include "tests/testing/loopback_server.h"
 #include "tests/testing/raw_call.h"
 
 namespace dsa {
@@ -40,15 +41,7 @@ using ::testing::HasSubstr;
 constexpr int kLayers = 2, kHeads = 4, kDim = 16;
 
 std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address) {
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(service);
-  builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
-  AddServerInterceptors(builder);
-  auto server = builder.BuildAndStart();
-  *address = absl::StrCat("127.0.0.1:", port);
-  return server;
+  return dsa::testing::ServeOnLoopback(service, address);
 }
 
 struct ClusterOptions {

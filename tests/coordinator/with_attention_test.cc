@@ -21,6 +21,7 @@
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
+#include "tests/testing/loopback_server.h"
 
 namespace dsa {
 namespace {
@@ -30,14 +31,7 @@ namespace cv1 = ::dsa::coordinator::v1;
 constexpr int kH = 4, kD = 16;
 
 std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address) {
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(service);
-  builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
-  auto server = builder.BuildAndStart();
-  *address = absl::StrCat("127.0.0.1:", port);
-  return server;
+  return dsa::testing::ServeOnLoopback(service, address);
 }
 
 class CoordinatorWithAttentionTest : public ::testing::Test {
