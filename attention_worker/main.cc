@@ -7,10 +7,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/time/time.h"
@@ -152,8 +154,22 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::IndexerFlags indexer_flags;
   indexer_flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, indexer_flags, "--indexer-", /*with_shape_flags=*/false);
+  std::vector<std::string> indexer_workers;
+  std::vector<std::string> indexer_dns;
+  app.add_option("--indexer-workers", indexer_workers,
+                 "The only indexer workers (host:port, as the coordinator names them) a Prefill "
+                 "may name; with --indexer-dns empty too, any address")
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  app.add_option("--indexer-dns", indexer_dns,
+                 "NAME:PORT of headless Services whose resolved addresses a Prefill may name")
+      ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
   dsa::AddFlagSources(app, "dsa-attention");
   CLI11_PARSE(app, argc, argv);
+  absl::StatusOr<dsa::ClientSecurity> indexer_security = dsa::ClientSecurityFrom(server_flags.tls);
+  if (!indexer_security.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(indexer_security.status().message()).c_str());
+    return 2;
+  }
   options.engine.select_timeout = absl::Milliseconds(select_timeout_ms);
   options.engine.indexer_call_timeout = absl::Milliseconds(indexer_call_timeout_ms);
   dsa::BlockTerminationSignals();
@@ -243,7 +259,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   std::unique_ptr<dsa::IndexerServiceImpl> indexer_service;
   std::mutex own_address_mutex;
   std::string own_address;  // set once serving
-  dsa::IndexerClientFactory indexer_clients = dsa::GrpcIndexerClient::Factory();
+  dsa::IndexerClientFactory indexer_clients = dsa::GrpcIndexerClient::Factory(*indexer_security);
   if (transport == "inprocess") {
     indexer_flags.options.num_heads = model_config.num_heads;
     indexer_flags.options.head_dim = model_config.head_dim;
@@ -290,13 +306,21 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     nccl_options.attention_worker = "dsa-attention pid " + std::to_string(getpid());
     // Under the select timeout (20 s): a first select that bootstraps fails before its deadline.
     nccl_options.connect_timeout = absl::Seconds(15);
-    indexer_clients = dsa::NcclIndexerClientFactory(nccl_options);
+    indexer_clients = dsa::NcclIndexerClientFactory(nccl_options, *indexer_security);
 #else
     dsa::LogJson("error",
                  "--transport nccl: this dsa-attention was built without NCCL (configure with "
                  "-DDSA_ENABLE_CUDA=ON where nvcc and NCCL are installed)");
     return 2;
 #endif
+  }
+  if (transport != "inprocess") {  // the in-process factory serves only this worker's indexer
+    if (indexer_workers.empty() && indexer_dns.empty()) {
+      dsa::LogJson("warn",
+                   "no --indexer-workers or --indexer-dns: a Prefill may name any address to dial");
+    }
+    indexer_clients =
+        dsa::OnlyIndexerWorkers(std::move(indexer_clients), indexer_workers, indexer_dns);
   }
   absl::StatusOr<std::unique_ptr<dsa::AttentionEngine>> engine;
   std::function<std::string()> before_serving;  // ServerSpec::before_serving
@@ -380,7 +404,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"transport", transport},
       {"device_selects", options.engine.device_selects},
       {"layer_standin", layer_standin},
-      {"attention_device", service->engine().backend().Description()}};
+      {"attention_device", service->engine().backend().Description()},
+      {"indexer_workers", indexer_workers},
+      {"indexer_dns", indexer_dns},
+      {"dials_with_tls", indexer_security->tls()}};
   if (indexer != nullptr) {
     spec.banner_fields["indexer_capacity_blocks"] = indexer_flags.options.capacity_blocks;
     spec.banner_fields["indexer_device"] = indexer->DeviceDescription();

@@ -3,9 +3,11 @@
 
 #include <chrono>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "attention_worker/cpu_attention_backend.h"
 #include "common/instance_id.h"
 #include "common/status_macros.h"
@@ -85,9 +87,31 @@ grpc::Status AttentionServiceImpl::GetInfo(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
+namespace {
+
+// The calling identity; "" without a context (a test calling a handler directly).
+std::string Caller(const grpc::ServerContext* context) {
+  return context != nullptr ? CallerIdentity(*context) : std::string();
+}
+
+constexpr absl::string_view kSequence = "sequence";
+
+}  // namespace
+
 grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
                                            const av1::PrefillRequest* request,
                                            av1::PrefillResponse* response) {
+  const std::string id = absl::StrCat(request->sequence_id());
+  absl::StatusOr<bool> claimed = owners_.Acquire(id, Caller(context), kSequence);
+  if (!claimed.ok()) return ToGrpcStatus(claimed.status());
+  grpc::Status status = OwnedPrefill(context, request, response);
+  if (!status.ok() && *claimed) owners_.Forget(id);
+  return status;
+}
+
+grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
+                                                const av1::PrefillRequest* request,
+                                                av1::PrefillResponse* response) {
   const Clock::time_point start = Clock::now();
   // The indexer calls of this prefill carry the caller's trace (common/trace_context.h).
   std::optional<TraceContext> trace;
@@ -108,13 +132,18 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* /*context*/,
+grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* context,
                                               const av1::DecodeStepRequest* request,
                                               av1::DecodeStepResponse* response) {
   const Clock::time_point start = Clock::now();
+  const std::string caller = Caller(context);
   std::vector<StepMember> members;
   members.reserve(request->sequences_size());
   for (const av1::SequenceStep& s : request->sequences()) {
+    if (absl::Status owned = owners_.Check(absl::StrCat(s.sequence_id()), caller, kSequence);
+        !owned.ok()) {
+      return ToGrpcStatus(owned);
+    }
     members.push_back(StepMember{s.sequence_id(), s.rows()});
   }
   absl::StatusOr<DecodeStepResult> result = engine_->DecodeStep(members);
@@ -134,16 +163,28 @@ grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
-grpc::Status AttentionServiceImpl::Commit(grpc::ServerContext* /*context*/,
+grpc::Status AttentionServiceImpl::Commit(grpc::ServerContext* context,
                                           const av1::CommitRequest* request,
                                           av1::CommitResponse* /*response*/) {
+  if (absl::Status owned =
+          owners_.Check(absl::StrCat(request->sequence_id()), Caller(context), kSequence);
+      !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
   return ToGrpcStatus(engine_->Commit(request->sequence_id(), request->accepted()));
 }
 
-grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* /*context*/,
+grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
                                            const av1::ReleaseRequest* request,
                                            av1::ReleaseResponse* /*response*/) {
-  return ToGrpcStatus(engine_->Release(request->sequence_id(), request->keep_indexer_sequence()));
+  const std::string id = absl::StrCat(request->sequence_id());
+  if (absl::Status owned = owners_.Check(id, Caller(context), kSequence); !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
+  const absl::Status status =
+      engine_->Release(request->sequence_id(), request->keep_indexer_sequence());
+  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id);
+  return ToGrpcStatus(status);
 }
 
 }  // namespace dsa

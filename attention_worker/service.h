@@ -15,6 +15,7 @@
 #include "common/mli_schedule.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/security.h"
 #include "transport/indexer_client.h"
 
 namespace dsa {
@@ -41,6 +42,10 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(
 /// dsa.attention.v1.AttentionService over an engine it owns. Every RPC converts its request to the
 /// engine's plain form, calls the engine and answers with the engine's status code and message
 /// unchanged (see AttentionEngine for what each does and returns). Thread-safe as the engine is.
+/// Sequences belong to the caller whose Prefill created them (CallerIdentity: the client
+/// certificate's common name under mutual TLS; "" for every caller on plaintext): another
+/// caller's Prefill, DecodeStep, Commit or Release of one is refused with PERMISSION_DENIED
+/// "sequence N belongs to another caller" before the engine is called.
 class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::Service {
  public:
   explicit AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine);
@@ -74,7 +79,12 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   void CloseTransports() { engine_->CloseIndexerClients(); }
 
  private:
+  // Prefill once the sequence id is the caller's.
+  grpc::Status OwnedPrefill(grpc::ServerContext* context,
+                            const dsa::attention::v1::PrefillRequest* request,
+                            dsa::attention::v1::PrefillResponse* response);
   std::unique_ptr<AttentionEngine> engine_;
+  OwnerTable owners_;  // sequence id -> the caller whose Prefill created it
 };
 
 }  // namespace dsa

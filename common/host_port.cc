@@ -1,9 +1,17 @@
 // See host_port.h.
 #include "common/host_port.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace dsa {
 
@@ -36,6 +44,41 @@ absl::StatusOr<HostPort> ParseHostPort(const std::string& address, int min_port)
         absl::StrCat("port ", parsed.port, " is out of range ", min_port, "..65535 in ", address));
   }
   return parsed;
+}
+
+absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port) {
+  DSA_ASSIGN_OR_RETURN(const HostPort parsed, ParseHostPort(name_port, /*min_port=*/1));
+  const int port = parsed.port;
+  std::string name = parsed.host;
+  if (name.front() == '[') {
+    name = name.substr(1, name.size() - 2);  // a bracketed IPv6 address
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int error = getaddrinfo(name.c_str(), nullptr, &hints, &found);
+  if (error != 0) {
+    const std::string message = absl::StrCat("cannot resolve ", name, ": ", gai_strerror(error));
+    return error == EAI_AGAIN ? absl::UnavailableError(message) : absl::NotFoundError(message);
+  }
+  std::vector<std::string> addresses;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char host[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr, host,
+                sizeof(host));
+      addresses.push_back(absl::StrCat(host, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr, host,
+                sizeof(host));
+      addresses.push_back(absl::StrCat("[", host, "]:", port));
+    }
+  }
+  freeaddrinfo(found);
+  std::sort(addresses.begin(), addresses.end());
+  addresses.erase(std::unique(addresses.begin(), addresses.end()), addresses.end());
+  return addresses;
 }
 
 }  // namespace dsa

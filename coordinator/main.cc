@@ -108,6 +108,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Deadline of each DecodeStep, Commit, Release and GetLoad call to a worker")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  std::string auth_tokens_file;
+  app.add_option("--auth-tokens-file", auth_tokens_file,
+                 "Bearer tokens of the router-facing API, one \"CLIENT TOKEN\" line each: every "
+                 "call must carry \"authorization: Bearer TOKEN\" (needs --tls-cert)")
+      ->check(CLI::ExistingFile);
   dsa::AddFlagSources(app, "dsa-coordinator");
   CLI11_PARSE(app, argc, argv);
 
@@ -117,6 +122,21 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       std::fprintf(stderr, "%s\n", std::string(valid.message()).c_str());
       return 2;
     }
+  }
+  absl::StatusOr<dsa::ClientSecurity> worker_security = dsa::ClientSecurityFrom(server_flags.tls);
+  if (!worker_security.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(worker_security.status().message()).c_str());
+    return 2;
+  }
+  options.worker_security = *worker_security;
+  std::shared_ptr<dsa::BearerTokenAuthenticator> tokens;
+  if (!auth_tokens_file.empty()) {
+    auto loaded = dsa::BearerTokenAuthenticator::Load(auth_tokens_file);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
+      return 2;
+    }
+    tokens = *loaded;
   }
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::CoordinatorMetrics metrics(*registry, buckets);
@@ -131,11 +151,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   spec.component = dsa::ServerComponent::kCoordinator;
   spec.services = {service->get()};
   spec.registry = registry;
-  spec.banner_fields = {
-      {"indexers", options.indexer_addresses}, {"attention_workers", options.attention_addresses},
-      {"indexer_dns", options.indexer_dns},    {"attention_dns", options.attention_dns},
-      {"max_queue", options.max_queue},        {"max_running", options.max_running_per_attention},
-      {"colocated", options.colocated}};
+  spec.auth = tokens;
+  spec.banner_fields = {{"indexers", options.indexer_addresses},
+                        {"attention_workers", options.attention_addresses},
+                        {"indexer_dns", options.indexer_dns},
+                        {"attention_dns", options.attention_dns},
+                        {"max_queue", options.max_queue},
+                        {"max_running", options.max_running_per_attention},
+                        {"colocated", options.colocated},
+                        {"dials_with_tls", options.worker_security.tls()},
+                        {"bearer_token_clients", tokens != nullptr ? tokens->size() : 0}};
   spec.watch_readiness = [&service](std::function<void(bool)> set_ready) {
     (*service)->SetReadinessListener(std::move(set_ready));
   };

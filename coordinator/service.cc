@@ -1,11 +1,6 @@
 // The coordinator service (see service.h).
 #include "coordinator/service.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <algorithm>
 #include <utility>
 
@@ -153,41 +148,6 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
         absl::StrCat("overrides.acceptance_rate must be in [0, 1], got ", o.acceptance_rate()));
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port) {
-  DSA_ASSIGN_OR_RETURN(const HostPort parsed, ParseHostPort(name_port, /*min_port=*/1));
-  const int port = parsed.port;
-  std::string name = parsed.host;
-  if (name.front() == '[') {
-    name = name.substr(1, name.size() - 2);  // a bracketed IPv6 address
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int error = getaddrinfo(name.c_str(), nullptr, &hints, &found);
-  if (error != 0) {
-    const std::string message = absl::StrCat("cannot resolve ", name, ": ", gai_strerror(error));
-    return error == EAI_AGAIN ? absl::UnavailableError(message) : absl::NotFoundError(message);
-  }
-  std::vector<std::string> addresses;
-  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    char host[INET6_ADDRSTRLEN] = {};
-    if (a->ai_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr, host,
-                sizeof(host));
-      addresses.push_back(absl::StrCat(host, ":", port));
-    } else if (a->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr, host,
-                sizeof(host));
-      addresses.push_back(absl::StrCat("[", host, "]:", port));
-    }
-  }
-  freeaddrinfo(found);
-  std::sort(addresses.begin(), addresses.end());
-  addresses.erase(std::unique(addresses.begin(), addresses.end()), addresses.end());
-  return addresses;
 }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::Create(
@@ -427,7 +387,7 @@ std::shared_ptr<grpc::Channel> CoordinatorServiceImpl::WorkerChannel(
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms, 100));
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms, 100));
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, max_backoff_ms);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return NewChannel(address, options_.worker_security, args);
 }
 
 CoordinatorServiceImpl::Probe CoordinatorServiceImpl::ProbeWorker(
@@ -942,6 +902,7 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
   }
   auto request = std::make_shared<Request>();
   request->id = proto->request_id();
+  request->caller = CallerIdentity(*context);
   {
     auto it = context->client_metadata().find(kTraceparentKey);
     std::optional<TraceContext> trace;
@@ -1133,6 +1094,10 @@ grpc::Status CoordinatorServiceImpl::Abort(grpc::ServerContext* context,
   if (it == by_id_.end() || it->second->final_status.has_value()) {
     return {grpc::StatusCode::NOT_FOUND,
             absl::StrCat("no request '", request->request_id(), "' in flight")};
+  }
+  if (it->second->caller != CallerIdentity(*context)) {
+    return {grpc::StatusCode::PERMISSION_DENIED,
+            absl::StrCat("request '", request->request_id(), "' belongs to another caller")};
   }
   AbortLocked(*it->second);
   return grpc::Status::OK;

@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/host_port.h"
 #include "common/trace_context.h"
 #include "coordinator/acceptance_model.h"
 #include "coordinator/metrics.h"
@@ -30,6 +31,7 @@
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "server/security.h"
 
 namespace dsa {
 
@@ -42,6 +44,8 @@ struct CoordinatorOptions {
   /// name; co-located (below), the indexers are the attention workers and take neither.
   std::vector<std::string> indexer_dns;
   std::vector<std::string> attention_dns;
+  /// How every worker is dialed (TLS, the client certificate of mutual TLS); plaintext default.
+  ClientSecurity worker_security;
   /// How often the watch thread runs RefreshWorkers; 0 = never (a test calls it).
   int64_t worker_check_interval_ms = 2000;
   /// Deadline of each check RefreshWorkers makes of a worker (> 0).
@@ -79,16 +83,6 @@ struct CoordinatorOptions {
 /// acceptance_rate in [0, 1]);
 /// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
 absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
-
-/// The addresses ("ip:port", IPv6 as "[ip]:port", sorted, no duplicates) that `name_port`
-/// ("NAME:PORT") resolves to. Errors: INVALID_ARGUMENT (not NAME:PORT), NOT_FOUND (NAME does not
-/// resolve; the message has getaddrinfo's reason), UNAVAILABLE (a temporary resolver failure).
-using AddressResolver =
-    std::function<absl::StatusOr<std::vector<std::string>>(const std::string& name_port)>;
-
-/// AddressResolver over getaddrinfo (the system resolver: Kubernetes' cluster DNS in a pod; a
-/// headless Service's name resolves to its ready pods' addresses).
-absl::StatusOr<std::vector<std::string>> ResolveDnsAddresses(const std::string& name_port);
 
 /// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread.
 ///
@@ -174,7 +168,8 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
                         grpc::ServerWriter<dsa::coordinator::v1::GenerateEvent>* writer) override;
 
   /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
-  /// CANCELLED. NOT_FOUND if no request with that id is in flight.
+  /// CANCELLED. NOT_FOUND if no request with that id is in flight; PERMISSION_DENIED when the
+  /// caller (CallerIdentity) is not the one whose Generate started it.
   grpc::Status Abort(grpc::ServerContext* context,
                      const dsa::coordinator::v1::AbortRequest* request,
                      dsa::coordinator::v1::AbortResponse* response) override;
@@ -202,6 +197,7 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   // One Generate call in flight.
   struct Request {
     std::string id;
+    std::string caller;  // CallerIdentity of the Generate call: only it may Abort the request
     TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
     uint64_t ticket = 0;
     dsa::coordinator::v1::GenerateRequest proto;

@@ -269,8 +269,20 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   return absl::OkStatus();
 }
 
-IndexerServiceImpl::IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics)
-    : indexer_(indexer), metrics_(metrics) {
+namespace {
+
+// The calling identity; "" without a context (a test calling a handler directly).
+std::string Caller(const grpc::ServerContext* context) {
+  return context != nullptr ? CallerIdentity(*context) : std::string();
+}
+
+constexpr absl::string_view kSequence = "sequence";
+
+}  // namespace
+
+IndexerServiceImpl::IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics,
+                                       std::vector<std::string> operator_identities)
+    : indexer_(indexer), metrics_(metrics), owners_(std::move(operator_identities)) {
   // gRPC's synchronous handlers of bidi streams (the client-streaming AppendIndexKeys served as
   // one, which the wire cannot tell apart) over raw messages.
   MarkMethodStreamed(
@@ -297,9 +309,27 @@ void IndexerServiceImpl::UpdateCacheMetrics() {
   if (metrics_ != nullptr) metrics_->SetCacheUsage(indexer_->Usage());
 }
 
-grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* /*context*/,
+absl::Status IndexerServiceImpl::CheckOwned(const v1::SelectRequest& request,
+                                            const std::string& caller) const {
+  for (const v1::RowGroup& group : request.groups()) {
+    DSA_RETURN_IF_ERROR(owners_.Check(absl::StrCat(group.sequence_id()), caller, kSequence));
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
                                                 const v1::CreateSequenceRequest* request,
-                                                v1::CreateSequenceResponse* /*response*/) {
+                                                v1::CreateSequenceResponse* response) {
+  const std::string id = absl::StrCat(request->sequence_id());
+  absl::StatusOr<bool> claimed = owners_.Acquire(id, Caller(context), kSequence);
+  if (!claimed.ok()) return ToGrpcStatus(claimed.status());
+  grpc::Status status = CreateOwnedSequence(request, response);
+  if (!status.ok() && *claimed) owners_.Forget(id);
+  return status;
+}
+
+grpc::Status IndexerServiceImpl::CreateOwnedSequence(const v1::CreateSequenceRequest* request,
+                                                     v1::CreateSequenceResponse* /*response*/) {
   SequenceOptions options;
   options.num_layers = request->num_layers();
   options.top_k = request->top_k();
@@ -322,7 +352,12 @@ grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
     grpc::ServerReaderWriter<v1::AppendIndexKeysResponse, grpc::ByteBuffer>* stream) {
   IndexKeyAppendCall call(indexer_);
   const int64_t key_shape[] = {-1, indexer_->options().head_dim};
+  const std::string caller = Caller(context);
   auto append_chunk = [&](const v1::AppendIndexKeysRequest& chunk, int64_t index) -> absl::Status {
+    if (absl::Status owned = owners_.Check(absl::StrCat(chunk.sequence_id()), caller, kSequence);
+        !owned.ok()) {
+      return absl::Status(owned.code(), absl::StrCat("chunk ", index, ": ", owned.message()));
+    }
     if (chunk.ByteSizeLong() > static_cast<size_t>(kMaxAppendChunkBytes)) {
       return absl::ResourceExhaustedError(absl::StrCat("chunk ", index, " is ",
                                                        chunk.ByteSizeLong(), " bytes, over the ",
@@ -363,17 +398,21 @@ grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
   return grpc::Status::OK;
 }
 
-grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* /*context*/,
+grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* context,
                                         const v1::SelectRequest* request,
                                         v1::SelectResponse* response) {
+  if (absl::Status owned = CheckOwned(*request, Caller(context)); !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
   const absl::Status status = RunSelect(*indexer_, *request, response, metrics_);
   UpdateCacheMetrics();  // new index keys may have taken blocks
   return ToGrpcStatus(status);
 }
 
 grpc::Status IndexerServiceImpl::SelectStreamRaw(
-    grpc::ServerContext* /*context*/,
+    grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SelectResponse, grpc::ByteBuffer>* stream) {
+  const std::string caller = Caller(context);
   v1::SelectRequest request;
   v1::SelectResponse response;
   grpc::ByteBuffer buffer;
@@ -382,7 +421,9 @@ grpc::Status IndexerServiceImpl::SelectStreamRaw(
     // One stream carries many sequences' layers: a refused request gets its own status and the
     // others go on.
     int groups_applied = 0;
-    if (auto s = RunSelect(*indexer_, request, &response, metrics_, &groups_applied); !s.ok()) {
+    absl::Status s = CheckOwned(request, caller);
+    if (s.ok()) s = RunSelect(*indexer_, request, &response, metrics_, &groups_applied);
+    if (!s.ok()) {
       response.Clear();
       response.set_request_id(request.request_id());
       response.mutable_error()->set_code(static_cast<int32_t>(s.code()));
@@ -397,24 +438,39 @@ grpc::Status IndexerServiceImpl::SelectStreamRaw(
   return grpc::Status::OK;
 }
 
-grpc::Status IndexerServiceImpl::Commit(grpc::ServerContext* /*context*/,
+grpc::Status IndexerServiceImpl::Commit(grpc::ServerContext* context,
                                         const v1::CommitRequest* request,
                                         v1::CommitResponse* /*response*/) {
+  if (absl::Status owned =
+          owners_.Check(absl::StrCat(request->sequence_id()), Caller(context), kSequence);
+      !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
   const absl::Status status = indexer_->Commit(request->sequence_id(), request->accepted());
   UpdateCacheMetrics();  // Commit frees the rejected draft tokens' blocks
   return ToGrpcStatus(status);
 }
 
-grpc::Status IndexerServiceImpl::BeginTurn(grpc::ServerContext* /*context*/,
+grpc::Status IndexerServiceImpl::BeginTurn(grpc::ServerContext* context,
                                            const v1::BeginTurnRequest* request,
                                            v1::BeginTurnResponse* /*response*/) {
+  if (absl::Status owned =
+          owners_.Check(absl::StrCat(request->sequence_id()), Caller(context), kSequence);
+      !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
   return ToGrpcStatus(indexer_->BeginTurn(request->sequence_id()));
 }
 
-grpc::Status IndexerServiceImpl::Release(grpc::ServerContext* /*context*/,
+grpc::Status IndexerServiceImpl::Release(grpc::ServerContext* context,
                                          const v1::ReleaseRequest* request,
                                          v1::ReleaseResponse* /*response*/) {
+  const std::string id = absl::StrCat(request->sequence_id());
+  if (absl::Status owned = owners_.Check(id, Caller(context), kSequence); !owned.ok()) {
+    return ToGrpcStatus(owned);
+  }
   const absl::Status status = indexer_->Release(request->sequence_id());
+  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id);
   UpdateCacheMetrics();
   return ToGrpcStatus(status);
 }

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <functional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "common/limits.h"
@@ -12,6 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
+#include "server/security.h"
 
 namespace dsa {
 
@@ -85,7 +88,15 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// Serves AppendIndexKeys and SelectStream over grpc::ByteBuffer (server/parse_errors.h), so
   /// that an unparseable message inside either stream fails the call with INVALID_ARGUMENT instead
   /// of looking like the stream's end.
-  explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr);
+  ///
+  /// Sequences belong to the caller that created them (CallerIdentity: the client certificate's
+  /// common name under mutual TLS; "" for every caller on plaintext): another caller's append,
+  /// select, Commit, BeginTurn or Release of one is refused with PERMISSION_DENIED "sequence N
+  /// belongs to another caller", unless it is one of `operator_identities` (the coordinator,
+  /// which releases the sequences of a dead attention worker). A prefix source is read, never
+  /// changed, and may be any caller's.
+  explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr,
+                              std::vector<std::string> operator_identities = {});
 
   /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
   /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
@@ -157,11 +168,18 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                              dsa::indexer::v1::OpenDataPlaneResponse* response) override;
 
  private:
+  // CreateSequence once the id is the caller's.
+  grpc::Status CreateOwnedSequence(const dsa::indexer::v1::CreateSequenceRequest* request,
+                                   dsa::indexer::v1::CreateSequenceResponse* response);
+  // OK when every group's sequence may be used by `caller` (owners_).
+  absl::Status CheckOwned(const dsa::indexer::v1::SelectRequest& request,
+                          const std::string& caller) const;
   // Sets the cache gauges from the engine's usage (no-op without metrics).
   void UpdateCacheMetrics();
 
   Indexer* indexer_;                   // not owned
   IndexerMetrics* metrics_;            // not owned; may be null
+  OwnerTable owners_;                  // sequence id -> the caller that created it
   DataPlaneOpener data_plane_opener_;  // may be empty
 };
 

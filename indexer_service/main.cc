@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "indexer_service/grpc_service.h"
@@ -28,6 +29,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::IndexerFlags flags;
   flags.options.capacity_blocks = 4096;
   dsa::AddIndexerFlags(app, flags, "--", /*with_shape_flags=*/true);
+  std::vector<std::string> operator_identities;
+  app.add_option("--operator-identities", operator_identities,
+                 "Caller identities (client certificates' common names, mutual TLS) that may "
+                 "act on any sequence, not only those they created: the coordinator's")
+      ->check(CLI::Validator(
+          [](const std::string& name) {
+            return name.empty() ? std::string("an empty identity (anonymous callers share \"\")")
+                                : std::string();
+          },
+          "NAME"));
   dsa::AddFlagSources(app, "dsa-indexer");
   CLI11_PARSE(app, argc, argv);
   dsa::BlockTerminationSignals();
@@ -40,7 +51,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::IndexerMetrics metrics(*registry);
   metrics.SetCacheUsage((*indexer)->Usage());
-  dsa::IndexerServiceImpl service(indexer->get(), &metrics);
+  dsa::IndexerServiceImpl service(indexer->get(), &metrics, operator_identities);
 #ifdef DSA_WITH_NCCL
   // OpenDataPlane: NCCL data planes need the GPU (transport/README.md).
   std::unique_ptr<dsa::NcclDataPlanes> data_planes;

@@ -103,6 +103,11 @@ void AddServerFlags(CLI::App& app, ServerFlags& flags) {
       ->check(CLI::IsMember({"debug", "info", "warn", "error"}))
       ->each([](const std::string& level) { SetLogLevel(level); })
       ->capture_default_str();
+  app.add_option("--health-listen", flags.health_listen,
+                 "host:port of a second, plaintext port serving only grpc.health.v1 (for "
+                 "kubelet's gRPC probes, which speak no TLS); empty = none")
+      ->check(HostPortValidator(0, /*allow_empty=*/true));
+  AddTlsFlags(app, flags.tls, /*serves=*/true);
 }
 
 void AddFlagSources(CLI::App& app, const std::string& binary) {
@@ -196,8 +201,8 @@ const char* ComponentName(ServerComponent component) {
 // drain has begun. Thread-safe; outlives RunServer's callers through shared ownership.
 class Readiness {
  public:
-  Readiness(grpc::HealthCheckServiceInterface* health, bool ready)
-      : health_(health), ready_(ready) {
+  Readiness(std::vector<grpc::HealthCheckServiceInterface*> health, bool ready)
+      : health_(std::move(health)), ready_(ready) {
     absl::MutexLock lock(&mu_);
     ApplyLocked();
   }
@@ -217,11 +222,13 @@ class Readiness {
  private:
   void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool serving = ready_ && !draining_;
-    health_->SetServingStatus(kReadinessService, serving);
-    health_->SetServingStatus("", serving);
+    for (grpc::HealthCheckServiceInterface* health : health_) {
+      health->SetServingStatus(kReadinessService, serving);
+      health->SetServingStatus("", serving);
+    }
   }
 
-  grpc::HealthCheckServiceInterface* const health_;
+  const std::vector<grpc::HealthCheckServiceInterface*> health_;
   absl::Mutex mu_;
   bool ready_ ABSL_GUARDED_BY(mu_);
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -267,9 +274,25 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
       return 1;
     }
   }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentialsFrom(flags.tls);
+  if (!credentials.ok()) {
+    LogJson("error", "cannot set up TLS", {{"status", credentials.status().ToString()}});
+    return 1;
+  }
+  if (spec.auth != nullptr) {
+    if (flags.tls.cert_file.empty()) {
+      LogJson("error", "bearer tokens need TLS",
+              {{"status",
+                "--auth-tokens-file needs --tls-cert and --tls-key: tokens would cross "
+                "the network in plaintext (and gRPC checks them only on a TLS port)"}});
+      return 1;
+    }
+    (*credentials)->SetAuthMetadataProcessor(spec.auth);
+  }
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(flags.listen, *credentials, &port);
   for (grpc::Service* service : spec.services) {
     builder.RegisterService(service);
   }
@@ -284,15 +307,32 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     LogJson("error", "cannot listen", {{"address", flags.listen}});
     return 1;
   }
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  if (health == nullptr) {
-    LogJson("error", "no health check service");
-    return 1;
+  // The plaintext health-only port: a server of its own (no other service), same statuses.
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (!flags.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(flags.health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      LogJson("error", "cannot listen", {{"address", flags.health_listen}});
+      return 1;
+    }
+  }
+  std::vector<grpc::HealthCheckServiceInterface*> health;
+  for (grpc::Server* each : {server.get(), health_server.get()}) {
+    if (each == nullptr) continue;
+    health.push_back(each->GetHealthCheckService());
+    if (health.back() == nullptr) {
+      LogJson("error", "no health check service");
+      return 1;
+    }
+    health.back()->SetServingStatus(kLivenessService, true);
   }
   const std::string address = AddressWithPort(flags.listen, port);
   if (spec.on_serving) spec.on_serving(address);
 
-  health->SetServingStatus(kLivenessService, true);
   auto readiness = std::make_shared<Readiness>(health, !spec.watch_readiness);
   if (spec.watch_readiness) {
     spec.watch_readiness([readiness](bool ready) { readiness->SetReady(ready); });
@@ -300,11 +340,20 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   std::printf("%s: listening on %s\n", spec.name.c_str(), address.c_str());
   nlohmann::json fields = spec.banner_fields;
   fields["address"] = address;
+  fields["tls"] = flags.tls.cert_file.empty()        ? "off"
+                  : flags.tls.client_ca_file.empty() ? "tls"
+                                                     : "mutual";
+  fields["bearer_tokens"] = spec.auth != nullptr;
   if (exposer != nullptr && !exposer->GetListeningPorts().empty()) {
     const std::string metrics_address =
         AddressWithPort(flags.metrics_listen, exposer->GetListeningPorts().front());
     std::printf("%s: metrics on http://%s/metrics\n", spec.name.c_str(), metrics_address.c_str());
     fields["metrics_address"] = metrics_address;
+  }
+  if (health_server != nullptr) {
+    const std::string health_address = AddressWithPort(flags.health_listen, health_port);
+    std::printf("%s: health on %s\n", spec.name.c_str(), health_address.c_str());
+    fields["health_address"] = health_address;
   }
   std::fflush(stdout);
   LogJson("info", "serving", fields);
@@ -324,6 +373,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(flags.shutdown_grace_ms));
   server->Wait();
+  if (health_server != nullptr) health_server->Shutdown(std::chrono::system_clock::now());
   if (spec.on_stopped) {
     spec.on_stopped();
   }

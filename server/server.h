@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
+#include "server/security.h"
 #include "server/version.h"
 
 namespace dsa {
@@ -44,15 +45,18 @@ struct ServerFlags {
   int64_t shutdown_grace_ms = 5000;  // in-flight calls may run this long after the drain delay
   int64_t drain_delay_ms = 0;        // readiness NOT_SERVING this long before Shutdown
   std::string log_level = "info";    // debug | info | warn | error (SetLogLevel)
+  TlsFlags tls;                      // --tls-*: TLS / mutual TLS of the gRPC port and dialing
+  std::string health_listen;         // plaintext grpc.health.v1-only host:port; "" = none
 };
 
 /// `component`'s defaults: listen on every interface at its fixed ports
 /// (0.0.0.0:kCoordinatorPort and 0.0.0.0:kCoordinatorMetricsPort for the coordinator, ...).
 ServerFlags DefaultServerFlags(ServerComponent component);
 
-/// Registers --listen, --metrics-listen, --shutdown-grace-ms, --drain-delay-ms and --log-level on
-/// `app`, writing into `flags` (which must outlive the parse). The addresses are checked by
-/// HostPortValidator (metrics may be empty); --log-level takes effect as it is parsed.
+/// Registers --listen, --metrics-listen, --shutdown-grace-ms, --drain-delay-ms, --log-level,
+/// --health-listen and the --tls-* flags (AddTlsFlags) on `app`, writing into `flags` (which must
+/// outlive the parse). The addresses are checked by HostPortValidator (metrics and health may be
+/// empty); --log-level takes effect as it is parsed.
 void AddServerFlags(CLI::App& app, ServerFlags& flags);
 
 /// ParseHostPort as a CLI11 validator (its error message is the status's); with `allow_empty`,
@@ -115,12 +119,17 @@ struct ServerSpec {
   /// and "" are SERVING while the last value given is true and no drain has begun, and start
   /// NOT_SERVING. When empty, both are SERVING from start until the drain.
   std::function<void(std::function<void(bool ready)> set_ready)> watch_readiness;
+  /// Bearer tokens every call on the gRPC port must carry (the coordinator's
+  /// --auth-tokens-file); null = none. Needs flags.tls's certificate: RunServer refuses to
+  /// start with tokens on a plaintext port.
+  std::shared_ptr<grpc::AuthMetadataProcessor> auth;
   /// Called after the gRPC server has stopped (all calls finished or cancelled), before exit:
   /// release clients and threads here. May be empty.
   std::function<void()> on_stopped;
 };
 
-/// Builds and starts the gRPC server with health ("liveness"; "readiness" and "" as
+/// Builds and starts the gRPC server (TLS or mutual TLS as flags.tls says; with spec.auth's
+/// tokens) with health ("liveness"; "readiness" and "" as
 /// watch_readiness says) and reflection, serves /metrics (spec.registry, dsa_build_info and
 /// ProcessMetrics), prints "<name>: listening on HOST:PORT" and "<name>: metrics on
 /// http://.../metrics" on stdout, then waits for SIGTERM or SIGINT (BlockTerminationSignals must
@@ -128,7 +137,9 @@ struct ServerSpec {
 /// Shutdown with a deadline of shutdown_grace_ms (new calls refused, in-flight calls cancelled at
 /// the deadline), on_stopped, then the process exits with 0 through std::_Exit (stopping the
 /// /metrics server would take over a second). Returns only on a startup failure, with exit code 1
-/// after logging why (cannot listen, cannot serve metrics).
+/// after logging why (cannot listen, cannot serve metrics, unreadable TLS files, tokens without
+/// TLS). With flags.health_listen, a second, plaintext server there serves only grpc.health.v1
+/// with the same statuses (kubelet's gRPC probes speak no TLS).
 int RunServer(const ServerFlags& flags, const ServerSpec& spec);
 
 }  // namespace dsa

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/host_port.h"
 #include "common/status_macros.h"
 #include "common/trace_context.h"
@@ -104,14 +105,15 @@ absl::StatusOr<LayerSelection> FailedSelectionTransport::Await(uint64_t request_
   return absl::NotFoundError(absl::StrCat("select request ", request_id, " was never submitted"));
 }
 
-std::shared_ptr<grpc::Channel> GrpcIndexerClient::MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> GrpcIndexerClient::MakeChannel(const std::string& address,
+                                                              const ClientSecurity& security) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments);
+  return NewChannel(address, security, arguments);
 }
 
-GrpcIndexerClient::GrpcIndexerClient(const std::string& address)
-    : GrpcIndexerClient(address, MakeChannel(address), nullptr) {}
+GrpcIndexerClient::GrpcIndexerClient(const std::string& address, const ClientSecurity& security)
+    : GrpcIndexerClient(address, MakeChannel(address, security), nullptr) {}
 
 GrpcIndexerClient::GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
                                      DataPlaneMaker make_data_plane)
@@ -217,10 +219,36 @@ absl::Status GrpcIndexerClient::CheckAddress(const std::string& address) {
   return absl::InvalidArgumentError(absl::StrCat("indexer_worker: ", parsed.status().message()));
 }
 
-IndexerClientFactory GrpcIndexerClient::Factory() {
-  return [](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+IndexerClientFactory GrpcIndexerClient::Factory(ClientSecurity security) {
+  return [security = std::move(security)](
+             const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
     DSA_RETURN_IF_ERROR(CheckAddress(address));
-    return std::make_shared<GrpcIndexerClient>(address);
+    return std::make_shared<GrpcIndexerClient>(address, security);
+  };
+}
+
+IndexerClientFactory OnlyIndexerWorkers(IndexerClientFactory inner,
+                                        std::vector<std::string> addresses,
+                                        std::vector<std::string> dns_names,
+                                        AddressResolver resolve) {
+  if (addresses.empty() && dns_names.empty()) return inner;
+  return [inner = std::move(inner), addresses = std::move(addresses),
+          dns_names = std::move(dns_names), resolve = std::move(resolve)](
+             const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+    bool allowed = std::find(addresses.begin(), addresses.end(), address) != addresses.end();
+    for (size_t i = 0; !allowed && i < dns_names.size(); ++i) {
+      absl::StatusOr<std::vector<std::string>> resolved = resolve(dns_names[i]);
+      allowed = resolved.ok() &&
+                std::find(resolved->begin(), resolved->end(), address) != resolved->end();
+    }
+    if (!allowed) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("indexer worker ", address,
+                       " is not one this attention worker is configured with (--indexer-workers [",
+                       absl::StrJoin(addresses, ","), "], --indexer-dns [",
+                       absl::StrJoin(dns_names, ","), "])"));
+    }
+    return inner(address);
   };
 }
 

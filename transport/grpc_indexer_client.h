@@ -6,9 +6,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
+#include "common/host_port.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/security.h"
 #include "transport/grpc_stream_transport.h"
 #include "transport/indexer_client.h"
 
@@ -31,8 +34,9 @@ class FailedSelectionTransport final : public SelectionTransport {
 class GrpcIndexerClient final : public IndexerClient {
  public:
   /// A client of the indexer worker at `address` (host:port) on a channel that takes answers up to
-  /// kMaxReceiveMessageBytes (indexer_service/grpc_service.h). Connects lazily.
-  explicit GrpcIndexerClient(const std::string& address);
+  /// kMaxReceiveMessageBytes (indexer_service/grpc_service.h), dialed with `security` (TLS,
+  /// mutual TLS; plaintext by default). Connects lazily.
+  explicit GrpcIndexerClient(const std::string& address, const ClientSecurity& security = {});
   /// Makes a data plane over the client's stub (e.g. an NCCL transport bootstrapped by
   /// OpenDataPlane); its error is what the data plane's Submit answers.
   using DataPlaneMaker = std::function<absl::StatusOr<std::unique_ptr<SelectionTransport>>(
@@ -42,8 +46,10 @@ class GrpcIndexerClient final : public IndexerClient {
   GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
                     DataPlaneMaker make_data_plane);
 
-  /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes).
-  static std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+  /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes), with
+  /// `security`.
+  static std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                                    const ClientSecurity& security = {});
   ~GrpcIndexerClient() override;  // Close()s
 
   const std::string& address() const override { return address_; }
@@ -62,8 +68,9 @@ class GrpcIndexerClient final : public IndexerClient {
   /// The SelectStream (or other data plane) was made and its connection has ended.
   bool DataPlaneEnded() const override;
 
-  /// A factory of GrpcIndexerClient for any host:port address (CheckAddress).
-  static IndexerClientFactory Factory();
+  /// A factory of GrpcIndexerClient for any host:port address (CheckAddress), dialed with
+  /// `security`.
+  static IndexerClientFactory Factory(ClientSecurity security = {});
 
   /// OK when `address` is host:port with a port in 1..65535 (ParseHostPort); otherwise
   /// INVALID_ARGUMENT "indexer_worker: ..." saying what is wrong, before anything is dialed.
@@ -84,5 +91,16 @@ class GrpcIndexerClient final : public IndexerClient {
   mutable std::mutex transport_mutex_;  // guards transport_
   std::unique_ptr<SelectionTransport> transport_;
 };
+
+/// `inner` restricted to the indexer workers an attention worker is configured with
+/// (dsa-attention --indexer-workers, --indexer-dns): an address in `addresses` as written, or one
+/// that a name of `dns_names` ("NAME:PORT") resolves to now (`resolve`; asked only for addresses
+/// not in `addresses`, i.e. on a client's first use). Any other address is refused with
+/// PERMISSION_DENIED naming it, before anything is dialed, so that a Prefill cannot make the
+/// worker connect where it names. Both lists empty = `inner` unchanged (any address).
+IndexerClientFactory OnlyIndexerWorkers(IndexerClientFactory inner,
+                                        std::vector<std::string> addresses,
+                                        std::vector<std::string> dns_names,
+                                        AddressResolver resolve = ResolveDnsAddresses);
 
 }  // namespace dsa

@@ -3,6 +3,7 @@
 // channel (ConnectNcclSelectionTransport: one communicator per attention-indexer pair).
 #pragma once
 
+#include "server/security.h"
 #include "transport/indexer_client.h"
 #include "transport/nccl_bootstrap.h"
 
@@ -15,6 +16,7 @@ namespace dsa {
 /// without NCCL), FAILED_PRECONDITION (it has no GPU), INVALID_ARGUMENT (H or D differ),
 /// UNAVAILABLE (CUDA or NCCL failed here, or the peer did not join in time; two ranks on one GPU
 /// cannot join). INVALID_ARGUMENT for an empty address.
-IndexerClientFactory NcclIndexerClientFactory(NcclConnectOptions options);
+IndexerClientFactory NcclIndexerClientFactory(NcclConnectOptions options,
+                                              ClientSecurity security = {});
 
 }  // namespace dsa

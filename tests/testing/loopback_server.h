@@ -13,11 +13,14 @@
 namespace dsa::testing {
 
 /// Starts `service` (not owned; outlives the server) on a free loopback port; `*address` gets
-/// "127.0.0.1:PORT". Null when the server cannot start.
-inline std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service* service, std::string* address) {
+/// "127.0.0.1:PORT". `credentials` (TLS, tokens: server/security.h) default to plaintext. Null
+/// when the server cannot start.
+inline std::unique_ptr<grpc::Server> ServeOnLoopback(
+    grpc::Service* service, std::string* address,
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials()) {
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort("127.0.0.1:0", credentials, &port);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
   AddServerInterceptors(builder);

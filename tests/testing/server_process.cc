@@ -47,13 +47,21 @@ Process StartServer(const std::string& binary_path, const std::vector<std::strin
   EXPECT_EQ(posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), environ), 0);
   posix_spawn_file_actions_destroy(&actions);
   close(out[1]);
-  Process process{pid, "", ""};
+  Process process{pid, "", "", ""};
   // Read the first two lines: "NAME: listening on HOST:PORT (...)" and
   // "NAME: metrics on http://HOST:PORT/metrics".
   std::string line, metrics_line;
   char c;
   while (read(out[0], &c, 1) == 1 && c != '\n') line.push_back(c);
   while (read(out[0], &c, 1) == 1 && c != '\n') metrics_line.push_back(c);
+  if (std::find(flags.begin(), flags.end(), "--health-listen") != flags.end()) {
+    std::string health_line;  // "NAME: health on HOST:PORT"
+    while (read(out[0], &c, 1) == 1 && c != '\n') health_line.push_back(c);
+    const std::string health_marker = "health on ";
+    if (const size_t at = health_line.find(health_marker); at != std::string::npos) {
+      process.health_address = health_line.substr(at + health_marker.size());
+    }
+  }
   close(out[0]);
   const std::string http = "http://";
   if (const size_t at = metrics_line.find(http); at != std::string::npos) {

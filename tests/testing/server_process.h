@@ -19,11 +19,13 @@ struct Process {
   pid_t pid = -1;
   std::string address;          // gRPC, host:port ("" if none was printed)
   std::string metrics_address;  // /metrics, host:port ("" if none was printed)
+  std::string health_address;   // --health-listen's, host:port (read only when flags have it)
 };
 
 /// Spawns `binary` with `flags` (after --listen 127.0.0.1:0 and --metrics-listen 127.0.0.1:0 where
 /// `flags` has no such flag), stdout piped; reads the first two stdout lines
-/// ("NAME: listening on HOST:PORT", "NAME: metrics on http://HOST:PORT/metrics").
+/// ("NAME: listening on HOST:PORT", "NAME: metrics on http://HOST:PORT/metrics"), and a third
+/// ("NAME: health on HOST:PORT") when `flags` has --health-listen.
 Process StartServer(const std::string& binary, const std::vector<std::string>& flags);
 
 /// Waits up to `timeout` for the process to exit; its exit code (128 + signal if killed by one),

@@ -368,12 +368,13 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
 
 // `dsa health`: prints the status ("SERVING", "NOT_SERVING", "UNKNOWN", or why the call failed)
 // and returns 0 only for SERVING.
-int RunHealth(const std::string& target, const std::string& service, int64_t timeout_ms) {
+int RunHealth(const std::string& target, const std::string& service, int64_t timeout_ms,
+              const dsa::ClientSecurity& security) {
   if (service.size() >= 128) {
     std::fprintf(stderr, "dsa health: --service must be under 128 bytes\n");
     return 2;
   }
-  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto channel = dsa::NewChannel(target, security);
   const dsa::HealthCheckResult result = dsa::CheckHealth(
       *channel, service, std::chrono::milliseconds(timeout_ms), /*wait_for_ready=*/true);
   if (!result.call.ok()) {
@@ -386,6 +387,38 @@ int RunHealth(const std::string& target, const std::string& service, int64_t tim
   std::printf("%s \"%s\": %s\n", target.c_str(), service.c_str(),
               known ? names[result.serving] : "unreadable answer");
   return result.serving == 1 ? 0 : 1;
+}
+
+// How a subcommand dials a server: the --tls-* client flags and --token-file.
+struct DialFlags {
+  dsa::TlsFlags tls;
+  std::string token_file;
+};
+
+void AddDialFlags(CLI::App* cmd, DialFlags& flags) {
+  dsa::AddTlsFlags(*cmd, flags.tls, /*serves=*/false);
+  cmd->add_option("--token-file", flags.token_file,
+                  "File holding the bearer token to send (authorization: Bearer; needs --tls-ca)")
+      ->check(CLI::ExistingFile);
+}
+
+// The ClientSecurity of `flags`, or the error printed (prefixed with `command`) and null.
+std::optional<dsa::ClientSecurity> DialSecurity(const DialFlags& flags, const char* command) {
+  std::string token;
+  if (!flags.token_file.empty()) {
+    absl::StatusOr<std::string> read = dsa::ReadTokenFile(flags.token_file);
+    if (!read.ok()) {
+      std::fprintf(stderr, "%s: %s\n", command, std::string(read.status().message()).c_str());
+      return std::nullopt;
+    }
+    token = *read;
+  }
+  absl::StatusOr<dsa::ClientSecurity> security = dsa::ClientSecurityFrom(flags.tls, token);
+  if (!security.ok()) {
+    std::fprintf(stderr, "%s: %s\n", command, std::string(security.status().message()).c_str());
+    return std::nullopt;
+  }
+  return *security;
 }
 
 }  // namespace
@@ -506,6 +539,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   replay_cmd->add_option("--markdown", replay_markdown,
                          "Write the report as a markdown table to this file");
   AddClusterFlags(replay_cmd, replay_cluster, replay_flags);
+  DialFlags replay_dial;
+  AddDialFlags(replay_cmd, replay_dial);
 
   std::string health_target, health_service = dsa::kReadinessService;
   int64_t health_timeout_ms = 2000;
@@ -525,6 +560,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                    "Deadline of the check, waiting for the server to listen until then")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  DialFlags health_dial;
+  AddDialFlags(health_cmd, health_dial);
   app.set_version_flag("--version", std::string("dsa ") + dsa::BuildVersion());
 
   // CLI11 says only "A subcommand is required" for a misspelt one: name it.
@@ -541,7 +578,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   CLI11_PARSE(app, argc, argv);
 
   if (*health_cmd) {
-    return RunHealth(health_target, health_service, health_timeout_ms);
+    const std::optional<dsa::ClientSecurity> security = DialSecurity(health_dial, "dsa health");
+    if (!security.has_value()) return 2;
+    return RunHealth(health_target, health_service, health_timeout_ms, *security);
   }
   if (*up_cmd) {
     ResolveClusterFlags(up_flags, up_options);
@@ -553,6 +592,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       return 2;
     }
     ResolveClusterFlags(replay_flags, replay_cluster);
+    const std::optional<dsa::ClientSecurity> security = DialSecurity(replay_dial, "dsa replay");
+    if (!security.has_value()) return 2;
+    replay.security = *security;
     return RunReplayCommand(trace_path, replay, local, replay_cluster, replay_json,
                             replay_markdown);
   }

@@ -108,7 +108,7 @@ class ReplayRun {
   ReplayRun(const std::vector<TraceRequest>& requests, const ReplayOptions& options)
       : requests_(requests),
         options_(options),
-        channel_(grpc::CreateChannel(options.coordinator, grpc::InsecureChannelCredentials())),
+        channel_(NewChannel(options.coordinator, options.security)),
         stub_(v1::CoordinatorService::NewStub(channel_)),
         records_(requests.size()) {}
 

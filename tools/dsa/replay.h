@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "server/security.h"
 #include "tools/dsa/trace.h"
 
 namespace dsa {
@@ -38,6 +39,7 @@ int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests);
 /// How to replay.
 struct ReplayOptions {
   std::string coordinator;  // host:port of dsa.coordinator.v1.CoordinatorService
+  ClientSecurity security;  // how it is dialed (TLS, client certificate, bearer token)
   ReplayCaps caps;          // recorded in the report (the requests given are already capped)
   double time_scale = 1.0;  // arrival time x scale; 0 = send as fast as max_in_flight allows
   int max_in_flight = 16;   // concurrent Generate streams; later requests wait client-side

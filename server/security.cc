@@ -1,0 +1,294 @@
+#include "server/security.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "grpc/grpc_security_constants.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/security/server_credentials.h"
+
+namespace dsa {
+namespace {
+
+// The bytes of `path`, read for `flag`.
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    const int error = errno;
+    const std::string message =
+        absl::StrCat(flag, ": cannot read ", path, ": ", std::strerror(error));
+    if (error == ENOENT) return absl::NotFoundError(message);
+    if (error == EACCES) return absl::PermissionDeniedError(message);
+    return absl::FailedPreconditionError(message);
+  }
+  std::string bytes;
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), file)) > 0) bytes.append(buffer, n);
+  const bool failed = std::ferror(file) != 0;
+  std::fclose(file);
+  if (failed) return absl::FailedPreconditionError(absl::StrCat(flag, ": cannot read ", path));
+  return bytes;
+}
+
+absl::Status CheckPair(const TlsFlags& flags) {
+  if (flags.cert_file.empty() != flags.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls-cert and --tls-key go together: one names a file, the other is empty");
+  }
+  return absl::OkStatus();
+}
+
+// Constant-time equality of two strings of any length (the length itself is not secret).
+bool SameBytes(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char difference = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    difference |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return difference == 0;
+}
+
+constexpr absl::string_view kBearerPrefix = "Bearer ";
+
+}  // namespace
+
+void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves) {
+  app.add_option("--tls-cert", flags.cert_file,
+                 serves ? "Certificate chain (PEM) the gRPC port serves TLS with; also shown as "
+                          "the client certificate when this process dials (mutual TLS)"
+                        : "Client certificate chain (PEM) shown to the server (mutual TLS)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", flags.key_file, "Private key (PEM) of --tls-cert")
+      ->check(CLI::ExistingFile);
+  if (serves) {
+    app.add_option("--tls-client-ca", flags.client_ca_file,
+                   "CA bundle (PEM): the gRPC port requires client certificates chained to it "
+                   "(mutual TLS; needs --tls-cert)")
+        ->check(CLI::ExistingFile);
+  }
+  app.add_option("--tls-ca", flags.ca_file,
+                 "CA bundle (PEM) of the servers this process dials; set = dial with TLS")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-server-name", flags.server_name,
+                 "Name checked in dialed servers' certificates instead of the address's host");
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
+    const TlsFlags& flags) {
+  if (absl::Status pair = CheckPair(flags); !pair.ok()) return pair;
+  if (flags.cert_file.empty()) {
+    if (!flags.client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  absl::StatusOr<std::string> cert = ReadFile(flags.cert_file, "--tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFile(flags.key_file, "--tls-key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  options.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!flags.client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadFile(flags.client_ca_file, "--tls-client-ca");
+    if (!ca.ok()) return ca.status();
+    options.pem_root_certs = *ca;
+    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(options);
+}
+
+absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
+                                                  const std::string& bearer_token) {
+  if (absl::Status pair = CheckPair(flags); !pair.ok()) return pair;
+  ClientSecurity security;
+  if (flags.ca_file.empty()) {
+    if (!bearer_token.empty()) {
+      return absl::InvalidArgumentError(
+          "a bearer token needs --tls-ca: it would cross the network in plaintext");
+    }
+    if (!flags.server_name.empty()) {
+      return absl::InvalidArgumentError("--tls-server-name needs --tls-ca (TLS to dial with)");
+    }
+    return security;  // plaintext; a client certificate here only serves this process's port
+  }
+  grpc::SslCredentialsOptions options;
+  absl::StatusOr<std::string> ca = ReadFile(flags.ca_file, "--tls-ca");
+  if (!ca.ok()) return ca.status();
+  options.pem_root_certs = *ca;
+  if (!flags.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFile(flags.cert_file, "--tls-cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(flags.key_file, "--tls-key");
+    if (!key.ok()) return key.status();
+    options.pem_cert_chain = *cert;
+    options.pem_private_key = *key;
+  }
+  security.credentials = grpc::SslCredentials(options);
+  if (!bearer_token.empty()) {
+    security.credentials = grpc::CompositeChannelCredentials(
+        security.credentials, grpc::AccessTokenCredentials(bearer_token));
+  }
+  security.server_name = flags.server_name;
+  return security;
+}
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
+                                          const ClientSecurity& security,
+                                          grpc::ChannelArguments arguments) {
+  if (!security.tls()) {
+    return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), arguments);
+  }
+  if (!security.server_name.empty()) arguments.SetSslTargetNameOverride(security.server_name);
+  return grpc::CreateCustomChannel(address, security.credentials, arguments);
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> bytes = ReadFile(path, "--token-file");
+  if (!bytes.ok()) return bytes.status();
+  std::string token(absl::StripAsciiWhitespace(*bytes));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--token-file: ", path, " is empty"));
+  }
+  if (token.find_first_of(" \t\r\n") != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--token-file: ", path, " holds more than one word (one token only)"));
+  }
+  return token;
+}
+
+BearerTokenAuthenticator::BearerTokenAuthenticator(
+    std::vector<std::pair<std::string, std::string>> tokens)
+    : clients_by_token_(std::move(tokens)) {}
+
+absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> BearerTokenAuthenticator::Parse(
+    absl::string_view text) {
+  std::vector<std::pair<std::string, std::string>> tokens;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line.front() == '#') continue;
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    if (fields.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "line ", line_number, ": expected \"CLIENT TOKEN\" (two fields), found ", fields.size()));
+    }
+    for (const auto& [token, client] : tokens) {
+      if (token == fields[1]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "line ", line_number, ": the token of ", fields[0], " is also the token of ", client));
+      }
+      if (client == fields[0]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("line ", line_number, ": client ", fields[0], " is listed twice"));
+      }
+    }
+    tokens.emplace_back(std::string(fields[1]), std::string(fields[0]));
+  }
+  if (tokens.empty()) return absl::InvalidArgumentError("no \"CLIENT TOKEN\" line");
+  return std::shared_ptr<BearerTokenAuthenticator>(new BearerTokenAuthenticator(std::move(tokens)));
+}
+
+absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> BearerTokenAuthenticator::Load(
+    const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path, "--auth-tokens-file");
+  if (!text.ok()) return text.status();
+  auto parsed = Parse(*text);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth-tokens-file ", path, ": ", parsed.status().message()));
+  }
+  return parsed;
+}
+
+grpc::Status BearerTokenAuthenticator::Process(const InputMetadata& auth_metadata,
+                                               grpc::AuthContext* context,
+                                               OutputMetadata* consumed_auth_metadata,
+                                               OutputMetadata* /*response_metadata*/) {
+  const auto header = auth_metadata.find("authorization");
+  if (header == auth_metadata.end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing bearer token (authorization: Bearer TOKEN)");
+  }
+  absl::string_view value(header->second.data(), header->second.size());
+  // The scheme is case-insensitive (RFC 7235 section 2.1).
+  if (!absl::StartsWithIgnoreCase(value, kBearerPrefix)) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "the authorization header is not \"Bearer TOKEN\"");
+  }
+  value.remove_prefix(kBearerPrefix.size());
+  const std::string* client = nullptr;
+  for (const auto& [token, name] : clients_by_token_) {
+    if (SameBytes(token, value) && client == nullptr) client = &name;  // every token compared
+  }
+  if (client == nullptr) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown bearer token");
+  }
+  context->AddProperty(kTokenClientProperty, *client);
+  consumed_auth_metadata->insert(
+      {"authorization", std::string(header->second.data(), header->second.size())});
+  return grpc::Status::OK;
+}
+
+std::string CallerIdentity(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return "";
+  for (const grpc::string_ref& client : auth->FindPropertyValues(kTokenClientProperty)) {
+    return std::string(client.data(), client.size());
+  }
+  if (!auth->IsPeerAuthenticated()) return "";
+  for (const grpc::string_ref& name : auth->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME)) {
+    return std::string(name.data(), name.size());
+  }
+  for (const grpc::string_ref& name : auth->GetPeerIdentity()) {
+    return std::string(name.data(), name.size());
+  }
+  return "";
+}
+
+OwnerTable::OwnerTable(std::vector<std::string> operators) : operators_(std::move(operators)) {}
+
+bool OwnerTable::IsOperator(const std::string& caller) const {
+  return std::find(operators_.begin(), operators_.end(), caller) != operators_.end();
+}
+
+absl::StatusOr<bool> OwnerTable::Acquire(const std::string& id, const std::string& caller,
+                                         absl::string_view what) {
+  absl::MutexLock lock(&mu_);
+  const auto [owner, inserted] = owners_.emplace(id, caller);
+  if (inserted) return true;
+  if (owner->second == caller || IsOperator(caller)) return false;
+  return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
+}
+
+absl::Status OwnerTable::Check(const std::string& id, const std::string& caller,
+                               absl::string_view what) const {
+  if (IsOperator(caller)) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  const auto owner = owners_.find(id);
+  if (owner == owners_.end() || owner->second == caller) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
+}
+
+void OwnerTable::Forget(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  owners_.erase(id);
+}
+
+size_t OwnerTable::size() const {
+  absl::MutexLock lock(&mu_);
+  return owners_.size();
+}
+
+}  // namespace dsa

@@ -1,0 +1,131 @@
+// Transport security of every gRPC hop (issue 13, docs/deploy.md "TLS, mutual TLS and bearer
+// tokens"): TLS and mutual TLS from PEM files, bearer tokens for the router-facing API (gRPC's
+// AuthMetadataProcessor), the caller identity a server sees, and which caller owns a sequence.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/security/auth_metadata_processor.h"
+
+namespace dsa {
+
+/// PEM files of one process's TLS identity and trust. All empty = plaintext (today's default).
+struct TlsFlags {
+  std::string cert_file;       // --tls-cert: certificate chain, served and shown when dialing
+  std::string key_file;        // --tls-key: its private key
+  std::string client_ca_file;  // --tls-client-ca: the server requires client certificates (mTLS)
+  std::string ca_file;         // --tls-ca: CA bundle of the servers this process dials
+  std::string server_name;     // --tls-server-name: name checked in dialed servers' certificates
+};
+
+/// Registers --tls-cert, --tls-key, --tls-client-ca, --tls-ca and --tls-server-name on `app`
+/// (files must exist). `serves` = false (a client such as the dsa tool) leaves out
+/// --tls-client-ca.
+void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves);
+
+/// The credentials of a server's gRPC port: insecure when `flags` names no certificate; TLS with
+/// cert_file and key_file; and, with client_ca_file, client certificates required and verified
+/// against it (mutual TLS). Errors: INVALID_ARGUMENT for a certificate without its key (or the
+/// reverse), a client CA without a certificate; NOT_FOUND / PERMISSION_DENIED for a file that
+/// cannot be read (naming the flag and path).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
+    const TlsFlags& flags);
+
+/// How a process dials: channel credentials plus the target-name override. The default value
+/// is plaintext. Copyable; one value serves every channel of the process.
+struct ClientSecurity {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null = insecure
+  std::string server_name;                                // "" = the address's host
+  bool tls() const { return credentials != nullptr; }
+};
+
+/// The client side of `flags`: TLS verified against ca_file when it is set (and the process's
+/// cert_file/key_file presented as its client certificate when both are set); with
+/// `bearer_token`, every call also carries "authorization: Bearer <token>" (gRPC's
+/// AccessTokenCredentials). Errors: INVALID_ARGUMENT for a token or a client certificate
+/// without ca_file (a token never crosses plaintext), half a certificate pair; NOT_FOUND /
+/// PERMISSION_DENIED for a file that cannot be read.
+absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
+                                                  const std::string& bearer_token = "");
+
+/// A channel to `address` with `security` (and its target-name override added to `arguments`).
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
+                                          const ClientSecurity& security,
+                                          grpc::ChannelArguments arguments = {});
+
+/// The contents of `path`, with its trailing whitespace removed (a token file). Errors as
+/// ServerCredentialsFrom's, and INVALID_ARGUMENT for an empty file.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+/// The auth-context property naming a caller whose bearer token was accepted.
+inline constexpr char kTokenClientProperty[] = "dsa_token_client";
+
+/// Bearer tokens of the router-facing API: every call must carry "authorization: Bearer T" with
+/// T one of the tokens; the call's auth context then has kTokenClientProperty = the token's
+/// client name. A call without one is refused with UNAUTHENTICATED "missing bearer token"; a
+/// wrong one with UNAUTHENTICATED "unknown bearer token". Tokens are compared in constant time.
+/// gRPC calls Process only on a secure port: RunServer refuses tokens without TLS.
+class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
+ public:
+  /// Parses `text`: one "CLIENT TOKEN" per line (blank lines and "#" comments skipped).
+  /// INVALID_ARGUMENT (naming the line) for a line without both fields, a repeated token or
+  /// client, or no token at all.
+  static absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> Parse(absl::string_view text);
+  /// Parse of the file at `path` (errors prefixed with the path).
+  static absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> Load(const std::string& path);
+
+  bool IsBlocking() const override { return false; }  // a map lookup: run inline
+  grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
+                       OutputMetadata* consumed_auth_metadata,
+                       OutputMetadata* response_metadata) override;
+  size_t size() const { return clients_by_token_.size(); }
+
+ private:
+  explicit BearerTokenAuthenticator(std::vector<std::pair<std::string, std::string>> tokens);
+  std::vector<std::pair<std::string, std::string>> clients_by_token_;  // (token, client)
+};
+
+/// Who is calling, as a server sees it: the client name of an accepted bearer token, else the
+/// common name of a verified client certificate (mutual TLS), else "" (anonymous: plaintext or
+/// TLS without client certificates).
+std::string CallerIdentity(const grpc::ServerContext& context);
+
+/// Which caller owns each sequence (or request) of a server (issue 13, "Sequences belong to the
+/// caller that created them"). Ids are claimed when created and forgotten when released;
+/// thread-safe. Anonymous callers ("") share one identity, so a plaintext deployment behaves as
+/// before.
+class OwnerTable {
+ public:
+  /// `operators`: identities that may act on any id (the coordinator, which releases the
+  /// indexer sequences of a dead attention worker).
+  explicit OwnerTable(std::vector<std::string> operators = {});
+  /// Records `caller` as the owner of `id` when it has none and returns true (the caller then
+  /// Forgets it if what it creates fails); false when `id` is already `caller`'s or `caller` is
+  /// an operator; PERMISSION_DENIED as Check when it belongs to another caller.
+  absl::StatusOr<bool> Acquire(const std::string& id, const std::string& caller,
+                               absl::string_view what);
+  /// OK when `id` has no recorded owner, is `caller`'s, or `caller` is an operator; else
+  /// PERMISSION_DENIED "<what> <id> belongs to another caller".
+  absl::Status Check(const std::string& id, const std::string& caller,
+                     absl::string_view what) const;
+  void Forget(const std::string& id);
+  size_t size() const;
+
+ private:
+  bool IsOperator(const std::string& caller) const;
+  const std::vector<std::string> operators_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace dsa

@@ -1,0 +1,197 @@
+// Unit tests of server/security.h (bearer tokens, owners, credential errors) and of the attention
+// worker's indexer allow-list (OnlyIndexerWorkers). The TLS handshakes themselves are tested
+// against the binaries in tests/integration/security_test.cc.
+#include "server/security.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_pki.h"
+#include "transport/grpc_indexer_client.h"
+
+namespace dsa {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The end iterator (its constructor is protected).
+struct NoProperties : grpc::AuthPropertyIterator {
+  NoProperties() = default;
+};
+
+// An AuthContext holding properties in a map (gRPC's own needs a core security context).
+class FakeAuthContext final : public grpc::AuthContext {
+ public:
+  bool IsPeerAuthenticated() const override { return false; }
+  std::vector<grpc::string_ref> GetPeerIdentity() const override { return {}; }
+  std::string GetPeerIdentityPropertyName() const override { return ""; }
+  std::vector<grpc::string_ref> FindPropertyValues(const std::string& name) const override {
+    std::vector<grpc::string_ref> values;
+    for (auto [it, end] = properties_.equal_range(name); it != end; ++it) {
+      values.emplace_back(it->second);
+    }
+    return values;
+  }
+  grpc::AuthPropertyIterator begin() const override { return NoProperties(); }
+  grpc::AuthPropertyIterator end() const override { return NoProperties(); }
+  void AddProperty(const std::string& key, const grpc::string_ref& value) override {
+    properties_.emplace(key, std::string(value.data(), value.size()));
+  }
+  bool SetPeerIdentityPropertyName(const std::string& /*name*/) override { return false; }
+
+ private:
+  std::multimap<std::string, std::string> properties_;
+};
+
+grpc::Status Authenticate(BearerTokenAuthenticator& tokens, const char* header,
+                          FakeAuthContext* context) {
+  grpc::AuthMetadataProcessor::InputMetadata metadata;
+  if (header != nullptr) metadata.emplace("authorization", header);
+  grpc::AuthMetadataProcessor::OutputMetadata consumed, response;
+  return tokens.Process(metadata, context, &consumed, &response);
+}
+
+TEST(BearerTokenAuthenticatorTest, ParsesClientTokenLinesAndRefusesBadFiles) {
+  auto tokens = BearerTokenAuthenticator::Parse("# routers\n\nrouter-a aaaa\n  router-b\tbbbb  \n");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ((*tokens)->size(), 2u);
+
+  const std::vector<std::pair<const char*, const char*>> bad = {
+      {"router-a\n", "line 1: expected \"CLIENT TOKEN\" (two fields), found 1"},
+      {"a x\nb y z\n", "line 2: expected \"CLIENT TOKEN\" (two fields), found 3"},
+      {"a same\nb same\n", "line 2: the token of b is also the token of a"},
+      {"a x\na y\n", "line 2: client a is listed twice"},
+      {"# only comments\n", "no \"CLIENT TOKEN\" line"},
+  };
+  for (const auto& [text, message] : bad) {
+    auto parsed = BearerTokenAuthenticator::Parse(text);
+    ASSERT_FALSE(parsed.ok()) << text;
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(parsed.status().message(), message);
+  }
+  auto missing = BearerTokenAuthenticator::Load("/nonexistent/tokens");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.status().message(), HasSubstr("/nonexistent/tokens"));
+}
+
+TEST(BearerTokenAuthenticatorTest, AcceptsOnlyAKnownBearerTokenAndNamesItsClient) {
+  auto tokens = BearerTokenAuthenticator::Parse("router-a aaaa\nrouter-b bbbb\n");
+  ASSERT_TRUE(tokens.ok());
+  for (const char* header : {static_cast<const char*>(nullptr), "Basic aaaa", "Bearer aaa",
+                             "Bearer aaaaa", "Bearer ", "Bearer  aaaa"}) {
+    FakeAuthContext context;
+    const grpc::Status status = Authenticate(**tokens, header, &context);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED)
+        << (header != nullptr ? header : "(none)");
+    EXPECT_TRUE(context.FindPropertyValues(kTokenClientProperty).empty());
+  }
+  FakeAuthContext lower;
+  EXPECT_TRUE(Authenticate(**tokens, "bearer aaaa", &lower).ok());  // the scheme's case is free
+  FakeAuthContext context;
+  EXPECT_TRUE(Authenticate(**tokens, "Bearer bbbb", &context).ok());
+  const auto clients = context.FindPropertyValues(kTokenClientProperty);
+  ASSERT_EQ(clients.size(), 1u);
+  EXPECT_EQ(std::string(clients[0].data(), clients[0].size()), "router-b");
+}
+
+TEST(OwnerTableTest, OnlyTheOwnerOrAnOperatorMayUseAnId) {
+  OwnerTable owners({"coordinator"});
+  EXPECT_EQ(owners.Acquire("7", "attention-0", "sequence").value(), true);
+  EXPECT_EQ(owners.Acquire("7", "attention-0", "sequence").value(), false);
+  const absl::StatusOr<bool> taken = owners.Acquire("7", "attention-1", "sequence");
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(taken.status().message(), "sequence 7 belongs to another caller");
+  EXPECT_TRUE(owners.Check("7", "attention-0", "sequence").ok());
+  EXPECT_TRUE(owners.Check("7", "coordinator", "sequence").ok());
+  EXPECT_EQ(owners.Acquire("7", "coordinator", "sequence").value(), false);
+  EXPECT_EQ(owners.Check("7", "", "sequence").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(owners.Check("8", "anyone", "sequence").ok());  // unknown: the engine answers
+  owners.Forget("7");
+  EXPECT_EQ(owners.size(), 0u);
+  EXPECT_TRUE(owners.Check("7", "attention-1", "sequence").ok());
+}
+
+TEST(CredentialsTest, RefusesIncompleteOrUnreadableSettings) {
+  TlsFlags half;
+  half.cert_file = "/some/cert.pem";
+  EXPECT_EQ(ServerCredentialsFrom(half).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ClientSecurityFrom(half).status().code(), absl::StatusCode::kInvalidArgument);
+  TlsFlags client_ca_only;
+  client_ca_only.client_ca_file = "/some/ca.pem";
+  EXPECT_THAT(ServerCredentialsFrom(client_ca_only).status().message(),
+              HasSubstr("--tls-client-ca needs --tls-cert"));
+  TlsFlags missing;
+  missing.cert_file = "/nonexistent/cert.pem";
+  missing.key_file = "/nonexistent/key.pem";
+  const absl::Status unreadable = ServerCredentialsFrom(missing).status();
+  EXPECT_EQ(unreadable.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(unreadable.message(), HasSubstr("--tls-cert: cannot read /nonexistent/cert.pem"));
+
+  // A token or a server name never goes out without TLS.
+  EXPECT_THAT(ClientSecurityFrom(TlsFlags(), "secret").status().message(),
+              HasSubstr("a bearer token needs --tls-ca"));
+  TlsFlags name_only;
+  name_only.server_name = "indexer-0";
+  EXPECT_EQ(ClientSecurityFrom(name_only).status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::StatusOr<ClientSecurity> plaintext = ClientSecurityFrom(TlsFlags());
+  ASSERT_TRUE(plaintext.ok());
+  EXPECT_FALSE(plaintext->tls());
+
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  TlsFlags trusting;
+  trusting.ca_file = pki.ca();
+  const absl::StatusOr<ClientSecurity> tls = ClientSecurityFrom(trusting, "secret");
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  EXPECT_TRUE(tls->tls());
+}
+
+TEST(CredentialsTest, TokenFilesHoldOneToken) {
+  testing::TestPki pki;
+  EXPECT_EQ(ReadTokenFile(pki.Write("t1", "  abc123\n")).value(), "abc123");
+  EXPECT_EQ(ReadTokenFile(pki.Write("t2", "\n\n")).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ReadTokenFile(pki.Write("t3", "abc def\n")).status().message(),
+              HasSubstr("one token only"));
+  EXPECT_EQ(ReadTokenFile("/nonexistent/token").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(OnlyIndexerWorkersTest, DialsOnlyConfiguredAddressesAndResolvedNames) {
+  std::vector<std::string> dialed;
+  IndexerClientFactory inner =
+      [&dialed](const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+    dialed.push_back(address);
+    return absl::UnimplementedError("the fake factory makes no client");
+  };
+  int resolutions = 0;
+  AddressResolver resolve =
+      [&resolutions](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
+    ++resolutions;
+    if (name == "indexer.ns:50052") return std::vector<std::string>{"10.0.0.5:50052"};
+    return absl::NotFoundError("cannot resolve");
+  };
+  IndexerClientFactory only = OnlyIndexerWorkers(inner, {"indexer-0:50052"},
+                                                 {"indexer.ns:50052", "gone.ns:50052"}, resolve);
+  EXPECT_EQ(only("indexer-0:50052").status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(resolutions, 0);  // a fixed address needs no lookup
+  EXPECT_EQ(only("10.0.0.5:50052").status().code(), absl::StatusCode::kUnimplemented);
+  const absl::Status refused = only("10.0.0.6:50052").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(
+      refused.message(),
+      "indexer worker 10.0.0.6:50052 is not one this attention worker is configured with "
+      "(--indexer-workers [indexer-0:50052], --indexer-dns [indexer.ns:50052,gone.ns:50052])");
+  EXPECT_EQ(dialed, (std::vector<std::string>{"indexer-0:50052", "10.0.0.5:50052"}));
+
+  // Neither list: any address (the worker logs a warning at start).
+  IndexerClientFactory any = OnlyIndexerWorkers(inner, {}, {}, resolve);
+  EXPECT_EQ(any("anywhere:1").status().code(), absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace dsa
