@@ -159,9 +159,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   app.add_option("--indexer-workers", indexer_workers,
                  "The only indexer workers (host:port, as the coordinator names them) a Prefill "
                  "may name; with --indexer-dns empty too, any address")
+      ->delimiter(',')
       ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
   app.add_option("--indexer-dns", indexer_dns,
                  "NAME:PORT of headless Services whose resolved addresses a Prefill may name")
+      ->delimiter(',')
       ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
   dsa::AddFlagSources(app, "dsa-attention");
   CLI11_PARSE(app, argc, argv);

@@ -33,6 +33,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   app.add_option("--operator-identities", operator_identities,
                  "Caller identities (client certificates' common names, mutual TLS) that may "
                  "act on any sequence, not only those they created: the coordinator's")
+      ->delimiter(',')
       ->check(CLI::Validator(
           [](const std::string& name) {
             return name.empty() ? std::string("an empty identity (anonymous callers share \"\")")

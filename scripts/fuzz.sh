@@ -15,7 +15,7 @@ if [ "${1:-}" = "--runs" ]; then limit=(-runs="$2"); fi
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
 harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace"
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build \
-  DSA_CMAKE_ARGS="-DDSA_FUZZ=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=OFF -DDSA_BUILD_BENCH=OFF" \
+  DSA_CMAKE_ARGS="-DDSA_FUZZ=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=ON -DDSA_BUILD_BENCH=OFF" \
   DSA_BUILD_TARGETS="$harnesses" bash scripts/build.sh
 for name in $harnesses; do
   seeds=fuzz/seeds/${name#fuzz_}

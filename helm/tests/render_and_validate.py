@@ -10,8 +10,11 @@ hooks included, then:
      deploy/schemas/prometheus-operator/ (vendored, see deploy/schemas/README.md);
   3. checks what the chart promises in every render (recommended labels, grpc probes, the drain
      fitting in terminationGracePeriodSeconds, non-root pods, only flags the binaries have, the
-     coordinator's discovery names matching the headless Services, the helm test pods) and what
-     each example promises (GPUs, IPC_LOCK and the RDMA device, NCCL over nccl, monitoring);
+     coordinator's discovery names matching the headless Services, the attention workers'
+     indexer allow-list equal to the coordinator's indexers, TLS and bearer tokens as the values
+     ask: every file flag a mounted Secret key, the probes on the health port, the tokens in the
+     coordinator only, the helm test pods) and what each example promises (GPUs, IPC_LOCK and the
+     RDMA device, NCCL over nccl, monitoring, mutual TLS with tokens);
   4. checks that values.schema.json and the templates' own checks refuse bad values, each with
      the message a user needs.
 Prints one line per scenario and exits 1 with every failure listed. Needs no network.
@@ -54,9 +57,12 @@ BINARIES = {
 # indexer_service/indexer_flags.cc + main.cc, attention_worker/main.cc, plus the ones
 # docs/deploy.md's contract adds (--config, --log-level, --indexer-dns, --attention-dns,
 # --worker-check-interval-ms, --ttft-buckets, --itl-buckets; --worker-check-timeout-ms is the
-# coordinator's own). A flag the chart renders (on the
-# command line or in a TOML file) must be one of these.
-SERVER_FLAGS = {"listen", "metrics-listen", "shutdown-grace-ms", "drain-delay-ms", "log-level", "config"}
+# coordinator's own; --health-listen, the --tls-* flags, --auth-tokens-file,
+# --operator-identities, --indexer-workers: "TLS, mutual TLS and bearer tokens"). A flag the chart
+# renders (on the command line or in a TOML file) must be one of these.
+TLS_FLAGS = {"tls-cert", "tls-key", "tls-client-ca", "tls-ca", "tls-server-name"}
+SERVER_FLAGS = {"listen", "metrics-listen", "shutdown-grace-ms", "drain-delay-ms", "log-level", "config",
+                "health-listen"} | TLS_FLAGS
 INDEXER_ENGINE_FLAGS = {"capacity-blocks", "audit-fraction", "audit-seed", "device", "cuda-device",
                         "scan-kernel", "gpu-spin"}
 KNOWN_FLAGS = {
@@ -65,14 +71,20 @@ KNOWN_FLAGS = {
         "worker-check-timeout-ms",
         "max-queue", "colocated", "max-running", "top-k", "target-block-sparsity",
         "exploration-fraction", "all-keep", "acceptance-rate", "seed", "retain-finished",
-        "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets"},
-    "indexer": SERVER_FLAGS | INDEXER_ENGINE_FLAGS | {"num-heads", "head-dim"},
+        "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets", "auth-tokens-file"},
+    "indexer": SERVER_FLAGS | INDEXER_ENGINE_FLAGS | {"num-heads", "head-dim", "operator-identities"},
     "attention": SERVER_FLAGS | {"indexer-" + f for f in INDEXER_ENGINE_FLAGS} | {
         "layer-pattern", "retention", "num-model-layers", "lag-depth", "num-heads", "head-dim",
         "kv-dim", "attention-heads", "kv-capacity-slots", "prefill-threads", "seed", "transport",
         "attention-device", "attention-cuda-device", "device-selects", "layer-standin",
-        "layer-standin-weight-bytes", "layer-standin-busy-us", "layer-standin-max-rows"},
+        "layer-standin-weight-bytes", "layer-standin-busy-us", "layer-standin-max-rows",
+        "indexer-workers", "indexer-dns"},
 }
+# The flags of `dsa health` (tools/dsa/main.cc) the helm test pods may pass.
+HEALTH_FLAGS = {"target", "service", "timeout-ms", "tls-ca", "tls-cert", "tls-key", "tls-server-name",
+                "token-file"}
+# Flags whose value is a file the pod must have mounted.
+FILE_FLAGS = ("tls-cert", "tls-key", "tls-ca", "tls-client-ca", "auth-tokens-file", "token-file")
 RECOMMENDED_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance",
                       "app.kubernetes.io/version", "app.kubernetes.io/component",
                       "app.kubernetes.io/part-of", "app.kubernetes.io/managed-by", "helm.sh/chart")
@@ -160,9 +172,102 @@ def flag_values(args: list[str], name: str) -> list[str]:
     return [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
 
 
+def merged(defaults: Any, values: Any) -> Any:
+    """values over defaults, as Helm merges a values file over values.yaml."""
+    if isinstance(defaults, dict) and isinstance(values, dict):
+        out = dict(defaults)
+        for k, v in values.items():
+            out[k] = merged(defaults.get(k), v) if k in defaults else v
+        return out
+    return values
+
+
+def mounted_file(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str, str] | None:
+    """(volume kind, object name, key) of the file `path` in `container`: a file of a Secret or
+    ConfigMap volume mounted at its folder (an `items` entry when the volume lists items), or
+    None when no mounted volume holds it."""
+    mounts = {m["mountPath"]: m for m in container.get("volumeMounts", [])}
+    mount = mounts.get(os.path.dirname(path))
+    if mount is None:
+        return None
+    volume = {v["name"]: v for v in spec.get("volumes", [])}.get(mount["name"], {})
+    for kind, name_key in (("secret", "secretName"), ("configMap", "name")):
+        if kind in volume:
+            source = volume[kind]
+            items = source.get("items")
+            keys = {i["path"]: i["key"] for i in items} if items is not None else None
+            key = os.path.basename(path) if keys is None else keys.get(os.path.basename(path))
+            return None if key is None else (kind, source[name_key], key)
+    return None
+
+
+def secrets_of(spec: dict[str, Any]) -> dict[str, set[str]]:
+    """Secret name -> the keys a pod's volumes take from it ("*" for a whole Secret)."""
+    found: dict[str, set[str]] = {}
+    for v in spec.get("volumes", []):
+        if "secret" in v:
+            items = v["secret"].get("items")
+            found.setdefault(v["secret"]["secretName"], set()).update(
+                {i["key"] for i in items} if items is not None else {"*"})
+    return found
+
+
+def check_security(where: str, component: str, v: dict[str, Any], spec: dict[str, Any],
+                   container: dict[str, Any], ports: dict[str, int], f: Failures) -> None:
+    """TLS, the health port and the bearer tokens of one server container, as the values ask."""
+    args = container["args"]
+    tls, auth = v["tls"], v["auth"]
+    health_listen = flag_values(args, "health-listen")
+    if tls["enabled"]:
+        f.check(set(ports) == {"grpc", "metrics", "health"}, where,
+                f"with tls.enabled the ports must be grpc, metrics and health, are {ports}")
+        f.check(health_listen == [f"0.0.0.0:{ports.get('health')}"], where,
+                f"--health-listen {health_listen} must be the health container port {ports.get('health')}")
+        for flag in ("tls-cert", "tls-key", "tls-ca"):
+            f.check(len(flag_values(args, flag)) == 1, where, f"tls.enabled: --{flag} must be passed once")
+        f.check(len(flag_values(args, "tls-client-ca")) == (1 if tls["mutual"] else 0), where,
+                f"--tls-client-ca must be passed {'once (tls.mutual)' if tls['mutual'] else 'never (tls.mutual false)'}")
+        want_name = [tls["serverName"]] if tls["serverName"] and component != "indexer" else []
+        f.check(flag_values(args, "tls-server-name") == want_name, where,
+                f"--tls-server-name {flag_values(args, 'tls-server-name')}, expected {want_name}")
+        want_secret = v[component]["tlsSecretName"] or tls["secretName"]
+        cert = flag_values(args, "tls-cert")
+        source = mounted_file(spec, container, cert[0]) if cert else None
+        f.check(source is not None and source[:2] == ("secret", want_secret), where,
+                f"--tls-cert must be a key of the Secret {want_secret}, is {source}")
+    else:
+        f.check(set(ports) == {"grpc", "metrics"}, where, f"ports must be grpc and metrics, are {ports}")
+        present = sorted({flag_name(a) for a in args if flag_name(a) in TLS_FLAGS | {"health-listen"}})
+        f.check(not present, where, f"tls.enabled is false but {present} are passed")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        want = ports.get("health") if tls["enabled"] else ports.get("grpc")
+        f.check(container.get(probe, {}).get("grpc", {}).get("port") == want, where,
+                f"{probe} must ask port {want} ({'health: the kubelet speaks no TLS' if tls['enabled'] else 'grpc'})")
+    for flag in FILE_FLAGS:
+        for path in flag_values(args, flag):
+            source = mounted_file(spec, container, path)
+            f.check(source is not None and source[0] == "secret", where,
+                    f"--{flag}={path} is not a key of a mounted Secret ({source})")
+            if flag == "auth-tokens-file" and source is not None:
+                f.check(source[1:] == (auth["tokensSecret"], "tokens"), where,
+                        f"--auth-tokens-file must be auth.tokensSecret's key tokens, is {source}")
+    tokens = component == "coordinator" and bool(auth["tokensSecret"])
+    f.check(len(flag_values(args, "auth-tokens-file")) == (1 if tokens else 0), where,
+            f"--auth-tokens-file must be passed {'once' if tokens else 'only to the coordinator with auth.tokensSecret'}")
+    f.check(tokens or auth["tokensSecret"] not in secrets_of(spec), where,
+            f"the tokens Secret {auth['tokensSecret']} is mounted outside the coordinator")
+    if not tls["enabled"]:
+        f.check(not secrets_of(spec), where, f"tls.enabled is false but Secrets are mounted: {secrets_of(spec)}")
+    if component == "indexer":
+        f.check(flag_values(args, "operator-identities") == list(v["indexer"]["operatorIdentities"]), where,
+                f"--operator-identities {flag_values(args, 'operator-identities')} are not "
+                f"indexer.operatorIdentities {v['indexer']['operatorIdentities']}")
+
+
 def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str, dict[str, Any]]],
                      f: Failures) -> dict[str, Any]:
     """What every render must hold. Returns what the example checks need (pods by component)."""
+    chart_values = merged(load_yaml(os.path.join(CHART, "values.yaml")), values)
     by_kind: dict[str, dict[str, dict[str, Any]]] = {}
     for _, obj in objs:
         by_kind.setdefault(obj["kind"], {})[obj["metadata"]["name"]] = obj
@@ -220,15 +325,15 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
             unknown = [a for a in args if not a.startswith("--") or flag_name(a) not in KNOWN_FLAGS[component]]
             f.check(not unknown, where, f"arguments the binary does not have: {unknown}")
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            f.check(set(ports) == {"grpc", "metrics"}, where, f"ports must be grpc and metrics, are {ports}")
+            check_security(where, component, chart_values, spec, container, ports, f)
             f.check(flag_values(args, "listen") == [f"0.0.0.0:{ports.get('grpc')}"] and
                     flag_values(args, "metrics-listen") == [f"0.0.0.0:{ports.get('metrics')}"], where,
                     "--listen / --metrics-listen must be the grpc / metrics container ports")
             for probe, service in (("startupProbe", "liveness"), ("readinessProbe", "readiness"),
                                    ("livenessProbe", "liveness")):
                 p = container.get(probe, {})
-                f.check(p.get("grpc") == {"port": ports.get("grpc"), "service": service}, where,
-                        f"{probe} must be grpc {{port: {ports.get('grpc')}, service: {service}}}, is {p}")
+                f.check(p.get("grpc", {}).get("service") == service and set(p.get("grpc", {})) == {"port", "service"},
+                        where, f"{probe} must be grpc {{port, service: {service}}}, is {p}")
             drain = flag_values(args, "drain-delay-ms")
             grace = flag_values(args, "shutdown-grace-ms")
             if f.check(len(drain) == 1 and len(grace) == 1, where,
@@ -287,6 +392,14 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
             f.check(tomls.get("coordinator", {}).get("colocated") is True and
                     flag_values(args, "indexer") == flag_values(args, "attention"), f"{scenario}: coordinator",
                     "transport inprocess needs --colocated and the same ordered --indexer / --attention lists")
+        # The attention workers accept exactly the indexers the coordinator places on.
+        if "attention" in pods:
+            attention_args = pods["attention"]["spec"]["containers"][0]["args"]
+            allowed = (flag_values(attention_args, "indexer-workers"), flag_values(attention_args, "indexer-dns"))
+            f.check(allowed == (flag_values(args, "indexer"), flag_values(args, "indexer-dns")) and any(allowed),
+                    f"{scenario}: attention", f"the indexer allow-list (--indexer-workers {allowed[0]}, "
+                    f"--indexer-dns {allowed[1]}) must equal the coordinator's --indexer "
+                    f"{flag_values(args, 'indexer')} / --indexer-dns {flag_values(args, 'indexer-dns')}")
 
     # helm test pods: dsa health --service readiness against the coordinator Service and workers.
     tests = [o for _, o in objs if o["kind"] == "Pod"]
@@ -305,6 +418,31 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
         host = target.rpartition(":")[0].removesuffix(f".{NAMESPACE}.svc.cluster.local")
         f.check(host in services or host.split(".")[-1] in headless, where,
                 f"--target {target} is not a rendered Service or a StatefulSet pod's stable name")
+        unknown = [a for a in args[1:] if not a.startswith("--") or flag_name(a) not in HEALTH_FLAGS]
+        f.check(not unknown, where, f"arguments dsa health does not have: {unknown}")
+        worker = host not in services  # a StatefulSet pod, dialed as the coordinator dials it
+        tls, auth = chart_values["tls"], chart_values["auth"]
+        present = {flag_name(a) for a in args[1:]} & (TLS_FLAGS | {"token-file"})
+        want = set()
+        if tls["enabled"]:
+            want |= {"tls-ca"} | ({"tls-cert", "tls-key"} if tls["mutual"] else set())
+            want |= {"tls-server-name"} if worker and tls["serverName"] else set()
+        want |= {"token-file"} if not worker and auth["tokensSecret"] else set()
+        f.check(present == want, where, f"TLS / token flags {sorted(present)}, expected {sorted(want)}")
+        if "tls-server-name" in want:
+            f.check(flag_values(args, "tls-server-name") == [tls["serverName"]], where,
+                    "--tls-server-name must be tls.serverName (the name the coordinator checks)")
+        spec = pod["spec"]
+        for flag in FILE_FLAGS:
+            for path in flag_values(args, flag):
+                source = mounted_file(spec, container, path)
+                expected = ((auth["tokensSecret"], auth["testTokenKey"]) if flag == "token-file"
+                            else (tls["secretName"], os.path.basename(path)))
+                f.check(source == ("secret", *expected), where,
+                        f"--{flag}={path} must be the key {expected[1]} of the Secret {expected[0]}, is {source}")
+        f.check("tokens" not in secrets_of(spec).get(auth["tokensSecret"], set()) and
+                "*" not in secrets_of(spec).get(auth["tokensSecret"], set()), where,
+                "a test pod must not mount the coordinator's tokens file")
     targets = " ".join(" ".join(p["spec"]["containers"][0]["args"]) for p in tests)
     if tests:
         f.check(f"{RELEASE}-dsa-indexer-coordinator.{NAMESPACE}" in targets, scenario,
@@ -443,6 +581,74 @@ def promises_static(r: dict[str, Any]) -> list[tuple[bool, str]]:
              f"static discovery: one --indexer per indexer pod (3) and --attention per attention pod (2): {args}")]
 
 
+def args_of(template: dict[str, Any]) -> list[str]:
+    return template["spec"]["containers"][0]["args"]
+
+
+def tls_secret_of(template: dict[str, Any]) -> str | None:
+    """The Secret of a pod's tls volume (None without one)."""
+    return next((v["secret"]["secretName"] for v in template["spec"].get("volumes", []) if v["name"] == "tls"), None)
+
+
+def test_pods(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """helm test pods by target: coordinator, indexer-0, attention-0."""
+    return {n.removeprefix(f"{RELEASE}-dsa-indexer-test-"): p for n, p in r["by_kind"].get("Pod", {}).items()}
+
+
+def promises_tls(r: dict[str, Any], mutual: bool, server_name: str) -> list[tuple[bool, str]]:
+    """TLS on in every server and test pod, with or without client certificates."""
+    pods, tests = r["pods"], test_pods(r)
+    checks = [(len(flag_values(args_of(t), "tls-cert")) == 1 and
+               bool(flag_values(args_of(t), "tls-client-ca")) == mutual and
+               [p for p in t["spec"]["containers"][0]["ports"] if p["name"] == "health"] != [],
+               f"{c}: TLS{' and client certificates' if mutual else ' without client certificates'}, "
+               f"a health port: {args_of(t)}") for c, t in pods.items()]
+    checks += [(flag_values(args_of(pods[c]), "tls-server-name") == ([server_name] if server_name else []),
+                f"{c} must check {server_name or 'the dialed name'} in the workers' certificates")
+               for c in ("coordinator", "attention")]
+    checks += [(bool(flag_values(args_of(p), "tls-ca")) and bool(flag_values(args_of(p), "tls-cert")) == mutual,
+                f"test pod {n}: --tls-ca{' and a client certificate' if mutual else ' only'}")
+               for n, p in tests.items()]
+    return checks + [(len(tests) == 3, f"three helm test pods, found {sorted(tests)}")]
+
+
+def promises_mutual_tls_tokens(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods, tests = r["pods"], test_pods(r)
+    coordinator = pods["coordinator"]
+    tokens = [v for v in coordinator["spec"]["volumes"] if v.get("secret", {}).get("secretName") == "dsa-tokens"]
+    return promises_tls(r, True, "dsa-workers.internal") + [
+        (tls_secret_of(pods[c]) == f"dsa-{c}-tls", f"{c} must mount its own certificate dsa-{c}-tls, "
+         f"mounts {tls_secret_of(pods[c])}") for c in ("coordinator", "indexer", "attention")] + [
+        (all(tls_secret_of(p) == "dsa-test-client-tls" for p in tests.values()),
+         "the helm test pods present tls.secretName's certificate"),
+        (len(tokens) == 1 and tokens[0]["secret"]["items"] == [{"key": "tokens", "path": "tokens"}] and
+         flag_values(args_of(coordinator), "auth-tokens-file") == ["/etc/dsa-auth/tokens"],
+         "the coordinator mounts dsa-tokens' key tokens and passes it as --auth-tokens-file"),
+        (flag_values(args_of(tests["coordinator"]), "token-file") != [] and
+         not any(flag_values(args_of(tests[n]), "token-file") for n in ("indexer-0", "attention-0")),
+         "only the coordinator's test pod presents a token"),
+        (flag_values(args_of(pods["indexer"]), "operator-identities") == ["dsa-coordinator"],
+         "the indexers take the coordinator's identity as an operator"),
+        (flag_values(args_of(pods["attention"]), "indexer-dns") ==
+         flag_values(args_of(coordinator), "indexer-dns") != [],
+         "the attention workers allow the coordinator's indexer Service"),
+    ]
+
+
+def promises_per_component_colocated(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    pods = r["pods"]
+    return promises_tls(r, True, "")[:-1] + [
+        ("indexer" not in pods, "transport inprocess must render no indexer StatefulSet"),
+        (tls_secret_of(pods["coordinator"]) == "dsa-coordinator-tls" and
+         tls_secret_of(pods["attention"]) == "dsa-attention-tls",
+         "coordinator and attention mount their own Secrets"),
+        (all(tls_secret_of(p) == "dsa-tls" for p in test_pods(r).values()), "test pods mount tls.secretName"),
+        (flag_values(args_of(pods["attention"]), "indexer-workers") ==
+         flag_values(args_of(pods["coordinator"]), "attention") != [],
+         "co-located: the allow-list is the attention pods, as the coordinator's --indexer"),
+    ]
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return yaml.safe_load(f) or {}
@@ -470,6 +676,22 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
               "indexer": {"replicas": 3}, "tests": {"enabled": False},
               "monitoring": {"scrape": {"enabled": True, "kind": "ServiceMonitor"}}},
      promises_static),
+    ("TLS, mutual, one Secret, DNS discovery",
+     lambda: {"tls": {"enabled": True, "secretName": "dsa-tls", "serverName": "dsa-workers.serving.svc"}},
+     lambda r: promises_tls(r, True, "dsa-workers.serving.svc")),
+    ("TLS without client certificates, static discovery",
+     lambda: {"tls": {"enabled": True, "secretName": "dsa-tls", "mutual": False},
+              "coordinator": {"discovery": {"mode": "static", "workerCheckIntervalMs": 1000}},
+              "monitoring": {"scrape": {"enabled": True}}},
+     lambda r: promises_tls(r, False, "")),
+    ("examples/mutual-tls-tokens.yaml",
+     lambda: load_yaml(os.path.join(CHART, "examples", "mutual-tls-tokens.yaml")), promises_mutual_tls_tokens),
+    ("TLS, a Secret per component, co-located",
+     lambda: {"tls": {"enabled": True, "secretName": "dsa-tls"},
+              "coordinator": {"tlsSecretName": "dsa-coordinator-tls"},
+              "attention": {"transport": "inprocess", "tlsSecretName": "dsa-attention-tls",
+                            "ports": {"grpc": 50053, "metrics": 9403, "health": 8081}}},
+     promises_per_component_colocated),
 ]
 
 # (scenario, values, a fragment the error must contain): values the chart must refuse.
@@ -493,6 +715,31 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
      "attention.transport nccl needs indexer.device cuda"),
     ("RDMA with neither hostNetwork nor a device", {"rdma": {"enabled": True}},
      "rdma.enabled needs rdma.hostNetwork true or an rdma.resourceName"),
+    ("TLS without a Secret", {"tls": {"enabled": True}},
+     "tls.enabled needs tls.secretName: a Secret of type kubernetes.io/tls with the keys tls.crt, tls.key and ca.crt"),
+    ("bearer tokens without TLS", {"auth": {"tokensSecret": "dsa-tokens", "testTokenKey": "helm-test"}},
+     "auth.tokensSecret needs tls.enabled: the coordinator refuses bearer tokens over plaintext"),
+    ("TLS over DNS discovery without a server name", {"tls": {"enabled": True, "secretName": "dsa-tls"}},
+     "tls.enabled with coordinator.discovery.mode dns needs tls.serverName"),
+    ("bearer tokens without the test pod's token",
+     {"tls": {"enabled": True, "secretName": "dsa-tls", "serverName": "w.internal"}, "auth": {"tokensSecret": "t"}},
+     "auth.tokensSecret with tests.enabled needs auth.testTokenKey"),
+    ("a test token without the tokens Secret", {"auth": {"testTokenKey": "helm-test"}},
+     "auth.testTokenKey needs auth.tokensSecret"),
+    ("operator identities without mutual TLS",
+     {"tls": {"enabled": True, "secretName": "dsa-tls", "serverName": "w.internal", "mutual": False},
+      "indexer": {"operatorIdentities": ["dsa-coordinator"]}},
+     "indexer.operatorIdentities needs tls.enabled and tls.mutual"),
+    ("a component's Secret without TLS", {"indexer": {"tlsSecretName": "dsa-indexer-tls"}},
+     "indexer.tlsSecretName is set but tls.enabled is false"),
+    ("the health port on the gRPC port",
+     {"tls": {"enabled": True, "secretName": "dsa-tls", "serverName": "w.internal"},
+      "attention": {"ports": {"grpc": 50053, "metrics": 9403, "health": 50053}}},
+     "attention.ports.health (50053) must differ from attention.ports.grpc and .metrics"),
+    ("an operator identity with a comma", {"indexer": {"operatorIdentities": ["a,b"]}},
+     "at '/indexer/operatorIdentities/0'"),
+    ("a TLS flag in config", {"coordinator": {"config": {"tls-cert": "/x.pem"}}}, "invalid propertyName 'tls-cert'"),
+    ("an unknown tls key", {"tls": {"enable": True}}, "additional properties 'enable' not allowed"),
 ]
 
 

@@ -75,6 +75,8 @@ defs = {
                             "value": {"type": "string"}, "valueFrom": {"type": "object"}},
              "additionalProperties": False,
              "description": "A container environment variable {name, value} or {name, valueFrom}."},
+  "dnsName": s(pattern="^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$", maxLength=253,
+                desc="A DNS name (lower case), or empty."),
   "flagValue": {"description": "A flag's value: a string, number, boolean or a list of them (a repeatable flag).",
                 "anyOf": [{"type": ["string", "number", "boolean"]},
                           {"type": "array", "items": {"type": ["string", "number", "boolean"]}}]},
@@ -86,14 +88,18 @@ def config(reserved):
             "propertyNames": {"pattern": "^[a-z][a-z0-9]*(-[a-z0-9]+)*$", "not": {"enum": reserved}},
             "additionalProperties": ref("flagValue")}
 
-RESERVED_COMMON = ["config", "listen", "metrics-listen", "drain-delay-ms", "shutdown-grace-ms", "log-level", "version", "help"]
+RESERVED_COMMON = ["config", "listen", "metrics-listen", "drain-delay-ms", "shutdown-grace-ms", "log-level", "version", "help",
+                   "health-listen", "tls-cert", "tls-key", "tls-client-ca", "tls-ca", "tls-server-name"]
 
 def component(kind):
     props = {
       "replicas": i(0, 1024, "Pods of this component."),
       "imageVariant": ref("imageVariant"),
       "logLevel": ref("logLevelOrInherit"),
-      "ports": obj({"grpc": ref("port"), "metrics": ref("port")}, required=["grpc", "metrics"]),
+      "tlsSecretName": ref("k8sName") | {"description": "The Secret (tls.crt, tls.key, ca.crt) of this component's certificate; empty = tls.secretName."},
+      "ports": obj({"grpc": ref("port"), "metrics": ref("port"),
+                    "health": ref("port") | {"description": "--health-listen's port (plaintext grpc.health.v1 for the probes), with tls.enabled."}},
+                   required=["grpc", "metrics", "health"]),
       "drainDelayMs": i(0, 3600000, "--drain-delay-ms: readiness NOT_SERVING this long on SIGTERM before the server stops taking calls."),
       "shutdownGraceMs": i(0, 3600000, "--shutdown-grace-ms: then how long in-flight calls may run."),
       "extraArgs": {"type": "array", "items": {"type": "string", "pattern": "^--[a-z]"}, "description": "More command-line flags, each '--name=value'."},
@@ -124,14 +130,19 @@ def component(kind):
         }, required=["mode", "workerCheckIntervalMs"])
         props["service"] = obj({"type": {"type": "string", "enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
                                 "annotations": ref("stringMap")}, required=["type"])
-        reserved += ["indexer", "attention", "indexer-dns", "attention-dns", "worker-check-interval-ms", "colocated"]
+        reserved += ["indexer", "attention", "indexer-dns", "attention-dns", "worker-check-interval-ms", "colocated",
+                     "auth-tokens-file"]
     elif kind == "indexer":
         props["device"] = {"type": "string", "enum": ["cpu", "cuda"], "description": "--device: cpu, or cuda (gpu >= 1, the cuda image)."}
-        reserved += ["device"]
+        props["operatorIdentities"] = {
+            "type": "array", "uniqueItems": True,
+            "items": s(minLength=1, maxLength=1024, pattern="^[^,\\s]([^,]*[^,\\s])?$"),
+            "description": "--operator-identities: client certificates' common names that may act on any indexer sequence (the coordinator's); no commas."}
+        reserved += ["device", "operator-identities"]
     else:
         props["device"] = {"type": "string", "enum": ["cpu", "cuda"], "description": "--attention-device: cpu, or cuda (gpu >= 1, the cuda image)."}
         props["transport"] = {"type": "string", "enum": ["grpc", "inprocess", "nccl"], "description": "--transport: grpc, inprocess (co-located indexers) or nccl."}
-        reserved += ["attention-device", "transport"]
+        reserved += ["attention-device", "transport", "indexer-workers", "indexer-dns"]
     props["config"] = config(reserved)
     return obj(props, required=[k for k in props if k not in ("extraArgs", "extraEnv", "extraVolumes", "extraVolumeMounts")],
                desc="The " + kind + " component.")
@@ -167,6 +178,16 @@ top = {
       "resourceCount": i(1, 64),
       "capabilities": {"type": "array", "items": {"type": "string", "pattern": "^[A-Z_]+$"}},
   }, required=["enabled", "hostNetwork"]),
+  "tls": obj({
+      "enabled": b("TLS on every gRPC port and hop; the probes move to ports.health."),
+      "secretName": ref("k8sName") | {"description": "A kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt; needed when enabled."},
+      "mutual": b("Servers require client certificates chained to ca.crt (--tls-client-ca)."),
+      "serverName": ref("dnsName") | {"description": "--tls-server-name of the coordinator, the attention workers and the worker test pods; needed with discovery mode dns."},
+  }, required=["enabled", "secretName", "mutual", "serverName"]),
+  "auth": obj({
+      "tokensSecret": ref("k8sName") | {"description": "A Secret whose key `tokens` is the coordinator's --auth-tokens-file; needs tls.enabled."},
+      "testTokenKey": s(pattern="^([-._a-zA-Z0-9]+)?$", maxLength=253, desc="A key of tokensSecret holding the helm test pod's token."),
+  }, required=["tokensSecret", "testTokenKey"]),
   "coordinator": component("coordinator"),
   "indexer": component("indexer"),
   "attention": component("attention"),

@@ -9,9 +9,17 @@ the grpc.health.v1 check of the three health names (docs/deploy.md, "The contrac
             print(event.WhichOneof("event"))           # admitted, tokens..., finished
         print(client.get_load().queued)
 
+    # TLS (mutual with cert_file/key_file) and a bearer token (docs/deploy.md, "TLS, mutual TLS
+    # and bearer tokens"):
+    credentials = tls_credentials(ca_file="ca.crt", cert_file="client.crt", key_file="client.key")
+    client = CoordinatorClient.connect("dsa.example:443", credentials=credentials, token=TOKEN)
+
 Errors are grpc.RpcError with the status codes the proto documents (coordinator.proto):
 RESOURCE_EXHAUSTED (queue full), INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION,
-UNAVAILABLE, CANCELLED (the request was aborted), NOT_FOUND (abort of an unknown id).
+UNAVAILABLE (also a TLS handshake that fails: plaintext, an untrusted CA, a missing client
+certificate), CANCELLED (the request was aborted), NOT_FOUND (abort of an unknown id),
+UNAUTHENTICATED (a missing or unknown bearer token), PERMISSION_DENIED (abort of another caller's
+request).
 Thread-safety: one client may be used from many threads (a gRPC channel is thread-safe).
 """
 
@@ -26,7 +34,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["CoordinatorClient", "Overrides", "Generation", "HEALTH_SERVICE_NAMES"]
+__all__ = ["CoordinatorClient", "Overrides", "Generation", "HEALTH_SERVICE_NAMES",
+           "tls_credentials"]
 
 #: The health names every dsa server answers (docs/deploy.md, "Health").
 HEALTH_SERVICE_NAMES = ("liveness", "readiness", "")
@@ -53,6 +62,29 @@ def _health_messages():
     return tuple(
         message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.health.v1.{name}"))
         for name in ("HealthCheckRequest", "HealthCheckResponse"))
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    with open(path, "rb") as f:
+        pem = f.read()
+    if b"-----BEGIN " not in pem:
+        raise ValueError(f"{what} {path} holds no PEM block")
+    return pem
+
+
+def tls_credentials(ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+                    key_file: Optional[str] = None) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: ca_file, the CA bundle the server's certificate must
+    chain to (None = the system's roots), and for mutual TLS cert_file (this client's certificate
+    chain) with key_file (its private key), e.g. a kubernetes.io/tls Secret's ca.crt, tls.crt and
+    tls.key. The files are read once, here. Raises ValueError for cert_file without key_file (or
+    the reverse) or a file without a PEM block, OSError for a file that cannot be read."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("cert_file and key_file go together (mutual TLS needs both)")
+    return grpc.ssl_channel_credentials(
+        root_certificates=None if ca_file is None else _read_pem(ca_file, "ca_file"),
+        private_key=None if key_file is None else _read_pem(key_file, "key_file"),
+        certificate_chain=None if cert_file is None else _read_pem(cert_file, "cert_file"))
 
 
 #: grpc.health.v1 messages: HealthCheckRequest(service=...), HealthCheckResponse(status=...).
@@ -119,20 +151,41 @@ class CoordinatorClient:
     @classmethod
     def connect(cls, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
                 root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
-                certificate_chain: Optional[bytes] = None,
+                certificate_chain: Optional[bytes] = None, token: Optional[str] = None,
+                server_name: Optional[str] = None,
                 options: Sequence[tuple[str, object]] = ()) -> "CoordinatorClient":
         """Opens a channel to target ("host:port"). Plaintext unless TLS is asked for: either
-        credentials (any grpc.ChannelCredentials), or PEM bytes: root_certificates (the CA to
-        trust; None = the system's), with private_key and certificate_chain for mutual TLS.
+        credentials (any grpc.ChannelCredentials, e.g. tls_credentials(...)), or PEM bytes:
+        root_certificates (the CA to trust; None = the system's), with private_key and
+        certificate_chain for mutual TLS.
+        token: a bearer token sent on every call as "authorization: Bearer <token>" (the
+        coordinator's --auth-tokens-file); needs TLS credentials: ValueError without them (a token
+        must not cross the network in plaintext), or for an empty token or one with white space.
+        server_name: the name checked in the server's certificate instead of target's host (e.g.
+        the Service's name when target is a port-forward's 127.0.0.1); needs TLS credentials.
         options: gRPC channel arguments, e.g. [("grpc.max_receive_message_length", 8 << 20)]."""
         if credentials is None and (root_certificates or private_key or certificate_chain):
             credentials = grpc.ssl_channel_credentials(
                 root_certificates=root_certificates, private_key=private_key,
                 certificate_chain=certificate_chain)
+        options = list(options)
+        if token is not None:
+            if credentials is None:
+                raise ValueError("a bearer token needs TLS credentials (credentials= or "
+                                 "root_certificates=): tokens must not cross plaintext")
+            if not token or any(c.isspace() for c in token):
+                raise ValueError("a bearer token is one word: not empty, no white space")
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(token))
+        if server_name is not None:
+            if credentials is None:
+                raise ValueError("server_name needs TLS credentials (it names the certificate "
+                                 "to expect)")
+            options.append(("grpc.ssl_target_name_override", server_name))
         if credentials is not None:
-            channel = grpc.secure_channel(target, credentials, options=list(options))
+            channel = grpc.secure_channel(target, credentials, options=options)
         else:
-            channel = grpc.insecure_channel(target, options=list(options))
+            channel = grpc.insecure_channel(target, options=options)
         return cls(channel)
 
     def close(self) -> None:
@@ -179,7 +232,9 @@ class CoordinatorClient:
 
     def abort(self, request_id: str, *, timeout_s: float = 5.0) -> None:
         """Stops a request in flight (queued or running); its Generate stream ends with
-        CANCELLED. Raises grpc.RpcError NOT_FOUND if the coordinator knows no such request."""
+        CANCELLED. Raises grpc.RpcError NOT_FOUND if the coordinator knows no such request,
+        PERMISSION_DENIED if another caller (bearer token's client, or client certificate)
+        started it."""
         self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
 
     def get_load(self, *, timeout_s: float = 5.0) -> coordinator_pb2.GetLoadResponse:

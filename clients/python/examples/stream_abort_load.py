@@ -5,6 +5,9 @@ summary line at the end (the cluster test reads it).
 
     python examples/stream_abort_load.py --target 127.0.0.1:50051
     python examples/stream_abort_load.py --target dsa.example:443 --ca-cert ca.pem
+    python examples/stream_abort_load.py --target 127.0.0.1:50051 --ca-cert ca.crt \
+        --client-cert tls.crt --client-key tls.key --token-file token \
+        --tls-server-name dsa-dsa-indexer-coordinator.serving.svc
 
 Exit status: 0 when the short request finished and the long one ended CANCELLED, 1 otherwise.
 """
@@ -60,6 +63,10 @@ def main():
     parser.add_argument("--ca-cert", help="PEM file of the CA to trust (turns TLS on)")
     parser.add_argument("--client-cert", help="PEM certificate chain for mutual TLS")
     parser.add_argument("--client-key", help="PEM private key for mutual TLS")
+    parser.add_argument("--tls-server-name", help="name expected in the server's certificate "
+                        "instead of --target's host (e.g. behind a port-forward)")
+    parser.add_argument("--token-file",
+                        help="file holding the bearer token to send (needs --ca-cert)")
     parser.add_argument("--context-length", type=int, default=1024, help="synthetic tokens")
     parser.add_argument("--short-tokens", type=int, default=8, help="max_new_tokens (short)")
     parser.add_argument("--long-tokens", type=int, default=4096, help="max_new_tokens (long)")
@@ -68,9 +75,11 @@ def main():
     args = parser.parse_args()
 
     summary = {}
+    token = _read(args.token_file).decode().strip() if args.token_file else None
     with CoordinatorClient.connect(args.target, root_certificates=_read(args.ca_cert),
                                    certificate_chain=_read(args.client_cert),
-                                   private_key=_read(args.client_key)) as client:
+                                   private_key=_read(args.client_key), token=token,
+                                   server_name=args.tls_server_name) as client:
         summary["readiness"] = _wait_ready(client, args.ready_timeout_s)
         print(f"readiness: {summary['readiness']}")
         if summary["readiness"] != "SERVING":

@@ -1,6 +1,7 @@
 {{- /*
 Named templates of the dsa-indexer chart: names, labels, the image, the TOML flag files, the
-worker addresses the coordinator is given, and the pod template all three components share.
+worker addresses the coordinator is given, TLS and bearer tokens, and the pod template all three
+components share.
 Components are "coordinator", "indexer" and "attention"; their values are .Values.<component>.
 */ -}}
 
@@ -104,6 +105,83 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- end -}}
 
 {{/*
+The workers of a kind ("indexer" or "attention") as the coordinator is given them, as JSON
+{"static": [HOST:PORT, ...], "dns": [NAME:PORT, ...]} (one of the two empty): the stable pod names
+in order with attention.transport inprocess (each attention worker is also its indexer, so both
+kinds name the attention pods) and with discovery.mode static, else the headless Service. The
+coordinator's --indexer / --indexer-dns and the attention workers' allow-list
+(--indexer-workers / --indexer-dns) both come from here, so they cannot disagree.
+Call with (dict "root" $ "kind" "indexer").
+*/}}
+{{- define "dsa.workerAddresses" -}}
+{{- $root := .root -}}
+{{- $component := .kind -}}
+{{- if include "dsa.colocated" $root -}}
+{{- $component = "attention" -}}
+{{- end -}}
+{{- $c := index $root.Values $component -}}
+{{- $static := list -}}
+{{- $dns := list -}}
+{{- if or (include "dsa.colocated" $root) (eq $root.Values.coordinator.discovery.mode "static") -}}
+{{- range $i := until (int $c.replicas) -}}
+{{- $static = append $static (printf "%s:%v" (include "dsa.podHost" (dict "root" $root "component" $component "ordinal" $i)) $c.ports.grpc) -}}
+{{- end -}}
+{{- else -}}
+{{- $dns = append $dns (printf "%s:%v" (include "dsa.headlessHost" (dict "root" $root "component" $component)) $c.ports.grpc) -}}
+{{- end -}}
+{{- dict "static" $static "dns" $dns | toJson -}}
+{{- end -}}
+
+{{/* Where a pod's TLS Secret is mounted (tls.crt, tls.key, ca.crt), and the bearer-token files. */}}
+{{- define "dsa.tlsDir" -}}/etc/dsa-tls{{- end -}}
+{{- define "dsa.authDir" -}}/etc/dsa-auth{{- end -}}
+
+{{/* The TLS Secret of a component: <component>.tlsSecretName, else tls.secretName. */}}
+{{- define "dsa.tlsSecretName" -}}
+{{- $c := index .root.Values .component -}}
+{{- default .root.Values.tls.secretName $c.tlsSecretName -}}
+{{- end -}}
+
+{{/*
+The tls volume of a pod (tls.enabled): the Secret `secretName`, read-only, its keys listed so a
+missing one fails the mount with the key's name. Group-readable only (fsGroup 10001 reads it).
+Call with (dict "secretName" NAME "keys" (list "tls.crt" ...)).
+*/}}
+{{- define "dsa.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: 0440
+    items:
+      {{- range .keys }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end -}}
+
+{{/*
+The TLS flags of a server (tls.enabled): its certificate, served and shown when it dials
+(mutual TLS), the CA of what it dials, the client CA its port requires (tls.mutual), the name the
+dialing components (coordinator, attention) check in dialed certificates (tls.serverName), and
+the plaintext health port of the probes.
+*/}}
+{{- define "dsa.tlsArgs" -}}
+{{- $root := .root -}}
+{{- $c := index $root.Values .component -}}
+{{- $dir := include "dsa.tlsDir" $root -}}
+- --health-listen=0.0.0.0:{{ $c.ports.health }}
+- --tls-cert={{ $dir }}/tls.crt
+- --tls-key={{ $dir }}/tls.key
+- --tls-ca={{ $dir }}/ca.crt
+{{- if $root.Values.tls.mutual }}
+- --tls-client-ca={{ $dir }}/ca.crt
+{{- end }}
+{{- if and $root.Values.tls.serverName (ne .component "indexer") }}
+- --tls-server-name={{ $root.Values.tls.serverName }}
+{{- end }}
+{{- end -}}
+
+{{/*
 terminationGracePeriodSeconds of a component: its whole drain (drainDelayMs + shutdownGraceMs,
 rounded up to seconds) plus terminationGraceMarginSeconds, so the kubelet's SIGKILL never comes
 before the server's own exit.
@@ -154,24 +232,47 @@ is also a TOML one.
 - --metrics-listen=0.0.0.0:{{ $c.ports.metrics }}
 - --drain-delay-ms={{ int64 $c.drainDelayMs }}
 - --shutdown-grace-ms={{ int64 $c.shutdownGraceMs }}
+{{- if $root.Values.tls.enabled }}
+{{ include "dsa.tlsArgs" . }}
+{{- end }}
+{{- $indexers := include "dsa.workerAddresses" (dict "root" $root "kind" "indexer") | fromJson }}
 {{- if eq .component "coordinator" }}
+{{- $attention := include "dsa.workerAddresses" (dict "root" $root "kind" "attention") | fromJson }}
 {{- if include "dsa.colocated" $root }}
-{{- /* --colocated pairs indexer i with attention worker i: fixed, ordered addresses. */}}
-{{- range $i := until (int $root.Values.attention.replicas) }}
-{{- $host := include "dsa.podHost" (dict "root" $root "component" "attention" "ordinal" $i) }}
-- --indexer={{ $host }}:{{ $root.Values.attention.ports.grpc }}
-- --attention={{ $host }}:{{ $root.Values.attention.ports.grpc }}
-{{- end }}
-{{- else if eq $c.discovery.mode "static" }}
-{{- range $i := until (int $root.Values.indexer.replicas) }}
-- --indexer={{ include "dsa.podHost" (dict "root" $root "component" "indexer" "ordinal" $i) }}:{{ $root.Values.indexer.ports.grpc }}
-{{- end }}
-{{- range $i := until (int $root.Values.attention.replicas) }}
-- --attention={{ include "dsa.podHost" (dict "root" $root "component" "attention" "ordinal" $i) }}:{{ $root.Values.attention.ports.grpc }}
+{{- /* --colocated pairs indexer i with attention worker i: fixed, ordered, equal lists. */}}
+{{- range $indexers.static }}
+- --indexer={{ . }}
+- --attention={{ . }}
 {{- end }}
 {{- else }}
-- --indexer-dns={{ include "dsa.headlessHost" (dict "root" $root "component" "indexer") }}:{{ $root.Values.indexer.ports.grpc }}
-- --attention-dns={{ include "dsa.headlessHost" (dict "root" $root "component" "attention") }}:{{ $root.Values.attention.ports.grpc }}
+{{- range $indexers.static }}
+- --indexer={{ . }}
+{{- end }}
+{{- range $attention.static }}
+- --attention={{ . }}
+{{- end }}
+{{- end }}
+{{- range $indexers.dns }}
+- --indexer-dns={{ . }}
+{{- end }}
+{{- range $attention.dns }}
+- --attention-dns={{ . }}
+{{- end }}
+{{- if $root.Values.auth.tokensSecret }}
+- --auth-tokens-file={{ include "dsa.authDir" $root }}/tokens
+{{- end }}
+{{- else if eq .component "indexer" }}
+{{- range $c.operatorIdentities }}
+- {{ printf "--operator-identities=%s" . | quote }}
+{{- end }}
+{{- else if eq .component "attention" }}
+{{- /* The only indexers a Prefill may name: the coordinator's (inprocess: its own pods, where the
+allow-list goes unused since each worker serves its own indexer). */}}
+{{- range $indexers.static }}
+- --indexer-workers={{ . }}
+{{- end }}
+{{- range $indexers.dns }}
+- --indexer-dns={{ . }}
 {{- end }}
 {{- end }}
 {{- range $c.extraArgs }}
@@ -216,12 +317,13 @@ is also a TOML one.
 {{- toYaml $context -}}
 {{- end -}}
 
-{{/* One probe of a component: (dict "root" $ "component" NAME "probe" "startup|readiness|liveness" "service" "liveness|readiness"). */}}
+{{/* One probe of a component, on its grpc port (health with tls.enabled): (dict "root" $ "component" NAME "probe" "startup|readiness|liveness" "service" "liveness|readiness"). */}}
 {{- define "dsa.probe" -}}
 {{- $c := index .root.Values .component -}}
 {{- $p := index $c.probes .probe -}}
 grpc:
-  port: {{ $c.ports.grpc }}
+  {{- /* The kubelet's gRPC probes speak no TLS: with TLS on they ask the plaintext health port. */}}
+  port: {{ ternary $c.ports.health $c.ports.grpc .root.Values.tls.enabled }}
   service: {{ .service }}
 periodSeconds: {{ $p.periodSeconds }}
 timeoutSeconds: {{ $p.timeoutSeconds }}
@@ -230,13 +332,15 @@ failureThreshold: {{ $p.failureThreshold }}
 
 {{/*
 The pod template of a component (Deployment or StatefulSet): one server container, non-root, a
-read-only root filesystem, the TOML file, /dev/shm and /tmp.
+read-only root filesystem, the TOML file, /dev/shm and /tmp; with tls.enabled its TLS Secret and
+health port, and in the coordinator with auth.tokensSecret the tokens file.
 */}}
 {{- define "dsa.podTemplate" -}}
 {{- $root := .root -}}
 {{- $c := index $root.Values .component -}}
 {{- $worker := include "dsa.isWorker" . -}}
 {{- $hostNetwork := and $worker $root.Values.rdma.enabled $root.Values.rdma.hostNetwork -}}
+{{- $tokens := and (eq .component "coordinator") $root.Values.auth.tokensSecret -}}
 metadata:
   labels:
     {{- include "dsa.labels" . | nindent 4 }}
@@ -302,6 +406,11 @@ spec:
         - name: metrics
           containerPort: {{ $c.ports.metrics }}
           protocol: TCP
+        {{- if $root.Values.tls.enabled }}
+        - name: health
+          containerPort: {{ $c.ports.health }}
+          protocol: TCP
+        {{- end }}
       {{- $env := list }}
       {{- if $worker }}
       {{- range $name := keys $root.Values.nccl.env | sortAlpha }}
@@ -331,6 +440,16 @@ spec:
           mountPath: /dev/shm
         - name: tmp
           mountPath: /tmp
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          mountPath: {{ include "dsa.tlsDir" $root }}
+          readOnly: true
+        {{- end }}
+        {{- if $tokens }}
+        - name: auth-tokens
+          mountPath: {{ include "dsa.authDir" $root }}
+          readOnly: true
+        {{- end }}
         {{- with $c.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -348,6 +467,18 @@ spec:
     - name: tmp
       emptyDir:
         sizeLimit: 256Mi
+    {{- if $root.Values.tls.enabled }}
+    {{- include "dsa.tlsVolume" (dict "secretName" (include "dsa.tlsSecretName" .) "keys" (list "tls.crt" "tls.key" "ca.crt")) | nindent 4 }}
+    {{- end }}
+    {{- if $tokens }}
+    - name: auth-tokens
+      secret:
+        secretName: {{ $root.Values.auth.tokensSecret }}
+        defaultMode: 0440
+        items:
+          - key: tokens
+            path: tokens
+    {{- end }}
     {{- with $c.extraVolumes }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -389,5 +520,37 @@ to change. Included once, from the ConfigMap.
 {{- end -}}
 {{- if and (include "dsa.colocated" $) (lt (int $v.attention.replicas) 1) -}}
 {{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
+{{- end -}}
+{{- if $v.tls.enabled -}}
+{{- if not $v.tls.secretName -}}
+{{- fail "tls.enabled needs tls.secretName: a Secret of type kubernetes.io/tls with the keys tls.crt, tls.key and ca.crt (cert-manager's layout)" -}}
+{{- end -}}
+{{- if and (not (include "dsa.colocated" $)) (eq $v.coordinator.discovery.mode "dns") (not $v.tls.serverName) -}}
+{{- fail "tls.enabled with coordinator.discovery.mode dns needs tls.serverName: the coordinator and the attention workers dial workers by the IP addresses DNS returns, so they check this name instead, which every worker certificate must hold (or use discovery.mode static: the stable pod names are checked)" -}}
+{{- end -}}
+{{- range $component := list "coordinator" "indexer" "attention" -}}
+{{- $ports := (index $v $component).ports -}}
+{{- if or (eq (int $ports.health) (int $ports.grpc)) (eq (int $ports.health) (int $ports.metrics)) -}}
+{{- fail (printf "%s.ports.health (%d) must differ from %s.ports.grpc and .metrics: with tls.enabled it is a port of its own" $component (int $ports.health) $component) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- range $component := list "coordinator" "indexer" "attention" -}}
+{{- if (index $v $component).tlsSecretName -}}
+{{- fail (printf "%s.tlsSecretName is set but tls.enabled is false: set tls.enabled (and tls.secretName)" $component) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.auth.tokensSecret (not $v.tls.enabled) -}}
+{{- fail "auth.tokensSecret needs tls.enabled: the coordinator refuses bearer tokens over plaintext, where they would cross the network readable" -}}
+{{- end -}}
+{{- if and $v.auth.tokensSecret $v.tests.enabled (not $v.auth.testTokenKey) -}}
+{{- fail "auth.tokensSecret with tests.enabled needs auth.testTokenKey: the key of that Secret holding the token (one of its tokens, alone) the helm test pod presents to the coordinator" -}}
+{{- end -}}
+{{- if and $v.auth.testTokenKey (not $v.auth.tokensSecret) -}}
+{{- fail "auth.testTokenKey needs auth.tokensSecret (the Secret that key is in)" -}}
+{{- end -}}
+{{- if and $v.indexer.operatorIdentities (not (and $v.tls.enabled $v.tls.mutual)) -}}
+{{- fail "indexer.operatorIdentities needs tls.enabled and tls.mutual: identities are client certificates' common names, and without mutual TLS every caller is anonymous" -}}
 {{- end -}}
 {{- end -}}
