@@ -350,9 +350,18 @@ grpc::Status IndexerServiceImpl::CreateOwnedSequence(const v1::CreateSequenceReq
 grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::AppendIndexKeysResponse, grpc::ByteBuffer>* stream) {
+  return AppendIndexKeysFrom(
+      Caller(context), [stream](grpc::ByteBuffer* buffer) { return stream->Read(buffer); },
+      [context] { return context->IsCancelled(); },
+      [stream](const v1::AppendIndexKeysResponse& response) { return stream->Write(response); });
+}
+
+grpc::Status IndexerServiceImpl::AppendIndexKeysFrom(
+    const std::string& caller, const std::function<bool(grpc::ByteBuffer*)>& read,
+    const std::function<bool()>& cancelled,
+    const std::function<bool(const v1::AppendIndexKeysResponse&)>& write) {
   IndexKeyAppendCall call(indexer_);
   const int64_t key_shape[] = {-1, indexer_->options().head_dim};
-  const std::string caller = Caller(context);
   auto append_chunk = [&](const v1::AppendIndexKeysRequest& chunk, int64_t index) -> absl::Status {
     if (absl::Status owned = owners_.Check(absl::StrCat(chunk.sequence_id()), caller, kSequence);
         !owned.ok()) {
@@ -373,13 +382,13 @@ grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
   v1::AppendIndexKeysRequest chunk;
   grpc::ByteBuffer buffer;
   int64_t index = 0;
-  while (stream->Read(&buffer)) {
+  while (read(&buffer)) {
     status = ParseStreamMessage(buffer, index, &chunk);
     if (status.ok()) status = append_chunk(chunk, index);
     ++index;
     if (!status.ok()) break;
   }
-  if (status.ok() && context->IsCancelled()) {
+  if (status.ok() && cancelled()) {
     status = absl::CancelledError("the client cancelled the append");
   }
   if (!status.ok()) {
@@ -390,7 +399,7 @@ grpc::Status IndexerServiceImpl::AppendIndexKeysRaw(
   UpdateCacheMetrics();
   v1::AppendIndexKeysResponse response;
   response.set_keys_appended(call.keys_appended());
-  if (!stream->Write(response)) {
+  if (!write(response)) {
     call.Undo();
     UpdateCacheMetrics();
     return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away before the response");
@@ -412,11 +421,18 @@ grpc::Status IndexerServiceImpl::Select(grpc::ServerContext* context,
 grpc::Status IndexerServiceImpl::SelectStreamRaw(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SelectResponse, grpc::ByteBuffer>* stream) {
-  const std::string caller = Caller(context);
+  return SelectStreamFrom(
+      Caller(context), [stream](grpc::ByteBuffer* buffer) { return stream->Read(buffer); },
+      [stream](const v1::SelectResponse& response) { return stream->Write(response); });
+}
+
+grpc::Status IndexerServiceImpl::SelectStreamFrom(
+    const std::string& caller, const std::function<bool(grpc::ByteBuffer*)>& read,
+    const std::function<bool(const v1::SelectResponse&)>& write) {
   v1::SelectRequest request;
   v1::SelectResponse response;
   grpc::ByteBuffer buffer;
-  for (int64_t index = 0; stream->Read(&buffer); ++index) {
+  for (int64_t index = 0; read(&buffer); ++index) {
     if (auto s = ParseStreamMessage(buffer, index, &request); !s.ok()) return ToGrpcStatus(s);
     // One stream carries many sequences' layers: a refused request gets its own status and the
     // others go on.
@@ -431,7 +447,7 @@ grpc::Status IndexerServiceImpl::SelectStreamRaw(
       response.mutable_error()->set_groups_applied(groups_applied);
     }
     UpdateCacheMetrics();
-    if (!stream->Write(response)) {
+    if (!write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the stream");
     }
   }

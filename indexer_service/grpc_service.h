@@ -123,6 +123,14 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
       grpc::ServerReaderWriter<dsa::indexer::v1::AppendIndexKeysResponse, grpc::ByteBuffer>*
           stream);
 
+  /// AppendIndexKeysRaw's work over any source of messages (the raw handler's stream, a fuzz
+  /// harness): `read` gives the next message's bytes (false at the end), `cancelled` says whether
+  /// the client went away, `write` sends the response (false if it could not). Same answers.
+  grpc::Status AppendIndexKeysFrom(
+      const std::string& caller, const std::function<bool(grpc::ByteBuffer*)>& read,
+      const std::function<bool()>& cancelled,
+      const std::function<bool(const dsa::indexer::v1::AppendIndexKeysResponse&)>& write);
+
   /// Selections for row groups of many sequences in one call; see RunSelect for shapes, dtypes,
   /// atomicity and errors.
   grpc::Status Select(grpc::ServerContext* context, const dsa::indexer::v1::SelectRequest* request,
@@ -137,6 +145,10 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   grpc::Status SelectStreamRaw(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<dsa::indexer::v1::SelectResponse, grpc::ByteBuffer>* stream);
+  /// SelectStreamRaw's work over any source of messages (as AppendIndexKeysFrom).
+  grpc::Status SelectStreamFrom(
+      const std::string& caller, const std::function<bool(grpc::ByteBuffer*)>& read,
+      const std::function<bool(const dsa::indexer::v1::SelectResponse&)>& write);
 
   /// Indexer::Commit: NOT_FOUND, FAILED_PRECONDITION (nothing pending), OUT_OF_RANGE (accepted).
   grpc::Status Commit(grpc::ServerContext* context, const dsa::indexer::v1::CommitRequest* request,

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 limit=(-max_total_time="${1:-20}")
 if [ "${1:-}" = "--runs" ]; then limit=(-runs="$2"); fi
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
-harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace"
+harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace fuzz_indexer_service fuzz_attention_service"
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build \
   DSA_CMAKE_ARGS="-DDSA_FUZZ=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=ON -DDSA_BUILD_BENCH=OFF" \
   DSA_BUILD_TARGETS="$harnesses" bash scripts/build.sh
@@ -22,7 +22,10 @@ for name in $harnesses; do
   corpus=$build/corpus/$name
   artifacts=$build/artifacts/$name
   mkdir -p "$corpus" "$artifacts"
+  # The RPC-handler harnesses write their seeds (frames of serialized calls) at start-up.
+  export DSA_FUZZ_SEED_DIR=$corpus
   for seed in "$seeds"/*; do
+    [ -e "$seed" ] || continue
     case $seed in
       *.txtpb) protoc -I proto --encode=dsa.common.v1.Tensor dsa/common/v1/tensor.proto \
                  <"$seed" >"$corpus/$(basename "$seed" .txtpb).bin" ;;
