@@ -102,10 +102,11 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
                                            const av1::PrefillRequest* request,
                                            av1::PrefillResponse* response) {
   const std::string id = absl::StrCat(request->sequence_id());
-  absl::StatusOr<bool> claimed = owners_.Acquire(id, Caller(context), kSequence);
+  const std::string caller = Caller(context);
+  absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
   if (!claimed.ok()) return ToGrpcStatus(claimed.status());
   grpc::Status status = OwnedPrefill(context, request, response);
-  if (!status.ok() && *claimed) owners_.Forget(id);
+  if (!status.ok() && *claimed) owners_.Forget(id, caller);
   return status;
 }
 
@@ -178,12 +179,13 @@ grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
                                            const av1::ReleaseRequest* request,
                                            av1::ReleaseResponse* /*response*/) {
   const std::string id = absl::StrCat(request->sequence_id());
-  if (absl::Status owned = owners_.Check(id, Caller(context), kSequence); !owned.ok()) {
+  const std::string caller = Caller(context);
+  if (absl::Status owned = owners_.Check(id, caller, kSequence); !owned.ok()) {
     return ToGrpcStatus(owned);
   }
   const absl::Status status =
       engine_->Release(request->sequence_id(), request->keep_indexer_sequence());
-  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id);
+  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id, caller);
   return ToGrpcStatus(status);
 }
 

@@ -75,6 +75,9 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
                        const dsa::attention::v1::ReleaseRequest* request,
                        dsa::attention::v1::ReleaseResponse* response) override;
 
+  /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
+  size_t owned_sequences() const { return owners_.size(); }
+
   /// Closes every indexer client's data plane (after the server stopped). Idempotent.
   void CloseTransports() { engine_->CloseIndexerClients(); }
 

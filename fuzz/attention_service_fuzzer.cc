@@ -189,5 +189,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(info.sequences() == 0 && info.kv_used_slots() == 0);
   Check(IndexerEngine().num_sequences() == 0);
   Check(IndexerEngine().Usage().used_blocks == 0);
+  Check(service.owned_sequences() == 0);  // no owner entry outlives its sequence
   return 0;
 }

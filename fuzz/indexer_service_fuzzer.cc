@@ -184,6 +184,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         });
       }
       CheckCode(status.error_code());
+      // Another caller's append to a sequence this input created is refused, whatever follows.
+      v1::AppendIndexKeysRequest first;
+      if (frame.method == kAppend && frame.second_caller && first.ParseFromString(frame.message) &&
+          created.contains(first.sequence_id())) {
+        Check(status.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+      }
       i = end;
       continue;
     }
@@ -251,5 +257,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   Check(Engine().num_sequences() == 0);
   Check(Engine().Usage().used_blocks == 0);
+  Check(service.owned_sequences() == 0);  // no owner entry outlives its sequence
   return 0;
 }

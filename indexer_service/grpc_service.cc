@@ -321,10 +321,11 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
                                                 const v1::CreateSequenceRequest* request,
                                                 v1::CreateSequenceResponse* response) {
   const std::string id = absl::StrCat(request->sequence_id());
-  absl::StatusOr<bool> claimed = owners_.Acquire(id, Caller(context), kSequence);
+  const std::string caller = Caller(context);
+  absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
   if (!claimed.ok()) return ToGrpcStatus(claimed.status());
   grpc::Status status = CreateOwnedSequence(request, response);
-  if (!status.ok() && *claimed) owners_.Forget(id);
+  if (!status.ok() && *claimed) owners_.Forget(id, caller);
   return status;
 }
 
@@ -482,11 +483,12 @@ grpc::Status IndexerServiceImpl::Release(grpc::ServerContext* context,
                                          const v1::ReleaseRequest* request,
                                          v1::ReleaseResponse* /*response*/) {
   const std::string id = absl::StrCat(request->sequence_id());
-  if (absl::Status owned = owners_.Check(id, Caller(context), kSequence); !owned.ok()) {
+  const std::string caller = Caller(context);
+  if (absl::Status owned = owners_.Check(id, caller, kSequence); !owned.ok()) {
     return ToGrpcStatus(owned);
   }
   const absl::Status status = indexer_->Release(request->sequence_id());
-  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id);
+  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id, caller);
   UpdateCacheMetrics();
   return ToGrpcStatus(status);
 }

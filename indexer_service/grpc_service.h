@@ -169,6 +169,9 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                        const dsa::indexer::v1::GetLoadRequest* request,
                        dsa::indexer::v1::GetLoadResponse* response) override;
 
+  /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
+  size_t owned_sequences() const { return owners_.size(); }
+
   /// Sets what OpenDataPlane delegates to; call before the server starts. Without one,
   /// OpenDataPlane answers UNIMPLEMENTED ("built without NCCL").
   void SetDataPlaneOpener(DataPlaneOpener opener) { data_plane_opener_ = std::move(opener); }

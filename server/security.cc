@@ -281,9 +281,12 @@ absl::Status OwnerTable::Check(const std::string& id, const std::string& caller,
   return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
 }
 
-void OwnerTable::Forget(const std::string& id) {
+bool OwnerTable::Forget(const std::string& id, const std::string& caller) {
   absl::MutexLock lock(&mu_);
-  owners_.erase(id);
+  const auto owner = owners_.find(id);
+  if (owner == owners_.end() || (owner->second != caller && !IsOperator(caller))) return false;
+  owners_.erase(owner);
+  return true;
 }
 
 size_t OwnerTable::size() const {

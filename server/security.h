@@ -118,7 +118,9 @@ class OwnerTable {
   /// PERMISSION_DENIED "<what> <id> belongs to another caller".
   absl::Status Check(const std::string& id, const std::string& caller,
                      absl::string_view what) const;
-  void Forget(const std::string& id);
+  /// Erases `id`'s owner if it is `caller` (or `caller` is an operator), so that a Release racing
+  /// another caller's create can never erase that caller's claim. Returns whether it erased.
+  bool Forget(const std::string& id, const std::string& caller);
   size_t size() const;
 
  private:

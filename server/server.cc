@@ -243,6 +243,22 @@ void BlockTerminationSignals() {
 
 int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   grpc::EnableDefaultHealthCheckService(true);
+  // The plaintext health port: a server of its own with the same statuses. It serves
+  // grpc.health.v1 and no dsa service; gRPC's reflection plugin registers itself on every server
+  // of a process that links it (a static initializer), so reflection answers there too.
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (!flags.health_listen.empty()) {
+    grpc::ServerBuilder health_builder;
+    health_builder.AddListeningPort(flags.health_listen, grpc::InsecureServerCredentials(),
+                                    &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      LogJson("error", "cannot listen", {{"address", flags.health_listen}});
+      return 1;
+    }
+    health_server->GetHealthCheckService()->SetServingStatus("", false);  // until Readiness
+  }
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<prometheus::Exposer> exposer;
   if (!flags.metrics_listen.empty()) {
@@ -306,19 +322,6 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   if (server == nullptr || port == 0) {
     LogJson("error", "cannot listen", {{"address", flags.listen}});
     return 1;
-  }
-  // The plaintext health-only port: a server of its own (no other service), same statuses.
-  std::unique_ptr<grpc::Server> health_server;
-  int health_port = 0;
-  if (!flags.health_listen.empty()) {
-    grpc::ServerBuilder health_builder;
-    health_builder.AddListeningPort(flags.health_listen, grpc::InsecureServerCredentials(),
-                                    &health_port);
-    health_server = health_builder.BuildAndStart();
-    if (health_server == nullptr || health_port == 0) {
-      LogJson("error", "cannot listen", {{"address", flags.health_listen}});
-      return 1;
-    }
   }
   std::vector<grpc::HealthCheckServiceInterface*> health;
   for (grpc::Server* each : {server.get(), health_server.get()}) {

@@ -138,8 +138,9 @@ struct ServerSpec {
 /// the deadline), on_stopped, then the process exits with 0 through std::_Exit (stopping the
 /// /metrics server would take over a second). Returns only on a startup failure, with exit code 1
 /// after logging why (cannot listen, cannot serve metrics, unreadable TLS files, tokens without
-/// TLS). With flags.health_listen, a second, plaintext server there serves only grpc.health.v1
-/// with the same statuses (kubelet's gRPC probes speak no TLS).
+/// TLS). With flags.health_listen, a second, plaintext server there serves grpc.health.v1 with
+/// the same statuses, and no dsa service (kubelet's gRPC probes speak no TLS; gRPC's reflection
+/// registers itself there too and lists only health).
 int RunServer(const ServerFlags& flags, const ServerSpec& spec);
 
 }  // namespace dsa

@@ -236,10 +236,19 @@ IndexerClientFactory OnlyIndexerWorkers(IndexerClientFactory inner,
           dns_names = std::move(dns_names), resolve = std::move(resolve)](
              const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
     bool allowed = std::find(addresses.begin(), addresses.end(), address) != addresses.end();
+    absl::Status unresolved;  // a name that could not be looked up now
     for (size_t i = 0; !allowed && i < dns_names.size(); ++i) {
       absl::StatusOr<std::vector<std::string>> resolved = resolve(dns_names[i]);
-      allowed = resolved.ok() &&
-                std::find(resolved->begin(), resolved->end(), address) != resolved->end();
+      if (!resolved.ok()) {
+        unresolved = resolved.status();
+        continue;
+      }
+      allowed = std::find(resolved->begin(), resolved->end(), address) != resolved->end();
+    }
+    if (!allowed && absl::IsUnavailable(unresolved)) {
+      // A resolver failure is temporary: the caller may retry (not a refusal).
+      return absl::UnavailableError(absl::StrCat("cannot check indexer worker ", address,
+                                                 " against --indexer-dns: ", unresolved.message()));
     }
     if (!allowed) {
       return absl::PermissionDeniedError(

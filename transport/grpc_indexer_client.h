@@ -97,7 +97,8 @@ class GrpcIndexerClient final : public IndexerClient {
 /// that a name of `dns_names` ("NAME:PORT") resolves to now (`resolve`; asked only for addresses
 /// not in `addresses`, i.e. on a client's first use). Any other address is refused with
 /// PERMISSION_DENIED naming it, before anything is dialed, so that a Prefill cannot make the
-/// worker connect where it names. Both lists empty = `inner` unchanged (any address).
+/// worker connect where it names; UNAVAILABLE when it is not allowed and a name's lookup failed
+/// temporarily (the resolver's UNAVAILABLE: retry). Both lists empty = `inner` unchanged.
 IndexerClientFactory OnlyIndexerWorkers(IndexerClientFactory inner,
                                         std::vector<std::string> addresses,
                                         std::vector<std::string> dns_names,

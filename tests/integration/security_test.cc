@@ -161,6 +161,10 @@ TEST_F(SecurityTest, MutualTlsRefusesPlaintextOtherCasAndMissingCertificates) {
   EXPECT_EQ(dsa::testing::HealthStatus(health, "readiness"), 1);
   EXPECT_EQ(dsa::testing::HealthStatus(health, "liveness"), 1);
   EXPECT_EQ(IndexerGetLoad(health).error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  // Reflection lists only health (and itself) there: no dsa service is reachable in plaintext.
+  const std::string listed = dsa::testing::ReflectionListServices(health);
+  EXPECT_NE(listed.find("grpc.health.v1.Health"), std::string::npos);
+  EXPECT_EQ(listed.find("dsa.indexer.v1"), std::string::npos);
 }
 
 TEST_F(SecurityTest, IndexerSequencesBelongToTheirCreatorAndOperators) {

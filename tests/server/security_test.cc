@@ -111,7 +111,9 @@ TEST(OwnerTableTest, OnlyTheOwnerOrAnOperatorMayUseAnId) {
   EXPECT_EQ(owners.Acquire("7", "coordinator", "sequence").value(), false);
   EXPECT_EQ(owners.Check("7", "", "sequence").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(owners.Check("8", "anyone", "sequence").ok());  // unknown: the engine answers
-  owners.Forget("7");
+  EXPECT_FALSE(owners.Forget("7", "attention-1"));            // not its claim: kept
+  EXPECT_EQ(owners.size(), 1u);
+  EXPECT_TRUE(owners.Forget("7", "attention-0"));
   EXPECT_EQ(owners.size(), 0u);
   EXPECT_TRUE(owners.Check("7", "attention-1", "sequence").ok());
 }
@@ -173,6 +175,7 @@ TEST(OnlyIndexerWorkersTest, DialsOnlyConfiguredAddressesAndResolvedNames) {
       [&resolutions](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
     ++resolutions;
     if (name == "indexer.ns:50052") return std::vector<std::string>{"10.0.0.5:50052"};
+    if (name == "flaky.ns:50052") return absl::UnavailableError("temporary failure");
     return absl::NotFoundError("cannot resolve");
   };
   IndexerClientFactory only = OnlyIndexerWorkers(inner, {"indexer-0:50052"},
@@ -187,6 +190,10 @@ TEST(OnlyIndexerWorkersTest, DialsOnlyConfiguredAddressesAndResolvedNames) {
       "indexer worker 10.0.0.6:50052 is not one this attention worker is configured with "
       "(--indexer-workers [indexer-0:50052], --indexer-dns [indexer.ns:50052,gone.ns:50052])");
   EXPECT_EQ(dialed, (std::vector<std::string>{"indexer-0:50052", "10.0.0.5:50052"}));
+
+  // A name whose lookup failed for now: UNAVAILABLE (retry), not a refusal.
+  IndexerClientFactory flaky = OnlyIndexerWorkers(inner, {}, {"flaky.ns:50052"}, resolve);
+  EXPECT_EQ(flaky("10.0.0.7:50052").status().code(), absl::StatusCode::kUnavailable);
 
   // Neither list: any address (the worker logs a warning at start).
   IndexerClientFactory any = OnlyIndexerWorkers(inner, {}, {}, resolve);
