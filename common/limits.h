@@ -24,9 +24,14 @@ inline constexpr int kMaxReceiveMessageBytes = 64 << 20;
 /// sequence with K = `top_k` can take: the selections (int32 [rows, K]), the audit miss rates (a
 /// double a row) and the framing of the group's fields (under 80 bytes). A select whose groups'
 /// bounds, plus 16 bytes, pass kMaxReceiveMessageBytes is refused before it runs.
+/// Rows and K are clamped to [0, 2^32] first (a request's shape may hold any int64; the decode
+/// refuses a negative one), so the bound never overflows.
 constexpr int64_t SelectResponseBytesBound(int64_t rows, int top_k) {
   constexpr int64_t kGroupFramingBytes = 80;
-  return kGroupFramingBytes + rows * (int64_t{4} * top_k + static_cast<int64_t>(sizeof(double)));
+  constexpr int64_t kClamp = int64_t{1} << 32;
+  const int64_t r = rows < 0 ? 0 : (rows > kClamp ? kClamp : rows);
+  const int64_t k = top_k < 0 ? 0 : top_k;
+  return kGroupFramingBytes + r * (int64_t{4} * k + static_cast<int64_t>(sizeof(double)));
 }
 
 /// The bytes a SelectResponse has besides its groups (the request_id), with room to spare.

@@ -230,6 +230,7 @@ absl::Status CheckSelectResponseFits(const Indexer& indexer, const v1::SelectReq
     const absl::StatusOr<int> top_k = indexer.TopK(group.sequence_id());
     if (!top_k.ok() || group.queries().shape_size() < 1) continue;
     bound += SelectResponseBytesBound(group.queries().shape(0), *top_k);
+    if (bound > kMaxReceiveMessageBytes) break;  // refused below; adding more could overflow
   }
   if (bound <= kMaxReceiveMessageBytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
