@@ -34,14 +34,8 @@ constexpr int64_t kKvCapacitySlots = 4096;  // the attention worker's KV cache
 
 enum Method : uint8_t { kGetInfo, kPrefill, kDecodeStep, kCommit, kRelease, kMethods };
 
-void Check(bool ok) {
-  if (!ok) __builtin_trap();
-}
-
-void CheckCode(grpc::StatusCode code) {
-  Check(code != grpc::StatusCode::UNKNOWN && code != grpc::StatusCode::INTERNAL &&
-        code != grpc::StatusCode::DATA_LOSS);
-}
+using dsa::fuzz::Check;
+using dsa::fuzz::CheckCode;
 
 const std::vector<const google::protobuf::Message*>& Prototypes() {
   static const auto* prototypes = new std::vector<const google::protobuf::Message*>{

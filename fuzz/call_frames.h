@@ -15,6 +15,7 @@
 
 #include "fuzz/proto_mutator.h"
 #include "google/protobuf/message.h"
+#include "grpcpp/support/status.h"
 
 namespace dsa::fuzz {
 
@@ -23,6 +24,17 @@ struct Frame {
   bool second_caller = false;
   std::string message;
 };
+
+/// A harness's check: traps (libFuzzer reports the input) when `ok` is false.
+inline void Check(bool ok) {
+  if (!ok) __builtin_trap();
+}
+
+/// The RPC harnesses' promise: a refusal has a precise code, never UNKNOWN, INTERNAL or DATA_LOSS.
+inline void CheckCode(grpc::StatusCode code) {
+  Check(code != grpc::StatusCode::UNKNOWN && code != grpc::StatusCode::INTERNAL &&
+        code != grpc::StatusCode::DATA_LOSS);
+}
 
 inline constexpr size_t kFrameHeaderBytes = 3;
 inline constexpr size_t kMaxFrames = 64;
