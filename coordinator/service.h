@@ -1,408 +1,62 @@
-// The coordinator service: dsa.coordinator.v1.CoordinatorService over attention workers
-// (dsa.attention.v1) and indexer workers (dsa.indexer.v1), per docs/services.md "Coordinator":
-// validation, admission and placement (coordinator/scheduler.h), prefill off the decode loops,
-// continuous batching with one decode loop per attention worker, speculative rows with seeded
-// acceptance, multi-turn sessions, metrics and drain.
+// The coordinator service: dsa.coordinator.v1.CoordinatorService, a thin gRPC adapter over
+// CoordinatorEngine (coordinator/engine.h) with gRPC worker clients (GrpcWorkerClients) and the
+// real clock, per docs/services.md "Coordinator".
 #pragma once
 
-#include <atomic>
-#include <chrono>
-#include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <optional>
-#include <string>
-#include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
-#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "common/host_port.h"
-#include "common/trace_context.h"
-#include "coordinator/acceptance_model.h"
+#include "coordinator/engine.h"
 #include "coordinator/metrics.h"
-#include "coordinator/scheduler.h"
-#include "dsa/attention/v1/attention.grpc.pb.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
-#include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "nlohmann/json.hpp"
-#include "server/security.h"
 
 namespace dsa {
 
-/// Deployment settings of the coordinator (the dsa-coordinator flags).
-struct CoordinatorOptions {
-  std::vector<std::string> indexer_addresses;    // host:port of fixed indexer workers
-  std::vector<std::string> attention_addresses;  // host:port of fixed attention workers
-  /// NAME:PORT of headless Services (DNS): every address NAME resolves to is a worker, taken in
-  /// and left out as the answer changes (RefreshWorkers). Each kind needs a fixed address or a
-  /// name; co-located (below), the indexers are the attention workers and take neither.
-  std::vector<std::string> indexer_dns;
-  std::vector<std::string> attention_dns;
-  /// How every worker is dialed (TLS, the client certificate of mutual TLS); plaintext default.
-  ClientSecurity worker_security;
-  /// How often the watch thread runs RefreshWorkers; 0 = never (a test calls it).
-  int64_t worker_check_interval_ms = 2000;
-  /// Deadline of each check RefreshWorkers makes of a worker (> 0).
-  int64_t worker_check_timeout_ms = 1000;
-  int max_queue = 64;                  // queued requests at most
-  int max_running_per_attention = 32;  // running sequences per attention worker
-  int top_k = 2048;                    // K of every sequence unless overridden
-  double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
-  double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)
-  bool all_keep = false;               // SPIN off
-  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1]
-  uint64_t seed = 0;                   // acceptance draws (mixed with the request id) and SPIN
-  bool retain_finished = true;         // keep finished sequences as prefix donors
-  /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
-  /// usually the same address): sequences on indexer i run on attention worker i.
-  bool colocated = false;
-  int64_t rpc_timeout_ms = 30000;  // deadline of DecodeStep, Commit, Release and GetLoad calls
-  /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
-  int max_pending_events = 16;
-  /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
-  /// message says why) and its sequence released, so a client that stops reading cannot hold a
-  /// running slot, KV and index-key blocks forever; a stream whose Write has been blocked this
-  /// long (the client's window full, also after its request finished) is cancelled, so it cannot
-  /// hold a handler thread either. 0 = never.
-  int64_t stall_timeout_ms = 60000;
-  /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
-  /// 0 = a worker's failure ends its requests.
-  int max_migrations = 3;
-};
-
-/// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
-/// coordinator.proto: request_id 1..128 bytes; a context (context_length >= 1, or context_tokens
-/// with >= 1 token); at most ceil(context / 512) prefix ids; max_new_tokens >= 1; draft_length
-/// 0..kMaxDraftLength; overrides in range (rho, gamma in [0, 1), top_k in [1, kMaxTopK],
-/// acceptance_rate in [0, 1]);
-/// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
-absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
-
-/// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread.
-///
-/// Workers: RefreshWorkers (at Create, then every worker_check_interval_ms on the watch thread)
-/// takes in every fixed or resolved address that answers its first check (GetInfo of an attention
-/// worker, GetLoad of an indexer worker; they must agree on the full layers and H, D) and marks
-/// every known worker ready or not: ready while it is still listed and its grpc.health.v1
-/// "readiness" is SERVING (a server without the health service: while its GetInfo / GetLoad
-/// answers). New sequences go only to ready workers; what a worker that is not ready holds stays
-/// there (issue 13 moves it). The coordinator is ready (SetReadinessListener) while at least one
-/// worker of each kind is; Generate answers UNAVAILABLE while it is not.
-///
-/// Generate: after validation and admission, the handler thread itself runs the request's
-/// evictions and its Prefill (so prefills never stall a decode loop), writes Admitted, then hands
-/// the sequence to its attention worker's decode loop and writes the events that loop produces.
-/// Each decode loop sends one DecodeStep with every running sequence of its worker (rows =
-/// min(d + 1, tokens left)), draws the accepted count a of a speculative step from
-/// AcceptanceModel (seed mixed with the request id, step = the request's verification count),
-/// calls Commit(a), and queues a Tokens event (count = a + 1); at max_new_tokens it queues
-/// Finished and releases the sequence (donor: Release with keep_indexer_sequence; session: kept).
-///
-/// Backpressure: events go through a per-request queue of at most max_pending_events; the handler
-/// writes them with the synchronous stream Write, so a slow reader fills only its own queue, and
-/// the decode loop leaves a sequence whose queue is full out of its DecodeStep until the reader
-/// catches up. A slow reader slows only itself; memory per request stays bounded.
-///
-/// Failures: a DecodeStep error is retried once per sequence alone, so the sequences the attention
-/// worker left intact (it rolls back every sequence the indexer did not apply) go on. A sequence
-/// that still fails with a worker's failure (UNAVAILABLE, DEADLINE_EXCEEDED: a hung worker, whose
-/// batch is not retried; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
-/// FAILED_PRECONDITION: the attention worker marked it broken because another sequence's failure
-/// came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves both
-/// workers (released on each; what a dead worker could not release is released when it answers
-/// again), the workers are checked at once (RefreshWorkers), and the request is placed again ahead
-/// of the queue with its context plus the tokens generated so far, prefilled there and decoded on,
-/// its stream unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
-/// that fails so migrates too. Past max_migrations, or for any other status (INVALID_ARGUMENT,
-/// RESOURCE_EXHAUSTED, ...), the request ends with the status. Abort and a client cancelling its
-/// stream end the request with CANCELLED at the decode loop's next iteration (queued ones at once).
-/// A stream's status is sent only after its sequence was released on the workers (or retained), so
-/// a client that saw the end finds that reflected in GetLoad and in the placement of its next
-/// request.
+/// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread. Each RPC
+/// is the engine's (CoordinatorEngine, whose class comment says what it does), with the caller
+/// the call's CallerIdentity and the router's traceparent from the call's metadata.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
-  /// Validates the options, runs a first RefreshWorkers (each check bounded by
-  /// worker_check_timeout_ms; workers that do not answer are looked at again at the next one, so
-  /// the coordinator starts, not ready, when none does) and starts the watch thread. `metrics` is
-  /// caller-owned and outlives the service; `resolve` resolves the *_dns names. Errors:
-  /// INVALID_ARGUMENT (no source of workers of a kind, a bad address or option).
+  /// CoordinatorEngine::Create over gRPC clients dialed with options.worker_security, whose
+  /// reconnection backoff is bounded by the worker check interval (so a worker that comes back
+  /// is seen at the next check). Errors: as CoordinatorEngine::Create.
   static absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> Create(
       const CoordinatorOptions& options, CoordinatorMetrics* metrics,
       AddressResolver resolve = ResolveDnsAddresses);
 
-  /// Resolves the *_dns names, takes in new workers that answer, and sets every known worker's
-  /// readiness (see the class comment), logging each change with its reason. A worker whose
-  /// instance id changed restarted: its slot is retired (nothing placed there again, its retained
-  /// sequences forgotten) and the new instance is taken in afresh, its shape checked again. Then
-  /// fails the queued requests that no ready worker could hold (UNAVAILABLE), updates
-  /// dsa_coordinator_workers and tells the readiness listener. A name that fails to resolve keeps
-  /// its last answer (logged). Thread-safe; calls are serialized.
-  void RefreshWorkers();
-
-  /// `listener` is called now with whether the coordinator is ready, then on every change (from
-  /// the thread that runs RefreshWorkers). Replaces any earlier listener.
-  void SetReadinessListener(std::function<void(bool ready)> listener);
-
-  /// The attention workers' full layers (GetInfo), the indexer sequences' num_layers; 0 until
-  /// the first attention worker was taken in.
-  int num_full_layers() const;
-
-  /// Stops the decode loops (Stop).
-  ~CoordinatorServiceImpl() override;
-
-  /// Validates, admits (or queues), places, prefills and streams Admitted, Tokens per decode step
-  /// and Finished. The stream's status: OK after Finished; INVALID_ARGUMENT
-  /// (ValidateGenerateRequest, a session context shorter than its sequence); ALREADY_EXISTS (the
-  /// request id is in flight); RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole
-  /// capacity, with the numbers); FAILED_PRECONDITION (the session has a turn queued or running);
-  /// UNAVAILABLE (draining, or a worker's UNAVAILABLE); CANCELLED (Abort, client cancel); any
-  /// other status a worker returned for this request.
+  /// CoordinatorEngine::Generate over the call's writer: the stream's status is the engine's.
   grpc::Status Generate(grpc::ServerContext* context,
                         const dsa::coordinator::v1::GenerateRequest* request,
                         grpc::ServerWriter<dsa::coordinator::v1::GenerateEvent>* writer) override;
-
-  /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
-  /// CANCELLED. NOT_FOUND if no request with that id is in flight; PERMISSION_DENIED when the
-  /// caller (CallerIdentity) is not the one whose Generate started it.
+  /// CoordinatorEngine::Abort: NOT_FOUND, PERMISSION_DENIED (another caller's request).
   grpc::Status Abort(grpc::ServerContext* context,
                      const dsa::coordinator::v1::AbortRequest* request,
                      dsa::coordinator::v1::AbortResponse* response) override;
-
-  /// Queued and running requests, retained sequences, and the index-key cache per indexer worker
-  /// from its GetLoad (a worker that does not answer reports the coordinator's reservations).
-  /// Always OK.
+  /// CoordinatorEngine::GetLoad. Always OK.
   grpc::Status GetLoad(grpc::ServerContext* context,
                        const dsa::coordinator::v1::GetLoadRequest* request,
                        dsa::coordinator::v1::GetLoadResponse* response) override;
 
-  /// Begins a drain (dsa::ServerSpec::on_drain): new Generate calls get UNAVAILABLE, queued
-  /// requests end with UNAVAILABLE, running ones go on.
-  void StartDrain();
-
-  /// Stops the decode loops and joins them (dsa::ServerSpec::on_stopped). Idempotent. Requests
-  /// still decoding stay unfinished: call after the gRPC server has stopped.
-  void Stop();
+  /// The engine's (see CoordinatorEngine).
+  void RefreshWorkers() { engine_->RefreshWorkers(); }
+  void SetReadinessListener(std::function<void(bool ready)> listener) {
+    engine_->SetReadinessListener(std::move(listener));
+  }
+  int num_full_layers() const { return engine_->num_full_layers(); }
+  /// dsa::ServerSpec::on_drain.
+  void StartDrain() { engine_->StartDrain(); }
+  /// dsa::ServerSpec::on_stopped: call after the gRPC server has stopped.
+  void Stop() { engine_->Stop(); }
+  CoordinatorEngine& engine() { return *engine_; }
 
  private:
-  using Clock = std::chrono::steady_clock;
-  // kMigrating: off its failed workers, waiting for its handler to place it again.
-  enum class Phase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
+  explicit CoordinatorServiceImpl(std::unique_ptr<CoordinatorEngine> engine)
+      : engine_(std::move(engine)) {}
 
-  // One Generate call in flight.
-  struct Request {
-    std::string id;
-    std::string caller;  // CallerIdentity of the Generate call: only it may Abort the request
-    TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
-    uint64_t ticket = 0;
-    dsa::coordinator::v1::GenerateRequest proto;
-    SequenceDemand demand;
-    Clock::time_point arrival;
-    // Guarded by the service's mu_.
-    Phase phase = Phase::kQueued;
-    std::optional<Admission> admission;
-    bool cancel_requested = false;
-    std::string cancel_reason = "aborted";  // the CANCELLED status's message
-    // The Generate call's context while its handler runs (TryCancel unblocks a Write that a
-    // stalled reader holds); null once the handler returns.
-    grpc::ServerContext* server_context = nullptr;
-    std::optional<Clock::time_point> stalled_since;        // event queue full since
-    std::optional<Clock::time_point> write_blocked_since;  // a Write in progress since
-    std::deque<dsa::coordinator::v1::GenerateEvent> events;
-    std::optional<grpc::Status> final_status;
-    absl::CondVar changed;        // admission, an event, the final status
-    int migrations = 0;           // guarded by mu_; moves off a failed worker so far
-    grpc::Status migrate_reason;  // guarded by mu_; the failure that made it kMigrating
-    // Owned by the decode loop once the request is decoding.
-    int64_t generated = 0;
-    int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
-    uint64_t verification_steps = 0;
-    std::optional<AcceptanceModel> acceptance;
-    int first_count = 0;
-    Clock::time_point first_token_time;
-    Clock::time_point last_step_time;
-  };
-
-  // One attention worker: its stub and decode loop.
-  struct AttentionWorker {
-    std::string address;
-    std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<dsa::attention::v1::AttentionService::Stub> stub;
-    std::vector<std::shared_ptr<Request>> decoding;  // guarded by mu_
-    absl::CondVar wake;                              // new work, room in an event queue, stop
-    bool ready = true;                               // guarded by mu_
-    bool retired = false;                            // guarded by mu_; restarted or gone
-    std::string instance_id;                         // GetInfo's, when taken in
-    int num_full_layers = 0;
-    int64_t num_heads = 0;
-    int64_t head_dim = 0;
-    std::thread loop;
-  };
-  struct IndexerWorker {
-    std::string address;
-    std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub;
-    bool ready = true;        // guarded by mu_
-    bool retired = false;     // guarded by mu_; restarted or gone
-    std::string instance_id;  // GetLoad's, when taken in
-    int64_t num_heads = 0;
-    int64_t head_dim = 0;
-  };
-  // What one check of a worker saw (RefreshWorkers).
-  struct Probe {
-    std::string address;
-    std::shared_ptr<grpc::Channel> channel;
-    grpc::Status status;  // of GetInfo / GetLoad
-    dsa::attention::v1::GetInfoResponse info;
-    dsa::indexer::v1::GetLoadResponse load;
-    bool healthy = false;  // readiness SERVING, or no health service and the call above OK
-    std::string reason;    // why not healthy
-  };
-
-  /// Worker slots of each kind: stubs and decode loops live in fixed slots so that threads may
-  /// read a slot below the published count without a lock; a worker that leaves keeps its slot.
-  static constexpr int kMaxWorkersPerKind = 1024;
-
-  CoordinatorServiceImpl(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
-                         AddressResolver resolve, Scheduler scheduler);
-
-  // A channel to a worker whose reconnection backoff is bounded by the check interval, so a
-  // worker that comes back is seen at the next check, not after gRPC's default backoff (2 min).
-  std::shared_ptr<grpc::Channel> WorkerChannel(const std::string& address) const;
-  // The addresses of a kind: fixed ones, then each name's resolution (the last good answer when
-  // it fails now). Called with refresh_mu_ held.
-  std::vector<std::string> WantedAddresses(const std::vector<std::string>& fixed,
-                                           const std::vector<std::string>& names)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
-  // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness.
-  Probe ProbeWorker(const std::string& address, std::shared_ptr<grpc::Channel> channel,
-                    bool attention) const;
-  // Whether `probe`'s worker fits the shape of the workers ready now (an empty string) or why
-  // not; with none ready any shape fits (the full layers change only while nothing is held).
-  std::string CheckShapeLocked(const Probe& probe, bool attention)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Retires a known worker's slot (a restart): not ready for good, its address free for the new
-  // instance; co-located, the pair goes together.
-  void RetireLocked(int slot, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Logs `message` for `key` unless the last message logged for it was the same.
-  void LogOnce(const std::string& key, const char* level, const char* message,
-               nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
-  // The watch thread's body.
-  void WatchWorkers();
-  // The stall watch's body: cancels every Generate call whose Write has been blocked for the
-  // stall timeout (its client stopped reading and its HTTP/2 window is full), ending the request
-  // if it still runs, so that no handler thread waits on a client forever.
-  void WatchStalledWrites();
-  // Readiness: a ready worker of each kind.
-  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // The decode loop of attention worker `worker`.
-  void DecodeLoop(int worker);
-  // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
-  struct StepOutcome {
-    grpc::Status status;
-    dsa::attention::v1::DecodeStepResponse response;
-    double seconds = 0;
-  };
-  StepOutcome RunStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                      const std::vector<int>& rows);
-  // Applies a successful step to its batch: draws the accepted counts of speculative sequences
-  // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
-  void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                 const std::vector<int>& rows, const StepOutcome& outcome);
-  // One sequence's step result with `accepted` drafts committed: Tokens event, metrics, and
-  // Finished (and EndSequence) at max_new_tokens.
-  void AdvanceSequence(const std::shared_ptr<Request>& request, int rows, int accepted,
-                       const dsa::attention::v1::SequenceStepResult& result,
-                       const dsa::attention::v1::DecodeStepResponse& response, double seconds);
-  // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
-  // already set) and queued admissions.
-  void EndSequence(const std::shared_ptr<Request>& request, const grpc::Status& status,
-                   bool completed, bool worker_failed = false);
-  // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
-  // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
-  // Releases a worker could not take are kept for ReleaseUnreleased.
-  void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
-  // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
-  // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
-  void FailSequence(const std::shared_ptr<Request>& request, const grpc::Status& status);
-  // The handler's side of a migration: checks the workers, then places the request again (ahead
-  // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
-  grpc::Status PlaceAgain(const std::shared_ptr<Request>& request);
-  // Retries the releases that failed because a worker was unreachable, on workers that are ready
-  // now; forgets those of retired workers (a restarted process holds nothing).
-  void ReleaseUnreleased();
-  // Sets the stream's status and counts the outcome (first call wins).
-  void SetFinalLocked(Request& request, const grpc::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks a request cancelled; a queued one ends at once.
-  void AbortLocked(Request& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hands admissions to their waiting handlers.
-  void DeliverAdmissionsLocked(std::vector<Admission> admissions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops evicted sequences on their workers (best effort; failures are logged).
-  void CarryOutEvictions(const std::vector<Eviction>& evictions);
-  // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, by
-  // `deadline`, carrying a child of `trace` (may be null); the worker's status.
-  grpc::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
-                               bool keep_indexer_sequence,
-                               std::chrono::system_clock::time_point deadline,
-                               const TraceContext* trace);
-  // Prefill of an admitted request on its attention worker.
-  grpc::Status Prefill(grpc::ServerContext* context, const Request& request,
-                       const Admission& admission, dsa::attention::v1::PrefillResponse* response);
-  std::chrono::system_clock::time_point RpcDeadline() const;
-
-  const CoordinatorOptions options_;
-  CoordinatorMetrics* const metrics_;  // not owned
-  const AddressResolver resolve_;
-  // kMaxWorkersPerKind slots each; [0, num_attention_) / [0, num_indexers_) are set, and a set
-  // slot never changes (its ready flag aside).
-  std::vector<std::unique_ptr<AttentionWorker>> attention_;
-  std::vector<std::unique_ptr<IndexerWorker>> indexers_;
-
-  absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
-  absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
-      ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
-  // key -> the last message logged for it (LogOnce)
-  absl::flat_hash_map<std::string, std::string> logged_ ABSL_GUARDED_BY(refresh_mu_);
-  std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
-  std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
-  std::thread watch_;
-  std::thread stall_watch_;  // WatchStalledWrites, when stall_timeout_ms > 0
-
-  mutable absl::Mutex mu_;
-  int num_attention_ ABSL_GUARDED_BY(mu_) = 0;
-  int num_indexers_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
-  int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
-  absl::CondVar watch_wake_;                      // stop
-  Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
-  // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
-  // delivered or its worker retired, so nothing is placed into space a worker still holds.
-  struct Unreleased {
-    bool attention = false;  // an attention worker's Release, else an indexer worker's
-    int slot = 0;
-    uint64_t sequence_id = 0;
-    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
-  };
-  std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
-  // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
-  absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> stopped_{false};
+  std::unique_ptr<CoordinatorEngine> engine_;
 };
 
 }  // namespace dsa

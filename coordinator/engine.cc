@@ -1,0 +1,1578 @@
+// The coordinator's engine (see engine.h).
+#include "coordinator/engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/limits.h"
+#include "common/status_macros.h"
+#include "server/server.h"
+
+namespace dsa {
+namespace {
+
+namespace cv1 = ::dsa::coordinator::v1;
+namespace av1 = ::dsa::attention::v1;
+namespace iv1 = ::dsa::indexer::v1;
+
+constexpr int64_t kMaxSlots = (int64_t{1} << 31) - 1;
+// How often a waiting handler looks at its call's cancellation.
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(20);
+
+int64_t ContextLength(const cv1::GenerateRequest& request) {
+  return request.has_context_tokens() ? request.context_tokens().tokens_size()
+                                      : request.context_length();
+}
+
+// SplitMix64 finalizer over the seed and an FNV-1a hash of the request id: a per-request
+// acceptance seed that is the same in every run.
+uint64_t RequestSeed(uint64_t seed, const std::string& request_id) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : request_id) {
+    h = (h ^ c) * 1099511628211ull;
+  }
+  uint64_t z = seed ^ h;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A worker's status for a request: CANCELLED from a worker (it cancelled the call, e.g. while
+// shutting down) means the worker was lost, so UNAVAILABLE (retryable); other codes unchanged.
+absl::Status WorkerStatus(const absl::Status& status, const std::string& address) {
+  if (status.code() != absl::StatusCode::kCancelled) return status;
+  return absl::UnavailableError(
+      absl::StrCat("attention worker ", address, " cancelled the call: ", status.message()));
+}
+
+// Whether a sequence that failed with `status` may migrate: the codes of a worker's failure
+// (CoordinatorEngine's class comment), not a refusal of the request itself.
+bool WorkerFailure(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// A Release (or other call) that did not reach its worker: kept for a retry.
+bool Unreached(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kUnavailable ||
+         status.code() == absl::StatusCode::kDeadlineExceeded;
+}
+
+double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+}  // namespace
+
+absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
+  if (request.request_id().empty() || request.request_id().size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id must be 1..128 bytes, got ", request.request_id().size()));
+  }
+  if (request.session_id().size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_id must be at most 128 bytes, got ", request.session_id().size()));
+  }
+  int64_t context = 0;
+  if (request.has_context_tokens()) {
+    context = request.context_tokens().tokens_size();
+    if (context < 1) {
+      return absl::InvalidArgumentError("context_tokens must hold at least one token");
+    }
+  } else if (request.context_case() == cv1::GenerateRequest::kContextLength) {
+    context = request.context_length();
+    if (context < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("context_length must be >= 1, got ", context));
+    }
+  } else {
+    return absl::InvalidArgumentError("a context is required (context_length or context_tokens)");
+  }
+  if (request.max_new_tokens() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_new_tokens must be >= 1, got ", request.max_new_tokens()));
+  }
+  if (request.draft_length() < 0 || request.draft_length() > kMaxDraftLength) {
+    return absl::InvalidArgumentError(absl::StrCat("draft_length must be in 0..", kMaxDraftLength,
+                                                   ", got ", request.draft_length()));
+  }
+  if (context > kMaxSlots || request.max_new_tokens() > kMaxSlots ||
+      context + request.max_new_tokens() + request.draft_length() > kMaxSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("context (", context, ") + max_new_tokens (",
+                                                   request.max_new_tokens(),
+                                                   ") + draft_length must stay below 2^31 slots"));
+  }
+  const int64_t max_prefix = (context + kSlotsPerPrefixBlock - 1) / kSlotsPerPrefixBlock;
+  if (request.prefix_block_ids_size() > max_prefix) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefix_block_ids holds ", request.prefix_block_ids_size(), " ids; a context of ", context,
+        " tokens allows at most ceil(", context, " / 512) = ", max_prefix));
+  }
+  const cv1::Overrides& o = request.overrides();
+  if (o.has_target_block_sparsity() &&
+      !(o.target_block_sparsity() >= 0.0 && o.target_block_sparsity() < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "overrides.target_block_sparsity must be in [0, 1), got ", o.target_block_sparsity()));
+  }
+  if (o.has_exploration_fraction() &&
+      !(o.exploration_fraction() >= 0.0 && o.exploration_fraction() < 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "overrides.exploration_fraction must be in [0, 1), got ", o.exploration_fraction()));
+  }
+  if (o.has_top_k() && (o.top_k() < 1 || o.top_k() > kMaxTopK)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("overrides.top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", o.top_k()));
+  }
+  if (o.has_acceptance_rate() && !(o.acceptance_rate() >= 0.0 && o.acceptance_rate() <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("overrides.acceptance_rate must be in [0, 1], got ", o.acceptance_rate()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
+    const CoordinatorOptions& options, CoordinatorMetrics* metrics,
+    std::shared_ptr<WorkerClientFactory> workers, const Clock* clock, AddressResolver resolve) {
+  if (options.attention_addresses.empty() && options.attention_dns.empty()) {
+    return absl::InvalidArgumentError("no attention worker (--attention or --attention-dns)");
+  }
+  if (options.colocated) {
+    if (!options.indexer_dns.empty()) {
+      return absl::InvalidArgumentError(
+          "co-located indexers are the attention workers: give no --indexer-dns");
+    }
+    if (!options.indexer_addresses.empty() &&
+        options.indexer_addresses != options.attention_addresses) {
+      return absl::InvalidArgumentError(
+          "co-located indexers are the attention workers: --indexer must list the --attention "
+          "addresses in the same order, or be left out");
+    }
+  } else if (options.indexer_addresses.empty() && options.indexer_dns.empty()) {
+    return absl::InvalidArgumentError("no indexer worker (--indexer or --indexer-dns)");
+  }
+  if (options.stall_timeout_ms < 0) {
+    return absl::InvalidArgumentError("stall_timeout_ms must be >= 0");
+  }
+  if (options.worker_check_interval_ms < 0 || options.worker_check_timeout_ms < 1) {
+    return absl::InvalidArgumentError(
+        "worker_check_interval_ms must be >= 0 and worker_check_timeout_ms >= 1");
+  }
+  if (options.max_migrations < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_migrations must be >= 0, got ", options.max_migrations));
+  }
+  if (options.max_pending_events < 2) {
+    return absl::InvalidArgumentError("max_pending_events must be >= 2");
+  }
+  if (options.top_k < 1 || options.top_k > kMaxTopK ||
+      !(options.target_block_sparsity >= 0 && options.target_block_sparsity < 1) ||
+      !(options.exploration_fraction >= 0 && options.exploration_fraction < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k must be in [1, ", kMaxTopK,
+                                                   "], target_block_sparsity and "
+                                                   "exploration_fraction in [0, 1)"));
+  }
+  // A decode step's select to one indexer worker carries every running sequence of an attention
+  // worker at most: its answer must fit a message (common/limits.h) at the largest rows and K.
+  if (options.max_running_per_attention < 1 ||
+      kSelectResponseFramingBytes + int64_t{options.max_running_per_attention} *
+                                        SelectResponseBytesBound(kMaxStepRows, kMaxTopK) >
+          kMaxReceiveMessageBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_running_per_attention must be in [1, ",
+                     (kMaxReceiveMessageBytes - kSelectResponseFramingBytes) /
+                         SelectResponseBytesBound(kMaxStepRows, kMaxTopK),
+                     "] (a step's selections must fit the ", kMaxReceiveMessageBytes,
+                     "-byte message limit), got ", options.max_running_per_attention));
+  }
+  if (!AcceptanceModel::Create(options.acceptance_rate, 0, 0).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("acceptance_rate must be in [0, 1], got ", options.acceptance_rate));
+  }
+  if (metrics == nullptr) return absl::InvalidArgumentError("metrics are required");
+  if (!resolve) return absl::InvalidArgumentError("an address resolver is required");
+  if (workers == nullptr) return absl::InvalidArgumentError("a worker client factory is required");
+  if (clock == nullptr) return absl::InvalidArgumentError("a clock is required");
+  for (const std::vector<std::string>* list :
+       {&options.indexer_addresses, &options.attention_addresses, &options.indexer_dns,
+        &options.attention_dns}) {
+    for (const std::string& address : *list) {
+      if (absl::StatusOr<HostPort> parsed = ParseHostPort(address, /*min_port=*/1); !parsed.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("worker address: ", parsed.status().message()));
+      }
+    }
+  }
+
+  SchedulerOptions scheduler_options;
+  scheduler_options.num_full_layers = 1;  // set from the first attention worker's GetInfo
+  scheduler_options.max_queue = options.max_queue;
+  scheduler_options.max_running_per_attention = options.max_running_per_attention;
+  scheduler_options.retain_finished = options.retain_finished;
+  scheduler_options.colocated = options.colocated;
+  // Sequence ids unique across coordinator restarts with high probability: a random start below
+  // 2^62, counting up.
+  absl::BitGen gen;
+  scheduler_options.first_sequence_id = absl::Uniform<uint64_t>(gen, 1, uint64_t{1} << 62);
+  auto scheduler = Scheduler::Create(scheduler_options, {}, {});
+  if (!scheduler.ok()) return scheduler.status();
+  auto engine = std::unique_ptr<CoordinatorEngine>(new CoordinatorEngine(
+      options, metrics, std::move(workers), *clock, std::move(resolve), *std::move(scheduler)));
+  engine->RefreshWorkers();
+  if (options.run_loops && options.worker_check_interval_ms > 0) {
+    engine->watch_ = std::thread([raw = engine.get()] { raw->WatchWorkers(); });
+  }
+  if (options.run_loops && options.stall_timeout_ms > 0) {
+    engine->stall_watch_ = std::thread([raw = engine.get()] { raw->WatchStalledWrites(); });
+  }
+  return engine;
+}
+
+CoordinatorEngine::CoordinatorEngine(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
+                                     std::shared_ptr<WorkerClientFactory> workers,
+                                     const Clock& clock, AddressResolver resolve,
+                                     Scheduler scheduler)
+    : options_(options),
+      metrics_(metrics),
+      workers_(std::move(workers)),
+      clock_(clock),
+      resolve_(std::move(resolve)),
+      attention_(kMaxWorkersPerKind),
+      indexers_(kMaxWorkersPerKind),
+      scheduler_(std::move(scheduler)) {
+  metrics_->SetMaxQueued(options_.max_queue);
+  metrics_->SetWorkers(/*attention=*/false, 0, 0);
+  metrics_->SetWorkers(/*attention=*/true, 0, 0);
+}
+
+CoordinatorEngine::~CoordinatorEngine() { Stop(); }
+
+void CoordinatorEngine::Stop() {
+  if (stopped_.exchange(true)) return;
+  int num_attention = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    num_attention = num_attention_;
+    for (int j = 0; j < num_attention; ++j) attention_[j]->wake.SignalAll();
+    watch_wake_.SignalAll();
+  }
+  if (watch_.joinable()) watch_.join();
+  if (stall_watch_.joinable()) stall_watch_.join();
+  absl::MutexLock refresh(&refresh_mu_);  // no refresh adds a worker from here on
+  {
+    absl::MutexLock lock(&mu_);
+    num_attention = num_attention_;
+  }
+  for (int j = 0; j < num_attention; ++j) {
+    if (attention_[j]->loop.joinable()) attention_[j]->loop.join();
+  }
+}
+
+void CoordinatorEngine::WatchWorkers() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + absl::Milliseconds(options_.worker_check_interval_ms);
+      while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
+      }
+      if (stopping_) return;
+    }
+    RefreshWorkers();
+  }
+}
+
+void CoordinatorEngine::WatchStalledWrites() {
+  // A quarter of the timeout between looks (10 ms .. 1 s): a stalled write is cut within 1.25x.
+  const absl::Duration period = std::clamp(absl::Milliseconds(options_.stall_timeout_ms) / 4,
+                                           absl::Milliseconds(10), absl::Seconds(1));
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time until = absl::Now() + period;
+      while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
+      }
+      if (stopping_) return;
+    }
+    CheckStalledWrites();
+  }
+}
+
+void CoordinatorEngine::CheckStalledWrites() {
+  if (options_.stall_timeout_ms <= 0) return;
+  const absl::Duration timeout = absl::Milliseconds(options_.stall_timeout_ms);
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_.Now();
+  for (auto& [id, request] : by_id_) {
+    if (!request->write_blocked_since.has_value() || request->stream == nullptr ||
+        now - *request->write_blocked_since < timeout) {
+      continue;
+    }
+    LogJson("warn", "ending a stream whose client stopped reading",
+            {{"request_id", id},
+             {"blocked_ms", absl::ToInt64Milliseconds(now - *request->write_blocked_since)},
+             {"stall_timeout_ms", options_.stall_timeout_ms},
+             {"finished", request->final_status.has_value()}});
+    if (!request->final_status.has_value() && !request->cancel_requested) {
+      request->cancel_reason =
+          absl::StrCat("the client read nothing for ", options_.stall_timeout_ms,
+                       " ms (--stall-timeout-ms); request ended");
+      request->cancel_requested = true;
+      request->changed.SignalAll();
+      if (request->admission.has_value()) attention_[request->admission->attention]->wake.Signal();
+    }
+    request->write_blocked_since.reset();  // cancelled once
+    request->stream->TryCancel();          // unblocks the Write
+  }
+}
+
+void CoordinatorEngine::SetReadinessListener(std::function<void(bool ready)> listener) {
+  absl::MutexLock refresh(&refresh_mu_);
+  readiness_listener_ = std::move(listener);
+  bool ready = false;
+  {
+    absl::MutexLock lock(&mu_);
+    ready = ReadyLocked();
+  }
+  told_ready_ = ready;
+  if (readiness_listener_) readiness_listener_(ready);
+}
+
+int CoordinatorEngine::num_full_layers() const {
+  absl::MutexLock lock(&mu_);
+  return num_full_layers_;
+}
+
+bool CoordinatorEngine::ReadyLocked() const {
+  return scheduler_.ReadyIndexers() > 0 && scheduler_.ReadyAttentions() > 0;
+}
+
+std::vector<std::string> CoordinatorEngine::WantedAddresses(const std::vector<std::string>& fixed,
+                                                            const std::vector<std::string>& names) {
+  std::vector<std::string> wanted = fixed;
+  for (const std::string& name : names) {
+    absl::StatusOr<std::vector<std::string>> resolved = resolve_(name);
+    if (resolved.ok()) {
+      dns_answers_[name] = *resolved;
+      logged_.erase(absl::StrCat("dns ", name));
+    } else {
+      LogOnce(absl::StrCat("dns ", name), "warn", "cannot resolve workers; keeping the last answer",
+              {{"name", name}, {"status", resolved.status().ToString()}});
+    }
+    const auto& answer = dns_answers_[name];
+    wanted.insert(wanted.end(), answer.begin(), answer.end());
+  }
+  std::vector<std::string> unique;
+  for (const std::string& address : wanted) {
+    if (std::find(unique.begin(), unique.end(), address) == unique.end()) {
+      unique.push_back(address);
+    }
+  }
+  return unique;
+}
+
+CoordinatorEngine::Probe CoordinatorEngine::ProbeWorker(
+    const std::string& address, bool attention,
+    std::shared_ptr<AttentionWorkerClient> attention_client,
+    std::shared_ptr<IndexerWorkerClient> indexer_client) const {
+  const absl::Duration timeout = absl::Milliseconds(options_.worker_check_timeout_ms);
+  Probe probe;
+  probe.address = address;
+  WorkerClient* client = nullptr;
+  if (attention) {
+    probe.attention_client =
+        attention_client != nullptr ? std::move(attention_client) : workers_->Attention(address);
+    probe.status = probe.attention_client->GetInfo({timeout, "", {}}, &probe.info);
+    client = probe.attention_client.get();
+  } else {
+    probe.indexer_client =
+        indexer_client != nullptr ? std::move(indexer_client) : workers_->Indexer(address);
+    probe.status = probe.indexer_client->GetLoad({timeout, "", {}}, &probe.load);
+    client = probe.indexer_client.get();
+  }
+  if (!probe.status.ok()) {
+    probe.reason =
+        absl::StrCat(attention ? "GetInfo" : "GetLoad", " failed: ", probe.status.message());
+    return probe;
+  }
+  const WorkerReadiness readiness = client->CheckReadiness(timeout);
+  probe.healthy = readiness.ready;
+  probe.reason = readiness.reason;
+  return probe;
+}
+
+std::string CoordinatorEngine::CheckShapeLocked(const Probe& probe, bool attention) {
+  const int64_t heads = attention ? probe.info.num_heads() : probe.load.num_heads();
+  const int64_t dim = attention ? probe.info.head_dim() : probe.load.head_dim();
+  if (attention && probe.info.num_full_layers() < 1) return "it reports no full layer";
+  // The shape of the workers ready now (any one: they all agree).
+  int64_t ready_heads = 0;
+  int64_t ready_dim = 0;
+  int ready_layers = 0;
+  for (int j = 0; j < num_attention_; ++j) {
+    if (!attention_[j]->ready) continue;
+    ready_heads = attention_[j]->num_heads;
+    ready_dim = attention_[j]->head_dim;
+    ready_layers = attention_[j]->num_full_layers;
+  }
+  for (int i = 0; i < num_indexers_ && ready_heads == 0; ++i) {
+    if (!indexers_[i]->ready) continue;
+    ready_heads = indexers_[i]->num_heads;
+    ready_dim = indexers_[i]->head_dim;
+  }
+  if (ready_heads != 0 && (heads != ready_heads || dim != ready_dim)) {
+    return absl::StrCat("it has H = ", heads, ", D = ", dim,
+                        " but the ready workers have H = ", ready_heads, ", D = ", ready_dim);
+  }
+  if (!attention) return "";
+  if (ready_layers != 0 && probe.info.num_full_layers() != ready_layers) {
+    return absl::StrCat("attention workers disagree on the number of full layers: it has ",
+                        probe.info.num_full_layers(), ", the ready workers have ", ready_layers);
+  }
+  if (probe.info.num_full_layers() != num_full_layers_) {
+    if (absl::Status set = scheduler_.SetNumFullLayers(probe.info.num_full_layers()); !set.ok()) {
+      return absl::StrCat("it has ", probe.info.num_full_layers(), " full layers, the sequences ",
+                          "held have ", num_full_layers_, ": ", set.message());
+    }
+    num_full_layers_ = probe.info.num_full_layers();
+  }
+  return "";
+}
+
+void CoordinatorEngine::RetireLocked(int slot, bool attention) {
+  for (bool kind : {true, false}) {
+    if (kind != attention && !options_.colocated) continue;  // co-located: the pair goes together
+    if (kind) {
+      attention_[slot]->ready = false;
+      attention_[slot]->retired = true;
+      attention_by_address_.erase(attention_[slot]->address);
+      (void)scheduler_.RetireAttention(slot);
+    } else {
+      indexers_[slot]->ready = false;
+      indexers_[slot]->retired = true;
+      indexer_by_address_.erase(indexers_[slot]->address);
+      (void)scheduler_.RetireIndexer(slot);
+    }
+  }
+}
+
+void CoordinatorEngine::LogOnce(const std::string& key, const char* level, const char* message,
+                                nlohmann::json fields) {
+  const std::string text = absl::StrCat(message, " ", fields.dump());
+  if (logged_[key] == text) return;
+  logged_[key] = text;
+  LogJson(level, message, std::move(fields));
+}
+
+void CoordinatorEngine::RefreshWorkers() {
+  absl::MutexLock refresh(&refresh_mu_);
+  const std::vector<std::string> attention_wanted =
+      WantedAddresses(options_.attention_addresses, options_.attention_dns);
+  const std::vector<std::string> indexer_wanted =
+      options_.colocated ? attention_wanted
+                         : WantedAddresses(options_.indexer_addresses, options_.indexer_dns);
+  // Every wanted or known (not retired) address of each kind, with the client of a known one.
+  struct Target {
+    std::string address;
+    bool attention;
+    bool wanted;
+    int slot;  // -1: not taken in yet
+    std::shared_ptr<AttentionWorkerClient> attention_client;
+    std::shared_ptr<IndexerWorkerClient> indexer_client;
+  };
+  std::vector<Target> targets;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    for (bool attention : {true, false}) {
+      const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
+      const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
+      auto target_of = [&](const std::string& address, bool is_wanted, int slot) {
+        Target target{address, attention, is_wanted, slot, nullptr, nullptr};
+        if (slot >= 0 && attention) target.attention_client = attention_[slot]->client;
+        if (slot >= 0 && !attention) target.indexer_client = indexers_[slot]->client;
+        return target;
+      };
+      for (const std::string& address : wanted) {
+        auto it = by_address.find(address);
+        targets.push_back(target_of(address, true, it == by_address.end() ? -1 : it->second));
+      }
+      for (const auto& [address, slot] : by_address) {
+        if (std::find(wanted.begin(), wanted.end(), address) == wanted.end()) {
+          targets.push_back(target_of(address, false, slot));
+        }
+      }
+    }
+  }
+  // Check them all at once: a dead worker costs one timeout, not one each.
+  std::vector<Probe> probes(targets.size());
+  {
+    std::vector<std::thread> checks;
+    checks.reserve(targets.size());
+    for (size_t t = 0; t < targets.size(); ++t) {
+      checks.emplace_back([&, t] {
+        probes[t] = ProbeWorker(targets[t].address, targets[t].attention,
+                                targets[t].attention_client, targets[t].indexer_client);
+      });
+    }
+    for (std::thread& check : checks) check.join();
+  }
+  auto probe_of = [&](const std::string& address, bool attention) -> Probe* {
+    for (size_t t = 0; t < targets.size(); ++t) {
+      if (targets[t].address == address && targets[t].attention == attention) return &probes[t];
+    }
+    return nullptr;
+  };
+  auto instance_of = [](const Probe& p, bool attention) -> const std::string& {
+    return attention ? p.info.instance_id() : p.load.instance_id();
+  };
+
+  bool ready = false;
+  std::vector<uint64_t> unplaceable;
+  {
+    absl::MutexLock lock(&mu_);
+    bool any_became_ready = false;
+    // A known worker that answers with another instance id restarted: what the scheduler thinks
+    // it holds is gone. Retire its slot; the new instance is taken in below like a new worker.
+    for (size_t t = 0; t < targets.size(); ++t) {
+      Target& target = targets[t];
+      const Probe& probe = probes[t];
+      if (target.slot < 0 || !probe.status.ok()) continue;
+      const std::string& now = instance_of(probe, target.attention);
+      std::string& then = target.attention ? attention_[target.slot]->instance_id
+                                           : indexers_[target.slot]->instance_id;
+      if (then.empty()) then = now;  // a server that did not say before: nothing to compare
+      if (now.empty() || now == then) continue;
+      LogJson("warn", "worker restarted",
+              {{"kind", target.attention ? "attention" : "indexer"},
+               {"address", target.address},
+               {"reason", "its instance id changed: the sequences it held are gone"}});
+      const int slot = target.slot;
+      RetireLocked(slot, target.attention);
+      for (Target& other : targets) {  // co-located: the other half of the pair too
+        if (other.slot == slot && (other.attention == target.attention || options_.colocated)) {
+          other.slot = -1;
+        }
+      }
+    }
+    int unreached[2] = {0, 0};  // [attention]
+    for (size_t t = 0; t < targets.size(); ++t) {
+      Target& target = targets[t];
+      const Probe& probe = probes[t];
+      const char* kind = target.attention ? "attention" : "indexer";
+      const std::string key = absl::StrCat(kind, " ", target.address);
+      if (target.slot < 0) {  // not taken in yet
+        if (!target.wanted) continue;
+        if (options_.colocated && !target.attention) continue;  // taken in with its attention half
+        ++unreached[target.attention ? 1 : 0];
+        const Probe* indexer_half = options_.colocated ? probe_of(target.address, false) : nullptr;
+        const absl::Status& failed =
+            !probe.status.ok() ? probe.status
+                               : (indexer_half != nullptr ? indexer_half->status : probe.status);
+        if (!failed.ok()) {
+          LogOnce(key, "warn", "worker unreachable",
+                  {{"kind", kind},
+                   {"address", target.address},
+                   {"reason", std::string(failed.message())}});
+          continue;  // looked at again at the next refresh
+        }
+        std::string refusal = CheckShapeLocked(probe, target.attention);
+        if (refusal.empty() && indexer_half != nullptr) {
+          refusal = CheckShapeLocked(*indexer_half, /*attention=*/false);
+        }
+        if (refusal.empty() &&
+            (target.attention ? num_attention_ : num_indexers_) >= kMaxWorkersPerKind) {
+          refusal = absl::StrCat("the coordinator holds ", kMaxWorkersPerKind, " ", kind,
+                                 " workers already");
+        }
+        if (!refusal.empty()) {
+          LogOnce(key, "error", "worker refused",
+                  {{"kind", kind}, {"address", target.address}, {"reason", refusal}});
+          continue;
+        }
+        auto add_indexer = [&](const Probe& p) -> bool {
+          absl::StatusOr<int> slot = scheduler_.AddIndexer({p.address, p.load.capacity_blocks()});
+          if (!slot.ok()) {
+            LogOnce(key, "error", "worker refused",
+                    {{"kind", "indexer"},
+                     {"address", p.address},
+                     {"reason", slot.status().ToString()}});
+            return false;
+          }
+          auto worker = std::make_unique<IndexerWorker>();
+          worker->address = p.address;
+          worker->client = p.indexer_client;
+          worker->ready = p.healthy;
+          worker->instance_id = p.load.instance_id();
+          worker->num_heads = p.load.num_heads();
+          worker->head_dim = p.load.head_dim();
+          indexers_[*slot] = std::move(worker);
+          indexer_by_address_[p.address] = *slot;
+          num_indexers_ = *slot + 1;
+          (void)scheduler_.SetIndexerReady(*slot, p.healthy);
+          LogJson("info", "worker taken in",
+                  {{"kind", "indexer"},
+                   {"address", p.address},
+                   {"ready", p.healthy},
+                   {"capacity_blocks", p.load.capacity_blocks()}});
+          return true;
+        };
+        if (!target.attention) {
+          if (!add_indexer(probe)) continue;
+          --unreached[0];
+          logged_.erase(key);
+          any_became_ready |= probe.healthy;
+          continue;
+        }
+        if (indexer_half != nullptr && !add_indexer(*indexer_half)) continue;
+        absl::StatusOr<int> slot =
+            scheduler_.AddAttention({probe.address, probe.info.kv_capacity_slots()});
+        if (!slot.ok()) {
+          LogOnce(key, "error", "worker refused",
+                  {{"kind", "attention"},
+                   {"address", probe.address},
+                   {"reason", slot.status().ToString()}});
+          continue;
+        }
+        const bool healthy = probe.healthy && (indexer_half == nullptr || indexer_half->healthy);
+        auto worker = std::make_unique<AttentionWorker>();
+        worker->address = probe.address;
+        worker->client = probe.attention_client;
+        worker->ready = healthy;
+        worker->instance_id = probe.info.instance_id();
+        worker->num_full_layers = probe.info.num_full_layers();
+        worker->num_heads = probe.info.num_heads();
+        worker->head_dim = probe.info.head_dim();
+        attention_[*slot] = std::move(worker);
+        attention_by_address_[probe.address] = *slot;
+        num_attention_ = *slot + 1;
+        (void)scheduler_.SetAttentionReady(*slot, healthy);
+        if (indexer_half != nullptr) {
+          indexers_[*slot]->ready = healthy;
+          (void)scheduler_.SetIndexerReady(*slot, healthy);
+        }
+        if (options_.run_loops) {
+          attention_[*slot]->loop = std::thread([this, j = *slot] { DecodeLoop(j); });
+        }
+        LogJson("info", "worker taken in",
+                {{"kind", "attention"},
+                 {"address", probe.address},
+                 {"ready", healthy},
+                 {"num_full_layers", probe.info.num_full_layers()},
+                 {"kv_capacity_slots", probe.info.kv_capacity_slots()}});
+        --unreached[1];
+        logged_.erase(key);
+        any_became_ready |= healthy;
+        continue;
+      }
+      // A known worker: ready while wanted and healthy (a co-located pair: both halves).
+      bool healthy = target.wanted && probe.healthy;
+      std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
+      if (options_.colocated) {
+        const Probe* other = probe_of(target.address, !target.attention);
+        if (other != nullptr && !other->healthy && healthy) {
+          healthy = false;
+          reason = other->reason;
+        }
+      }
+      bool& flag =
+          target.attention ? attention_[target.slot]->ready : indexers_[target.slot]->ready;
+      if (flag == healthy) continue;
+      flag = healthy;
+      if (target.attention) {
+        (void)scheduler_.SetAttentionReady(target.slot, healthy);
+      } else {
+        (void)scheduler_.SetIndexerReady(target.slot, healthy);
+      }
+      any_became_ready |= healthy;
+      if (healthy) {
+        LogJson("info", "worker ready", {{"kind", kind}, {"address", target.address}});
+      } else {
+        LogJson("warn", "worker not ready",
+                {{"kind", kind}, {"address", target.address}, {"reason", reason}});
+      }
+    }
+    // Wanted but not taken in (no answer, or refused): not ready. Co-located, a pair is one.
+    const int unreached_attention = unreached[1];
+    const int unreached_indexers = options_.colocated ? unreached[1] : unreached[0];
+    if (any_became_ready && !draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    unplaceable = scheduler_.TakeUnplaceableQueued();
+    for (uint64_t ticket : unplaceable) {
+      auto it = by_ticket_.find(ticket);
+      if (it == by_ticket_.end()) continue;
+      it->second->phase = Phase::kEnded;
+      SetFinalLocked(*it->second,
+                     absl::Status(absl::StatusCode::kUnavailable,
+                                  "no ready worker can hold the request now (the workers large "
+                                  "enough for it are not ready)"));
+    }
+    if (!unplaceable.empty()) UpdateGaugesLocked();
+    ready = ReadyLocked();
+    auto known = [](const auto& workers, int count) {
+      int n = 0;
+      for (int i = 0; i < count; ++i) n += workers[i]->retired ? 0 : 1;
+      return n;
+    };
+    const int indexers = known(indexers_, num_indexers_);
+    const int attention = known(attention_, num_attention_);
+    metrics_->SetWorkers(/*attention=*/false, scheduler_.ReadyIndexers(),
+                         indexers - scheduler_.ReadyIndexers() + unreached_indexers);
+    metrics_->SetWorkers(/*attention=*/true, scheduler_.ReadyAttentions(),
+                         attention - scheduler_.ReadyAttentions() + unreached_attention);
+  }
+  if (!told_ready_.has_value() || *told_ready_ != ready) {
+    told_ready_ = ready;
+    if (readiness_listener_) readiness_listener_(ready);
+  }
+  ReleaseUnreleased();  // what failed workers could not release, on those that answer again
+}
+
+void CoordinatorEngine::StartDrain() {
+  absl::MutexLock lock(&mu_);
+  draining_ = true;
+  for (uint64_t ticket : scheduler_.CancelAllQueued()) {
+    auto it = by_ticket_.find(ticket);
+    if (it == by_ticket_.end()) continue;
+    it->second->phase = Phase::kEnded;
+    SetFinalLocked(*it->second, absl::Status(absl::StatusCode::kUnavailable,
+                                             "draining: the coordinator is shutting down"));
+  }
+  UpdateGaugesLocked();
+}
+
+absl::Duration CoordinatorEngine::RpcTimeout() const {
+  return absl::Milliseconds(options_.rpc_timeout_ms);
+}
+
+void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& status) {
+  if (request.final_status.has_value()) return;
+  request.final_status = status;
+  // One line per request (docs/reliability.md, "Traceability"): its ids, outcome, sizes and
+  // durations, and where it last ran.
+  nlohmann::json fields = {
+      {"request_id", request.id},
+      {"trace_id", request.trace.trace_id},
+      {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.code()))},
+      {"context_tokens", ContextLength(request.proto)},
+      {"generated_tokens", request.generated},
+      {"migrations", request.migrations},
+      {"duration_s", Seconds(clock_.Now() - request.arrival)}};
+  if (!status.ok()) fields["message"] = std::string(status.message());
+  if (request.generated > 0) {
+    fields["ttft_s"] = Seconds(request.first_token_time - request.arrival);
+  }
+  if (request.admission.has_value()) {
+    fields["indexer_worker"] = indexers_[request.admission->indexer]->address;
+    fields["attention_worker"] = attention_[request.admission->attention]->address;
+  }
+  LogJson(status.ok() || status.code() == absl::StatusCode::kCancelled ? "info" : "warn", "request",
+          std::move(fields));
+  RequestOutcome outcome = RequestOutcome::kFailed;
+  if (status.ok()) {
+    outcome = RequestOutcome::kCompleted;
+  } else if (status.code() == absl::StatusCode::kCancelled) {
+    outcome = RequestOutcome::kCancelled;
+  }
+  metrics_->CountRequest(outcome);
+  request.changed.SignalAll();
+}
+
+void CoordinatorEngine::UpdateGaugesLocked() {
+  const SchedulerLoad load = scheduler_.Load();
+  metrics_->SetQueued(load.queued);
+  metrics_->SetRunning(load.running);
+}
+
+void CoordinatorEngine::AbortLocked(Request& request) {
+  if (request.final_status.has_value() || request.cancel_requested) return;
+  request.cancel_requested = true;
+  if (request.phase == Phase::kQueued) {
+    scheduler_.CancelQueued(request.ticket);
+    request.phase = Phase::kEnded;
+    SetFinalLocked(request, absl::Status(absl::StatusCode::kCancelled, "aborted while queued"));
+    // The head may have left: the next ones may fit now.
+    if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    UpdateGaugesLocked();
+  } else if (request.phase == Phase::kDecoding && request.admission.has_value()) {
+    attention_[request.admission->attention]->wake.Signal();
+  }
+  request.changed.SignalAll();
+}
+
+void CoordinatorEngine::DeliverAdmissionsLocked(std::vector<Admission> admissions) {
+  for (Admission& admission : admissions) {
+    auto it = by_ticket_.find(admission.ticket);
+    if (it == by_ticket_.end()) continue;  // cannot happen: tickets leave the queue first
+    Request& request = *it->second;
+    request.admission = std::move(admission);
+    request.phase = Phase::kPrefilling;
+    request.changed.SignalAll();
+  }
+  UpdateGaugesLocked();
+}
+
+absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
+                                                bool keep_indexer_sequence, absl::Duration timeout,
+                                                const TraceContext* trace) {
+  const WorkerCall call{timeout, trace != nullptr ? trace->Child().ToTraceparent() : "", {}};
+  if (attention) {
+    av1::ReleaseRequest release;
+    release.set_sequence_id(sequence_id);
+    release.set_keep_indexer_sequence(keep_indexer_sequence);
+    return attention_[slot]->client->Release(call, release);
+  }
+  iv1::ReleaseRequest release;
+  release.set_sequence_id(sequence_id);
+  return indexers_[slot]->client->Release(call, release);
+}
+
+void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions) {
+  for (const Eviction& eviction : evictions) {
+    // A worker that lost the sequence already freed it: the status does not matter.
+    (void)ReleaseOnWorker(eviction.release_on_attention,
+                          eviction.release_on_attention ? eviction.attention : eviction.indexer,
+                          eviction.sequence_id, /*keep_indexer_sequence=*/false, RpcTimeout(),
+                          /*trace=*/nullptr);
+  }
+}
+
+absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& request,
+                                        const Admission& admission,
+                                        av1::PrefillResponse* response) {
+  const cv1::GenerateRequest& g = request.proto;
+  const cv1::Overrides& o = g.overrides();
+  av1::PrefillRequest prefill;
+  prefill.set_sequence_id(admission.sequence_id);
+  prefill.set_context_length(request.demand.context_length);
+  for (uint64_t id : g.prefix_block_ids()) prefill.add_prefix_block_ids(id);
+  prefill.set_indexer_worker(indexers_[admission.indexer]->address);
+  av1::SequenceSettings* settings = prefill.mutable_settings();
+  settings->set_top_k(o.has_top_k() ? o.top_k() : options_.top_k);
+  iv1::SpinSettings* spin = settings->mutable_spin();
+  if (o.has_all_keep() ? o.all_keep() : options_.all_keep) {
+    spin->set_all_keep(true);
+  } else {
+    spin->set_target_block_sparsity(o.has_target_block_sparsity() ? o.target_block_sparsity()
+                                                                  : options_.target_block_sparsity);
+  }
+  spin->set_exploration_fraction(o.has_exploration_fraction() ? o.exploration_fraction()
+                                                              : options_.exploration_fraction);
+  spin->set_seed(options_.seed);
+  if (admission.prefix_source_id.has_value()) {
+    prefill.set_prefix_source_id(*admission.prefix_source_id);
+    prefill.set_prefix_slots(admission.prefix_slots);
+  }
+  prefill.set_continue_sequence(admission.continue_sequence);
+  // No deadline of its own (a long context takes long); cancelled with the Generate call (client
+  // gone, its deadline, server shutdown).
+  const WorkerCall call{absl::InfiniteDuration(), request.trace.Child().ToTraceparent(),
+                        [&stream] { return stream.IsCancelled(); }};
+  return attention_[admission.attention]->client->Prefill(call, prefill, response);
+}
+
+absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
+                                         const std::string& caller, absl::string_view traceparent,
+                                         GenerateStream& stream) {
+  const cv1::GenerateRequest* proto = &generate;
+  const absl::Time arrival = clock_.Now();
+  if (absl::Status valid = ValidateGenerateRequest(*proto); !valid.ok()) {
+    metrics_->CountRequest(RequestOutcome::kRejected);
+    return valid;
+  }
+  auto request = std::make_shared<Request>();
+  request->id = proto->request_id();
+  request->caller = caller;
+  {
+    std::optional<TraceContext> trace;
+    if (!traceparent.empty()) trace = ParseTraceparent(traceparent);
+    request->trace = trace.has_value() ? *trace : NewTraceContext();
+  }
+  request->proto = *proto;
+  request->arrival = arrival;
+  request->demand.context_length = ContextLength(*proto);
+  request->demand.max_new_tokens = proto->max_new_tokens();
+  request->demand.draft_length = proto->draft_length();
+  request->demand.prefix_block_ids.assign(proto->prefix_block_ids().begin(),
+                                          proto->prefix_block_ids().end());
+  request->demand.session_id = proto->session_id();
+  const double acceptance_rate = proto->overrides().has_acceptance_rate()
+                                     ? proto->overrides().acceptance_rate()
+                                     : options_.acceptance_rate;
+  request->acceptance = *AcceptanceModel::Create(acceptance_rate, proto->draft_length(),
+                                                 RequestSeed(options_.seed, proto->request_id()));
+
+  {
+    absl::MutexLock lock(&mu_);
+    if (draining_ || stopping_) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return absl::UnavailableError("draining: the coordinator admits no new requests");
+    }
+    if (!ReadyLocked()) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return {absl::StatusCode::kUnavailable,
+              absl::StrCat("not ready: ", scheduler_.ReadyIndexers(), " of ", num_indexers_,
+                           " indexer and ", scheduler_.ReadyAttentions(), " of ", num_attention_,
+                           " attention workers are ready (a worker of each kind is needed)")};
+    }
+    if (by_id_.contains(request->id)) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return {absl::StatusCode::kAlreadyExists,
+              absl::StrCat("request '", request->id, "' is already in flight")};
+    }
+    request->ticket = next_ticket_++;
+    absl::StatusOr<std::optional<Admission>> submitted =
+        scheduler_.Submit(request->ticket, request->demand);
+    if (!submitted.ok()) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return submitted.status();
+    }
+    by_id_[request->id] = request;
+    by_ticket_[request->ticket] = request;
+    request->stream = &stream;
+    if (submitted->has_value()) {
+      request->admission = **std::move(submitted);
+      request->phase = Phase::kPrefilling;
+    }
+    UpdateGaugesLocked();
+  }
+
+  // Removes the request from the in-flight maps when the handler returns.
+  struct Unregister {
+    CoordinatorEngine* self;
+    const std::shared_ptr<Request>& request;
+    ~Unregister() {
+      absl::MutexLock lock(&self->mu_);
+      request->stream = nullptr;
+      self->by_id_.erase(request->id);
+      self->by_ticket_.erase(request->ticket);
+    }
+  } unregister{this, request};
+
+  // Writes one event; while it is blocked (the client's HTTP/2 window is full: it stopped reading)
+  // WatchStalledWrites may cancel the call after the stall timeout, which unblocks it.
+  auto write = [&](const cv1::GenerateEvent& event) {
+    {
+      absl::MutexLock lock(&mu_);
+      request->write_blocked_since = clock_.Now();
+    }
+    const bool written = stream.Write(event);
+    absl::MutexLock lock(&mu_);
+    request->write_blocked_since.reset();
+    return written;
+  };
+
+  // Placed, prefilled and decoded once, and again after each migration (FailSequence).
+  bool admitted_sent = false;
+  while (true) {
+    // Wait for admission (or the end while queued).
+    Admission admission;
+    {
+      absl::MutexLock lock(&mu_);
+      while (!request->admission.has_value() && !request->final_status.has_value()) {
+        request->changed.WaitWithTimeout(&mu_, kCancelPoll);
+        if (stream.IsCancelled()) AbortLocked(*request);
+      }
+      if (request->final_status.has_value()) return *request->final_status;
+      admission = *request->admission;
+    }
+    const absl::Time admitted_at = clock_.Now();
+    if (!admitted_sent) metrics_->ObserveQueueDuration(Seconds(admitted_at - arrival));
+
+    CarryOutEvictions(admission.evictions);
+    av1::PrefillResponse prefilled;
+    const absl::Status prefill_status = Prefill(stream, *request, admission, &prefilled);
+    std::vector<Eviction> unpinned;
+    bool decoding = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (prefill_status.ok() && !request->cancel_requested && !stream.IsCancelled()) {
+        unpinned = scheduler_.PrefillDone(admission.sequence_id);
+        request->phase = Phase::kDecoding;
+        decoding = true;
+        attention_[admission.attention]->decoding.push_back(request);
+        attention_[admission.attention]->wake.Signal();
+        decoding_changed_.SignalAll();
+      }
+    }
+    if (admission.prefix_source_id.has_value()) {
+      // The donor is unpinned (evictable, or released now): queued requests may fit.
+      CarryOutEvictions(unpinned);
+      absl::MutexLock lock(&mu_);
+      if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    }
+    if (!decoding) {
+      // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers
+      // (a worker's failure migrates it), a cancelled successful one is released by EndSequence.
+      if (!prefill_status.ok() && !stream.IsCancelled()) {
+        FailSequence(request,
+                     WorkerStatus(prefill_status, attention_[admission.attention]->address));
+      } else {
+        EndSequence(request, absl::CancelledError("aborted during prefill"), /*completed=*/false);
+      }
+    }
+
+    if (decoding && !admitted_sent) {
+      cv1::GenerateEvent admitted_event;
+      cv1::Admitted* admitted = admitted_event.mutable_admitted();
+      admitted->set_queue_seconds(Seconds(admitted_at - arrival));
+      admitted->set_indexer_worker(indexers_[admission.indexer]->address);
+      admitted->set_attention_worker(attention_[admission.attention]->address);
+      admitted->set_prefix_slots_reused(
+          admission.prefix_source_id.has_value() ? admission.prefix_slots : 0);
+      admitted->set_prefill_seconds(prefilled.seconds());
+      admitted_sent = true;
+      if (!write(admitted_event)) {
+        absl::MutexLock lock(&mu_);
+        AbortLocked(*request);
+      }
+    }
+
+    // Write the events until the end, or until the request must migrate.
+    bool migrate = false;
+    while (true) {
+      cv1::GenerateEvent event;
+      {
+        absl::MutexLock lock(&mu_);
+        while (request->events.empty() && !request->final_status.has_value() &&
+               request->phase != Phase::kMigrating) {
+          request->changed.WaitWithTimeout(&mu_, kCancelPoll);
+          if (stream.IsCancelled()) AbortLocked(*request);
+        }
+        if (request->events.empty()) {
+          if (request->final_status.has_value()) return *request->final_status;
+          migrate = true;
+          break;
+        }
+        event = std::move(request->events.front());
+        request->events.pop_front();
+        attention_[admission.attention]->wake.Signal();  // room in the queue
+      }
+      if (!write(event)) {
+        absl::MutexLock lock(&mu_);
+        AbortLocked(*request);
+      }
+    }
+    if (migrate) {
+      if (absl::Status placed = PlaceAgain(request); !placed.ok()) {
+        absl::MutexLock lock(&mu_);
+        SetFinalLocked(*request, placed);
+        return *request->final_status;
+      }
+    }
+  }
+}
+
+absl::Status CoordinatorEngine::Abort(const std::string& request_id, const std::string& caller) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(request_id);
+  if (it == by_id_.end() || it->second->final_status.has_value()) {
+    return absl::NotFoundError(absl::StrCat("no request '", request_id, "' in flight"));
+  }
+  if (it->second->caller != caller) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("request '", request_id, "' belongs to another caller"));
+  }
+  AbortLocked(*it->second);
+  return absl::OkStatus();
+}
+
+cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
+  cv1::GetLoadResponse answer;
+  cv1::GetLoadResponse* response = &answer;
+  SchedulerLoad load;
+  std::vector<bool> indexer_ready;
+  std::vector<bool> indexer_retired;
+  {
+    absl::MutexLock lock(&mu_);
+    load = scheduler_.Load();
+    for (int i = 0; i < num_indexers_; ++i) {
+      indexer_ready.push_back(indexers_[i]->ready);
+      indexer_retired.push_back(indexers_[i]->retired);
+    }
+    for (int j = 0; j < num_attention_; ++j) {
+      if (attention_[j]->retired) continue;  // restarted: its new instance has its own entry
+      cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
+      worker->set_address(attention_[j]->address);
+      worker->set_ready(attention_[j]->ready);
+      worker->set_decoding(static_cast<int32_t>(attention_[j]->decoding.size()));
+    }
+  }
+  response->set_queued(load.queued);
+  response->set_running(load.running);
+  response->set_retained_sequences(load.retained);
+  // Ask the ready indexers at once (a worker that is not ready reports the reservations).
+  const size_t count = indexer_ready.size();
+  std::vector<iv1::GetLoadResponse> loads(count);
+  std::vector<absl::Status> statuses(count, absl::UnavailableError("not ready"));
+  {
+    const WorkerCall call{absl::Milliseconds(options_.worker_check_timeout_ms), "", {}};
+    std::vector<std::thread> asks;
+    for (size_t i = 0; i < count; ++i) {
+      if (!indexer_ready[i]) continue;
+      asks.emplace_back([&, i] { statuses[i] = indexers_[i]->client->GetLoad(call, &loads[i]); });
+    }
+    for (std::thread& ask : asks) ask.join();
+  }
+  int64_t used = 0;
+  int64_t capacity = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (indexer_retired[i]) continue;
+    cv1::WorkerLoad* worker = response->add_indexer_workers();
+    worker->set_address(indexers_[i]->address);
+    worker->set_ready(indexer_ready[i]);
+    const iv1::GetLoadResponse& indexer_load = loads[i];
+    if (statuses[i].ok()) {
+      worker->set_cache_blocks_used(indexer_load.used_blocks());
+      worker->set_cache_blocks_capacity(indexer_load.capacity_blocks());
+      worker->set_sequences(static_cast<int32_t>(indexer_load.sequences()));
+    } else {
+      worker->set_cache_blocks_used(load.indexers[i].used_blocks);
+      worker->set_cache_blocks_capacity(load.indexers[i].capacity_blocks);
+      worker->set_sequences(load.indexers[i].sequences);
+    }
+    used += worker->cache_blocks_used();
+    capacity += worker->cache_blocks_capacity();
+  }
+  response->set_cache_blocks_used(used);
+  response->set_cache_blocks_capacity(capacity);
+  return answer;
+}
+
+void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bool completed,
+                                     bool worker_failed) {
+  Scheduler::FinishResult finish;
+  uint64_t sequence_id = 0;
+  int attention = 0;
+  int indexer = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const Admission& admission = *request->admission;
+    sequence_id = admission.sequence_id;
+    attention = admission.attention;
+    indexer = admission.indexer;
+    auto& decoding = attention_[attention]->decoding;
+    decoding.erase(std::remove(decoding.begin(), decoding.end(), request), decoding.end());
+    // The sequence holds the context it was prefilled with and the tokens generated since.
+    const int64_t length =
+        request->demand.context_length + request->generated - request->generated_when_placed;
+    finish = scheduler_.Finish(sequence_id, completed, length);
+    UpdateGaugesLocked();
+  }
+  std::vector<Eviction> evictions = std::move(finish.evictions);
+  if (finish.release_attention) {
+    // After a failure the worker may be gone: a short deadline, and what it could not take is
+    // retried when it answers again (ReleaseUnreleased).
+    const absl::Duration timeout =
+        worker_failed ? absl::Milliseconds(options_.worker_check_timeout_ms) : RpcTimeout();
+    // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected.
+    const absl::Status attention_status =
+        ReleaseOnWorker(/*attention=*/true, attention, sequence_id, finish.keep_indexer_sequence,
+                        timeout, &request->trace);
+    absl::Status indexer_status;
+    if (worker_failed && !finish.keep_indexer_sequence) {
+      // The attention worker may have died, or failed to reach the indexer: release the indexer
+      // sequence directly (NOT_FOUND when the attention worker's Release already did).
+      indexer_status = ReleaseOnWorker(/*attention=*/false, indexer, sequence_id,
+                                       /*keep_indexer_sequence=*/false, timeout, &request->trace);
+    }
+    absl::MutexLock lock(&mu_);
+    int undelivered = 0;
+    for (const auto& [is_attention, status] :
+         {std::pair<bool, const absl::Status&>{true, attention_status},
+          std::pair<bool, const absl::Status&>{false, indexer_status}}) {
+      if (Unreached(status)) {
+        unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id,
+                               finish.keep_indexer_sequence});
+        ++undelivered;
+      }
+    }
+    if (undelivered > 0) {
+      undelivered_[sequence_id] = undelivered;  // ReleaseDone once delivered (ReleaseUnreleased)
+    } else {
+      std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
+      evictions.insert(evictions.end(), more.begin(), more.end());
+    }
+  }
+  CarryOutEvictions(evictions);
+}
+
+void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
+                                    const absl::Status& status, bool completed,
+                                    bool worker_failed) {
+  LeaveWorkers(request, completed, worker_failed);
+  absl::MutexLock lock(&mu_);
+  request->phase = Phase::kEnded;
+  absl::Status final_status = status;
+  if (request->cancel_requested && !completed) {
+    final_status = absl::CancelledError(request->cancel_reason);
+  }
+  // The stream ends only now, so that a client that saw it end finds the space accounted free
+  // (or the sequence retained) in GetLoad and in its next request's placement.
+  SetFinalLocked(*request, final_status);
+  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
+}
+
+void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
+                                     const absl::Status& status) {
+  absl::Status final_status = status;
+  {
+    absl::MutexLock lock(&mu_);
+    const bool can_migrate = WorkerFailure(status) && !request->cancel_requested && !stopping_;
+    if (can_migrate && request->migrations >= options_.max_migrations) {
+      final_status = absl::Status(status.code(),
+                                  absl::StrCat(status.message(), " (after ", request->migrations,
+                                               " migrations, --max-migrations)"));
+    } else if (can_migrate) {
+      final_status = absl::OkStatus();
+    }
+  }
+  if (!final_status.ok()) {
+    EndSequence(request, final_status, /*completed=*/false, WorkerFailure(status));
+    return;
+  }
+  LeaveWorkers(request, /*completed=*/false, /*worker_failed=*/true);
+  absl::MutexLock lock(&mu_);
+  request->phase = Phase::kMigrating;
+  request->migrate_reason = status;
+  request->changed.SignalAll();
+  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
+}
+
+absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& request) {
+  // The worker that failed is checked first, so that the request does not go back to it.
+  RefreshWorkers();
+  absl::MutexLock lock(&mu_);
+  if (request->cancel_requested) {
+    request->phase = Phase::kEnded;
+    return {absl::StatusCode::kCancelled, request->cancel_reason};
+  }
+  const Admission& old = *request->admission;
+  LogJson("warn", "migrating a request off a failed worker",
+          {{"request_id", request->id},
+           {"attention_worker", attention_[old.attention]->address},
+           {"indexer_worker", indexers_[old.indexer]->address},
+           {"migration", request->migrations + 1},
+           {"generated_tokens", request->generated},
+           {"status", std::string(request->migrate_reason.message())}});
+  by_ticket_.erase(request->ticket);
+  request->ticket = next_ticket_++;
+  by_ticket_[request->ticket] = request;
+  request->admission.reset();
+  request->demand.context_length = ContextLength(request->proto) + request->generated;
+  request->demand.max_new_tokens = request->proto.max_new_tokens() - request->generated;
+  request->generated_when_placed = request->generated;
+  absl::StatusOr<std::optional<Admission>> submitted =
+      scheduler_.Submit(request->ticket, request->demand, /*migrated=*/true);
+  if (!submitted.ok()) {
+    request->phase = Phase::kEnded;
+    return {static_cast<absl::StatusCode>(submitted.status().code()),
+            absl::StrCat("migrating after ", request->migrate_reason.message(), ": ",
+                         submitted.status().message())};
+  }
+  if (!submitted->has_value() && draining_) {
+    // A drain admits nothing queued: end it now, retryable, rather than at the grace's end.
+    scheduler_.CancelQueued(request->ticket);
+    request->phase = Phase::kEnded;
+    return {absl::StatusCode::kUnavailable,
+            absl::StrCat("draining: no worker could take the request at once after ",
+                         request->migrate_reason.message())};
+  }
+  ++request->migrations;
+  metrics_->CountMigration();
+  if (submitted->has_value()) {
+    request->admission = **std::move(submitted);
+    request->phase = Phase::kPrefilling;
+  } else {
+    request->phase = Phase::kQueued;
+  }
+  UpdateGaugesLocked();
+  return absl::OkStatus();
+}
+
+void CoordinatorEngine::ReleaseUnreleased() {
+  std::vector<Unreleased> due;
+  std::vector<Unreleased> done;  // delivered, or their worker retired
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<Unreleased> later;
+    for (const Unreleased& u : unreleased_) {
+      const bool retired = u.attention ? attention_[u.slot]->retired : indexers_[u.slot]->retired;
+      const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
+      if (retired) {
+        done.push_back(u);  // a new process holds nothing of the old one
+      } else {
+        (ready ? due : later).push_back(u);
+      }
+    }
+    unreleased_ = std::move(later);
+  }
+  for (const Unreleased& u : due) {
+    const absl::Status status =
+        ReleaseOnWorker(u.attention, u.slot, u.sequence_id, u.keep_indexer_sequence,
+                        absl::Milliseconds(options_.worker_check_timeout_ms), /*trace=*/nullptr);
+    if (Unreached(status)) {
+      absl::MutexLock lock(&mu_);
+      unreleased_.push_back(u);
+    } else {
+      done.push_back(u);
+    }
+  }
+  if (done.empty()) return;
+  std::vector<Eviction> evictions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Unreleased& u : done) {
+      auto it = undelivered_.find(u.sequence_id);
+      if (it == undelivered_.end() || --it->second > 0) continue;
+      undelivered_.erase(it);
+      // Every Release of the sequence reached its worker: its space is free now.
+      std::vector<Eviction> more = scheduler_.ReleaseDone(u.sequence_id);
+      evictions.insert(evictions.end(), more.begin(), more.end());
+    }
+  }
+  CarryOutEvictions(evictions);
+  absl::MutexLock lock(&mu_);
+  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  UpdateGaugesLocked();
+}
+
+CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
+    int worker, const std::vector<std::shared_ptr<Request>>& batch, const std::vector<int>& rows) {
+  StepOutcome outcome;
+  av1::DecodeStepRequest step;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    av1::SequenceStep* s = step.add_sequences();
+    s->set_sequence_id(batch[i]->admission->sequence_id);
+    s->set_rows(rows[i]);
+  }
+  const absl::Time start = clock_.Now();
+  outcome.status = WorkerStatus(
+      attention_[worker]->client->DecodeStep({RpcTimeout(), "", {}}, step, &outcome.response),
+      attention_[worker]->address);
+  outcome.seconds = Seconds(clock_.Now() - start);
+  if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
+    outcome.status = absl::InternalError(absl::StrCat(
+        "attention worker ", attention_[worker]->address, " answered ",
+        outcome.response.sequences_size(), " results for ", batch.size(), " sequences"));
+  }
+  return outcome;
+}
+
+void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
+                                  const std::vector<int>& rows, const StepOutcome& outcome) {
+  // Speculative sequences: draw the accepted counts and commit them all concurrently.
+  const size_t n = batch.size();
+  std::vector<int> accepted(n, 0);
+  std::vector<absl::Status> committed(n);
+  std::vector<AttentionWorkerClient::TracedCommit> commits;
+  std::vector<size_t> committing;  // batch index of each commit
+  for (size_t i = 0; i < n; ++i) {
+    if (rows[i] <= 1) continue;
+    Request& request = *batch[i];
+    accepted[i] = std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
+    AttentionWorkerClient::TracedCommit commit;
+    commit.request.set_sequence_id(request.admission->sequence_id);
+    commit.request.set_accepted(accepted[i]);
+    commit.traceparent = request.trace.Child().ToTraceparent();
+    commits.push_back(std::move(commit));
+    committing.push_back(i);
+  }
+  if (!commits.empty()) {
+    std::vector<absl::Status> statuses = attention_[worker]->client->Commit(RpcTimeout(), commits);
+    for (size_t c = 0; c < committing.size(); ++c) {
+      committed[committing[c]] = c < statuses.size()
+                                     ? statuses[c]
+                                     : absl::InternalError("the worker client lost a Commit");
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const absl::Status status = WorkerStatus(committed[i], attention_[worker]->address);
+    if (!status.ok()) {
+      FailSequence(batch[i], status);
+      continue;
+    }
+    AdvanceSequence(batch[i], rows[i], accepted[i], outcome.response.sequences(i), outcome.response,
+                    outcome.seconds);
+  }
+}
+
+void CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request, int rows,
+                                        int accepted, const av1::SequenceStepResult& result,
+                                        const av1::DecodeStepResponse& response, double seconds) {
+  if (rows > 1) metrics_->CountSpeculativeStep(rows - 1, accepted);
+  const int count = accepted + 1;
+  const absl::Time now = clock_.Now();
+  if (request->generated == 0) {
+    request->first_token_time = now;
+    request->first_count = count;
+    metrics_->ObserveTimeToFirstToken(Seconds(now - request->arrival));
+  } else {
+    metrics_->ObserveInterTokenLatency(Seconds(now - request->last_step_time) / count);
+  }
+  request->last_step_time = now;
+  request->generated += count;
+  metrics_->CountGeneratedTokens(count);
+
+  cv1::GenerateEvent event;
+  cv1::Tokens* tokens = event.mutable_tokens();
+  tokens->set_first_position(result.first_position());
+  tokens->set_count(count);
+  tokens->set_drafted(rows - 1);
+  tokens->set_accepted(accepted);
+  tokens->set_step_seconds(seconds);
+  tokens->set_blocks_scored(result.blocks_scored());
+  tokens->set_blocks_visible(result.blocks_visible());
+  tokens->set_audited_rows(result.audited_rows());
+  tokens->set_audit_miss_rate_sum(result.audit_miss_rate_sum());
+  for (double wait : response.selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
+  const bool done = request->generated >= request->proto.max_new_tokens();
+  {
+    absl::MutexLock lock(&mu_);
+    request->events.push_back(std::move(event));
+    if (done) {
+      cv1::GenerateEvent finished_event;
+      cv1::Finished* finished = finished_event.mutable_finished();
+      finished->set_generated_tokens(request->generated);
+      finished->set_migrations(request->migrations);
+      finished->set_time_to_first_token_seconds(
+          Seconds(request->first_token_time - request->arrival));
+      const int64_t later = request->generated - request->first_count;
+      finished->set_mean_inter_token_latency_seconds(
+          later > 0 ? Seconds(request->last_step_time - request->first_token_time) /
+                          static_cast<double>(later)
+                    : 0.0);
+      request->events.push_back(std::move(finished_event));
+    }
+    request->changed.SignalAll();
+  }
+  if (done) EndSequence(request, absl::OkStatus(), /*completed=*/true);
+}
+
+CoordinatorEngine::Iteration CoordinatorEngine::CollectLocked(int worker) {
+  AttentionWorker& w = *attention_[worker];
+  const size_t room = static_cast<size_t>(options_.max_pending_events) - 2;
+  Iteration it;
+  const absl::Time now = clock_.Now();
+  for (const auto& request : w.decoding) {
+    if (request->cancel_requested) {
+      it.cancelled.push_back(request);
+    } else if (request->events.size() <= room) {
+      request->stalled_since.reset();
+      it.batch.push_back(request);
+      const int64_t left = request->proto.max_new_tokens() - request->generated;
+      it.rows.push_back(
+          static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
+    } else if (options_.stall_timeout_ms > 0) {
+      // The reader has not taken its events: after the stall timeout, end the request.
+      if (!request->stalled_since.has_value()) request->stalled_since = now;
+      if (now - *request->stalled_since >= absl::Milliseconds(options_.stall_timeout_ms)) {
+        request->cancel_reason =
+            absl::StrCat("the client left ", request->events.size(), " events unread for ",
+                         options_.stall_timeout_ms, " ms (--stall-timeout-ms); request ended");
+        request->cancel_requested = true;
+        if (request->stream != nullptr) request->stream->TryCancel();
+        request->changed.SignalAll();
+        it.cancelled.push_back(request);
+      } else {
+        it.stalled = true;
+      }
+    }
+  }
+  return it;
+}
+
+void CoordinatorEngine::RunIteration(int worker, const Iteration& it) {
+  for (const auto& request : it.cancelled) {
+    EndSequence(request, absl::CancelledError(request->cancel_reason), false);
+  }
+  if (it.batch.empty()) return;
+  const auto& batch = it.batch;
+  const auto& rows = it.rows;
+  StepOutcome outcome = RunStep(worker, batch, rows);
+  if (outcome.status.ok()) {
+    ApplyStep(worker, batch, rows, outcome);
+    return;
+  }
+  // The batch failed; sequences the attention worker rolled back can go on: find the failing
+  // ones by stepping each alone (a sequence it marked broken fails again, FAILED_PRECONDITION),
+  // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
+  // The failing ones migrate (FailSequence).
+  const bool hung = outcome.status.code() == absl::StatusCode::kDeadlineExceeded;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    StepOutcome alone =
+        batch.size() == 1 || hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
+    if (alone.status.ok()) {
+      ApplyStep(worker, {batch[i]}, {rows[i]}, alone);
+    } else {
+      FailSequence(batch[i], alone.status);
+    }
+  }
+}
+
+void CoordinatorEngine::DecodeLoop(int worker) {
+  AttentionWorker& w = *attention_[worker];
+  while (true) {
+    Iteration it;
+    {
+      absl::MutexLock lock(&mu_);
+      while (true) {
+        if (stopping_) return;
+        it = CollectLocked(worker);
+        if (!it.batch.empty() || !it.cancelled.empty()) break;
+        if (it.stalled) {
+          w.wake.WaitWithTimeout(&mu_, absl::Milliseconds(100));  // to see the timeout pass
+        } else {
+          w.wake.Wait(&mu_);
+        }
+      }
+    }
+    RunIteration(worker, it);
+  }
+}
+
+absl::StatusOr<int> CoordinatorEngine::StepWorker(const std::string& address) {
+  if (options_.run_loops) {
+    return absl::FailedPreconditionError("StepWorker drives an engine without run_loops only");
+  }
+  Iteration it;
+  int worker = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = attention_by_address_.find(address);
+    if (found == attention_by_address_.end()) {
+      return absl::NotFoundError(absl::StrCat("no attention worker ", address, " taken in"));
+    }
+    worker = found->second;
+    it = CollectLocked(worker);
+  }
+  RunIteration(worker, it);
+  return static_cast<int>(it.batch.size() + it.cancelled.size());
+}
+
+bool CoordinatorEngine::AwaitDecoding(const std::string& address, int count,
+                                      absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    auto found = attention_by_address_.find(address);
+    if (found != attention_by_address_.end() &&
+        static_cast<int>(attention_[found->second]->decoding.size()) >= count) {
+      return true;
+    }
+    if (decoding_changed_.WaitWithDeadline(&mu_, until)) return false;
+  }
+}
+
+}  // namespace dsa

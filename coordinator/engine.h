@@ -1,0 +1,461 @@
+// The coordinator's engine: validation, admission and placement (coordinator/scheduler.h), prefill
+// off the decode loops, continuous batching with one decode loop per attention worker, speculative
+// rows with seeded acceptance, multi-turn sessions, worker watch, request migration, metrics and
+// drain, over injected worker clients and an injected clock (docs/services.md "Coordinator").
+// coordinator/service.h is its gRPC adapter.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/host_port.h"
+#include "common/trace_context.h"
+#include "coordinator/acceptance_model.h"
+#include "coordinator/metrics.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/worker_clients.h"
+#include "dsa/attention/v1/attention.pb.h"
+#include "dsa/coordinator/v1/coordinator.pb.h"
+#include "dsa/indexer/v1/indexer.pb.h"
+#include "nlohmann/json.hpp"
+#include "server/security.h"
+
+namespace dsa {
+
+/// Deployment settings of the coordinator (the dsa-coordinator flags).
+struct CoordinatorOptions {
+  std::vector<std::string> indexer_addresses;    // host:port of fixed indexer workers
+  std::vector<std::string> attention_addresses;  // host:port of fixed attention workers
+  /// NAME:PORT of headless Services (DNS): every address NAME resolves to is a worker, taken in
+  /// and left out as the answer changes (RefreshWorkers). Each kind needs a fixed address or a
+  /// name; co-located (below), the indexers are the attention workers and take neither.
+  std::vector<std::string> indexer_dns;
+  std::vector<std::string> attention_dns;
+  /// How every worker is dialed (TLS, the client certificate of mutual TLS); plaintext default.
+  /// Read by the gRPC adapter (GrpcWorkerClients); the engine's worker clients are injected.
+  ClientSecurity worker_security;
+  /// How often the watch thread runs RefreshWorkers; 0 = never (a test calls it).
+  int64_t worker_check_interval_ms = 2000;
+  /// Deadline of each check RefreshWorkers makes of a worker (> 0).
+  int64_t worker_check_timeout_ms = 1000;
+  int max_queue = 64;                  // queued requests at most
+  int max_running_per_attention = 32;  // running sequences per attention worker
+  int top_k = 2048;                    // K of every sequence unless overridden
+  double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
+  double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)
+  bool all_keep = false;               // SPIN off
+  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1]
+  uint64_t seed = 0;                   // acceptance draws (mixed with the request id) and SPIN
+  bool retain_finished = true;         // keep finished sequences as prefix donors
+  /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
+  /// usually the same address): sequences on indexer i run on attention worker i.
+  bool colocated = false;
+  int64_t rpc_timeout_ms = 30000;  // deadline of DecodeStep, Commit, Release and GetLoad calls
+  /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
+  int max_pending_events = 16;
+  /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
+  /// message says why) and its sequence released, so a client that stops reading cannot hold a
+  /// running slot, KV and index-key blocks forever; a stream whose Write has been blocked this
+  /// long (the client's window full, also after its request finished) is cancelled, so it cannot
+  /// hold a handler thread either. 0 = never.
+  int64_t stall_timeout_ms = 60000;
+  /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
+  /// 0 = a worker's failure ends its requests.
+  int max_migrations = 3;
+  /// false: no decode loop, watch or stall-watch thread; the caller drives the engine with
+  /// StepWorker, RefreshWorkers and CheckStalledWrites (the deterministic tests).
+  bool run_loops = true;
+};
+
+/// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
+/// coordinator.proto: request_id 1..128 bytes; a context (context_length >= 1, or context_tokens
+/// with >= 1 token); at most ceil(context / 512) prefix ids; max_new_tokens >= 1; draft_length
+/// 0..kMaxDraftLength; overrides in range (rho, gamma in [0, 1), top_k in [1, kMaxTopK],
+/// acceptance_rate in [0, 1]);
+/// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
+absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
+
+/// The client's side of one Generate call, as its transport gives it to the engine (the gRPC
+/// adapter wraps the ServerWriter and ServerContext; the tests give a recorder).
+class GenerateStream {
+ public:
+  virtual ~GenerateStream() = default;
+  /// Sends one event, blocking while the client's flow control is full; false when the call is
+  /// gone (the client left, or the call was cancelled).
+  virtual bool Write(const dsa::coordinator::v1::GenerateEvent& event) = 0;
+  /// Whether the call was cancelled (the client cancelled, its deadline passed, the server is
+  /// shutting down, or TryCancel).
+  virtual bool IsCancelled() = 0;
+  /// Cancels the call from another thread: a Write in progress returns false.
+  virtual void TryCancel() = 0;
+};
+
+/// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, over injected
+/// worker clients (worker_clients.h) and an injected clock. Thread-safe; each Generate runs on
+/// its caller's thread.
+///
+/// Workers: RefreshWorkers (at Create, then every worker_check_interval_ms on the watch thread)
+/// takes in every fixed or resolved address that answers its first check (GetInfo of an attention
+/// worker, GetLoad of an indexer worker; they must agree on the full layers and H, D) and marks
+/// every known worker ready or not: ready while it is still listed and its grpc.health.v1
+/// "readiness" is SERVING (a server without the health service: while its GetInfo / GetLoad
+/// answers). New sequences go only to ready workers; what a worker that is not ready holds stays
+/// there (issue 13 moves it). The coordinator is ready (SetReadinessListener) while at least one
+/// worker of each kind is; Generate answers UNAVAILABLE while it is not.
+///
+/// Generate: after validation and admission, the handler thread itself runs the request's
+/// evictions and its Prefill (so prefills never stall a decode loop), writes Admitted, then hands
+/// the sequence to its attention worker's decode loop and writes the events that loop produces.
+/// Each decode loop sends one DecodeStep with every running sequence of its worker (rows =
+/// min(d + 1, tokens left)), draws the accepted count a of a speculative step from
+/// AcceptanceModel (seed mixed with the request id, step = the request's verification count),
+/// calls Commit(a), and queues a Tokens event (count = a + 1); at max_new_tokens it queues
+/// Finished and releases the sequence (donor: Release with keep_indexer_sequence; session: kept).
+///
+/// Backpressure: events go through a per-request queue of at most max_pending_events; the handler
+/// writes them with the synchronous stream Write, so a slow reader fills only its own queue, and
+/// the decode loop leaves a sequence whose queue is full out of its DecodeStep until the reader
+/// catches up. A slow reader slows only itself; memory per request stays bounded.
+///
+/// Failures: a DecodeStep error is retried once per sequence alone, so the sequences the attention
+/// worker left intact (it rolls back every sequence the indexer did not apply) go on. A sequence
+/// that still fails with a worker's failure (UNAVAILABLE, DEADLINE_EXCEEDED: a hung worker, whose
+/// batch is not retried; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
+/// FAILED_PRECONDITION: the attention worker marked it broken because another sequence's failure
+/// came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves both
+/// workers (released on each; what a dead worker could not release is released when it answers
+/// again), the workers are checked at once (RefreshWorkers), and the request is placed again ahead
+/// of the queue with its context plus the tokens generated so far, prefilled there and decoded on,
+/// its stream unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
+/// that fails so migrates too. Past max_migrations, or for any other status (INVALID_ARGUMENT,
+/// RESOURCE_EXHAUSTED, ...), the request ends with the status. Abort and a client cancelling its
+/// stream end the request with CANCELLED at the decode loop's next iteration (queued ones at once).
+/// A stream's status is sent only after its sequence was released on the workers (or retained), so
+/// a client that saw the end finds that reflected in GetLoad and in the placement of its next
+/// request.
+class CoordinatorEngine {
+ public:
+  /// Validates the options, runs a first RefreshWorkers (each check bounded by
+  /// worker_check_timeout_ms; workers that do not answer are looked at again at the next one, so
+  /// the coordinator starts, not ready, when none does) and, with run_loops, starts the watch
+  /// threads. `metrics` is caller-owned and outlives the engine; `workers` makes the client of
+  /// each worker address; `clock` (outlives the engine) times stalls, latencies and durations;
+  /// `resolve` resolves the *_dns names. Errors: INVALID_ARGUMENT (no source of workers of a
+  /// kind, a bad address or option, a missing collaborator).
+  static absl::StatusOr<std::unique_ptr<CoordinatorEngine>> Create(
+      const CoordinatorOptions& options, CoordinatorMetrics* metrics,
+      std::shared_ptr<WorkerClientFactory> workers, const Clock* clock = &RealClock(),
+      AddressResolver resolve = ResolveDnsAddresses);
+
+  /// Stops the decode loops (Stop).
+  ~CoordinatorEngine();
+  CoordinatorEngine(const CoordinatorEngine&) = delete;
+  CoordinatorEngine& operator=(const CoordinatorEngine&) = delete;
+
+  /// Resolves the *_dns names, takes in new workers that answer, and sets every known worker's
+  /// readiness (see the class comment), logging each change with its reason. A worker whose
+  /// instance id changed restarted: its slot is retired (nothing placed there again, its retained
+  /// sequences forgotten) and the new instance is taken in afresh, its shape checked again. Then
+  /// fails the queued requests that no ready worker could hold (UNAVAILABLE), updates
+  /// dsa_coordinator_workers, tells the readiness listener and retries the Releases that did not
+  /// reach their workers. A name that fails to resolve keeps its last answer (logged).
+  /// Thread-safe; calls are serialized.
+  void RefreshWorkers();
+
+  /// `listener` is called now with whether the coordinator is ready, then on every change (from
+  /// the thread that runs RefreshWorkers). Replaces any earlier listener.
+  void SetReadinessListener(std::function<void(bool ready)> listener);
+
+  /// The attention workers' full layers (GetInfo), the indexer sequences' num_layers; 0 until
+  /// the first attention worker was taken in.
+  int num_full_layers() const;
+
+  /// Validates, admits (or queues), places, prefills and writes Admitted, Tokens per decode step
+  /// and Finished to `stream`; returns when the request has ended. `caller` is the call's
+  /// CallerIdentity (only it may Abort the request); `traceparent` the router's W3C traceparent
+  /// ("" or malformed: a new trace). Returns OK after Finished; INVALID_ARGUMENT
+  /// (ValidateGenerateRequest, a session context shorter than its sequence); ALREADY_EXISTS (the
+  /// request id is in flight); RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole
+  /// capacity, with the numbers); FAILED_PRECONDITION (the session has a turn queued or running);
+  /// UNAVAILABLE (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream
+  /// cancelled, a stalled reader); any other status a worker returned for this request.
+  absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
+                        const std::string& caller, absl::string_view traceparent,
+                        GenerateStream& stream);
+
+  /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
+  /// CANCELLED. NOT_FOUND if no request with that id is in flight; PERMISSION_DENIED when
+  /// `caller` is not the caller whose Generate started it.
+  absl::Status Abort(const std::string& request_id, const std::string& caller);
+
+  /// Queued and running requests, retained sequences, and the index-key cache per indexer worker
+  /// from its GetLoad (asked at once, each bounded by worker_check_timeout_ms; a worker that does
+  /// not answer reports the coordinator's reservations).
+  dsa::coordinator::v1::GetLoadResponse GetLoad();
+
+  /// Begins a drain: new Generate calls get UNAVAILABLE, queued requests end with UNAVAILABLE,
+  /// running ones go on.
+  void StartDrain();
+
+  /// Stops the decode loops and joins them. Idempotent. Requests still decoding stay unfinished:
+  /// call after the transport has stopped delivering calls.
+  void Stop();
+
+  /// Without run_loops: one iteration of the decode loop of the attention worker at `address`
+  /// (ends its cancelled and stalled requests, then one DecodeStep over the rest with its Commits,
+  /// retries and migrations). Returns the sequences it stepped or ended (0: nothing to do).
+  /// NOT_FOUND for an address not taken in; FAILED_PRECONDITION with run_loops.
+  absl::StatusOr<int> StepWorker(const std::string& address);
+
+  /// Waits until the attention worker at `address` has at least `count` sequences decoding (their
+  /// prefills done); false after `timeout` (a test's safety net, not a pacing).
+  bool AwaitDecoding(const std::string& address, int count, absl::Duration timeout);
+
+  /// Ends every Generate whose Write has been blocked for stall_timeout_ms by the clock (its
+  /// client stopped reading and its flow-control window is full): the request ends with CANCELLED
+  /// saying why, and its stream is cancelled (TryCancel), so no call waits on a client forever.
+  /// The stall watch thread calls it a few times per timeout; without run_loops the caller does.
+  void CheckStalledWrites();
+
+ private:
+  // kMigrating: off its failed workers, waiting for its handler to place it again.
+  enum class Phase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
+
+  // One Generate call in flight.
+  struct Request {
+    std::string id;
+    std::string caller;  // CallerIdentity of the Generate call: only it may Abort the request
+    TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
+    uint64_t ticket = 0;
+    dsa::coordinator::v1::GenerateRequest proto;
+    SequenceDemand demand;
+    absl::Time arrival;
+    // Guarded by the engine's mu_.
+    Phase phase = Phase::kQueued;
+    std::optional<Admission> admission;
+    bool cancel_requested = false;
+    std::string cancel_reason = "aborted";  // the CANCELLED status's message
+    // The Generate call's stream while Generate runs (TryCancel unblocks a Write that a stalled
+    // reader holds); null once it returns.
+    GenerateStream* stream = nullptr;
+    std::optional<absl::Time> stalled_since;        // event queue full since
+    std::optional<absl::Time> write_blocked_since;  // a Write in progress since
+    std::deque<dsa::coordinator::v1::GenerateEvent> events;
+    std::optional<absl::Status> final_status;
+    absl::CondVar changed;        // admission, an event, the final status
+    int migrations = 0;           // guarded by mu_; moves off a failed worker so far
+    absl::Status migrate_reason;  // guarded by mu_; the failure that made it kMigrating
+    // Owned by the decode loop once the request is decoding.
+    int64_t generated = 0;
+    int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
+    uint64_t verification_steps = 0;
+    std::optional<AcceptanceModel> acceptance;
+    int first_count = 0;
+    absl::Time first_token_time;
+    absl::Time last_step_time;
+  };
+
+  // One attention worker: its client and decode loop.
+  struct AttentionWorker {
+    std::string address;
+    std::shared_ptr<AttentionWorkerClient> client;
+    std::vector<std::shared_ptr<Request>> decoding;  // guarded by mu_
+    absl::CondVar wake;                              // new work, room in an event queue, stop
+    bool ready = true;                               // guarded by mu_
+    bool retired = false;                            // guarded by mu_; restarted or gone
+    std::string instance_id;                         // GetInfo's, when taken in
+    int num_full_layers = 0;
+    int64_t num_heads = 0;
+    int64_t head_dim = 0;
+    std::thread loop;
+  };
+  struct IndexerWorker {
+    std::string address;
+    std::shared_ptr<IndexerWorkerClient> client;
+    bool ready = true;        // guarded by mu_
+    bool retired = false;     // guarded by mu_; restarted or gone
+    std::string instance_id;  // GetLoad's, when taken in
+    int64_t num_heads = 0;
+    int64_t head_dim = 0;
+  };
+  // What one check of a worker saw (RefreshWorkers).
+  struct Probe {
+    std::string address;
+    std::shared_ptr<AttentionWorkerClient> attention_client;  // the kind checked
+    std::shared_ptr<IndexerWorkerClient> indexer_client;
+    absl::Status status;  // of GetInfo / GetLoad
+    dsa::attention::v1::GetInfoResponse info;
+    dsa::indexer::v1::GetLoadResponse load;
+    bool healthy = false;  // readiness SERVING, or no health service and the call above OK
+    std::string reason;    // why not healthy
+  };
+
+  /// Worker slots of each kind: clients and decode loops live in fixed slots so that threads may
+  /// read a slot below the published count without a lock; a worker that leaves keeps its slot.
+  static constexpr int kMaxWorkersPerKind = 1024;
+
+  CoordinatorEngine(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
+                    std::shared_ptr<WorkerClientFactory> workers, const Clock& clock,
+                    AddressResolver resolve, Scheduler scheduler);
+
+  // The addresses of a kind: fixed ones, then each name's resolution (the last good answer when
+  // it fails now). Called with refresh_mu_ held.
+  std::vector<std::string> WantedAddresses(const std::vector<std::string>& fixed,
+                                           const std::vector<std::string>& names)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
+  // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness,
+  // through the client of a known worker, else a new one from the factory.
+  Probe ProbeWorker(const std::string& address, bool attention,
+                    std::shared_ptr<AttentionWorkerClient> attention_client,
+                    std::shared_ptr<IndexerWorkerClient> indexer_client) const;
+  // Whether `probe`'s worker fits the shape of the workers ready now (an empty string) or why
+  // not; with none ready any shape fits (the full layers change only while nothing is held).
+  std::string CheckShapeLocked(const Probe& probe, bool attention)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Retires a known worker's slot (a restart): not ready for good, its address free for the new
+  // instance; co-located, the pair goes together.
+  void RetireLocked(int slot, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Logs `message` for `key` unless the last message logged for it was the same.
+  void LogOnce(const std::string& key, const char* level, const char* message,
+               nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
+  // The watch thread's body.
+  void WatchWorkers();
+  // The stall watch's body: CheckStalledWrites a quarter of the stall timeout apart.
+  void WatchStalledWrites();
+  // Readiness: a ready worker of each kind.
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The decode loop of attention worker `worker`.
+  void DecodeLoop(int worker);
+  // What one decode-loop iteration works on: the sequences to step (rows each) and to end.
+  struct Iteration {
+    std::vector<std::shared_ptr<Request>> batch;
+    std::vector<int> rows;
+    std::vector<std::shared_ptr<Request>> cancelled;
+    bool stalled = false;  // a sequence waits for its reader (look again when time has passed)
+  };
+  // Collects worker `worker`'s iteration, ending the requests whose readers have stalled past
+  // the stall timeout (by the clock).
+  Iteration CollectLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs a collected iteration: ends the cancelled, steps the batch (retries, migrations).
+  void RunIteration(int worker, const Iteration& iteration);
+  // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
+  struct StepOutcome {
+    absl::Status status;
+    dsa::attention::v1::DecodeStepResponse response;
+    double seconds = 0;
+  };
+  StepOutcome RunStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
+                      const std::vector<int>& rows);
+  // Applies a successful step to its batch: draws the accepted counts of speculative sequences
+  // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
+  void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
+                 const std::vector<int>& rows, const StepOutcome& outcome);
+  // One sequence's step result with `accepted` drafts committed: Tokens event, metrics, and
+  // Finished (and EndSequence) at max_new_tokens.
+  void AdvanceSequence(const std::shared_ptr<Request>& request, int rows, int accepted,
+                       const dsa::attention::v1::SequenceStepResult& result,
+                       const dsa::attention::v1::DecodeStepResponse& response, double seconds);
+  // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
+  // already set) and queued admissions.
+  void EndSequence(const std::shared_ptr<Request>& request, const absl::Status& status,
+                   bool completed, bool worker_failed = false);
+  // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
+  // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
+  // Releases a worker could not take are kept for ReleaseUnreleased.
+  void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
+  // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
+  // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
+  void FailSequence(const std::shared_ptr<Request>& request, const absl::Status& status);
+  // The handler's side of a migration: checks the workers, then places the request again (ahead
+  // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
+  absl::Status PlaceAgain(const std::shared_ptr<Request>& request);
+  // Retries the releases that failed because a worker was unreachable, on workers that are ready
+  // now; forgets those of retired workers (a restarted process holds nothing).
+  void ReleaseUnreleased();
+  // Sets the stream's status and counts the outcome (first call wins).
+  void SetFinalLocked(Request& request, const absl::Status& status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks a request cancelled; a queued one ends at once.
+  void AbortLocked(Request& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Hands admissions to their waiting handlers.
+  void DeliverAdmissionsLocked(std::vector<Admission> admissions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops evicted sequences on their workers (best effort; failures are logged).
+  void CarryOutEvictions(const std::vector<Eviction>& evictions);
+  // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, within
+  // `timeout`, carrying a child of `trace` (may be null); the worker's status.
+  absl::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
+                               bool keep_indexer_sequence, absl::Duration timeout,
+                               const TraceContext* trace);
+  // Prefill of an admitted request on its attention worker, cancelled with `stream`.
+  absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
+                       dsa::attention::v1::PrefillResponse* response);
+  absl::Duration RpcTimeout() const;
+
+  const CoordinatorOptions options_;
+  CoordinatorMetrics* const metrics_;  // not owned
+  const std::shared_ptr<WorkerClientFactory> workers_;
+  const Clock& clock_;
+  const AddressResolver resolve_;
+  // kMaxWorkersPerKind slots each; [0, num_attention_) / [0, num_indexers_) are set, and a set
+  // slot never changes (its ready flag aside).
+  std::vector<std::unique_ptr<AttentionWorker>> attention_;
+  std::vector<std::unique_ptr<IndexerWorker>> indexers_;
+
+  absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
+  absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
+      ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
+  // key -> the last message logged for it (LogOnce)
+  absl::flat_hash_map<std::string, std::string> logged_ ABSL_GUARDED_BY(refresh_mu_);
+  std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
+  std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
+  std::thread watch_;
+  std::thread stall_watch_;  // WatchStalledWrites, when stall_timeout_ms > 0
+
+  mutable absl::Mutex mu_;
+  int num_attention_ ABSL_GUARDED_BY(mu_) = 0;
+  int num_indexers_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
+  int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
+  absl::CondVar watch_wake_;                      // stop
+  absl::CondVar decoding_changed_;                // a sequence started decoding (AwaitDecoding)
+  Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
+  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
+  // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
+  // delivered or its worker retired, so nothing is placed into space a worker still holds.
+  struct Unreleased {
+    bool attention = false;  // an attention worker's Release, else an indexer worker's
+    int slot = 0;
+    uint64_t sequence_id = 0;
+    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
+  };
+  std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
+  // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
+  absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace dsa

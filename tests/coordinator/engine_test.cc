@@ -1,0 +1,469 @@
+// CoordinatorEngine over in-memory workers (tests/coordinator/fake_workers.h) and a FakeClock,
+// without its threads (run_loops false): the test steps each decode loop itself (StepWorker),
+// checks the workers itself (RefreshWorkers) and looks for stalled writes itself
+// (CheckStalledWrites), so every fault, migration and stall below happens at a chosen step and a
+// chosen clock reading (issue 13, "Engines where the tests need them"). The only waits are for
+// the Generate handler thread to reach a state (AwaitDecoding, AwaitEvents), never for time.
+#include "coordinator/engine.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "coordinator/metrics.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "tests/coordinator/fake_workers.h"
+
+namespace dsa {
+namespace {
+
+namespace cv1 = ::dsa::coordinator::v1;
+using ::dsa::testing::FakeWorkers;
+
+constexpr absl::Duration kSafetyNet = absl::Seconds(20);  // a broken test fails, not hangs
+constexpr char kA1[] = "10.0.0.1:7000";
+constexpr char kA2[] = "10.0.0.2:7000";
+constexpr char kI1[] = "10.0.1.1:7100";
+constexpr char kI2[] = "10.0.1.2:7100";
+
+// A Generate call's client: records every event; can hold its Writes (a reader that stopped
+// reading, its flow-control window full) until the call is cancelled.
+class RecordingStream final : public GenerateStream {
+ public:
+  bool Write(const cv1::GenerateEvent& event) override {
+    absl::MutexLock lock(&mu_);
+    if (hold_writes_) {
+      ++writes_held_;
+      mu_.Await(absl::Condition(&cancelled_));
+    }
+    if (cancelled_) return false;
+    events_.push_back(event);
+    return true;
+  }
+  bool IsCancelled() override {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
+  }
+  void TryCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+  void HoldWrites() {
+    absl::MutexLock lock(&mu_);
+    hold_writes_ = true;
+  }
+  // Waits until `count` events were written (or a Write is held, with `held`).
+  bool AwaitEvents(int count) {
+    absl::MutexLock lock(&mu_);
+    auto enough = [this, count] { return static_cast<int>(events_.size()) >= count; };
+    return mu_.AwaitWithTimeout(absl::Condition(&enough), kSafetyNet);
+  }
+  bool AwaitHeldWrite() {
+    absl::MutexLock lock(&mu_);
+    auto held = [this] { return writes_held_ > 0; };
+    return mu_.AwaitWithTimeout(absl::Condition(&held), kSafetyNet);
+  }
+  std::vector<cv1::GenerateEvent> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool hold_writes_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  int writes_held_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<cv1::GenerateEvent> events_ ABSL_GUARDED_BY(mu_);
+};
+
+// One Generate running on its own thread (the handler thread gRPC would give it).
+struct Call {
+  RecordingStream stream;
+  absl::Status status;
+  std::thread thread;
+  std::atomic<bool> returned{false};
+  void Join() {
+    if (thread.joinable()) thread.join();
+  }
+  const cv1::Admitted& admitted() {
+    events_ = stream.events();
+    return events_.at(0).admitted();
+  }
+  // Tokens generated over every Tokens event, and whether their positions are contiguous from
+  // `context`.
+  int64_t Tokens(int64_t context, bool* contiguous) {
+    events_ = stream.events();
+    int64_t total = 0;
+    *contiguous = true;
+    for (const cv1::GenerateEvent& e : events_) {
+      if (!e.has_tokens()) continue;
+      *contiguous &= e.tokens().first_position() == context + total;
+      total += e.tokens().count();
+    }
+    return total;
+  }
+  const cv1::Finished* finished() {
+    events_ = stream.events();
+    for (const cv1::GenerateEvent& e : events_) {
+      if (e.has_finished()) return &e.finished();
+    }
+    return nullptr;
+  }
+
+ private:
+  std::vector<cv1::GenerateEvent> events_;
+};
+
+cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t new_tokens) {
+  cv1::GenerateRequest request;
+  request.set_request_id(id);
+  request.set_context_length(context);
+  request.set_max_new_tokens(new_tokens);
+  return request;
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    options_.run_loops = false;
+    options_.worker_check_interval_ms = 0;
+    options_.retain_finished = false;  // every finished sequence is released
+    options_.stall_timeout_ms = 0;
+  }
+
+  void Start(std::vector<std::string> attention, std::vector<std::string> indexers) {
+    for (const std::string& a : attention) fakes_->AddAttention(a);
+    for (const std::string& i : indexers) fakes_->AddIndexer(i);
+    options_.attention_addresses = attention;
+    options_.indexer_addresses = indexers;
+    auto engine = CoordinatorEngine::Create(options_, &metrics_, fakes_, &clock_);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+  }
+
+  // A failed assertion leaves handlers waiting for steps: cancel them and step every worker
+  // until each has returned (bounded), so that the test fails instead of hanging.
+  void TearDown() override {
+    for (auto& call : calls_) call->stream.TryCancel();
+    for (int round = 0; round < 1000; ++round) {
+      bool all_returned = true;
+      for (auto& call : calls_) all_returned &= call->returned.load();
+      if (all_returned) break;
+      for (const std::string& address : options_.attention_addresses) {
+        (void)engine_->StepWorker(address);
+      }
+      engine_->RefreshWorkers();
+    }
+    for (auto& call : calls_) {
+      if (call->returned.load()) {
+        call->Join();
+      } else {
+        ADD_FAILURE() << "a Generate handler never returned";
+        call->thread.detach();
+        (void)call.release();  // leaked on purpose: its thread still runs
+      }
+    }
+  }
+
+  // Starts a Generate on its own thread; the fixture owns the call.
+  Call* Generate(const cv1::GenerateRequest& request, const std::string& caller = "router") {
+    calls_.push_back(std::make_unique<Call>());
+    Call* call = calls_.back().get();
+    call->thread = std::thread([this, request, caller, call] {
+      call->status = engine_->Generate(request, caller, "", call->stream);
+      call->returned = true;
+    });
+    return call;
+  }
+
+  // Steps the decode loop of `address` until `call` has its Finished event (bounded).
+  void StepUntilFinished(const std::string& address, Call& call, int max_steps = 1000) {
+    for (int i = 0; i < max_steps && call.finished() == nullptr; ++i) {
+      absl::StatusOr<int> stepped = engine_->StepWorker(address);
+      ASSERT_TRUE(stepped.ok()) << stepped.status();
+      // The handler writes what the step queued: wait for it, so the queue never fills.
+      ASSERT_TRUE(call.stream.AwaitEvents(static_cast<int>(call.stream.events().size())));
+    }
+  }
+
+  int64_t Metric(const std::string& line_prefix) {
+    const std::string text = prometheus::TextSerializer().Serialize(registry_.Collect());
+    for (absl::string_view line : absl::StrSplit(text, '\n')) {
+      if (absl::StartsWith(line, line_prefix)) {
+        return static_cast<int64_t>(std::stod(std::string(line.substr(line_prefix.size()))));
+      }
+    }
+    return -1;
+  }
+
+  CoordinatorOptions options_;
+  prometheus::Registry registry_;
+  CoordinatorMetrics metrics_{registry_};
+  FakeClock clock_;
+  std::shared_ptr<FakeWorkers> fakes_ = std::make_shared<FakeWorkers>();
+  std::unique_ptr<CoordinatorEngine> engine_;
+  std::vector<std::unique_ptr<Call>> calls_;
+};
+
+TEST_F(EngineTest, AKilledAttentionWorkersRequestMovesAtTheFailedStepAndLosesNoToken) {
+  Start({kA1, kA2}, {kI1});
+  auto call = Generate(Request("r1", 100, 8));
+  ASSERT_TRUE(call->stream.AwaitEvents(1));
+  const std::string first = call->admitted().attention_worker();
+  const std::string second = first == kA1 ? kA2 : kA1;
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(*engine_->StepWorker(first), 1);
+    ASSERT_TRUE(call->stream.AwaitEvents(2 + step));
+  }
+  const uint64_t sequence_id = fakes_->Prefills(first).at(0).sequence_id();
+
+  fakes_->SetDown(first, true);               // kill -9 between steps 3 and 4
+  ASSERT_EQ(*engine_->StepWorker(first), 1);  // the step fails: the request migrates
+  ASSERT_TRUE(engine_->AwaitDecoding(second, 1, kSafetyNet));
+  // Re-prefilled on the survivor with its context plus the 3 tokens generated.
+  ASSERT_EQ(fakes_->Prefills(second).size(), 1u);
+  EXPECT_EQ(fakes_->Prefills(second)[0].context_length(), 103);
+  StepUntilFinished(second, *call);
+  call->Join();
+
+  ASSERT_TRUE(call->status.ok()) << call->status;
+  bool contiguous = false;
+  EXPECT_EQ(call->Tokens(100, &contiguous), 8);
+  EXPECT_TRUE(contiguous);
+  ASSERT_NE(call->finished(), nullptr);
+  EXPECT_EQ(call->finished()->migrations(), 1);
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 1);
+  EXPECT_EQ(fakes_->Sequences(second), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  // The dead worker's Release waits for it: delivered at the first check that finds it back.
+  EXPECT_EQ(fakes_->Sequences(first), 1);
+  fakes_->SetDown(first, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(first), 0);
+  EXPECT_EQ(fakes_->Released(first), std::vector<uint64_t>{sequence_id});
+}
+
+TEST_F(EngineTest, AKilledIndexersRequestMovesAndItsBatchNeighbourGoesOnUnmoved) {
+  Start({kA1}, {kI1, kI2});
+  auto on_first = Generate(Request("r1", 200, 6));
+  ASSERT_TRUE(on_first->stream.AwaitEvents(1));
+  auto on_second = Generate(Request("r2", 200, 6));
+  ASSERT_TRUE(on_second->stream.AwaitEvents(1));
+  const std::string dying = on_first->admitted().indexer_worker();
+  const std::string surviving = on_second->admitted().indexer_worker();
+  ASSERT_NE(dying, surviving) << "placement spreads misses over the indexers";
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);  // one batch of both
+  ASSERT_TRUE(on_first->stream.AwaitEvents(2));
+  ASSERT_TRUE(on_second->stream.AwaitEvents(2));
+
+  fakes_->SetDown(dying, true);
+  const int steps_before = fakes_->DecodeSteps(kA1);
+  // The batch fails; each alone: r2 steps, r1 fails and migrates to the surviving indexer.
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);
+  EXPECT_EQ(fakes_->DecodeSteps(kA1) - steps_before, 3);
+  ASSERT_TRUE(on_second->stream.AwaitEvents(3));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 2, kSafetyNet));  // r1 back, on the other indexer
+  for (int i = 0; i < 20 && (on_first->finished() == nullptr || on_second->finished() == nullptr);
+       ++i) {
+    ASSERT_TRUE(engine_->StepWorker(kA1).ok());
+    ASSERT_TRUE(on_first->stream.AwaitEvents(static_cast<int>(on_first->stream.events().size())));
+  }
+  on_first->Join();
+  on_second->Join();
+  ASSERT_TRUE(on_first->status.ok()) << on_first->status;
+  ASSERT_TRUE(on_second->status.ok()) << on_second->status;
+  bool contiguous = false;
+  EXPECT_EQ(on_first->Tokens(200, &contiguous), 6);
+  EXPECT_TRUE(contiguous);
+  EXPECT_EQ(on_second->Tokens(200, &contiguous), 6);
+  EXPECT_TRUE(contiguous);
+  EXPECT_EQ(on_first->finished()->migrations(), 1);
+  EXPECT_EQ(on_second->finished()->migrations(), 0);
+  EXPECT_EQ(fakes_->Prefills(kA1).back().indexer_worker(), surviving);
+  EXPECT_EQ(fakes_->Sequences(surviving), 0);
+  // The dead indexer still holds r1's first sequence; released when it answers again.
+  EXPECT_EQ(fakes_->Sequences(dying), 1);
+  fakes_->SetDown(dying, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(dying), 0);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+}
+
+TEST_F(EngineTest, WithoutMigrationsLeftAFailureEndsOnlyTheRequestsOfTheDeadWorker) {
+  options_.max_migrations = 0;
+  Start({kA1}, {kI1, kI2});
+  auto on_first = Generate(Request("r1", 64, 4));
+  ASSERT_TRUE(on_first->stream.AwaitEvents(1));
+  auto on_second = Generate(Request("r2", 64, 4));
+  ASSERT_TRUE(on_second->stream.AwaitEvents(1));
+  ASSERT_NE(on_first->admitted().indexer_worker(), on_second->admitted().indexer_worker());
+  fakes_->SetDown(on_first->admitted().indexer_worker(), true);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);
+  on_first->Join();
+  EXPECT_EQ(on_first->status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(on_first->status.message(), "after 0 migrations"))
+      << on_first->status;
+  StepUntilFinished(kA1, *on_second);
+  on_second->Join();
+  EXPECT_TRUE(on_second->status.ok()) << on_second->status;
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
+}
+
+TEST_F(EngineTest, AHungWorkersBatchFailsOnceAndMovesWithoutPerSequenceRetries) {
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);  // both requests go to A1
+  engine_->RefreshWorkers();
+  auto r1 = Generate(Request("r1", 32, 5));
+  ASSERT_TRUE(r1->stream.AwaitEvents(1));
+  auto r2 = Generate(Request("r2", 32, 5));
+  ASSERT_TRUE(r2->stream.AwaitEvents(1));
+  ASSERT_EQ(r1->admitted().attention_worker(), kA1);
+  ASSERT_EQ(r2->admitted().attention_worker(), kA1);
+  fakes_->SetNotReady(kA2, false);
+  fakes_->SetHung(kA1, true);  // SIGSTOP: every call runs into its deadline
+  const int steps_before = fakes_->DecodeSteps(kA1);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);
+  EXPECT_EQ(fakes_->DecodeSteps(kA1) - steps_before, 1) << "a hung batch is not retried alone";
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 2, kSafetyNet));
+  StepUntilFinished(kA2, *r1);
+  StepUntilFinished(kA2, *r2);
+  r1->Join();
+  r2->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  ASSERT_TRUE(r2->status.ok()) << r2->status;
+  EXPECT_EQ(r1->finished()->migrations(), 1);
+  EXPECT_EQ(r2->finished()->migrations(), 1);
+  EXPECT_EQ(fakes_->Sequences(kA1), 2);  // unreachable until SIGCONT
+  fakes_->SetHung(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) {
+  Start({kA1}, {kI1});
+  auto call = Generate(Request("r1", 50, 4));
+  ASSERT_TRUE(call->stream.AwaitEvents(1));
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  fakes_->Restart(kA1);                     // same address, new instance id, nothing held
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);  // NOT_FOUND: the sequence is gone, it migrates
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));  // the new instance's slot
+  StepUntilFinished(kA1, *call);
+  call->Join();
+  ASSERT_TRUE(call->status.ok()) << call->status;
+  EXPECT_EQ(call->finished()->migrations(), 1);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  cv1::GetLoadResponse load = engine_->GetLoad();
+  ASSERT_EQ(load.attention_workers_size(), 1);  // the retired slot is not reported
+  EXPECT_TRUE(load.attention_workers(0).ready());
+}
+
+TEST_F(EngineTest, AReaderThatLeavesItsEventsUnreadIsEndedExactlyAtTheStallTimeout) {
+  options_.stall_timeout_ms = 1000;
+  options_.max_pending_events = 4;  // a step is skipped while 3 events wait
+  Start({kA1}, {kI1});
+  auto call = Generate(Request("r1", 40, 100));
+  call->stream.HoldWrites();  // Admitted's Write blocks: nothing more is read
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  ASSERT_TRUE(call->stream.AwaitHeldWrite());
+  for (int step = 0; step < 3; ++step) ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 0);  // the queue is full: stalled since now
+  clock_.Advance(absl::Milliseconds(999));
+  ASSERT_EQ(*engine_->StepWorker(kA1), 0);
+  EXPECT_FALSE(call->stream.IsCancelled());
+  clock_.Advance(absl::Milliseconds(1));
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);  // ended
+  call->Join();
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(absl::StrContains(call->status.message(), "left 3 events unread for 1000 ms"))
+      << call->status;
+  EXPECT_TRUE(call->stream.IsCancelled());
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+TEST_F(EngineTest, AWriteBlockedPastTheStallTimeoutIsCancelledByTheClockNotBefore) {
+  options_.stall_timeout_ms = 1000;
+  Start({kA1}, {kI1});
+  auto call = Generate(Request("r1", 40, 100));
+  call->stream.HoldWrites();
+  ASSERT_TRUE(call->stream.AwaitHeldWrite());  // Admitted's Write, blocked since now
+  clock_.Advance(absl::Milliseconds(999));
+  engine_->CheckStalledWrites();
+  EXPECT_FALSE(call->stream.IsCancelled());
+  clock_.Advance(absl::Milliseconds(1));
+  engine_->CheckStalledWrites();
+  EXPECT_TRUE(call->stream.IsCancelled());
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);  // the decode loop ends it and releases it
+  call->Join();
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(absl::StrContains(call->status.message(), "read nothing for 1000 ms"))
+      << call->status;
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+}
+
+TEST_F(EngineTest, ReadinessFollowsTheLastIndexerAndGenerateSaysWhyItIsRefused) {
+  Start({kA1}, {kI1});
+  std::vector<bool> told;
+  engine_->SetReadinessListener([&told](bool ready) { told.push_back(ready); });
+  fakes_->SetDown(kI1, true);
+  engine_->RefreshWorkers();
+  RecordingStream stream;
+  const absl::Status refused = engine_->Generate(Request("r1", 10, 2), "router", "", stream);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "0 of 1 indexer")) << refused;
+  cv1::GetLoadResponse load = engine_->GetLoad();
+  ASSERT_EQ(load.indexer_workers_size(), 1);
+  EXPECT_FALSE(load.indexer_workers(0).ready());
+  fakes_->SetDown(kI1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(told, (std::vector<bool>{true, false, true}));
+  auto call = Generate(Request("r2", 10, 2));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  StepUntilFinished(kA1, *call);
+  call->Join();
+  EXPECT_TRUE(call->status.ok()) << call->status;
+}
+
+TEST_F(EngineTest, OnlyTheCallerThatStartedARequestMayAbortIt) {
+  Start({kA1}, {kI1});
+  auto call = Generate(Request("r1", 10, 50), "router-a");
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  EXPECT_EQ(engine_->Abort("r1", "router-b").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(engine_->Abort("r9", "router-a").code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(engine_->Abort("r1", "router-a").ok());
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  call->Join();
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(engine_->StepWorker("10.9.9.9:1").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(EngineCreateTest, MissingCollaboratorsAreRefused) {
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.attention_addresses = {kA1};
+  options.indexer_addresses = {kI1};
+  options.run_loops = false;
+  auto no_workers = CoordinatorEngine::Create(options, &metrics, nullptr);
+  EXPECT_EQ(no_workers.status().code(), absl::StatusCode::kInvalidArgument);
+  auto no_clock =
+      CoordinatorEngine::Create(options, &metrics, std::make_shared<FakeWorkers>(), nullptr);
+  EXPECT_EQ(no_clock.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dsa

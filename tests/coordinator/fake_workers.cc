@@ -1,0 +1,305 @@
+// In-memory workers for CoordinatorEngine (see fake_workers.h).
+#include "tests/coordinator/fake_workers.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace dsa::testing {
+
+namespace av1 = ::dsa::attention::v1;
+namespace iv1 = ::dsa::indexer::v1;
+
+namespace {
+
+absl::Status Unreachable(const std::string& address) {
+  return absl::UnavailableError(absl::StrCat("failed to connect to ", address, " (fake: down)"));
+}
+
+}  // namespace
+
+// What a call to `w` at `address` answers before it is looked at: UNAVAILABLE for no worker or a
+// down one, DEADLINE_EXCEEDED for a hung one, else OK.
+absl::Status FakeWorkers::Gone(const Worker* w, const std::string& address) {
+  if (w == nullptr || w->down) return Unreachable(address);
+  if (w->hung) return absl::DeadlineExceededError("Deadline Exceeded (fake: hung)");
+  return absl::OkStatus();
+}
+
+namespace {}  // namespace
+
+class FakeAttentionClient final : public AttentionWorkerClient {
+ public:
+  FakeAttentionClient(std::shared_ptr<FakeWorkers> fakes, std::string address)
+      : fakes_(std::move(fakes)), address_(std::move(address)) {}
+
+  WorkerReadiness CheckReadiness(absl::Duration /*timeout*/) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) {
+      return {false, absl::StrCat("its health check failed: ", gone.message())};
+    }
+    if (w->not_ready) return {false, "its readiness is not SERVING (draining?)"};
+    return {true, ""};
+  }
+
+  absl::Status GetInfo(const WorkerCall& /*call*/, av1::GetInfoResponse* response) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    response->set_num_full_layers(w->shape.num_full_layers);
+    response->set_num_heads(w->shape.num_heads);
+    response->set_head_dim(w->shape.head_dim);
+    response->set_kv_capacity_slots(w->shape.kv_capacity_slots);
+    response->set_instance_id(absl::StrCat(address_, "#", w->instance));
+    return absl::OkStatus();
+  }
+
+  absl::Status Prefill(const WorkerCall& /*call*/, const av1::PrefillRequest& request,
+                       av1::PrefillResponse* response) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    FakeWorkers::Worker* indexer = fakes_->Find(request.indexer_worker(), false);
+    if (!FakeWorkers::Gone(indexer, request.indexer_worker()).ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("indexer worker ", request.indexer_worker(), " unreachable"));
+    }
+    if (!request.continue_sequence() && w->sequences.contains(request.sequence_id())) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence ", request.sequence_id()));
+    }
+    FakeWorkers::Sequence& s = w->sequences[request.sequence_id()];
+    s.length = request.context_length();
+    s.pending_rows = 0;
+    s.indexer = request.indexer_worker();
+    indexer->sequences[request.sequence_id()].length = request.context_length();
+    w->prefills.push_back(request);
+    response->set_seconds(0.001);
+    return absl::OkStatus();
+  }
+
+  absl::Status DecodeStep(const WorkerCall& /*call*/, const av1::DecodeStepRequest& request,
+                          av1::DecodeStepResponse* response) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (w != nullptr) ++w->decode_steps;
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    // The contract: the batch fails as a whole and nothing advances.
+    for (const av1::SequenceStep& step : request.sequences()) {
+      auto it = w->sequences.find(step.sequence_id());
+      if (it == w->sequences.end()) {
+        return absl::NotFoundError(absl::StrCat("no sequence ", step.sequence_id()));
+      }
+      const FakeWorkers::Worker* indexer = fakes_->Find(it->second.indexer, false);
+      if (!FakeWorkers::Gone(indexer, it->second.indexer).ok() ||
+          !indexer->sequences.contains(step.sequence_id())) {
+        return absl::UnavailableError(
+            absl::StrCat("indexer worker ", it->second.indexer, " failed the select"));
+      }
+    }
+    for (const av1::SequenceStep& step : request.sequences()) {
+      FakeWorkers::Sequence& s = w->sequences[step.sequence_id()];
+      av1::SequenceStepResult* result = response->add_sequences();
+      result->set_sequence_id(step.sequence_id());
+      result->set_first_position(s.length);
+      result->set_blocks_scored(1);
+      result->set_blocks_visible(1);
+      if (step.rows() > 1) {
+        s.pending_rows = step.rows();
+      } else {
+        s.length += 1;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::vector<absl::Status> Commit(absl::Duration /*timeout*/,
+                                   const std::vector<TracedCommit>& commits) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    std::vector<absl::Status> out;
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    for (const TracedCommit& commit : commits) {
+      if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) {
+        out.push_back(gone);
+        continue;
+      }
+      auto it = w->sequences.find(commit.request.sequence_id());
+      if (it == w->sequences.end() || it->second.pending_rows <= 1 ||
+          commit.request.accepted() < 0 || commit.request.accepted() >= it->second.pending_rows) {
+        out.push_back(absl::FailedPreconditionError("no speculative step to commit"));
+        continue;
+      }
+      it->second.length += commit.request.accepted() + 1;
+      it->second.pending_rows = 0;
+      out.push_back(absl::OkStatus());
+    }
+    return out;
+  }
+
+  absl::Status Release(const WorkerCall& /*call*/, const av1::ReleaseRequest& request) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    auto it = w->sequences.find(request.sequence_id());
+    if (it == w->sequences.end()) {
+      return absl::NotFoundError(absl::StrCat("no sequence ", request.sequence_id()));
+    }
+    const std::string indexer_address = it->second.indexer;
+    w->sequences.erase(it);
+    w->released.push_back(request.sequence_id());
+    if (request.keep_indexer_sequence()) return absl::OkStatus();
+    FakeWorkers::Worker* indexer = fakes_->Find(indexer_address, false);
+    if (!FakeWorkers::Gone(indexer, indexer_address).ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("indexer worker ", indexer_address, " unreachable: its sequence is kept"));
+    }
+    if (indexer->sequences.erase(request.sequence_id()) > 0) {
+      indexer->released.push_back(request.sequence_id());
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<FakeWorkers> fakes_;
+  std::string address_;
+};
+
+class FakeIndexerClient final : public IndexerWorkerClient {
+ public:
+  FakeIndexerClient(std::shared_ptr<FakeWorkers> fakes, std::string address)
+      : fakes_(std::move(fakes)), address_(std::move(address)) {}
+
+  WorkerReadiness CheckReadiness(absl::Duration /*timeout*/) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) {
+      return {false, absl::StrCat("its health check failed: ", gone.message())};
+    }
+    if (w->not_ready) return {false, "its readiness is not SERVING (draining?)"};
+    return {true, ""};
+  }
+
+  absl::Status GetLoad(const WorkerCall& /*call*/, iv1::GetLoadResponse* response) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    response->set_capacity_blocks(w->capacity_blocks);
+    response->set_used_blocks(static_cast<int64_t>(w->sequences.size()));
+    response->set_sequences(static_cast<int64_t>(w->sequences.size()));
+    response->set_num_heads(w->shape.num_heads);
+    response->set_head_dim(w->shape.head_dim);
+    response->set_instance_id(absl::StrCat(address_, "#", w->instance));
+    return absl::OkStatus();
+  }
+
+  absl::Status Release(const WorkerCall& /*call*/, const iv1::ReleaseRequest& request) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
+    if (w->sequences.erase(request.sequence_id()) == 0) {
+      return absl::NotFoundError(absl::StrCat("no sequence ", request.sequence_id()));
+    }
+    w->released.push_back(request.sequence_id());
+    return absl::OkStatus();
+  }
+
+ private:
+  std::shared_ptr<FakeWorkers> fakes_;
+  std::string address_;
+};
+
+FakeWorkers::Worker* FakeWorkers::Find(const std::string& address, bool attention) {
+  auto& workers = attention ? attention_ : indexers_;
+  auto it = workers.find(address);
+  return it == workers.end() ? nullptr : &it->second;
+}
+
+void FakeWorkers::AddAttention(const std::string& address, AttentionShape shape) {
+  absl::MutexLock lock(&mu_);
+  Worker& w = attention_[address];
+  w.attention = true;
+  w.shape = shape;
+}
+
+void FakeWorkers::AddIndexer(const std::string& address, int64_t capacity_blocks, int64_t num_heads,
+                             int64_t head_dim) {
+  absl::MutexLock lock(&mu_);
+  Worker& w = indexers_[address];
+  w.capacity_blocks = capacity_blocks;
+  w.shape.num_heads = num_heads;
+  w.shape.head_dim = head_dim;
+}
+
+void FakeWorkers::SetDown(const std::string& address, bool down) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->down = down;
+  }
+}
+
+void FakeWorkers::SetHung(const std::string& address, bool hung) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->hung = hung;
+  }
+}
+
+void FakeWorkers::SetNotReady(const std::string& address, bool not_ready) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->not_ready = not_ready;
+  }
+}
+
+void FakeWorkers::Restart(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) {
+      ++w->instance;
+      w->sequences.clear();
+      w->down = false;
+      w->hung = false;
+    }
+  }
+}
+
+int FakeWorkers::Sequences(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) n += static_cast<int>(w->sequences.size());
+  }
+  return n;
+}
+
+std::vector<uint64_t> FakeWorkers::Released(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  std::vector<uint64_t> out;
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind))
+      out.insert(out.end(), w->released.begin(), w->released.end());
+  }
+  return out;
+}
+
+int FakeWorkers::DecodeSteps(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? 0 : w->decode_steps;
+}
+
+std::vector<av1::PrefillRequest> FakeWorkers::Prefills(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? std::vector<av1::PrefillRequest>{} : w->prefills;
+}
+
+std::shared_ptr<AttentionWorkerClient> FakeWorkers::Attention(const std::string& address) {
+  return std::make_shared<FakeAttentionClient>(shared_from_this(), address);
+}
+
+std::shared_ptr<IndexerWorkerClient> FakeWorkers::Indexer(const std::string& address) {
+  return std::make_shared<FakeIndexerClient>(shared_from_this(), address);
+}
+
+}  // namespace dsa::testing

@@ -1,0 +1,91 @@
+// In-memory attention and indexer workers behind CoordinatorEngine's worker-client interfaces
+// (coordinator/worker_clients.h), for the engine's deterministic tests and fuzz harness: each
+// keeps its sequences' lengths, records the calls it answers, and fails on demand (down: every
+// call UNAVAILABLE, as a killed or unreachable process; hung: DecodeStep DEADLINE_EXCEEDED; not
+// ready; restarted: a new instance id with nothing held). No threads, no sleeps, no gRPC.
+// DecodeStep fails a batch whole when a sequence is unknown (NOT_FOUND) or its indexer is down
+// (UNAVAILABLE), advancing nothing, as the attention worker's contract says.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/worker_clients.h"
+
+namespace dsa::testing {
+
+/// What a fake attention worker's GetInfo reports.
+struct FakeAttentionShape {
+  int num_full_layers = 2;
+  int64_t num_heads = 4;
+  int64_t head_dim = 16;
+  int64_t kv_capacity_slots = 0;  // 0 = unlimited
+};
+
+class FakeWorkers final : public WorkerClientFactory,
+                          public std::enable_shared_from_this<FakeWorkers> {
+ public:
+  using AttentionShape = FakeAttentionShape;
+  /// Adds a worker at `address` (a host:port the engine is told); it answers at once.
+  void AddAttention(const std::string& address, AttentionShape shape = {});
+  void AddIndexer(const std::string& address, int64_t capacity_blocks = int64_t{1} << 20,
+                  int64_t num_heads = 4, int64_t head_dim = 16);
+
+  /// Down: every call of that worker answers UNAVAILABLE and its readiness fails (kill -9, a
+  /// partition); up again: it answers with what it held (SIGCONT, a healed partition).
+  void SetDown(const std::string& address, bool down);
+  /// Hung: every call answers DEADLINE_EXCEEDED (SIGSTOP, seen through each call's deadline).
+  void SetHung(const std::string& address, bool hung);
+  /// Its readiness answers NOT_SERVING (draining) while its calls still work.
+  void SetNotReady(const std::string& address, bool not_ready);
+  /// A restart: a new instance id, and every sequence it held is gone.
+  void Restart(const std::string& address);
+
+  /// Sequences held by the worker at `address` (0 for an unknown address).
+  int Sequences(const std::string& address);
+  /// Sequence ids of the Releases the worker at `address` answered OK, in order.
+  std::vector<uint64_t> Released(const std::string& address);
+  /// DecodeStep calls the worker at `address` received (answered or not).
+  int DecodeSteps(const std::string& address);
+  /// Prefills the worker at `address` answered OK, in order.
+  std::vector<dsa::attention::v1::PrefillRequest> Prefills(const std::string& address);
+
+  std::shared_ptr<AttentionWorkerClient> Attention(const std::string& address) override;
+  std::shared_ptr<IndexerWorkerClient> Indexer(const std::string& address) override;
+
+ private:
+  friend class FakeAttentionClient;
+  friend class FakeIndexerClient;
+  struct Sequence {
+    int64_t length = 0;
+    int pending_rows = 0;  // > 1 while a speculative step awaits its Commit
+    std::string indexer;   // attention side: the indexer worker named in its Prefill
+  };
+  struct Worker {
+    bool attention = false;
+    AttentionShape shape;
+    int64_t capacity_blocks = 0;
+    bool down = false;
+    bool hung = false;
+    bool not_ready = false;
+    int instance = 1;
+    std::map<uint64_t, Sequence> sequences;
+    std::vector<uint64_t> released;
+    std::vector<dsa::attention::v1::PrefillRequest> prefills;
+    int decode_steps = 0;
+  };
+  // The worker at `address` of a kind, or null (an address no fake listens on).
+  Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status Gone(const Worker* w, const std::string& address);
+
+  absl::Mutex mu_;
+  std::map<std::string, Worker> attention_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Worker> indexers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace dsa::testing
