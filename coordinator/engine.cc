@@ -220,10 +220,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   scheduler_options.max_running_per_attention = options.max_running_per_attention;
   scheduler_options.retain_finished = options.retain_finished;
   scheduler_options.colocated = options.colocated;
-  // Sequence ids unique across coordinator restarts with high probability: a random start below
-  // 2^62, counting up.
-  absl::BitGen gen;
-  scheduler_options.first_sequence_id = absl::Uniform<uint64_t>(gen, 1, uint64_t{1} << 62);
+  // Sequence ids drawn at random below 2^62 (unique among those held; across coordinator
+  // restarts with high probability), so that a caller who sees one cannot claim the next ones on
+  // a worker before the coordinator does. Drawn under mu_ (every scheduler call is).
+  scheduler_options.draw_sequence_id = [gen = std::make_shared<absl::BitGen>()] {
+    return absl::Uniform<uint64_t>(*gen, 1, uint64_t{1} << 62);
+  };
   auto scheduler = Scheduler::Create(scheduler_options, {}, {});
   if (!scheduler.ok()) return scheduler.status();
   auto engine = std::unique_ptr<CoordinatorEngine>(new CoordinatorEngine(

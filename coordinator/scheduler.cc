@@ -523,7 +523,14 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
           PlanEvictions(c.indexer, (blocks_per_layer - shared_blocks) * layers, j, kv, c.donor);
       if (!plan.has_value()) continue;
       for (uint64_t victim : *plan) admission.evictions.push_back(Evict(victim));
-      const uint64_t id = next_sequence_id_++;
+      uint64_t id = 0;
+      if (options_.draw_sequence_id) {
+        do {
+          id = options_.draw_sequence_id();
+        } while (id == 0 || sequences_.contains(id));
+      } else {
+        id = next_sequence_id_++;
+      }
       Sequence s;
       s.indexer = c.indexer;
       s.attention = j;

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,6 +40,10 @@ struct SchedulerOptions {
   int max_running_per_attention = 32;  // running (prefilling or decoding) sequences per worker
   bool retain_finished = true;         // keep finished sequences' index keys as prefix donors
   uint64_t first_sequence_id = 1;      // sequence ids are handed out from here upwards
+  /// When set, each new sequence's id is drawn from it instead (a draw of 0, or of an id the
+  /// scheduler still holds, is drawn again): the coordinator draws them at random, so that a
+  /// caller who sees one id cannot claim the next ones on a worker first.
+  std::function<uint64_t()> draw_sequence_id;
   /// Co-located workers (dsa-attention --transport inprocess): indexer worker i lives in attention
   /// worker i's process, so a sequence placed on indexer i runs on attention worker i (and the
   /// counts must be equal).

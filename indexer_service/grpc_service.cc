@@ -323,6 +323,15 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
                                                 v1::CreateSequenceResponse* response) {
   const std::string id = absl::StrCat(request->sequence_id());
   const std::string caller = Caller(context);
+  if (request->has_prefix_source_id()) {
+    // Cloning a prefix reads the source's index keys: only its owner (or an operator) may.
+    if (absl::Status owned =
+            owners_.Check(absl::StrCat(request->prefix_source_id()), caller, kSequence);
+        !owned.ok()) {
+      return ToGrpcStatus(
+          absl::PermissionDeniedError(absl::StrCat("prefix_source_id: ", owned.message())));
+    }
+  }
   absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
   if (!claimed.ok()) return ToGrpcStatus(claimed.status());
   grpc::Status status = CreateOwnedSequence(request, response);

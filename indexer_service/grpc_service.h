@@ -94,7 +94,8 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// select, Commit, BeginTurn or Release of one is refused with PERMISSION_DENIED "sequence N
   /// belongs to another caller", unless it is one of `operator_identities` (the coordinator,
   /// which releases the sequences of a dead attention worker). A prefix source is read, never
-  /// changed, and may be any caller's.
+  /// changed, and must be the caller's too (cloning it would read its index keys): attention
+  /// workers that share prefixes on one indexer share one identity.
   explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr,
                               std::vector<std::string> operator_identities = {});
 
@@ -103,6 +104,7 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// off; unset optional fields and UNSPECIFIED enums take the paper's defaults. Errors:
   /// ALREADY_EXISTS; INVALID_ARGUMENT (num_layers, top_k, SPIN values, an unknown enum value,
   /// prefix_slots without prefix_source_id, prefix length); NOT_FOUND (prefix source);
+  /// PERMISSION_DENIED (the sequence id or the prefix source is another caller's);
   /// FAILED_PRECONDITION (the prefix source has a step awaiting Commit); RESOURCE_EXHAUSTED.
   grpc::Status CreateSequence(grpc::ServerContext* context,
                               const dsa::indexer::v1::CreateSequenceRequest* request,

@@ -115,6 +115,25 @@ TEST(SchedulerTest, AddedWorkersArePlacedOnOnlyWhileReady) {
   EXPECT_EQ(s.SetNumFullLayers(0).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Drawn sequence ids: a draw of 0 or of an id still held is drawn again; a released id may come
+// back.
+TEST(SchedulerTest, DrawnSequenceIdsSkipZeroAndHeldIds) {
+  SchedulerOptions options;
+  options.retain_finished = false;
+  std::vector<uint64_t> draws = {41, 41, 0, 7, 41};
+  size_t next = 0;
+  options.draw_sequence_id = [&draws, &next] { return draws.at(next++); };
+  auto created = Scheduler::Create(options, {{"i0", 100}}, {{"a0", 0}});
+  ASSERT_TRUE(created.ok());
+  Scheduler& s = *created;
+  EXPECT_EQ(Admit(s, 1, Demand(10, 1)).sequence_id, 41u);
+  EXPECT_EQ(Admit(s, 2, Demand(10, 1)).sequence_id, 7u);  // 41 held, 0 never an id
+  EXPECT_EQ(next, 4u);
+  (void)s.Finish(41, /*completed=*/true, 11);
+  (void)s.ReleaseDone(41);
+  EXPECT_EQ(Admit(s, 3, Demand(10, 1)).sequence_id, 41u);
+}
+
 // A queued request that only a worker that left could hold is taken out for the caller to fail;
 // the others stay queued in order.
 TEST(SchedulerTest, QueuedRequestsNoReadyWorkerCanHoldAreTakenOut) {

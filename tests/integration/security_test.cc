@@ -179,6 +179,22 @@ TEST_F(SecurityTest, IndexerSequencesBelongToTheirCreatorAndOperators) {
   EXPECT_EQ(taken.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(taken.error_message(), "sequence 7 belongs to another caller");
   EXPECT_EQ(IndexerRelease(intruder, 7).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  // Another caller cannot clone the sequence's index keys as its prefix; its owner can.
+  const auto clone = [](const std::shared_ptr<grpc::Channel>& channel, uint64_t id) {
+    grpc::ClientContext context;
+    iv1::CreateSequenceRequest request;
+    request.set_sequence_id(id);
+    request.set_num_layers(2);
+    request.set_top_k(64);
+    request.set_prefix_source_id(7);
+    iv1::CreateSequenceResponse response;
+    return iv1::IndexerService::NewStub(channel)->CreateSequence(&context, request, &response);
+  };
+  const grpc::Status cloned = clone(intruder, 8);
+  EXPECT_EQ(cloned.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(cloned.error_message(), "prefix_source_id: sequence 7 belongs to another caller");
+  EXPECT_TRUE(clone(attention, 8).ok());
+  EXPECT_TRUE(IndexerRelease(attention, 8).ok());
   {
     grpc::ClientContext context;
     iv1::CommitRequest request;
