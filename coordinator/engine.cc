@@ -1181,9 +1181,10 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
         ReleaseOnWorker(/*attention=*/true, attention, sequence_id, finish.keep_indexer_sequence,
                         timeout, &request->trace);
     absl::Status indexer_status;
-    if (worker_failed && !finish.keep_indexer_sequence) {
-      // The attention worker may have died, or failed to reach the indexer: release the indexer
-      // sequence directly (NOT_FOUND when the attention worker's Release already did).
+    if ((worker_failed || !attention_status.ok()) && !finish.keep_indexer_sequence) {
+      // The attention worker may have died, or failed to reach the indexer (it drops its KV and
+      // answers the indexer's error, so a retry of its Release finds nothing): release the
+      // indexer sequence directly (NOT_FOUND when the attention worker's Release already did).
       indexer_status = ReleaseOnWorker(/*attention=*/false, indexer, sequence_id,
                                        /*keep_indexer_sequence=*/false, timeout, &request->trace);
     }

@@ -12,6 +12,7 @@
 // workers hold exactly the sequences it retained (nothing lost, nothing leaked, whatever failed in
 // between).
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -252,6 +253,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fakes->SetNotReady(worker, false);
   }
   (*engine)->RefreshWorkers();
+  int rounds = 0;
   for (bool all_returned = false; !all_returned;) {
     all_returned = true;
     for (auto& call : calls) {
@@ -261,8 +263,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)(*engine)->Abort(call->request.request_id(), caller);
     }
     if (!all_returned) {
-      (*engine)->RefreshWorkers();  // releases owed to revived workers, queued admissions
-      std::this_thread::yield();
+      // Once, then a short pause between looks, so that the handlers still migrating (whose
+      // placement runs RefreshWorkers too) are not starved of the refresh lock.
+      if (rounds++ == 0) (*engine)->RefreshWorkers();
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
   for (auto& call : calls) {

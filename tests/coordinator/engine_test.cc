@@ -320,6 +320,25 @@ TEST_F(EngineTest, WithoutMigrationsLeftAFailureEndsOnlyTheRequestsOfTheDeadWork
   EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
 }
 
+// Found by fuzz_coordinator_service: a request ends while its indexer is down. The attention
+// worker drops its KV and answers its indexer's UNAVAILABLE, so a retry of its Release finds
+// nothing; the indexer sequence is released directly, once the indexer answers again.
+TEST_F(EngineTest, ARequestEndingWhileItsIndexerIsDownLeavesNoIndexerSequence) {
+  Start({kA1}, {kI1});
+  auto call = Generate(Request("r1", 30, 50), "router-a");
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  ASSERT_TRUE(engine_->Abort("r1", "router-a").ok());
+  fakes_->SetDown(kI1, true);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);  // ends it: the attention Release fails on I1
+  call->Join();
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 1);
+  fakes_->SetDown(kI1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
 TEST_F(EngineTest, AHungWorkersBatchFailsOnceAndMovesWithoutPerSequenceRetries) {
   Start({kA1, kA2}, {kI1});
   fakes_->SetNotReady(kA2, true);  // both requests go to A1
