@@ -451,19 +451,23 @@ std::string CoordinatorEngine::CheckShapeLocked(const Probe& probe, bool attenti
   return "";
 }
 
-void CoordinatorEngine::RetireLocked(int slot, bool attention) {
+void CoordinatorEngine::RetireLocked(int slot, bool attention, std::vector<Eviction>* evictions) {
   for (bool kind : {true, false}) {
     if (kind != attention && !options_.colocated) continue;  // co-located: the pair goes together
     if (kind) {
       attention_[slot]->ready = false;
       attention_[slot]->retired = true;
       attention_by_address_.erase(attention_[slot]->address);
-      (void)scheduler_.RetireAttention(slot);
+      if (auto forgotten = scheduler_.RetireAttention(slot); forgotten.ok()) {
+        evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
+      }
     } else {
       indexers_[slot]->ready = false;
       indexers_[slot]->retired = true;
       indexer_by_address_.erase(indexers_[slot]->address);
-      (void)scheduler_.RetireIndexer(slot);
+      if (auto forgotten = scheduler_.RetireIndexer(slot); forgotten.ok()) {
+        evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
+      }
     }
   }
 }
@@ -541,6 +545,7 @@ void CoordinatorEngine::RefreshWorkers() {
 
   bool ready = false;
   std::vector<uint64_t> unplaceable;
+  std::vector<Eviction> retire_evictions;  // what retired workers' slots held, released below
   {
     absl::MutexLock lock(&mu_);
     bool any_became_ready = false;
@@ -560,7 +565,7 @@ void CoordinatorEngine::RefreshWorkers() {
                {"address", target.address},
                {"reason", "its instance id changed: the sequences it held are gone"}});
       const int slot = target.slot;
-      RetireLocked(slot, target.attention);
+      RetireLocked(slot, target.attention, &retire_evictions);
       for (Target& other : targets) {  // co-located: the other half of the pair too
         if (other.slot == slot && (other.attention == target.attention || options_.colocated)) {
           other.slot = -1;
@@ -736,6 +741,7 @@ void CoordinatorEngine::RefreshWorkers() {
     told_ready_ = ready;
     if (readiness_listener_) readiness_listener_(ready);
   }
+  CarryOutEvictions(retire_evictions);
   ReleaseUnreleased();  // what failed workers could not release, on those that answer again
 }
 
@@ -841,6 +847,13 @@ absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64
 void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions) {
   for (const Eviction& eviction : evictions) {
     // A worker that lost the sequence already freed it: the status does not matter.
+    if (eviction.release_on_both) {
+      (void)ReleaseOnWorker(/*attention=*/true, eviction.attention, eviction.sequence_id,
+                            /*keep_indexer_sequence=*/false, RpcTimeout(), /*trace=*/nullptr);
+      (void)ReleaseOnWorker(/*attention=*/false, eviction.indexer, eviction.sequence_id,
+                            /*keep_indexer_sequence=*/false, RpcTimeout(), /*trace=*/nullptr);
+      continue;
+    }
     (void)ReleaseOnWorker(eviction.release_on_attention,
                           eviction.release_on_attention ? eviction.attention : eviction.indexer,
                           eviction.sequence_id, /*keep_indexer_sequence=*/false, RpcTimeout(),

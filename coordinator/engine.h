@@ -328,8 +328,10 @@ class CoordinatorEngine {
   std::string CheckShapeLocked(const Probe& probe, bool attention)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Retires a known worker's slot (a restart): not ready for good, its address free for the new
-  // instance; co-located, the pair goes together.
-  void RetireLocked(int slot, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // instance; co-located, the pair goes together. The releases of the retained sequences the
+  // scheduler forgot are added to `evictions`, for the caller to carry out unlocked.
+  void RetireLocked(int slot, bool attention, std::vector<Eviction>* evictions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Logs `message` for `key` unless the last message logged for it was the same.
   void LogOnce(const std::string& key, const char* level, const char* message,
                nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);

@@ -119,27 +119,25 @@ absl::Status Scheduler::SetAttentionReady(int attention, bool ready) {
   return absl::OkStatus();
 }
 
-absl::Status Scheduler::RetireIndexer(int indexer) {
+absl::StatusOr<std::vector<Eviction>> Scheduler::RetireIndexer(int indexer) {
   if (indexer < 0 || indexer >= static_cast<int>(indexers_.size())) {
     return absl::OutOfRangeError(absl::StrCat("no indexer worker ", indexer));
   }
   indexers_[indexer].ready = false;
   indexers_[indexer].retired = true;
-  ForgetRetainedOn(indexer, -1);
-  return absl::OkStatus();
+  return ForgetRetainedOn(indexer, -1);
 }
 
-absl::Status Scheduler::RetireAttention(int attention) {
+absl::StatusOr<std::vector<Eviction>> Scheduler::RetireAttention(int attention) {
   if (attention < 0 || attention >= static_cast<int>(attentions_.size())) {
     return absl::OutOfRangeError(absl::StrCat("no attention worker ", attention));
   }
   attentions_[attention].ready = false;
   attentions_[attention].retired = true;
-  ForgetRetainedOn(-1, attention);
-  return absl::OkStatus();
+  return ForgetRetainedOn(-1, attention);
 }
 
-void Scheduler::ForgetRetainedOn(int indexer, int attention) {
+std::vector<Eviction> Scheduler::ForgetRetainedOn(int indexer, int attention) {
   std::vector<uint64_t> forget;
   for (auto& [id, s] : sequences_) {
     if (s.indexer != indexer && s.attention != attention) continue;
@@ -157,7 +155,12 @@ void Scheduler::ForgetRetainedOn(int indexer, int attention) {
       forget.push_back(id);
     }
   }
-  for (uint64_t id : forget) (void)Evict(id);  // nothing to release on a worker that is gone
+  std::vector<Eviction> evictions;
+  for (uint64_t id : forget) {
+    evictions.push_back(Evict(id));
+    evictions.back().release_on_both = true;
+  }
+  return evictions;
 }
 
 bool Scheduler::FitsAReadyWorker(const SequenceDemand& demand) const {

@@ -81,6 +81,11 @@ struct Eviction {
   /// keep_indexer_sequence, which drops the indexer sequence too). False for a donor whose KV is
   /// gone: release its indexer sequence directly.
   bool release_on_attention = false;
+  /// A retired worker's retained sequence: release it on the attention worker (which drops its
+  /// indexer sequence too) and on the indexer worker, each best effort. The surviving worker
+  /// holds its half, and a restarted worker's new process may hold what was placed there before
+  /// the restart was seen.
+  bool release_on_both = false;
 };
 
 /// A placed request: what the coordinator sends in Prefill.
@@ -144,11 +149,12 @@ class Scheduler {
   absl::Status SetIndexerReady(int indexer, bool ready);
   absl::Status SetAttentionReady(int attention, bool ready);
   /// A worker that restarted or is gone for good: never placed on again, and its retained
-  /// sequences (prefix donors, idle sessions) are forgotten at once, since what they held died
-  /// with it (a donor that a prefill in progress uses goes when that prefill ends). Its running
-  /// sequences stay until Finish. OUT_OF_RANGE for an unknown index.
-  absl::Status RetireIndexer(int indexer);
-  absl::Status RetireAttention(int attention);
+  /// sequences (prefix donors, idle sessions) are forgotten at once (a donor that a prefill in
+  /// progress uses goes when that prefill ends); returns their releases (release_on_both), for
+  /// the other worker of each holds its half. Its running sequences stay until Finish.
+  /// OUT_OF_RANGE for an unknown index.
+  absl::StatusOr<std::vector<Eviction>> RetireIndexer(int indexer);
+  absl::StatusOr<std::vector<Eviction>> RetireAttention(int attention);
   /// Removes and returns (in queue order) the queued tickets that no ready worker could hold even
   /// when empty (or all of them when no worker of a kind is ready): the caller fails them, so a
   /// worker that left cannot keep requests queued forever.
@@ -267,7 +273,7 @@ class Scheduler {
   // Forgets a sequence's reservations; returns how to drop it on the workers.
   Eviction Evict(uint64_t sequence_id);
   // Forgets the retained sequences on a retired worker (`indexer` or `attention` >= 0).
-  void ForgetRetainedOn(int indexer, int attention);
+  std::vector<Eviction> ForgetRetainedOn(int indexer, int attention);
   // Whether `demand` fits some ready worker of each kind when it is empty.
   bool FitsAReadyWorker(const SequenceDemand& demand) const;
   void DropBlocks(Sequence& sequence);

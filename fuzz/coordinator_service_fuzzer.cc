@@ -284,6 +284,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (held[1] != load.retained_sequences() || held[0] != load.retained_sequences()) {
     std::fprintf(stderr, "held on attention %d, on indexers %d; retained %d\n", held[1], held[0],
                  static_cast<int>(load.retained_sequences()));
+    for (const char* worker : kWorkers) {
+      std::fprintf(stderr, "  %s holds %d\n", worker, fakes->Sequences(worker));
+    }
+    std::fprintf(stderr, "  GetLoad %s\n", load.ShortDebugString().c_str());
     Check(false);
   }
   (*engine)->Stop();

@@ -389,6 +389,58 @@ TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) 
   EXPECT_TRUE(load.attention_workers(0).ready());
 }
 
+// Found by fuzz_coordinator_service: a session kept on a worker whose peer restarted was forgotten
+// without a release, leaving its KV on the surviving attention worker and, when its turn ran on
+// the restarted process before the check saw the restart, its index keys there too.
+TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
+  Start({kA1}, {kI1});
+  cv1::GenerateRequest turn = Request("r1", 20, 2);
+  turn.set_session_id("chat");
+  auto first = Generate(turn);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  StepUntilFinished(kA1, *first);
+  first->Join();
+  ASSERT_TRUE(first->status.ok()) << first->status;
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
+  fakes_->Restart(kI1);                  // the restart is not seen yet
+  engine_->RefreshWorkers();             // seen: I1's slot retired, the session forgotten
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(engine_->GetLoad().retained_sequences(), 0);
+
+  // I1 restarts again, and a session's turn runs on its new process before a check sees that.
+  fakes_->Restart(kI1);
+  turn.set_request_id("r2");
+  turn.set_session_id("chat-2");
+  auto second = Generate(turn);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  StepUntilFinished(kA1, *second);
+  second->Join();
+  ASSERT_TRUE(second->status.ok()) << second->status;
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);
+  EXPECT_EQ(fakes_->Sequences(kI1), 1);
+  engine_->RefreshWorkers();  // the restart seen: released on both sides
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// The other way round: the attention worker restarted (its new process holds nothing), so the
+// session's index keys on the surviving indexer are released there directly.
+TEST_F(EngineTest, ARestartedAttentionWorkersKeptSessionIsReleasedOnItsIndexer) {
+  Start({kA1}, {kI1});
+  cv1::GenerateRequest turn = Request("r1", 20, 2);
+  turn.set_session_id("chat");
+  auto first = Generate(turn);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  StepUntilFinished(kA1, *first);
+  first->Join();
+  ASSERT_TRUE(first->status.ok()) << first->status;
+  EXPECT_EQ(fakes_->Sequences(kI1), 1);
+  fakes_->Restart(kA1);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+}
+
 TEST_F(EngineTest, AReaderThatLeavesItsEventsUnreadIsEndedExactlyAtTheStallTimeout) {
   options_.stall_timeout_ms = 1000;
   options_.max_pending_events = 4;  // a step is skipped while 3 events wait

@@ -172,10 +172,15 @@ TEST(SchedulerTest, SessionsMoveOffWorkersThatAreNotReadyAndRetiredWorkersForget
 
   const int retained_before = s.Load().retained;
   EXPECT_GE(retained_before, 1);  // the first turn's sequence, kept as a plain retained one
-  ASSERT_TRUE(s.RetireIndexer(first.indexer).ok());
+  absl::StatusOr<std::vector<Eviction>> forgotten = s.RetireIndexer(first.indexer);
+  ASSERT_TRUE(forgotten.ok());
   EXPECT_EQ(s.Load().retained, retained_before - 1);
+  // The surviving attention worker still holds the first turn's KV: its release is returned.
+  ASSERT_EQ(forgotten->size(), 1u);
+  EXPECT_EQ((*forgotten)[0].sequence_id, first.sequence_id);
+  EXPECT_TRUE((*forgotten)[0].release_on_both);
   EXPECT_EQ(s.SetIndexerReady(first.indexer, true).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(s.RetireIndexer(7).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(s.RetireIndexer(7).status().code(), absl::StatusCode::kOutOfRange);
 }
 
 TEST(SchedulerColocatedTest, WorkersAreAddedInPairsAtOneAddress) {

@@ -102,6 +102,10 @@ absl::StatusOr<std::vector<TraceRequest>> ReadAzureTrace(std::istream& in) {
                          &error)) {
       return LineError(line, absl::StrCat("bad TIMESTAMP: ", error));
     }
+    if (time == absl::InfiniteFuture() || time == absl::InfinitePast()) {
+      // absl::ParseTime also reads "infinite-future" and "infinite-past".
+      return LineError(line, "TIMESTAMP must be a date and time, not an infinity");
+    }
     TraceRequest request;
     if (!absl::SimpleAtoi(fields[1], &request.context_tokens) || request.context_tokens < 1) {
       return LineError(line, "ContextTokens must be an integer >= 1");
