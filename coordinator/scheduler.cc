@@ -15,7 +15,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
+absl::StatusOr<Scheduler> Scheduler::Create(const SchedulerOptions& options,
                                             std::vector<IndexerWorkerInfo> indexers,
                                             std::vector<AttentionWorkerInfo> attentions) {
   if (options.num_full_layers < 1) {
@@ -58,7 +58,7 @@ absl::StatusOr<Scheduler> Scheduler::Create(SchedulerOptions options,
 
 Scheduler::Scheduler(SchedulerOptions options, std::vector<IndexerWorkerInfo> indexers,
                      std::vector<AttentionWorkerInfo> attentions)
-    : options_(options),
+    : options_(std::move(options)),
       indexer_info_(std::move(indexers)),
       attention_info_(std::move(attentions)),
       indexers_(indexer_info_.size()),

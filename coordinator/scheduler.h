@@ -132,7 +132,7 @@ class Scheduler {
   /// Starts with `indexers` and `attentions` (either may be empty: AddIndexer and AddAttention add
   /// workers later), all ready. INVALID_ARGUMENT when num_full_layers < 1, max_queue < 0,
   /// max_running_per_attention < 1, a capacity is negative, or co-located lists differ.
-  static absl::StatusOr<Scheduler> Create(SchedulerOptions options,
+  static absl::StatusOr<Scheduler> Create(const SchedulerOptions& options,
                                           std::vector<IndexerWorkerInfo> indexers,
                                           std::vector<AttentionWorkerInfo> attentions);
 

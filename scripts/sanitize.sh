@@ -7,8 +7,9 @@
 #
 # usage: bash scripts/sanitize.sh            the suites below (CI)
 #        DSA_SANITIZE_TESTS=all bash scripts/sanitize.sh   every host suite, the binaries' too
-# The suites: every engine (indexer, SPIN, top-K, block pool, attention engine, scheduler), the
-# indexer and attention services in-process, the codec, the transports without a GPU, security.
+# The suites: every engine (indexer, SPIN, top-K, block pool, attention engine, scheduler, the
+# coordinator's engine over in-memory workers), the indexer and attention services in-process, the
+# codec, the transports without a GPU, security, the trace readers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
@@ -16,7 +17,8 @@ suites="common_fp8_test common_philox_test common_mli_schedule_test common_statu
   common_trace_context_test proto_tensor_codec_test block_pool_test scoring_test topk_test spin_test
   indexer_test grpc_service_test transport_grpc_stream_test transport_nccl_wire_test
   attention_engine_test attention_service_test attention_mla_kv_test
-  attention_mla_sparse_attention_test coordinator_scheduler_test server_security_test"
+  attention_mla_sparse_attention_test coordinator_scheduler_test coordinator_engine_test
+  server_security_test tools_trace_test"
 targets=$suites
 regex="^($(echo $suites | tr ' ' '|'))\\."
 if [ "${DSA_SANITIZE_TESTS:-}" = all ]; then targets=""; regex="."; fi
