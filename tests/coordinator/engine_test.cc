@@ -176,10 +176,14 @@ class EngineTest : public ::testing::Test {
     }
   }
 
-  // Starts a Generate on its own thread; the fixture owns the call.
-  Call* Generate(const cv1::GenerateRequest& request, const std::string& caller = "router") {
+  // Starts a Generate on its own thread; the fixture owns the call. With `hold_writes` every
+  // Write blocks from the first (Admitted) on: set before the thread starts, so that the
+  // handler cannot write Admitted before the hold is in place.
+  Call* Generate(const cv1::GenerateRequest& request, const std::string& caller = "router",
+                 bool hold_writes = false) {
     calls_.push_back(std::make_unique<Call>());
     Call* call = calls_.back().get();
+    if (hold_writes) call->stream.HoldWrites();
     call->thread = std::thread([this, request, caller, call] {
       call->status = engine_->Generate(request, caller, "", call->stream);
       call->returned = true;
@@ -445,8 +449,8 @@ TEST_F(EngineTest, AReaderThatLeavesItsEventsUnreadIsEndedExactlyAtTheStallTimeo
   options_.stall_timeout_ms = 1000;
   options_.max_pending_events = 4;  // a step is skipped while 3 events wait
   Start({kA1}, {kI1});
-  auto call = Generate(Request("r1", 40, 100));
-  call->stream.HoldWrites();  // Admitted's Write blocks: nothing more is read
+  auto call = Generate(Request("r1", 40, 100), "router", /*hold_writes=*/true);
+  // Admitted's Write blocks: nothing more is read
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   ASSERT_TRUE(call->stream.AwaitHeldWrite());
   for (int step = 0; step < 3; ++step) ASSERT_EQ(*engine_->StepWorker(kA1), 1);
@@ -468,8 +472,7 @@ TEST_F(EngineTest, AReaderThatLeavesItsEventsUnreadIsEndedExactlyAtTheStallTimeo
 TEST_F(EngineTest, AWriteBlockedPastTheStallTimeoutIsCancelledByTheClockNotBefore) {
   options_.stall_timeout_ms = 1000;
   Start({kA1}, {kI1});
-  auto call = Generate(Request("r1", 40, 100));
-  call->stream.HoldWrites();
+  auto call = Generate(Request("r1", 40, 100), "router", /*hold_writes=*/true);
   ASSERT_TRUE(call->stream.AwaitHeldWrite());  // Admitted's Write, blocked since now
   clock_.Advance(absl::Milliseconds(999));
   engine_->CheckStalledWrites();
