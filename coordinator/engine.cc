@@ -845,20 +845,35 @@ absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64
 }
 
 void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions) {
+  // The scheduler has forgotten these sequences already. A worker that lost the sequence freed
+  // it (NOT_FOUND does not matter), but one that could not be reached may still hold it: its
+  // Release is retried when it answers again (ReleaseUnreleased), and dropped if it restarted.
+  std::vector<Unreleased> unreached;
+  auto release = [&](bool attention, int slot, uint64_t sequence_id) {
+    absl::Status status =
+        ReleaseOnWorker(attention, slot, sequence_id, /*keep_indexer_sequence=*/false, RpcTimeout(),
+                        /*trace=*/nullptr);
+    if (Unreached(status)) {
+      unreached.push_back({attention, slot, sequence_id, false, /*counted=*/false});
+    }
+    return status;
+  };
   for (const Eviction& eviction : evictions) {
-    // A worker that lost the sequence already freed it: the status does not matter.
-    if (eviction.release_on_both) {
-      (void)ReleaseOnWorker(/*attention=*/true, eviction.attention, eviction.sequence_id,
-                            /*keep_indexer_sequence=*/false, RpcTimeout(), /*trace=*/nullptr);
-      (void)ReleaseOnWorker(/*attention=*/false, eviction.indexer, eviction.sequence_id,
-                            /*keep_indexer_sequence=*/false, RpcTimeout(), /*trace=*/nullptr);
+    if (!eviction.release_on_attention && !eviction.release_on_both) {
+      (void)release(/*attention=*/false, eviction.indexer, eviction.sequence_id);
       continue;
     }
-    (void)ReleaseOnWorker(eviction.release_on_attention,
-                          eviction.release_on_attention ? eviction.attention : eviction.indexer,
-                          eviction.sequence_id, /*keep_indexer_sequence=*/false, RpcTimeout(),
-                          /*trace=*/nullptr);
+    const absl::Status attention_status =
+        release(/*attention=*/true, eviction.attention, eviction.sequence_id);
+    // An attention worker that could not reach the indexer drops its KV and answers the
+    // indexer's error (a retry finds nothing): release the index keys directly then too.
+    if (eviction.release_on_both || !attention_status.ok()) {
+      (void)release(/*attention=*/false, eviction.indexer, eviction.sequence_id);
+    }
   }
+  if (unreached.empty()) return;
+  absl::MutexLock lock(&mu_);
+  unreleased_.insert(unreleased_.end(), unreached.begin(), unreached.end());
 }
 
 absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& request,
@@ -1319,18 +1334,32 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
 
 void CoordinatorEngine::ReleaseUnreleased() {
   std::vector<Unreleased> due;
-  std::vector<Unreleased> done;  // delivered, or their worker retired
+  std::vector<Unreleased> done;  // delivered
   {
     absl::MutexLock lock(&mu_);
     std::vector<Unreleased> later;
-    for (const Unreleased& u : unreleased_) {
+    for (Unreleased u : unreleased_) {
       const bool retired = u.attention ? attention_[u.slot]->retired : indexers_[u.slot]->retired;
-      const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
       if (retired) {
-        done.push_back(u);  // a new process holds nothing of the old one
-      } else {
-        (ready ? due : later).push_back(u);
+        // The worker restarted. Its new process holds nothing of the old one, but it may hold
+        // this sequence: one placed there after the restart and before a check saw it. The
+        // Release goes to the process at that address now (NOT_FOUND when it holds nothing),
+        // once it is taken in and ready.
+        const auto& by_address = u.attention ? attention_by_address_ : indexer_by_address_;
+        const std::string& address =
+            u.attention ? attention_[u.slot]->address : indexers_[u.slot]->address;
+        // Its reservation is freed now, as the old process's was (counted, below).
+        if (u.counted) done.push_back(u);
+        u.counted = false;
+        auto now = by_address.find(address);
+        if (now == by_address.end()) {
+          later.push_back(u);
+          continue;
+        }
+        u.slot = now->second;
       }
+      const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
+      (ready ? due : later).push_back(u);
     }
     unreleased_ = std::move(later);
   }
@@ -1350,6 +1379,7 @@ void CoordinatorEngine::ReleaseUnreleased() {
   {
     absl::MutexLock lock(&mu_);
     for (const Unreleased& u : done) {
+      if (!u.counted) continue;
       auto it = undelivered_.find(u.sequence_id);
       if (it == undelivered_.end() || --it->second > 0) continue;
       undelivered_.erase(it);

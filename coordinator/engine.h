@@ -443,12 +443,17 @@ class CoordinatorEngine {
   absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
   // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
   // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
-  // delivered or its worker retired, so nothing is placed into space a worker still holds.
+  // delivered or its worker retired, so nothing is placed into space a worker still holds. A
+  // restarted worker's Releases go on to its new process, which may hold what was placed there
+  // before the restart was seen.
   struct Unreleased {
     bool attention = false;  // an attention worker's Release, else an indexer worker's
     int slot = 0;
     uint64_t sequence_id = 0;
     bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
+    // Counted in undelivered_ (the scheduler waits for it). Not for an evicted sequence (the
+    // scheduler forgot it) nor once its worker restarted (its space was freed then).
+    bool counted = true;
   };
   std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
   // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.

@@ -284,8 +284,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (held[1] != load.retained_sequences() || held[0] != load.retained_sequences()) {
     std::fprintf(stderr, "held on attention %d, on indexers %d; retained %d\n", held[1], held[0],
                  static_cast<int>(load.retained_sequences()));
-    for (const char* worker : kWorkers) {
-      std::fprintf(stderr, "  %s holds %d\n", worker, fakes->Sequences(worker));
+    for (int w = 0; w < 4; ++w) {
+      std::fprintf(stderr, "  %s holds %d\n", kWorkers[w], fakes->Sequences(kWorkers[w]));
+      if (w >= kAttention) continue;
+      for (const auto& prefill : fakes->Prefills(kWorkers[w])) {
+        std::fprintf(stderr, "    prefilled %llu (context %lld, continue %d)\n",
+                     static_cast<unsigned long long>(prefill.sequence_id()),
+                     static_cast<long long>(prefill.context_length()),
+                     prefill.continue_sequence() ? 1 : 0);
+      }
+      for (uint64_t id : fakes->Released(kWorkers[w])) {
+        std::fprintf(stderr, "    released %llu\n", static_cast<unsigned long long>(id));
+      }
     }
     std::fprintf(stderr, "  GetLoad %s\n", load.ShortDebugString().c_str());
     Check(false);

@@ -13,13 +13,11 @@ cd "$(dirname "$0")/.."
 limit=(-max_total_time="${1:-20}")
 if [ "${1:-}" = "--runs" ]; then limit=(-runs="$2"); fi
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
-harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace fuzz_indexer_service fuzz_attention_service"
-# Built, not run here: its long run has open findings (fuzz/findings/coordinator_service/,
-# docs/reliability.md), which a short run could hit at random. Run it with scripts/fuzz_long.sh.
-build_only="fuzz_coordinator_service"
+harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace fuzz_indexer_service fuzz_attention_service
+  fuzz_coordinator_service"
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build \
   DSA_CMAKE_ARGS="-DDSA_FUZZ=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=ON -DDSA_BUILD_BENCH=OFF" \
-  DSA_BUILD_TARGETS="$harnesses $build_only" bash scripts/build.sh
+  DSA_BUILD_TARGETS="$(echo $harnesses)" bash scripts/build.sh
 for name in $harnesses; do
   seeds=fuzz/seeds/${name#fuzz_}
   corpus=$build/corpus/$name

@@ -8,19 +8,25 @@
 # protos (buf lint) and the Python client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
-bash scripts/build.sh
-ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
-bash scripts/check_format.sh
-bash scripts/check_tidy.sh
+# Each step's duration goes to stderr as it ends, so that CI's log shows where its time goes.
+step() {
+  local start=$SECONDS
+  "$@"
+  echo "test.sh: '$*' took $((SECONDS - start)) s (total $SECONDS s)" >&2
+}
+step bash scripts/bootstrap.sh
+step bash scripts/build.sh
+step ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
+step bash scripts/check_format.sh
+step bash scripts/check_tidy.sh
 # libFuzzer (clang-14, ASan + UBSan): each harness 20 s from its seeds (docs/reliability.md).
-bash scripts/fuzz.sh 20
+step bash scripts/fuzz.sh 20
 # The engine and service suites under ASan + UBSan (docs/reliability.md, "Sanitizers").
-bash scripts/sanitize.sh
+step bash scripts/sanitize.sh
 # Deployment (docs/deploy.md, "What CI checks"): the chart rendered by Helm's engine and validated,
 # the rules and dashboards, the images' lint, the protos' lint, the Python client.
-bash scripts/check_chart.sh
-bash scripts/check_observability.sh
-bash scripts/check_images.sh
-bash scripts/check_protos.sh
-bash scripts/check_client.sh
+step bash scripts/check_chart.sh
+step bash scripts/check_observability.sh
+step bash scripts/check_images.sh
+step bash scripts/check_protos.sh
+step bash scripts/check_client.sh

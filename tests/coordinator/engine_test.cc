@@ -445,6 +445,57 @@ TEST_F(EngineTest, ARestartedAttentionWorkersKeptSessionIsReleasedOnItsIndexer) 
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
 }
 
+// Found by fuzz_coordinator_service (crash-0c78..., fuzz/seeds/coordinator_service/): a request
+// placed on a worker that had restarted unseen migrated when that worker went down; its Release
+// waited for the worker, and was dropped when the check that found it back saw the restart, though
+// the new process held the sequence. The Release goes to the new process now.
+TEST_F(EngineTest, AReleaseWaitingForARestartedWorkerGoesToItsNewProcess) {
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);
+  engine_->RefreshWorkers();  // only A1 takes requests
+  fakes_->Restart(kA1);       // not seen yet: the request goes to the new process
+  auto call = Generate(Request("r1", 30, 4));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  fakes_->SetNotReady(kA2, false);
+  fakes_->SetDown(kA1, true);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);  // fails: migrates to A2; A1's Release waits
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 1, kSafetyNet));
+  StepUntilFinished(kA2, *call);
+  call->Join();
+  ASSERT_TRUE(call->status.ok()) << call->status;
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);
+  fakes_->SetDown(kA1, false);
+  engine_->RefreshWorkers();  // the restart seen: A1's slot retired, its new process taken in
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kA2), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// Found by fuzz_coordinator_service (crash-844f...): a kept session forgotten when its indexer
+// restarted was released on its attention worker once, ignoring that the worker was down at that
+// moment; its KV stayed there. An eviction's Release to an unreachable worker is retried now.
+TEST_F(EngineTest, AnEvictionsReleaseToAnUnreachableWorkerIsRetriedWhenItAnswers) {
+  Start({kA1}, {kI1});
+  cv1::GenerateRequest turn = Request("r1", 20, 2);
+  turn.set_session_id("chat");
+  auto first = Generate(turn);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  StepUntilFinished(kA1, *first);
+  first->Join();
+  ASSERT_TRUE(first->status.ok()) << first->status;
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
+  fakes_->Restart(kI1);
+  fakes_->SetDown(kA1, true);
+  engine_->RefreshWorkers();  // I1 retired: the session forgotten, A1 unreachable
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);
+  fakes_->SetDown(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
 TEST_F(EngineTest, AReaderThatLeavesItsEventsUnreadIsEndedExactlyAtTheStallTimeout) {
   options_.stall_timeout_ms = 1000;
   options_.max_pending_events = 4;  // a step is skipped while 3 events wait
