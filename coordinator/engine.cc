@@ -844,32 +844,41 @@ absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64
   return indexers_[slot]->client->Release(call, release);
 }
 
+std::vector<CoordinatorEngine::Unreleased> CoordinatorEngine::ReleaseSequence(
+    int attention, int indexer, uint64_t sequence_id, bool keep_indexer_sequence, bool indexer_too,
+    absl::Duration timeout, const TraceContext* trace) {
+  std::vector<Unreleased> unreached;
+  absl::Status attention_status;
+  if (attention >= 0) {
+    attention_status = ReleaseOnWorker(/*attention=*/true, attention, sequence_id,
+                                       keep_indexer_sequence, timeout, trace);
+    if (Unreached(attention_status)) {
+      unreached.push_back({true, attention, sequence_id, keep_indexer_sequence});
+    }
+  }
+  if (!keep_indexer_sequence && (indexer_too || !attention_status.ok())) {
+    const absl::Status indexer_status = ReleaseOnWorker(
+        /*attention=*/false, indexer, sequence_id, /*keep_indexer_sequence=*/false, timeout, trace);
+    if (Unreached(indexer_status)) unreached.push_back({false, indexer, sequence_id, false});
+  }
+  return unreached;
+}
+
 void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions) {
   // The scheduler has forgotten these sequences already. A worker that lost the sequence freed
-  // it (NOT_FOUND does not matter), but one that could not be reached may still hold it: its
-  // Release is retried when it answers again (ReleaseUnreleased), and dropped if it restarted.
+  // it, but one that could not be reached may still hold it: its Release is retried when that
+  // address answers again (ReleaseUnreleased, which sends it on to a restarted worker's new
+  // process).
   std::vector<Unreleased> unreached;
-  auto release = [&](bool attention, int slot, uint64_t sequence_id) {
-    absl::Status status =
-        ReleaseOnWorker(attention, slot, sequence_id, /*keep_indexer_sequence=*/false, RpcTimeout(),
-                        /*trace=*/nullptr);
-    if (Unreached(status)) {
-      unreached.push_back({attention, slot, sequence_id, false, /*counted=*/false});
-    }
-    return status;
-  };
   for (const Eviction& eviction : evictions) {
-    if (!eviction.release_on_attention && !eviction.release_on_both) {
-      (void)release(/*attention=*/false, eviction.indexer, eviction.sequence_id);
-      continue;
-    }
-    const absl::Status attention_status =
-        release(/*attention=*/true, eviction.attention, eviction.sequence_id);
-    // An attention worker that could not reach the indexer drops its KV and answers the
-    // indexer's error (a retry finds nothing): release the index keys directly then too.
-    if (eviction.release_on_both || !attention_status.ok()) {
-      (void)release(/*attention=*/false, eviction.indexer, eviction.sequence_id);
-    }
+    const bool on_attention = eviction.release_on_attention || eviction.release_on_both;
+    std::vector<Unreleased> more = ReleaseSequence(
+        on_attention ? eviction.attention : -1, eviction.indexer, eviction.sequence_id,
+        /*keep_indexer_sequence=*/false,
+        /*indexer_too=*/eviction.release_on_both || !on_attention, RpcTimeout(),
+        /*trace=*/nullptr);
+    for (Unreleased& u : more) u.counted = false;
+    unreached.insert(unreached.end(), more.begin(), more.end());
   }
   if (unreached.empty()) return;
   absl::MutexLock lock(&mu_);
@@ -935,6 +944,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   request->demand.prefix_block_ids.assign(proto->prefix_block_ids().begin(),
                                           proto->prefix_block_ids().end());
   request->demand.session_id = proto->session_id();
+  request->demand.session_owner = caller;
   const double acceptance_rate = proto->overrides().has_acceptance_rate()
                                      ? proto->overrides().acceptance_rate()
                                      : options_.acceptance_rate;
@@ -1204,29 +1214,14 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
     // retried when it answers again (ReleaseUnreleased).
     const absl::Duration timeout =
         worker_failed ? absl::Milliseconds(options_.worker_check_timeout_ms) : RpcTimeout();
-    // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected.
-    const absl::Status attention_status =
-        ReleaseOnWorker(/*attention=*/true, attention, sequence_id, finish.keep_indexer_sequence,
-                        timeout, &request->trace);
-    absl::Status indexer_status;
-    if ((worker_failed || !attention_status.ok()) && !finish.keep_indexer_sequence) {
-      // The attention worker may have died, or failed to reach the indexer (it drops its KV and
-      // answers the indexer's error, so a retry of its Release finds nothing): release the
-      // indexer sequence directly (NOT_FOUND when the attention worker's Release already did).
-      indexer_status = ReleaseOnWorker(/*attention=*/false, indexer, sequence_id,
-                                       /*keep_indexer_sequence=*/false, timeout, &request->trace);
-    }
+    // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected. After a failure
+    // the attention worker may have died: its indexer sequence is released directly too.
+    std::vector<Unreleased> unreached =
+        ReleaseSequence(attention, indexer, sequence_id, finish.keep_indexer_sequence,
+                        /*indexer_too=*/worker_failed, timeout, &request->trace);
     absl::MutexLock lock(&mu_);
-    int undelivered = 0;
-    for (const auto& [is_attention, status] :
-         {std::pair<bool, const absl::Status&>{true, attention_status},
-          std::pair<bool, const absl::Status&>{false, indexer_status}}) {
-      if (Unreached(status)) {
-        unreleased_.push_back({is_attention, is_attention ? attention : indexer, sequence_id,
-                               finish.keep_indexer_sequence});
-        ++undelivered;
-      }
-    }
+    const int undelivered = static_cast<int>(unreached.size());
+    unreleased_.insert(unreleased_.end(), unreached.begin(), unreached.end());
     if (undelivered > 0) {
       undelivered_[sequence_id] = undelivered;  // ReleaseDone once delivered (ReleaseUnreleased)
     } else {

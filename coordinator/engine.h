@@ -187,7 +187,9 @@ class CoordinatorEngine {
 
   /// Validates, admits (or queues), places, prefills and writes Admitted, Tokens per decode step
   /// and Finished to `stream`; returns when the request has ended. `caller` is the call's
-  /// CallerIdentity (only it may Abort the request); `traceparent` the router's W3C traceparent
+  /// CallerIdentity (only it may Abort the request; it scopes the request's session, so another
+  /// caller's session of the same id is another session); `traceparent` the router's W3C
+  /// traceparent
   /// ("" or malformed: a new trace). Returns OK after Finished; INVALID_ARGUMENT
   /// (ValidateGenerateRequest, a session context shorter than its sequence); ALREADY_EXISTS (the
   /// request id is in flight); RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole
@@ -399,8 +401,30 @@ class CoordinatorEngine {
   void DeliverAdmissionsLocked(std::vector<Admission> admissions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops evicted sequences on their workers (best effort; failures are logged).
+  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased.
+  struct Unreleased {
+    bool attention = false;  // an attention worker's Release, else an indexer worker's
+    int slot = 0;
+    uint64_t sequence_id = 0;
+    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
+    // Counted in undelivered_ (the scheduler waits for it). Not for an evicted sequence (the
+    // scheduler forgot it) nor once its worker restarted (its space was freed then).
+    bool counted = true;
+  };
+  // Drops evicted sequences on their workers; a Release that did not reach its worker is retried
+  // by ReleaseUnreleased (not counted: the scheduler forgot the sequence already).
   void CarryOutEvictions(const std::vector<Eviction>& evictions);
+  // Releases `sequence_id` on attention worker `attention` (skipped when it is -1) with its flag
+  // `keep_indexer_sequence`, and, unless that flag is set, directly on indexer worker `indexer`
+  // when `indexer_too` or the attention Release failed: an attention worker that could not reach
+  // the indexer drops its KV and answers the indexer's error, so a retry of its Release would
+  // find nothing (the direct one answers NOT_FOUND when the attention worker's already did).
+  // Each Release within `timeout`, carrying a child of `trace` (may be null). Returns the
+  // Releases that did not reach their worker (UNAVAILABLE, DEADLINE_EXCEEDED), counted; a
+  // worker's NOT_FOUND (it lost the sequence) counts as delivered.
+  std::vector<Unreleased> ReleaseSequence(int attention, int indexer, uint64_t sequence_id,
+                                          bool keep_indexer_sequence, bool indexer_too,
+                                          absl::Duration timeout, const TraceContext* trace);
   // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, within
   // `timeout`, carrying a child of `trace` (may be null); the worker's status.
   absl::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
@@ -446,15 +470,6 @@ class CoordinatorEngine {
   // delivered or its worker retired, so nothing is placed into space a worker still holds. A
   // restarted worker's Releases go on to its new process, which may hold what was placed there
   // before the restart was seen.
-  struct Unreleased {
-    bool attention = false;  // an attention worker's Release, else an indexer worker's
-    int slot = 0;
-    uint64_t sequence_id = 0;
-    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
-    // Counted in undelivered_ (the scheduler waits for it). Not for an evicted sequence (the
-    // scheduler forgot it) nor once its worker restarted (its space was freed then).
-    bool counted = true;
-  };
   std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
   // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
   absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(mu_);

@@ -15,6 +15,11 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+std::string SessionKey(const SequenceDemand& demand) {
+  if (demand.session_id.empty()) return "";
+  return absl::StrCat(demand.session_owner.size(), ":", demand.session_owner, demand.session_id);
+}
+
 absl::StatusOr<Scheduler> Scheduler::Create(const SchedulerOptions& options,
                                             std::vector<IndexerWorkerInfo> indexers,
                                             std::vector<AttentionWorkerInfo> attentions) {
@@ -141,12 +146,12 @@ std::vector<Eviction> Scheduler::ForgetRetainedOn(int indexer, int attention) {
   std::vector<uint64_t> forget;
   for (auto& [id, s] : sequences_) {
     if (s.indexer != indexer && s.attention != attention) continue;
-    if (!s.session_id.empty()) {  // its next turn starts afresh
-      auto session = session_sequences_.find(s.session_id);
+    if (!s.session_key.empty()) {  // its next turn starts afresh
+      auto session = session_sequences_.find(s.session_key);
       if (session != session_sequences_.end() && session->second == id) {
         session_sequences_.erase(session);
       }
-      if (s.state == State::kRetained) s.session_id.clear();
+      if (s.state == State::kRetained) s.session_key.clear();
     }
     if (s.state != State::kRetained) continue;
     if (s.pins > 0) {
@@ -184,7 +189,7 @@ std::vector<uint64_t> Scheduler::TakeUnplaceableQueued() {
       continue;
     }
     taken.push_back(it->ticket);
-    if (!it->demand.session_id.empty()) busy_sessions_.erase(it->demand.session_id);
+    if (!it->demand.session_id.empty()) busy_sessions_.erase(SessionKey(it->demand));
     it = queue_.erase(it);
   }
   return taken;
@@ -238,19 +243,19 @@ int64_t Scheduler::FreeKv(int attention) const {
 absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
                                                            const SequenceDemand& demand,
                                                            bool migrated) {
-  const std::string& session = demand.session_id;
+  const std::string session = SessionKey(demand);
   const Sequence* session_sequence = nullptr;
   if (!session.empty()) {
     if (busy_sessions_.contains(session)) {
       return absl::FailedPreconditionError(
-          absl::StrCat("session '", session, "' has a turn queued or running"));
+          absl::StrCat("session '", demand.session_id, "' has a turn queued or running"));
     }
     auto it = session_sequences_.find(session);
     if (it != session_sequences_.end()) {
       session_sequence = &sequences_.at(it->second);
       if (session_sequence->length > demand.context_length) {
         return absl::InvalidArgumentError(
-            absl::StrCat("session '", session, "' holds ", session_sequence->length,
+            absl::StrCat("session '", demand.session_id, "' holds ", session_sequence->length,
                          " slots (previous context + generated tokens); context_length ",
                          demand.context_length, " must be at least that"));
       }
@@ -296,13 +301,14 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
     const IndexerWorkerInfo& indexer = indexer_info_[session_sequence->indexer];
     const AttentionWorkerInfo& attention = attention_info_[session_sequence->attention];
     if (blocks > indexer.capacity_blocks) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session '", session, "' turn needs ", blocks, " index-key-cache blocks, more than its ",
-          "indexer worker ", indexer.address, " holds (", indexer.capacity_blocks, " blocks)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session '", demand.session_id, "' turn needs ", blocks,
+                       " index-key-cache blocks, more than its ", "indexer worker ",
+                       indexer.address, " holds (", indexer.capacity_blocks, " blocks)"));
     }
     if (attention.kv_capacity_slots > 0 && KvSlots(demand) > attention.kv_capacity_slots) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("session '", session, "' turn needs ", KvSlots(demand),
+          absl::StrCat("session '", demand.session_id, "' turn needs ", KvSlots(demand),
                        " KV slots, more than its ", "attention worker ", attention.address,
                        " holds (", attention.kv_capacity_slots, " slots)"));
     }
@@ -343,7 +349,7 @@ bool Scheduler::CancelQueued(uint64_t ticket) {
   auto it = std::find_if(queue_.begin(), queue_.end(),
                          [ticket](const Pending& p) { return p.ticket == ticket; });
   if (it == queue_.end()) return false;
-  if (!it->demand.session_id.empty()) busy_sessions_.erase(it->demand.session_id);
+  if (!it->demand.session_id.empty()) busy_sessions_.erase(SessionKey(it->demand));
   queue_.erase(it);
   return true;
 }
@@ -352,7 +358,7 @@ std::vector<uint64_t> Scheduler::CancelAllQueued() {
   std::vector<uint64_t> tickets;
   for (const Pending& p : queue_) {
     tickets.push_back(p.ticket);
-    if (!p.demand.session_id.empty()) busy_sessions_.erase(p.demand.session_id);
+    if (!p.demand.session_id.empty()) busy_sessions_.erase(SessionKey(p.demand));
   }
   queue_.clear();
   return tickets;
@@ -411,8 +417,8 @@ Eviction Scheduler::Evict(uint64_t sequence_id) {
   Eviction eviction{sequence_id, s.indexer, s.attention, s.kv_slots > 0};
   DropBlocks(s);
   attentions_[s.attention].kv_reserved_slots -= s.kv_slots;
-  if (!s.session_id.empty()) {
-    auto it = session_sequences_.find(s.session_id);
+  if (!s.session_key.empty()) {
+    auto it = session_sequences_.find(s.session_key);
     if (it != session_sequences_.end() && it->second == sequence_id) session_sequences_.erase(it);
   }
   sequences_.erase(sequence_id);
@@ -427,14 +433,14 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
   admission.ticket = ticket;
 
   auto session_it = demand.session_id.empty() ? session_sequences_.end()
-                                              : session_sequences_.find(demand.session_id);
+                                              : session_sequences_.find(SessionKey(demand));
   if (session_it != session_sequences_.end()) {
     Sequence& kept = sequences_.at(session_it->second);
     if (!indexers_[kept.indexer].ready || !attentions_[kept.attention].ready) {
       // Its workers are not ready: the turn is placed afresh (the session's context is the whole
       // conversation, so nothing is lost). The kept sequence becomes a plain retained one, evicted
       // like any other once its workers are back.
-      kept.session_id.clear();
+      kept.session_key.clear();
       session_sequences_.erase(session_it);
       session_it = session_sequences_.end();
     }
@@ -564,9 +570,9 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
       s.kv_slots = kv;
       attentions_[j].kv_reserved_slots += kv;
       ++attentions_[j].running;
-      s.session_id = demand.session_id;
+      s.session_key = SessionKey(demand);
       s.last_used = ++tick_;
-      if (!demand.session_id.empty()) session_sequences_[demand.session_id] = id;
+      if (!s.session_key.empty()) session_sequences_[s.session_key] = id;
       sequences_.emplace(id, std::move(s));
       admission.sequence_id = id;
       admission.indexer = c.indexer;
@@ -611,20 +617,20 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
     s.donor.reset();
     Unpin(donor, result.evictions);
   }
-  if (!s.session_id.empty()) busy_sessions_.erase(s.session_id);
+  if (!s.session_key.empty()) busy_sessions_.erase(s.session_key);
   s.last_used = ++tick_;
-  if (completed && !s.session_id.empty()) {
+  if (completed && !s.session_key.empty()) {
     s.state = State::kRetained;
     s.length = length;
     result.release_attention = false;
     return result;
   }
-  if (!completed && !s.session_id.empty()) {
-    auto session = session_sequences_.find(s.session_id);
+  if (!completed && !s.session_key.empty()) {
+    auto session = session_sequences_.find(s.session_key);
     if (session != session_sequences_.end() && session->second == sequence_id) {
       session_sequences_.erase(session);
     }
-    s.session_id.clear();
+    s.session_key.clear();
   }
   s.state = State::kReleasing;
   s.retain_after_release = (completed && options_.retain_finished) || s.pins > 0;

@@ -70,7 +70,15 @@ struct SequenceDemand {
   int draft_length = 0;                    // d
   std::vector<uint64_t> prefix_block_ids;  // one per 512 tokens
   std::string session_id;                  // empty = a one-off request
+  /// The caller that names the session (CallerIdentity of its Generate calls): sessions are
+  /// scoped per caller, so two callers' sessions of the same id are two sessions, and no caller
+  /// can continue (or block with a queued turn) another caller's session.
+  std::string session_owner;
 };
+
+/// The key of `demand`'s session in the scheduler: (session_owner, session_id), unambiguous
+/// (length-prefixed owner); empty when it names no session.
+std::string SessionKey(const SequenceDemand& demand);
 
 /// A retained sequence to drop on the workers (the scheduler has already forgotten it).
 struct Eviction {
@@ -234,9 +242,9 @@ class Scheduler {
     int64_t length = 0;                      // slots after the last completed turn
     std::vector<uint64_t> blocks;            // reserved block ids, one per 64 slots
     int64_t kv_slots = 0;                    // reserved KV slots on the attention worker
-    std::string session_id;
-    int pins = 0;                   // prefills in progress that share its prefix
-    std::optional<uint64_t> donor;  // pinned while this sequence prefills
+    std::string session_key;                 // SessionKey of its session; empty = not a session's
+    int pins = 0;                            // prefills in progress that share its prefix
+    std::optional<uint64_t> donor;           // pinned while this sequence prefills
     bool release_when_unpinned = false;
     bool retain_after_release = false;  // kReleasing: becomes kRetained, else dropped
     uint64_t last_used = 0;             // LRU tick
@@ -286,7 +294,7 @@ class Scheduler {
   std::vector<IndexerState> indexers_;
   std::vector<AttentionState> attentions_;
   absl::flat_hash_map<uint64_t, Sequence> sequences_;
-  // session id -> its sequence (absent: none kept); busy sessions have a turn queued or running.
+  // SessionKey -> its sequence (absent: none kept); busy sessions have a turn queued or running.
   absl::flat_hash_map<std::string, uint64_t> session_sequences_;
   absl::flat_hash_set<std::string> busy_sessions_;
   std::deque<Pending> queue_;

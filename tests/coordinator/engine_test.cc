@@ -201,6 +201,17 @@ class EngineTest : public ::testing::Test {
     }
   }
 
+  // Starts `request`, steps the decode loop of `address` until it has finished, and checks that
+  // it completed (wrap in ASSERT_NO_FATAL_FAILURE).
+  void RunToCompletion(const cv1::GenerateRequest& request, const std::string& address,
+                       const std::string& caller = "router") {
+    Call* call = Generate(request, caller);
+    ASSERT_TRUE(engine_->AwaitDecoding(address, 1, kSafetyNet));
+    StepUntilFinished(address, *call);
+    call->Join();
+    ASSERT_TRUE(call->status.ok()) << call->status;
+  }
+
   int64_t Metric(const std::string& line_prefix) {
     const std::string text = prometheus::TextSerializer().Serialize(registry_.Collect());
     for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -400,11 +411,7 @@ TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
   Start({kA1}, {kI1});
   cv1::GenerateRequest turn = Request("r1", 20, 2);
   turn.set_session_id("chat");
-  auto first = Generate(turn);
-  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
-  StepUntilFinished(kA1, *first);
-  first->Join();
-  ASSERT_TRUE(first->status.ok()) << first->status;
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
   fakes_->Restart(kI1);                  // the restart is not seen yet
   engine_->RefreshWorkers();             // seen: I1's slot retired, the session forgotten
@@ -415,16 +422,37 @@ TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
   fakes_->Restart(kI1);
   turn.set_request_id("r2");
   turn.set_session_id("chat-2");
-  auto second = Generate(turn);
-  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
-  StepUntilFinished(kA1, *second);
-  second->Join();
-  ASSERT_TRUE(second->status.ok()) << second->status;
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);
   EXPECT_EQ(fakes_->Sequences(kI1), 1);
   engine_->RefreshWorkers();  // the restart seen: released on both sides
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
   EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// Sessions belong to the caller that names them (issue 13, "Security"): another caller that sends
+// the same session id neither continues the owner's sequence (its KV and index keys) nor is held to
+// its length; it gets a session of its own, and the owner's stays whole.
+TEST_F(EngineTest, ASessionIdFromAnotherCallerStartsItsOwnSession) {
+  options_.retain_finished = true;
+  Start({kA1}, {kI1});
+  cv1::GenerateRequest turn = Request("r1", 20, 2);
+  turn.set_session_id("chat");
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1, "alice"));
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);
+  // 10 tokens: shorter than alice's 22 slots, which would be INVALID_ARGUMENT for alice.
+  cv1::GenerateRequest other = Request("r2", 10, 2);
+  other.set_session_id("chat");
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(other, kA1, "mallory"));
+  EXPECT_EQ(fakes_->Sequences(kA1), 2);
+  EXPECT_EQ(engine_->GetLoad().retained_sequences(), 2);
+  // alice's next turn still continues hers: a context shorter than her 22 slots is refused.
+  cv1::GenerateRequest shorter = Request("r3", 21, 2);
+  shorter.set_session_id("chat");
+  Call* call = Generate(shorter, "alice");
+  call->Join();
+  EXPECT_EQ(call->status.code(), absl::StatusCode::kInvalidArgument) << call->status;
+  EXPECT_TRUE(absl::StrContains(call->status.message(), "holds 22 slots")) << call->status;
 }
 
 // The other way round: the attention worker restarted (its new process holds nothing), so the
@@ -433,11 +461,7 @@ TEST_F(EngineTest, ARestartedAttentionWorkersKeptSessionIsReleasedOnItsIndexer) 
   Start({kA1}, {kI1});
   cv1::GenerateRequest turn = Request("r1", 20, 2);
   turn.set_session_id("chat");
-  auto first = Generate(turn);
-  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
-  StepUntilFinished(kA1, *first);
-  first->Join();
-  ASSERT_TRUE(first->status.ok()) << first->status;
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kI1), 1);
   fakes_->Restart(kA1);
   engine_->RefreshWorkers();
@@ -480,11 +504,7 @@ TEST_F(EngineTest, AnEvictionsReleaseToAnUnreachableWorkerIsRetriedWhenItAnswers
   Start({kA1}, {kI1});
   cv1::GenerateRequest turn = Request("r1", 20, 2);
   turn.set_session_id("chat");
-  auto first = Generate(turn);
-  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
-  StepUntilFinished(kA1, *first);
-  first->Join();
-  ASSERT_TRUE(first->status.ok()) << first->status;
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
   fakes_->Restart(kI1);
   fakes_->SetDown(kA1, true);

@@ -439,6 +439,48 @@ TEST(SchedulerTest, ASessionTurnLargerThanItsOwnWorkerIsRefusedAtOnce) {
   EXPECT_TRUE(s.Submit(3, Demand(150, 20, 0, {}, "chat")).ok());
 }
 
+// Sessions belong to their caller: another caller's request with the same session id neither
+// waits on the owner's busy session nor continues its sequence; it gets a session of its own.
+TEST(SchedulerTest, SessionsOfTheSameIdFromTwoCallersAreTwoSessions) {
+  Scheduler s = Make(1, {100});
+  SequenceDemand alice = Demand(100, 20, 0, {}, "chat");
+  alice.session_owner = "alice";
+  SequenceDemand mallory = Demand(200, 20, 0, {}, "chat");
+  mallory.session_owner = "mallory";
+  const Admission a1 = Admit(s, 1, alice);
+  // alice's turn is running: the same id from mallory is not FAILED_PRECONDITION but its own.
+  const Admission m1 = Admit(s, 2, mallory);
+  EXPECT_FALSE(m1.continue_sequence);
+  EXPECT_NE(m1.sequence_id, a1.sequence_id);
+  s.PrefillDone(a1.sequence_id);
+  s.PrefillDone(m1.sequence_id);
+  EXPECT_FALSE(End(s, a1.sequence_id, true, 120).release_attention);
+  EXPECT_FALSE(End(s, m1.sequence_id, true, 220).release_attention);
+  // Each caller's next turn continues its own sequence; the lengths are checked against its own.
+  alice.context_length = 150;
+  const Admission a2 = Admit(s, 3, alice);
+  EXPECT_TRUE(a2.continue_sequence);
+  EXPECT_EQ(a2.sequence_id, a1.sequence_id);
+  mallory.context_length = 150;  // shorter than mallory's 220 slots, whatever alice holds
+  auto short_turn = s.Submit(4, mallory);
+  EXPECT_EQ(short_turn.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_turn.status().message(), HasSubstr("session 'chat' holds 220 slots"));
+  mallory.context_length = 250;
+  const Admission m2 = Admit(s, 5, mallory);
+  EXPECT_TRUE(m2.continue_sequence);
+  EXPECT_EQ(m2.sequence_id, m1.sequence_id);
+}
+
+// The key is unambiguous: an owner that ends where another's session id begins is not that owner.
+TEST(SchedulerTest, SessionKeySeparatesOwnerFromId) {
+  SequenceDemand one = Demand(1, 1, 0, {}, "bc");
+  one.session_owner = "a";
+  SequenceDemand two = Demand(1, 1, 0, {}, "c");
+  two.session_owner = "ab";
+  EXPECT_NE(SessionKey(one), SessionKey(two));
+  EXPECT_EQ(SessionKey(Demand(1, 1)), "");
+}
+
 TEST(SchedulerTest, AttentionWorkerWithFewestRunningAndMaxRunning) {
   Scheduler s = Make(1, {100}, /*num_attention=*/2, 4, /*max_running=*/1);
   const Admission a = Admit(s, 1, Demand(10, 1));
