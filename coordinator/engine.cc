@@ -315,13 +315,13 @@ void CoordinatorEngine::CheckStalledWrites() {
   const absl::Duration timeout = absl::Milliseconds(options_.stall_timeout_ms);
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_.Now();
-  for (auto& [id, request] : by_id_) {
+  for (auto& [key, request] : by_id_) {
     if (!request->write_blocked_since.has_value() || request->stream == nullptr ||
         now - *request->write_blocked_since < timeout) {
       continue;
     }
     LogJson("warn", "ending a stream whose client stopped reading",
-            {{"request_id", id},
+            {{"request_id", request->id},
              {"blocked_ms", absl::ToInt64Milliseconds(now - *request->write_blocked_since)},
              {"stall_timeout_ms", options_.stall_timeout_ms},
              {"finished", request->final_status.has_value()}});
@@ -769,6 +769,7 @@ void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& sta
   // durations, and where it last ran.
   nlohmann::json fields = {
       {"request_id", request.id},
+      {"caller", request.caller},
       {"trace_id", request.trace.trace_id},
       {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.code()))},
       {"context_tokens", ContextLength(request.proto)},
@@ -964,7 +965,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
                            " indexer and ", scheduler_.ReadyAttentions(), " of ", num_attention_,
                            " attention workers are ready (a worker of each kind is needed)")};
     }
-    if (by_id_.contains(request->id)) {
+    if (by_id_.contains({caller, request->id})) {
       metrics_->CountRequest(RequestOutcome::kRejected);
       return {absl::StatusCode::kAlreadyExists,
               absl::StrCat("request '", request->id, "' is already in flight")};
@@ -976,7 +977,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       metrics_->CountRequest(RequestOutcome::kRejected);
       return submitted.status();
     }
-    by_id_[request->id] = request;
+    by_id_[{caller, request->id}] = request;
     by_ticket_[request->ticket] = request;
     request->stream = &stream;
     if (submitted->has_value()) {
@@ -993,7 +994,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     ~Unregister() {
       absl::MutexLock lock(&self->mu_);
       request->stream = nullptr;
-      self->by_id_.erase(request->id);
+      self->by_id_.erase({request->caller, request->id});
       self->by_ticket_.erase(request->ticket);
     }
   } unregister{this, request};
@@ -1114,13 +1115,12 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
 
 absl::Status CoordinatorEngine::Abort(const std::string& request_id, const std::string& caller) {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(request_id);
+  // Keyed by caller too: another caller's request of this id is not found, so request ids in
+  // flight cannot be probed.
+  auto it = by_id_.find({caller, request_id});
   if (it == by_id_.end() || it->second->final_status.has_value()) {
-    return absl::NotFoundError(absl::StrCat("no request '", request_id, "' in flight"));
-  }
-  if (it->second->caller != caller) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("request '", request_id, "' belongs to another caller"));
+    return absl::NotFoundError(
+        absl::StrCat("no request '", request_id, "' of this caller in flight"));
   }
   AbortLocked(*it->second);
   return absl::OkStatus();

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -187,22 +188,22 @@ class CoordinatorEngine {
 
   /// Validates, admits (or queues), places, prefills and writes Admitted, Tokens per decode step
   /// and Finished to `stream`; returns when the request has ended. `caller` is the call's
-  /// CallerIdentity (only it may Abort the request; it scopes the request's session, so another
-  /// caller's session of the same id is another session); `traceparent` the router's W3C
-  /// traceparent
-  /// ("" or malformed: a new trace). Returns OK after Finished; INVALID_ARGUMENT
-  /// (ValidateGenerateRequest, a session context shorter than its sequence); ALREADY_EXISTS (the
-  /// request id is in flight); RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole
-  /// capacity, with the numbers); FAILED_PRECONDITION (the session has a turn queued or running);
-  /// UNAVAILABLE (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream
-  /// cancelled, a stalled reader); any other status a worker returned for this request.
+  /// CallerIdentity: it scopes the request id (only it may Abort the request; another caller may
+  /// use the same id) and the session (another caller's session of the same id is another
+  /// session). `traceparent` is the router's W3C traceparent ("" or malformed: a new trace).
+  /// Returns OK after Finished; INVALID_ARGUMENT (ValidateGenerateRequest, a session context
+  /// shorter than its sequence); ALREADY_EXISTS (this caller has a request of that id in flight);
+  /// RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole capacity, with the
+  /// numbers); FAILED_PRECONDITION (the session has a turn queued or running); UNAVAILABLE
+  /// (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream cancelled, a
+  /// stalled reader); any other status a worker returned for this request.
   absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
                         const std::string& caller, absl::string_view traceparent,
                         GenerateStream& stream);
 
   /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
-  /// CANCELLED. NOT_FOUND if no request with that id is in flight; PERMISSION_DENIED when
-  /// `caller` is not the caller whose Generate started it.
+  /// CANCELLED. NOT_FOUND if `caller` has no request with that id in flight (another caller's
+  /// request of that id included: ids are scoped per caller, so they cannot be probed).
   absl::Status Abort(const std::string& request_id, const std::string& caller);
 
   /// Queued and running requests, retained sequences, and the index-key cache per indexer worker
@@ -241,7 +242,7 @@ class CoordinatorEngine {
   // One Generate call in flight.
   struct Request {
     std::string id;
-    std::string caller;  // CallerIdentity of the Generate call: only it may Abort the request
+    std::string caller;  // CallerIdentity of the Generate call: it scopes the id (by_id_)
     TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
     uint64_t ticket = 0;
     dsa::coordinator::v1::GenerateRequest proto;
@@ -464,7 +465,9 @@ class CoordinatorEngine {
   absl::CondVar watch_wake_;                      // stop
   absl::CondVar decoding_changed_;                // a sequence started decoding (AwaitDecoding)
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, std::shared_ptr<Request>> by_id_ ABSL_GUARDED_BY(mu_);
+  // (caller, request id) -> the request in flight: request ids are scoped per caller.
+  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<Request>> by_id_
+      ABSL_GUARDED_BY(mu_);
   // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
   // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
   // delivered or its worker retired, so nothing is placed into space a worker still holds. A

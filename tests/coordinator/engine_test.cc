@@ -582,16 +582,29 @@ TEST_F(EngineTest, ReadinessFollowsTheLastIndexerAndGenerateSaysWhyItIsRefused) 
   EXPECT_TRUE(call->status.ok()) << call->status;
 }
 
+// Request ids are scoped per caller: another caller's Abort of an id in flight answers as for an
+// id never seen (no probing), and another caller may run a request of the same id.
 TEST_F(EngineTest, OnlyTheCallerThatStartedARequestMayAbortIt) {
   Start({kA1}, {kI1});
   auto call = Generate(Request("r1", 10, 50), "router-a");
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
-  EXPECT_EQ(engine_->Abort("r1", "router-b").code(), absl::StatusCode::kPermissionDenied);
+  const absl::Status other = engine_->Abort("r1", "router-b");
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(other.message(), "no request 'r1' of this caller in flight");
   EXPECT_EQ(engine_->Abort("r9", "router-a").code(), absl::StatusCode::kNotFound);
+  // The same id from router-b runs beside router-a's; router-a's own second one is refused.
+  auto same_id = Generate(Request("r1", 10, 2), "router-b");
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 2, kSafetyNet));
+  auto twice = Generate(Request("r1", 10, 2), "router-a");
+  twice->Join();
+  EXPECT_EQ(twice->status.code(), absl::StatusCode::kAlreadyExists) << twice->status;
   EXPECT_TRUE(engine_->Abort("r1", "router-a").ok());
-  ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);
   call->Join();
   EXPECT_EQ(call->status.code(), absl::StatusCode::kCancelled);
+  StepUntilFinished(kA1, *same_id);
+  same_id->Join();
+  EXPECT_TRUE(same_id->status.ok()) << same_id->status;
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
   EXPECT_EQ(engine_->StepWorker("10.9.9.9:1").status().code(), absl::StatusCode::kNotFound);
 }

@@ -7,7 +7,8 @@
 //   the indexer's --operator-identities may release any;
 // - the attention worker dials only its --indexer-workers, over mutual TLS;
 // - the coordinator's bearer tokens: missing or wrong is UNAUTHENTICATED, another client's Abort
-//   is PERMISSION_DENIED; a Generate runs over TLS on every hop; tokens without TLS do not start.
+//   is NOT_FOUND (request ids are per caller); a Generate runs over TLS on every hop; tokens
+//   without TLS do not start.
 #include "server/security.h"
 
 #include <signal.h>
@@ -376,8 +377,9 @@ TEST_F(SecurityTest, CoordinatorTokensAuthenticateRoutersAndGuardTheirRequests) 
     return stub(token)->Abort(&abort_context, request, &response);
   };
   const grpc::Status foreign = abort("token-of-b");
-  EXPECT_EQ(foreign.error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(foreign.error_message(), "request 'long' belongs to another caller");
+  // Request ids are scoped per caller: b is told what an id it never used would tell it.
+  EXPECT_EQ(foreign.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(foreign.error_message(), "no request 'long' of this caller in flight");
   EXPECT_TRUE(abort("token-of-a").ok());
   while (reader->Read(&event)) {
   }

@@ -17,9 +17,9 @@ the grpc.health.v1 check of the three health names (docs/deploy.md, "The contrac
 Errors are grpc.RpcError with the status codes the proto documents (coordinator.proto):
 RESOURCE_EXHAUSTED (queue full), INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION,
 UNAVAILABLE (also a TLS handshake that fails: plaintext, an untrusted CA, a missing client
-certificate), CANCELLED (the request was aborted), NOT_FOUND (abort of an unknown id),
-UNAUTHENTICATED (a missing or unknown bearer token), PERMISSION_DENIED (abort of another caller's
-request).
+certificate), CANCELLED (the request was aborted), NOT_FOUND (abort of an id this caller has not
+in flight: request ids are scoped per caller, so another caller's request is not found either),
+UNAUTHENTICATED (a missing or unknown bearer token).
 Thread-safety: one client may be used from many threads (a gRPC channel is thread-safe).
 """
 
@@ -232,9 +232,9 @@ class CoordinatorClient:
 
     def abort(self, request_id: str, *, timeout_s: float = 5.0) -> None:
         """Stops a request in flight (queued or running); its Generate stream ends with
-        CANCELLED. Raises grpc.RpcError NOT_FOUND if the coordinator knows no such request,
-        PERMISSION_DENIED if another caller (bearer token's client, or client certificate)
-        started it."""
+        CANCELLED. Raises grpc.RpcError NOT_FOUND if this caller (bearer token's client, or
+        client certificate) has no request of that id in flight; ids are scoped per caller, so
+        another caller's request of that id is not found either."""
         self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
 
     def get_load(self, *, timeout_s: float = 5.0) -> coordinator_pb2.GetLoadResponse:

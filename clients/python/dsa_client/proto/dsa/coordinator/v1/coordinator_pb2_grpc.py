@@ -71,8 +71,8 @@ class CoordinatorServiceServicer:
 
     def Abort(self, request, context):
         """Stops a request in flight (queued or running); its Generate stream ends with CANCELLED.
-        NOT_FOUND if unknown; PERMISSION_DENIED if another caller (bearer token's client, or client
-        certificate) started it.
+        NOT_FOUND if this caller (bearer token's client, or client certificate) has no request of that
+        id in flight: ids are scoped per caller, so another caller's request is not found either.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
