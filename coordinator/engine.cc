@@ -164,6 +164,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   if (options.stall_timeout_ms < 0) {
     return absl::InvalidArgumentError("stall_timeout_ms must be >= 0");
   }
+  if (options.load_cache_ms < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("load_cache_ms must be >= 0, got ", options.load_cache_ms));
+  }
   if (options.worker_check_interval_ms < 0 || options.worker_check_timeout_ms < 1) {
     return absl::InvalidArgumentError(
         "worker_check_interval_ms must be >= 0 and worker_check_timeout_ms >= 1");
@@ -1150,19 +1154,28 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
   response->set_queued(load.queued);
   response->set_running(load.running);
   response->set_retained_sequences(load.retained);
-  // Ask the ready indexers at once (a worker that is not ready reports the reservations).
+  // Ask the ready indexers at once (a worker that is not ready reports the reservations), unless
+  // the last answers are recent enough and were asked of the same ready slots.
   const size_t count = indexer_ready.size();
-  std::vector<iv1::GetLoadResponse> loads(count);
-  std::vector<absl::Status> statuses(count, absl::UnavailableError("not ready"));
-  {
+  absl::MutexLock loads_lock(&load_mu_);
+  IndexerLoads& cached = indexer_loads_;
+  if (cached.ready != indexer_ready ||
+      clock_.Now() - cached.asked >= absl::Milliseconds(options_.load_cache_ms)) {
+    cached.ready = indexer_ready;
+    cached.loads.assign(count, iv1::GetLoadResponse());
+    cached.statuses.assign(count, absl::UnavailableError("not ready"));
     const WorkerCall call{absl::Milliseconds(options_.worker_check_timeout_ms), "", {}};
     std::vector<std::thread> asks;
     for (size_t i = 0; i < count; ++i) {
       if (!indexer_ready[i]) continue;
-      asks.emplace_back([&, i] { statuses[i] = indexers_[i]->client->GetLoad(call, &loads[i]); });
+      asks.emplace_back(
+          [&, i] { cached.statuses[i] = indexers_[i]->client->GetLoad(call, &cached.loads[i]); });
     }
     for (std::thread& ask : asks) ask.join();
+    cached.asked = clock_.Now();
   }
+  const std::vector<iv1::GetLoadResponse>& loads = cached.loads;
+  const std::vector<absl::Status>& statuses = cached.statuses;
   int64_t used = 0;
   int64_t capacity = 0;
   for (size_t i = 0; i < count; ++i) {

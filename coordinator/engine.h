@@ -54,6 +54,10 @@ struct CoordinatorOptions {
   int64_t worker_check_interval_ms = 2000;
   /// Deadline of each check RefreshWorkers makes of a worker (> 0).
   int64_t worker_check_timeout_ms = 1000;
+  /// GetLoad reuses the indexers' loads it last asked for while they are younger than this
+  /// (milliseconds, >= 0; 0 = ask on every call), and one GetLoad asks at a time: however often
+  /// clients call GetLoad, each indexer gets at most one GetLoad per this interval from it.
+  int64_t load_cache_ms = 100;
   int max_queue = 64;                  // queued requests at most
   int max_running_per_attention = 32;  // running sequences per attention worker
   int top_k = 2048;                    // K of every sequence unless overridden
@@ -208,7 +212,8 @@ class CoordinatorEngine {
 
   /// Queued and running requests, retained sequences, and the index-key cache per indexer worker
   /// from its GetLoad (asked at once, each bounded by worker_check_timeout_ms; a worker that does
-  /// not answer reports the coordinator's reservations).
+  /// not answer reports the coordinator's reservations). The indexers' answers are reused for
+  /// load_cache_ms of the clock; concurrent calls wait for one round of asks and share it.
   dsa::coordinator::v1::GetLoadResponse GetLoad();
 
   /// Begins a drain: new Generate calls get UNAVAILABLE, queued requests end with UNAVAILABLE,
@@ -447,6 +452,16 @@ class CoordinatorEngine {
   std::vector<std::unique_ptr<IndexerWorker>> indexers_;
 
   absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
+  // The indexers' last GetLoad answers (GetLoad), by slot, and when they were asked for. Held
+  // across a round of asks, so that concurrent GetLoads share one round.
+  struct IndexerLoads {
+    absl::Time asked = absl::InfinitePast();
+    std::vector<bool> ready;  // the slots' readiness when asked
+    std::vector<dsa::indexer::v1::GetLoadResponse> loads;
+    std::vector<absl::Status> statuses;
+  };
+  absl::Mutex load_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  IndexerLoads indexer_loads_ ABSL_GUARDED_BY(load_mu_);
   absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
       ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
   // key -> the last message logged for it (LogOnce)

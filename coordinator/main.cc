@@ -49,6 +49,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Deadline of each check of a worker")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--load-cache-ms", options.load_cache_ms,
+                 "GetLoad reuses the indexers' loads for this long, and one GetLoad asks them at "
+                 "a time (each indexer gets at most one GetLoad per interval); 0 = ask every call")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   dsa::CoordinatorBuckets buckets;
   app.add_option("--ttft-buckets", buckets.time_to_first_token,
                  "Bucket bounds (seconds, increasing) of the time-to-first-token histogram")

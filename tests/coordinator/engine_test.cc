@@ -609,6 +609,44 @@ TEST_F(EngineTest, OnlyTheCallerThatStartedARequestMayAbortIt) {
   EXPECT_EQ(engine_->StepWorker("10.9.9.9:1").status().code(), absl::StatusCode::kNotFound);
 }
 
+// GetLoad is not an amplifier: however often clients call it, each indexer is asked at most once
+// per load_cache_ms of the clock; a readiness change is reported at once.
+TEST_F(EngineTest, GetLoadAsksEachIndexerAtMostOncePerLoadCacheInterval) {
+  options_.load_cache_ms = 100;
+  Start({kA1}, {kI1, kI2});
+  const int asked = fakes_->GetLoads(kI1);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(engine_->GetLoad().indexer_workers_size(), 2);
+  EXPECT_EQ(fakes_->GetLoads(kI1), asked + 1);
+  EXPECT_EQ(fakes_->GetLoads(kI2), asked + 1);
+  clock_.Advance(absl::Milliseconds(99));
+  (void)engine_->GetLoad();
+  EXPECT_EQ(fakes_->GetLoads(kI1), asked + 1);
+  clock_.Advance(absl::Milliseconds(1));
+  (void)engine_->GetLoad();
+  EXPECT_EQ(fakes_->GetLoads(kI1), asked + 2);
+  // I2 goes down: the next GetLoad says so at once (its readiness is not cached).
+  fakes_->SetDown(kI2, true);
+  engine_->RefreshWorkers();
+  const int after_refresh = fakes_->GetLoads(kI1);
+  const cv1::GetLoadResponse load = engine_->GetLoad();
+  ASSERT_EQ(load.indexer_workers_size(), 2);
+  EXPECT_FALSE(load.indexer_workers(1).ready());
+  EXPECT_EQ(fakes_->GetLoads(kI1), after_refresh + 1);
+}
+
+TEST(EngineCreateTest, NegativeLoadCacheIsRefused) {
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.attention_addresses = {kA1};
+  options.indexer_addresses = {kI1};
+  options.load_cache_ms = -1;
+  options.run_loops = false;
+  auto engine = CoordinatorEngine::Create(options, &metrics, std::make_shared<FakeWorkers>());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(), "load_cache_ms must be >= 0, got -1");
+}
+
 TEST(EngineCreateTest, MissingCollaboratorsAreRefused) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);

@@ -182,6 +182,7 @@ class FakeIndexerClient final : public IndexerWorkerClient {
   absl::Status GetLoad(const WorkerCall& /*call*/, iv1::GetLoadResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (w != nullptr) ++w->get_loads;
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     response->set_capacity_blocks(w->capacity_blocks);
     response->set_used_blocks(static_cast<int64_t>(w->sequences.size()));
@@ -286,6 +287,12 @@ int FakeWorkers::DecodeSteps(const std::string& address) {
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
   return w == nullptr ? 0 : w->decode_steps;
+}
+
+int FakeWorkers::GetLoads(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, false);
+  return w == nullptr ? 0 : w->get_loads;
 }
 
 std::vector<av1::PrefillRequest> FakeWorkers::Prefills(const std::string& address) {

@@ -52,6 +52,8 @@ class FakeWorkers final : public WorkerClientFactory,
   std::vector<uint64_t> Released(const std::string& address);
   /// DecodeStep calls the worker at `address` received (answered or not).
   int DecodeSteps(const std::string& address);
+  /// GetLoad calls the indexer worker at `address` received (answered or not).
+  int GetLoads(const std::string& address);
   /// Prefills the worker at `address` answered OK, in order.
   std::vector<dsa::attention::v1::PrefillRequest> Prefills(const std::string& address);
 
@@ -78,6 +80,7 @@ class FakeWorkers final : public WorkerClientFactory,
     std::vector<uint64_t> released;
     std::vector<dsa::attention::v1::PrefillRequest> prefills;
     int decode_steps = 0;
+    int get_loads = 0;
   };
   // The worker at `address` of a kind, or null (an address no fake listens on).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
