@@ -553,4 +553,9 @@ to change. Included once, from the ConfigMap.
 {{- if and $v.indexer.operatorIdentities (not (and $v.tls.enabled $v.tls.mutual)) -}}
 {{- fail "indexer.operatorIdentities needs tls.enabled and tls.mutual: identities are client certificates' common names, and without mutual TLS every caller is anonymous" -}}
 {{- end -}}
+{{- if and $v.tls.enabled $v.tls.mutual (not (include "dsa.colocated" $)) (not $v.indexer.operatorIdentities) -}}
+{{- if ne (include "dsa.tlsSecretName" (dict "root" $ "component" "coordinator")) (include "dsa.tlsSecretName" (dict "root" $ "component" "attention")) -}}
+{{- fail "the coordinator and the attention workers have certificates of their own (coordinator.tlsSecretName or attention.tlsSecretName) but indexer.operatorIdentities is empty: put the coordinator's common name there, or the indexers refuse its Releases (prefix donors, and the sequences of attention workers that died) and their blocks leak" -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
