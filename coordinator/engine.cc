@@ -485,7 +485,13 @@ void CoordinatorEngine::LogOnce(const std::string& key, const char* level, const
 }
 
 void CoordinatorEngine::RefreshWorkers() {
+  const uint64_t begun_before = refreshes_begun_.load();
+  ++refreshes_waiting_;
   absl::MutexLock refresh(&refresh_mu_);
+  --refreshes_waiting_;
+  // A refresh that began after this call has ended (this one holds the lock now): nothing to add.
+  if (refreshes_begun_.load() != begun_before) return;
+  ++refreshes_begun_;
   const std::vector<std::string> attention_wanted =
       WantedAddresses(options_.attention_addresses, options_.attention_dns);
   const std::vector<std::string> indexer_wanted =

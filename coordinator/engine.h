@@ -179,8 +179,14 @@ class CoordinatorEngine {
   /// fails the queued requests that no ready worker could hold (UNAVAILABLE), updates
   /// dsa_coordinator_workers, tells the readiness listener and retries the Releases that did not
   /// reach their workers. A name that fails to resolve keeps its last answer (logged).
-  /// Thread-safe; calls are serialized.
+  /// Thread-safe; calls are serialized and shared: a call that waited for another's refresh
+  /// returns without its own when a refresh that began after the call has ended meanwhile (its
+  /// checks are as fresh), so the handlers of the requests of one failed worker, each of which
+  /// refreshes before it migrates, cost two rounds of checks, not one each.
   void RefreshWorkers();
+
+  /// Calls of RefreshWorkers waiting for the one in progress (tests).
+  int RefreshesWaiting() const { return refreshes_waiting_.load(); }
 
   /// `listener` is called now with whether the coordinator is ready, then on every change (from
   /// the thread that runs RefreshWorkers). Replaces any earlier listener.
@@ -452,6 +458,8 @@ class CoordinatorEngine {
   std::vector<std::unique_ptr<IndexerWorker>> indexers_;
 
   absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
+  std::atomic<uint64_t> refreshes_begun_{0};          // RefreshWorkers that did their checks
+  std::atomic<int> refreshes_waiting_{0};             // for refresh_mu_
   // The indexers' last GetLoad answers (GetLoad), by slot, and when they were asked for. Held
   // across a round of asks, so that concurrent GetLoads share one round.
   struct IndexerLoads {

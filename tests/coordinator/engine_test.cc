@@ -634,6 +634,29 @@ TEST_F(EngineTest, GetLoadAsksEachIndexerAtMostOncePerLoadCacheInterval) {
   EXPECT_EQ(fakes_->GetLoads(kI1), after_refresh + 1);
 }
 
+// Every handler of a failed worker's requests refreshes before it migrates: calls that waited
+// behind a refresh in progress share the next one, so three calls make two rounds of checks, not
+// three (with a hung worker each round costs a check timeout).
+TEST_F(EngineTest, RefreshesThatWaitedBehindOneInProgressShareTheNext) {
+  Start({kA1}, {kI1});
+  const int asked = fakes_->GetLoads(kI1);
+  fakes_->HoldGetLoads(kI1, true);
+  std::thread first([this] { engine_->RefreshWorkers(); });
+  ASSERT_TRUE(fakes_->AwaitHeldGetLoads(kI1, 1, kSafetyNet));  // its check has begun
+  std::thread second([this] { engine_->RefreshWorkers(); });
+  std::thread third([this] { engine_->RefreshWorkers(); });
+  const absl::Time deadline = absl::Now() + kSafetyNet;
+  while (engine_->RefreshesWaiting() < 2 && absl::Now() < deadline) std::this_thread::yield();
+  EXPECT_EQ(engine_->RefreshesWaiting(), 2);
+  fakes_->HoldGetLoads(kI1, false);
+  first.join();
+  second.join();
+  third.join();
+  EXPECT_EQ(fakes_->GetLoads(kI1), asked + 2);
+  engine_->RefreshWorkers();  // alone: a round of its own
+  EXPECT_EQ(fakes_->GetLoads(kI1), asked + 3);
+}
+
 TEST(EngineCreateTest, NegativeLoadCacheIsRefused) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);

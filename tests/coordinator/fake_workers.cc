@@ -182,7 +182,13 @@ class FakeIndexerClient final : public IndexerWorkerClient {
   absl::Status GetLoad(const WorkerCall& /*call*/, iv1::GetLoadResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
-    if (w != nullptr) ++w->get_loads;
+    if (w != nullptr) {
+      ++w->get_loads;
+      ++w->held_get_loads;
+      fakes_->mu_.Await(absl::Condition(
+          +[](FakeWorkers::Worker* held) { return !held->hold_get_loads; }, w));
+      --w->held_get_loads;
+    }
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     response->set_capacity_blocks(w->capacity_blocks);
     response->set_used_blocks(static_cast<int64_t>(w->sequences.size()));
@@ -243,6 +249,19 @@ void FakeWorkers::SetHung(const std::string& address, bool hung) {
   for (bool kind : {true, false}) {
     if (Worker* w = Find(address, kind)) w->hung = hung;
   }
+}
+
+void FakeWorkers::HoldGetLoads(const std::string& address, bool hold) {
+  absl::MutexLock lock(&mu_);
+  if (Worker* w = Find(address, false)) w->hold_get_loads = hold;
+}
+
+bool FakeWorkers::AwaitHeldGetLoads(const std::string& address, int count, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, false);
+  if (w == nullptr) return false;
+  auto held = [w, count] { return w->held_get_loads >= count; };
+  return mu_.AwaitWithTimeout(absl::Condition(&held), timeout);
 }
 
 void FakeWorkers::SetNotReady(const std::string& address, bool not_ready) {

@@ -43,6 +43,11 @@ class FakeWorkers final : public WorkerClientFactory,
   void SetHung(const std::string& address, bool hung);
   /// Its readiness answers NOT_SERVING (draining) while its calls still work.
   void SetNotReady(const std::string& address, bool not_ready);
+  /// Held: the indexer's GetLoad calls wait (as a slow check does) until it is let go.
+  void HoldGetLoads(const std::string& address, bool hold);
+  /// Waits until `count` GetLoad calls of the indexer at `address` are held; false after
+  /// `timeout` (a test's safety net).
+  bool AwaitHeldGetLoads(const std::string& address, int count, absl::Duration timeout);
   /// A restart: a new instance id, and every sequence it held is gone.
   void Restart(const std::string& address);
 
@@ -81,6 +86,8 @@ class FakeWorkers final : public WorkerClientFactory,
     std::vector<dsa::attention::v1::PrefillRequest> prefills;
     int decode_steps = 0;
     int get_loads = 0;
+    bool hold_get_loads = false;
+    int held_get_loads = 0;
   };
   // The worker at `address` of a kind, or null (an address no fake listens on).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
