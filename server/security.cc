@@ -14,6 +14,9 @@
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_certificate_verifier.h"
+#include "grpcpp/security/tls_credentials_options.h"
 
 namespace dsa {
 namespace {
@@ -44,7 +47,31 @@ absl::Status CheckPair(const TlsFlags& flags) {
     return absl::InvalidArgumentError(
         "--tls-cert and --tls-key go together: one names a file, the other is empty");
   }
+  if (flags.tls_reload_interval_s < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-reload-interval-s must be >= 1, got ", flags.tls_reload_interval_s));
+  }
   return absl::OkStatus();
+}
+
+// Reads each named file once, so that a missing or unreadable one fails the start naming its
+// flag (the provider below would only log it, and every handshake would fail).
+absl::Status CheckReadable(const std::vector<std::pair<std::string, std::string>>& files) {
+  for (const auto& [path, flag] : files) {
+    if (path.empty()) continue;
+    if (absl::StatusOr<std::string> bytes = ReadFile(path, flag); !bytes.ok()) {
+      return bytes.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Watches the files (empty paths: not watched) and re-reads them every `interval_s`.
+std::shared_ptr<grpc::experimental::CertificateProviderInterface> WatchFiles(
+    const std::string& key_file, const std::string& cert_file, const std::string& root_file,
+    int interval_s) {
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      key_file, cert_file, root_file, static_cast<unsigned int>(interval_s));
 }
 
 // Constant-time equality of two strings of any length (the length itself is not secret).
@@ -80,6 +107,11 @@ void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves) {
       ->check(CLI::ExistingFile);
   app.add_option("--tls-server-name", flags.server_name,
                  "Name checked in dialed servers' certificates instead of the address's host");
+  app.add_option("--tls-reload-interval-s", flags.tls_reload_interval_s,
+                 "How often the TLS files are read again (seconds): a renewed certificate is "
+                 "used on new connections without a restart")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
@@ -92,19 +124,21 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     }
     return grpc::InsecureServerCredentials();
   }
-  absl::StatusOr<std::string> cert = ReadFile(flags.cert_file, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFile(flags.key_file, "--tls-key");
-  if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions options(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  options.pem_key_cert_pairs.push_back({*key, *cert});
-  if (!flags.client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadFile(flags.client_ca_file, "--tls-client-ca");
-    if (!ca.ok()) return ca.status();
-    options.pem_root_certs = *ca;
-    options.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  if (absl::Status readable = CheckReadable({{flags.cert_file, "--tls-cert"},
+                                             {flags.key_file, "--tls-key"},
+                                             {flags.client_ca_file, "--tls-client-ca"}});
+      !readable.ok()) {
+    return readable;
   }
-  return grpc::SslServerCredentials(options);
+  grpc::experimental::TlsServerCredentialsOptions options(WatchFiles(
+      flags.key_file, flags.cert_file, flags.client_ca_file, flags.tls_reload_interval_s));
+  options.watch_identity_key_cert_pairs();
+  options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  if (!flags.client_ca_file.empty()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  }
+  return grpc::experimental::TlsServerCredentials(options);
 }
 
 absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
@@ -121,19 +155,22 @@ absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
     }
     return security;  // plaintext; a client certificate here only serves this process's port
   }
-  grpc::SslCredentialsOptions options;
-  absl::StatusOr<std::string> ca = ReadFile(flags.ca_file, "--tls-ca");
-  if (!ca.ok()) return ca.status();
-  options.pem_root_certs = *ca;
-  if (!flags.cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadFile(flags.cert_file, "--tls-cert");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadFile(flags.key_file, "--tls-key");
-    if (!key.ok()) return key.status();
-    options.pem_cert_chain = *cert;
-    options.pem_private_key = *key;
+  if (absl::Status readable = CheckReadable({{flags.ca_file, "--tls-ca"},
+                                             {flags.cert_file, "--tls-cert"},
+                                             {flags.key_file, "--tls-key"}});
+      !readable.ok()) {
+    return readable;
   }
-  security.credentials = grpc::SslCredentials(options);
+  grpc::experimental::TlsChannelCredentialsOptions options;
+  options.set_certificate_provider(
+      WatchFiles(flags.key_file, flags.cert_file, flags.ca_file, flags.tls_reload_interval_s));
+  options.watch_root_certs();
+  if (!flags.cert_file.empty()) options.watch_identity_key_cert_pairs();
+  // The server's certificate must chain to ca_file and hold the name dialed (or server_name).
+  options.set_verify_server_certs(true);
+  options.set_certificate_verifier(
+      std::make_shared<grpc::experimental::HostNameCertificateVerifier>());
+  security.credentials = grpc::experimental::TlsCredentials(options);
   if (!bearer_token.empty()) {
     security.credentials = grpc::CompositeChannelCredentials(
         security.credentials, grpc::AccessTokenCredentials(bearer_token));

@@ -26,6 +26,10 @@ struct TlsFlags {
   std::string client_ca_file;  // --tls-client-ca: the server requires client certificates (mTLS)
   std::string ca_file;         // --tls-ca: CA bundle of the servers this process dials
   std::string server_name;     // --tls-server-name: name checked in dialed servers' certificates
+  /// --tls-reload-interval-s: how often the files are read again (seconds, >= 1), so that a
+  /// renewed certificate (cert-manager rewriting the mounted Secret) is served and shown on new
+  /// connections without a restart.
+  int tls_reload_interval_s = 60;
 };
 
 /// Registers --tls-cert, --tls-key, --tls-client-ca, --tls-ca and --tls-server-name on `app`
@@ -35,9 +39,11 @@ void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves);
 
 /// The credentials of a server's gRPC port: insecure when `flags` names no certificate; TLS with
 /// cert_file and key_file; and, with client_ca_file, client certificates required and verified
-/// against it (mutual TLS). Errors: INVALID_ARGUMENT for a certificate without its key (or the
-/// reverse), a client CA without a certificate; NOT_FOUND / PERMISSION_DENIED for a file that
-/// cannot be read (naming the flag and path).
+/// against it (mutual TLS). The files are read again every tls_reload_interval_s (gRPC's
+/// FileWatcherCertificateProvider): new handshakes use what they hold then; a file that has become
+/// unreadable or invalid keeps the last good contents. Errors: INVALID_ARGUMENT for a certificate
+/// without its key (or the reverse), a client CA without a certificate, a reload interval below
+/// 1; NOT_FOUND / PERMISSION_DENIED for a file that cannot be read now (naming the flag and path).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     const TlsFlags& flags);
 
@@ -49,8 +55,10 @@ struct ClientSecurity {
   bool tls() const { return credentials != nullptr; }
 };
 
-/// The client side of `flags`: TLS verified against ca_file when it is set (and the process's
-/// cert_file/key_file presented as its client certificate when both are set); with
+/// The client side of `flags`: TLS verified against ca_file when it is set (the server's
+/// certificate must chain to it and hold the dialed name, or server_name), and the process's
+/// cert_file/key_file presented as its client certificate when both are set; the files are read
+/// again every tls_reload_interval_s, as the server's are; with
 /// `bearer_token`, every call also carries "authorization: Bearer <token>" (gRPC's
 /// AccessTokenCredentials). Errors: INVALID_ARGUMENT for a token or a client certificate
 /// without ca_file (a token never crosses plaintext), half a certificate pair; NOT_FOUND /

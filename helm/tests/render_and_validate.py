@@ -60,7 +60,7 @@ BINARIES = {
 # --load-cache-ms are the coordinator's own; --health-listen, the --tls-* flags, --auth-tokens-file,
 # --operator-identities, --indexer-workers: "TLS, mutual TLS and bearer tokens"). A flag the chart
 # renders (on the command line or in a TOML file) must be one of these.
-TLS_FLAGS = {"tls-cert", "tls-key", "tls-client-ca", "tls-ca", "tls-server-name"}
+TLS_FLAGS = {"tls-cert", "tls-key", "tls-client-ca", "tls-ca", "tls-server-name", "tls-reload-interval-s"}
 SERVER_FLAGS = {"listen", "metrics-listen", "shutdown-grace-ms", "drain-delay-ms", "log-level", "config",
                 "health-listen"} | TLS_FLAGS
 INDEXER_ENGINE_FLAGS = {"capacity-blocks", "audit-fraction", "audit-seed", "device", "cuda-device",

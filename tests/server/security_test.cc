@@ -1,15 +1,21 @@
-// Unit tests of server/security.h (bearer tokens, owners, credential errors) and of the attention
-// worker's indexer allow-list (OnlyIndexerWorkers). The TLS handshakes themselves are tested
-// against the binaries in tests/integration/security_test.cc.
+// Unit tests of server/security.h (bearer tokens, owners, credential errors, certificate reload
+// and name checks over an in-process server) and of the attention worker's indexer allow-list
+// (OnlyIndexerWorkers). The handshakes between the binaries are tested in
+// tests/integration/security_test.cc.
 #include "server/security.h"
 
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_pki.h"
 #include "transport/grpc_indexer_client.h"
@@ -151,6 +157,102 @@ TEST(CredentialsTest, RefusesIncompleteOrUnreadableSettings) {
   const absl::StatusOr<ClientSecurity> tls = ClientSecurityFrom(trusting, "secret");
   ASSERT_TRUE(tls.ok()) << tls.status();
   EXPECT_TRUE(tls->tls());
+}
+
+// Whether a new connection with `security` to `address` comes up (its TLS handshake passes)
+// within half a second. A new channel with its own subchannel pool, so that no connection made
+// before is reused.
+bool Connects(const std::string& address, const ClientSecurity& security) {
+  grpc::ChannelArguments arguments;
+  arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::shared_ptr<grpc::Channel> channel = NewChannel(address, security, arguments);
+  return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+}
+
+// Whether new connections come to `connect` (true: come up; false: fail) within `within`: tries
+// again until one does (a file watcher reads renewed files within its interval).
+bool Eventually(bool connect, const std::string& address, const ClientSecurity& security,
+                absl::Duration within) {
+  const absl::Time deadline = absl::Now() + within;
+  do {
+    if (Connects(address, security) == connect) return true;
+  } while (absl::Now() < deadline);
+  return false;
+}
+
+// Copies `from`'s certificate and key over `to`'s files (a renewal rewriting a mounted Secret).
+void Install(const testing::TestIdentity& from, const testing::TestIdentity& to) {
+  const auto overwrite = std::filesystem::copy_options::overwrite_existing;
+  std::filesystem::copy_file(from.cert, to.cert, overwrite);
+  std::filesystem::copy_file(from.key, to.key, overwrite);
+}
+
+// A renewed certificate is used without a restart, on both sides: the server and the client
+// re-read their files every tls_reload_interval_s and new connections use what the files hold.
+// The server's certificate must hold the dialed name or the client's server_name.
+TEST(CredentialsTest, RenewedCertificatesAreUsedOnNewConnectionsWithoutARestart) {
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  const testing::TestIdentity server_cert = pki.Issue("server");
+  const testing::TestIdentity client_cert = pki.Issue("client");
+  const testing::TestIdentity foreign_server = pki.Issue("server", /*by_wrong_ca=*/true);
+  const testing::TestIdentity foreign_client = pki.Issue("client", /*by_wrong_ca=*/true);
+  ASSERT_FALSE(foreign_client.cert.empty());
+  const testing::TestIdentity served{pki.dir() + "/served.crt", pki.dir() + "/served.key"};
+  const testing::TestIdentity shown{pki.dir() + "/shown.crt", pki.dir() + "/shown.key"};
+  Install(server_cert, served);
+  Install(foreign_client, shown);  // a client certificate the server's CA did not sign
+
+  TlsFlags server_flags;
+  server_flags.cert_file = served.cert;
+  server_flags.key_file = served.key;
+  server_flags.client_ca_file = pki.ca();
+  server_flags.tls_reload_interval_s = 1;
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      ServerCredentialsFrom(server_flags);
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  dsa::indexer::v1::IndexerService::Service unimplemented;  // a port needs a service
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
+  builder.RegisterService(&unimplemented);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+
+  TlsFlags client_flags;
+  client_flags.ca_file = pki.ca();
+  client_flags.cert_file = shown.cert;
+  client_flags.key_file = shown.key;
+  client_flags.tls_reload_interval_s = 1;
+  absl::StatusOr<ClientSecurity> client = ClientSecurityFrom(client_flags);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_FALSE(Connects(address, *client));  // refused: the foreign client certificate
+  // The client's certificate is renewed by its CA: the client reads it within a second or so.
+  Install(client_cert, shown);
+  EXPECT_TRUE(Eventually(true, address, *client, absl::Seconds(20)));
+  // The server's is replaced by one of another CA: new connections fail once it is read...
+  Install(foreign_server, served);
+  EXPECT_TRUE(Eventually(false, address, *client, absl::Seconds(20)))
+      << "the server kept serving its old certificate";
+  // ... and come up again when it is renewed.
+  Install(server_cert, served);
+  EXPECT_TRUE(Eventually(true, address, *client, absl::Seconds(20)));
+
+  // The name check: the certificate holds localhost and 127.0.0.1, not another name.
+  client_flags.server_name = "localhost";
+  EXPECT_TRUE(Connects(address, *ClientSecurityFrom(client_flags)));
+  client_flags.server_name = "indexer-0.elsewhere";
+  EXPECT_FALSE(Connects(address, *ClientSecurityFrom(client_flags)));
+  server->Shutdown();
+}
+
+TEST(CredentialsTest, AReloadIntervalBelowOneSecondIsRefused) {
+  TlsFlags flags;
+  flags.tls_reload_interval_s = 0;
+  EXPECT_EQ(ServerCredentialsFrom(flags).status().message(),
+            "--tls-reload-interval-s must be >= 1, got 0");
+  EXPECT_EQ(ClientSecurityFrom(flags).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CredentialsTest, TokenFilesHoldOneToken) {
