@@ -185,7 +185,9 @@ grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
   }
   const absl::Status status =
       engine_->Release(request->sequence_id(), request->keep_indexer_sequence());
-  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id, caller);
+  // Whatever the status, the sequence is gone here: NOT_FOUND, or its KV dropped before the
+  // indexer was told (an error then is the indexer's, which the coordinator releases directly).
+  owners_.Forget(id, caller);
   return ToGrpcStatus(status);
 }
 

@@ -777,6 +777,7 @@ TEST_F(AttentionServiceTest, IndexerGoneDuringDecodeIsUnavailable) {
   EXPECT_EQ(released.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(Info().kv_used_slots(), 0);
   EXPECT_EQ(Info().sequences(), 0);
+  EXPECT_EQ(service_->owned_sequences(), 0u);  // nor is its owner kept
 }
 
 TEST_F(AttentionServiceTest, AuditedRowsAndMissRatesAreSummedOverTheFullLayers) {
