@@ -18,21 +18,12 @@ harnesses="fuzz_tensor_codec fuzz_mooncake_trace fuzz_azure_trace fuzz_indexer_s
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build \
   DSA_CMAKE_ARGS="-DDSA_FUZZ=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=ON -DDSA_BUILD_BENCH=OFF" \
   DSA_BUILD_TARGETS="$(echo $harnesses)" bash scripts/build.sh
+# shellcheck source=scripts/fuzz_corpus.sh
+source scripts/fuzz_corpus.sh
 for name in $harnesses; do
-  seeds=fuzz/seeds/${name#fuzz_}
+  prepare_corpus "$name" "$build"
   corpus=$build/corpus/$name
   artifacts=$build/artifacts/$name
-  mkdir -p "$corpus" "$artifacts"
-  # The RPC-handler harnesses write their seeds (frames of serialized calls) at start-up.
-  export DSA_FUZZ_SEED_DIR=$corpus
-  for seed in "$seeds"/*; do
-    [ -e "$seed" ] || continue
-    case $seed in
-      *.txtpb) protoc -I proto --encode=dsa.common.v1.Tensor dsa/common/v1/tensor.proto \
-                 <"$seed" >"$corpus/$(basename "$seed" .txtpb).bin" ;;
-      *) cp "$seed" "$corpus/" ;;
-    esac
-  done
   log=$build/$name.log
   if ! "$build/bin/$name" "${limit[@]}" -print_final_stats=1 -artifact_prefix="$artifacts/" \
       -rss_limit_mb=4096 "$corpus" >"$log" 2>&1; then

@@ -14,21 +14,12 @@ jobs=$2
 shift 2
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
 failed=0
+# shellcheck source=scripts/fuzz_corpus.sh
+source scripts/fuzz_corpus.sh
 for name in "$@"; do
-  seeds=fuzz/seeds/${name#fuzz_}
+  prepare_corpus "$name" "$build"
   corpus=$build/corpus/$name
   artifacts=$build/artifacts/$name
-  mkdir -p "$corpus" "$artifacts"
-  export DSA_FUZZ_SEED_DIR=$corpus
-  for seed in "$seeds"/*; do
-    [ -e "$seed" ] || continue
-    case $seed in
-      *.txtpb) [ -e "$corpus/$(basename "$seed" .txtpb).bin" ] ||
-                 protoc -I proto --encode=dsa.common.v1.Tensor dsa/common/v1/tensor.proto \
-                   <"$seed" >"$corpus/$(basename "$seed" .txtpb).bin" ;;
-      *) cp "$seed" "$corpus/" ;;
-    esac
-  done
   log=$build/$name.long.log
   start=$(date +%s)
   "$build/bin/$name" -fork="$jobs" -ignore_crashes=1 -max_total_time="$seconds" \
