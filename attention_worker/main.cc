@@ -386,6 +386,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     return 2;
   }
   auto service = std::make_unique<dsa::AttentionServiceImpl>(std::move(*engine));
+  if (indexer_service != nullptr) service->ShareOwnersWith(&indexer_service->owners());
 
   dsa::ServerSpec spec;
   spec.name = "dsa-attention";

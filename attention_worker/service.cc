@@ -105,8 +105,20 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
   const std::string caller = Caller(context);
   absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
   if (!claimed.ok()) return ToGrpcStatus(claimed.status());
+  bool indexer_claimed = false;
+  if (colocated_indexer_owners_ != nullptr) {
+    absl::StatusOr<bool> on_indexer = colocated_indexer_owners_->Acquire(id, caller, kSequence);
+    if (!on_indexer.ok()) {
+      if (*claimed) owners_.Forget(id, caller);
+      return ToGrpcStatus(on_indexer.status());
+    }
+    indexer_claimed = *on_indexer;
+  }
   grpc::Status status = OwnedPrefill(context, request, response);
-  if (!status.ok() && *claimed) owners_.Forget(id, caller);
+  if (!status.ok()) {
+    if (*claimed) owners_.Forget(id, caller);
+    if (indexer_claimed) colocated_indexer_owners_->Forget(id, caller);
+  }
   return status;
 }
 
@@ -188,6 +200,10 @@ grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
   // Whatever the status, the sequence is gone here: NOT_FOUND, or its KV dropped before the
   // indexer was told (an error then is the indexer's, which the coordinator releases directly).
   owners_.Forget(id, caller);
+  // A kept indexer sequence (a prefix donor) stays the caller's until it is released there.
+  if (colocated_indexer_owners_ != nullptr && !request->keep_indexer_sequence()) {
+    colocated_indexer_owners_->Forget(id, caller);
+  }
   return ToGrpcStatus(status);
 }
 

@@ -78,6 +78,15 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
   size_t owned_sequences() const { return owners_.size(); }
 
+  /// Co-located (--transport inprocess): the owner table of the indexer service this worker
+  /// serves at its port, whose sequences the engine creates in process, past that service's
+  /// checks. A Prefill's caller then owns the indexer sequence too (claimed before it is
+  /// created, forgotten when it fails or is released, kept with keep_indexer_sequence), so that
+  /// only that caller (the coordinator, which releases prefix donors' index keys there) or an
+  /// operator may use it through the port. Call before the server starts; `owners` outlives
+  /// the service.
+  void ShareOwnersWith(OwnerTable* owners) { colocated_indexer_owners_ = owners; }
+
   /// Closes every indexer client's data plane (after the server stopped). Idempotent.
   void CloseTransports() { engine_->CloseIndexerClients(); }
 
@@ -88,6 +97,7 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
                             dsa::attention::v1::PrefillResponse* response);
   std::unique_ptr<AttentionEngine> engine_;
   OwnerTable owners_;  // sequence id -> the caller whose Prefill created it
+  OwnerTable* colocated_indexer_owners_ = nullptr;  // ShareOwnersWith
 };
 
 }  // namespace dsa

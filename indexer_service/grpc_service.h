@@ -173,6 +173,9 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
 
   /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
   size_t owned_sequences() const { return owners_.size(); }
+  /// Who owns each sequence: a co-located attention worker records there the owner of the
+  /// sequences it creates in process (AttentionServiceImpl::ShareOwnersWith).
+  OwnerTable& owners() { return owners_; }
 
   /// Sets what OpenDataPlane delegates to; call before the server starts. Without one,
   /// OpenDataPlane answers UNIMPLEMENTED ("built without NCCL").

@@ -298,6 +298,56 @@ TEST_F(SecurityTest, AttentionDialsOnlyItsIndexersOverMutualTlsAndOwnsSequencesB
   EXPECT_TRUE(release("coordinator", 1).ok());
 }
 
+// Co-located (--transport inprocess): the engine creates the indexer sequences in process, past
+// the indexer service it also serves at its port. The Prefill's caller owns them there too, so
+// another caller cannot release or use them through that port, while the coordinator can release
+// a prefix donor's index keys it kept.
+TEST_F(SecurityTest, ColocatedIndexerSequencesBelongToThePrefillsCaller) {
+  std::vector<std::string> flags = MutualTls("attention");
+  flags.insert(flags.end(), {"--num-heads", std::to_string(kHeads), "--head-dim",
+                             std::to_string(kHeadDim), "--layer-pattern", "FSFS", "--transport",
+                             "inprocess", "--indexer-capacity-blocks", "512"});
+  const Process attention = Start(DSA_ATTENTION_BINARY, flags);
+  ASSERT_FALSE(attention.address.empty());
+  auto prefill = [&](uint64_t id) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    av1::PrefillRequest request;
+    request.set_sequence_id(id);
+    request.set_context_length(300);
+    request.set_indexer_worker(attention.address);
+    request.mutable_settings()->set_top_k(64);
+    av1::PrefillResponse response;
+    return av1::AttentionService::NewStub(DialAs(attention.address, "coordinator"))
+        ->Prefill(&context, request, &response);
+  };
+  auto release = [&](uint64_t id, bool keep_indexer_sequence) {
+    grpc::ClientContext context;
+    av1::ReleaseRequest request;
+    request.set_sequence_id(id);
+    request.set_keep_indexer_sequence(keep_indexer_sequence);
+    av1::ReleaseResponse response;
+    return av1::AttentionService::NewStub(DialAs(attention.address, "coordinator"))
+        ->Release(&context, request, &response);
+  };
+  const grpc::Status placed = prefill(1);
+  ASSERT_TRUE(placed.ok()) << placed.error_message();
+  const grpc::Status taken = IndexerRelease(DialAs(attention.address, "intruder"), 1);
+  EXPECT_EQ(taken.error_code(), grpc::StatusCode::PERMISSION_DENIED) << taken.error_message();
+  EXPECT_EQ(taken.error_message(), "sequence 1 belongs to another caller");
+  // Kept as a prefix donor: still the coordinator's on the indexer, which it releases there.
+  ASSERT_TRUE(release(1, /*keep_indexer_sequence=*/true).ok());
+  EXPECT_EQ(IndexerRelease(DialAs(attention.address, "intruder"), 1).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  const grpc::Status donor_released = IndexerRelease(DialAs(attention.address, "coordinator"), 1);
+  EXPECT_TRUE(donor_released.ok()) << donor_released.error_message();
+  // Released whole: gone from both, and its id is free again.
+  ASSERT_TRUE(prefill(2).ok());
+  ASSERT_TRUE(release(2, /*keep_indexer_sequence=*/false).ok());
+  EXPECT_EQ(IndexerRelease(DialAs(attention.address, "intruder"), 2).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+}
+
 TEST_F(SecurityTest, CoordinatorTokensAuthenticateRoutersAndGuardTheirRequests) {
   const Process indexer = StartIndexer({"--operator-identities", "coordinator"});
   ASSERT_FALSE(indexer.address.empty());
