@@ -107,6 +107,17 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
   if (!claimed.ok()) return ToGrpcStatus(claimed.status());
   bool indexer_claimed = false;
   if (colocated_indexer_owners_ != nullptr) {
+    // The engine clones the donor's index keys in process, past the indexer service's check that
+    // a prefix source is the caller's: check it here.
+    if (request->has_prefix_source_id()) {
+      if (absl::Status donor = colocated_indexer_owners_->Check(
+              absl::StrCat(request->prefix_source_id()), caller, kSequence);
+          !donor.ok()) {
+        if (*claimed) owners_.Forget(id, caller);
+        return ToGrpcStatus(
+            absl::PermissionDeniedError(absl::StrCat("prefix_source_id: ", donor.message())));
+      }
+    }
     absl::StatusOr<bool> on_indexer = colocated_indexer_owners_->Acquire(id, caller, kSequence);
     if (!on_indexer.ok()) {
       if (*claimed) owners_.Forget(id, caller);
@@ -200,8 +211,10 @@ grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
   // Whatever the status, the sequence is gone here: NOT_FOUND, or its KV dropped before the
   // indexer was told (an error then is the indexer's, which the coordinator releases directly).
   owners_.Forget(id, caller);
-  // A kept indexer sequence (a prefix donor) stays the caller's until it is released there.
-  if (colocated_indexer_owners_ != nullptr && !request->keep_indexer_sequence()) {
+  // Released on the indexer too: its owner goes. Kept (a prefix donor), or an error or NOT_FOUND
+  // (the indexer sequence may live on, a donor kept earlier, say): it stays the caller's until it
+  // is released at the indexer port, which forgets it.
+  if (colocated_indexer_owners_ != nullptr && status.ok() && !request->keep_indexer_sequence()) {
     colocated_indexer_owners_->Forget(id, caller);
   }
   return ToGrpcStatus(status);

@@ -9,7 +9,7 @@ packages=(
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev nlohmann-json3-dev
   python3 python3-matplotlib python3-venv clang-format clang-tidy
   clang-14 libclang-rt-14-dev
-  prometheus openssl
+  prometheus openssl libssl-dev
 )
 
 missing=()

@@ -17,6 +17,10 @@
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
+#include "openssl/bio.h"
+#include "openssl/evp.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 
 namespace dsa {
 namespace {
@@ -54,15 +58,49 @@ absl::Status CheckPair(const TlsFlags& flags) {
   return absl::OkStatus();
 }
 
-// Reads each named file once, so that a missing or unreadable one fails the start naming its
-// flag (the provider below would only log it, and every handshake would fail).
-absl::Status CheckReadable(const std::vector<std::pair<std::string, std::string>>& files) {
-  for (const auto& [path, flag] : files) {
-    if (path.empty()) continue;
-    if (absl::StatusOr<std::string> bytes = ReadFile(path, flag); !bytes.ok()) {
-      return bytes.status();
-    }
+// Checks that `cert_file` holds a PEM certificate and `key_file` the private key of that
+// certificate, so that a wrong file fails the start: gRPC's file watcher does not parse them, and
+// every handshake would fail while the plaintext health port says SERVING.
+absl::Status CheckKeyPair(const std::string& cert_file, const std::string& key_file) {
+  absl::StatusOr<std::string> cert_pem = ReadFile(cert_file, "--tls-cert");
+  if (!cert_pem.ok()) return cert_pem.status();
+  absl::StatusOr<std::string> key_pem = ReadFile(key_file, "--tls-key");
+  if (!key_pem.ok()) return key_pem.status();
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem->data(), static_cast<int>(cert_pem->size()));
+  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
+  BIO_free(cert_bio);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-cert: ", cert_file, " holds no PEM certificate"));
   }
+  BIO* key_bio = BIO_new_mem_buf(key_pem->data(), static_cast<int>(key_pem->size()));
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
+  BIO_free(key_bio);
+  absl::Status status;
+  if (key == nullptr) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls-key: ", key_file, " holds no PEM private key"));
+  } else if (X509_check_private_key(cert, key) != 1) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls-key: ", key_file, " is not the private key of --tls-cert ", cert_file));
+  }
+  EVP_PKEY_free(key);
+  X509_free(cert);
+  return status;
+}
+
+// Checks that `ca_file` (read for `flag`) holds at least one PEM certificate.
+absl::Status CheckCaBundle(const std::string& ca_file, absl::string_view flag) {
+  absl::StatusOr<std::string> pem = ReadFile(ca_file, flag);
+  if (!pem.ok()) return pem.status();
+  BIO* bio = BIO_new_mem_buf(pem->data(), static_cast<int>(pem->size()));
+  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
+  BIO_free(bio);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", ca_file, " holds no PEM certificate"));
+  }
+  X509_free(cert);
   return absl::OkStatus();
 }
 
@@ -124,11 +162,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     }
     return grpc::InsecureServerCredentials();
   }
-  if (absl::Status readable = CheckReadable({{flags.cert_file, "--tls-cert"},
-                                             {flags.key_file, "--tls-key"},
-                                             {flags.client_ca_file, "--tls-client-ca"}});
-      !readable.ok()) {
-    return readable;
+  if (absl::Status pair = CheckKeyPair(flags.cert_file, flags.key_file); !pair.ok()) return pair;
+  if (!flags.client_ca_file.empty()) {
+    if (absl::Status ca = CheckCaBundle(flags.client_ca_file, "--tls-client-ca"); !ca.ok()) {
+      return ca;
+    }
   }
   grpc::experimental::TlsServerCredentialsOptions options(WatchFiles(
       flags.key_file, flags.cert_file, flags.client_ca_file, flags.tls_reload_interval_s));
@@ -155,11 +193,9 @@ absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
     }
     return security;  // plaintext; a client certificate here only serves this process's port
   }
-  if (absl::Status readable = CheckReadable({{flags.ca_file, "--tls-ca"},
-                                             {flags.cert_file, "--tls-cert"},
-                                             {flags.key_file, "--tls-key"}});
-      !readable.ok()) {
-    return readable;
+  if (absl::Status ca = CheckCaBundle(flags.ca_file, "--tls-ca"); !ca.ok()) return ca;
+  if (!flags.cert_file.empty()) {
+    if (absl::Status pair = CheckKeyPair(flags.cert_file, flags.key_file); !pair.ok()) return pair;
   }
   grpc::experimental::TlsChannelCredentialsOptions options;
   options.set_certificate_provider(

@@ -41,9 +41,12 @@ void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves);
 /// cert_file and key_file; and, with client_ca_file, client certificates required and verified
 /// against it (mutual TLS). The files are read again every tls_reload_interval_s (gRPC's
 /// FileWatcherCertificateProvider): new handshakes use what they hold then; a file that has become
-/// unreadable or invalid keeps the last good contents. Errors: INVALID_ARGUMENT for a certificate
-/// without its key (or the reverse), a client CA without a certificate, a reload interval below
-/// 1; NOT_FOUND / PERMISSION_DENIED for a file that cannot be read now (naming the flag and path).
+/// unreadable keeps the last contents read, but a readable file that holds a wrong certificate
+/// or key is used, and handshakes fail until it is right again (renew by swapping the folder, as
+/// the kubelet does a Secret's). Errors: INVALID_ARGUMENT for a certificate without its key (or
+/// the reverse), a client CA without a certificate, a reload interval below 1, a file that holds
+/// no PEM certificate (key), a key that is not the certificate's; NOT_FOUND / PERMISSION_DENIED
+/// for a file that cannot be read now (naming the flag and path).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     const TlsFlags& flags);
 

@@ -341,6 +341,25 @@ TEST_F(SecurityTest, ColocatedIndexerSequencesBelongToThePrefillsCaller) {
             grpc::StatusCode::PERMISSION_DENIED);
   const grpc::Status donor_released = IndexerRelease(DialAs(attention.address, "coordinator"), 1);
   EXPECT_TRUE(donor_released.ok()) << donor_released.error_message();
+  // A donor of another caller cannot be cloned through a Prefill here either.
+  ASSERT_TRUE(prefill(3).ok());
+  ASSERT_TRUE(release(3, /*keep_indexer_sequence=*/true).ok());
+  {
+    grpc::ClientContext context;
+    av1::PrefillRequest request;
+    request.set_sequence_id(4);
+    request.set_context_length(600);
+    request.set_indexer_worker(attention.address);
+    request.set_prefix_source_id(3);
+    request.set_prefix_slots(512);
+    request.mutable_settings()->set_top_k(64);
+    av1::PrefillResponse response;
+    const grpc::Status cloned =
+        av1::AttentionService::NewStub(DialAs(attention.address, "intruder"))
+            ->Prefill(&context, request, &response);
+    EXPECT_EQ(cloned.error_code(), grpc::StatusCode::PERMISSION_DENIED) << cloned.error_message();
+    EXPECT_EQ(cloned.error_message(), "prefix_source_id: sequence 3 belongs to another caller");
+  }
   // Released whole: gone from both, and its id is free again.
   ASSERT_TRUE(prefill(2).ok());
   ASSERT_TRUE(release(2, /*keep_indexer_sequence=*/false).ok());

@@ -231,10 +231,14 @@ TEST(CredentialsTest, RenewedCertificatesAreUsedOnNewConnectionsWithoutARestart)
   // The client's certificate is renewed by its CA: the client reads it within a second or so.
   Install(client_cert, shown);
   EXPECT_TRUE(Eventually(true, address, *client, absl::Seconds(20)));
-  // The server's is replaced by one of another CA: new connections fail once it is read...
+  // The server's is replaced by one of another CA: new connections fail once it is read, and go
+  // on failing after two more reloads (so not because a reload read the new certificate with the
+  // old key)...
   Install(foreign_server, served);
   EXPECT_TRUE(Eventually(false, address, *client, absl::Seconds(20)))
       << "the server kept serving its old certificate";
+  absl::SleepFor(absl::Seconds(2));
+  EXPECT_FALSE(Connects(address, *client));
   // ... and come up again when it is renewed.
   Install(server_cert, served);
   EXPECT_TRUE(Eventually(true, address, *client, absl::Seconds(20)));
@@ -245,6 +249,36 @@ TEST(CredentialsTest, RenewedCertificatesAreUsedOnNewConnectionsWithoutARestart)
   client_flags.server_name = "indexer-0.elsewhere";
   EXPECT_FALSE(Connects(address, *ClientSecurityFrom(client_flags)));
   server->Shutdown();
+}
+
+// A readable file that holds no certificate, or a key that is not the certificate's, fails at
+// start (gRPC's file watcher would take them, and every handshake would fail).
+TEST(CredentialsTest, AWrongCertificateOrKeyFailsAtStart) {
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  const testing::TestIdentity a = pki.Issue("a");
+  const testing::TestIdentity b = pki.Issue("b");
+  TlsFlags mismatched;
+  mismatched.cert_file = a.cert;
+  mismatched.key_file = b.key;
+  EXPECT_EQ(ServerCredentialsFrom(mismatched).status().message(),
+            absl::StrCat("--tls-key: ", b.key, " is not the private key of --tls-cert ", a.cert));
+  mismatched.ca_file = pki.ca();
+  EXPECT_EQ(ClientSecurityFrom(mismatched).status().code(), absl::StatusCode::kInvalidArgument);
+  TlsFlags not_pem;
+  not_pem.cert_file = pki.Write("garbage.crt", "not a certificate\n");
+  not_pem.key_file = a.key;
+  EXPECT_EQ(ServerCredentialsFrom(not_pem).status().message(),
+            absl::StrCat("--tls-cert: ", not_pem.cert_file, " holds no PEM certificate"));
+  TlsFlags bad_ca;
+  bad_ca.ca_file = pki.Write("garbage-ca.crt", "");
+  EXPECT_EQ(ClientSecurityFrom(bad_ca).status().message(),
+            absl::StrCat("--tls-ca: ", bad_ca.ca_file, " holds no PEM certificate"));
+  TlsFlags good;
+  good.cert_file = a.cert;
+  good.key_file = a.key;
+  good.client_ca_file = pki.ca();
+  EXPECT_TRUE(ServerCredentialsFrom(good).ok());
 }
 
 TEST(CredentialsTest, AReloadIntervalBelowOneSecondIsRefused) {
