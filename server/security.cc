@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -58,50 +59,66 @@ absl::Status CheckPair(const TlsFlags& flags) {
   return absl::OkStatus();
 }
 
+struct X509Free {
+  void operator()(X509* cert) const { X509_free(cert); }
+};
+struct PkeyFree {
+  void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
+};
+using X509Ptr = std::unique_ptr<X509, X509Free>;
+using PkeyPtr = std::unique_ptr<EVP_PKEY, PkeyFree>;
+
+// The first PEM certificate of `pem`; null when it holds none.
+X509Ptr ParseCertificate(const std::string& pem) {
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  X509Ptr cert(PEM_read_bio_X509(bio, nullptr, nullptr, nullptr));
+  BIO_free(bio);
+  return cert;
+}
+
+// The PEM private key of `pem`; null when it holds none.
+PkeyPtr ParsePrivateKey(const std::string& pem) {
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  PkeyPtr key(PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr));
+  BIO_free(bio);
+  return key;
+}
+
+// The first certificate of the PEM file `path` (read for `flag`); INVALID_ARGUMENT when it holds
+// none, ReadFile's errors when it cannot be read.
+absl::StatusOr<X509Ptr> ReadCertificate(const std::string& path, absl::string_view flag) {
+  absl::StatusOr<std::string> pem = ReadFile(path, flag);
+  if (!pem.ok()) return pem.status();
+  X509Ptr cert = ParseCertificate(*pem);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " holds no PEM certificate"));
+  }
+  return cert;
+}
+
 // Checks that `cert_file` holds a PEM certificate and `key_file` the private key of that
 // certificate, so that a wrong file fails the start: gRPC's file watcher does not parse them, and
 // every handshake would fail while the plaintext health port says SERVING.
 absl::Status CheckKeyPair(const std::string& cert_file, const std::string& key_file) {
-  absl::StatusOr<std::string> cert_pem = ReadFile(cert_file, "--tls-cert");
-  if (!cert_pem.ok()) return cert_pem.status();
+  absl::StatusOr<X509Ptr> cert = ReadCertificate(cert_file, "--tls-cert");
+  if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key_pem = ReadFile(key_file, "--tls-key");
   if (!key_pem.ok()) return key_pem.status();
-  BIO* cert_bio = BIO_new_mem_buf(cert_pem->data(), static_cast<int>(cert_pem->size()));
-  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
-  BIO_free(cert_bio);
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-cert: ", cert_file, " holds no PEM certificate"));
-  }
-  BIO* key_bio = BIO_new_mem_buf(key_pem->data(), static_cast<int>(key_pem->size()));
-  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
-  BIO_free(key_bio);
-  absl::Status status;
+  PkeyPtr key = ParsePrivateKey(*key_pem);
   if (key == nullptr) {
-    status = absl::InvalidArgumentError(
+    return absl::InvalidArgumentError(
         absl::StrCat("--tls-key: ", key_file, " holds no PEM private key"));
-  } else if (X509_check_private_key(cert, key) != 1) {
-    status = absl::InvalidArgumentError(
+  }
+  if (X509_check_private_key(cert->get(), key.get()) != 1) {
+    return absl::InvalidArgumentError(
         absl::StrCat("--tls-key: ", key_file, " is not the private key of --tls-cert ", cert_file));
   }
-  EVP_PKEY_free(key);
-  X509_free(cert);
-  return status;
+  return absl::OkStatus();
 }
 
 // Checks that `ca_file` (read for `flag`) holds at least one PEM certificate.
 absl::Status CheckCaBundle(const std::string& ca_file, absl::string_view flag) {
-  absl::StatusOr<std::string> pem = ReadFile(ca_file, flag);
-  if (!pem.ok()) return pem.status();
-  BIO* bio = BIO_new_mem_buf(pem->data(), static_cast<int>(pem->size()));
-  X509* cert = PEM_read_bio_X509(bio, nullptr, nullptr, nullptr);
-  BIO_free(bio);
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": ", ca_file, " holds no PEM certificate"));
-  }
-  X509_free(cert);
-  return absl::OkStatus();
+  return ReadCertificate(ca_file, flag).status();
 }
 
 // Watches the files (empty paths: not watched) and re-reads them every `interval_s`.

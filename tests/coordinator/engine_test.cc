@@ -657,14 +657,20 @@ TEST_F(EngineTest, RefreshesThatWaitedBehindOneInProgressShareTheNext) {
   EXPECT_EQ(fakes_->GetLoads(kI1), asked + 3);
 }
 
-TEST(EngineCreateTest, NegativeLoadCacheIsRefused) {
-  prometheus::Registry registry;
-  CoordinatorMetrics metrics(registry);
+// Options of one attention and one indexer worker, without the engine's threads.
+CoordinatorOptions OneWorkerOfEach() {
   CoordinatorOptions options;
   options.attention_addresses = {kA1};
   options.indexer_addresses = {kI1};
-  options.load_cache_ms = -1;
   options.run_loops = false;
+  return options;
+}
+
+TEST(EngineCreateTest, NegativeLoadCacheIsRefused) {
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options = OneWorkerOfEach();
+  options.load_cache_ms = -1;
   auto engine = CoordinatorEngine::Create(options, &metrics, std::make_shared<FakeWorkers>());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(engine.status().message(), "load_cache_ms must be >= 0, got -1");
@@ -673,10 +679,7 @@ TEST(EngineCreateTest, NegativeLoadCacheIsRefused) {
 TEST(EngineCreateTest, MissingCollaboratorsAreRefused) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);
-  CoordinatorOptions options;
-  options.attention_addresses = {kA1};
-  options.indexer_addresses = {kI1};
-  options.run_loops = false;
+  const CoordinatorOptions options = OneWorkerOfEach();
   auto no_workers = CoordinatorEngine::Create(options, &metrics, nullptr);
   EXPECT_EQ(no_workers.status().code(), absl::StatusCode::kInvalidArgument);
   auto no_clock =

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -180,11 +181,16 @@ bool Eventually(bool connect, const std::string& address, const ClientSecurity& 
   return false;
 }
 
-// Copies `from`'s certificate and key over `to`'s files (a renewal rewriting a mounted Secret).
+// Puts `from`'s certificate and key in `to`'s files as a renewal does: each file written beside
+// and renamed over the old one, so that a reload never reads a half-written file (gRPC 1.51
+// aborts the process on an empty certificate file: docs/deploy.md).
 void Install(const testing::TestIdentity& from, const testing::TestIdentity& to) {
   const auto overwrite = std::filesystem::copy_options::overwrite_existing;
-  std::filesystem::copy_file(from.cert, to.cert, overwrite);
-  std::filesystem::copy_file(from.key, to.key, overwrite);
+  for (const auto& [source, target] :
+       {std::pair{from.cert, to.cert}, std::pair{from.key, to.key}}) {
+    std::filesystem::copy_file(source, target + ".new", overwrite);
+    std::filesystem::rename(target + ".new", target);
+  }
 }
 
 // A renewed certificate is used without a restart, on both sides: the server and the client
