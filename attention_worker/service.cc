@@ -103,9 +103,10 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
                                            av1::PrefillResponse* response) {
   const std::string id = absl::StrCat(request->sequence_id());
   const std::string caller = Caller(context);
-  absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
-  if (!claimed.ok()) return ToGrpcStatus(claimed.status());
-  bool indexer_claimed = false;
+  // Each claim's end forgets a new owner unless the prefill succeeded (OwnerTable::Claim).
+  absl::StatusOr<OwnerTable::Claim> claim = owners_.Acquire(id, caller, kSequence);
+  if (!claim.ok()) return ToGrpcStatus(claim.status());
+  OwnerTable::Claim indexer_claim;
   if (colocated_indexer_owners_ != nullptr) {
     // The engine clones the donor's index keys in process, past the indexer service's check that
     // a prefix source is the caller's: check it here.
@@ -113,22 +114,19 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
       if (absl::Status donor = colocated_indexer_owners_->Check(
               absl::StrCat(request->prefix_source_id()), caller, kSequence);
           !donor.ok()) {
-        if (*claimed) owners_.Forget(id, caller);
         return ToGrpcStatus(
             absl::PermissionDeniedError(absl::StrCat("prefix_source_id: ", donor.message())));
       }
     }
-    absl::StatusOr<bool> on_indexer = colocated_indexer_owners_->Acquire(id, caller, kSequence);
-    if (!on_indexer.ok()) {
-      if (*claimed) owners_.Forget(id, caller);
-      return ToGrpcStatus(on_indexer.status());
-    }
-    indexer_claimed = *on_indexer;
+    absl::StatusOr<OwnerTable::Claim> on_indexer =
+        colocated_indexer_owners_->Acquire(id, caller, kSequence);
+    if (!on_indexer.ok()) return ToGrpcStatus(on_indexer.status());
+    indexer_claim = *std::move(on_indexer);
   }
   grpc::Status status = OwnedPrefill(context, request, response);
-  if (!status.ok()) {
-    if (*claimed) owners_.Forget(id, caller);
-    if (indexer_claimed) colocated_indexer_owners_->Forget(id, caller);
+  if (status.ok()) {
+    claim->Keep();
+    indexer_claim.Keep();
   }
   return status;
 }

@@ -61,7 +61,9 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const dsa::attention::v1::GetInfoRequest* request,
                        dsa::attention::v1::GetInfoResponse* response) override;
-  /// AttentionEngine::Prefill; also INVALID_ARGUMENT for an unknown SPIN enum value.
+  /// AttentionEngine::Prefill; also INVALID_ARGUMENT for an unknown SPIN enum value, and
+  /// ALREADY_EXISTS "sequence N is being created by another call" while another Prefill of the
+  /// id is in progress (OwnerTable::Claim).
   grpc::Status Prefill(grpc::ServerContext* context,
                        const dsa::attention::v1::PrefillRequest* request,
                        dsa::attention::v1::PrefillResponse* response) override;

@@ -332,10 +332,10 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
           absl::PermissionDeniedError(absl::StrCat("prefix_source_id: ", owned.message())));
     }
   }
-  absl::StatusOr<bool> claimed = owners_.Acquire(id, caller, kSequence);
-  if (!claimed.ok()) return ToGrpcStatus(claimed.status());
+  absl::StatusOr<OwnerTable::Claim> claim = owners_.Acquire(id, caller, kSequence);
+  if (!claim.ok()) return ToGrpcStatus(claim.status());
   grpc::Status status = CreateOwnedSequence(request, response);
-  if (!status.ok() && *claimed) owners_.Forget(id, caller);
+  if (status.ok()) claim->Keep();  // else the claim's end forgets a new owner
   return status;
 }
 

@@ -102,10 +102,12 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
   /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
   /// off; unset optional fields and UNSPECIFIED enums take the paper's defaults. Errors:
-  /// ALREADY_EXISTS; INVALID_ARGUMENT (num_layers, top_k, SPIN values, an unknown enum value,
-  /// prefix_slots without prefix_source_id, prefix length); NOT_FOUND (prefix source);
-  /// PERMISSION_DENIED (the sequence id or the prefix source is another caller's);
-  /// FAILED_PRECONDITION (the prefix source has a step awaiting Commit); RESOURCE_EXHAUSTED.
+  /// ALREADY_EXISTS (also while another CreateSequence of the id is in progress: a duplicate
+  /// is refused rather than raced, OwnerTable::Claim); INVALID_ARGUMENT (num_layers, top_k, SPIN
+  /// values, an unknown enum value, prefix_slots without prefix_source_id, prefix length);
+  /// NOT_FOUND (prefix source); PERMISSION_DENIED (the sequence id or the prefix source is another
+  /// caller's); FAILED_PRECONDITION (the prefix source has a step awaiting Commit);
+  /// RESOURCE_EXHAUSTED.
   grpc::Status CreateSequence(grpc::ServerContext* context,
                               const dsa::indexer::v1::CreateSequenceRequest* request,
                               dsa::indexer::v1::CreateSequenceResponse* response) override;

@@ -353,13 +353,48 @@ bool OwnerTable::IsOperator(const std::string& caller) const {
   return std::find(operators_.begin(), operators_.end(), caller) != operators_.end();
 }
 
-absl::StatusOr<bool> OwnerTable::Acquire(const std::string& id, const std::string& caller,
-                                         absl::string_view what) {
+OwnerTable::Claim::Claim(Claim&& other) noexcept
+    : table_(std::exchange(other.table_, nullptr)), id_(std::move(other.id_)) {}
+
+OwnerTable::Claim& OwnerTable::Claim::operator=(Claim&& other) noexcept {
+  if (this != &other) {
+    Drop();
+    table_ = std::exchange(other.table_, nullptr);
+    id_ = std::move(other.id_);
+  }
+  return *this;
+}
+
+OwnerTable::Claim::~Claim() { Drop(); }
+
+void OwnerTable::Claim::Keep() {
+  if (table_ == nullptr) return;
+  absl::MutexLock lock(&table_->mu_);
+  table_->owners_.at(id_).pending = false;  // only this claim erases a pending entry
+  table_ = nullptr;
+}
+
+void OwnerTable::Claim::Drop() {
+  if (table_ == nullptr) return;
+  absl::MutexLock lock(&table_->mu_);
+  table_->owners_.erase(id_);
+  table_ = nullptr;
+}
+
+absl::StatusOr<OwnerTable::Claim> OwnerTable::Acquire(const std::string& id,
+                                                      const std::string& caller,
+                                                      absl::string_view what) {
   absl::MutexLock lock(&mu_);
-  const auto [owner, inserted] = owners_.emplace(id, caller);
-  if (inserted) return true;
-  if (owner->second == caller || IsOperator(caller)) return false;
-  return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
+  const auto [owner, inserted] = owners_.emplace(id, Owner{caller, /*pending=*/true});
+  if (inserted) return Claim(this, id);
+  if (owner->second.caller != caller && !IsOperator(caller)) {
+    return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
+  }
+  if (owner->second.pending) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(what, " ", id, " is being created by another call"));
+  }
+  return Claim();
 }
 
 absl::Status OwnerTable::Check(const std::string& id, const std::string& caller,
@@ -367,14 +402,17 @@ absl::Status OwnerTable::Check(const std::string& id, const std::string& caller,
   if (IsOperator(caller)) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
   const auto owner = owners_.find(id);
-  if (owner == owners_.end() || owner->second == caller) return absl::OkStatus();
+  if (owner == owners_.end() || owner->second.caller == caller) return absl::OkStatus();
   return absl::PermissionDeniedError(absl::StrCat(what, " ", id, " belongs to another caller"));
 }
 
 bool OwnerTable::Forget(const std::string& id, const std::string& caller) {
   absl::MutexLock lock(&mu_);
   const auto owner = owners_.find(id);
-  if (owner == owners_.end() || (owner->second != caller && !IsOperator(caller))) return false;
+  if (owner == owners_.end() || owner->second.pending ||
+      (owner->second.caller != caller && !IsOperator(caller))) {
+    return false;
+  }
   owners_.erase(owner);
   return true;
 }

@@ -117,28 +117,60 @@ std::string CallerIdentity(const grpc::ServerContext& context);
 /// before.
 class OwnerTable {
  public:
+  /// A caller's hold on an id while it creates what the id names. Move-only. A new claim (the id
+  /// had no owner) is forgotten when the claim is destroyed unless Keep() was called, so a failed
+  /// create leaves no owner behind; while it is held, a second create of the id is refused and a
+  /// release cannot erase it, so a duplicate create that succeeds can never leave the id unowned.
+  class Claim {
+   public:
+    Claim() = default;
+    Claim(Claim&& other) noexcept;
+    Claim& operator=(Claim&& other) noexcept;
+    Claim(const Claim&) = delete;
+    Claim& operator=(const Claim&) = delete;
+    ~Claim();
+    /// The create succeeded: the id stays the caller's until released.
+    void Keep();
+    /// Whether this claim recorded the owner (false: the id was already the caller's, or the
+    /// caller is an operator; then Keep and the destructor change nothing).
+    bool is_new() const { return table_ != nullptr; }
+
+   private:
+    friend class OwnerTable;
+    Claim(OwnerTable* table, std::string id) : table_(table), id_(std::move(id)) {}
+    void Drop();
+    OwnerTable* table_ = nullptr;  // set while a new claim is pending
+    std::string id_;
+  };
+
   /// `operators`: identities that may act on any id (the coordinator, which releases the
   /// indexer sequences of a dead attention worker).
   explicit OwnerTable(std::vector<std::string> operators = {});
-  /// Records `caller` as the owner of `id` when it has none and returns true (the caller then
-  /// Forgets it if what it creates fails); false when `id` is already `caller`'s or `caller` is
-  /// an operator; PERMISSION_DENIED as Check when it belongs to another caller.
-  absl::StatusOr<bool> Acquire(const std::string& id, const std::string& caller,
-                               absl::string_view what);
+  /// Claims `id` for `caller`: a new claim when it has no owner (recorded at once, pending until
+  /// Keep); a claim that is not new when `id` is already `caller`'s or `caller` is an operator.
+  /// Errors: PERMISSION_DENIED as Check when `id` belongs to another caller; ALREADY_EXISTS
+  /// "<what> <id> is being created by another call" while another claim of it is pending.
+  absl::StatusOr<Claim> Acquire(const std::string& id, const std::string& caller,
+                                absl::string_view what);
   /// OK when `id` has no recorded owner, is `caller`'s, or `caller` is an operator; else
   /// PERMISSION_DENIED "<what> <id> belongs to another caller".
   absl::Status Check(const std::string& id, const std::string& caller,
                      absl::string_view what) const;
-  /// Erases `id`'s owner if it is `caller` (or `caller` is an operator), so that a Release racing
-  /// another caller's create can never erase that caller's claim. Returns whether it erased.
+  /// Erases `id`'s owner if it is `caller` (or `caller` is an operator) and no claim of it is
+  /// pending, so that a Release racing a create can never erase that create's claim. Returns
+  /// whether it erased.
   bool Forget(const std::string& id, const std::string& caller);
   size_t size() const;
 
  private:
+  struct Owner {
+    std::string caller;
+    bool pending = false;  // a Claim is creating what the id names
+  };
   bool IsOperator(const std::string& caller) const;
   const std::vector<std::string> operators_;
   mutable absl::Mutex mu_;
-  std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Owner> owners_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace dsa

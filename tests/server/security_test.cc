@@ -108,14 +108,17 @@ TEST(BearerTokenAuthenticatorTest, AcceptsOnlyAKnownBearerTokenAndNamesItsClient
 
 TEST(OwnerTableTest, OnlyTheOwnerOrAnOperatorMayUseAnId) {
   OwnerTable owners({"coordinator"});
-  EXPECT_EQ(owners.Acquire("7", "attention-0", "sequence").value(), true);
-  EXPECT_EQ(owners.Acquire("7", "attention-0", "sequence").value(), false);
-  const absl::StatusOr<bool> taken = owners.Acquire("7", "attention-1", "sequence");
+  absl::StatusOr<OwnerTable::Claim> created = owners.Acquire("7", "attention-0", "sequence");
+  ASSERT_TRUE(created.ok());
+  EXPECT_TRUE(created->is_new());
+  created->Keep();
+  EXPECT_FALSE(owners.Acquire("7", "attention-0", "sequence").value().is_new());
+  const absl::StatusOr<OwnerTable::Claim> taken = owners.Acquire("7", "attention-1", "sequence");
   EXPECT_EQ(taken.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(taken.status().message(), "sequence 7 belongs to another caller");
   EXPECT_TRUE(owners.Check("7", "attention-0", "sequence").ok());
   EXPECT_TRUE(owners.Check("7", "coordinator", "sequence").ok());
-  EXPECT_EQ(owners.Acquire("7", "coordinator", "sequence").value(), false);
+  EXPECT_FALSE(owners.Acquire("7", "coordinator", "sequence").value().is_new());
   EXPECT_EQ(owners.Check("7", "", "sequence").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(owners.Check("8", "anyone", "sequence").ok());  // unknown: the engine answers
   EXPECT_FALSE(owners.Forget("7", "attention-1"));            // not its claim: kept
@@ -123,6 +126,37 @@ TEST(OwnerTableTest, OnlyTheOwnerOrAnOperatorMayUseAnId) {
   EXPECT_TRUE(owners.Forget("7", "attention-0"));
   EXPECT_EQ(owners.size(), 0u);
   EXPECT_TRUE(owners.Check("7", "attention-1", "sequence").ok());
+}
+
+// The race the claim closes: a create of an id in progress, a duplicate create of it, and a
+// release of it. Before, the duplicate was let through, and when the first create failed its
+// Forget left the duplicate's sequence without an owner (anyone could then release it).
+TEST(OwnerTableTest, APendingClaimRefusesADuplicateAndOutlivesARelease) {
+  OwnerTable owners;
+  {
+    absl::StatusOr<OwnerTable::Claim> first = owners.Acquire("7", "attention-0", "sequence");
+    ASSERT_TRUE(first.ok());
+    const absl::StatusOr<OwnerTable::Claim> duplicate =
+        owners.Acquire("7", "attention-0", "sequence");
+    EXPECT_EQ(duplicate.status().code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_EQ(duplicate.status().message(), "sequence 7 is being created by another call");
+    EXPECT_EQ(owners.Acquire("7", "attention-1", "sequence").status().code(),
+              absl::StatusCode::kPermissionDenied);
+    EXPECT_FALSE(owners.Forget("7", "attention-0"));  // a Release during the create
+    EXPECT_EQ(owners.Check("7", "attention-1", "sequence").code(),
+              absl::StatusCode::kPermissionDenied);
+  }  // the create failed: no Keep
+  EXPECT_EQ(owners.size(), 0u);
+  EXPECT_TRUE(owners.Acquire("7", "attention-1", "sequence").ok());  // free again
+  // A claim moved keeps one owner: the moved-from one forgets nothing.
+  absl::StatusOr<OwnerTable::Claim> held = owners.Acquire("8", "attention-0", "sequence");
+  OwnerTable::Claim moved = *std::move(held);
+  held = OwnerTable::Claim();
+  EXPECT_EQ(owners.size(), 1u);
+  moved.Keep();
+  EXPECT_EQ(owners.size(), 1u);
+  EXPECT_EQ(owners.Check("8", "attention-1", "sequence").code(),
+            absl::StatusCode::kPermissionDenied);
 }
 
 TEST(CredentialsTest, RefusesIncompleteOrUnreadableSettings) {
