@@ -17,6 +17,7 @@
 #define DSA_SCORING_X86 1
 #endif
 
+#include "absl/base/config.h"
 #include "common/fp8.h"
 
 namespace dsa {
@@ -71,7 +72,9 @@ inline void AccumulateHeads(const float* __restrict panel, const float* __restri
 // `tile` being the block decoded as TileIndex lays it out. Every lane accumulates in the order of
 // the plain loops (d ascending inside a head, h ascending), so the scores do not depend on the
 // tiling (6 heads a step, then 4, 2, 1 for the rest).
-#if defined(__x86_64__) && defined(__GNUC__)
+// Not under ThreadSanitizer: the clones' ifunc resolver, instrumented, runs at load before TSan's
+// runtime is up and crashes the process (scripts/tsan.sh).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ABSL_HAVE_THREAD_SANITIZER)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 void ScoreTile(const float* __restrict tile, const float* __restrict scales,

@@ -3,7 +3,8 @@
 # run every test with CTest (GoogleTest cases and the real-Prometheus test), check the formatting
 # of every C++ and CUDA source, run clang-tidy over the library and tool sources, run each libFuzzer
 # harness for 20 s (scripts/fuzz.sh, clang-14 with ASan + UBSan), run the engine and service suites
-# under ASan + UBSan in the same instrumented build (scripts/sanitize.sh), then check the
+# under ASan + UBSan in the same instrumented build (scripts/sanitize.sh) and the engine suites
+# under TSan (scripts/tsan.sh), then check the
 # deployment: the Helm chart, the Prometheus rules and Grafana dashboards, the Dockerfiles, the
 # protos (buf lint) and the Python client.
 set -euo pipefail
@@ -23,6 +24,9 @@ step bash scripts/check_tidy.sh
 step bash scripts/fuzz.sh 20
 # The engine and service suites under ASan + UBSan (docs/reliability.md, "Sanitizers").
 step bash scripts/sanitize.sh
+# The engine suites under ThreadSanitizer, over Debian's Abseil rebuilt with TSan (the same
+# reference, "Sanitizers").
+step bash scripts/tsan.sh
 # Deployment (docs/deploy.md, "What CI checks"): the chart rendered by Helm's engine and validated,
 # the rules and dashboards, the images' lint, the protos' lint, the Python client.
 step bash scripts/check_chart.sh
