@@ -62,9 +62,10 @@ fi
 # indexer engine and block pool, and common.
 suites=(coordinator_scheduler_test coordinator_engine_test attention_engine_test indexer_test
   block_pool_test common_mli_schedule_test common_trace_context_test)
+# tsan_mutex_canary: the check that TSan sees absl::Mutex at all (run first, below).
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build/dsa \
   DSA_CMAKE_ARGS="-DDSA_TSAN=ON -DDSA_ENABLE_CUDA=OFF -DDSA_BUILD_TESTS=ON -DDSA_BUILD_BENCH=OFF -DCMAKE_PREFIX_PATH=$absl_prefix" \
-  DSA_BUILD_TARGETS="${suites[*]}" bash scripts/build.sh
+  DSA_BUILD_TARGETS="tsan_mutex_canary ${suites[*]}" bash scripts/build.sh
 # The cases that cross the system gRPC (a real channel and server).
 declare -A exclude=([attention_engine_test]="EngineTransportsTest.InProcessAndGrpcIndexerClientsGiveIdenticalSelectionsAndOutputs")
 export LD_LIBRARY_PATH=$absl_prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -76,6 +77,20 @@ export OMP_NUM_THREADS=1
 # google/sanitizers issue 953). It hides only races in which one access is atomic; every race
 # between plain accesses, the kind a missing lock makes, is still reported.
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:report_atomic_races=0
+# The suites' silence means something only if TSan sees through absl::Mutex (a guarded counter runs
+# clean) and still sees a race (the same counter unguarded is reported).
+canary=$build/dsa/bin/tsan_mutex_canary
+if ! "$canary" guarded >"$build/canary_guarded.log" 2>&1; then
+  cat "$build/canary_guarded.log" >&2
+  echo "tsan: a counter guarded by absl::Mutex was reported: this Abseil is not TSan's" >&2
+  exit 1
+fi
+if "$canary" unguarded >"$build/canary_unguarded.log" 2>&1 ||
+  ! grep -q "WARNING: ThreadSanitizer: data race" "$build/canary_unguarded.log"; then
+  echo "tsan: an unguarded counter was not reported: ThreadSanitizer is not working" >&2
+  exit 1
+fi
+echo "tsan: the canary: guarded by absl::Mutex clean, unguarded reported"
 for suite in "${suites[@]}"; do
   filter="*"
   if [ -n "${exclude[$suite]:-}" ]; then filter="*:-${exclude[$suite]}"; fi
