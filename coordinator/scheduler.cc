@@ -619,13 +619,16 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
   }
   if (!s.session_key.empty()) busy_sessions_.erase(s.session_key);
   s.last_used = ++tick_;
-  if (completed && !s.session_key.empty()) {
+  // A worker that restarted (or left) while the sequence ran no longer holds its half: nothing of
+  // it is kept, whatever its outcome (ForgetRetainedOn forgot its session already).
+  const bool on_retired = indexers_[s.indexer].retired || attentions_[s.attention].retired;
+  if (completed && !on_retired && !s.session_key.empty()) {
     s.state = State::kRetained;
     s.length = length;
     result.release_attention = false;
     return result;
   }
-  if (!completed && !s.session_key.empty()) {
+  if ((!completed || on_retired) && !s.session_key.empty()) {
     auto session = session_sequences_.find(s.session_key);
     if (session != session_sequences_.end() && session->second == sequence_id) {
       session_sequences_.erase(session);
@@ -633,9 +636,10 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
     s.session_key.clear();
   }
   s.state = State::kReleasing;
-  s.retain_after_release = (completed && options_.retain_finished) || s.pins > 0;
+  const bool kept_as_donor = completed && !on_retired && options_.retain_finished;
+  s.retain_after_release = kept_as_donor || s.pins > 0;
   if (completed) s.length = length;
-  s.release_when_unpinned = !(completed && options_.retain_finished);
+  s.release_when_unpinned = !kept_as_donor;
   result.keep_indexer_sequence = s.retain_after_release;
   return result;
 }

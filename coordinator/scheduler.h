@@ -216,7 +216,9 @@ class Scheduler {
   /// keys), other sequences keep their index keys as donors when retain_finished (or while a
   /// prefill uses them as a donor), else everything is freed. Not completed (failed, aborted):
   /// freed, and a session loses its sequence (its next turn starts afresh), unless a prefill in
-  /// progress uses it as a donor. What the attention worker's Release frees (KV, index keys) stays
+  /// progress uses it as a donor. A sequence whose indexer or attention worker was retired while
+  /// it ran is freed whatever its outcome (the restarted process lost its half; found by
+  /// fuzz_coordinator_service). What the attention worker's Release frees (KV, index keys) stays
   /// reserved until ReleaseDone, so no request is placed into space the workers still hold.
   FinishResult Finish(uint64_t sequence_id, bool completed, int64_t length);
   /// The attention worker's Release of a finished sequence returned (either way): frees what

@@ -183,6 +183,42 @@ TEST(SchedulerTest, SessionsMoveOffWorkersThatAreNotReadyAndRetiredWorkersForget
   EXPECT_EQ(s.RetireIndexer(7).status().code(), absl::StatusCode::kOutOfRange);
 }
 
+// Found by fuzz_coordinator_service: a session turn still running when its indexer restarted
+// (retired) completed afterwards and was kept, so the coordinator counted a session whose index
+// keys the new process never had, and its KV stayed on the attention worker for good.
+TEST(SchedulerTest, ASequenceThatRanWhileItsWorkerWasRetiredIsNotKept) {
+  for (const bool retire_indexer : {true, false}) {
+    SCOPED_TRACE(retire_indexer ? "indexer retired" : "attention retired");
+    Scheduler s = Make(/*layers=*/1, {1000, 1000, 1000}, /*num_attention=*/3);
+    const Admission session = Admit(s, 1, Demand(600, 10, 0, {}, "chat"));
+    const Admission donor = Admit(s, 2, Demand(600, 10));  // would be kept as a prefix donor
+    s.PrefillDone(session.sequence_id);
+    s.PrefillDone(donor.sequence_id);
+    ASSERT_TRUE((retire_indexer ? s.RetireIndexer(session.indexer)
+                                : s.RetireAttention(session.attention))
+                    .ok());
+    // (Its worker may be the session's, retired already: retiring twice is fine.)
+    ASSERT_TRUE((retire_indexer ? s.RetireIndexer(donor.indexer)
+                                : s.RetireAttention(donor.attention))
+                    .ok());
+
+    const Scheduler::FinishResult ended = s.Finish(session.sequence_id, true, 610);
+    EXPECT_TRUE(ended.release_attention);  // released on the survivor, not kept
+    EXPECT_FALSE(ended.keep_indexer_sequence);
+    const Scheduler::FinishResult donor_ended = s.Finish(donor.sequence_id, true, 610);
+    EXPECT_TRUE(donor_ended.release_attention);
+    EXPECT_FALSE(donor_ended.keep_indexer_sequence);
+    s.ReleaseDone(session.sequence_id);
+    s.ReleaseDone(donor.sequence_id);
+    EXPECT_EQ(s.Load().retained, 0);
+    EXPECT_EQ(s.Load().running, 0);
+    // The session's next turn starts afresh on the workers left.
+    const Admission next = Admit(s, 3, Demand(700, 10, 0, {}, "chat"));
+    EXPECT_FALSE(next.continue_sequence);
+    EXPECT_NE(next.sequence_id, session.sequence_id);
+  }
+}
+
 TEST(SchedulerColocatedTest, WorkersAreAddedInPairsAtOneAddress) {
   SchedulerOptions options;
   options.colocated = true;
