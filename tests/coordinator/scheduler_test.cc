@@ -194,13 +194,13 @@ TEST(SchedulerTest, ASequenceThatRanWhileItsWorkerWasRetiredIsNotKept) {
     const Admission donor = Admit(s, 2, Demand(600, 10));  // would be kept as a prefix donor
     s.PrefillDone(session.sequence_id);
     s.PrefillDone(donor.sequence_id);
-    ASSERT_TRUE((retire_indexer ? s.RetireIndexer(session.indexer)
-                                : s.RetireAttention(session.attention))
-                    .ok());
+    ASSERT_TRUE(
+        (retire_indexer ? s.RetireIndexer(session.indexer) : s.RetireAttention(session.attention))
+            .ok());
     // (Its worker may be the session's, retired already: retiring twice is fine.)
-    ASSERT_TRUE((retire_indexer ? s.RetireIndexer(donor.indexer)
-                                : s.RetireAttention(donor.attention))
-                    .ok());
+    ASSERT_TRUE(
+        (retire_indexer ? s.RetireIndexer(donor.indexer) : s.RetireAttention(donor.attention))
+            .ok());
 
     const Scheduler::FinishResult ended = s.Finish(session.sequence_id, true, 610);
     EXPECT_TRUE(ended.release_attention);  // released on the survivor, not kept
