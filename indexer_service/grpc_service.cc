@@ -519,7 +519,7 @@ grpc::Status IndexerServiceImpl::GetLoad(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
-grpc::Status IndexerServiceImpl::OpenDataPlane(grpc::ServerContext* /*context*/,
+grpc::Status IndexerServiceImpl::OpenDataPlane(grpc::ServerContext* context,
                                                const v1::OpenDataPlaneRequest* request,
                                                v1::OpenDataPlaneResponse* response) {
   if (!data_plane_opener_) {
@@ -527,7 +527,12 @@ grpc::Status IndexerServiceImpl::OpenDataPlane(grpc::ServerContext* /*context*/,
                         "OpenDataPlane: this dsa-indexer was built without NCCL (serve selects "
                         "over SelectStream)");
   }
-  return ToGrpcStatus(data_plane_opener_(*request, response));
+  DataPlaneCaller caller;
+  caller.identity = Caller(context);
+  caller.check_owned = [this, identity = caller.identity](uint64_t sequence_id) {
+    return owners_.Check(absl::StrCat(sequence_id), identity, kSequence);
+  };
+  return ToGrpcStatus(data_plane_opener_(*request, caller, response));
 }
 
 }  // namespace dsa

@@ -12,6 +12,7 @@
 #include "common/limits.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "indexer_service/data_plane.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
 #include "server/security.h"
@@ -72,12 +73,6 @@ absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view contex
 absl::Status RunSelect(Indexer& indexer, const dsa::indexer::v1::SelectRequest& request,
                        dsa::indexer::v1::SelectResponse* response,
                        IndexerMetrics* metrics = nullptr, int* groups_applied = nullptr);
-
-/// Opens a data plane for OpenDataPlane (the NCCL one: NcclDataPlanes in transport/
-/// nccl_bootstrap.h), injected so that this adapter does not depend on NCCL. Fills `response` or
-/// returns the status the RPC answers with. Called on gRPC's threads, concurrently.
-using DataPlaneOpener = std::function<absl::Status(const dsa::indexer::v1::OpenDataPlaneRequest&,
-                                                   dsa::indexer::v1::OpenDataPlaneResponse*)>;
 
 /// dsa.indexer.v1.IndexerService over a dsa::Indexer (and optional IndexerMetrics) that the caller
 /// owns and keeps alive for the server's lifetime. Thread-safe (the engine serializes its state;
@@ -183,8 +178,9 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// OpenDataPlane answers UNIMPLEMENTED ("built without NCCL").
   void SetDataPlaneOpener(DataPlaneOpener opener) { data_plane_opener_ = std::move(opener); }
 
-  /// Bootstraps a data plane through the injected DataPlaneOpener (its status unchanged);
-  /// UNIMPLEMENTED when there is none.
+  /// Bootstraps a data plane through the injected DataPlaneOpener (its status unchanged), with
+  /// the caller's identity and its owner check (DataPlaneCaller); UNIMPLEMENTED when there is
+  /// none.
   grpc::Status OpenDataPlane(grpc::ServerContext* context,
                              const dsa::indexer::v1::OpenDataPlaneRequest* request,
                              dsa::indexer::v1::OpenDataPlaneResponse* response) override;

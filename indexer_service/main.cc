@@ -63,6 +63,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     service.SetDataPlaneOpener(data_planes->Opener());
   } else {
     service.SetDataPlaneOpener([](const dsa::indexer::v1::OpenDataPlaneRequest&,
+                                  const dsa::DataPlaneCaller&,
                                   dsa::indexer::v1::OpenDataPlaneResponse*) {
       return absl::FailedPreconditionError(
           "OpenDataPlane: this dsa-indexer was started without --device cuda");

@@ -21,7 +21,7 @@ constexpr absl::Duration kIdleCheck = absl::Milliseconds(50);
 
 absl::StatusOr<std::unique_ptr<NcclSelectionServer>> NcclSelectionServer::Start(
     Indexer& indexer, IndexerMetrics* metrics, std::shared_ptr<NcclLink> link,
-    const NcclServerOptions& options) {
+    const NcclServerOptions& options, SequenceOwnerCheck check_owned) {
   WireSelectHandler handler = [&indexer, metrics](const LayerSelectRequest& request,
                                                   int* groups_applied) {
     absl::StatusOr<LayerSelection> selection =
@@ -29,7 +29,8 @@ absl::StatusOr<std::unique_ptr<NcclSelectionServer>> NcclSelectionServer::Start(
     if (metrics != nullptr) metrics->SetCacheUsage(indexer.Usage());  // new keys take blocks
     return selection;
   };
-  return StartWithHandler(std::move(handler), std::move(link), options);
+  return StartWithHandler(WithOwnerCheck(std::move(handler), std::move(check_owned)),
+                          std::move(link), options);
 }
 
 absl::StatusOr<std::unique_ptr<NcclSelectionServer>> NcclSelectionServer::StartWithHandler(
@@ -207,14 +208,13 @@ int NcclDataPlanes::num_serving() const {
   return serving;
 }
 
-std::function<absl::Status(const v1::OpenDataPlaneRequest&, v1::OpenDataPlaneResponse*)>
-NcclDataPlanes::Opener() {
-  return [this](const v1::OpenDataPlaneRequest& request, v1::OpenDataPlaneResponse* response) {
-    return Open(request, response);
-  };
+DataPlaneOpener NcclDataPlanes::Opener() {
+  return [this](const v1::OpenDataPlaneRequest& request, const DataPlaneCaller& caller,
+                v1::OpenDataPlaneResponse* response) { return Open(request, caller, response); };
 }
 
 absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
+                                  const DataPlaneCaller& caller,
                                   v1::OpenDataPlaneResponse* response) {
   const IndexerOptions& shapes = indexer_.options();
   if (request.nccl_unique_id().size() != NCCL_UNIQUE_ID_BYTES) {
@@ -247,10 +247,25 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
   server_options.limits.max_message_bytes =
       std::min(server_options.limits.max_message_bytes, request.max_message_bytes());
 
-  // A worker that opens again has restarted: its old session is gone.
+  // A worker that opens again has restarted: its old session is gone. Only its own caller may
+  // say so; another caller's claim of the name leaves the session serving.
+  // Called under mutex_.
+  auto held_by_another = [&]() -> absl::Status {
+    for (const Session& session : sessions_) {
+      if (!request.attention_worker().empty() &&
+          session.attention_worker == request.attention_worker() &&
+          session.identity != caller.identity && session.server->serving()) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("attention worker '", request.attention_worker(),
+                         "' has a data plane opened by another caller"));
+      }
+    }
+    return absl::OkStatus();
+  };
   std::vector<std::unique_ptr<NcclSelectionServer>> ended;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    DSA_RETURN_IF_ERROR(held_by_another());
     for (auto it = sessions_.begin(); it != sessions_.end();) {
       if (!it->server->serving() || (!request.attention_worker().empty() &&
                                      it->attention_worker == request.attention_worker())) {
@@ -265,14 +280,25 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
 
   ncclUniqueId unique_id;
   std::memcpy(unique_id.internal, request.nccl_unique_id().data(), NCCL_UNIQUE_ID_BYTES);
-  DSA_ASSIGN_OR_RETURN(std::shared_ptr<NcclLink> link,
-                       NcclLink::StartTwoRank(unique_id, /*rank=*/1, options_.link));
-  DSA_RETURN_IF_ERROR(link->WaitReady(absl::Now() + options_.connect_timeout));
-  DSA_ASSIGN_OR_RETURN(std::unique_ptr<NcclSelectionServer> server,
-                       NcclSelectionServer::Start(indexer_, metrics_, link, server_options));
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<NcclLink> link;
+  if (options_.join) {
+    DSA_ASSIGN_OR_RETURN(link, options_.join(unique_id));
+  } else {
+    DSA_ASSIGN_OR_RETURN(link, NcclLink::StartTwoRank(unique_id, /*rank=*/1, options_.link));
+    DSA_RETURN_IF_ERROR(link->WaitReady(absl::Now() + options_.connect_timeout));
+  }
+  DSA_ASSIGN_OR_RETURN(
+      std::unique_ptr<NcclSelectionServer> server,
+      NcclSelectionServer::Start(indexer_, metrics_, link, server_options, caller.check_owned));
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Another caller may have opened one for the name while this one joined.
+  if (absl::Status held = held_by_another(); !held.ok()) {
+    lock.unlock();
+    server->Stop();
+    return held;
+  }
   const uint64_t id = next_id_++;
-  sessions_.push_back({id, request.attention_worker(), std::move(server)});
+  sessions_.push_back({id, request.attention_worker(), caller.identity, std::move(server)});
   response->set_indexer_cuda_device(options_.link.cuda_device);
   response->set_max_message_bytes(server_options.limits.max_message_bytes);
   response->set_data_plane_id(id);

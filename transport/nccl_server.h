@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "dsa/indexer/v1/indexer.pb.h"
+#include "indexer_service/data_plane.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
 #include "transport/nccl_link.h"
@@ -48,10 +49,13 @@ class NcclSelectionServer {
  public:
   /// Serves the kIndexer endpoint of `link` (ready: WaitReady OK) with RunLayerSelect over
   /// `indexer` (and `metrics`, optional, which also gets the cache gauges after every request);
-  /// both outlive the server. RESOURCE_EXHAUSTED when the first staging buffers cannot be had.
+  /// both outlive the server. `check_owned` (optional) holds every request's sequences to the
+  /// caller that opened the data plane (WithOwnerCheck: a refused request answers its
+  /// PERMISSION_DENIED with groups_applied 0). RESOURCE_EXHAUSTED when the first staging buffers
+  /// cannot be had.
   static absl::StatusOr<std::unique_ptr<NcclSelectionServer>> Start(
       Indexer& indexer, IndexerMetrics* metrics, std::shared_ptr<NcclLink> link,
-      const NcclServerOptions& options);
+      const NcclServerOptions& options, SequenceOwnerCheck check_owned = nullptr);
   /// The same with another handler (tests and the transport benchmark answer without an Indexer).
   static absl::StatusOr<std::unique_ptr<NcclSelectionServer>> StartWithHandler(
       WireSelectHandler handler, std::shared_ptr<NcclLink> link, const NcclServerOptions& options);
@@ -109,6 +113,10 @@ struct NcclDataPlaneOptions {
   NcclServerOptions server{};
   /// Bound on joining the communicator once the request arrived.
   absl::Duration connect_timeout = absl::Seconds(30);
+  /// How a data plane's link is joined: null (production) joins the request's two-rank
+  /// communicator as rank 1 on link.cuda_device and waits for it up to connect_timeout. Tests
+  /// on one GPU inject a loopback link here (NCCL refuses two ranks on one device).
+  std::function<absl::StatusOr<std::shared_ptr<NcclLink>>(const ncclUniqueId&)> join;
 };
 
 /// The indexer's data planes: what IndexerServiceImpl::SetDataPlaneOpener gets (Opener()), one
@@ -124,15 +132,17 @@ class NcclDataPlanes {
   /// Checks `request` (INVALID_ARGUMENT: id not NCCL_UNIQUE_ID_BYTES long, ranks other than 2 and
   /// 1, max_top_k < 1, max_message_bytes below 64 KiB, H or D differing from the indexer's: the
   /// message names the field and both values), joins the communicator as rank 1 (UNAVAILABLE if
-  /// it does not come up within connect_timeout), starts its server. A worker name already
-  /// served stops its old server first (that worker restarted). Sessions that ended are dropped.
+  /// it does not come up within connect_timeout), starts its server, whose selects are held to
+  /// `caller`'s sequences (caller.check_owned). A worker name already served stops its old server
+  /// first (that worker restarted); PERMISSION_DENIED, the old one left serving, when another
+  /// caller (caller.identity) opened it: one caller cannot take over another's attention worker.
+  /// Sessions that ended are dropped.
   absl::Status Open(const dsa::indexer::v1::OpenDataPlaneRequest& request,
+                    const DataPlaneCaller& caller,
                     dsa::indexer::v1::OpenDataPlaneResponse* response);
 
   /// Open as an IndexerServiceImpl DataPlaneOpener (this object outlives the service's calls).
-  std::function<absl::Status(const dsa::indexer::v1::OpenDataPlaneRequest&,
-                             dsa::indexer::v1::OpenDataPlaneResponse*)>
-  Opener();
+  DataPlaneOpener Opener();
 
   /// Data planes still serving.
   int num_serving() const;
@@ -141,6 +151,7 @@ class NcclDataPlanes {
   struct Session {
     uint64_t id = 0;
     std::string attention_worker;
+    std::string identity;  // DataPlaneCaller::identity of its OpenDataPlane
     std::unique_ptr<NcclSelectionServer> server;
   };
   Indexer& indexer_;

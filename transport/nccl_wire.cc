@@ -583,6 +583,21 @@ void PackWireClose(std::span<uint8_t> out) {
   EncodeWireHeader(header, out);
 }
 
+WireSelectHandler WithOwnerCheck(WireSelectHandler handler, SequenceOwnerCheck check_owned) {
+  if (!check_owned) return handler;
+  return [handler = std::move(handler), check_owned = std::move(check_owned)](
+             const LayerSelectRequest& request,
+             int* groups_applied) -> absl::StatusOr<LayerSelection> {
+    for (const SelectRowGroup& group : request.groups) {
+      if (absl::Status owned = check_owned(group.sequence_id); !owned.ok()) {
+        if (groups_applied != nullptr) *groups_applied = 0;
+        return owned;
+      }
+    }
+    return handler(request, groups_applied);
+  };
+}
+
 void AnswerWireRequest(const WireSelectHandler& handler, const WireHeader& header,
                        std::span<const uint8_t> payload, const WireLimits& limits,
                        std::span<uint8_t> out) {

@@ -158,6 +158,17 @@ int64_t WireResponseBytes(std::span<const int> rows_per_group, const WireLimits&
 using WireSelectHandler =
     std::function<absl::StatusOr<LayerSelection>(const LayerSelectRequest&, int* groups_applied)>;
 
+/// Whether a caller may select for `sequence_id`: OK, or the refusal (PERMISSION_DENIED from the
+/// indexer's owner table: DataPlaneCaller::check_owned in indexer_service/grpc_service.h).
+using SequenceOwnerCheck = std::function<absl::Status(uint64_t sequence_id)>;
+
+/// `handler` behind `check_owned`: a request any of whose groups' sequences the check refuses is
+/// answered with that refusal and groups_applied 0, before `handler` runs (so nothing of it is
+/// applied); the others go to `handler` unchanged. The same rule SelectStream applies to each
+/// request (a caller selects only for its own sequences: docs/reliability.md, "Security").
+/// `check_owned` null: `handler` itself.
+WireSelectHandler WithOwnerCheck(WireSelectHandler handler, SequenceOwnerCheck check_owned);
+
 /// The indexer side of one exchange: decodes the request (`header` and its payload), runs
 /// `handler` and writes the answer message into `out` (header.response_bytes bytes: the size the
 /// attention side receives). A request that does not decode is answered with its

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/layer_select.h"
@@ -120,8 +121,9 @@ class NcclTransportTest : public ::testing::Test {
     return request;
   }
 
-  std::unique_ptr<NcclSelectionServer> StartServer(const NcclServerOptions& options = {}) {
-    auto server = NcclSelectionServer::Start(*indexer_, nullptr, link_, options);
+  std::unique_ptr<NcclSelectionServer> StartServer(const NcclServerOptions& options = {},
+                                                   SequenceOwnerCheck check_owned = nullptr) {
+    auto server = NcclSelectionServer::Start(*indexer_, nullptr, link_, options, check_owned);
     EXPECT_TRUE(server.ok()) << server.status();
     return server.ok() ? std::move(*server) : nullptr;
   }
@@ -380,6 +382,104 @@ TEST_F(NcclTransportTest, StoppingTheServerFailsTheAttentionSide) {
   EXPECT_FALSE(server->serving());
   EXPECT_EQ(nccl.Submit(Step({7}, 1, kSlots, 2)).status().code(), absl::StatusCode::kUnavailable);
   server->Stop();  // idempotent
+}
+
+// A data plane opened by a verified caller selects only for that caller's sequences: a request
+// naming another's is PERMISSION_DENIED with nothing applied (the same request without it then
+// runs at the same position, which it could not had the refused one appended its keys).
+TEST_F(NcclTransportTest, TheServerRefusesAnotherCallersSequenceAndAppliesNothing) {
+  std::unique_ptr<NcclSelectionServer> server = StartServer({}, [](uint64_t sequence_id) {
+    return sequence_id == 8 ? absl::PermissionDeniedError("sequence 8 belongs to another caller")
+                            : absl::OkStatus();
+  });
+  ASSERT_NE(server, nullptr);
+  NcclSelectionTransport nccl(link_, {});
+  auto refused_id = nccl.Submit(Step({7, 8}, 0, kSlots, 1));
+  ASSERT_TRUE(refused_id.ok()) << refused_id.status();
+  const absl::StatusOr<LayerSelection> refused = nccl.Await(*refused_id, absl::InfiniteFuture());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied) << refused.status();
+  EXPECT_NE(refused.status().message().find("sequence 8"), std::string::npos) << refused.status();
+  EXPECT_EQ(refused.status().GetPayload(kGroupsAppliedPayload).value_or(absl::Cord()), "0");
+  auto own = nccl.Submit(Step({7}, 0, kSlots, 1));
+  ASSERT_TRUE(own.ok());
+  const absl::StatusOr<LayerSelection> answered = nccl.Await(*own, absl::InfiniteFuture());
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  const absl::StatusOr<LayerSelection> direct = RunLayerSelect(*twin_, Step({7}, 0, kSlots, 1));
+  ASSERT_TRUE(direct.ok()) << direct.status();
+  ExpectSame(*direct, *answered, "sequence 7 after the refusal");
+  EXPECT_TRUE(nccl.Close().ok());
+  EXPECT_TRUE(server->Wait(absl::Now() + absl::Seconds(10)).ok());
+}
+
+// NcclDataPlanes (links joined as loopbacks: one GPU cannot hold both ranks): each data plane
+// holds its selects to the caller that opened it, and another caller cannot replace an attention
+// worker's data plane by opening one under its name; the same caller can (the worker restarted).
+TEST_F(NcclTransportTest, DataPlanesBelongToTheCallerThatOpenedThem) {
+  std::vector<std::shared_ptr<NcclLink>> joined;
+  NcclDataPlaneOptions options;
+  options.join = [&](const ncclUniqueId&) -> absl::StatusOr<std::shared_ptr<NcclLink>> {
+    auto link = NcclLink::CreateLoopback({.cuda_device = 0});
+    if (link.ok()) joined.push_back(*link);
+    return link;
+  };
+  NcclDataPlanes planes(*indexer_, nullptr, options);
+  const WireLimits limits;
+  v1::OpenDataPlaneRequest request;
+  request.set_nccl_unique_id(std::string(NCCL_UNIQUE_ID_BYTES, '\0'));
+  request.set_num_ranks(2);
+  request.set_indexer_rank(1);
+  request.set_num_heads(kH);
+  request.set_head_dim(kD);
+  request.set_max_top_k(limits.max_top_k);
+  request.set_max_message_bytes(limits.max_message_bytes);
+  request.set_attention_worker("attention-0");
+  auto caller = [](const std::string& identity, uint64_t theirs) {
+    DataPlaneCaller c;
+    c.identity = identity;
+    c.check_owned = [theirs](uint64_t sequence_id) {
+      return sequence_id == theirs ? absl::PermissionDeniedError(absl::StrCat(
+                                         "sequence ", sequence_id, " belongs to another caller"))
+                                   : absl::OkStatus();
+    };
+    return c;
+  };
+  v1::OpenDataPlaneResponse response;
+  ASSERT_TRUE(planes.Open(request, caller("attention-a", 8), &response).ok());
+  ASSERT_EQ(joined.size(), 1u);
+  NcclSelectionTransport first(joined[0], {.limits = limits});
+  auto refused = first.Submit(Step({8}, 0, kSlots, 1));
+  auto own = first.Submit(Step({7}, 0, kSlots, 1));
+  ASSERT_TRUE(refused.ok() && own.ok());
+  EXPECT_EQ(first.Await(*refused, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(first.Await(*own, absl::InfiniteFuture()).ok());
+
+  // attention-b claims the name: refused before anything is joined, the first plane serves on.
+  const absl::Status taken = planes.Open(request, caller("attention-b", 7), &response);
+  EXPECT_EQ(taken.code(), absl::StatusCode::kPermissionDenied) << taken;
+  EXPECT_NE(taken.message().find("attention-0"), std::string::npos) << taken;
+  EXPECT_EQ(joined.size(), 1u);
+  EXPECT_EQ(planes.num_serving(), 1);
+  auto still = first.Submit(Step({7}, 1, kSlots, 2));
+  ASSERT_TRUE(still.ok());
+  EXPECT_TRUE(first.Await(*still, absl::InfiniteFuture()).ok());
+  // Under another name attention-b gets its own plane, held to its own sequences.
+  request.set_attention_worker("attention-1");
+  ASSERT_TRUE(planes.Open(request, caller("attention-b", 7), &response).ok());
+  ASSERT_EQ(joined.size(), 2u);
+  EXPECT_EQ(planes.num_serving(), 2);
+  NcclSelectionTransport second(joined[1], {.limits = limits});
+  auto not_theirs = second.Submit(Step({7}, 1, kSlots, 3));
+  ASSERT_TRUE(not_theirs.ok());
+  EXPECT_EQ(second.Await(*not_theirs, absl::InfiniteFuture()).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(second.Close().ok());
+  // attention-a opens attention-0 again (it restarted): its old plane is stopped.
+  request.set_attention_worker("attention-0");
+  ASSERT_TRUE(planes.Open(request, caller("attention-a", 8), &response).ok());
+  EXPECT_EQ(joined.size(), 3u);
+  EXPECT_EQ(planes.num_serving(), 1);
+  EXPECT_EQ(first.Submit(Step({7}, 1, kSlots, 4)).status().code(), absl::StatusCode::kUnavailable);
 }
 
 // OpenDataPlane over a real gRPC server: the checks come before NCCL, and a refused bootstrap

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace dsa {
@@ -413,6 +414,50 @@ TEST(NcclWireTest, TheAnswerFunctionPacksTheHandlersSelectionOrRefusal) {
   refused = UnpackWireError(*DecodeWireHeader(out, limits), Payload(out));
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(refused.GetPayload(kGroupsAppliedPayload).value_or(absl::Cord()), "0");
+}
+
+// The owner check in front of the handler (what NcclSelectionServer runs for a data plane opened
+// by a verified caller): a request naming another caller's sequence is refused whole, before the
+// handler runs, and travels back as PERMISSION_DENIED with groups_applied 0.
+TEST(NcclWireTest, TheOwnerCheckRefusesARequestWithAnotherCallersSequenceBeforeTheHandler) {
+  std::mt19937 rng(11);
+  const WireLimits limits{.max_top_k = 32};
+  const LayerSelectRequest request = MakeRequest(rng);
+  ASSERT_GE(request.groups.size(), 2u);
+  const uint64_t theirs = request.groups.back().sequence_id;
+  int handled = 0;
+  WireSelectHandler handler = [&](const LayerSelectRequest& seen, int*) {
+    ++handled;
+    return absl::StatusOr<LayerSelection>(MakeSelection(seen, 32, false));
+  };
+  std::vector<uint64_t> checked;
+  WireSelectHandler owned = WithOwnerCheck(handler, [&](uint64_t sequence_id) {
+    checked.push_back(sequence_id);
+    return sequence_id == theirs ? absl::PermissionDeniedError(absl::StrCat(
+                                       "sequence ", sequence_id, " belongs to another caller"))
+                                 : absl::OkStatus();
+  });
+  WireRequestSizes sizes;
+  const std::vector<uint8_t> message = Pack(request, 5, limits, &sizes);
+  std::vector<uint8_t> answer(sizes.response_bytes);
+  AnswerWireRequest(owned, *DecodeWireHeader(message, limits), Payload(message), limits, answer);
+  EXPECT_EQ(handled, 0);
+  EXPECT_EQ(checked.size(), request.groups.size());  // every group up to the refused one
+  const absl::Status refused = UnpackWireError(*DecodeWireHeader(answer, limits), Payload(answer));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(refused.message().find(absl::StrCat("sequence ", theirs)), std::string::npos)
+      << refused;
+  EXPECT_EQ(refused.GetPayload(kGroupsAppliedPayload).value_or(absl::Cord()), "0");
+
+  // Without that group the request reaches the handler.
+  LayerSelectRequest mine = request;
+  mine.groups.pop_back();
+  int applied = -1;
+  EXPECT_TRUE(owned(mine, &applied).ok());
+  EXPECT_EQ(handled, 1);
+  // No check: the handler itself.
+  EXPECT_TRUE(WithOwnerCheck(handler, nullptr)(request, &applied).ok());
+  EXPECT_EQ(handled, 2);
 }
 
 }  // namespace

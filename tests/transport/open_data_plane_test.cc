@@ -1,10 +1,17 @@
 // Tests of the OpenDataPlane RPC's adapter without NCCL: no data plane factory -> UNIMPLEMENTED;
-// an injected one is called with the request and its status and response come back unchanged.
+// an injected one is called with the request and its status and response come back unchanged;
+// under mutual TLS it gets the caller's identity and an owner check that refuses another
+// caller's sequences.
 #include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
+#include "server/security.h"
+#include "tests/testing/test_pki.h"
 
 namespace dsa {
 namespace {
@@ -44,15 +51,17 @@ TEST_F(OpenDataPlaneTest, WithoutAFactoryTheRpcIsUnimplemented) {
 
 TEST_F(OpenDataPlaneTest, TheInjectedFactoryAnswers) {
   std::string seen_worker;
-  service_->SetDataPlaneOpener(
-      [&](const v1::OpenDataPlaneRequest& request, v1::OpenDataPlaneResponse* response) {
-        seen_worker = request.attention_worker();
-        if (request.head_dim() != 8) {
-          return absl::InvalidArgumentError("head_dim (D) 9 differs from this indexer's 8");
-        }
-        response->set_data_plane_id(5);
-        return absl::OkStatus();
-      });
+  service_->SetDataPlaneOpener([&](const v1::OpenDataPlaneRequest& request,
+                                   const DataPlaneCaller& caller,
+                                   v1::OpenDataPlaneResponse* response) {
+    EXPECT_EQ(caller.identity, "");  // plaintext: the anonymous caller
+    seen_worker = request.attention_worker();
+    if (request.head_dim() != 8) {
+      return absl::InvalidArgumentError("head_dim (D) 9 differs from this indexer's 8");
+    }
+    response->set_data_plane_id(5);
+    return absl::OkStatus();
+  });
   v1::OpenDataPlaneRequest request;
   request.set_attention_worker("attention-0");
   request.set_head_dim(8);
@@ -65,11 +74,84 @@ TEST_F(OpenDataPlaneTest, TheInjectedFactoryAnswers) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(refused.error_message().find("head_dim"), std::string::npos);
   // A factory that says there is no GPU (dsa-indexer started without --device cuda).
-  service_->SetDataPlaneOpener([](const v1::OpenDataPlaneRequest&, v1::OpenDataPlaneResponse*) {
-    return absl::FailedPreconditionError(
-        "OpenDataPlane: this dsa-indexer was started without --device cuda");
-  });
+  service_->SetDataPlaneOpener(
+      [](const v1::OpenDataPlaneRequest&, const DataPlaneCaller&, v1::OpenDataPlaneResponse*) {
+        return absl::FailedPreconditionError(
+            "OpenDataPlane: this dsa-indexer was started without --device cuda");
+      });
   EXPECT_EQ(Call(request, &response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// Under mutual TLS the opener learns who opened the data plane, and its owner check holds the
+// selects that will come over the data plane to that caller's sequences, as SelectStream does:
+// another caller's sequence is PERMISSION_DENIED, the caller's own and unowned ones pass, and the
+// operator (the coordinator) passes for any.
+TEST(OpenDataPlaneSecurityTest, TheOpenerGetsTheCallerAndAnOwnerCheckForItsSequences) {
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  const testing::TestIdentity server_cert = pki.Issue("indexer-0");
+  const testing::TestIdentity a_cert = pki.Issue("attention-a");
+  const testing::TestIdentity b_cert = pki.Issue("attention-b");
+  const testing::TestIdentity operator_cert = pki.Issue("coordinator");
+  ASSERT_FALSE(operator_cert.cert.empty());
+  auto indexer = Indexer::Create({.capacity_blocks = 4, .num_heads = 4, .head_dim = 8});
+  ASSERT_TRUE(indexer.ok()) << indexer.status();
+  IndexerServiceImpl service(indexer->get(), nullptr, {"coordinator"});
+  std::vector<DataPlaneCaller> callers;
+  std::mutex mutex;
+  service.SetDataPlaneOpener([&](const v1::OpenDataPlaneRequest&, const DataPlaneCaller& caller,
+                                 v1::OpenDataPlaneResponse*) {
+    std::lock_guard<std::mutex> lock(mutex);
+    callers.push_back(caller);
+    return absl::OkStatus();
+  });
+  auto credentials = ServerCredentialsFrom(
+      {.cert_file = server_cert.cert, .key_file = server_cert.key, .client_ca_file = pki.ca()});
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub_of = [&](const testing::TestIdentity& identity) {
+    auto security = ClientSecurityFrom(
+        {.cert_file = identity.cert, .key_file = identity.key, .ca_file = pki.ca()});
+    EXPECT_TRUE(security.ok()) << security.status();
+    return v1::IndexerService::NewStub(
+        NewChannel(absl::StrCat("127.0.0.1:", port), security.value_or(ClientSecurity{})));
+  };
+  auto a = stub_of(a_cert), b = stub_of(b_cert), coordinator = stub_of(operator_cert);
+  // attention-a creates sequence 7.
+  {
+    grpc::ClientContext context;
+    v1::CreateSequenceRequest create;
+    create.set_sequence_id(7);
+    create.set_num_layers(1);
+    create.set_top_k(4);
+    v1::CreateSequenceResponse created;
+    const grpc::Status status = a->CreateSequence(&context, create, &created);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  for (auto* stub : {a.get(), b.get(), coordinator.get()}) {
+    grpc::ClientContext context;
+    v1::OpenDataPlaneRequest request;
+    v1::OpenDataPlaneResponse response;
+    const grpc::Status status = stub->OpenDataPlane(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_EQ(callers.size(), 3u);
+  EXPECT_EQ(callers[0].identity, "attention-a");
+  EXPECT_EQ(callers[1].identity, "attention-b");
+  EXPECT_EQ(callers[2].identity, "coordinator");
+  EXPECT_TRUE(callers[0].check_owned(7).ok());
+  const absl::Status theirs = callers[1].check_owned(7);
+  EXPECT_EQ(theirs.code(), absl::StatusCode::kPermissionDenied) << theirs;
+  EXPECT_NE(theirs.message().find("sequence 7 belongs to another caller"), std::string::npos)
+      << theirs;
+  EXPECT_TRUE(callers[1].check_owned(8).ok());  // no owner yet
+  EXPECT_TRUE(callers[2].check_owned(7).ok());  // the operator
+  server->Shutdown();
 }
 
 }  // namespace
