@@ -1,11 +1,20 @@
 #include "server/security.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
+#include <string_view>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -19,9 +28,11 @@
 #include "grpcpp/security/tls_certificate_verifier.h"
 #include "grpcpp/security/tls_credentials_options.h"
 #include "openssl/bio.h"
+#include "openssl/err.h"
 #include "openssl/evp.h"
 #include "openssl/pem.h"
 #include "openssl/x509.h"
+#include "server/log.h"
 
 namespace dsa {
 namespace {
@@ -84,49 +95,112 @@ PkeyPtr ParsePrivateKey(const std::string& pem) {
   return key;
 }
 
-// The first certificate of the PEM file `path` (read for `flag`); INVALID_ARGUMENT when it holds
-// none, ReadFile's errors when it cannot be read.
-absl::StatusOr<X509Ptr> ReadCertificate(const std::string& path, absl::string_view flag) {
-  absl::StatusOr<std::string> pem = ReadFile(path, flag);
-  if (!pem.ok()) return pem.status();
-  X509Ptr cert = ParseCertificate(*pem);
-  if (cert == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " holds no PEM certificate"));
+// How many PEM certificates `pem` holds if every "BEGIN CERTIFICATE" block in it parses, else
+// -1 (a file cut short in the middle of a rewrite fails here).
+int CountCertificates(const std::string& pem) {
+  constexpr std::string_view kBegin = "-----BEGIN CERTIFICATE-----";
+  int blocks = 0;
+  for (size_t at = pem.find(kBegin); at != std::string::npos; at = pem.find(kBegin, at + 1)) {
+    ++blocks;
   }
-  return cert;
+  BIO* bio = BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()));
+  int parsed = 0;
+  while (X509Ptr cert{PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)}) ++parsed;
+  BIO_free(bio);
+  ERR_clear_error();  // the read past the last certificate leaves "no start line"
+  return parsed == blocks ? parsed : -1;
 }
 
-// Checks that `cert_file` holds a PEM certificate and `key_file` the private key of that
-// certificate, so that a wrong file fails the start: gRPC's file watcher does not parse them, and
-// every handshake would fail while the plaintext health port says SERVING.
-absl::Status CheckKeyPair(const std::string& cert_file, const std::string& key_file) {
-  absl::StatusOr<X509Ptr> cert = ReadCertificate(cert_file, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key_pem = ReadFile(key_file, "--tls-key");
-  if (!key_pem.ok()) return key_pem.status();
-  PkeyPtr key = ParsePrivateKey(*key_pem);
-  if (key == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key: ", key_file, " holds no PEM private key"));
+// Checks the bytes read from `files` (key, cert, roots): Start's INVALID_ARGUMENT cases.
+absl::Status CheckPem(const TlsFileStager::Files& files, const std::string& key,
+                      const std::string& cert, const std::string& roots) {
+  if (!files.key_file.empty() && files.cert_file.empty()) {
+    return absl::InvalidArgumentError("--tls-key needs --tls-cert");
   }
-  if (X509_check_private_key(cert->get(), key.get()) != 1) {
+  if (!files.cert_file.empty()) {
+    X509Ptr leaf = ParseCertificate(cert);
+    if (leaf == nullptr || CountCertificates(cert) < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tls-cert: ", files.cert_file, " holds no PEM certificate"));
+    }
+    if (!files.key_file.empty()) {
+      PkeyPtr private_key = ParsePrivateKey(key);
+      ERR_clear_error();
+      if (private_key == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--tls-key: ", files.key_file, " holds no PEM private key"));
+      }
+      if (X509_check_private_key(leaf.get(), private_key.get()) != 1) {
+        ERR_clear_error();
+        return absl::InvalidArgumentError(absl::StrCat("--tls-key: ", files.key_file,
+                                                       " is not the private key of --tls-cert ",
+                                                       files.cert_file));
+      }
+    }
+  }
+  if (!files.root_file.empty() && CountCertificates(roots) < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key: ", key_file, " is not the private key of --tls-cert ", cert_file));
+        absl::StrCat(files.root_flag, ": ", files.root_file, " holds no PEM certificate"));
   }
   return absl::OkStatus();
 }
 
-// Checks that `ca_file` (read for `flag`) holds at least one PEM certificate.
-absl::Status CheckCaBundle(const std::string& ca_file, absl::string_view flag) {
-  return ReadCertificate(ca_file, flag).status();
+// Writes `bytes` to the new file `path`, readable by this user only.
+absl::Status WriteNewFile(const std::string& path, const std::string& bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("cannot create ", path, ": ", std::strerror(errno)));
+  }
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = errno;
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
-// Watches the files (empty paths: not watched) and re-reads them every `interval_s`.
-std::shared_ptr<grpc::experimental::CertificateProviderInterface> WatchFiles(
-    const std::string& key_file, const std::string& cert_file, const std::string& root_file,
-    int interval_s) {
+// The stagers behind the process's credentials, kept until the process exits: gRPC reads their
+// files for as long as the credentials it made live, which no call here sees the end of. Their
+// folders are removed at exit.
+absl::Mutex kept_mu(absl::kConstInit);
+std::vector<std::unique_ptr<TlsFileStager>>* kept_stagers ABSL_GUARDED_BY(kept_mu) = nullptr;
+
+void RemoveKeptFolders() {
+  absl::MutexLock lock(&kept_mu);
+  std::error_code ignored;
+  for (const auto& stager : *kept_stagers) std::filesystem::remove_all(stager->folder(), ignored);
+}
+
+TlsFileStager::Files Keep(std::unique_ptr<TlsFileStager> stager) {
+  TlsFileStager::Files staged = stager->staged();
+  absl::MutexLock lock(&kept_mu);
+  if (kept_stagers == nullptr) {
+    kept_stagers = new std::vector<std::unique_ptr<TlsFileStager>>();
+    std::atexit(RemoveKeptFolders);
+  }
+  kept_stagers->push_back(std::move(stager));
+  return staged;
+}
+
+// Checked copies of `files`, re-read every `interval_s`, watched by gRPC's file watcher at the
+// same interval.
+absl::StatusOr<std::shared_ptr<grpc::experimental::CertificateProviderInterface>> WatchFiles(
+    const TlsFileStager::Files& files, int interval_s) {
+  absl::StatusOr<std::unique_ptr<TlsFileStager>> stager =
+      TlsFileStager::Start(files, absl::Seconds(interval_s));
+  if (!stager.ok()) return stager.status();
+  const TlsFileStager::Files staged = Keep(*std::move(stager));
   return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      key_file, cert_file, root_file, static_cast<unsigned int>(interval_s));
+      staged.key_file, staged.cert_file, staged.root_file, static_cast<unsigned int>(interval_s));
 }
 
 // Constant-time equality of two strings of any length (the length itself is not secret).
@@ -169,6 +243,124 @@ void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves) {
       ->capture_default_str();
 }
 
+TlsFileStager::TlsFileStager(Files sources, std::string dir)
+    : sources_(std::move(sources)), dir_(std::move(dir)) {
+  const std::string current = dir_ + "/current/";
+  staged_.key_file = sources_.key_file.empty() ? "" : current + "key.pem";
+  staged_.cert_file = sources_.cert_file.empty() ? "" : current + "cert.pem";
+  staged_.root_file = sources_.root_file.empty() ? "" : current + "roots.pem";
+  staged_.root_flag = sources_.root_flag;
+}
+
+absl::StatusOr<std::unique_ptr<TlsFileStager>> TlsFileStager::Start(const Files& sources,
+                                                                    absl::Duration interval) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern =
+      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/dsa-tls-XXXXXX");
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot make a folder for the TLS files: ", pattern,
+                                            ": ", std::strerror(errno)));
+  }
+  std::unique_ptr<TlsFileStager> stager(new TlsFileStager(sources, pattern));
+  if (absl::Status first = stager->Refresh(); !first.ok()) return first;  // the folder goes too
+  if (interval > absl::ZeroDuration()) {
+    stager->thread_ = std::thread([s = stager.get(), interval] { s->Run(interval); });
+  }
+  return stager;
+}
+
+TlsFileStager::~TlsFileStager() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  std::error_code ignored;
+  std::filesystem::remove_all(dir_, ignored);
+}
+
+int64_t TlsFileStager::generation() const {
+  absl::MutexLock lock(&mu_);
+  return generation_;
+}
+
+absl::Status TlsFileStager::Refresh() {
+  std::string key, cert, roots;
+  for (auto [path, flag, bytes] :
+       {std::tuple{&sources_.cert_file, absl::string_view("--tls-cert"), &cert},
+        std::tuple{&sources_.key_file, absl::string_view("--tls-key"), &key},
+        std::tuple{&sources_.root_file, absl::string_view(sources_.root_flag), &roots}}) {
+    if (path->empty()) continue;
+    absl::StatusOr<std::string> read = ReadFile(*path, flag);
+    if (!read.ok()) return read.status();
+    *bytes = *std::move(read);
+  }
+  absl::MutexLock lock(&mu_);
+  if (generation_ > 0 && key == key_ && cert == cert_ && roots == roots_) return absl::OkStatus();
+  if (absl::Status checked = CheckPem(sources_, key, cert, roots); !checked.ok()) return checked;
+  return StageLocked(key, cert, roots);
+}
+
+absl::Status TlsFileStager::StageLocked(const std::string& key, const std::string& cert,
+                                        const std::string& roots) {
+  const int64_t next = generation_ + 1;
+  const std::string version = absl::StrCat("v", next);
+  const std::string folder = absl::StrCat(dir_, "/", version);
+  if (::mkdir(folder.c_str(), 0700) != 0) {
+    return absl::InternalError(absl::StrCat("cannot make ", folder, ": ", std::strerror(errno)));
+  }
+  for (auto [source, name, bytes] : {std::tuple{&sources_.key_file, "key.pem", &key},
+                                     std::tuple{&sources_.cert_file, "cert.pem", &cert},
+                                     std::tuple{&sources_.root_file, "roots.pem", &roots}}) {
+    if (source->empty()) continue;
+    if (absl::Status written = WriteNewFile(absl::StrCat(folder, "/", name), *bytes);
+        !written.ok()) {
+      return written;
+    }
+  }
+  // The swap: a new link renamed over "current", so a reader sees the old folder or the new one.
+  const std::string link = dir_ + "/current.new";
+  ::unlink(link.c_str());
+  if (::symlink(version.c_str(), link.c_str()) != 0 ||
+      ::rename(link.c_str(), (dir_ + "/current").c_str()) != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot point ", dir_, "/current at ", version, ": ", std::strerror(errno)));
+  }
+  // The folder before the previous one: no reload still reads it.
+  std::error_code ignored;
+  if (next > 2) std::filesystem::remove_all(absl::StrCat(dir_, "/v", next - 2), ignored);
+  generation_ = next;
+  key_ = key;
+  cert_ = cert;
+  roots_ = roots;
+  return absl::OkStatus();
+}
+
+void TlsFileStager::Run(absl::Duration interval) {
+  std::string last_refusal;
+  while (true) {
+    mu_.LockWhenWithTimeout(absl::Condition(&stop_), interval);
+    const bool stopped = stop_;
+    mu_.Unlock();
+    if (stopped) return;
+    const int64_t before = generation();
+    const absl::Status refreshed = Refresh();
+    if (!refreshed.ok()) {
+      if (refreshed.ToString() != last_refusal) {
+        last_refusal = refreshed.ToString();
+        LogJson("warn", "TLS files not reloaded: the last good ones stay in use",
+                {{"status", last_refusal}});
+      }
+      continue;
+    }
+    last_refusal.clear();
+    if (generation() != before) {
+      LogJson("info", "TLS files reloaded",
+              {{"cert", sources_.cert_file}, {"ca", sources_.root_file}});
+    }
+  }
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     const TlsFlags& flags) {
   if (absl::Status pair = CheckPair(flags); !pair.ok()) return pair;
@@ -179,14 +371,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     }
     return grpc::InsecureServerCredentials();
   }
-  if (absl::Status pair = CheckKeyPair(flags.cert_file, flags.key_file); !pair.ok()) return pair;
-  if (!flags.client_ca_file.empty()) {
-    if (absl::Status ca = CheckCaBundle(flags.client_ca_file, "--tls-client-ca"); !ca.ok()) {
-      return ca;
-    }
-  }
-  grpc::experimental::TlsServerCredentialsOptions options(WatchFiles(
-      flags.key_file, flags.cert_file, flags.client_ca_file, flags.tls_reload_interval_s));
+  absl::StatusOr<std::shared_ptr<grpc::experimental::CertificateProviderInterface>> provider =
+      WatchFiles({.key_file = flags.key_file,
+                  .cert_file = flags.cert_file,
+                  .root_file = flags.client_ca_file,
+                  .root_flag = "--tls-client-ca"},
+                 flags.tls_reload_interval_s);
+  if (!provider.ok()) return provider.status();
+  grpc::experimental::TlsServerCredentialsOptions options(*provider);
   options.watch_identity_key_cert_pairs();
   options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   if (!flags.client_ca_file.empty()) {
@@ -210,13 +402,15 @@ absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
     }
     return security;  // plaintext; a client certificate here only serves this process's port
   }
-  if (absl::Status ca = CheckCaBundle(flags.ca_file, "--tls-ca"); !ca.ok()) return ca;
-  if (!flags.cert_file.empty()) {
-    if (absl::Status pair = CheckKeyPair(flags.cert_file, flags.key_file); !pair.ok()) return pair;
-  }
+  absl::StatusOr<std::shared_ptr<grpc::experimental::CertificateProviderInterface>> provider =
+      WatchFiles({.key_file = flags.key_file,
+                  .cert_file = flags.cert_file,
+                  .root_file = flags.ca_file,
+                  .root_flag = "--tls-ca"},
+                 flags.tls_reload_interval_s);
+  if (!provider.ok()) return provider.status();
   grpc::experimental::TlsChannelCredentialsOptions options;
-  options.set_certificate_provider(
-      WatchFiles(flags.key_file, flags.cert_file, flags.ca_file, flags.tls_reload_interval_s));
+  options.set_certificate_provider(*provider);
   options.watch_root_certs();
   if (!flags.cert_file.empty()) options.watch_identity_key_cert_pairs();
   // The server's certificate must chain to ca_file and hold the name dialed (or server_name).

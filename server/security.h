@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 
@@ -37,16 +39,81 @@ struct TlsFlags {
 /// --tls-client-ca.
 void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves);
 
+/// Checked copies of a process's TLS files, which gRPC's file watcher
+/// (FileWatcherCertificateProvider) reads in their place. The watcher takes whatever a reload
+/// reads: a certificate file read in the middle of a rewrite (empty) makes gRPC 1.51 abort the
+/// process, and a wrong certificate or key makes every handshake fail. The stager reads the files
+/// itself and checks them: the certificate file holds a PEM certificate, the key file the private
+/// key of that certificate, the CA bundle at least one PEM certificate. Only then are they
+/// copied, into a new version folder of a private folder (mode 0700 under $TMPDIR), and the link
+/// "current" that gRPC reads through is renamed over to it (as the kubelet swaps a Secret's
+/// folder). Files that fail the check are not copied: the last good ones stay in use.
+/// Thread-safe.
+class TlsFileStager {
+ public:
+  /// PEM files, each "" for none; a key goes with a certificate.
+  struct Files {
+    std::string key_file;
+    std::string cert_file;
+    std::string root_file;
+    /// The flag that names root_file, for messages ("--tls-client-ca" or "--tls-ca").
+    std::string root_flag = "--tls-ca";
+  };
+
+  /// Checks and stages `sources`. With `interval` > 0 a thread refreshes every `interval`
+  /// (logging a refused reload once per change of its reason, "warn", and a staged one, "info")
+  /// until destruction. Errors: INVALID_ARGUMENT for a file that holds no PEM certificate (key),
+  /// a key that is not the certificate's, a key without a certificate; NOT_FOUND /
+  /// PERMISSION_DENIED / FAILED_PRECONDITION for a file that cannot be read (each naming the
+  /// flag and path); INTERNAL when the private folder cannot be written.
+  static absl::StatusOr<std::unique_ptr<TlsFileStager>> Start(const Files& sources,
+                                                              absl::Duration interval);
+  /// Stops the thread and removes the private folder.
+  ~TlsFileStager();
+  TlsFileStager(const TlsFileStager&) = delete;
+  TlsFileStager& operator=(const TlsFileStager&) = delete;
+
+  /// The paths gRPC reads (through the "current" link); "" where the source is "". root_flag
+  /// as given.
+  const Files& staged() const { return staged_; }
+  /// The private folder (removed with this object).
+  const std::string& folder() const { return dir_; }
+
+  /// Reads the sources again: OK when they are unchanged or were staged anew; Start's errors when
+  /// they fail the check (nothing is copied and the last good files stay).
+  absl::Status Refresh();
+
+  /// How many times files were staged: 1 after Start, one more per change staged.
+  int64_t generation() const;
+
+ private:
+  TlsFileStager(Files sources, std::string dir);
+  absl::Status StageLocked(const std::string& key, const std::string& cert,
+                           const std::string& roots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Run(absl::Duration interval);
+
+  const Files sources_;
+  const std::string dir_;
+  Files staged_;
+  mutable absl::Mutex mu_;
+  int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string key_ ABSL_GUARDED_BY(mu_);  // the staged bytes
+  std::string cert_ ABSL_GUARDED_BY(mu_);
+  std::string roots_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 /// The credentials of a server's gRPC port: insecure when `flags` names no certificate; TLS with
 /// cert_file and key_file; and, with client_ca_file, client certificates required and verified
-/// against it (mutual TLS). The files are read again every tls_reload_interval_s (gRPC's
-/// FileWatcherCertificateProvider): new handshakes use what they hold then; a file that has become
-/// unreadable keeps the last contents read, but a readable file that holds a wrong certificate
-/// or key is used, and handshakes fail until it is right again (renew by swapping the folder, as
-/// the kubelet does a Secret's). Errors: INVALID_ARGUMENT for a certificate without its key (or
-/// the reverse), a client CA without a certificate, a reload interval below 1, a file that holds
-/// no PEM certificate (key), a key that is not the certificate's; NOT_FOUND / PERMISSION_DENIED
-/// for a file that cannot be read now (naming the flag and path).
+/// against it (mutual TLS). The files are read again every tls_reload_interval_s and checked
+/// (TlsFileStager, which the process keeps until it exits): new handshakes use what they held at
+/// the last read that passed; a file that became unreadable, empty or wrong (a certificate
+/// without its key yet) leaves the last good ones in use. Errors: INVALID_ARGUMENT for a
+/// certificate without its key (or the reverse), a client CA without a certificate, a reload
+/// interval below 1, a file that holds no PEM certificate (key), a key that is not the
+/// certificate's; NOT_FOUND / PERMISSION_DENIED for a file that cannot be read now (naming the
+/// flag and path); INTERNAL when the checked copies cannot be written.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     const TlsFlags& flags);
 

@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/registry.h"
+#include "server/log.h"
 #include "server/security.h"
 #include "server/version.h"
 
@@ -70,22 +71,6 @@ CLI::Validator HostPortValidator(int min_port, bool allow_empty);
 /// command line, then the config file, then the environment, then the default. A DSA_CONFIG or
 /// --config file that does not exist, or a key in it that is no flag, fails the parse, naming it.
 void AddFlagSources(CLI::App& app, const std::string& binary);
-
-/// The log levels of LogJson, lowest first.
-enum class LogLevel { kDebug = 0, kInfo = 1, kWarn = 2, kError = 3 };
-
-/// Lines below `level` are dropped from then on (thread-safe). Returns false, changing nothing,
-/// for a name other than "debug", "info", "warn" or "error".
-bool SetLogLevel(const std::string& level);
-
-/// Whether LogJson would write a line at `level` now (to skip building its fields when not).
-bool LogLevelEnabled(const char* level);
-
-/// One structured log line on stderr: {"ts": RFC 3339 UTC time with microseconds, "level", "msg",
-/// fields...}, unless `level` ("debug", "info", "warn" or "error"; anything else counts as
-/// "error") is below SetLogLevel's. Invalid UTF-8 in a field is replaced, never thrown on.
-/// Thread-safe (one fprintf per line).
-void LogJson(const char* level, const char* msg, nlohmann::json fields = nlohmann::json::object());
 
 /// "host:port" with the port replaced by `port`.
 std::string AddressWithPort(const std::string& address, int port);

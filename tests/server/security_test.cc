@@ -5,6 +5,8 @@
 #include "server/security.h"
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -216,8 +218,7 @@ bool Eventually(bool connect, const std::string& address, const ClientSecurity& 
 }
 
 // Puts `from`'s certificate and key in `to`'s files as a renewal does: each file written beside
-// and renamed over the old one, so that a reload never reads a half-written file (gRPC 1.51
-// aborts the process on an empty certificate file: docs/deploy.md).
+// and renamed over the old one (a reload may still read the new certificate with the old key).
 void Install(const testing::TestIdentity& from, const testing::TestIdentity& to) {
   const auto overwrite = std::filesystem::copy_options::overwrite_existing;
   for (const auto& [source, target] :
@@ -319,6 +320,130 @@ TEST(CredentialsTest, AWrongCertificateOrKeyFailsAtStart) {
   good.key_file = a.key;
   good.client_ca_file = pki.ca();
   EXPECT_TRUE(ServerCredentialsFrom(good).ok());
+}
+
+// The bytes of `path` ("" when it cannot be read).
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Overwrites `path` in place with `bytes` (truncate, then write), as a careless renewal does.
+void Overwrite(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// The stager hands gRPC only files that pass the check: an emptied certificate, one cut short,
+// one whose key has not arrived yet and a deleted file leave the last good files staged; the
+// whole renewed pair is staged; the folder goes with the stager.
+TEST(TlsFileStagerTest, FilesThatFailTheCheckLeaveTheLastGoodOnesStaged) {
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  const testing::TestIdentity a = pki.Issue("a");
+  const testing::TestIdentity b = pki.Issue("b");
+  ASSERT_FALSE(b.cert.empty());
+  const testing::TestIdentity served{pki.dir() + "/served.crt", pki.dir() + "/served.key"};
+  Install(a, served);
+  const std::string roots = pki.dir() + "/roots.crt";
+  std::filesystem::copy_file(pki.ca(), roots);
+  auto stager = TlsFileStager::Start(
+      {.key_file = served.key, .cert_file = served.cert, .root_file = roots}, absl::ZeroDuration());
+  ASSERT_TRUE(stager.ok()) << stager.status();
+  const TlsFileStager::Files staged = (*stager)->staged();
+  EXPECT_EQ((*stager)->generation(), 1);
+  EXPECT_EQ(Slurp(staged.cert_file), Slurp(a.cert));
+  EXPECT_EQ(Slurp(staged.key_file), Slurp(a.key));
+  EXPECT_EQ(Slurp(staged.root_file), Slurp(pki.ca()));
+  EXPECT_EQ(
+      std::filesystem::status((*stager)->folder()).permissions() & std::filesystem::perms::all,
+      std::filesystem::perms::owner_all);
+  EXPECT_TRUE((*stager)->Refresh().ok());  // unchanged
+  EXPECT_EQ((*stager)->generation(), 1);
+
+  const std::string a_cert = Slurp(a.cert);
+  struct Case {
+    const char* what;
+    std::string cert;
+    std::string message;
+  };
+  const std::vector<Case> refused = {
+      {"empty", "", " holds no PEM certificate"},
+      {"cut short", a_cert.substr(0, a_cert.size() / 2), " holds no PEM certificate"},
+      {"b's certificate before b's key", Slurp(b.cert), " is not the private key of --tls-cert "},
+  };
+  for (const Case& c : refused) {
+    Overwrite(served.cert, c.cert);
+    const absl::Status status = (*stager)->Refresh();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << status;
+    EXPECT_THAT(status.message(), HasSubstr(c.message)) << c.what;
+    EXPECT_EQ((*stager)->generation(), 1) << c.what;
+    EXPECT_EQ(Slurp(staged.cert_file), a_cert) << c.what;
+  }
+  Overwrite(served.cert, a_cert);
+  Overwrite(roots, "");
+  EXPECT_THAT((*stager)->Refresh().message(), HasSubstr("--tls-ca: " + roots));
+  std::filesystem::copy_file(pki.ca(), roots, std::filesystem::copy_options::overwrite_existing);
+  Overwrite(served.cert, Slurp(b.cert));
+  std::filesystem::remove(served.key);
+  EXPECT_EQ((*stager)->Refresh().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Slurp(staged.key_file), Slurp(a.key));
+
+  // b's key arrives: the pair is staged, through the same paths.
+  std::filesystem::copy_file(b.key, served.key);
+  ASSERT_TRUE((*stager)->Refresh().ok());
+  EXPECT_EQ((*stager)->generation(), 2);
+  EXPECT_EQ(Slurp(staged.cert_file), Slurp(b.cert));
+  EXPECT_EQ(Slurp(staged.key_file), Slurp(b.key));
+  Install(a, served);
+  ASSERT_TRUE((*stager)->Refresh().ok());
+  EXPECT_EQ((*stager)->generation(), 3);
+  EXPECT_EQ(Slurp(staged.cert_file), a_cert);
+
+  const std::string folder = (*stager)->folder();
+  stager->reset();
+  EXPECT_FALSE(std::filesystem::exists(folder));
+}
+
+// End to end: a server whose certificate file is emptied, then overwritten with another CA's
+// certificate before its key, goes on serving its last good certificate (gRPC's file watcher alone
+// took the wrong pair, and every handshake failed until it was right; an empty file could abort
+// the process). The renewed pair is then taken (new connections refused: another CA's).
+TEST(CredentialsTest, AnEmptyOrHalfRenewedCertificateAtAReloadLeavesTheLastGoodOneServed) {
+  testing::TestPki pki;
+  ASSERT_TRUE(pki.ok());
+  const testing::TestIdentity server_cert = pki.Issue("server");
+  const testing::TestIdentity foreign = pki.Issue("server", /*by_wrong_ca=*/true);
+  ASSERT_FALSE(foreign.cert.empty());
+  const testing::TestIdentity served{pki.dir() + "/served.crt", pki.dir() + "/served.key"};
+  Install(server_cert, served);
+  TlsFlags server_flags;
+  server_flags.cert_file = served.cert;
+  server_flags.key_file = served.key;
+  server_flags.tls_reload_interval_s = 1;
+  auto credentials = ServerCredentialsFrom(server_flags);
+  ASSERT_TRUE(credentials.ok()) << credentials.status();
+  dsa::indexer::v1::IndexerService::Service unimplemented;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
+  builder.RegisterService(&unimplemented);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  TlsFlags client_flags;
+  client_flags.ca_file = pki.ca();
+  absl::StatusOr<ClientSecurity> client = ClientSecurityFrom(client_flags);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE(Connects(address, *client));
+  for (const std::string& cert : {std::string(), Slurp(foreign.cert)}) {
+    Overwrite(served.cert, cert);
+    absl::SleepFor(absl::Milliseconds(2500));  // two reloads of the stager and of gRPC's watcher
+    EXPECT_TRUE(Connects(address, *client)) << "after a reload read " << cert.size() << " bytes";
+  }
+  Install(foreign, served);
+  EXPECT_TRUE(Eventually(false, address, *client, absl::Seconds(20)))
+      << "the renewed pair was not taken";
+  server->Shutdown();
 }
 
 TEST(CredentialsTest, AReloadIntervalBelowOneSecondIsRefused) {
