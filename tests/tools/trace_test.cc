@@ -2,10 +2,13 @@
 // number, and the real Mooncake and Azure traces the repository carries (data/traces/).
 #include "tools/dsa/trace.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -120,7 +123,12 @@ TEST(AzureTrace, MalformedRowsAreInvalidArgument) {
 
 TEST(TraceFile, UnknownPathAndExtension) {
   EXPECT_EQ(ReadTraceFile("/nonexistent/trace.jsonl").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(ReadTraceFile(__FILE__).status().code(), absl::StatusCode::kInvalidArgument);
+  // A readable file whose extension is neither .jsonl nor .csv.
+  const std::filesystem::path other = std::filesystem::temp_directory_path() /
+                                      ("dsa-trace-test-" + std::to_string(::getpid()) + ".txt");
+  std::ofstream(other) << "not a trace\n";
+  EXPECT_EQ(ReadTraceFile(other.string()).status().code(), absl::StatusCode::kInvalidArgument);
+  std::filesystem::remove(other);
 }
 
 // The real traces, with the figures data/README.md gives for them.
