@@ -107,40 +107,71 @@ int CountCertificates(const std::string& pem) {
   int parsed = 0;
   while (X509Ptr cert{PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)}) ++parsed;
   BIO_free(bio);
-  ERR_clear_error();  // the read past the last certificate leaves "no start line"
   return parsed == blocks ? parsed : -1;
 }
 
 // Checks the bytes read from `files` (key, cert, roots): Start's INVALID_ARGUMENT cases.
 absl::Status CheckPem(const TlsFileStager::Files& files, const std::string& key,
                       const std::string& cert, const std::string& roots) {
+  // The parses leave errors on this thread's OpenSSL queue (a read past the last certificate:
+  // "no start line"); they are dropped on return, and errors queued before are kept.
+  struct ErrorMark {
+    ErrorMark() { ERR_set_mark(); }
+    ~ErrorMark() { ERR_pop_to_mark(); }
+    ErrorMark(const ErrorMark&) = delete;
+    ErrorMark& operator=(const ErrorMark&) = delete;
+  } mark;
   if (!files.key_file.empty() && files.cert_file.empty()) {
     return absl::InvalidArgumentError("--tls-key needs --tls-cert");
   }
   if (!files.cert_file.empty()) {
     X509Ptr leaf = ParseCertificate(cert);
-    if (leaf == nullptr || CountCertificates(cert) < 1) {
+    if (leaf == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tls-cert: ", files.cert_file, " holds no PEM certificate"));
     }
+    if (CountCertificates(cert) < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--tls-cert: ", files.cert_file, " holds a certificate block that does not parse"));
+    }
     if (!files.key_file.empty()) {
       PkeyPtr private_key = ParsePrivateKey(key);
-      ERR_clear_error();
       if (private_key == nullptr) {
         return absl::InvalidArgumentError(
             absl::StrCat("--tls-key: ", files.key_file, " holds no PEM private key"));
       }
       if (X509_check_private_key(leaf.get(), private_key.get()) != 1) {
-        ERR_clear_error();
         return absl::InvalidArgumentError(absl::StrCat("--tls-key: ", files.key_file,
                                                        " is not the private key of --tls-cert ",
                                                        files.cert_file));
       }
     }
   }
-  if (!files.root_file.empty() && CountCertificates(roots) < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(files.root_flag, ": ", files.root_file, " holds no PEM certificate"));
+  if (!files.root_file.empty()) {
+    if (ParseCertificate(roots) == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(files.root_flag, ": ", files.root_file, " holds no PEM certificate"));
+    }
+    if (CountCertificates(roots) < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(files.root_flag, ": ", files.root_file,
+                       " holds a certificate block that does not parse"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Reads the files of `files` that are named (cert, then key, then roots).
+absl::Status ReadSources(const TlsFileStager::Files& files, std::string* key, std::string* cert,
+                         std::string* roots) {
+  for (auto [path, flag, bytes] :
+       {std::tuple{&files.cert_file, absl::string_view("--tls-cert"), cert},
+        std::tuple{&files.key_file, absl::string_view("--tls-key"), key},
+        std::tuple{&files.root_file, absl::string_view(files.root_flag), roots}}) {
+    if (path->empty()) continue;
+    absl::StatusOr<std::string> read = ReadFile(*path, flag);
+    if (!read.ok()) return read.status();
+    *bytes = *std::move(read);
   }
   return absl::OkStatus();
 }
@@ -176,8 +207,7 @@ std::vector<std::unique_ptr<TlsFileStager>>* kept_stagers ABSL_GUARDED_BY(kept_m
 
 void RemoveKeptFolders() {
   absl::MutexLock lock(&kept_mu);
-  std::error_code ignored;
-  for (const auto& stager : *kept_stagers) std::filesystem::remove_all(stager->folder(), ignored);
+  for (const auto& stager : *kept_stagers) stager->StopAndRemoveFolder();
 }
 
 TlsFileStager::Files Keep(std::unique_ptr<TlsFileStager> stager) {
@@ -197,10 +227,20 @@ absl::StatusOr<std::shared_ptr<grpc::experimental::CertificateProviderInterface>
     const TlsFileStager::Files& files, int interval_s) {
   absl::StatusOr<std::unique_ptr<TlsFileStager>> stager =
       TlsFileStager::Start(files, absl::Seconds(interval_s));
-  if (!stager.ok()) return stager.status();
-  const TlsFileStager::Files staged = Keep(*std::move(stager));
+  TlsFileStager::Files watched = files;
+  if (stager.ok()) {
+    watched = Keep(*std::move(stager));
+  } else if (stager.status().code() == absl::StatusCode::kInternal) {
+    // No folder to stage in (a read-only file system without /dev/shm or /tmp): the files,
+    // checked once by Start, are watched directly, as gRPC alone does.
+    LogJson("warn", "TLS files watched without checks at reload: no folder for checked copies",
+            {{"status", stager.status().ToString()}});
+  } else {
+    return stager.status();
+  }
   return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-      staged.key_file, staged.cert_file, staged.root_file, static_cast<unsigned int>(interval_s));
+      watched.key_file, watched.cert_file, watched.root_file,
+      static_cast<unsigned int>(interval_s));
 }
 
 // Constant-time equality of two strings of any length (the length itself is not secret).
@@ -254,14 +294,32 @@ TlsFileStager::TlsFileStager(Files sources, std::string dir)
 
 absl::StatusOr<std::unique_ptr<TlsFileStager>> TlsFileStager::Start(const Files& sources,
                                                                     absl::Duration interval) {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern =
-      absl::StrCat(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/dsa-tls-XXXXXX");
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    return absl::InternalError(absl::StrCat("cannot make a folder for the TLS files: ", pattern,
-                                            ": ", std::strerror(errno)));
+  // The files are checked before any folder is made, so that a wrong file is named as such.
+  {
+    std::string key, cert, roots;
+    if (absl::Status read = ReadSources(sources, &key, &cert, &roots); !read.ok()) return read;
+    if (absl::Status checked = CheckPem(sources, key, cert, roots); !checked.ok()) return checked;
   }
-  std::unique_ptr<TlsFileStager> stager(new TlsFileStager(sources, pattern));
+  // Memory first (the pods' /dev/shm is a Memory emptyDir): the copies hold the private key.
+  std::vector<std::string> parents = {"/dev/shm"};
+  if (const char* tmp = std::getenv("TMPDIR"); tmp != nullptr && *tmp != '\0') {
+    parents.emplace_back(tmp);
+  }
+  parents.emplace_back("/tmp");
+  std::string folder;
+  std::string refused;
+  for (const std::string& parent : parents) {
+    std::string pattern = parent + "/dsa-tls-XXXXXX";
+    if (::mkdtemp(pattern.data()) != nullptr) {
+      folder = pattern;
+      break;
+    }
+    absl::StrAppend(&refused, refused.empty() ? "" : "; ", parent, ": ", std::strerror(errno));
+  }
+  if (folder.empty()) {
+    return absl::InternalError(absl::StrCat("no folder for the checked TLS files (", refused, ")"));
+  }
+  std::unique_ptr<TlsFileStager> stager(new TlsFileStager(sources, folder));
   if (absl::Status first = stager->Refresh(); !first.ok()) return first;  // the folder goes too
   if (interval > absl::ZeroDuration()) {
     stager->thread_ = std::thread([s = stager.get(), interval] { s->Run(interval); });
@@ -270,11 +328,13 @@ absl::StatusOr<std::unique_ptr<TlsFileStager>> TlsFileStager::Start(const Files&
 }
 
 TlsFileStager::~TlsFileStager() {
-  {
-    absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
+  StopAndRemoveFolder();
   if (thread_.joinable()) thread_.join();
+}
+
+void TlsFileStager::StopAndRemoveFolder() {
+  absl::MutexLock lock(&mu_);
+  stop_ = true;
   std::error_code ignored;
   std::filesystem::remove_all(dir_, ignored);
 }
@@ -285,17 +345,11 @@ int64_t TlsFileStager::generation() const {
 }
 
 absl::Status TlsFileStager::Refresh() {
+  absl::MutexLock refreshing(&refresh_mu_);  // one read and stage at a time, in order
   std::string key, cert, roots;
-  for (auto [path, flag, bytes] :
-       {std::tuple{&sources_.cert_file, absl::string_view("--tls-cert"), &cert},
-        std::tuple{&sources_.key_file, absl::string_view("--tls-key"), &key},
-        std::tuple{&sources_.root_file, absl::string_view(sources_.root_flag), &roots}}) {
-    if (path->empty()) continue;
-    absl::StatusOr<std::string> read = ReadFile(*path, flag);
-    if (!read.ok()) return read.status();
-    *bytes = *std::move(read);
-  }
+  if (absl::Status read = ReadSources(sources_, &key, &cert, &roots); !read.ok()) return read;
   absl::MutexLock lock(&mu_);
+  if (stop_) return absl::CancelledError("the TLS file stager was stopped");
   if (generation_ > 0 && key == key_ && cert == cert_ && roots == roots_) return absl::OkStatus();
   if (absl::Status checked = CheckPem(sources_, key, cert, roots); !checked.ok()) return checked;
   return StageLocked(key, cert, roots);
@@ -306,8 +360,15 @@ absl::Status TlsFileStager::StageLocked(const std::string& key, const std::strin
   const int64_t next = generation_ + 1;
   const std::string version = absl::StrCat("v", next);
   const std::string folder = absl::StrCat(dir_, "/", version);
+  std::error_code ignored;
+  std::filesystem::remove_all(folder, ignored);  // what an earlier failed attempt left
+  auto failed = [&](absl::Status status) {
+    std::filesystem::remove_all(folder, ignored);
+    return status;
+  };
   if (::mkdir(folder.c_str(), 0700) != 0) {
-    return absl::InternalError(absl::StrCat("cannot make ", folder, ": ", std::strerror(errno)));
+    return failed(
+        absl::InternalError(absl::StrCat("cannot make ", folder, ": ", std::strerror(errno))));
   }
   for (auto [source, name, bytes] : {std::tuple{&sources_.key_file, "key.pem", &key},
                                      std::tuple{&sources_.cert_file, "cert.pem", &cert},
@@ -315,7 +376,7 @@ absl::Status TlsFileStager::StageLocked(const std::string& key, const std::strin
     if (source->empty()) continue;
     if (absl::Status written = WriteNewFile(absl::StrCat(folder, "/", name), *bytes);
         !written.ok()) {
-      return written;
+      return failed(written);
     }
   }
   // The swap: a new link renamed over "current", so a reader sees the old folder or the new one.
@@ -323,11 +384,10 @@ absl::Status TlsFileStager::StageLocked(const std::string& key, const std::strin
   ::unlink(link.c_str());
   if (::symlink(version.c_str(), link.c_str()) != 0 ||
       ::rename(link.c_str(), (dir_ + "/current").c_str()) != 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot point ", dir_, "/current at ", version, ": ", std::strerror(errno)));
+    return failed(absl::InternalError(
+        absl::StrCat("cannot point ", dir_, "/current at ", version, ": ", std::strerror(errno))));
   }
   // The folder before the previous one: no reload still reads it.
-  std::error_code ignored;
   if (next > 2) std::filesystem::remove_all(absl::StrCat(dir_, "/v", next - 2), ignored);
   generation_ = next;
   key_ = key;

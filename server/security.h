@@ -60,16 +60,18 @@ class TlsFileStager {
     std::string root_flag = "--tls-ca";
   };
 
-  /// Checks and stages `sources`. With `interval` > 0 a thread refreshes every `interval`
-  /// (logging a refused reload once per change of its reason, "warn", and a staged one, "info")
-  /// until destruction. Errors: INVALID_ARGUMENT for a file that holds no PEM certificate (key),
-  /// a key that is not the certificate's, a key without a certificate; NOT_FOUND /
-  /// PERMISSION_DENIED / FAILED_PRECONDITION for a file that cannot be read (each naming the
-  /// flag and path); INTERNAL when the private folder cannot be written.
+  /// Checks and stages `sources` in a new private folder under /dev/shm (memory: the copies hold
+  /// the private key), else $TMPDIR, else /tmp. With `interval` > 0 a thread refreshes every
+  /// `interval` (logging a refused reload once per change of its reason, "warn", and a staged
+  /// one, "info") until destruction. Errors: INVALID_ARGUMENT for a file that holds no PEM
+  /// certificate (key), a certificate block that does not parse, a key that is not the
+  /// certificate's, a key without a certificate; NOT_FOUND / PERMISSION_DENIED /
+  /// FAILED_PRECONDITION for a file that cannot be read (each naming the flag and path);
+  /// INTERNAL when no folder can be made or written (the files themselves passed).
   static absl::StatusOr<std::unique_ptr<TlsFileStager>> Start(const Files& sources,
                                                               absl::Duration interval);
   /// Stops the thread and removes the private folder.
-  ~TlsFileStager();
+  ~TlsFileStager() ABSL_LOCKS_EXCLUDED(mu_);
   TlsFileStager(const TlsFileStager&) = delete;
   TlsFileStager& operator=(const TlsFileStager&) = delete;
 
@@ -81,20 +83,26 @@ class TlsFileStager {
 
   /// Reads the sources again: OK when they are unchanged or were staged anew; Start's errors when
   /// they fail the check (nothing is copied and the last good files stay).
-  absl::Status Refresh();
+  absl::Status Refresh() ABSL_LOCKS_EXCLUDED(mu_, refresh_mu_);
+
+  /// Ends the refreshes (Refresh answers CANCELLED from then on) and removes the private folder;
+  /// the thread, if any, ends at its next wake-up. For the process's exit, when gRPC no longer
+  /// reads the files.
+  void StopAndRemoveFolder() ABSL_LOCKS_EXCLUDED(mu_);
 
   /// How many times files were staged: 1 after Start, one more per change staged.
-  int64_t generation() const;
+  int64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   TlsFileStager(Files sources, std::string dir);
   absl::Status StageLocked(const std::string& key, const std::string& cert,
                            const std::string& roots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(absl::Duration interval);
+  void Run(absl::Duration interval) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Files sources_;
   const std::string dir_;
   Files staged_;
+  absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // held through a whole Refresh
   mutable absl::Mutex mu_;
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::string key_ ABSL_GUARDED_BY(mu_);  // the staged bytes
@@ -112,8 +120,10 @@ class TlsFileStager {
 /// without its key yet) leaves the last good ones in use. Errors: INVALID_ARGUMENT for a
 /// certificate without its key (or the reverse), a client CA without a certificate, a reload
 /// interval below 1, a file that holds no PEM certificate (key), a key that is not the
-/// certificate's; NOT_FOUND / PERMISSION_DENIED for a file that cannot be read now (naming the
-/// flag and path); INTERNAL when the checked copies cannot be written.
+/// certificate's; NOT_FOUND / PERMISSION_DENIED / FAILED_PRECONDITION for a file that cannot be
+/// read now (naming the flag and path). Where no folder can be had for the checked copies (a
+/// read-only file system without /dev/shm or /tmp), the files are watched directly, checked at
+/// start only, with a warning.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFrom(
     const TlsFlags& flags);
 
@@ -128,11 +138,12 @@ struct ClientSecurity {
 /// The client side of `flags`: TLS verified against ca_file when it is set (the server's
 /// certificate must chain to it and hold the dialed name, or server_name), and the process's
 /// cert_file/key_file presented as its client certificate when both are set; the files are read
-/// again every tls_reload_interval_s, as the server's are; with
-/// `bearer_token`, every call also carries "authorization: Bearer <token>" (gRPC's
+/// again and checked every tls_reload_interval_s, as the server's are (ServerCredentialsFrom);
+/// with `bearer_token`, every call also carries "authorization: Bearer <token>" (gRPC's
 /// AccessTokenCredentials). Errors: INVALID_ARGUMENT for a token or a client certificate
-/// without ca_file (a token never crosses plaintext), half a certificate pair; NOT_FOUND /
-/// PERMISSION_DENIED for a file that cannot be read.
+/// without ca_file (a token never crosses plaintext), half a certificate pair, a file that holds
+/// no PEM certificate (key), a key that is not the certificate's; NOT_FOUND / PERMISSION_DENIED /
+/// FAILED_PRECONDITION for a file that cannot be read.
 absl::StatusOr<ClientSecurity> ClientSecurityFrom(const TlsFlags& flags,
                                                   const std::string& bearer_token = "");
 

@@ -247,18 +247,17 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
   server_options.limits.max_message_bytes =
       std::min(server_options.limits.max_message_bytes, request.max_message_bytes());
 
-  // A worker that opens again has restarted: its old session is gone. Only its own caller may
-  // say so; another caller's claim of the name leaves the session serving.
+  // A worker that opens again has restarted: its old session is gone. Only the caller that
+  // first opened a data plane under the name may say so (the name is that caller's for this
+  // object's lifetime, served or not); another caller's claim changes nothing.
   // Called under mutex_.
   auto held_by_another = [&]() -> absl::Status {
-    for (const Session& session : sessions_) {
-      if (!request.attention_worker().empty() &&
-          session.attention_worker == request.attention_worker() &&
-          session.identity != caller.identity && session.server->serving()) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("attention worker '", request.attention_worker(),
-                         "' has a data plane opened by another caller"));
-      }
+    if (request.attention_worker().empty()) return absl::OkStatus();
+    auto owner = name_owners_.find(request.attention_worker());
+    if (owner != name_owners_.end() && owner->second != caller.identity) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("attention worker '", request.attention_worker(),
+                       "' has a data plane opened by another caller"));
     }
     return absl::OkStatus();
   };
@@ -298,6 +297,9 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
     return held;
   }
   const uint64_t id = next_id_++;
+  if (!request.attention_worker().empty()) {
+    name_owners_.emplace(request.attention_worker(), caller.identity);
+  }
   sessions_.push_back({id, request.attention_worker(), caller.identity, std::move(server)});
   response->set_indexer_cuda_device(options_.link.cuda_device);
   response->set_max_message_bytes(server_options.limits.max_message_bytes);

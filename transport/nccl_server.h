@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -120,7 +121,9 @@ struct NcclDataPlaneOptions {
 };
 
 /// The indexer's data planes: what IndexerServiceImpl::SetDataPlaneOpener gets (Opener()), one
-/// NcclSelectionServer per attention worker. Thread-safe. Destruction stops every server.
+/// NcclSelectionServer per attention worker. Thread-safe. Destruction stops every server; it must
+/// come before the IndexerServiceImpl's, whose owner table the servers' checks
+/// (DataPlaneCaller::check_owned) read.
 class NcclDataPlanes {
  public:
   /// `indexer` and `metrics` (optional) outlive this object.
@@ -134,9 +137,10 @@ class NcclDataPlanes {
   /// message names the field and both values), joins the communicator as rank 1 (UNAVAILABLE if
   /// it does not come up within connect_timeout), starts its server, whose selects are held to
   /// `caller`'s sequences (caller.check_owned). A worker name already served stops its old server
-  /// first (that worker restarted); PERMISSION_DENIED, the old one left serving, when another
-  /// caller (caller.identity) opened it: one caller cannot take over another's attention worker.
-  /// Sessions that ended are dropped.
+  /// first (that worker restarted). A name belongs to the caller (caller.identity) that first
+  /// opened a data plane under it, for this object's lifetime: another caller gets
+  /// PERMISSION_DENIED and nothing changes, so one caller cannot take over or lock out another's
+  /// attention worker. Sessions that ended are dropped.
   absl::Status Open(const dsa::indexer::v1::OpenDataPlaneRequest& request,
                     const DataPlaneCaller& caller,
                     dsa::indexer::v1::OpenDataPlaneResponse* response);
@@ -160,6 +164,7 @@ class NcclDataPlanes {
   mutable std::mutex mutex_;
   uint64_t next_id_ = 1;
   std::vector<Session> sessions_;
+  std::map<std::string, std::string> name_owners_;  // attention worker name -> identity
 };
 
 }  // namespace dsa

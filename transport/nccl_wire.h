@@ -159,7 +159,7 @@ using WireSelectHandler =
     std::function<absl::StatusOr<LayerSelection>(const LayerSelectRequest&, int* groups_applied)>;
 
 /// Whether a caller may select for `sequence_id`: OK, or the refusal (PERMISSION_DENIED from the
-/// indexer's owner table: DataPlaneCaller::check_owned in indexer_service/grpc_service.h).
+/// indexer's owner table: DataPlaneCaller::check_owned in indexer_service/data_plane.h).
 using SequenceOwnerCheck = std::function<absl::Status(uint64_t sequence_id)>;
 
 /// `handler` behind `check_owned`: a request any of whose groups' sequences the check refuses is

@@ -127,6 +127,7 @@ TEST(TraceFile, UnknownPathAndExtension) {
   const std::filesystem::path other = std::filesystem::temp_directory_path() /
                                       ("dsa-trace-test-" + std::to_string(::getpid()) + ".txt");
   std::ofstream(other) << "not a trace\n";
+  ASSERT_TRUE(std::filesystem::exists(other)) << other;
   EXPECT_EQ(ReadTraceFile(other.string()).status().code(), absl::StatusCode::kInvalidArgument);
   std::filesystem::remove(other);
 }

@@ -474,8 +474,17 @@ TEST_F(NcclTransportTest, DataPlanesBelongToTheCallerThatOpenedThem) {
   EXPECT_EQ(second.Await(*not_theirs, absl::InfiniteFuture()).status().code(),
             absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE(second.Close().ok());
-  // attention-a opens attention-0 again (it restarted): its old plane is stopped.
+  // Its server ends once it has read the close message.
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
+       planes.num_serving() > 1 && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(planes.num_serving(), 1);
+  // attention-b still cannot take attention-0, served or not: the name stays attention-a's.
   request.set_attention_worker("attention-0");
+  EXPECT_EQ(planes.Open(request, caller("attention-b", 7), &response).code(),
+            absl::StatusCode::kPermissionDenied);
+  // attention-a opens attention-0 again (it restarted): its old plane is stopped.
   ASSERT_TRUE(planes.Open(request, caller("attention-a", 8), &response).ok());
   EXPECT_EQ(joined.size(), 3u);
   EXPECT_EQ(planes.num_serving(), 1);

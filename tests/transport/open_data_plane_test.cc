@@ -105,8 +105,11 @@ TEST(OpenDataPlaneSecurityTest, TheOpenerGetsTheCallerAndAnOwnerCheckForItsSeque
     callers.push_back(caller);
     return absl::OkStatus();
   });
-  auto credentials = ServerCredentialsFrom(
-      {.cert_file = server_cert.cert, .key_file = server_cert.key, .client_ca_file = pki.ca()});
+  TlsFlags server_flags;
+  server_flags.cert_file = server_cert.cert;
+  server_flags.key_file = server_cert.key;
+  server_flags.client_ca_file = pki.ca();
+  auto credentials = ServerCredentialsFrom(server_flags);
   ASSERT_TRUE(credentials.ok()) << credentials.status();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -115,8 +118,11 @@ TEST(OpenDataPlaneSecurityTest, TheOpenerGetsTheCallerAndAnOwnerCheckForItsSeque
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   ASSERT_NE(server, nullptr);
   auto stub_of = [&](const testing::TestIdentity& identity) {
-    auto security = ClientSecurityFrom(
-        {.cert_file = identity.cert, .key_file = identity.key, .ca_file = pki.ca()});
+    TlsFlags client_flags;
+    client_flags.cert_file = identity.cert;
+    client_flags.key_file = identity.key;
+    client_flags.ca_file = pki.ca();
+    auto security = ClientSecurityFrom(client_flags);
     EXPECT_TRUE(security.ok()) << security.status();
     return v1::IndexerService::NewStub(
         NewChannel(absl::StrCat("127.0.0.1:", port), security.value_or(ClientSecurity{})));
