@@ -7,9 +7,10 @@
 #
 # usage: bash scripts/sanitize.sh            the suites below (CI)
 #        DSA_SANITIZE_TESTS=all bash scripts/sanitize.sh   every host suite, the binaries' too
-# The suites: every engine (indexer, SPIN, top-K, block pool, attention engine, scheduler, the
-# coordinator's engine over in-memory workers), the indexer and attention services in-process, the
-# codec, the transports without a GPU, security, the trace readers.
+# The suites: every host suite but the ones that start the binaries (integration_*,
+# dsa_*_binary_test), which need every binary built under ASan too (DSA_SANITIZE_TESTS=all): the
+# engines, the services in-process, the codec, the transports without a GPU, security, flags, the
+# trace readers, replay and eval.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
@@ -18,7 +19,11 @@ suites="common_fp8_test common_philox_test common_mli_schedule_test common_statu
   indexer_test grpc_service_test transport_grpc_stream_test transport_nccl_wire_test
   attention_engine_test attention_service_test attention_mla_kv_test
   attention_mla_sparse_attention_test coordinator_scheduler_test coordinator_engine_test
-  server_security_test tools_trace_test"
+  server_security_test tools_trace_test
+  attention_pattern_model_test attention_predictor_study_test attention_rotation_cos_sin_test
+  attention_sparse_attention_test coordinator_acceptance_model_test coordinator_migration_test
+  coordinator_service_test coordinator_with_attention_test indexer_device_test server_flags_test
+  tools_eval_test tools_replay_test transport_dsa_indexer_data_plane_test"
 targets=$suites
 regex="^($(echo $suites | tr ' ' '|'))\\."
 if [ "${DSA_SANITIZE_TESTS:-}" = all ]; then targets=""; regex="."; fi
