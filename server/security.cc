@@ -207,7 +207,7 @@ std::vector<std::unique_ptr<TlsFileStager>>* kept_stagers ABSL_GUARDED_BY(kept_m
 
 void RemoveKeptFolders() {
   absl::MutexLock lock(&kept_mu);
-  for (const auto& stager : *kept_stagers) stager->StopAndRemoveFolder();
+  for (const auto& stager : *kept_stagers) stager->Stop();
 }
 
 TlsFileStager::Files Keep(std::unique_ptr<TlsFileStager> stager) {
@@ -327,16 +327,18 @@ absl::StatusOr<std::unique_ptr<TlsFileStager>> TlsFileStager::Start(const Files&
   return stager;
 }
 
-TlsFileStager::~TlsFileStager() {
-  StopAndRemoveFolder();
-  if (thread_.joinable()) thread_.join();
-}
+TlsFileStager::~TlsFileStager() { Stop(); }
 
-void TlsFileStager::StopAndRemoveFolder() {
-  absl::MutexLock lock(&mu_);
-  stop_ = true;
-  std::error_code ignored;
-  std::filesystem::remove_all(dir_, ignored);
+void TlsFileStager::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+  // The thread wakes at once (it waits for stop_); ending it here also ends its OpenSSL state,
+  // which a thread still running at exit would leave behind.
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
 int64_t TlsFileStager::generation() const {

@@ -85,10 +85,9 @@ class TlsFileStager {
   /// they fail the check (nothing is copied and the last good files stay).
   absl::Status Refresh() ABSL_LOCKS_EXCLUDED(mu_, refresh_mu_);
 
-  /// Ends the refreshes (Refresh answers CANCELLED from then on) and removes the private folder;
-  /// the thread, if any, ends at its next wake-up. For the process's exit, when gRPC no longer
-  /// reads the files.
-  void StopAndRemoveFolder() ABSL_LOCKS_EXCLUDED(mu_);
+  /// Ends the refreshes (Refresh answers CANCELLED from then on), removes the private folder and
+  /// joins the thread. Idempotent. For the process's exit, when gRPC no longer reads the files.
+  void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 
   /// How many times files were staged: 1 after Start, one more per change staged.
   int64_t generation() const ABSL_LOCKS_EXCLUDED(mu_);

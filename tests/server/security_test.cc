@@ -410,7 +410,7 @@ TEST(TlsFileStagerTest, FilesThatFailTheCheckLeaveTheLastGoodOnesStaged) {
   }
 
   // Stopped (the process's exit): no more refreshes, the folder is gone.
-  (*stager)->StopAndRemoveFolder();
+  (*stager)->Stop();
   EXPECT_FALSE(std::filesystem::exists((*stager)->folder()));
   Install(b, served);
   EXPECT_EQ((*stager)->Refresh().code(), absl::StatusCode::kCancelled);
