@@ -95,9 +95,11 @@ PkeyPtr ParsePrivateKey(const std::string& pem) {
   return key;
 }
 
-// How many PEM certificates `pem` holds if every "BEGIN CERTIFICATE" block in it parses, else
-// -1 (a file cut short in the middle of a rewrite fails here).
-int CountCertificates(const std::string& pem) {
+// Checks that `pem` (the file `path`, read for `flag`) holds PEM certificates and that every
+// "BEGIN CERTIFICATE" block in it parses (a file cut short in the middle of a rewrite fails here):
+// INVALID_ARGUMENT naming the flag and path otherwise.
+absl::Status CheckCertificates(const std::string& pem, absl::string_view flag,
+                               const std::string& path) {
   constexpr std::string_view kBegin = "-----BEGIN CERTIFICATE-----";
   int blocks = 0;
   for (size_t at = pem.find(kBegin); at != std::string::npos; at = pem.find(kBegin, at + 1)) {
@@ -107,7 +109,14 @@ int CountCertificates(const std::string& pem) {
   int parsed = 0;
   while (X509Ptr cert{PEM_read_bio_X509(bio, nullptr, nullptr, nullptr)}) ++parsed;
   BIO_free(bio);
-  return parsed == blocks ? parsed : -1;
+  if (parsed == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " holds no PEM certificate"));
+  }
+  if (parsed != blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " holds a certificate block that does not parse"));
+  }
+  return absl::OkStatus();
 }
 
 // Checks the bytes read from `files` (key, cert, roots): Start's INVALID_ARGUMENT cases.
@@ -125,16 +134,12 @@ absl::Status CheckPem(const TlsFileStager::Files& files, const std::string& key,
     return absl::InvalidArgumentError("--tls-key needs --tls-cert");
   }
   if (!files.cert_file.empty()) {
-    X509Ptr leaf = ParseCertificate(cert);
-    if (leaf == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--tls-cert: ", files.cert_file, " holds no PEM certificate"));
-    }
-    if (CountCertificates(cert) < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls-cert: ", files.cert_file, " holds a certificate block that does not parse"));
+    if (absl::Status certificates = CheckCertificates(cert, "--tls-cert", files.cert_file);
+        !certificates.ok()) {
+      return certificates;
     }
     if (!files.key_file.empty()) {
+      const X509Ptr leaf = ParseCertificate(cert);
       PkeyPtr private_key = ParsePrivateKey(key);
       if (private_key == nullptr) {
         return absl::InvalidArgumentError(
@@ -148,15 +153,7 @@ absl::Status CheckPem(const TlsFileStager::Files& files, const std::string& key,
     }
   }
   if (!files.root_file.empty()) {
-    if (ParseCertificate(roots) == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(files.root_flag, ": ", files.root_file, " holds no PEM certificate"));
-    }
-    if (CountCertificates(roots) < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(files.root_flag, ": ", files.root_file,
-                       " holds a certificate block that does not parse"));
-    }
+    return CheckCertificates(roots, files.root_flag, files.root_file);
   }
   return absl::OkStatus();
 }

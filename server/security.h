@@ -45,7 +45,7 @@ void AddTlsFlags(CLI::App& app, TlsFlags& flags, bool serves);
 /// process, and a wrong certificate or key makes every handshake fail. The stager reads the files
 /// itself and checks them: the certificate file holds a PEM certificate, the key file the private
 /// key of that certificate, the CA bundle at least one PEM certificate. Only then are they
-/// copied, into a new version folder of a private folder (mode 0700 under $TMPDIR), and the link
+/// copied, into a new version folder of a private folder (mode 0700; where: Start), and the link
 /// "current" that gRPC reads through is renamed over to it (as the kubelet swaps a Secret's
 /// folder). Files that fail the check are not copied: the last good ones stay in use.
 /// Thread-safe.

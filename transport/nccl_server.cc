@@ -300,7 +300,7 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
   if (!request.attention_worker().empty()) {
     name_owners_.emplace(request.attention_worker(), caller.identity);
   }
-  sessions_.push_back({id, request.attention_worker(), caller.identity, std::move(server)});
+  sessions_.push_back({id, request.attention_worker(), std::move(server)});
   response->set_indexer_cuda_device(options_.link.cuda_device);
   response->set_max_message_bytes(server_options.limits.max_message_bytes);
   response->set_data_plane_id(id);

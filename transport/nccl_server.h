@@ -155,7 +155,6 @@ class NcclDataPlanes {
   struct Session {
     uint64_t id = 0;
     std::string attention_worker;
-    std::string identity;  // DataPlaneCaller::identity of its OpenDataPlane
     std::unique_ptr<NcclSelectionServer> server;
   };
   Indexer& indexer_;

@@ -22,6 +22,7 @@
 #include "grpc/grpc.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/testing/loopback_server.h"
 #include "tests/testing/test_pki.h"
 #include "transport/grpc_indexer_client.h"
 
@@ -255,13 +256,10 @@ TEST(CredentialsTest, RenewedCertificatesAreUsedOnNewConnectionsWithoutARestart)
       ServerCredentialsFrom(server_flags);
   ASSERT_TRUE(credentials.ok()) << credentials.status();
   dsa::indexer::v1::IndexerService::Service unimplemented;  // a port needs a service
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
-  builder.RegisterService(&unimplemented);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string address;
+  std::unique_ptr<grpc::Server> server =
+      testing::ServeOnLoopback(&unimplemented, &address, *credentials);
   ASSERT_NE(server, nullptr);
-  const std::string address = absl::StrCat("127.0.0.1:", port);
 
   TlsFlags client_flags;
   client_flags.ca_file = pki.ca();
@@ -443,13 +441,10 @@ TEST(CredentialsTest, AnEmptyOrHalfRenewedCertificateAtAReloadLeavesTheLastGoodO
   auto credentials = ServerCredentialsFrom(server_flags);
   ASSERT_TRUE(credentials.ok()) << credentials.status();
   dsa::indexer::v1::IndexerService::Service unimplemented;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
-  builder.RegisterService(&unimplemented);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string address;
+  std::unique_ptr<grpc::Server> server =
+      testing::ServeOnLoopback(&unimplemented, &address, *credentials);
   ASSERT_NE(server, nullptr);
-  const std::string address = absl::StrCat("127.0.0.1:", port);
   TlsFlags client_flags;
   client_flags.ca_file = pki.ca();
   absl::StatusOr<ClientSecurity> client = ClientSecurityFrom(client_flags);

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
 #include "server/security.h"
+#include "tests/testing/loopback_server.h"
 #include "tests/testing/test_pki.h"
 
 namespace dsa {
@@ -111,11 +111,8 @@ TEST(OpenDataPlaneSecurityTest, TheOpenerGetsTheCallerAndAnOwnerCheckForItsSeque
   server_flags.client_ca_file = pki.ca();
   auto credentials = ServerCredentialsFrom(server_flags);
   ASSERT_TRUE(credentials.ok()) << credentials.status();
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", *credentials, &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string address;
+  std::unique_ptr<grpc::Server> server = testing::ServeOnLoopback(&service, &address, *credentials);
   ASSERT_NE(server, nullptr);
   auto stub_of = [&](const testing::TestIdentity& identity) {
     TlsFlags client_flags;
@@ -124,8 +121,7 @@ TEST(OpenDataPlaneSecurityTest, TheOpenerGetsTheCallerAndAnOwnerCheckForItsSeque
     client_flags.ca_file = pki.ca();
     auto security = ClientSecurityFrom(client_flags);
     EXPECT_TRUE(security.ok()) << security.status();
-    return v1::IndexerService::NewStub(
-        NewChannel(absl::StrCat("127.0.0.1:", port), security.value_or(ClientSecurity{})));
+    return v1::IndexerService::NewStub(NewChannel(address, security.value_or(ClientSecurity{})));
   };
   auto a = stub_of(a_cert), b = stub_of(b_cert), coordinator = stub_of(operator_cert);
   // attention-a creates sequence 7.
