@@ -176,6 +176,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_migrations must be >= 0, got ", options.max_migrations));
   }
+  if (options.hung_worker_checks < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hung_worker_checks must be >= 0, got ", options.hung_worker_checks));
+  }
   if (options.max_pending_events < 2) {
     return absl::InvalidArgumentError("max_pending_events must be >= 2");
   }
@@ -693,6 +697,14 @@ void CoordinatorEngine::RefreshWorkers() {
         continue;
       }
       // A known worker: ready while wanted and healthy (a co-located pair: both halves).
+      std::atomic<int>& unreached_checks = target.attention
+                                               ? attention_[target.slot]->unreached_checks
+                                               : indexers_[target.slot]->unreached_checks;
+      if (Unreached(probe.status)) {
+        ++unreached_checks;
+      } else {
+        unreached_checks = 0;
+      }
       bool healthy = target.wanted && probe.healthy;
       std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
       if (options_.colocated) {
@@ -843,6 +855,15 @@ void CoordinatorEngine::DeliverAdmissionsLocked(std::vector<Admission> admission
 absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
                                                 bool keep_indexer_sequence, absl::Duration timeout,
                                                 const TraceContext* trace) {
+  // The last check of the worker did not reach it: a call would only wait for its deadline.
+  const int unreached_checks = attention ? attention_[slot]->unreached_checks.load()
+                                         : indexers_[slot]->unreached_checks.load();
+  if (unreached_checks > 0) {
+    return absl::UnavailableError(
+        absl::StrCat("not sent: the last check of ", attention ? "attention" : "indexer",
+                     " worker ", attention ? attention_[slot]->address : indexers_[slot]->address,
+                     " did not reach it"));
+  }
   const WorkerCall call{timeout, trace != nullptr ? trace->Child().ToTraceparent() : "", {}};
   if (attention) {
     av1::ReleaseRequest release;
@@ -898,7 +919,7 @@ void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions
 
 absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& request,
                                         const Admission& admission,
-                                        av1::PrefillResponse* response) {
+                                        av1::PrefillResponse* response, bool* cancelled) {
   const cv1::GenerateRequest& g = request.proto;
   const cv1::Overrides& o = g.overrides();
   av1::PrefillRequest prefill;
@@ -924,10 +945,22 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   }
   prefill.set_continue_sequence(admission.continue_sequence);
   // No deadline of its own (a long context takes long); cancelled with the Generate call (client
-  // gone, its deadline, server shutdown).
+  // gone, its deadline, server shutdown) or by Abort.
+  std::atomic<bool> fired{false};
   const WorkerCall call{absl::InfiniteDuration(), request.trace.Child().ToTraceparent(),
-                        [&stream] { return stream.IsCancelled(); }};
-  return attention_[admission.attention]->client->Prefill(call, prefill, response);
+                        [this, &stream, &request, &fired] {
+                          bool aborted = false;
+                          {
+                            absl::MutexLock lock(&mu_);
+                            aborted = request.cancel_requested;
+                          }
+                          if (aborted || stream.IsCancelled()) fired = true;
+                          return fired.load();
+                        }};
+  const absl::Status status =
+      attention_[admission.attention]->client->Prefill(call, prefill, response);
+  *cancelled = fired.load() || stream.IsCancelled();
+  return status;
 }
 
 absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
@@ -1041,7 +1074,9 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
 
     CarryOutEvictions(admission.evictions);
     av1::PrefillResponse prefilled;
-    const absl::Status prefill_status = Prefill(stream, *request, admission, &prefilled);
+    bool prefill_cancelled = false;
+    const absl::Status prefill_status =
+        Prefill(stream, *request, admission, &prefilled, &prefill_cancelled);
     std::vector<Eviction> unpinned;
     bool decoding = false;
     {
@@ -1064,7 +1099,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     if (!decoding) {
       // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers
       // (a worker's failure migrates it), a cancelled successful one is released by EndSequence.
-      if (!prefill_status.ok() && !stream.IsCancelled()) {
+      if (!prefill_status.ok() && !prefill_cancelled) {
         FailSequence(request,
                      WorkerStatus(prefill_status, attention_[admission.attention]->address));
       } else {
@@ -1417,11 +1452,27 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
     s->set_sequence_id(batch[i]->admission->sequence_id);
     s->set_rows(rows[i]);
   }
+  AttentionWorker& w = *attention_[worker];
+  WorkerCall call{RpcTimeout(), "", {}};
+  const int hung_checks = options_.hung_worker_checks;
+  // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
+  auto checks_lost = [&w, hung_checks] {
+    return hung_checks > 0 && w.unreached_checks.load() >= hung_checks;
+  };
+  call.cancelled = checks_lost;
   const absl::Time start = clock_.Now();
-  outcome.status = WorkerStatus(
-      attention_[worker]->client->DecodeStep({RpcTimeout(), "", {}}, step, &outcome.response),
-      attention_[worker]->address);
+  const absl::Status stepped = w.client->DecodeStep(call, step, &outcome.response);
   outcome.seconds = Seconds(clock_.Now() - start);
+  if (stepped.code() == absl::StatusCode::kCancelled && checks_lost()) {
+    outcome.status = absl::UnavailableError(
+        absl::StrCat("attention worker ", w.address, " did not answer ", w.unreached_checks.load(),
+                     " consecutive checks while the step ran (hung or partitioned): the step was "
+                     "cancelled (--hung-worker-checks)"));
+    outcome.hung = true;
+  } else {
+    outcome.status = WorkerStatus(stepped, w.address);
+    outcome.hung = stepped.code() == absl::StatusCode::kDeadlineExceeded;
+  }
   if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
     outcome.status = absl::InternalError(absl::StrCat(
         "attention worker ", attention_[worker]->address, " answered ",
@@ -1569,10 +1620,9 @@ void CoordinatorEngine::RunIteration(int worker, const Iteration& it) {
   // ones by stepping each alone (a sequence it marked broken fails again, FAILED_PRECONDITION),
   // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
   // The failing ones migrate (FailSequence).
-  const bool hung = outcome.status.code() == absl::StatusCode::kDeadlineExceeded;
   for (size_t i = 0; i < batch.size(); ++i) {
     StepOutcome alone =
-        batch.size() == 1 || hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
+        batch.size() == 1 || outcome.hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
     if (alone.status.ok()) {
       ApplyStep(worker, {batch[i]}, {rows[i]}, alone);
     } else {

@@ -82,6 +82,12 @@ struct CoordinatorOptions {
   /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
   /// 0 = a worker's failure ends its requests.
   int max_migrations = 3;
+  /// A DecodeStep in flight to an attention worker is cancelled (and its sequences migrate) once
+  /// this many consecutive checks of that worker (RefreshWorkers) could not reach it: a hung
+  /// (SIGSTOP) or partitioned process is left after about interval x this + the check timeout,
+  /// not after rpc_timeout_ms. A worker that answers its checks (busy, or draining) is never
+  /// cut off. 0 = never (the step waits for rpc_timeout_ms).
+  int hung_worker_checks = 2;
   /// false: no decode loop, watch or stall-watch thread; the caller drives the engine with
   /// StepWorker, RefreshWorkers and CheckStalledWrites (the deterministic tests).
   bool run_loops = true;
@@ -140,7 +146,8 @@ class GenerateStream {
 /// Failures: a DecodeStep error is retried once per sequence alone, so the sequences the attention
 /// worker left intact (it rolls back every sequence the indexer did not apply) go on. A sequence
 /// that still fails with a worker's failure (UNAVAILABLE, DEADLINE_EXCEEDED: a hung worker, whose
-/// batch is not retried; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
+/// batch is not retried, and whose step is cancelled as soon as hung_worker_checks consecutive
+/// checks could not reach it; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
 /// FAILED_PRECONDITION: the attention worker marked it broken because another sequence's failure
 /// came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves both
 /// workers (released on each; what a dead worker could not release is released when it answers
@@ -292,7 +299,10 @@ class CoordinatorEngine {
     absl::CondVar wake;                              // new work, room in an event queue, stop
     bool ready = true;                               // guarded by mu_
     bool retired = false;                            // guarded by mu_; restarted or gone
-    std::string instance_id;                         // GetInfo's, when taken in
+    // Consecutive checks that did not reach it (UNAVAILABLE, DEADLINE_EXCEEDED); read unlocked
+    // by the calls in flight to it.
+    std::atomic<int> unreached_checks{0};
+    std::string instance_id;  // GetInfo's, when taken in
     int num_full_layers = 0;
     int64_t num_heads = 0;
     int64_t head_dim = 0;
@@ -301,8 +311,10 @@ class CoordinatorEngine {
   struct IndexerWorker {
     std::string address;
     std::shared_ptr<IndexerWorkerClient> client;
-    bool ready = true;        // guarded by mu_
-    bool retired = false;     // guarded by mu_; restarted or gone
+    bool ready = true;     // guarded by mu_
+    bool retired = false;  // guarded by mu_; restarted or gone
+    // Consecutive checks that did not reach it (as AttentionWorker's).
+    std::atomic<int> unreached_checks{0};
     std::string instance_id;  // GetLoad's, when taken in
     int64_t num_heads = 0;
     int64_t head_dim = 0;
@@ -373,6 +385,9 @@ class CoordinatorEngine {
   // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
   struct StepOutcome {
     absl::Status status;
+    // The worker hung: the step ran into its deadline, or was cancelled because the worker's
+    // checks stopped reaching it (hung_worker_checks). Its batch is not retried one by one.
+    bool hung = false;
     dsa::attention::v1::DecodeStepResponse response;
     double seconds = 0;
   };
@@ -442,9 +457,11 @@ class CoordinatorEngine {
   absl::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
                                bool keep_indexer_sequence, absl::Duration timeout,
                                const TraceContext* trace);
-  // Prefill of an admitted request on its attention worker, cancelled with `stream`.
+  // Prefill of an admitted request on its attention worker, cancelled when its stream is (the
+  // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
+  // CANCELLED it brings back is not read as the worker's failure.
   absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
-                       dsa::attention::v1::PrefillResponse* response);
+                       dsa::attention::v1::PrefillResponse* response, bool* cancelled);
   absl::Duration RpcTimeout() const;
 
   const CoordinatorOptions options_;

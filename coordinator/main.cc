@@ -83,6 +83,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "= never")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_option("--hung-worker-checks", options.hung_worker_checks,
+                 "A decode step in flight to an attention worker is cancelled, and its requests "
+                 "migrate, once this many consecutive checks of the worker could not reach it "
+                 "(a hung or partitioned process); 0 = the step waits for --rpc-timeout-ms")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--top-k", options.top_k, "K: slots each selection keeps")
       ->check(CLI::Range(1, dsa::kMaxTopK))
       ->capture_default_str();

@@ -1,7 +1,7 @@
 // libFuzzer harness of the coordinator's RPCs (Generate, Abort, GetLoad) in-process: a fresh
 // CoordinatorEngine per input, its decode loops running, over in-memory workers (two attention,
-// two indexer; tests/coordinator/fake_workers.h) that the input kills, hangs, drains, restarts and
-// revives between calls. An input is a sequence of calls (call_frames.h): each Generate runs on its
+// two indexer; tests/coordinator/fake_workers.h) that the input kills, hangs, stalls, drains,
+// restarts and revives between calls. An input is a sequence of calls (call_frames.h): each Generate runs on its
 // own thread (as gRPC's handler threads do), so requests, faults and migrations interleave; at the
 // end every worker is revived and every request still in flight aborted.
 // Checks: never a crash or a sanitizer report; no status is UNKNOWN, INTERNAL or DATA_LOSS; a
@@ -43,7 +43,8 @@ const char* const kWorkers[] = {"10.0.0.1:7000", "10.0.0.2:7000", "10.0.1.1:7100
 constexpr int kAttention = 2;  // kWorkers[0, 2) are attention workers, the rest indexers
 
 // A fault frame is a GenerateRequest whose context_length is the action and max_new_tokens the
-// worker (both taken modulo their counts).
+// worker (both taken modulo their counts); an odd draft_length makes kHang / kUnhang a stall (the
+// worker's Prefill and DecodeStep held open until cancelled: FakeWorkers::SetStalled).
 enum Method : uint8_t { kGenerate, kAbort, kGetLoad, kFault, kMethods };
 enum Fault : uint8_t { kDown, kUp, kHang, kUnhang, kNotReady, kReady, kRestart, kRefresh, kFaults };
 
@@ -137,6 +138,23 @@ void WriteSeeds(const std::string& dir) {
   frames.push_back(dsa::fuzz::MakeFrame(kFault, fault));
   std::ofstream(dir + "/generate_kill_abort.bin", std::ios::binary)
       << dsa::fuzz::SerializeFrames(frames);
+  // A stalled attention worker (its step held open) seen by two checks, then let go.
+  frames.clear();
+  generate.clear_session_id();
+  generate.clear_overrides();
+  generate.set_request_id("r3");
+  frames.push_back(dsa::fuzz::MakeFrame(kGenerate, generate));
+  fault.set_context_length(kHang);
+  fault.set_draft_length(1);  // a stall
+  fault.set_max_new_tokens(0);
+  frames.push_back(dsa::fuzz::MakeFrame(kFault, fault));
+  fault.set_context_length(kRefresh);
+  frames.push_back(dsa::fuzz::MakeFrame(kFault, fault));
+  frames.push_back(dsa::fuzz::MakeFrame(kFault, fault));
+  fault.set_context_length(kUnhang);
+  frames.push_back(dsa::fuzz::MakeFrame(kFault, fault));
+  std::ofstream(dir + "/generate_stall_checks.bin", std::ios::binary)
+      << dsa::fuzz::SerializeFrames(frames);
 }
 
 }  // namespace
@@ -228,7 +246,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             break;
           case kHang:
           case kUnhang:
-            fakes->SetHung(worker, fault == kHang);
+            if (request.draft_length() % 2 != 0) {
+              fakes->SetStalled(worker, fault == kHang);
+            } else {
+              fakes->SetHung(worker, fault == kHang);
+            }
             break;
           case kNotReady:
           case kReady:
@@ -249,6 +271,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const char* worker : kWorkers) {
     fakes->SetDown(worker, false);
     fakes->SetHung(worker, false);
+    fakes->SetStalled(worker, false);
     fakes->SetNotReady(worker, false);
   }
   (*engine)->RefreshWorkers();

@@ -385,6 +385,94 @@ TEST_F(EngineTest, AHungWorkersBatchFailsOnceAndMovesWithoutPerSequenceRetries) 
   EXPECT_EQ(fakes_->Sequences(kI1), 0);
 }
 
+// A SIGSTOPped attention worker holds its DecodeStep open; the step is cancelled once
+// hung_worker_checks consecutive checks of the worker could not reach it, not at the step's
+// deadline, and its batch moves without one-by-one retries.
+TEST_F(EngineTest, AStepHeldOpenByAWorkerItsChecksCannotReachIsCancelledAndItsBatchMoves) {
+  options_.hung_worker_checks = 2;
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);  // both requests go to A1
+  engine_->RefreshWorkers();
+  auto r1 = Generate(Request("r1", 32, 5));
+  ASSERT_TRUE(r1->stream.AwaitEvents(1));
+  auto r2 = Generate(Request("r2", 32, 5));
+  ASSERT_TRUE(r2->stream.AwaitEvents(1));
+  ASSERT_EQ(r1->admitted().attention_worker(), kA1);
+  ASSERT_EQ(r2->admitted().attention_worker(), kA1);
+  fakes_->SetNotReady(kA2, false);
+  fakes_->SetStalled(kA1, true);
+  const int steps_before = fakes_->DecodeSteps(kA1);
+  absl::StatusOr<int> stepped;
+  std::thread step([&] { stepped = engine_->StepWorker(kA1); });
+  ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));
+  engine_->RefreshWorkers();  // one check lost: not yet
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 0);
+  engine_->RefreshWorkers();  // two: the step is cut short
+  step.join();
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(*stepped, 2);
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 1);
+  EXPECT_EQ(fakes_->DecodeSteps(kA1) - steps_before, 1) << "a hung batch is not retried alone";
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 2, kSafetyNet));
+  StepUntilFinished(kA2, *r1);
+  StepUntilFinished(kA2, *r2);
+  r1->Join();
+  r2->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  ASSERT_TRUE(r2->status.ok()) << r2->status;
+  EXPECT_EQ(r1->finished()->migrations(), 1);
+  EXPECT_EQ(r2->finished()->migrations(), 1);
+  bool contiguous = false;
+  EXPECT_EQ(r1->Tokens(32, &contiguous), 5);
+  EXPECT_TRUE(contiguous);
+  // Their Releases were not sent to the unreachable worker; they reach it when it answers.
+  EXPECT_EQ(fakes_->Sequences(kA1), 2);
+  fakes_->SetStalled(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// hung_worker_checks 0: the step waits, however many checks are lost, and goes on when the
+// worker does.
+TEST_F(EngineTest, WithoutHungWorkerChecksAStepWaitsForTheWorker) {
+  options_.hung_worker_checks = 0;
+  Start({kA1}, {kI1});
+  auto r1 = Generate(Request("r1", 32, 3));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  fakes_->SetStalled(kA1, true);
+  absl::StatusOr<int> stepped;
+  std::thread step([&] { stepped = engine_->StepWorker(kA1); });
+  ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));
+  for (int i = 0; i < 3; ++i) engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 0);
+  fakes_->SetStalled(kA1, false);  // SIGCONT
+  step.join();
+  engine_->RefreshWorkers();
+  StepUntilFinished(kA1, *r1);
+  r1->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  EXPECT_EQ(r1->finished()->migrations(), 0);
+}
+
+// Abort while the prefill runs cancels the prefill, and the CANCELLED it brings back is not a
+// worker's failure: no migration.
+TEST_F(EngineTest, AnAbortDuringThePrefillCancelsItAndIsNoMigration) {
+  Start({kA1}, {kI1});
+  fakes_->SetStalled(kA1, true);  // no check has seen it: the prefill is placed there, held open
+  auto r1 = Generate(Request("r1", 32, 4));
+  ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));
+  EXPECT_TRUE(engine_->Abort("r1", "router").ok());
+  r1->Join();
+  EXPECT_EQ(r1->status.code(), absl::StatusCode::kCancelled) << r1->status;
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 1);
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
+  fakes_->SetStalled(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
 TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) {
   Start({kA1}, {kI1});
   auto call = Generate(Request("r1", 50, 4));

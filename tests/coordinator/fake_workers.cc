@@ -22,8 +22,34 @@ absl::Status Unreachable(const std::string& address) {
 // down one, DEADLINE_EXCEEDED for a hung one, else OK.
 absl::Status FakeWorkers::Gone(const Worker* w, const std::string& address) {
   if (w == nullptr || w->down) return Unreachable(address);
-  if (w->hung) return absl::DeadlineExceededError("Deadline Exceeded (fake: hung)");
+  if (w->hung || w->stalled) return absl::DeadlineExceededError("Deadline Exceeded (fake: hung)");
   return absl::OkStatus();
+}
+
+absl::Status FakeWorkers::WaitWhileStalled(const std::string& address, const WorkerCall& call) {
+  Worker* w = Find(address, true);
+  if (w == nullptr || !w->stalled) return absl::OkStatus();
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  ++w->stalled_calls;
+  absl::Status status;
+  while (w->stalled) {
+    // The predicate may take the engine's locks: not under ours.
+    mu_.Unlock();
+    const bool cancelled = call.cancelled && call.cancelled();
+    mu_.Lock();
+    if (cancelled) {
+      ++w->cancelled_calls;
+      status = absl::CancelledError("Cancelled (fake: cancelled while stalled)");
+      break;
+    }
+    if (absl::Now() > give_up) {
+      status = absl::DeadlineExceededError("Deadline Exceeded (fake: stalled for 20 s)");
+      break;
+    }
+    stall_changed_.WaitWithTimeout(&mu_, absl::Milliseconds(1));
+  }
+  --w->stalled_calls;
+  return status;
 }
 
 namespace {}  // namespace
@@ -55,9 +81,10 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     return absl::OkStatus();
   }
 
-  absl::Status Prefill(const WorkerCall& /*call*/, const av1::PrefillRequest& request,
+  absl::Status Prefill(const WorkerCall& call, const av1::PrefillRequest& request,
                        av1::PrefillResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
+    if (absl::Status held = fakes_->WaitWhileStalled(address_, call); !held.ok()) return held;
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     FakeWorkers::Worker* indexer = fakes_->Find(request.indexer_worker(), false);
@@ -78,11 +105,13 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     return absl::OkStatus();
   }
 
-  absl::Status DecodeStep(const WorkerCall& /*call*/, const av1::DecodeStepRequest& request,
+  absl::Status DecodeStep(const WorkerCall& call, const av1::DecodeStepRequest& request,
                           av1::DecodeStepResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     if (w != nullptr) ++w->decode_steps;
+    if (absl::Status held = fakes_->WaitWhileStalled(address_, call); !held.ok()) return held;
+    w = fakes_->Find(address_, true);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     // The contract: the batch fails as a whole and nothing advances.
     for (const av1::SequenceStep& step : request.sequences()) {
@@ -251,6 +280,29 @@ void FakeWorkers::SetHung(const std::string& address, bool hung) {
   }
 }
 
+void FakeWorkers::SetStalled(const std::string& address, bool stalled) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->stalled = stalled;
+  }
+  stall_changed_.SignalAll();
+}
+
+bool FakeWorkers::AwaitStalledCalls(const std::string& address, int count,
+                                    absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  if (w == nullptr) return false;
+  auto stalled = [w, count] { return w->stalled_calls >= count; };
+  return mu_.AwaitWithTimeout(absl::Condition(&stalled), timeout);
+}
+
+int FakeWorkers::CancelledCalls(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? 0 : w->cancelled_calls;
+}
+
 void FakeWorkers::HoldGetLoads(const std::string& address, bool hold) {
   absl::MutexLock lock(&mu_);
   if (Worker* w = Find(address, false)) w->hold_get_loads = hold;
@@ -279,6 +331,7 @@ void FakeWorkers::Restart(const std::string& address) {
       w->sequences.clear();
       w->down = false;
       w->hung = false;
+      w->stalled = false;
     }
   }
 }

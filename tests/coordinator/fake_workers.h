@@ -2,7 +2,8 @@
 // (coordinator/worker_clients.h), for the engine's deterministic tests and fuzz harness: each
 // keeps its sequences' lengths, records the calls it answers, and fails on demand (down: every
 // call UNAVAILABLE, as a killed or unreachable process; hung: DecodeStep DEADLINE_EXCEEDED; not
-// ready; restarted: a new instance id with nothing held). No threads, no sleeps, no gRPC.
+// ready; restarted: a new instance id with nothing held; stalled: a SIGSTOPped process whose
+// Prefill and DecodeStep calls stay open until cancelled). No threads, no sleeps, no gRPC.
 // DecodeStep fails a batch whole when a sequence is unknown (NOT_FOUND) or its indexer is down
 // (UNAVAILABLE), advancing nothing, as the attention worker's contract says.
 #pragma once
@@ -41,6 +42,18 @@ class FakeWorkers final : public WorkerClientFactory,
   void SetDown(const std::string& address, bool down);
   /// Hung: every call answers DEADLINE_EXCEEDED (SIGSTOP, seen through each call's deadline).
   void SetHung(const std::string& address, bool hung);
+  /// Stalled (SIGSTOP, seen as the real client sees it): Prefill and DecodeStep calls wait, open,
+  /// until the worker is let go (then they are answered) or the call's `cancelled` turns true
+  /// (CANCELLED); the checks, Release and Commit answer DEADLINE_EXCEEDED at once (their short
+  /// deadlines). A waiting call looks at `cancelled` every millisecond, as the gRPC client does
+  /// every 20; after 20 s it gives up with DEADLINE_EXCEEDED (a broken test fails, not hangs).
+  void SetStalled(const std::string& address, bool stalled);
+  /// Waits until `count` calls of the attention worker at `address` wait in its stall; false
+  /// after `timeout`.
+  bool AwaitStalledCalls(const std::string& address, int count, absl::Duration timeout);
+  /// Calls of the attention worker at `address` that ended because they were cancelled while
+  /// stalled.
+  int CancelledCalls(const std::string& address);
   /// Its readiness answers NOT_SERVING (draining) while its calls still work.
   void SetNotReady(const std::string& address, bool not_ready);
   /// Held: the indexer's GetLoad calls wait (as a slow check does) until it is let go.
@@ -80,6 +93,9 @@ class FakeWorkers final : public WorkerClientFactory,
     bool down = false;
     bool hung = false;
     bool not_ready = false;
+    bool stalled = false;
+    int stalled_calls = 0;    // waiting in the stall now
+    int cancelled_calls = 0;  // ended by their cancellation while stalled
     int instance = 1;
     std::map<uint64_t, Sequence> sequences;
     std::vector<uint64_t> released;
@@ -92,8 +108,14 @@ class FakeWorkers final : public WorkerClientFactory,
   // The worker at `address` of a kind, or null (an address no fake listens on).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Gone(const Worker* w, const std::string& address);
+  // Holds a Prefill or DecodeStep of the attention worker at `address` while it is stalled
+  // (SetStalled); OK once let go (look `w` up again: mu_ was released), CANCELLED when the call
+  // was cancelled.
+  absl::Status WaitWhileStalled(const std::string& address, const WorkerCall& call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::Mutex mu_;
+  absl::CondVar stall_changed_;  // a worker let go
   std::map<std::string, Worker> attention_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Worker> indexers_ ABSL_GUARDED_BY(mu_);
 };

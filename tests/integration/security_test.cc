@@ -485,4 +485,42 @@ TEST_F(SecurityTest, TokensWithoutTlsAndHalfACertificatePairDoNotStart) {
       << ReadAll(log);
 }
 
+// Where no folder can be had for the checked copies (a read-only root file system without a
+// writable /dev/shm or /tmp), the server still serves TLS: the files, checked once at start, are
+// watched directly, with a warning. The process runs in a mount namespace of its own whose /dev/shm
+// and /tmp are read-only (unshare; skipped where this machine does not allow it).
+TEST_F(SecurityTest, WithNoWritableFolderTheTlsFilesAreWatchedUncheckedAndServed) {
+  const std::string log = pki_->dir() + "/readonly-stderr.log";
+  const std::string wrapper = pki_->Write("readonly-tmp.sh",
+                                          "#!/bin/sh\n"
+                                          // Opened before the mounts: still writable after.
+                                          "exec 2>\"" + log + "\"\n"
+                                          "for d in /dev/shm /tmp; do\n"
+                                          "  mount --bind \"$d\" \"$d\" && mount -o remount,bind,ro \"$d\" "
+                                          "|| exit 97\n"
+                                          "done\n"
+                                          "unset TMPDIR\n"
+                                          "exec \"$@\"\n");
+  if (std::system(("chmod +x " + wrapper).c_str()) != 0 ||
+      std::system(("unshare -m --propagation private " + wrapper + " true 2>/dev/null").c_str()) !=
+          0) {
+    GTEST_SKIP() << "unshare -m with read-only bind mounts is not allowed here";
+  }
+  std::vector<std::string> flags = {"-m", "--propagation", "private", wrapper, DSA_INDEXER_BINARY};
+  for (const std::string& f : MutualTls("indexer")) flags.push_back(f);
+  // Named here, after the binary (StartServer would put them before it, for unshare).
+  flags.insert(flags.end(), {"--capacity-blocks", "64", "--num-heads", std::to_string(kHeads),
+                             "--head-dim", std::to_string(kHeadDim), "--listen", "127.0.0.1:0",
+                             "--metrics-listen", "127.0.0.1:0"});
+  const Process indexer = Start("/usr/bin/unshare", flags);
+  ASSERT_FALSE(indexer.address.empty()) << ReadAll(log);
+  EXPECT_TRUE(IndexerGetLoad(DialAs(indexer.address, "attention")).ok()) << ReadAll(log);
+  EXPECT_EQ(IndexerGetLoad(Dial(indexer.address, "")).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(IndexerGetLoad(Dial(indexer.address, pki_->ca(), outsider_)).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  const std::string logged = ReadAll(log);
+  EXPECT_NE(logged.find("TLS files watched without checks at reload"), std::string::npos) << logged;
+  EXPECT_NE(logged.find("/dev/shm: Read-only file system"), std::string::npos) << logged;
+}
+
 }  // namespace
