@@ -1331,8 +1331,19 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
 }
 
 absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& request) {
-  // The worker that failed is checked first, so that the request does not go back to it.
-  RefreshWorkers();
+  // The worker that failed is checked first, so that the request does not go back to it, unless
+  // one of its workers is known unreachable already (not ready after checks that did not reach
+  // it: what cut its step short), when a check would only wait out its timeout again.
+  bool known_unreachable = false;
+  {
+    absl::MutexLock lock(&mu_);
+    const Admission& old = *request->admission;
+    const AttentionWorker& a = *attention_[old.attention];
+    const IndexerWorker& i = *indexers_[old.indexer];
+    known_unreachable = (!a.ready && a.unreached_checks.load() > 0) ||
+                        (!i.ready && i.unreached_checks.load() > 0);
+  }
+  if (!known_unreachable) RefreshWorkers();
   absl::MutexLock lock(&mu_);
   if (request->cancel_requested) {
     request->phase = Phase::kEnded;

@@ -412,6 +412,7 @@ ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
   report.ttft_p99 = NearestRankPercentile(ttft, 99);
   report.itl_p50 = NearestRankPercentile(itl, 50);
   report.itl_p99 = NearestRankPercentile(itl, 99);
+  report.itl_max = itl.empty() ? 0 : *std::max_element(itl.begin(), itl.end());
   report.client_wait_mean = Mean(client_wait);
   report.client_wait_max =
       client_wait.empty() ? 0 : *std::max_element(client_wait.begin(), client_wait.end());
@@ -489,12 +490,14 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report) {
   json["requests"] = {
       {"total", report.requests},          {"completed", report.completed},
       {"failed", report.failed},           {"failures_by_code", report.failures_by_code},
-      {"first_error", report.first_error}, {"stopped", report.stopped}};
+      {"first_error", report.first_error}, {"stopped", report.stopped},
+      {"migrations", report.migrations},   {"migrated_requests", report.migrated_requests}};
   json["wall_seconds"] = report.wall_seconds;
   json["latency_seconds"] = {{"ttft_p50", report.ttft_p50},
                              {"ttft_p99", report.ttft_p99},
                              {"inter_token_p50", report.itl_p50},
                              {"inter_token_p99", report.itl_p99},
+                             {"inter_token_max", report.itl_max},
                              {"client_wait_mean", report.client_wait_mean},
                              {"client_wait_max", report.client_wait_max}};
   json["throughput"] = {{"generated_tokens", report.generated_tokens},
@@ -565,7 +568,8 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
       absl::StrCat(report.migrations, " (", report.migrated_requests, " requests)"));
   row("wall time", absl::StrFormat("%.2f s", report.wall_seconds));
   row("TTFT p50 / p99", absl::StrCat(ms(report.ttft_p50), " / ", ms(report.ttft_p99)));
-  row("inter-token latency p50 / p99", absl::StrCat(ms(report.itl_p50), " / ", ms(report.itl_p99)));
+  row("inter-token latency p50 / p99 / max",
+      absl::StrCat(ms(report.itl_p50), " / ", ms(report.itl_p99), " / ", ms(report.itl_max)));
   row("client-side wait (max in flight) mean / max",
       absl::StrCat(ms(report.client_wait_mean), " / ", ms(report.client_wait_max)));
   row("generated tokens", absl::StrCat(report.generated_tokens));

@@ -120,6 +120,7 @@ struct ReplayReport {
   // Latency (seconds; nearest-rank percentiles over completed requests / their steps).
   double ttft_p50 = 0, ttft_p99 = 0;
   double itl_p50 = 0, itl_p99 = 0;
+  double itl_max = 0;  // the longest gap between two token events (a migration's cost)
   double client_wait_mean = 0, client_wait_max = 0;
   // Throughput.
   int64_t generated_tokens = 0;
