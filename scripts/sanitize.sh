@@ -6,11 +6,11 @@
 # script fails.
 #
 # usage: bash scripts/sanitize.sh            the suites below (CI)
-#        DSA_SANITIZE_TESTS=all bash scripts/sanitize.sh   every host suite, the binaries' too
-# The suites: every host suite but the ones that start the binaries (integration_*,
-# dsa_*_binary_test), which need every binary built under ASan too (DSA_SANITIZE_TESTS=all): the
-# engines, the services in-process, the codec, the transports without a GPU, security, flags, the
-# trace readers, replay and eval.
+#        DSA_SANITIZE_TESTS=all bash scripts/sanitize.sh   every target built, every test run
+# The suites: every host suite: the engines, the services in-process, the codec, the transports
+# without a GPU, security, flags, the trace readers, replay and eval, and the suites that start
+# the server binaries (built under ASan too, as their dependencies): the binaries' own tests, the
+# local cluster, faults, security and chaos (kill -9 and SIGSTOP mid-replay).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
@@ -23,7 +23,10 @@ suites="common_fp8_test common_philox_test common_mli_schedule_test common_statu
   attention_pattern_model_test attention_predictor_study_test attention_rotation_cos_sin_test
   attention_sparse_attention_test coordinator_acceptance_model_test coordinator_migration_test
   coordinator_service_test coordinator_with_attention_test indexer_device_test server_flags_test
-  tools_eval_test tools_replay_test transport_dsa_indexer_data_plane_test"
+  tools_eval_test tools_replay_test transport_dsa_indexer_data_plane_test
+  dsa_indexer_binary_test dsa_attention_binary_test dsa_coordinator_binary_test
+  integration_local_cluster_test integration_faults_test integration_security_test
+  integration_chaos_test"
 targets=$suites
 regex="^($(echo $suites | tr ' ' '|'))\\."
 if [ "${DSA_SANITIZE_TESTS:-}" = all ]; then targets=""; regex="."; fi

@@ -2,11 +2,11 @@
 # The whole test suite: install what is missing, build (CUDA kernels too when nvcc is present),
 # run every test with CTest (GoogleTest cases and the real-Prometheus test), check the formatting
 # of every C++ and CUDA source, run clang-tidy over the library and tool sources, run each libFuzzer
-# harness for 20 s (scripts/fuzz.sh, clang-14 with ASan + UBSan), run the engine and service suites
-# under ASan + UBSan in the same instrumented build (scripts/sanitize.sh) and the engine suites
-# under TSan (scripts/tsan.sh), then check the
-# deployment: the Helm chart, the Prometheus rules and Grafana dashboards, the Dockerfiles, the
-# protos (buf lint) and the Python client.
+# harness for 20 s (scripts/fuzz.sh, clang-14 with ASan + UBSan), run every host suite (the
+# binaries' too) under ASan + UBSan in the same instrumented build (scripts/sanitize.sh) and the
+# engine suites under TSan (scripts/tsan.sh), then check the deployment: the Helm chart, the
+# Prometheus rules and Grafana dashboards, the Dockerfiles, the protos (buf lint) and the Python
+# client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each step's duration goes to stderr as it ends, so that CI's log shows where its time goes.
@@ -22,7 +22,8 @@ step bash scripts/check_format.sh
 step bash scripts/check_tidy.sh
 # libFuzzer (clang-14, ASan + UBSan): each harness 20 s from its seeds (docs/reliability.md).
 step bash scripts/fuzz.sh 20
-# The engine and service suites under ASan + UBSan (docs/reliability.md, "Sanitizers").
+# Every host suite under ASan + UBSan, the server binaries built instrumented too
+# (docs/reliability.md, "Sanitizers").
 step bash scripts/sanitize.sh
 # The engine suites under ThreadSanitizer, over Debian's Abseil rebuilt with TSan (the same
 # reference, "Sanitizers").
