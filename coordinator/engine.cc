@@ -859,10 +859,9 @@ absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64
   const int unreached_checks = attention ? attention_[slot]->unreached_checks.load()
                                          : indexers_[slot]->unreached_checks.load();
   if (unreached_checks > 0) {
-    return absl::UnavailableError(
-        absl::StrCat("not sent: the last check of ", attention ? "attention" : "indexer",
-                     " worker ", attention ? attention_[slot]->address : indexers_[slot]->address,
-                     " did not reach it"));
+    return absl::UnavailableError(absl::StrCat(
+        "not sent: the last check of ", attention ? "attention" : "indexer", " worker ",
+        attention ? attention_[slot]->address : indexers_[slot]->address, " did not reach it"));
   }
   const WorkerCall call{timeout, trace != nullptr ? trace->Child().ToTraceparent() : "", {}};
   if (attention) {
@@ -918,8 +917,8 @@ void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions
 }
 
 absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& request,
-                                        const Admission& admission,
-                                        av1::PrefillResponse* response, bool* cancelled) {
+                                        const Admission& admission, av1::PrefillResponse* response,
+                                        bool* cancelled) {
   const cv1::GenerateRequest& g = request.proto;
   const cv1::Overrides& o = g.overrides();
   av1::PrefillRequest prefill;
@@ -1340,8 +1339,8 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
     const Admission& old = *request->admission;
     const AttentionWorker& a = *attention_[old.attention];
     const IndexerWorker& i = *indexers_[old.indexer];
-    known_unreachable = (!a.ready && a.unreached_checks.load() > 0) ||
-                        (!i.ready && i.unreached_checks.load() > 0);
+    known_unreachable =
+        (!a.ready && a.unreached_checks.load() > 0) || (!i.ready && i.unreached_checks.load() > 0);
   }
   if (!known_unreachable) RefreshWorkers();
   absl::MutexLock lock(&mu_);

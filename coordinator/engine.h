@@ -147,10 +147,10 @@ class GenerateStream {
 /// worker left intact (it rolls back every sequence the indexer did not apply) go on. A sequence
 /// that still fails with a worker's failure (UNAVAILABLE, DEADLINE_EXCEEDED: a hung worker, whose
 /// batch is not retried, and whose step is cancelled as soon as hung_worker_checks consecutive
-/// checks could not reach it; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a restart;
-/// FAILED_PRECONDITION: the attention worker marked it broken because another sequence's failure
-/// came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves both
-/// workers (released on each; what a dead worker could not release is released when it answers
+/// checks could not reach it; ABORTED, INTERNAL, UNKNOWN; NOT_FOUND: the worker lost it in a
+/// restart; FAILED_PRECONDITION: the attention worker marked it broken because another sequence's
+/// failure came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves
+/// both workers (released on each; what a dead worker could not release is released when it answers
 /// again), the workers are checked at once (RefreshWorkers), and the request is placed again ahead
 /// of the queue with its context plus the tokens generated so far, prefilled there and decoded on,
 /// its stream unchanged but for the longer gap; Finished.migrations counts the moves. A prefill

@@ -1,16 +1,16 @@
 // libFuzzer harness of the coordinator's RPCs (Generate, Abort, GetLoad) in-process: a fresh
 // CoordinatorEngine per input, its decode loops running, over in-memory workers (two attention,
 // two indexer; tests/coordinator/fake_workers.h) that the input kills, hangs, stalls, drains,
-// restarts and revives between calls. An input is a sequence of calls (call_frames.h): each Generate runs on its
-// own thread (as gRPC's handler threads do), so requests, faults and migrations interleave; at the
-// end every worker is revived and every request still in flight aborted.
-// Checks: never a crash or a sanitizer report; no status is UNKNOWN, INTERNAL or DATA_LOSS; a
-// request ValidateGenerateRequest refuses gets INVALID_ARGUMENT; an OK stream has Admitted first,
-// Finished last, and Tokens contiguous from its context summing to max_new_tokens; an Abort is OK
-// only from the caller that started the request, PERMISSION_DENIED only for one the other caller
-// started; once every request has ended, the coordinator reports nothing queued or running and the
-// workers hold exactly the sequences it retained (nothing lost, nothing leaked, whatever failed in
-// between).
+// restarts and revives between calls. An input is a sequence of calls (call_frames.h): each
+// Generate runs on its own thread (as gRPC's handler threads do), so requests, faults and
+// migrations interleave; at the end every worker is revived and every request still in flight
+// aborted. Checks: never a crash or a sanitizer report; no status is UNKNOWN, INTERNAL or
+// DATA_LOSS; a request ValidateGenerateRequest refuses gets INVALID_ARGUMENT; an OK stream has
+// Admitted first, Finished last, and Tokens contiguous from its context summing to max_new_tokens;
+// an Abort is OK only from the caller that started the request, PERMISSION_DENIED only for one the
+// other caller started; once every request has ended, the coordinator reports nothing queued or
+// running and the workers hold exactly the sequences it retained (nothing lost, nothing leaked,
+// whatever failed in between).
 #include <atomic>
 #include <chrono>
 #include <cstddef>

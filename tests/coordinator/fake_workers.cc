@@ -288,8 +288,7 @@ void FakeWorkers::SetStalled(const std::string& address, bool stalled) {
   stall_changed_.SignalAll();
 }
 
-bool FakeWorkers::AwaitStalledCalls(const std::string& address, int count,
-                                    absl::Duration timeout) {
+bool FakeWorkers::AwaitStalledCalls(const std::string& address, int count, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
   if (w == nullptr) return false;

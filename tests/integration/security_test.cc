@@ -491,16 +491,12 @@ TEST_F(SecurityTest, TokensWithoutTlsAndHalfACertificatePairDoNotStart) {
 // and /tmp are read-only (unshare; skipped where this machine does not allow it).
 TEST_F(SecurityTest, WithNoWritableFolderTheTlsFilesAreWatchedUncheckedAndServed) {
   const std::string log = pki_->dir() + "/readonly-stderr.log";
-  const std::string wrapper = pki_->Write("readonly-tmp.sh",
-                                          "#!/bin/sh\n"
-                                          // Opened before the mounts: still writable after.
-                                          "exec 2>\"" + log + "\"\n"
-                                          "for d in /dev/shm /tmp; do\n"
-                                          "  mount --bind \"$d\" \"$d\" && mount -o remount,bind,ro \"$d\" "
-                                          "|| exit 97\n"
-                                          "done\n"
-                                          "unset TMPDIR\n"
-                                          "exec \"$@\"\n");
+  // stderr is opened before the mounts, so it stays writable after them.
+  const std::string script =
+      absl::StrCat("#!/bin/sh\nexec 2>\"", log, "\"\n", "for d in /dev/shm /tmp; do\n",
+                   "  mount --bind \"$d\" \"$d\" && mount -o remount,bind,ro \"$d\" || exit 97\n",
+                   "done\nunset TMPDIR\nexec \"$@\"\n");
+  const std::string wrapper = pki_->Write("readonly-tmp.sh", script);
   if (std::system(("chmod +x " + wrapper).c_str()) != 0 ||
       std::system(("unshare -m --propagation private " + wrapper + " true 2>/dev/null").c_str()) !=
           0) {

@@ -103,10 +103,10 @@ TEST(AggregateReplay, HandComputedFigures) {
   EXPECT_EQ(report.failures_by_code,
             (std::map<std::string, int64_t>{{"RESOURCE_EXHAUSTED", 2}, {"CANCELLED", 1}}));
   EXPECT_EQ(report.first_error, "request 2: RESOURCE_EXHAUSTED: queue full");
-  EXPECT_DOUBLE_EQ(report.ttft_p50, 0.1);          // {0.1, 0.3}: rank ceil(1.0) = 1
-  EXPECT_DOUBLE_EQ(report.ttft_p99, 0.3);          // rank ceil(1.98) = 2
-  EXPECT_DOUBLE_EQ(report.itl_p50, 0.02);          // {0.01, 0.02, 0.03}: rank 2
-  EXPECT_DOUBLE_EQ(report.itl_p99, 0.03);          // rank 3
+  EXPECT_DOUBLE_EQ(report.ttft_p50, 0.1);  // {0.1, 0.3}: rank ceil(1.0) = 1
+  EXPECT_DOUBLE_EQ(report.ttft_p99, 0.3);  // rank ceil(1.98) = 2
+  EXPECT_DOUBLE_EQ(report.itl_p50, 0.02);  // {0.01, 0.02, 0.03}: rank 2
+  EXPECT_DOUBLE_EQ(report.itl_p99, 0.03);  // rank 3
   EXPECT_DOUBLE_EQ(report.itl_max, 0.03);
   EXPECT_DOUBLE_EQ(report.client_wait_mean, 0.1);  // 0.5 / 5 records
   EXPECT_DOUBLE_EQ(report.client_wait_max, 0.5);
