@@ -944,22 +944,23 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   }
   prefill.set_continue_sequence(admission.continue_sequence);
   // No deadline of its own (a long context takes long); cancelled with the Generate call (client
-  // gone, its deadline, server shutdown) or by Abort.
-  std::atomic<bool> fired{false};
+  // gone, its deadline, server shutdown) or by Abort, and cut short when the worker's checks stop
+  // reaching it (a hung worker would hold it open for good).
+  const AttentionWorker& w = *attention_[admission.attention];
+  std::atomic<bool> by_client{false};
   const WorkerCall call{absl::InfiniteDuration(), request.trace.Child().ToTraceparent(),
-                        [this, &stream, &request, &fired] {
+                        [this, &stream, &request, &by_client, &w] {
                           bool aborted = false;
                           {
                             absl::MutexLock lock(&mu_);
                             aborted = request.cancel_requested;
                           }
-                          if (aborted || stream.IsCancelled()) fired = true;
-                          return fired.load();
+                          if (aborted || stream.IsCancelled()) by_client = true;
+                          return by_client.load() || ChecksLost(w);
                         }};
-  const absl::Status status =
-      attention_[admission.attention]->client->Prefill(call, prefill, response);
-  *cancelled = fired.load() || stream.IsCancelled();
-  return status;
+  const absl::Status status = w.client->Prefill(call, prefill, response);
+  *cancelled = by_client.load() || stream.IsCancelled();
+  return *cancelled ? status : CallStatus(w, status, "prefill", /*hung=*/nullptr);
 }
 
 absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
@@ -1099,8 +1100,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers
       // (a worker's failure migrates it), a cancelled successful one is released by EndSequence.
       if (!prefill_status.ok() && !prefill_cancelled) {
-        FailSequence(request,
-                     WorkerStatus(prefill_status, attention_[admission.attention]->address));
+        FailSequence(request, prefill_status);
       } else {
         EndSequence(request, absl::CancelledError("aborted during prefill"), /*completed=*/false);
       }
@@ -1453,6 +1453,24 @@ void CoordinatorEngine::ReleaseUnreleased() {
   UpdateGaugesLocked();
 }
 
+bool CoordinatorEngine::ChecksLost(const AttentionWorker& w) const {
+  return options_.hung_worker_checks > 0 &&
+         w.unreached_checks.load() >= options_.hung_worker_checks;
+}
+
+absl::Status CoordinatorEngine::CallStatus(const AttentionWorker& w, const absl::Status& status,
+                                           const char* call, bool* hung) const {
+  const bool cut = status.code() == absl::StatusCode::kCancelled && ChecksLost(w);
+  if (hung != nullptr) {
+    *hung = cut || status.code() == absl::StatusCode::kDeadlineExceeded;
+  }
+  if (!cut) return WorkerStatus(status, w.address);
+  return absl::UnavailableError(
+      absl::StrCat("attention worker ", w.address, " did not answer ", w.unreached_checks.load(),
+                   " consecutive checks while the ", call,
+                   " ran (hung or partitioned): it was cancelled (--hung-worker-checks)"));
+}
+
 CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
     int worker, const std::vector<std::shared_ptr<Request>>& batch, const std::vector<int>& rows) {
   StepOutcome outcome;
@@ -1462,27 +1480,13 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
     s->set_sequence_id(batch[i]->admission->sequence_id);
     s->set_rows(rows[i]);
   }
-  AttentionWorker& w = *attention_[worker];
-  WorkerCall call{RpcTimeout(), "", {}};
-  const int hung_checks = options_.hung_worker_checks;
+  const AttentionWorker& w = *attention_[worker];
   // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
-  auto checks_lost = [&w, hung_checks] {
-    return hung_checks > 0 && w.unreached_checks.load() >= hung_checks;
-  };
-  call.cancelled = checks_lost;
+  const WorkerCall call{RpcTimeout(), "", [this, &w] { return ChecksLost(w); }};
   const absl::Time start = clock_.Now();
   const absl::Status stepped = w.client->DecodeStep(call, step, &outcome.response);
   outcome.seconds = Seconds(clock_.Now() - start);
-  if (stepped.code() == absl::StatusCode::kCancelled && checks_lost()) {
-    outcome.status = absl::UnavailableError(
-        absl::StrCat("attention worker ", w.address, " did not answer ", w.unreached_checks.load(),
-                     " consecutive checks while the step ran (hung or partitioned): the step was "
-                     "cancelled (--hung-worker-checks)"));
-    outcome.hung = true;
-  } else {
-    outcome.status = WorkerStatus(stepped, w.address);
-    outcome.hung = stepped.code() == absl::StatusCode::kDeadlineExceeded;
-  }
+  outcome.status = CallStatus(w, stepped, "step", &outcome.hung);
   if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
     outcome.status = absl::InternalError(absl::StrCat(
         "attention worker ", attention_[worker]->address, " answered ",
@@ -1511,7 +1515,9 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
     committing.push_back(i);
   }
   if (!commits.empty()) {
-    std::vector<absl::Status> statuses = attention_[worker]->client->Commit(RpcTimeout(), commits);
+    const AttentionWorker& w = *attention_[worker];
+    std::vector<absl::Status> statuses =
+        w.client->Commit(RpcTimeout(), commits, [this, &w] { return ChecksLost(w); });
     for (size_t c = 0; c < committing.size(); ++c) {
       committed[committing[c]] = c < statuses.size()
                                      ? statuses[c]
@@ -1519,7 +1525,8 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    const absl::Status status = WorkerStatus(committed[i], attention_[worker]->address);
+    const absl::Status status =
+        CallStatus(*attention_[worker], committed[i], "commit", /*hung=*/nullptr);
     if (!status.ok()) {
       FailSequence(batch[i], status);
       continue;

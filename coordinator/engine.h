@@ -382,6 +382,14 @@ class CoordinatorEngine {
   Iteration CollectLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a collected iteration: ends the cancelled, steps the batch (retries, migrations).
   void RunIteration(int worker, const Iteration& iteration);
+  // Whether hung_worker_checks (> 0) consecutive checks of `w` could not reach it: a call in
+  // flight to it (its DecodeStep, its Commits) is then cancelled.
+  bool ChecksLost(const AttentionWorker& w) const;
+  // The status for a request of a `call` ("step", "commit") to `w` that ended with `status`:
+  // UNAVAILABLE naming the lost checks when ChecksLost cancelled it (`*hung` set), else
+  // WorkerStatus's (`*hung` set for DEADLINE_EXCEEDED). `hung` may be null.
+  absl::Status CallStatus(const AttentionWorker& w, const absl::Status& status, const char* call,
+                          bool* hung) const;
   // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
   struct StepOutcome {
     absl::Status status;
@@ -459,7 +467,8 @@ class CoordinatorEngine {
                                const TraceContext* trace);
   // Prefill of an admitted request on its attention worker, cancelled when its stream is (the
   // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
-  // CANCELLED it brings back is not read as the worker's failure.
+  // CANCELLED it brings back is not read as the worker's failure. Cut short too when ChecksLost
+  // (then UNAVAILABLE, CallStatus).
   absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
                        dsa::attention::v1::PrefillResponse* response, bool* cancelled);
   absl::Duration RpcTimeout() const;

@@ -1,11 +1,12 @@
 // The coordinator's gRPC worker clients (see worker_clients.h): one channel per worker, calls
 // with deadlines and traceparent metadata, cancellation polled from WorkerCall::cancelled.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/notification.h"
 #include "common/trace_context.h"
 #include "coordinator/worker_clients.h"
@@ -102,22 +103,34 @@ class GrpcAttentionClient final : public AttentionWorkerClient {
       stub_->async()->DecodeStep(c, &request, response, std::move(done));
     });
   }
-  std::vector<absl::Status> Commit(absl::Duration timeout,
-                                   const std::vector<TracedCommit>& commits) override {
+  std::vector<absl::Status> Commit(absl::Duration timeout, const std::vector<TracedCommit>& commits,
+                                   const std::function<bool()>& cancelled) override {
     const size_t n = commits.size();
     std::vector<grpc::Status> statuses(n);
     std::vector<grpc::ClientContext> contexts(n);
     std::vector<av1::CommitResponse> responses(n);
-    absl::BlockingCounter pending(static_cast<int>(n));
+    std::atomic<size_t> pending{n};
+    absl::Notification done;
+    if (n == 0) done.Notify();
     for (size_t i = 0; i < n; ++i) {
       Prepare({timeout, commits[i].traceparent, {}}, contexts[i]);
       stub_->async()->Commit(&contexts[i], &commits[i].request, &responses[i],
-                             [&statuses, &pending, i](grpc::Status status) {
+                             [&statuses, &pending, &done, i](grpc::Status status) {
                                statuses[i] = std::move(status);
-                               pending.DecrementCount();
+                               if (--pending == 0) done.Notify();
                              });
     }
-    pending.Wait();
+    if (cancelled) {
+      bool cancelling = false;
+      while (!done.WaitForNotificationWithTimeout(kCancelPoll)) {
+        if (!cancelling && cancelled()) {
+          for (grpc::ClientContext& context : contexts) context.TryCancel();
+          cancelling = true;
+        }
+      }
+    } else {
+      done.WaitForNotification();
+    }
     std::vector<absl::Status> out;
     out.reserve(n);
     for (const grpc::Status& status : statuses) out.push_back(FromGrpc(status));

@@ -56,13 +56,15 @@ class AttentionWorkerClient : public WorkerClient {
                                   const dsa::attention::v1::DecodeStepRequest& request,
                                   dsa::attention::v1::DecodeStepResponse* response) = 0;
   /// One Commit per entry, all in flight at once (the speculative sequences of one step); the
-  /// status of each, in order. Each call's timeout is `timeout`.
+  /// status of each, in order. Each call's timeout is `timeout`; `cancelled` (may be empty) is
+  /// polled while they run, and true cancels every one still running (CANCELLED).
   struct TracedCommit {
     dsa::attention::v1::CommitRequest request;
     std::string traceparent;
   };
   virtual std::vector<absl::Status> Commit(absl::Duration timeout,
-                                           const std::vector<TracedCommit>& commits) = 0;
+                                           const std::vector<TracedCommit>& commits,
+                                           const std::function<bool()>& cancelled) = 0;
   virtual absl::Status Release(const WorkerCall& call,
                                const dsa::attention::v1::ReleaseRequest& request) = 0;
 };

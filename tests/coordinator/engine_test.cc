@@ -433,6 +433,65 @@ TEST_F(EngineTest, AStepHeldOpenByAWorkerItsChecksCannotReachIsCancelledAndItsBa
   EXPECT_EQ(fakes_->Sequences(kI1), 0);
 }
 
+// A worker that hangs between a speculative step and its Commit: the Commit held open is cut at
+// the checks too, and the request moves without losing or repeating a token.
+TEST_F(EngineTest, ACommitHeldOpenByAWorkerThatHungAfterItsStepIsCancelledAtItsChecks) {
+  options_.hung_worker_checks = 2;
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);
+  engine_->RefreshWorkers();
+  cv1::GenerateRequest speculative = Request("r1", 40, 6);
+  speculative.set_draft_length(2);
+  auto r1 = Generate(speculative);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  fakes_->SetNotReady(kA2, false);
+  fakes_->StallAfterNextStep(kA1);
+  std::thread step([&] { (void)engine_->StepWorker(kA1); });
+  ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));  // the Commit waits
+  engine_->RefreshWorkers();
+  engine_->RefreshWorkers();
+  step.join();
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 1);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 1, kSafetyNet));
+  StepUntilFinished(kA2, *r1);
+  r1->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  EXPECT_EQ(r1->finished()->migrations(), 1);
+  bool contiguous = false;
+  EXPECT_EQ(r1->Tokens(40, &contiguous), 6);
+  EXPECT_TRUE(contiguous);
+  fakes_->SetStalled(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// A prefill has no deadline of its own (a long context takes long), so a worker that hangs
+// during it would hold it open for good: it is cut at the checks, and the request moves.
+TEST_F(EngineTest, APrefillHeldOpenByAHungWorkerIsCutAtItsChecksAndMoves) {
+  options_.hung_worker_checks = 2;
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);
+  engine_->RefreshWorkers();
+  fakes_->SetStalled(kA1, true);  // no check has seen it yet: the prefill goes there
+  auto r1 = Generate(Request("r1", 64, 3));
+  ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));
+  fakes_->SetNotReady(kA2, false);
+  engine_->RefreshWorkers();
+  engine_->RefreshWorkers();
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 1, kSafetyNet));
+  EXPECT_EQ(fakes_->CancelledCalls(kA1), 1);
+  StepUntilFinished(kA2, *r1);
+  r1->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  EXPECT_EQ(r1->finished()->migrations(), 1);
+  EXPECT_EQ(r1->admitted().attention_worker(), kA2);  // Admitted is written once it decodes
+  fakes_->SetStalled(kA1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
 // hung_worker_checks 0: the step waits, however many checks are lost, and goes on when the
 // worker does.
 TEST_F(EngineTest, WithoutHungWorkerChecksAStepWaitsForTheWorker) {

@@ -139,12 +139,22 @@ class FakeAttentionClient final : public AttentionWorkerClient {
         s.length += 1;
       }
     }
+    if (w->stall_after_step) {
+      w->stall_after_step = false;
+      w->stalled = true;
+    }
     return absl::OkStatus();
   }
 
   std::vector<absl::Status> Commit(absl::Duration /*timeout*/,
-                                   const std::vector<TracedCommit>& commits) override {
+                                   const std::vector<TracedCommit>& commits,
+                                   const std::function<bool()>& cancelled) override {
     absl::MutexLock lock(&fakes_->mu_);
+    WorkerCall call;
+    call.cancelled = cancelled;
+    if (absl::Status held = fakes_->WaitWhileStalled(address_, call); !held.ok()) {
+      return std::vector<absl::Status>(commits.size(), held);
+    }
     std::vector<absl::Status> out;
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     for (const TracedCommit& commit : commits) {
@@ -288,6 +298,11 @@ void FakeWorkers::SetStalled(const std::string& address, bool stalled) {
   stall_changed_.SignalAll();
 }
 
+void FakeWorkers::StallAfterNextStep(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  if (Worker* w = Find(address, true)) w->stall_after_step = true;
+}
+
 bool FakeWorkers::AwaitStalledCalls(const std::string& address, int count, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
@@ -331,6 +346,7 @@ void FakeWorkers::Restart(const std::string& address) {
       w->down = false;
       w->hung = false;
       w->stalled = false;
+      w->stall_after_step = false;
     }
   }
 }

@@ -42,12 +42,15 @@ class FakeWorkers final : public WorkerClientFactory,
   void SetDown(const std::string& address, bool down);
   /// Hung: every call answers DEADLINE_EXCEEDED (SIGSTOP, seen through each call's deadline).
   void SetHung(const std::string& address, bool hung);
-  /// Stalled (SIGSTOP, seen as the real client sees it): Prefill and DecodeStep calls wait, open,
-  /// until the worker is let go (then they are answered) or the call's `cancelled` turns true
-  /// (CANCELLED); the checks, Release and Commit answer DEADLINE_EXCEEDED at once (their short
+  /// Stalled (SIGSTOP, seen as the real client sees it): Prefill, DecodeStep and Commit calls
+  /// wait, open, until the worker is let go (then they are answered) or the call's `cancelled`
+  /// turns true (CANCELLED); the checks and Release answer DEADLINE_EXCEEDED at once (their short
   /// deadlines). A waiting call looks at `cancelled` every millisecond, as the gRPC client does
   /// every 20; after 20 s it gives up with DEADLINE_EXCEEDED (a broken test fails, not hangs).
   void SetStalled(const std::string& address, bool stalled);
+  /// The attention worker at `address` answers its next DecodeStep, then stalls (a process
+  /// stopped between a step and its Commits).
+  void StallAfterNextStep(const std::string& address);
   /// Waits until `count` calls of the attention worker at `address` wait in its stall; false
   /// after `timeout`.
   bool AwaitStalledCalls(const std::string& address, int count, absl::Duration timeout);
@@ -94,6 +97,7 @@ class FakeWorkers final : public WorkerClientFactory,
     bool hung = false;
     bool not_ready = false;
     bool stalled = false;
+    bool stall_after_step = false;
     int stalled_calls = 0;    // waiting in the stall now
     int cancelled_calls = 0;  // ended by their cancellation while stalled
     int instance = 1;
