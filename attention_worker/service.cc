@@ -124,6 +124,16 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
     indexer_claim = *std::move(on_indexer);
   }
   grpc::Status status = OwnedPrefill(context, request, response);
+  if (status.ok() && context != nullptr && context->IsCancelled()) {
+    // The caller gave up while it ran (its client left, an Abort, its deadline): it will not use
+    // the sequence, and its Release may have come before the sequence existed (NOT_FOUND). Drop
+    // what the prefill made, on the indexer too, so that a cancelled prefill leaves nothing.
+    (void)engine_->Release(request->sequence_id(), /*keep_indexer_sequence=*/false);
+    owners_.Forget(id, caller);  // a continued sequence's owner; a new claim is forgotten below
+    if (colocated_indexer_owners_ != nullptr) colocated_indexer_owners_->Forget(id, caller);
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the caller cancelled the prefill: what it made was released");
+  }
   if (status.ok()) {
     claim->Keep();
     indexer_claim.Keep();

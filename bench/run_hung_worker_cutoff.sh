@@ -14,7 +14,8 @@ bin=$(realpath "${DSA_BIN_DIR:-build/bin}")
 stop_s=${1:-8}
 out=docs/results/hung_worker_cutoff.md
 work=$(mktemp -d)
-trap 'pkill -CONT -f "$bin/dsa-attention" 2>/dev/null || true; rm -rf "$work"' EXIT
+victim=""
+trap '[ -z "$victim" ] || kill -CONT "$victim" 2>/dev/null || true; rm -rf "$work"' EXIT
 {
   echo "# An attention worker stopped for ${stop_s} s mid-replay"
   echo
@@ -37,12 +38,19 @@ for checks in 2 0; do
     --json "$run/report.json" >"$run/replay.out" 2>&1 &
   replay=$!
   sleep 6
-  victim=$(pgrep -o -f "$bin/dsa-attention")
+  # This replay's own first dsa-attention (a child of the dsa process), no other.
+  victim=$(pgrep -o -P "$replay" -f "$bin/dsa-attention" || true)
+  if [ -z "$victim" ]; then
+    echo "no dsa-attention started by the replay (pid $replay) after 6 s" >&2
+    kill "$replay" 2>/dev/null || true
+    exit 1
+  fi
   echo "hung-worker-checks $checks: SIGSTOP dsa-attention pid $victim for $stop_s s" >&2
   stopped_at=$(date +%s.%N)
   kill -STOP "$victim"
   sleep "$stop_s"
   kill -CONT "$victim"
+  victim=""
   wait "$replay" || { tail -20 "$run/replay.out" >&2; exit 1; }
   python3 - "$run/report.json" "$checks" "$stopped_at" "$run/logs" >>"$work/table.md" <<'PY'
 import datetime, glob, json, sys

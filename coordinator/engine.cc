@@ -72,6 +72,31 @@ bool Unreached(const absl::Status& status) {
          status.code() == absl::StatusCode::kDeadlineExceeded;
 }
 
+// The cancellation predicate of one call to an attention worker (CoordinatorOptions::
+// hung_worker_checks): true once the worker's consecutive lost checks reach the threshold with
+// one at least lost since the call began (a worker that just resumed, whose counter a check has
+// not reset yet, is not cut); remembers that it cut, so the CANCELLED that follows is read as
+// the worker's hang whatever the counter says by then.
+class HungCut {
+ public:
+  HungCut(const std::atomic<int>& unreached_checks, int hung_worker_checks)
+      : unreached_checks_(unreached_checks),
+        threshold_(hung_worker_checks),
+        at_start_(unreached_checks.load()) {}
+  bool Poll() {
+    const int now = unreached_checks_.load();
+    if (threshold_ > 0 && now >= threshold_ && now > at_start_) cut_ = true;
+    return cut_.load();
+  }
+  bool cut() const { return cut_.load(); }
+
+ private:
+  const std::atomic<int>& unreached_checks_;
+  const int threshold_;
+  const int at_start_;
+  std::atomic<bool> cut_{false};
+};
+
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 }  // namespace
@@ -465,6 +490,7 @@ void CoordinatorEngine::RetireLocked(int slot, bool attention, std::vector<Evict
     if (kind) {
       attention_[slot]->ready = false;
       attention_[slot]->retired = true;
+      attention_[slot]->unreached_checks = 0;  // no longer checked: nothing to cut on
       attention_by_address_.erase(attention_[slot]->address);
       if (auto forgotten = scheduler_.RetireAttention(slot); forgotten.ok()) {
         evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
@@ -472,6 +498,7 @@ void CoordinatorEngine::RetireLocked(int slot, bool attention, std::vector<Evict
     } else {
       indexers_[slot]->ready = false;
       indexers_[slot]->retired = true;
+      indexers_[slot]->unreached_checks = 0;
       indexer_by_address_.erase(indexers_[slot]->address);
       if (auto forgotten = scheduler_.RetireIndexer(slot); forgotten.ok()) {
         evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
@@ -855,12 +882,11 @@ void CoordinatorEngine::DeliverAdmissionsLocked(std::vector<Admission> admission
 absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
                                                 bool keep_indexer_sequence, absl::Duration timeout,
                                                 const TraceContext* trace) {
-  // The last check of the worker did not reach it: a call would only wait for its deadline.
-  const int unreached_checks = attention ? attention_[slot]->unreached_checks.load()
-                                         : indexers_[slot]->unreached_checks.load();
-  if (unreached_checks > 0) {
+  // The last checks of the worker did not reach it: a call would only wait for its deadline.
+  if (KnownUnreachable(attention ? attention_[slot]->unreached_checks
+                                 : indexers_[slot]->unreached_checks)) {
     return absl::UnavailableError(absl::StrCat(
-        "not sent: the last check of ", attention ? "attention" : "indexer", " worker ",
+        "not sent: the last checks of ", attention ? "attention" : "indexer", " worker ",
         attention ? attention_[slot]->address : indexers_[slot]->address, " did not reach it"));
   }
   const WorkerCall call{timeout, trace != nullptr ? trace->Child().ToTraceparent() : "", {}};
@@ -948,19 +974,20 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   // reaching it (a hung worker would hold it open for good).
   const AttentionWorker& w = *attention_[admission.attention];
   std::atomic<bool> by_client{false};
+  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
   const WorkerCall call{absl::InfiniteDuration(), request.trace.Child().ToTraceparent(),
-                        [this, &stream, &request, &by_client, &w] {
+                        [this, &stream, &request, &by_client, &hung] {
                           bool aborted = false;
                           {
                             absl::MutexLock lock(&mu_);
                             aborted = request.cancel_requested;
                           }
                           if (aborted || stream.IsCancelled()) by_client = true;
-                          return by_client.load() || ChecksLost(w);
+                          return by_client.load() || hung.Poll();
                         }};
   const absl::Status status = w.client->Prefill(call, prefill, response);
   *cancelled = by_client.load() || stream.IsCancelled();
-  return *cancelled ? status : CallStatus(w, status, "prefill", /*hung=*/nullptr);
+  return *cancelled ? status : CallStatus(w, status, "prefill", hung.cut(), /*hung=*/nullptr);
 }
 
 absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
@@ -1340,7 +1367,7 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
     const AttentionWorker& a = *attention_[old.attention];
     const IndexerWorker& i = *indexers_[old.indexer];
     known_unreachable =
-        (!a.ready && a.unreached_checks.load() > 0) || (!i.ready && i.unreached_checks.load() > 0);
+        KnownUnreachable(a.unreached_checks) || KnownUnreachable(i.unreached_checks);
   }
   if (!known_unreachable) RefreshWorkers();
   absl::MutexLock lock(&mu_);
@@ -1453,18 +1480,17 @@ void CoordinatorEngine::ReleaseUnreleased() {
   UpdateGaugesLocked();
 }
 
-bool CoordinatorEngine::ChecksLost(const AttentionWorker& w) const {
-  return options_.hung_worker_checks > 0 &&
-         w.unreached_checks.load() >= options_.hung_worker_checks;
+bool CoordinatorEngine::KnownUnreachable(const std::atomic<int>& unreached_checks) const {
+  return options_.hung_worker_checks > 0 && unreached_checks.load() >= options_.hung_worker_checks;
 }
 
 absl::Status CoordinatorEngine::CallStatus(const AttentionWorker& w, const absl::Status& status,
-                                           const char* call, bool* hung) const {
-  const bool cut = status.code() == absl::StatusCode::kCancelled && ChecksLost(w);
+                                           const char* call, bool cut, bool* hung) const {
+  const bool cancelled_by_cut = cut && status.code() == absl::StatusCode::kCancelled;
   if (hung != nullptr) {
-    *hung = cut || status.code() == absl::StatusCode::kDeadlineExceeded;
+    *hung = cancelled_by_cut || status.code() == absl::StatusCode::kDeadlineExceeded;
   }
-  if (!cut) return WorkerStatus(status, w.address);
+  if (!cancelled_by_cut) return WorkerStatus(status, w.address);
   return absl::UnavailableError(
       absl::StrCat("attention worker ", w.address, " did not answer ", w.unreached_checks.load(),
                    " consecutive checks while the ", call,
@@ -1482,11 +1508,12 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
   }
   const AttentionWorker& w = *attention_[worker];
   // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
-  const WorkerCall call{RpcTimeout(), "", [this, &w] { return ChecksLost(w); }};
+  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
+  const WorkerCall call{RpcTimeout(), "", [&hung] { return hung.Poll(); }};
   const absl::Time start = clock_.Now();
   const absl::Status stepped = w.client->DecodeStep(call, step, &outcome.response);
   outcome.seconds = Seconds(clock_.Now() - start);
-  outcome.status = CallStatus(w, stepped, "step", &outcome.hung);
+  outcome.status = CallStatus(w, stepped, "step", hung.cut(), &outcome.hung);
   if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
     outcome.status = absl::InternalError(absl::StrCat(
         "attention worker ", attention_[worker]->address, " answered ",
@@ -1514,10 +1541,11 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
     commits.push_back(std::move(commit));
     committing.push_back(i);
   }
+  const AttentionWorker& w = *attention_[worker];
+  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
   if (!commits.empty()) {
-    const AttentionWorker& w = *attention_[worker];
     std::vector<absl::Status> statuses =
-        w.client->Commit(RpcTimeout(), commits, [this, &w] { return ChecksLost(w); });
+        w.client->Commit(RpcTimeout(), commits, [&hung] { return hung.Poll(); });
     for (size_t c = 0; c < committing.size(); ++c) {
       committed[committing[c]] = c < statuses.size()
                                      ? statuses[c]
@@ -1525,8 +1553,7 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    const absl::Status status =
-        CallStatus(*attention_[worker], committed[i], "commit", /*hung=*/nullptr);
+    const absl::Status status = CallStatus(w, committed[i], "commit", hung.cut(), /*hung=*/nullptr);
     if (!status.ok()) {
       FailSequence(batch[i], status);
       continue;

@@ -82,11 +82,15 @@ struct CoordinatorOptions {
   /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
   /// 0 = a worker's failure ends its requests.
   int max_migrations = 3;
-  /// A DecodeStep in flight to an attention worker is cancelled (and its sequences migrate) once
-  /// this many consecutive checks of that worker (RefreshWorkers) could not reach it: a hung
-  /// (SIGSTOP) or partitioned process is left after about interval x this + the check timeout,
-  /// not after rpc_timeout_ms. A worker that answers its checks (busy, or draining) is never
-  /// cut off. 0 = never (the step waits for rpc_timeout_ms).
+  /// A DecodeStep, the Commits of a step and a Prefill in flight to an attention worker are
+  /// cancelled (and their sequences migrate) once this many consecutive checks of that worker
+  /// (RefreshWorkers), one at least made while the call ran, could not reach it (GetInfo
+  /// UNAVAILABLE, or no answer within worker_check_timeout_ms): a hung (SIGSTOP) or partitioned
+  /// process is left after about this x (interval + check timeout), not after rpc_timeout_ms
+  /// (a Prefill has no deadline at all). Releases are not sent to a worker (of either kind) in
+  /// that state; they wait for it to answer. A worker that answers its checks within their
+  /// timeout, however busy or draining, is never cut off. 0 = never (calls wait for their
+  /// deadlines).
   int hung_worker_checks = 2;
   /// false: no decode loop, watch or stall-watch thread; the caller drives the engine with
   /// StepWorker, RefreshWorkers and CheckStalledWrites (the deterministic tests).
@@ -382,14 +386,16 @@ class CoordinatorEngine {
   Iteration CollectLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs a collected iteration: ends the cancelled, steps the batch (retries, migrations).
   void RunIteration(int worker, const Iteration& iteration);
-  // Whether hung_worker_checks (> 0) consecutive checks of `w` could not reach it: a call in
-  // flight to it (its DecodeStep, its Commits) is then cancelled.
-  bool ChecksLost(const AttentionWorker& w) const;
-  // The status for a request of a `call` ("step", "commit") to `w` that ended with `status`:
-  // UNAVAILABLE naming the lost checks when ChecksLost cancelled it (`*hung` set), else
-  // WorkerStatus's (`*hung` set for DEADLINE_EXCEEDED). `hung` may be null.
+  // Whether the last hung_worker_checks (> 0) checks of a worker whose counter is
+  // `unreached_checks` could not reach it: Releases are not sent to it, and a migration off it
+  // does not check it again.
+  bool KnownUnreachable(const std::atomic<int>& unreached_checks) const;
+  // The status for a request of a `call` ("step", "commit", "prefill") to `w` that ended with
+  // `status`: UNAVAILABLE naming the lost checks when the call was `cut` (HungCut) and ended
+  // CANCELLED (`*hung` set), else WorkerStatus's (`*hung` set for DEADLINE_EXCEEDED). `hung` may
+  // be null.
   absl::Status CallStatus(const AttentionWorker& w, const absl::Status& status, const char* call,
-                          bool* hung) const;
+                          bool cut, bool* hung) const;
   // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
   struct StepOutcome {
     absl::Status status;
@@ -467,8 +473,8 @@ class CoordinatorEngine {
                                const TraceContext* trace);
   // Prefill of an admitted request on its attention worker, cancelled when its stream is (the
   // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
-  // CANCELLED it brings back is not read as the worker's failure. Cut short too when ChecksLost
-  // (then UNAVAILABLE, CallStatus).
+  // CANCELLED it brings back is not read as the worker's failure. Cut short too when the
+  // worker's checks stop reaching it (HungCut; then UNAVAILABLE, CallStatus).
   absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
                        dsa::attention::v1::PrefillResponse* response, bool* cancelled);
   absl::Duration RpcTimeout() const;

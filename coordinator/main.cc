@@ -84,9 +84,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--hung-worker-checks", options.hung_worker_checks,
-                 "A decode step in flight to an attention worker is cancelled, and its requests "
-                 "migrate, once this many consecutive checks of the worker could not reach it "
-                 "(a hung or partitioned process); 0 = the step waits for --rpc-timeout-ms")
+                 "A decode step, its commits or a prefill in flight to an attention worker are "
+                 "cancelled, and their requests migrate, once this many consecutive checks of the "
+                 "worker (one at least during the call) could not reach it (a hung or partitioned "
+                 "process); releases wait for such a worker to answer; 0 = never: calls wait for "
+                 "their deadlines")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--top-k", options.top_k, "K: slots each selection keeps")

@@ -760,6 +760,31 @@ TEST_F(AttentionServiceTest, PrefillOfOneSequenceRunsBesideStepsOfOthers) {
   EXPECT_EQ(Info().kv_used_slots(), 705 + 905 + 30000);
 }
 
+// A prefill whose caller gave up while it ran (here its deadline) leaves nothing behind: the
+// worker runs it to its end, then drops the sequence on itself and on the indexer, since the
+// caller's Release may have come before the sequence existed.
+TEST_F(AttentionServiceTest, APrefillItsCallerCancelledLeavesNothingBehind) {
+  Start(/*indexer_blocks=*/8192);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(150));
+  av1::PrefillResponse response;
+  const grpc::Status status = stub_->Prefill(&context, PrefillRequest(5, 160000), &response);
+  if (status.ok()) GTEST_SKIP() << "the 160,000-slot prefill finished within 150 ms";
+  ASSERT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  // Once the engine finished it (its duration recorded), the sequence goes.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  auto prefilled = [&] {
+    return MetricValue(*registry_, "dsa_attention_prefill_duration_seconds", "", "") >= 1;
+  };
+  while (!(prefilled() && Info().sequences() == 0) && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(prefilled()) << "the prefill never ended";
+  EXPECT_EQ(Info().sequences(), 0);
+  EXPECT_EQ(Info().kv_used_slots(), 0);
+  EXPECT_EQ(indexer_->Load().sequences(), 0);
+}
+
 TEST_F(AttentionServiceTest, IndexerGoneDuringDecodeIsUnavailable) {
   Start(/*indexer_blocks=*/512);
   MustPrefill(PrefillRequest(90, 700));

@@ -402,6 +402,7 @@ TEST_F(EngineTest, AStepHeldOpenByAWorkerItsChecksCannotReachIsCancelledAndItsBa
   fakes_->SetNotReady(kA2, false);
   fakes_->SetStalled(kA1, true);
   const int steps_before = fakes_->DecodeSteps(kA1);
+  const int releases_before = fakes_->ReleaseCalls(kA1);
   absl::StatusOr<int> stepped;
   std::thread step([&] { stepped = engine_->StepWorker(kA1); });
   ASSERT_TRUE(fakes_->AwaitStalledCalls(kA1, 1, kSafetyNet));
@@ -426,6 +427,7 @@ TEST_F(EngineTest, AStepHeldOpenByAWorkerItsChecksCannotReachIsCancelledAndItsBa
   EXPECT_EQ(r1->Tokens(32, &contiguous), 5);
   EXPECT_TRUE(contiguous);
   // Their Releases were not sent to the unreachable worker; they reach it when it answers.
+  EXPECT_EQ(fakes_->ReleaseCalls(kA1), releases_before);
   EXPECT_EQ(fakes_->Sequences(kA1), 2);
   fakes_->SetStalled(kA1, false);
   engine_->RefreshWorkers();

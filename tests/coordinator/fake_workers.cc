@@ -178,6 +178,7 @@ class FakeAttentionClient final : public AttentionWorkerClient {
   absl::Status Release(const WorkerCall& /*call*/, const av1::ReleaseRequest& request) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (w != nullptr) ++w->release_calls;
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     auto it = w->sequences.find(request.sequence_id());
     if (it == w->sequences.end()) {
@@ -241,6 +242,7 @@ class FakeIndexerClient final : public IndexerWorkerClient {
   absl::Status Release(const WorkerCall& /*call*/, const iv1::ReleaseRequest& request) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (w != nullptr) ++w->release_calls;
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     if (w->sequences.erase(request.sequence_id()) == 0) {
       return absl::NotFoundError(absl::StrCat("no sequence ", request.sequence_id()));
@@ -368,6 +370,15 @@ std::vector<uint64_t> FakeWorkers::Released(const std::string& address) {
       out.insert(out.end(), w->released.begin(), w->released.end());
   }
   return out;
+}
+
+int FakeWorkers::ReleaseCalls(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) n += w->release_calls;
+  }
+  return n;
 }
 
 int FakeWorkers::DecodeSteps(const std::string& address) {

@@ -71,6 +71,8 @@ class FakeWorkers final : public WorkerClientFactory,
   int Sequences(const std::string& address);
   /// Sequence ids of the Releases the worker at `address` answered OK, in order.
   std::vector<uint64_t> Released(const std::string& address);
+  /// Release calls the worker(s) at `address` received (answered or not).
+  int ReleaseCalls(const std::string& address);
   /// DecodeStep calls the worker at `address` received (answered or not).
   int DecodeSteps(const std::string& address);
   /// GetLoad calls the indexer worker at `address` received (answered or not).
@@ -105,6 +107,7 @@ class FakeWorkers final : public WorkerClientFactory,
     std::vector<uint64_t> released;
     std::vector<dsa::attention::v1::PrefillRequest> prefills;
     int decode_steps = 0;
+    int release_calls = 0;
     int get_loads = 0;
     bool hold_get_loads = false;
     int held_get_loads = 0;

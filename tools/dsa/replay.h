@@ -120,7 +120,9 @@ struct ReplayReport {
   // Latency (seconds; nearest-rank percentiles over completed requests / their steps).
   double ttft_p50 = 0, ttft_p99 = 0;
   double itl_p50 = 0, itl_p99 = 0;
-  double itl_max = 0;  // the longest gap between two token events (a migration's cost)
+  // The largest inter-token latency of a completed request's step (its gap / its tokens: the
+  // longest gap itself without drafts; a migration's cost).
+  double itl_max = 0;
   double client_wait_mean = 0, client_wait_max = 0;
   // Throughput.
   int64_t generated_tokens = 0;
