@@ -212,6 +212,15 @@ class EngineTest : public ::testing::Test {
     ASSERT_TRUE(call->status.ok()) << call->status;
   }
 
+  // SIGCONT of a stalled worker, then a check: the Releases that waited for it are delivered, and
+  // neither it nor the indexer kI1 holds anything.
+  void ResumeAndExpectNothingLeft(const std::string& stalled) {
+    fakes_->SetStalled(stalled, false);
+    engine_->RefreshWorkers();
+    EXPECT_EQ(fakes_->Sequences(stalled), 0);
+    EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  }
+
   int64_t Metric(const std::string& line_prefix) {
     const std::string text = prometheus::TextSerializer().Serialize(registry_.Collect());
     for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -429,10 +438,7 @@ TEST_F(EngineTest, AStepHeldOpenByAWorkerItsChecksCannotReachIsCancelledAndItsBa
   // Their Releases were not sent to the unreachable worker; they reach it when it answers.
   EXPECT_EQ(fakes_->ReleaseCalls(kA1), releases_before);
   EXPECT_EQ(fakes_->Sequences(kA1), 2);
-  fakes_->SetStalled(kA1, false);
-  engine_->RefreshWorkers();
-  EXPECT_EQ(fakes_->Sequences(kA1), 0);
-  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  ResumeAndExpectNothingLeft(kA1);
 }
 
 // A worker that hangs between a speculative step and its Commit: the Commit held open is cut at
@@ -462,10 +468,7 @@ TEST_F(EngineTest, ACommitHeldOpenByAWorkerThatHungAfterItsStepIsCancelledAtItsC
   bool contiguous = false;
   EXPECT_EQ(r1->Tokens(40, &contiguous), 6);
   EXPECT_TRUE(contiguous);
-  fakes_->SetStalled(kA1, false);
-  engine_->RefreshWorkers();
-  EXPECT_EQ(fakes_->Sequences(kA1), 0);
-  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  ResumeAndExpectNothingLeft(kA1);
 }
 
 // A prefill has no deadline of its own (a long context takes long), so a worker that hangs
@@ -488,10 +491,7 @@ TEST_F(EngineTest, APrefillHeldOpenByAHungWorkerIsCutAtItsChecksAndMoves) {
   ASSERT_TRUE(r1->status.ok()) << r1->status;
   EXPECT_EQ(r1->finished()->migrations(), 1);
   EXPECT_EQ(r1->admitted().attention_worker(), kA2);  // Admitted is written once it decodes
-  fakes_->SetStalled(kA1, false);
-  engine_->RefreshWorkers();
-  EXPECT_EQ(fakes_->Sequences(kA1), 0);
-  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  ResumeAndExpectNothingLeft(kA1);
 }
 
 // hung_worker_checks 0: the step waits, however many checks are lost, and goes on when the
@@ -528,10 +528,7 @@ TEST_F(EngineTest, AnAbortDuringThePrefillCancelsItAndIsNoMigration) {
   EXPECT_EQ(r1->status.code(), absl::StatusCode::kCancelled) << r1->status;
   EXPECT_EQ(fakes_->CancelledCalls(kA1), 1);
   EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
-  fakes_->SetStalled(kA1, false);
-  engine_->RefreshWorkers();
-  EXPECT_EQ(fakes_->Sequences(kA1), 0);
-  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+  ResumeAndExpectNothingLeft(kA1);
 }
 
 TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) {
