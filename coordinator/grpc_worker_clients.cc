@@ -37,6 +37,23 @@ void Prepare(const WorkerCall& call, grpc::ClientContext& context) {
   if (!call.traceparent.empty()) context.AddMetadata(kTraceparentKey, call.traceparent);
 }
 
+// Waits for `done`; while it waits, polls `cancelled` (may be empty: no polling) and calls
+// `cancel` once, the first time it answers true.
+void AwaitCancellable(absl::Notification& done, const std::function<bool()>& cancelled,
+                      const std::function<void()>& cancel) {
+  if (!cancelled) {
+    done.WaitForNotification();
+    return;
+  }
+  bool cancelling = false;
+  while (!done.WaitForNotificationWithTimeout(kCancelPoll)) {
+    if (!cancelling && cancelled()) {
+      cancel();
+      cancelling = true;
+    }
+  }
+}
+
 // Runs `start(context, done)` (an async unary call) and waits for it, cancelling it when
 // `call.cancelled` turns true.
 template <typename Start>
@@ -49,17 +66,7 @@ absl::Status Unary(const WorkerCall& call, Start start) {
     status = std::move(s);
     done.Notify();
   });
-  if (call.cancelled) {
-    bool cancelled = false;
-    while (!done.WaitForNotificationWithTimeout(kCancelPoll)) {
-      if (!cancelled && call.cancelled()) {
-        context.TryCancel();
-        cancelled = true;
-      }
-    }
-  } else {
-    done.WaitForNotification();
-  }
+  AwaitCancellable(done, call.cancelled, [&context] { context.TryCancel(); });
   return FromGrpc(status);
 }
 
@@ -120,17 +127,9 @@ class GrpcAttentionClient final : public AttentionWorkerClient {
                                if (--pending == 0) done.Notify();
                              });
     }
-    if (cancelled) {
-      bool cancelling = false;
-      while (!done.WaitForNotificationWithTimeout(kCancelPoll)) {
-        if (!cancelling && cancelled()) {
-          for (grpc::ClientContext& context : contexts) context.TryCancel();
-          cancelling = true;
-        }
-      }
-    } else {
-      done.WaitForNotification();
-    }
+    AwaitCancellable(done, cancelled, [&contexts] {
+      for (grpc::ClientContext& context : contexts) context.TryCancel();
+    });
     std::vector<absl::Status> out;
     out.reserve(n);
     for (const grpc::Status& status : statuses) out.push_back(FromGrpc(status));
