@@ -12,12 +12,22 @@
 //              path: the indexer queries generated on the GPU, the selections left there, the
 //              attention stream waiting on their event at the layer that attends them)
 //   ceiling:   a transport that answers at once with a fixed valid selection (no indexer work)
+// With --remote-indexer ADDR (issue 11: the indexer worker on its own GPU, a dsa-indexer process
+// started by bench/run_two_gpu.sh) the engine's indexer is that process instead, control plane and
+// data plane, and the arms are:
+//   remote:        the attention worker's own client (--remote-transport nccl: NCCL data plane
+//                  bootstrapped over gRPC, as dsa-attention --transport nccl; grpc: SelectStream),
+//                  MLI k = 1 (Submit returns at once, awaited at the layer that attends it)
+//   remote_serial: the same transport behind the serial decorator
+//   ceiling
 // each with SPIN off (all-keep) and SPIN rho 0.4, each with and without the layer stand-in
 // (layer_standin.h, enqueued on the backend's stream after every layer's attention: no host wait
 // between layers in any arm). Step time: engine->DecodeStep wall time on the steady clock, median
 // over the timed steps after warm-up. docs/decode_step.md ("Through the engine") says how; results
 // in docs/results/engine_decode_step_h200.md. With no GPU it says so and exits 0; --device cpu runs
-// the same arms with the CPU backend and a CPU indexer (no stand-in), to check the bench itself.
+// the same arms with the CPU backend and a CPU indexer (no stand-in), to check the bench itself
+// (with --remote-indexer and --remote-transport grpc too). Each set's decode window (wall clock,
+// Unix seconds) is in the JSON, so that a GPU-busy sampler's figures can be cut to it.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -57,6 +67,8 @@
 #include "transport/grpc_indexer_client.h"
 #include "transport/in_process_indexer_client.h"
 #include "transport/indexer_client.h"
+#include "transport/nccl_bootstrap.h"
+#include "transport/nccl_indexer_client.h"
 #include "transport/selection_transport.h"
 
 namespace {
@@ -66,6 +78,9 @@ using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
+
+// Wall-clock time, Unix seconds (to line the decode windows up with a GPU-busy sampler's log).
+double UnixSeconds() { return static_cast<double>(absl::ToUnixMicros(absl::Now())) / 1e6; }
 
 double Percentile(std::vector<double> values, double p) {
   if (values.empty()) return 0;
@@ -243,8 +258,9 @@ class ArmTransport final : public dsa::SelectionTransport {
 
 // The engine's one indexer client: the control plane (prefill's shape check, create, appends,
 // release) goes to the co-located Indexer through InProcessIndexerClient, so that no prefill pays
-// for gRPC; the data plane is the current arm's transport (for arm grpc, GrpcIndexerClient's
-// SelectStream). A decode step uses the data plane only.
+// for gRPC (with --remote-indexer: to the remote indexer's client); the data plane is the current
+// arm's transport (for arm grpc, GrpcIndexerClient's SelectStream). A decode step uses the data
+// plane only.
 class ArmClient final : public dsa::IndexerClient {
  public:
   ArmClient(std::shared_ptr<dsa::IndexerClient> control, ArmTransport* transport)
@@ -299,12 +315,17 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(const std::string& text) {
 }
 
 // inprocess: host-form requests to the co-located Indexer; device: the same transport with the
-// device-resident form (queries generated on the GPU, selections left there, event waits).
-constexpr const char* kArms[] = {"inprocess", "grpc", "serial", "device", "ceiling"};
-constexpr int kNumArms = 5;
+// device-resident form (queries generated on the GPU, selections left there, event waits). The
+// last two are the arms of --remote-indexer (which runs them and the ceiling only).
+constexpr const char* kArms[] = {"inprocess", "grpc",   "serial",       "device",
+                                 "ceiling",   "remote", "remote_serial"};
+constexpr int kNumArms = 7;
+constexpr int kInProcess = 0;
 constexpr int kSerial = 2;
 constexpr int kDevice = 3;
 constexpr int kCeiling = 4;
+constexpr int kRemote = 5;
+constexpr int kRemoteSerial = 6;
 
 // Timed steps of one (arm, stand-in) cell of a sequence set.
 struct Cell {
@@ -369,6 +390,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   double prefill_budget_s = 60;
   uint64_t seed = 0;
   std::string json_path;
+  std::string remote_indexer;
+  std::string remote_transport = "nccl";
   app.add_option("--device", device, "cuda (the measurement) or cpu (checks the bench, no GPU)")
       ->check(CLI::IsMember({"cuda", "cpu"}))
       ->capture_default_str();
@@ -397,7 +420,26 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   app.add_option("--seed", seed, "Pattern model and KV seed")->capture_default_str();
   app.add_option("--json", json_path,
                  "Write every figure as JSON here (rewritten after each shape)");
+  app.add_option("--remote-indexer", remote_indexer,
+                 "host:port of a running dsa-indexer (H 64, D 128, capacity for the shapes): the "
+                 "engine's indexer, arms remote, remote_serial and ceiling");
+  bool print_index_blocks = false;
+  app.add_flag("--print-index-blocks", print_index_blocks,
+               "Print the index-key cache blocks the shapes need (a --remote-indexer's "
+               "--capacity-blocks at least) and exit");
+  app.add_option("--remote-transport", remote_transport,
+                 "--remote-indexer's data plane: nccl (this process on GPU 0, the indexer on "
+                 "another GPU) or grpc")
+      ->check(CLI::IsMember({"nccl", "grpc"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  const bool remote = !remote_indexer.empty();
+  // The arms of this run, interleaved step by step; the ceiling runs after them.
+  const std::vector<int> indexer_arms = remote ? std::vector<int>{kRemote, kRemoteSerial}
+                                               : std::vector<int>{kInProcess, 1, kSerial, kDevice};
+  const int serial_arm = remote ? kRemoteSerial : kSerial;
+  const int mli_arm = remote ? kRemote : kInProcess;
+  const int arms_run = static_cast<int>(indexer_arms.size()) + 1;
   auto shapes = ParseShapes(shapes_text);
   if (!shapes.ok() || layers < 1 || steps < 1 || batch_steps < 1 || warmup < 0 ||
       batch_warmup < 0) {
@@ -405,6 +447,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
                  shapes.ok() ? "layers, steps >= 1" : shapes.status().ToString().c_str());
     return 2;
   }
+  // Sizes: the largest shape's two sequence sets (keep and SPIN) with their steps.
+  const int steps_per_set_1 = 2 * arms_run * (warmup + steps);  // arms x 2 stand-in settings
+  const int steps_per_set_b = 2 * arms_run * (batch_warmup + batch_steps);
+  int64_t kv_slots = 0;
+  int64_t index_blocks = 0;
+  for (const Shape& s : *shapes) {
+    const int set_steps = s.batch == 1 ? steps_per_set_1 : steps_per_set_b;
+    kv_slots = std::max(kv_slots, s.batch * (s.context + set_steps + 64));
+    // Keep set: context + its steps; SPIN set: shares the keep set's prefix, plus its own steps.
+    index_blocks = std::max<int64_t>(
+        index_blocks, int64_t{s.batch} * layers * ((s.context + 2 * set_steps) / 64 + 4));
+  }
+  if (print_index_blocks) {  // what a --remote-indexer needs, and nothing else
+    std::printf("%lld\n", static_cast<long long>(index_blocks));
+    return 0;
+  }
+
   const bool on_gpu = device == "cuda";
   if (on_gpu) {
     int count = 0;
@@ -416,25 +475,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
     cudaSetDevice(0);
   }
 
-  // Sizes: the largest shape's two sequence sets (keep and SPIN) with their steps.
-  const int steps_per_set_1 = 2 * kNumArms * (warmup + steps);  // arms x 2 stand-in settings
-  const int steps_per_set_b = 2 * kNumArms * (batch_warmup + batch_steps);
-  int64_t kv_slots = 0;
-  int64_t index_blocks = 0;
-  for (const Shape& s : *shapes) {
-    const int set_steps = s.batch == 1 ? steps_per_set_1 : steps_per_set_b;
-    kv_slots = std::max(kv_slots, s.batch * (s.context + set_steps + 64));
-    // Keep set: context + its steps; SPIN set: shares the keep set's prefix, plus its own steps.
-    index_blocks = std::max<int64_t>(
-        index_blocks, int64_t{s.batch} * layers * ((s.context + 2 * set_steps) / 64 + 4));
-  }
-
-  // The indexer (CUDA scoring device on GPU 0, as dsa-attention --transport inprocess builds it).
+  // The indexer (CUDA scoring device on GPU 0, as dsa-attention --transport inprocess builds it;
+  // with --remote-indexer a small CPU one that no arm uses: the remote process holds the keys).
   dsa::IndexerFlags indexer_flags;
-  indexer_flags.options.capacity_blocks = index_blocks;
+  indexer_flags.options.capacity_blocks = remote ? 16 : index_blocks;
   indexer_flags.options.num_heads = 64;
   indexer_flags.options.head_dim = 128;
-  indexer_flags.device = on_gpu ? "cuda" : "cpu";
+  indexer_flags.device = on_gpu && !remote ? "cuda" : "cpu";
+  if (remote) {
+    std::printf("remote indexer %s over %s (it needs --capacity-blocks >= %lld)\n",
+                remote_indexer.c_str(), remote_transport.c_str(),
+                static_cast<long long>(index_blocks));
+  }
   auto indexer = dsa::CreateIndexerFromFlags(indexer_flags);
   if (!indexer.ok()) {
     std::fprintf(stderr, "indexer: %s\n", indexer.status().ToString().c_str());
@@ -456,14 +508,44 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   auto in_process_client =
       dsa::InProcessIndexerClient::Factory(indexer->get())(dsa::kInProcessIndexerAddress);
   if (!grpc_client.ok() || !in_process_client.ok()) return 1;
+  // --remote-indexer: the attention worker's own client of that process.
+  std::shared_ptr<dsa::IndexerClient> remote_client;
+  if (remote) {
+    absl::StatusOr<std::shared_ptr<dsa::IndexerClient>> made;
+    if (remote_transport == "nccl") {
+      dsa::NcclConnectOptions nccl_options;
+      nccl_options.link.cuda_device = 0;
+      nccl_options.num_heads = 64;
+      nccl_options.head_dim = 128;
+      nccl_options.attention_worker = "bench_engine_decode_step";
+      made = dsa::NcclIndexerClientFactory(nccl_options)(remote_indexer);
+    } else {
+      made = dsa::GrpcIndexerClient::Factory()(remote_indexer);
+    }
+    if (!made.ok()) {
+      std::fprintf(stderr, "--remote-indexer: %s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    remote_client = *std::move(made);
+  }
+  // The control plane every sequence is made and released through.
+  dsa::IndexerClient& control = remote ? *remote_client : **in_process_client;
   StepParts parts;
   SerialTransport serial(&(*in_process_client)->Selections());
+  SerialTransport remote_serial(remote ? &remote_client->Selections() : nullptr);
   CeilingTransport ceiling(top_k);
   dsa::SelectionTransport* arm_transports[kNumArms] = {
-      &(*in_process_client)->Selections(), &(*grpc_client)->Selections(), &serial,
-      &(*in_process_client)->Selections(), &ceiling};
+      &(*in_process_client)->Selections(),
+      &(*grpc_client)->Selections(),
+      &serial,
+      &(*in_process_client)->Selections(),
+      &ceiling,
+      remote ? &remote_client->Selections() : nullptr,
+      &remote_serial};
   ArmTransport arm_transport(&parts);
-  auto arm_client = std::make_shared<ArmClient>(*in_process_client, &arm_transport);
+  auto arm_client = std::make_shared<ArmClient>(
+      remote ? remote_client : std::shared_ptr<dsa::IndexerClient>(*in_process_client),
+      &arm_transport);
 
   // The attention backend with the stand-in as the rest of each layer (on its stream).
   dsa::cuda::LayerStandin standin;
@@ -566,7 +648,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
 
   nlohmann::json out = {
       {"device", on_gpu ? (*engine)->backend().Description() : "cpu"},
-      {"indexer_device", (*indexer)->DeviceDescription()},
+      {"indexer_device", remote
+                             ? absl::StrCat("remote ", remote_indexer, " over ", remote_transport)
+                             : (*indexer)->DeviceDescription()},
+      {"arms", nlohmann::json::array()},
       {"layers", layers},
       {"retention", 1},
       {"lag_depth", 1},
@@ -584,8 +669,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   auto write_json = [&] {
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
   };
+  for (int arm : indexer_arms) out["arms"].push_back(kArms[arm]);
+  out["arms"].push_back(kArms[kCeiling]);
   std::printf("engine decode step: %d layers (all full, k = 1), K %d, indexer %s, attention %s\n",
-              layers, top_k, (*indexer)->DeviceDescription().c_str(),
+              layers, top_k, out["indexer_device"].get<std::string>().c_str(),
               (*engine)->backend().Description().c_str());
 
   double keys_per_second = 0;  // measured by the first prefill
@@ -680,10 +767,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
       };
       // The indexer arms interleaved step by step (machine drift hits all alike), then the ceiling
       // (it leaves the indexer's sequences behind the engine's, so it comes last).
+      const double window_start = UnixSeconds();
       for (int with_standin = 0; with_standin < 2 && !failed; ++with_standin) {
         standin_enabled = on_gpu && with_standin == 1;
         for (int it = 0; it < untimed + timed && !failed; ++it) {
-          for (int arm = 0; arm < kCeiling && !failed; ++arm) {
+          for (int arm : indexer_arms) {
+            if (failed) break;
             failed = !run_step(arm, it < untimed ? nullptr : &cells[set][arm][with_standin]);
           }
         }
@@ -695,11 +784,13 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
               !run_step(kCeiling, it < untimed ? nullptr : &cells[set][kCeiling][with_standin]);
         }
       }
+      shape_json["sets"][set == 0 ? "keep" : "spin"]["decode_window_unix"] = {window_start,
+                                                                              UnixSeconds()};
       // The keep set stays on the indexer as the SPIN set's prefix donor.
       for (uint64_t id : ids) (void)(*engine)->Release(id, /*keep_indexer_sequence=*/set == 0);
       if (set == 0) keep_ids = ids;
     }
-    for (uint64_t id : keep_ids) (void)(*in_process_client)->Release(id, absl::InfiniteFuture());
+    for (uint64_t id : keep_ids) (void)control.Release(id, absl::InfiniteFuture());
     if (failed) {
       exit_code = 1;
       break;
@@ -712,13 +803,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
         "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int with_standin = 0; with_standin < 2; ++with_standin) {
       const char* standin_name = with_standin == 1 ? "standin" : "bare";
-      const double serial_keep = Percentile(cells[0][kSerial][with_standin].step_seconds, 0.5);
+      const double serial_keep = Percentile(cells[0][serial_arm][with_standin].step_seconds, 0.5);
       for (int set = 0; set < 2; ++set) {
         const char* set_name = set == 0 ? "keep" : "spin";
         const double ceiling_step =
             Percentile(cells[set][kCeiling][with_standin].step_seconds, 0.5);
-        const double serial_same = Percentile(cells[set][kSerial][with_standin].step_seconds, 0.5);
+        const double serial_same =
+            Percentile(cells[set][serial_arm][with_standin].step_seconds, 0.5);
         for (int arm = 0; arm < kNumArms; ++arm) {
+          if (arm != kCeiling &&
+              std::find(indexer_arms.begin(), indexer_arms.end(), arm) == indexer_arms.end()) {
+            continue;  // not an arm of this run
+          }
           const Cell& cell = cells[set][arm][with_standin];
           nlohmann::json j = CellJson(cell, layers);
           const double step = Percentile(cell.step_seconds, 0.5);
@@ -746,8 +842,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
         }
       }
     }
-    const Cell& spin_in = cells[1][0][0];
-    std::printf("SPIN set realized block sparsity (inprocess, bare): %.3f\n",
+    const Cell& spin_in = cells[1][mli_arm][0];
+    std::printf("SPIN set realized block sparsity (%s, bare): %.3f\n", kArms[mli_arm],
                 spin_in.blocks_visible > 0 ? 1.0 - static_cast<double>(spin_in.blocks_scored) /
                                                        static_cast<double>(spin_in.blocks_visible)
                                            : 0.0);
@@ -759,7 +855,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   // The scoring device must have served every select (a GPU failure falls back to the CPU).
   const absl::Status device_status = (*indexer)->DeviceStatus();
   out["indexer_device_after"] = (*indexer)->DeviceDescription();
-  if (on_gpu && !device_status.ok()) {
+  if (on_gpu && !remote && !device_status.ok()) {
     std::fprintf(stderr, "the indexer's scoring device was dropped: %s\n",
                  device_status.ToString().c_str());
     exit_code = 1;
@@ -770,6 +866,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   }
   write_json();
   (*engine)->CloseIndexerClients();
+  if (remote) (void)remote_client->Close();
   (void)(*grpc_client)->Close();
   (void)(*in_process_client)->Close();
   server->Shutdown();

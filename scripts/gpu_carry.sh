@@ -8,6 +8,7 @@
 # then, on the GPU host (the device tool's `carry`: ["DIR", ".devrt"]):
 #   export LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64
 #   bash bench/run_gpu_bench.sh DIR $OUT tests      # or sanitize, bench, all
+#   bash bench/run_two_gpu.sh DIR $OUT/two_gpu      # two GPUs (issue 11)
 #   DSA_PREBUILT_BIN=DIR DSA_INDEXER_DEVICE=cuda DSA_REPLAY_TRACE=DIR/mooncake_conversation_trace.jsonl \
 #     DSA_EVAL_OUT=$OUT bash scripts/main_job.sh
 set -euo pipefail
@@ -16,7 +17,8 @@ dir=${1:-carry-gpu}
 build=${DSA_BUILD_DIR:-build-cuda}
 shared=${DSA_SHARED_DIR:-../shared}
 tests="device_info key_append scan topk spin_predict spin_update select scoring_device"
-benches="bench_gpu_indexer bench_gpu_select bench_gpu_spin bench_gpu_topk"
+benches="bench_gpu_indexer bench_gpu_select bench_gpu_spin bench_gpu_topk bench_engine_decode_step
+bench_remote_select_rtt"
 servers="dsa dsa-indexer dsa-attention dsa-coordinator"
 targets="$servers $benches dsa_layer_standin_module"
 for t in $tests; do targets="$targets indexer_cuda_${t}_test"; done

@@ -11,7 +11,9 @@
 # folder (default build/).
 # The same job on the GPU host (which can neither install nor build): DSA_INDEXER_DEVICE=cuda runs
 # the indexers with --device cuda and writes replay_mooncake_cuda.{json,md}; DSA_PREBUILT_BIN=DIR
-# takes the binaries from DIR and skips the bootstrap and the build.
+# takes the binaries from DIR and skips the bootstrap and the build. $DSA_REPLAY_EXTRA_ARGS are
+# added to the replay's flags (e.g. the two-GPU run's --transport nccl and GPU placement,
+# bench/run_two_gpu.sh) and $DSA_REPLAY_NAME replaces the reports' name.
 set -euo pipefail
 # A relative DSA_PREBUILT_BIN is relative to where the job was started.
 if [ -n "${DSA_PREBUILT_BIN:-}" ]; then DSA_PREBUILT_BIN=$(realpath "$DSA_PREBUILT_BIN"); fi
@@ -26,11 +28,16 @@ trace=${DSA_REPLAY_TRACE:-data/traces/mooncake_conversation_trace.jsonl}
 read -r -a replay_args <<<"${DSA_REPLAY_ARGS:---limit 250 --max-context 8192 --max-output 32 \
 --time-scale 0 --max-in-flight 16 --draft-length 2 --capacity-blocks 16384 --audit-fraction 0.1}"
 device=${DSA_INDEXER_DEVICE:-cpu}
+# Not passed on: dsa-attention reads DSA_INDEXER_DEVICE as its --indexer-device (the co-located
+# indexer's, refused without --transport inprocess), so the workers of the replay would fail.
+unset DSA_INDEXER_DEVICE
 case $device in
   cpu) name=replay_mooncake ;;
   cuda) name=replay_mooncake_cuda ;;
   *) echo "main job: DSA_INDEXER_DEVICE must be cpu or cuda, not '$device'" >&2; exit 2 ;;
 esac
+name=${DSA_REPLAY_NAME:-$name}
+read -r -a extra_args <<<"${DSA_REPLAY_EXTRA_ARGS:-}"
 if [ -n "${DSA_PREBUILT_BIN:-}" ]; then
   bin=$DSA_PREBUILT_BIN
 else
@@ -44,6 +51,7 @@ mkdir -p "$out"
 if [ -f "$trace" ]; then
   start=$(date +%s)
   "$bin/dsa" replay --local --indexer-device "$device" --trace "$trace" "${replay_args[@]}" \
+    ${extra_args[@]+"${extra_args[@]}"} \
     --json "$out/$name.json" --markdown "$out/$name.md"
   echo "main job: wrote $out/$name.json and $out/$name.md" \
     "(replay $(($(date +%s) - start)) s)"
