@@ -8,7 +8,7 @@
 # then, on the GPU host (the device tool's `carry`: ["DIR", ".devrt"]):
 #   export LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64
 #   bash bench/run_gpu_bench.sh DIR $OUT tests      # or sanitize, bench, all
-#   bash bench/run_two_gpu.sh DIR $OUT/two_gpu      # two GPUs (issue 11)
+#   DSA_TWO_GPU_ARCHIVE=$OUT/two_gpu.tgz bash bench/run_two_gpu.sh DIR /tmp/two_gpu  # two GPUs
 #   DSA_PREBUILT_BIN=DIR DSA_INDEXER_DEVICE=cuda DSA_REPLAY_TRACE=DIR/mooncake_conversation_trace.jsonl \
 #     DSA_EVAL_OUT=$OUT bash scripts/main_job.sh
 set -euo pipefail
