@@ -58,6 +58,7 @@
 #include "attention_worker/cuda/layer_standin.h"
 #include "attention_worker/engine.h"
 #include "attention_worker/pattern_model.h"
+#include "bench/percentile.h"
 #include "common/mli_schedule.h"
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/grpc_service.h"
@@ -82,12 +83,7 @@ double SecondsSince(Clock::time_point start) {
 // Wall-clock time, Unix seconds (to line the decode windows up with a GPU-busy sampler's log).
 double UnixSeconds() { return static_cast<double>(absl::ToUnixMicros(absl::Now())) / 1e6; }
 
-double Percentile(std::vector<double> values, double p) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const auto rank = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
-  return values[rank];
-}
+using dsa::bench::Percentile;
 
 // Wall time of the parts of one decode step, seconds (reset before each step).
 struct StepParts {

@@ -30,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/percentile.h"
 #include "nlohmann/json.hpp"
 #include "transport/grpc_indexer_client.h"
 #include "transport/indexer_client.h"
@@ -44,11 +45,7 @@ using Clock = std::chrono::steady_clock;
 // Bound on every control-plane call and on each select's Await.
 constexpr absl::Duration kCallTimeout = absl::Seconds(30);
 
-double Percentile(std::vector<double> values, double p) {
-  std::sort(values.begin(), values.end());
-  const size_t rank = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
-  return values[rank];
-}
+using dsa::bench::Percentile;
 
 // One data plane's client and the sequences of the current block.
 struct Plane {

@@ -24,6 +24,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "bench/percentile.h"
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
@@ -38,11 +39,7 @@ namespace {
 namespace v1 = dsa::indexer::v1;
 using Clock = std::chrono::steady_clock;
 
-double Percentile(std::vector<double> values, double p) {
-  std::sort(values.begin(), values.end());
-  const size_t rank = static_cast<size_t>(p * static_cast<double>(values.size() - 1) + 0.5);
-  return values[rank];
-}
+using dsa::bench::Percentile;
 
 }  // namespace
 
