@@ -1,5 +1,7 @@
-// The percentile the benchmarks report (shared by bench_select_stream_rtt,
-// bench_remote_select_rtt and bench_engine_decode_step).
+// The percentile of bench_select_stream_rtt, bench_remote_select_rtt and
+// bench_engine_decode_step. Not the replay report's: `dsa replay` uses the nearest rank
+// (tools/dsa/replay.h, NearestRankPercentile, rank ceil(p * n)), and bench_nccl_transport the
+// sample at floor(p * n); each kept as its published figures were computed.
 #pragma once
 
 #include <algorithm>

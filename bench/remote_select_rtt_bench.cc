@@ -17,13 +17,13 @@
 // writes the same, --out FILE the table.
 #include <unistd.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"

@@ -12,13 +12,13 @@
 //   stream:     Submit + Await on the SelectStream (the same work plus gRPC both ways)
 //   unary:      the unary Select RPC
 // Prints a markdown table; --json FILE writes the samples' percentiles.
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
