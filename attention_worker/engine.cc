@@ -13,6 +13,7 @@
 #include "common/limits.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
+#include "attention_worker/pattern_attention_model.h"
 
 namespace dsa {
 
@@ -57,7 +58,41 @@ int AppliedGroups(const absl::Status& status, int num_groups) {
 }
 
 // The checks every Prefill passes before anything changes.
-absl::Status ValidatePrefill(const PrefillSpec& spec) {
+// A real model's token ids: `expected` of them, each in [0, vocab); the synthetic model takes none.
+absl::Status ValidateTokens(const ModelShape& shape, std::span<const int32_t> tokens,
+                            int64_t expected, absl::string_view what) {
+  if (shape.vocab_size == 0) {
+    if (tokens.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " carries ", tokens.size(),
+        " token ids, but this attention worker runs the synthetic pattern model (no tokens)"));
+  }
+  if (static_cast<int64_t>(tokens.size()) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " carries ", tokens.size(),
+                                                   " token ids; the model ", shape.name,
+                                                   " needs exactly ", expected));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= shape.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " token ", i, " is ", tokens[i],
+                                                     ", outside the vocabulary [0, ",
+                                                     shape.vocab_size, ") of ", shape.name));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The real model's context limit.
+absl::Status CheckModelContext(const ModelShape& shape, int64_t slots) {
+  if (shape.max_context > 0 && slots > shape.max_context) {
+    return absl::ResourceExhaustedError(absl::StrCat("a context of ", slots, " slots is over the ",
+                                                     shape.max_context, " of the model ",
+                                                     shape.name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePrefill(const PrefillSpec& spec, const ModelShape& shape) {
   const int64_t context = spec.context_length;
   if (context < 1) {
     return absl::InvalidArgumentError(absl::StrCat("context_length must be >= 1, got ", context));
@@ -88,6 +123,13 @@ absl::Status ValidatePrefill(const PrefillSpec& spec) {
   if (!spec.continue_sequence && (spec.top_k < 1 || spec.top_k > kMaxTopK)) {
     return absl::InvalidArgumentError(
         absl::StrCat("settings.top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", spec.top_k));
+  }
+  if (shape.vocab_size > 0) DSA_RETURN_IF_ERROR(ValidateSamplingParams(spec.sampling));
+  DSA_RETURN_IF_ERROR(CheckModelContext(shape, context));
+  // A new sequence's tokens are its whole context; a continuation's are counted once its length
+  // is known.
+  if (!spec.continue_sequence || shape.vocab_size == 0) {
+    DSA_RETURN_IF_ERROR(ValidateTokens(shape, spec.tokens, context, "the prefill"));
   }
   return absl::OkStatus();
 }
@@ -134,6 +176,7 @@ struct AttentionEngine::StepState {
     std::vector<const int32_t*> device_selections;
     std::vector<int> top_k;
     int64_t batch_row = 0;  // the member's first row in its batch's requests
+    int step_row = 0;       // the member's first row in the step's ModelStep
     int64_t blocks_scored = 0;
     int64_t blocks_visible = 0;
     int audited_rows = 0;
@@ -163,6 +206,7 @@ struct AttentionEngine::StepState {
   int64_t total_rows = 0;                           // KV slots reserved for the step
   std::vector<double> selection_wait_seconds;       // per model layer
   std::unique_ptr<DeviceStep> device_step;          // when a batch has the device form
+  std::unique_ptr<ModelStep> model_step;            // the model's pass over the step's rows
   // Rows attended over device selections, reported to the observer once their host selections
   // are read (the step's end).
   struct Observation {
@@ -180,13 +224,31 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
     MliSchedule schedule, PatternModel model, std::unique_ptr<AttentionBackend> backend,
     IndexerClientFactory indexer_clients, AttentionEngineOptions options,
     AttentionMetrics* metrics) {
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<PatternAttentionModel> pattern,
+                       PatternAttentionModel::Create(std::move(model), std::move(backend)));
+  return Create(std::move(schedule), std::move(pattern), std::move(indexer_clients),
+                std::move(options), metrics);
+}
+
+absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
+    MliSchedule schedule, std::unique_ptr<AttentionModel> model,
+    IndexerClientFactory indexer_clients, AttentionEngineOptions options,
+    AttentionMetrics* metrics) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model");
   const int num_full = static_cast<int>(schedule.full_layers().size());
-  if (model.num_layers() != num_full) {
-    return absl::InvalidArgumentError(absl::StrCat("the pattern model has ", model.num_layers(),
+  const ModelShape& shape = model->shape();
+  if (shape.indexer_per_model_layer && shape.num_indexer_layers != schedule.num_layers()) {
+    return absl::InvalidArgumentError(absl::StrCat("the model ", shape.name, " has ",
+                                                   shape.num_indexer_layers,
+                                                   " layers but the schedule ", schedule.Pattern(),
+                                                   " has ", schedule.num_layers()));
+  }
+  if (!shape.indexer_per_model_layer && shape.num_indexer_layers != num_full) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", shape.name, " model has ",
+                                                   shape.num_indexer_layers,
                                                    " layers but the schedule ", schedule.Pattern(),
                                                    " has ", num_full, " full layers"));
   }
-  if (backend == nullptr) return absl::InvalidArgumentError("no attention backend");
   if (!indexer_clients) return absl::InvalidArgumentError("no indexer client factory");
   if (options.kv_capacity_slots < 0) {
     return absl::InvalidArgumentError(
@@ -197,19 +259,17 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
         absl::StrCat("prefill_threads must be >= 1, got ", options.prefill_threads));
   }
   auto engine = std::unique_ptr<AttentionEngine>(
-      new AttentionEngine(std::move(schedule), std::move(model), std::move(backend),
-                          std::move(indexer_clients), std::move(options), metrics));
+      new AttentionEngine(std::move(schedule), std::move(model), std::move(indexer_clients),
+                          std::move(options), metrics));
   engine->UpdateUsageMetrics();
   return engine;
 }
 
-AttentionEngine::AttentionEngine(MliSchedule schedule, PatternModel model,
-                                 std::unique_ptr<AttentionBackend> backend,
+AttentionEngine::AttentionEngine(MliSchedule schedule, std::unique_ptr<AttentionModel> model,
                                  IndexerClientFactory indexer_clients,
                                  AttentionEngineOptions options, AttentionMetrics* metrics)
     : schedule_(std::move(schedule)),
       model_(std::move(model)),
-      backend_(std::move(backend)),
       indexer_clients_(std::move(indexer_clients)),
       options_(std::move(options)),
       metrics_(metrics),
@@ -258,7 +318,7 @@ void AttentionEngine::DropClient(const std::shared_ptr<IndexerClient>& client) {
 
 bool AttentionEngine::UsesDeviceSelects(const std::shared_ptr<IndexerClient>& client,
                                         const std::vector<int>& members, const StepState& step) {
-  const int ordinal = backend_->device_ordinal();
+  const int ordinal = model_->device_ordinal();
   if (!options_.device_selects || ordinal < 0 || step.device_step != nullptr) return false;
   if (client->Selections().device_ordinal() != ordinal) return false;
   {
@@ -271,13 +331,13 @@ bool AttentionEngine::UsesDeviceSelects(const std::shared_ptr<IndexerClient>& cl
   std::lock_guard<std::mutex> lock(device_selects_mutex_);
   if (!device_selects_tried_) {
     device_selects_tried_ = true;
-    device_selects_status_ = backend_->EnableDeviceSelects(model_);
+    device_selects_status_ = model_->EnableDeviceSelects();
   }
   return device_selects_status_.ok();
 }
 
 int64_t AttentionEngine::Footprint(int64_t num_slots) const {
-  const int64_t g = std::max<int64_t>(1, backend_->slot_granularity());
+  const int64_t g = std::max<int64_t>(1, model_->slot_granularity());
   return (num_slots + g - 1) / g * g;
 }
 
@@ -304,8 +364,8 @@ void AttentionEngine::FreeKv(int64_t num_slots) {
 }
 
 absl::Status AttentionEngine::ResizeKv(Sequence& sequence, int64_t num_slots) {
-  DSA_RETURN_IF_ERROR(backend_->ResizeSequence(sequence.id, num_slots));
-  sequence.kv_slots = num_slots;
+  DSA_RETURN_IF_ERROR(model_->Truncate(sequence.id, num_slots));
+  sequence.kv_slots = std::min(sequence.kv_slots, num_slots);
   return absl::OkStatus();
 }
 
@@ -341,11 +401,12 @@ void AttentionEngine::EraseSequence(uint64_t sequence_id, const Sequence* sequen
 
 absl::Status AttentionEngine::CheckIndexerShape(IndexerClient& client) {
   DSA_ASSIGN_OR_RETURN(IndexerShape shape, client.GetShape(IndexerDeadline()));
-  if (shape.num_heads != model_.num_heads() || shape.head_dim != model_.head_dim()) {
+  const ModelShape& model = model_->shape();
+  if (shape.num_heads != model.num_heads || shape.head_dim != model.head_dim) {
     return absl::FailedPreconditionError(absl::StrCat(
         "indexer worker ", client.address(), " has H = ", shape.num_heads, ", D = ", shape.head_dim,
-        " but this attention worker's model has H = ", model_.num_heads(),
-        ", D = ", model_.head_dim()));
+        " but this attention worker's model has H = ", model.num_heads,
+        ", D = ", model.head_dim));
   }
   return absl::OkStatus();
 }
@@ -354,20 +415,21 @@ absl::Status AttentionEngine::AppendKeys(IndexerClient& client, uint64_t sequenc
                                          std::span<const uint64_t> prefix_block_ids,
                                          int64_t first_slot, int64_t end_slot) {
   if (end_slot <= first_slot) return absl::OkStatus();
-  const int head_dim = model_.head_dim();
+  const int head_dim = model_->shape().head_dim;
+  const int num_full = static_cast<int>(schedule_.full_layers().size());
   struct ChunkRange {
     int layer;
     int64_t first_slot;
     int64_t num_slots;
   };
   std::vector<ChunkRange> ranges;
-  for (int f = 0; f < model_.num_layers(); ++f) {
+  for (int f = 0; f < num_full; ++f) {
     for (int64_t slot = first_slot; slot < end_slot; slot += kPrefillChunkSlots) {
       ranges.push_back({f, slot, std::min(kPrefillChunkSlots, end_slot - slot)});
     }
   }
   // Generous: the indexer appends at memory speed, this side generates about 1 us a key.
-  const int64_t num_keys = (end_slot - first_slot) * model_.num_layers();
+  const int64_t num_keys = (end_slot - first_slot) * num_full;
   std::unique_ptr<IndexKeyAppend> append =
       client.BeginAppend(sequence_id, IndexerDeadline() + absl::Microseconds(20 * num_keys));
   // Chunks are generated `threads` at a time, then written in order.
@@ -381,8 +443,8 @@ absl::Status AttentionEngine::AppendKeys(IndexerClient& client, uint64_t sequenc
     ParallelFor(static_cast<int64_t>(count), threads, [&](int64_t j) {
       const ChunkRange& range = ranges[base + j];
       keys[j].resize(static_cast<size_t>(range.num_slots * head_dim));
-      statuses[j] = SequenceIndexKeys(model_, prefix_block_ids, range.layer, range.first_slot,
-                                      range.num_slots, keys[j]);
+      statuses[j] = model_->IndexKeys(sequence_id, prefix_block_ids, range.layer,
+                                      range.first_slot, range.num_slots, keys[j]);
     });
     for (size_t j = 0; j < count; ++j) {
       if (!statuses[j].ok()) {
@@ -413,8 +475,13 @@ AttentionEngineInfo AttentionEngine::GetInfo() {
   info.num_model_layers = schedule_.num_layers();
   info.num_full_layers = static_cast<int>(schedule_.full_layers().size());
   info.lag_depth = schedule_.lag_depth();
-  info.num_heads = model_.num_heads();
-  info.head_dim = model_.head_dim();
+  const ModelShape& shape = model_->shape();
+  info.num_heads = shape.num_heads;
+  info.head_dim = shape.head_dim;
+  info.model = shape.name;
+  info.vocab_size = shape.vocab_size;
+  info.eos_token_id = shape.eos_token_id;
+  info.max_context = shape.max_context;
   info.kv_capacity_slots = options_.kv_capacity_slots;
   {
     std::lock_guard<std::mutex> lock(kv_mutex_);
@@ -434,7 +501,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::Prefill(const PrefillSpec& spec) 
 }
 
 absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spec) {
-  DSA_RETURN_IF_ERROR(ValidatePrefill(spec));
+  DSA_RETURN_IF_ERROR(ValidatePrefill(spec, model_->shape()));
   const uint64_t id = spec.sequence_id;
   const int64_t context = spec.context_length;
   auto sequence = std::make_shared<Sequence>();
@@ -451,16 +518,19 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
   bool kv_reserved = false;
   bool indexer_created = false;
   std::shared_ptr<IndexerClient> client;
+  std::optional<int32_t> next_token;
   auto run = [&]() -> absl::Status {
     DSA_RETURN_IF_ERROR(ReserveKv(Footprint(context)));
     kv_reserved = true;
     DSA_ASSIGN_OR_RETURN(client, GetClient(spec.indexer_worker));
     DSA_RETURN_IF_ERROR(CheckIndexerShape(*client));
-    // The KV first: a backend out of memory must fail before the indexer holds anything.
-    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
+    // The KV first (a real model's forward, which also makes the index keys): a model out of
+    // memory or refusing the tokens must fail before the indexer holds anything.
+    DSA_ASSIGN_OR_RETURN(next_token, model_->Extend(id, 0, context, spec.tokens, spec.sampling));
+    sequence->kv_slots = context;
     IndexerSequenceSpec create;
     create.sequence_id = id;
-    create.options.num_layers = model_.num_layers();
+    create.options.num_layers = static_cast<int>(schedule_.full_layers().size());
     create.options.top_k = spec.top_k;
     create.options.spin = spec.spin;
     create.prefix_source_id = spec.prefix_source_id;
@@ -477,6 +547,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
     return absl::OkStatus();
   };
   absl::Status status = run();
+  model_->DropIndexKeys(id);
   if (!status.ok()) {
     if (indexer_created) (void)client->Release(id, IndexerDeadline());
     (void)ResizeKv(*sequence, 0);
@@ -489,11 +560,11 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
   sequence->length = context;
   sequence->live = true;
   UpdateUsageMetrics();
-  return PrefillResult{context, context - spec.prefix_slots};
+  return PrefillResult{context, context - spec.prefix_slots, next_token};
 }
 
 absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec& spec) {
-  DSA_RETURN_IF_ERROR(ValidatePrefill(spec));
+  DSA_RETURN_IF_ERROR(ValidatePrefill(spec, model_->shape()));
   const uint64_t id = spec.sequence_id;
   std::shared_ptr<Sequence> sequence = FindSequence(id);
   if (sequence == nullptr) return absl::NotFoundError(absl::StrCat("sequence ", id, " not found"));
@@ -513,33 +584,40 @@ absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec
     return absl::InvalidArgumentError(absl::StrCat(
         "context_length ", context, " is shorter than sequence ", id, "'s ", old_length, " slots"));
   }
+  DSA_RETURN_IF_ERROR(
+      ValidateTokens(model_->shape(), spec.tokens, context - old_length, "the continuation"));
   const int64_t more = Footprint(context) - Footprint(old_length);
   DSA_RETURN_IF_ERROR(ReserveKv(more));
   std::vector<uint64_t> ids = spec.prefix_block_ids;
   if (ids.empty()) ids = sequence->prefix_block_ids;
+  std::optional<int32_t> next_token;
   auto run = [&]() -> absl::Status {
-    // The KV first: a backend out of memory must fail before the indexer has changed.
-    DSA_RETURN_IF_ERROR(ResizeKv(*sequence, context));
+    // The KV first: a model out of memory must fail before the indexer has changed.
+    DSA_ASSIGN_OR_RETURN(next_token,
+                         model_->Extend(id, old_length, context, spec.tokens, spec.sampling));
+    sequence->kv_slots = context;
     DSA_ASSIGN_OR_RETURN(std::shared_ptr<IndexerClient> client,
                          GetClient(sequence->indexer_worker));
     DSA_RETURN_IF_ERROR(client->BeginTurn(id, IndexerDeadline()));
     return AppendKeys(*client, id, ids, old_length, context);
   };
-  if (absl::Status status = run(); !status.ok()) {
+  absl::Status status = run();
+  model_->DropIndexKeys(id);
+  if (!status.ok()) {
     if (sequence->kv_slots != old_length) (void)ResizeKv(*sequence, old_length);
     FreeKv(more);
     return status;
   }
   sequence->length = context;
   sequence->prefix_block_ids = std::move(ids);
-  return PrefillResult{context, context - old_length};
+  return PrefillResult{context, context - old_length, next_token};
 }
 
 absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, StepState& step) {
   if (members.empty()) {
     return absl::InvalidArgumentError("a decode step needs at least one sequence");
   }
-  const int num_full = model_.num_layers();
+  const int num_full = static_cast<int>(schedule_.full_layers().size());
   step.members.resize(members.size());
   for (size_t i = 0; i < members.size(); ++i) {
     const StepMember& s = members[i];
@@ -559,6 +637,8 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
       return absl::NotFoundError(absl::StrCat("sequence ", s.sequence_id, " not found"));
     }
     step.members[i].rows = s.rows;
+    DSA_RETURN_IF_ERROR(ValidateTokens(model_->shape(), s.tokens, s.rows,
+                                       absl::StrCat("sequence ", s.sequence_id, "'s step")));
   }
   // Lock the batch in increasing id order (no deadlock with concurrent steps).
   std::vector<int> order(step.members.size());
@@ -572,6 +652,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
   for (StepState::Member& m : step.members) {
     const Sequence& s = *m.sequence;
     DSA_RETURN_IF_ERROR(CheckUsable(s, /*check_pending=*/true));
+    DSA_RETURN_IF_ERROR(CheckModelContext(model_->shape(), s.length + m.rows));
     m.first_position = s.length;
     m.selections.resize(num_full);
     m.top_k.resize(num_full);
@@ -579,12 +660,20 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
   }
   DSA_RETURN_IF_ERROR(ReserveKv(total_rows));
   step.total_rows = total_rows;
-  // KV rows of the new positions, every model layer, first.
-  for (StepState::Member& m : step.members) {
-    if (absl::Status s = ResizeKv(*m.sequence, m.first_position + m.rows); !s.ok()) {
-      return RollbackStep(s, step);
+  // The model's pass over every row (the synthetic model writes the rows' KV here).
+  std::vector<ModelRow> model_rows;
+  for (size_t i = 0; i < step.members.size(); ++i) {
+    StepState::Member& m = step.members[i];
+    m.step_row = static_cast<int>(model_rows.size());
+    for (int r = 0; r < m.rows; ++r) {
+      model_rows.push_back(ModelRow{m.sequence->id, m.first_position + r,
+                                    members[i].tokens.empty() ? -1 : members[i].tokens[r]});
     }
+    m.sequence->kv_slots = m.first_position + m.rows;  // rolled back from here on a failure
   }
+  auto model_step = model_->BeginStep(model_rows);
+  if (!model_step.ok()) return RollbackStep(model_step.status(), step);
+  step.model_step = *std::move(model_step);
   // Batches by indexer worker, in order of first appearance.
   std::map<std::string, int> batch_of;
   for (size_t i = 0; i < step.members.size(); ++i) {
@@ -625,7 +714,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
   }
   for (StepState::Batch& batch : step.batches) {
     if (!UsesDeviceSelects(batch.client, batch.members, step)) continue;
-    auto device_step = backend_->BeginDeviceStep();
+    auto device_step = model_->BeginDeviceStep();
     if (!device_step.ok()) break;  // host queries for this step
     step.device_step = *std::move(device_step);
     batch.device_form = true;
@@ -660,6 +749,11 @@ absl::Status AttentionEngine::RollbackStep(absl::Status status, StepState& step)
 }
 
 absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
+  if (absl::Status s = step.model_step->PrepareIndexerInputs(schedule_.full_layers()[f], f);
+      !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("full layer ", f, " indexer inputs: ", s.message()));
+  }
   for (size_t b = 0; b < step.batches.size(); ++b) {
     DSA_RETURN_IF_ERROR(SubmitBatchLayer(f, static_cast<int>(b), step));
   }
@@ -668,8 +762,8 @@ absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
 
 absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
   StepState::Batch& batch = step.batches[b];
-  const int num_heads = model_.num_heads();
-  const int head_dim = model_.head_dim();
+  const int num_heads = model_->shape().num_heads;
+  const int head_dim = model_->shape().head_dim;
   const bool on_device = batch.device_form;
   LayerSelectRequest select;
   select.num_heads = num_heads;
@@ -694,8 +788,9 @@ absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
     select.device = DeviceSelectBuffers{slot->queries, slot->queries_ready, slot->selections,
                                         batch.device_top_k, slot->selections_ready};
   }
-  // The groups' indexer inputs are pure functions of (model, layer, positions): generated on up
-  // to prefill_threads threads when the batch is large enough to pay for them.
+  // The groups' indexer inputs (the synthetic model's pure functions of (layer, positions), or the
+  // real model's, computed for every row at PrepareIndexerInputs): on up to prefill_threads
+  // threads when the batch is large enough to pay for them.
   std::vector<absl::Status> generated(num_groups);
   const int threads =
       num_groups >= kMinGroupsPerGenerationThread * 2
@@ -710,22 +805,10 @@ absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
     group.num_rows = m.rows;
     if (!on_device) group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
     group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
-    for (int r = 0; r < m.rows && generated[g].ok(); ++r) {
-      const std::span<float> weights(group.head_weights.data() + static_cast<size_t>(r) * num_heads,
-                                     num_heads);
-      generated[g] = on_device
-                         ? model_.HeadWeights(f, m.first_position + r, weights)
-                         : model_.IndexerQuery(
-                               f, m.first_position + r,
-                               std::span<float>(group.queries.data() +
-                                                    static_cast<size_t>(r) * num_heads * head_dim,
-                                                static_cast<size_t>(num_heads) * head_dim),
-                               weights);
-    }
-    if (!generated[g].ok()) return;
     group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
-    generated[g] = SequenceIndexKeys(model_, m.sequence->prefix_block_ids, f, m.first_position,
-                                     m.rows, group.new_index_keys);
+    generated[g] = step.model_step->IndexerInputs(f, m.step_row, m.rows,
+                                                  m.sequence->prefix_block_ids, group.queries,
+                                                  group.head_weights, group.new_index_keys);
   });
   for (const absl::Status& status : generated) DSA_RETURN_IF_ERROR(status);
   auto id = batch.client->Selections().Submit(std::move(select));
@@ -894,13 +977,13 @@ absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
     }
   }
   std::vector<float> outputs;
-  if (options_.observer) outputs.resize(rows.size() * backend_->output_values_per_row());
-  if (absl::Status s = backend_->AttendLayer(l, rows, outputs); !s.ok()) {
+  if (options_.observer) outputs.resize(rows.size() * model_->output_values_per_row());
+  if (absl::Status s = step.model_step->AttendLayer(l, rows, outputs); !s.ok()) {
     return absl::InternalError(absl::StrCat("layer ", l, " attention over the selection of layer ",
                                             attended, ": ", s.message()));
   }
   if (options_.observer) {
-    const auto per_row = static_cast<size_t>(backend_->output_values_per_row());
+    const auto per_row = static_cast<size_t>(model_->output_values_per_row());
     size_t r = 0;
     for (size_t i = 0; i < step.members.size(); ++i) {
       const StepState::Member& m = step.members[i];
@@ -925,7 +1008,7 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   const Clock::time_point start = Clock::now();
   StepState step;
   DSA_RETURN_IF_ERROR(PlanStep(members, step));
-  const int num_full = model_.num_layers();
+  const int num_full = static_cast<int>(schedule_.full_layers().size());
   // On a failure: collect every answer still outstanding (so we know what was applied).
   // The observer's rows that waited for their host selections (an empty one if it never came).
   auto report_observations = [&] {
@@ -945,7 +1028,7 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   };
   auto fail = [&](absl::Status status) -> absl::Status {
     for (int f = 0; f < num_full; ++f) (void)CollectLayer(f, step, /*device_answers=*/true);
-    (void)backend_->Synchronize();
+    (void)model_->Synchronize();
     report_observations();
     step.device_step.reset();  // its buffers back to the backend (or abandoned)
     return RollbackStep(std::move(status), step);
@@ -982,11 +1065,16 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
       }
     }
   }
-  if (absl::Status s = backend_->Synchronize(); !s.ok()) {
+  if (absl::Status s = model_->Synchronize(); !s.ok()) {
     return fail(absl::InternalError(absl::StrCat("the decode step's attention: ", s.message())));
   }
   step.device_step.reset();
   report_observations();
+  auto sampled = step.model_step->Finish();
+  if (!sampled.ok()) {
+    return fail(absl::Status(sampled.status().code(),
+                             absl::StrCat("sampling the step's tokens: ", sampled.status().message())));
+  }
 
   DecodeStepResult result;
   result.sequences.reserve(step.members.size());
@@ -997,9 +1085,13 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
     } else {
       s.pending_rows = m.rows;
     }
-    result.sequences.push_back(SequenceStepResult{s.id, m.first_position, m.blocks_scored,
-                                                  m.blocks_visible, m.audited_rows,
-                                                  m.audit_miss_rate_sum});
+    SequenceStepResult& out = result.sequences.emplace_back(
+        SequenceStepResult{s.id, m.first_position, m.blocks_scored, m.blocks_visible,
+                           m.audited_rows, m.audit_miss_rate_sum, {}});
+    if (!sampled->empty()) {
+      out.sampled_tokens.assign(sampled->begin() + m.step_row,
+                                sampled->begin() + m.step_row + m.rows);
+    }
   }
   result.selection_wait_seconds = std::move(step.selection_wait_seconds);
   int host_selects = 0;

@@ -19,9 +19,11 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention_worker/attention_backend.h"
+#include "attention_worker/attention_model.h"
 #include "attention_worker/metrics.h"
 #include "attention_worker/model_inputs.h"
 #include "attention_worker/pattern_model.h"
+#include "attention_worker/sampler.h"
 #include "common/mli_schedule.h"
 #include "indexer_service/spin.h"
 #include "transport/indexer_client.h"
@@ -80,17 +82,27 @@ struct PrefillSpec {
   std::optional<uint64_t> prefix_source_id;  // share the first prefix_slots slots of this one
   int64_t prefix_slots = 0;
   bool continue_sequence = false;  // extend an existing sequence and begin a new turn
+  /// A real model's token ids of slots [the sequence's length (0 when new), context_length), each
+  /// in [0, vocab); empty for the synthetic model.
+  std::vector<int32_t> tokens;
+  /// How a real model draws the sequence's tokens (kept for its decode steps).
+  SamplingParams sampling;
 };
 
 struct PrefillResult {
   int64_t slots = 0;           // the sequence's length after prefill
   int64_t slots_appended = 0;  // index keys computed and sent per full layer (not shared)
+  /// A real model: the token sampled from the last context position (for position `slots`).
+  std::optional<int32_t> next_token;
 };
 
 /// One sequence of a decode step.
 struct StepMember {
   uint64_t sequence_id = 0;
   int rows = 1;  // 1, or d + 1 verifier rows (d <= 4)
+  /// A real model: the rows' input tokens (the last sampled token, then the d draft tokens), each
+  /// in [0, vocab); empty for the synthetic model.
+  std::vector<int32_t> tokens;
 };
 
 /// Per sequence of a decode step, in request order.
@@ -101,6 +113,8 @@ struct SequenceStepResult {
   int64_t blocks_visible = 0;  // summed over the full layers
   int audited_rows = 0;
   double audit_miss_rate_sum = 0;
+  /// A real model: per row r, the token sampled for position first_position + r + 1.
+  std::vector<int32_t> sampled_tokens;
 };
 
 struct DecodeStepResult {
@@ -120,13 +134,17 @@ struct AttentionEngineInfo {
   int lag_depth = 0;
   int num_heads = 0;  // indexer H
   int head_dim = 0;   // indexer D
+  std::string model;  // "pattern" or the real model's name
+  int vocab_size = 0;  // 0: the synthetic model (no tokens)
+  int eos_token_id = -1;
+  int64_t max_context = 0;  // 0: no model limit
   int64_t kv_capacity_slots = 0;
   int64_t kv_used_slots = 0;
   int sequences = 0;
 };
 
-/// Runs its sequences' model layers (the pattern model with num_layers = the schedule's full
-/// layers), holds their KV cache in the backend, owns their sequences on the indexer workers, and
+/// Runs its sequences' model layers through the model seam (attention_model.h: the synthetic
+/// pattern model over a KV backend, or a real model), holds their KV cache there, owns their sequences on the indexer workers, and
 /// attends at every model layer l the selection of sigma(l) (MLI paper section 3 eq. (2);
 /// DESIGN.md 4.3): full layer f's select is submitted as soon as its inputs exist and awaited at
 /// the first layer that attends it.
@@ -143,10 +161,17 @@ struct AttentionEngineInfo {
 /// Release works. Sequences whose requests the indexer never applied are left exactly as before.
 class AttentionEngine {
  public:
-  /// `model.num_layers()` must equal the number of full layers of `schedule`; `backend` holds the
-  /// KV of schedule.num_layers() model layers; `metrics` may be null (otherwise it must have
-  /// schedule.num_layers() layer labels and outlive the engine). Errors: INVALID_ARGUMENT (layer
-  /// counts differ, capacity, threads, no factory or backend).
+  /// `model`'s indexer layers must be the schedule's full layers (ModelShape::
+  /// indexer_per_model_layer false) or its model layers (true); `metrics` may be null (otherwise
+  /// it must have schedule.num_layers() layer labels and outlive the engine). Errors:
+  /// INVALID_ARGUMENT (layer counts differ, capacity, threads, no factory or model).
+  static absl::StatusOr<std::unique_ptr<AttentionEngine>> Create(
+      MliSchedule schedule, std::unique_ptr<AttentionModel> model,
+      IndexerClientFactory indexer_clients, AttentionEngineOptions options,
+      AttentionMetrics* metrics = nullptr);
+
+  /// The synthetic model: `model.num_layers()` must equal the schedule's full layers; `backend`
+  /// holds the KV of schedule.num_layers() model layers (PatternAttentionModel).
   static absl::StatusOr<std::unique_ptr<AttentionEngine>> Create(
       MliSchedule schedule, PatternModel model, std::unique_ptr<AttentionBackend> backend,
       IndexerClientFactory indexer_clients, AttentionEngineOptions options,
@@ -155,8 +180,7 @@ class AttentionEngine {
   ~AttentionEngine();
 
   const MliSchedule& schedule() const { return schedule_; }
-  const PatternModel& model() const { return model_; }
-  const AttentionBackend& backend() const { return *backend_; }
+  const AttentionModel& model() const { return *model_; }
 
   /// Shape and load. Never fails.
   AttentionEngineInfo GetInfo();
@@ -175,19 +199,25 @@ class AttentionEngine {
   /// context; the factory's refusal of the address); ALREADY_EXISTS; NOT_FOUND (continue of an
   /// unknown sequence, prefix source); FAILED_PRECONDITION (the indexer's H or D differ from the
   /// model's, a step awaits Commit, a broken sequence); RESOURCE_EXHAUSTED (KV capacity, the
-  /// backend's memory, index-key cache, a context over 2^31 - 1 slots); UNAVAILABLE or
+  /// backend's memory, index-key cache, a context over 2^31 - 1 slots or the real model's
+  /// context); INVALID_ARGUMENT also for tokens: a real model needs exactly the new slots' ids,
+  /// each in [0, vocab), and valid sampling; the synthetic model takes none; UNAVAILABLE or
   /// DEADLINE_EXCEEDED (indexer unreachable; the message names the address).
   absl::StatusOr<PrefillResult> Prefill(const PrefillSpec& spec);
 
   /// One decode step for a batch (DESIGN.md 4.3): for sequence s at position t = its length with r
-  /// rows, KV rows t..t+r-1 of every model layer are written first (plan); then for each model
-  /// layer l in order: if l is full layer f, one LayerSelectRequest per indexer worker with a row
-  /// group per sequence (queries and head weights of positions t..t+r-1 from
-  /// PatternModel::IndexerQuery, the r new index keys of layer f) is submitted; then l awaits the
-  /// selection of sigma(l) (collect) and attends it for every row (attend). Selections submitted
-  /// but attended by no layer are collected at the end. r = 1 advances the sequence by one slot;
-  /// r > 1 leaves a step awaiting Commit. Errors: INVALID_ARGUMENT (no sequences, rows outside
-  /// 1..5, a sequence twice); NOT_FOUND; FAILED_PRECONDITION (a step awaits Commit, broken
+  /// rows (the model seam's ModelStep over every row of the batch): for each model layer l in
+  /// order: if l is full layer f, one LayerSelectRequest per indexer worker with a row group per
+  /// sequence (queries and head weights of positions t..t+r-1 and the r new index keys of layer
+  /// f, from the model: the synthetic model's pure functions, or the real model's lightning
+  /// indexer over the layer's input) is submitted; then l awaits the selection of sigma(l)
+  /// (collect) and attends it for every row (attend: the synthetic model's KV rows were written at
+  /// the plan, the real model's are written by the layer). Selections submitted but attended by no
+  /// layer are collected at the end; a real model then samples each row's next token
+  /// (SequenceStepResult::sampled_tokens). r = 1 advances the sequence by one slot; r > 1 leaves a
+  /// step awaiting Commit. Errors: INVALID_ARGUMENT (no sequences, rows outside 1..5, a sequence
+  /// twice, tokens: a real model needs one id a row in [0, vocab), the synthetic model none);
+  /// NOT_FOUND; FAILED_PRECONDITION (a step awaits Commit, broken
   /// sequence); RESOURCE_EXHAUSTED (KV capacity; index-key cache); UNAVAILABLE /
   /// DEADLINE_EXCEEDED (indexer); the indexer's status otherwise. On an error every sequence's KV
   /// is rolled back; a sequence the indexer may have advanced (an earlier full layer's select
@@ -215,8 +245,8 @@ class AttentionEngine {
   struct Sequence;
   struct StepState;
 
-  AttentionEngine(MliSchedule schedule, PatternModel model,
-                  std::unique_ptr<AttentionBackend> backend, IndexerClientFactory indexer_clients,
+  AttentionEngine(MliSchedule schedule, std::unique_ptr<AttentionModel> model,
+                  IndexerClientFactory indexer_clients,
                   AttentionEngineOptions options, AttentionMetrics* metrics);
 
   absl::StatusOr<PrefillResult> NewPrefill(const PrefillSpec& spec);
@@ -258,7 +288,7 @@ class AttentionEngine {
   int64_t Footprint(int64_t num_slots) const;
   absl::Status ReserveKv(int64_t num_slots);
   void FreeKv(int64_t num_slots);
-  // Sets the backend's slots of `sequence`, keeping kv_slots in step.
+  // Shrinks the model's slots of `sequence` (never grows), keeping kv_slots in step.
   absl::Status ResizeKv(Sequence& sequence, int64_t num_slots);
   void UpdateUsageMetrics();
 
@@ -266,8 +296,7 @@ class AttentionEngine {
   void EraseSequence(uint64_t sequence_id, const Sequence* sequence);
 
   const MliSchedule schedule_;
-  const PatternModel model_;
-  const std::unique_ptr<AttentionBackend> backend_;
+  const std::unique_ptr<AttentionModel> model_;
   const IndexerClientFactory indexer_clients_;
   const AttentionEngineOptions options_;
   AttentionMetrics* const metrics_;  // not owned; may be null

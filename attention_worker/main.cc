@@ -401,13 +401,13 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"num_heads", model_config.num_heads},
       {"head_dim", model_config.head_dim},
       {"kv_dim", attention_device == "cuda" ? 576 : options.kv_dim},
-      {"attention_heads", service->engine().backend().output_values_per_row() /
+      {"attention_heads", service->engine().model().output_values_per_row() /
                               (attention_device == "cuda" ? 512 : options.kv_dim)},
       {"kv_capacity_slots", options.engine.kv_capacity_slots},
       {"transport", transport},
       {"device_selects", options.engine.device_selects},
       {"layer_standin", layer_standin},
-      {"attention_device", service->engine().backend().Description()},
+      {"attention_device", service->engine().model().Description()},
       {"indexer_workers", indexer_workers},
       {"indexer_dns", indexer_dns},
       {"dials_with_tls", indexer_security->tls()}};

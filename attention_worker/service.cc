@@ -39,6 +39,10 @@ absl::StatusOr<PrefillSpec> ToPrefillSpec(const av1::PrefillRequest& request) {
   if (request.has_prefix_source_id()) spec.prefix_source_id = request.prefix_source_id();
   spec.prefix_slots = request.prefix_slots();
   spec.continue_sequence = request.continue_sequence();
+  spec.tokens.assign(request.tokens().begin(), request.tokens().end());
+  spec.sampling.temperature = request.sampling().temperature();
+  spec.sampling.top_p = request.sampling().top_p() == 0.0f ? 1.0f : request.sampling().top_p();
+  spec.sampling.seed = request.sampling().seed();
   return spec;
 }
 
@@ -84,6 +88,10 @@ grpc::Status AttentionServiceImpl::GetInfo(grpc::ServerContext* /*context*/,
   response->set_kv_used_slots(info.kv_used_slots);
   response->set_sequences(info.sequences);
   response->set_instance_id(ProcessInstanceId());
+  response->set_model(info.model);
+  response->set_vocab_size(info.vocab_size);
+  response->set_eos_token_id(info.eos_token_id);
+  response->set_max_context(info.max_context);
   return grpc::Status::OK;
 }
 
@@ -160,6 +168,7 @@ grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
   if (!result.ok()) return ToGrpcStatus(result.status());
   response->set_slots(result->slots);
   response->set_slots_appended(result->slots_appended);
+  if (result->next_token.has_value()) response->set_next_token(*result->next_token);
   response->set_seconds(SecondsSince(start));
   return grpc::Status::OK;
 }
@@ -176,7 +185,7 @@ grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* context,
         !owned.ok()) {
       return ToGrpcStatus(owned);
     }
-    members.push_back(StepMember{s.sequence_id(), s.rows()});
+    members.push_back(StepMember{s.sequence_id(), s.rows(), {s.tokens().begin(), s.tokens().end()}});
   }
   absl::StatusOr<DecodeStepResult> result = engine_->DecodeStep(members);
   if (!result.ok()) return ToGrpcStatus(result.status());
@@ -188,6 +197,7 @@ grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* context,
     out->set_blocks_visible(s.blocks_visible);
     out->set_audited_rows(s.audited_rows);
     out->set_audit_miss_rate_sum(s.audit_miss_rate_sum);
+    out->mutable_sampled_tokens()->Add(s.sampled_tokens.begin(), s.sampled_tokens.end());
   }
   response->mutable_selection_wait_seconds()->Add(result->selection_wait_seconds.begin(),
                                                   result->selection_wait_seconds.end());

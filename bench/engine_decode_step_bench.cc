@@ -643,7 +643,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   }
 
   nlohmann::json out = {
-      {"device", on_gpu ? (*engine)->backend().Description() : "cpu"},
+      {"device", on_gpu ? (*engine)->model().Description() : "cpu"},
       {"indexer_device", remote
                              ? absl::StrCat("remote ", remote_indexer, " over ", remote_transport)
                              : (*indexer)->DeviceDescription()},
@@ -669,7 +669,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 a
   out["arms"].push_back(kArms[kCeiling]);
   std::printf("engine decode step: %d layers (all full, k = 1), K %d, indexer %s, attention %s\n",
               layers, top_k, out["indexer_device"].get<std::string>().c_str(),
-              (*engine)->backend().Description().c_str());
+              (*engine)->model().Description().c_str());
 
   double keys_per_second = 0;  // measured by the first prefill
   uint64_t next_id = 1;

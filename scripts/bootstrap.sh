@@ -10,6 +10,7 @@ packages=(
   python3 python3-matplotlib python3-venv clang-format clang-tidy
   clang-14 libclang-rt-14-dev
   prometheus openssl libssl-dev
+  libopenblas-dev python3.11-doc
 )
 
 missing=()

@@ -1,0 +1,275 @@
+// The real model behind the model seam (see llama_attention_model.h).
+#include "attention_worker/llama_attention_model.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace dsa {
+
+namespace {
+
+class LlamaModelStep : public ModelStep {
+ public:
+  LlamaModelStep(std::unique_ptr<LlamaForward> pass, std::vector<ModelRow> rows,
+                 std::vector<SamplingParams> sampling, const LightningIndexerConfig& indexer,
+                 int vocab_size)
+      : pass_(std::move(pass)),
+        rows_(std::move(rows)),
+        sampling_(std::move(sampling)),
+        num_heads_(indexer.num_heads),
+        head_dim_(indexer.head_dim),
+        vocab_size_(vocab_size) {}
+
+  absl::Status PrepareIndexerInputs(int model_layer, int full_rank) override {
+    if (pass_->next_layer() != model_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("indexer inputs of layer ", model_layer,
+                                                     " asked while layer ", pass_->next_layer(),
+                                                     " is next"));
+    }
+    const size_t rows = rows_.size();
+    queries_.resize(rows * num_heads_ * head_dim_);
+    head_weights_.resize(rows * num_heads_);
+    index_keys_.resize(rows * head_dim_);
+    DSA_RETURN_IF_ERROR(pass_->IndexerInputs(queries_, head_weights_, index_keys_));
+    prepared_rank_ = full_rank;
+    return absl::OkStatus();
+  }
+
+  absl::Status IndexerInputs(int full_rank, int first_row, int num_rows,
+                             std::span<const uint64_t> /*prefix_block_ids*/,
+                             std::span<float> queries, std::span<float> head_weights,
+                             std::span<float> index_keys) const override {
+    if (full_rank != prepared_rank_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("indexer inputs of full layer ", full_rank, " were not prepared"));
+    }
+    const auto h = static_cast<size_t>(num_heads_), d = static_cast<size_t>(head_dim_);
+    if (first_row < 0 || num_rows < 1 || first_row + num_rows > static_cast<int>(rows_.size()) ||
+        head_weights.size() != num_rows * h || index_keys.size() != num_rows * d ||
+        (!queries.empty() && queries.size() != num_rows * h * d)) {
+      return absl::InvalidArgumentError("indexer inputs: rows or span sizes out of range");
+    }
+    const auto first = static_cast<size_t>(first_row);
+    if (!queries.empty()) {
+      std::copy_n(queries_.begin() + first * h * d, num_rows * h * d, queries.begin());
+    }
+    std::copy_n(head_weights_.begin() + first * h, num_rows * h, head_weights.begin());
+    std::copy_n(index_keys_.begin() + first * d, num_rows * d, index_keys.begin());
+    return absl::OkStatus();
+  }
+
+  absl::Status AttendLayer(int model_layer, std::span<const AttentionRowRef> rows,
+                           std::span<float> /*outputs*/) override {
+    if (pass_->next_layer() != model_layer) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", model_layer, " run while layer ",
+                                                     pass_->next_layer(), " is next"));
+    }
+    if (rows.size() != rows_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(rows.size(), " attended rows for a step of ", rows_.size()));
+    }
+    std::vector<std::span<const int32_t>> selections(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (rows[r].device_selection != nullptr) {
+        return absl::InvalidArgumentError("the real model on the CPU takes host selections only");
+      }
+      selections[r] = rows[r].selection;
+    }
+    return pass_->RunLayer(selections);
+  }
+
+  absl::StatusOr<std::vector<int32_t>> Finish() override {
+    const int vocab = vocab_size_;
+    std::vector<int32_t> all(rows_.size());
+    for (size_t r = 0; r < rows_.size(); ++r) all[r] = static_cast<int32_t>(r);
+    std::vector<float> logits(rows_.size() * static_cast<size_t>(vocab));
+    DSA_RETURN_IF_ERROR(pass_->Logits(all, logits));
+    std::vector<int32_t> tokens(rows_.size());
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      tokens[r] = SampleToken(
+          std::span<const float>(logits.data() + r * vocab, static_cast<size_t>(vocab)),
+          sampling_[r], rows_[r].position + 1);
+    }
+    return tokens;
+  }
+
+ private:
+  std::unique_ptr<LlamaForward> pass_;
+  const std::vector<ModelRow> rows_;
+  const std::vector<SamplingParams> sampling_;
+  const int num_heads_;
+  const int head_dim_;
+  const int vocab_size_;
+  int prepared_rank_ = -1;
+  std::vector<float> queries_, head_weights_, index_keys_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> LlamaAttentionModel::Create(
+    std::shared_ptr<const LlamaModel> model, std::vector<int> full_layers, std::string name) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model");
+  if (!model->has_indexer()) {
+    return absl::InvalidArgumentError(
+        "the real model needs its lightning indexer weights (none were loaded)");
+  }
+  const int num_layers = model->config().num_layers;
+  for (size_t i = 0; i < full_layers.size(); ++i) {
+    if (full_layers[i] < 0 || full_layers[i] >= num_layers ||
+        (i > 0 && full_layers[i] <= full_layers[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat("full layer ", full_layers[i],
+                                                     " is not an increasing layer in [0, ",
+                                                     num_layers, ")"));
+    }
+  }
+  return std::unique_ptr<LlamaAttentionModel>(
+      new LlamaAttentionModel(std::move(model), std::move(full_layers), std::move(name)));
+}
+
+LlamaAttentionModel::LlamaAttentionModel(std::shared_ptr<const LlamaModel> model,
+                                         std::vector<int> full_layers, std::string name)
+    : model_(std::move(model)), full_layers_(std::move(full_layers)) {
+  const LlamaConfig& config = model_->config();
+  full_rank_.assign(config.num_layers, -1);
+  for (size_t f = 0; f < full_layers_.size(); ++f) {
+    full_rank_[full_layers_[f]] = static_cast<int>(f);
+  }
+  shape_.name = std::move(name);
+  shape_.num_indexer_layers = config.num_layers;
+  shape_.indexer_per_model_layer = true;
+  shape_.num_heads = model_->indexer_config().num_heads;
+  shape_.head_dim = model_->indexer_config().head_dim;
+  shape_.vocab_size = config.vocab_size;
+  shape_.eos_token_id = config.eos_token_id;
+  shape_.max_context = config.context_length;
+}
+
+std::shared_ptr<LlamaAttentionModel::Sequence> LlamaAttentionModel::Find(
+    uint64_t sequence_id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = sequences_.find(sequence_id);
+  return it == sequences_.end() ? nullptr : it->second;
+}
+
+absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(
+    uint64_t sequence_id, int64_t first_slot, int64_t end_slot, std::span<const int32_t> tokens,
+    const SamplingParams& sampling) {
+  if (end_slot <= first_slot || static_cast<int64_t>(tokens.size()) != end_slot - first_slot) {
+    return absl::InvalidArgumentError(absl::StrCat("extending slots [", first_slot, ", ", end_slot,
+                                                   ") needs that many token ids, got ",
+                                                   tokens.size()));
+  }
+  DSA_RETURN_IF_ERROR(ValidateSamplingParams(sampling));
+  std::shared_ptr<Sequence> sequence = Find(sequence_id);
+  const bool created = sequence == nullptr;
+  if (created) {
+    if (first_slot != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", sequence_id, " has no slots; cannot extend from ", first_slot));
+    }
+    sequence = std::make_shared<Sequence>();
+    sequence->kv = std::make_unique<LlamaKvCache>(*model_);
+  } else if (sequence->kv->num_slots() != first_slot) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", sequence_id, " holds ",
+                                                   sequence->kv->num_slots(),
+                                                   " slots; cannot extend from ", first_slot));
+  }
+  std::vector<LlamaRow> rows(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    rows[i] = LlamaRow{sequence->kv.get(), first_slot + static_cast<int64_t>(i), tokens[i]};
+  }
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> pass,
+                       LlamaForward::Begin(model_, std::move(rows)));
+  const int64_t n = end_slot - first_slot;
+  const LightningIndexerConfig& indexer = model_->indexer_config();
+  std::vector<std::vector<float>> index_keys(full_layers_.size());
+  std::vector<float> queries(static_cast<size_t>(n) * indexer.num_heads * indexer.head_dim);
+  std::vector<float> head_weights(static_cast<size_t>(n) * indexer.num_heads);
+  for (int l = 0; l < model_->config().num_layers; ++l) {
+    if (const int f = full_rank_[l]; f >= 0) {
+      index_keys[f].resize(static_cast<size_t>(n) * indexer.head_dim);
+      DSA_RETURN_IF_ERROR(pass->IndexerInputs(queries, head_weights, index_keys[f]));
+    }
+    DSA_RETURN_IF_ERROR(pass->RunLayer());
+  }
+  std::vector<float> logits(static_cast<size_t>(model_->config().vocab_size));
+  const int32_t last_row = static_cast<int32_t>(n - 1);
+  DSA_RETURN_IF_ERROR(pass->Logits(std::span<const int32_t>(&last_row, 1), logits));
+  pass.reset();
+  sequence->sampling = sampling;
+  sequence->keys_first_slot = first_slot;
+  sequence->index_keys = std::move(index_keys);
+  if (created) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sequences_[sequence_id] = sequence;
+  }
+  return std::optional<int32_t>(SampleToken(logits, sampling, end_slot));
+}
+
+absl::Status LlamaAttentionModel::IndexKeys(uint64_t sequence_id,
+                                            std::span<const uint64_t> /*prefix_block_ids*/,
+                                            int full_rank, int64_t first_slot, int64_t num_slots,
+                                            std::span<float> out) const {
+  std::shared_ptr<Sequence> sequence = Find(sequence_id);
+  const int64_t d = model_->indexer_config().head_dim;
+  if (sequence == nullptr || full_rank < 0 ||
+      full_rank >= static_cast<int>(sequence->index_keys.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no index keys of sequence ", sequence_id, ", full layer ", full_rank));
+  }
+  const std::vector<float>& keys = sequence->index_keys[full_rank];
+  const int64_t kept = static_cast<int64_t>(keys.size()) / d;
+  const int64_t offset = first_slot - sequence->keys_first_slot;
+  if (offset < 0 || num_slots < 0 || offset + num_slots > kept ||
+      static_cast<int64_t>(out.size()) != num_slots * d) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "index keys of slots [", first_slot, ", ", first_slot + num_slots, ") of sequence ",
+        sequence_id, " were not computed (kept: [", sequence->keys_first_slot, ", ",
+        sequence->keys_first_slot + kept, "))"));
+  }
+  std::copy_n(keys.begin() + offset * d, num_slots * d, out.begin());
+  return absl::OkStatus();
+}
+
+void LlamaAttentionModel::DropIndexKeys(uint64_t sequence_id) {
+  if (std::shared_ptr<Sequence> sequence = Find(sequence_id)) {
+    sequence->index_keys = {};
+  }
+}
+
+absl::Status LlamaAttentionModel::Truncate(uint64_t sequence_id, int64_t num_slots) {
+  std::shared_ptr<Sequence> sequence = Find(sequence_id);
+  if (sequence == nullptr) return absl::OkStatus();
+  if (num_slots == 0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    sequences_.erase(sequence_id);
+    return absl::OkStatus();
+  }
+  if (num_slots >= sequence->kv->num_slots()) return absl::OkStatus();
+  return sequence->kv->Truncate(num_slots);
+}
+
+absl::StatusOr<std::unique_ptr<ModelStep>> LlamaAttentionModel::BeginStep(
+    std::span<const ModelRow> rows) {
+  std::vector<LlamaRow> llama_rows(rows.size());
+  std::vector<SamplingParams> sampling(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    std::shared_ptr<Sequence> sequence = Find(rows[r].sequence_id);
+    if (sequence == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("sequence ", rows[r].sequence_id, " has no KV on this model"));
+    }
+    llama_rows[r] = LlamaRow{sequence->kv.get(), rows[r].position, rows[r].token};
+    sampling[r] = sequence->sampling;
+  }
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> pass,
+                       LlamaForward::Begin(model_, std::move(llama_rows)));
+  return std::unique_ptr<ModelStep>(new LlamaModelStep(
+      std::move(pass), std::vector<ModelRow>(rows.begin(), rows.end()), std::move(sampling),
+      model_->indexer_config(), model_->config().vocab_size));
+}
+
+}  // namespace dsa

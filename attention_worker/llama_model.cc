@@ -1,0 +1,1004 @@
+// The real model's CPU forward pass (llama_model.h, docs/model.md): loading and checking the
+// safetensors weights, the KV cache, and the layer-by-layer pass over OpenBLAS GEMMs and OpenMP.
+#include "attention_worker/llama_model.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+
+namespace dsa {
+namespace {
+
+// Rows of a dense-attention tile: the tile's score block is [rows * heads per KV head, slots].
+constexpr int kAttentionTileRows = 64;
+// Rows of one feed-forward chunk (bounds the [rows, 2 ffn_dim] scratch).
+constexpr int64_t kFfnChunkRows = 512;
+// Keys per block of IndexScores (bounds its [keys, heads] scratch).
+constexpr int64_t kIndexScoreBlock = 512;
+// Below this many multiply-adds a GEMM runs on the calling thread alone.
+constexpr int64_t kParallelGemmMinWork = 1 << 18;
+
+// With OpenBLAS's pthread build, its own threads would compete with the model's OpenMP threads:
+// set it to one thread, once. (The OpenMP build runs single-threaded inside a parallel region by
+// itself, and its openblas_set_num_threads would change OpenMP's thread count: leave it alone.)
+void UseSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (openblas_get_parallel() == 1) openblas_set_num_threads(1);
+  });
+}
+
+// c[m, n] = alpha * a[m, k] b[n, k]^T + beta * c (row-major; b is a weight [out, in]). Outside a
+// parallel region, splits the columns over the OpenMP threads.
+void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const auto run = [&](int64_t n0, int64_t n1) {
+    if (m == 1) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n1 - n0), static_cast<int>(k),
+                  alpha, b + n0 * ldb, static_cast<int>(ldb), a, 1, beta, c + n0, 1);
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(n1 - n0), static_cast<int>(k), alpha, a, static_cast<int>(lda),
+                  b + n0 * ldb, static_cast<int>(ldb), beta, c + n0, static_cast<int>(ldc));
+    }
+  };
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  if (threads <= 1 || m * n * k < kParallelGemmMinWork || n < 32) {
+    run(0, n);
+    return;
+  }
+  // Column blocks, multiples of 16, about two per thread for balance.
+  const int64_t parts = std::min<int64_t>(2 * threads, n / 16);
+  const int64_t width = (n / parts + 15) / 16 * 16;
+  const int64_t num_blocks = (n + width - 1) / width;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t block = 0; block < num_blocks; ++block) {
+    run(block * width, std::min(n, (block + 1) * width));
+  }
+}
+
+// c[m, n] = a[m, k] b[k, n] (row-major), on the calling thread.
+void GemmNN(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+            int64_t ldb, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
+              static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f,
+              c, static_cast<int>(ldc));
+}
+
+// out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i] over one row of width n.
+void RmsNormRow(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  double sum_squares = 0;
+  for (int64_t i = 0; i < n; ++i) sum_squares += static_cast<double>(x[i]) * x[i];
+  const auto inv = static_cast<float>(1.0 / std::sqrt(sum_squares / n + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+// Rotates adjacent pairs (2j, 2j+1) of `x`'s first 2 * pairs values by the angles whose cos / sin
+// are given (one per pair).
+void RotatePairs(float* x, const float* cos, const float* sin, int pairs) {
+  for (int j = 0; j < pairs; ++j) {
+    const float a = x[2 * j], b = x[2 * j + 1];
+    x[2 * j] = a * cos[j] - b * sin[j];
+    x[2 * j + 1] = a * sin[j] + b * cos[j];
+  }
+}
+
+// cos / sin [pairs] of position * base^(-2j / dims), in double, rounded to float.
+void RopeAngles(int64_t position, double base, int dims, float* cos, float* sin) {
+  for (int j = 0; j < dims / 2; ++j) {
+    const double angle =
+        static_cast<double>(position) * std::pow(base, -2.0 * j / static_cast<double>(dims));
+    cos[j] = static_cast<float>(std::cos(angle));
+    sin[j] = static_cast<float>(std::sin(angle));
+  }
+}
+
+// In-place softmax over row[0, n).
+void SoftmaxRow(float* row, int64_t n) {
+  float max_value = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) max_value = std::max(max_value, row[j]);
+  float total = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    row[j] = std::exp(row[j] - max_value);
+    total += row[j];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+}
+
+float HalfToFloat(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1fu;
+  uint32_t mantissa = half & 0x3ffu;
+  uint32_t bits = 0;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa != 0) {  // subnormal: normalize
+    int shift = 0;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+  } else {
+    bits = sign;
+  }
+  return std::bit_cast<float>(bits);
+}
+
+std::string ShapeString(std::span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::Status ParseIntField(const std::map<std::string, std::string>& metadata,
+                           absl::string_view path, const char* name, int* out) {
+  const auto it = metadata.find(name);
+  if (it == metadata.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": metadata has no '", name, "' (expected a decimal integer string)"));
+  }
+  if (!absl::SimpleAtoi(it->second, out)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata '", name, "' = '", it->second,
+                                                   "' is not a decimal integer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseRealField(const std::map<std::string, std::string>& metadata,
+                            absl::string_view path, const char* name, double* out) {
+  const auto it = metadata.find(name);
+  if (it == metadata.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": metadata has no '", name, "' (expected a decimal number string)"));
+  }
+  if (!absl::SimpleAtod(it->second, out) || !std::isfinite(*out)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata '", name, "' = '", it->second,
+                                                   "' is not a finite decimal number"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFormat(const SafetensorsFile& file, absl::string_view expected) {
+  const auto it = file.metadata().find("dsa.format");
+  if (it == file.metadata().end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.path(), ": metadata has no 'dsa.format' (expected '", expected, "')"));
+  }
+  if (it->second != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": metadata 'dsa.format' is '",
+                                                   it->second, "', expected '", expected, "'"));
+  }
+  return absl::OkStatus();
+}
+
+// Copies the tensor `name` into fp32 after checking its dtype (one of `dtypes`: F32, F16) and
+// shape.
+absl::Status ReadTensor(const SafetensorsFile& file, const std::string& name,
+                        std::vector<std::string> dtypes, std::vector<int64_t> shape,
+                        std::vector<float>* out) {
+  const std::string expected =
+      absl::StrCat(absl::StrJoin(dtypes, " or "), " ", ShapeString(shape));
+  const SafetensorsTensor* tensor = file.Find(name);
+  if (tensor == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": missing tensor '", name, "' (expected ", expected, ")"));
+  }
+  if (std::find(dtypes.begin(), dtypes.end(), tensor->dtype) == dtypes.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "' has dtype ",
+                                                   tensor->dtype, ", expected ", expected));
+  }
+  if (tensor->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(file.path(), ": tensor '", name, "' has shape ",
+                                                   ShapeString(tensor->shape), ", expected ",
+                                                   expected));
+  }
+  const int64_t count = tensor->num_elements();
+  out->resize(count);
+  if (tensor->dtype == "F32") {
+    std::memcpy(out->data(), tensor->bytes.data(), count * sizeof(float));
+  } else {  // F16, little-endian
+    const std::byte* bytes = tensor->bytes.data();
+    for (int64_t i = 0; i < count; ++i) {
+      const auto half = static_cast<uint16_t>(static_cast<uint16_t>(bytes[2 * i]) |
+                                              static_cast<uint16_t>(bytes[2 * i + 1]) << 8);
+      (*out)[i] = HalfToFloat(half);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Fails with INVALID_ARGUMENT naming the file if it holds a tensor outside `expected`.
+absl::Status CheckNoExtraTensors(const SafetensorsFile& file, const std::vector<std::string>& expected) {
+  for (const auto& [name, tensor] : file.tensors()) {
+    if (std::find(expected.begin(), expected.end(), name) == expected.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
+                                                     "' (not part of docs/model.md's format)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Appends `part` to `out` (stacking weight matrices along their output dimension).
+void Append(std::vector<float>* out, const std::vector<float>& part) {
+  out->insert(out->end(), part.begin(), part.end());
+}
+
+std::string LayerName(int layer, absl::string_view suffix) {
+  return absl::StrCat("blk.", layer, ".", suffix);
+}
+
+}  // namespace
+
+// ---- configs ----
+
+absl::StatusOr<LlamaConfig> LlamaConfig::FromMetadata(
+    const std::map<std::string, std::string>& metadata, const std::string& path) {
+  LlamaConfig config;
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "num_layers", &config.num_layers));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "d_model", &config.d_model));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "num_heads", &config.num_heads));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "num_kv_heads", &config.num_kv_heads));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "head_dim", &config.head_dim));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "ffn_dim", &config.ffn_dim));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "vocab_size", &config.vocab_size));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "context_length", &config.context_length));
+  DSA_RETURN_IF_ERROR(ParseRealField(metadata, path, "rope_base", &config.rope_base));
+  double rms_eps = 0;
+  DSA_RETURN_IF_ERROR(ParseRealField(metadata, path, "rms_eps", &rms_eps));
+  config.rms_eps = static_cast<float>(rms_eps);
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "bos_token_id", &config.bos_token_id));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "eos_token_id", &config.eos_token_id));
+  DSA_RETURN_IF_ERROR(config.Validate(path));
+  return config;
+}
+
+absl::Status LlamaConfig::Validate(const std::string& path) const {
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": model config: ", why));
+  };
+  // Upper bounds keep every size product inside int64 and every GEMM dimension inside int.
+  constexpr int kMaxWidth = 1 << 16;
+  if (num_layers < 1 || num_layers > 1024) return bad("num_layers must be in [1, 1024]");
+  if (d_model < 1 || d_model > kMaxWidth) return bad("d_model must be in [1, 65536]");
+  if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
+    return bad(absl::StrCat("num_heads (", num_heads, ") must be a positive multiple of "
+                            "num_kv_heads (", num_kv_heads, ")"));
+  }
+  if (head_dim < 2 || head_dim % 2 != 0 || q_dim() > kMaxWidth) {
+    return bad("head_dim must be even, >= 2, and num_heads * head_dim <= 65536");
+  }
+  if (ffn_dim < 1 || ffn_dim > kMaxWidth) return bad("ffn_dim must be in [1, 65536]");
+  if (vocab_size < 1 || vocab_size > (1 << 24)) return bad("vocab_size must be in [1, 2^24]");
+  if (context_length < 1 || context_length > (1 << 20)) {
+    return bad("context_length must be in [1, 2^20]");
+  }
+  if (!(rope_base > 1)) return bad("rope_base must be > 1");
+  if (!(rms_eps > 0)) return bad("rms_eps must be > 0");
+  if (bos_token_id < 0 || bos_token_id >= vocab_size || eos_token_id < 0 ||
+      eos_token_id >= vocab_size) {
+    return bad("bos_token_id and eos_token_id must be in [0, vocab_size)");
+  }
+  return absl::OkStatus();
+}
+
+LlamaConfig SmolLM2Config() {
+  LlamaConfig config;
+  config.num_layers = 30;
+  config.d_model = 576;
+  config.num_heads = 9;
+  config.num_kv_heads = 3;
+  config.head_dim = 64;
+  config.ffn_dim = 1536;
+  config.vocab_size = 49152;
+  config.context_length = 8192;
+  config.rope_base = 100000.0;
+  config.rms_eps = 1e-5f;
+  config.bos_token_id = 1;
+  config.eos_token_id = 2;
+  return config;
+}
+
+absl::StatusOr<LightningIndexerConfig> LightningIndexerConfig::FromMetadata(
+    const std::map<std::string, std::string>& metadata, const std::string& path) {
+  LightningIndexerConfig config;
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "num_layers", &config.num_layers));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "num_heads", &config.num_heads));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "head_dim", &config.head_dim));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "query_rank", &config.query_rank));
+  DSA_RETURN_IF_ERROR(ParseIntField(metadata, path, "rope_dims", &config.rope_dims));
+  DSA_RETURN_IF_ERROR(ParseRealField(metadata, path, "rope_base", &config.rope_base));
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": indexer config: ", why));
+  };
+  constexpr int kMaxWidth = 1 << 12;
+  if (config.num_layers < 1 || config.num_layers > 1024) return bad("num_layers not in [1, 1024]");
+  if (config.num_heads < 1 || config.num_heads > kMaxWidth || config.head_dim < 1 ||
+      config.head_dim > kMaxWidth || config.query_rank < 1 || config.query_rank > kMaxWidth) {
+    return bad("num_heads, head_dim and query_rank must be in [1, 4096]");
+  }
+  if (config.rope_dims < 0 || config.rope_dims % 2 != 0 || config.rope_dims > config.head_dim) {
+    return bad(absl::StrCat("rope_dims (", config.rope_dims, ") must be even and in [0, head_dim]"));
+  }
+  if (!(config.rope_base > 1)) return bad("rope_base must be > 1");
+  return config;
+}
+
+float LightningIndexerConfig::head_weight_scale() const {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(num_heads) * head_dim));
+}
+
+// ---- LlamaModel ----
+
+absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::Load(
+    const std::string& model_path, const std::string& indexer_path) {
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(model_path));
+  DSA_RETURN_IF_ERROR(CheckFormat(*file, kLlamaModelFormat));
+  DSA_ASSIGN_OR_RETURN(LlamaConfig config, LlamaConfig::FromMetadata(file->metadata(), model_path));
+  const auto model_name = file->metadata().find("dsa.model");
+  if (model_name != file->metadata().end() && model_name->second == kSmolLM2ModelName) {
+    const LlamaConfig expected = SmolLM2Config();
+    const auto check = [&](const char* name, double actual, double wanted) {
+      return actual == wanted ? absl::OkStatus()
+                              : absl::InvalidArgumentError(absl::StrCat(
+                                    model_path, ": metadata '", name, "' is ", actual,
+                                    ", expected ", wanted, " for ", kSmolLM2ModelName));
+    };
+    DSA_RETURN_IF_ERROR(check("num_layers", config.num_layers, expected.num_layers));
+    DSA_RETURN_IF_ERROR(check("d_model", config.d_model, expected.d_model));
+    DSA_RETURN_IF_ERROR(check("num_heads", config.num_heads, expected.num_heads));
+    DSA_RETURN_IF_ERROR(check("num_kv_heads", config.num_kv_heads, expected.num_kv_heads));
+    DSA_RETURN_IF_ERROR(check("head_dim", config.head_dim, expected.head_dim));
+    DSA_RETURN_IF_ERROR(check("ffn_dim", config.ffn_dim, expected.ffn_dim));
+    DSA_RETURN_IF_ERROR(check("vocab_size", config.vocab_size, expected.vocab_size));
+    DSA_RETURN_IF_ERROR(check("context_length", config.context_length, expected.context_length));
+    DSA_RETURN_IF_ERROR(check("rope_base", config.rope_base, expected.rope_base));
+    DSA_RETURN_IF_ERROR(check("rms_eps", config.rms_eps, expected.rms_eps));
+    DSA_RETURN_IF_ERROR(check("bos_token_id", config.bos_token_id, expected.bos_token_id));
+    DSA_RETURN_IF_ERROR(check("eos_token_id", config.eos_token_id, expected.eos_token_id));
+  }
+
+  const int64_t d = config.d_model, q = config.q_dim(), kv = config.kv_dim(), f = config.ffn_dim;
+  std::vector<std::string> names = {"token_embd.weight", "output_norm.weight"};
+  std::vector<float> token_embd, output_norm;
+  DSA_RETURN_IF_ERROR(
+      ReadTensor(*file, "token_embd.weight", {"F32"}, {config.vocab_size, d}, &token_embd));
+  DSA_RETURN_IF_ERROR(ReadTensor(*file, "output_norm.weight", {"F32"}, {d}, &output_norm));
+  std::vector<Layer> layers(config.num_layers);
+  for (int l = 0; l < config.num_layers; ++l) {
+    Layer& layer = layers[l];
+    std::vector<float> part;
+    const auto read = [&](absl::string_view suffix, std::vector<int64_t> shape,
+                          std::vector<float>* out) {
+      names.push_back(LayerName(l, suffix));
+      return ReadTensor(*file, names.back(), {"F32"}, std::move(shape), out);
+    };
+    DSA_RETURN_IF_ERROR(read("attn_norm.weight", {d}, &layer.attn_norm));
+    DSA_RETURN_IF_ERROR(read("attn_q.weight", {q, d}, &layer.wqkv));
+    DSA_RETURN_IF_ERROR(read("attn_k.weight", {kv, d}, &part));
+    Append(&layer.wqkv, part);
+    DSA_RETURN_IF_ERROR(read("attn_v.weight", {kv, d}, &part));
+    Append(&layer.wqkv, part);
+    DSA_RETURN_IF_ERROR(read("attn_output.weight", {d, q}, &layer.wo));
+    DSA_RETURN_IF_ERROR(read("ffn_norm.weight", {d}, &layer.ffn_norm));
+    DSA_RETURN_IF_ERROR(read("ffn_gate.weight", {f, d}, &layer.wgate_up));
+    DSA_RETURN_IF_ERROR(read("ffn_up.weight", {f, d}, &part));
+    Append(&layer.wgate_up, part);
+    DSA_RETURN_IF_ERROR(read("ffn_down.weight", {d, f}, &layer.wdown));
+  }
+  DSA_RETURN_IF_ERROR(CheckNoExtraTensors(*file, names));
+
+  LightningIndexerConfig indexer_config;
+  std::vector<IndexerLayer> indexer_layers;
+  if (!indexer_path.empty()) {
+    DSA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> indexer_file,
+                         SafetensorsFile::Open(indexer_path));
+    DSA_RETURN_IF_ERROR(CheckFormat(*indexer_file, kLightningIndexerFormat));
+    DSA_ASSIGN_OR_RETURN(indexer_config, LightningIndexerConfig::FromMetadata(
+                                             indexer_file->metadata(), indexer_path));
+    if (indexer_config.num_layers != config.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          indexer_path, ": the indexer has ", indexer_config.num_layers, " layers, expected ",
+          config.num_layers, " (the layers of ", model_path, "): an indexer for another model"));
+    }
+    const auto base_digest = indexer_file->metadata().find("base_model_sha256");
+    const auto model_digest = file->metadata().find("source_sha256");
+    if (base_digest != indexer_file->metadata().end() && !base_digest->second.empty() &&
+        model_digest != file->metadata().end() && base_digest->second != model_digest->second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          indexer_path, ": base_model_sha256 is ", base_digest->second, ", expected ",
+          model_digest->second, " (the source_sha256 of ", model_path,
+          "): an indexer for another model"));
+    }
+    const int64_t h = indexer_config.num_heads, dk = indexer_config.head_dim,
+                  r = indexer_config.query_rank;
+    std::vector<std::string> indexer_names;
+    indexer_layers.resize(config.num_layers);
+    for (int l = 0; l < config.num_layers; ++l) {
+      IndexerLayer& layer = indexer_layers[l];
+      std::vector<float> part;
+      const auto read = [&](absl::string_view suffix, std::vector<int64_t> shape,
+                            std::vector<float>* out) {
+        indexer_names.push_back(LayerName(l, suffix));
+        return ReadTensor(*indexer_file, indexer_names.back(), {"F16", "F32"}, std::move(shape),
+                          out);
+      };
+      DSA_RETURN_IF_ERROR(read("indexer.q_a.weight", {r, d}, &layer.wproj));
+      DSA_RETURN_IF_ERROR(read("indexer.k.weight", {dk, d}, &part));
+      Append(&layer.wproj, part);
+      DSA_RETURN_IF_ERROR(read("indexer.weights_proj.weight", {h, d}, &part));
+      Append(&layer.wproj, part);
+      DSA_RETURN_IF_ERROR(read("indexer.q_b.weight", {h * dk, r}, &layer.wqb));
+      DSA_RETURN_IF_ERROR(read("indexer.k_norm.weight", {dk}, &layer.k_norm_weight));
+      DSA_RETURN_IF_ERROR(read("indexer.k_norm.bias", {dk}, &layer.k_norm_bias));
+    }
+    DSA_RETURN_IF_ERROR(CheckNoExtraTensors(*indexer_file, indexer_names));
+  }
+  return FromWeights(config, std::move(token_embd), std::move(output_norm), std::move(layers),
+                     indexer_config, std::move(indexer_layers));
+}
+
+absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::FromWeights(
+    const LlamaConfig& config, std::vector<float> token_embd, std::vector<float> output_norm,
+    std::vector<Layer> layers, const LightningIndexerConfig& indexer_config,
+    std::vector<IndexerLayer> indexer_layers) {
+  DSA_RETURN_IF_ERROR(config.Validate("LlamaModel::FromWeights"));
+  const auto bad = [](absl::string_view what, size_t size, int64_t expected) {
+    return absl::InvalidArgumentError(absl::StrCat("LlamaModel::FromWeights: ", what, " has ",
+                                                   size, " values, expected ", expected));
+  };
+  const int64_t d = config.d_model, q = config.q_dim(), kv = config.kv_dim(), f = config.ffn_dim;
+  if (static_cast<int64_t>(token_embd.size()) != config.vocab_size * d) {
+    return bad("token_embd", token_embd.size(), config.vocab_size * d);
+  }
+  if (static_cast<int64_t>(output_norm.size()) != d) return bad("output_norm", output_norm.size(), d);
+  if (static_cast<int>(layers.size()) != config.num_layers) {
+    return bad("layers", layers.size(), config.num_layers);
+  }
+  for (const Layer& layer : layers) {
+    if (static_cast<int64_t>(layer.attn_norm.size()) != d) return bad("attn_norm", layer.attn_norm.size(), d);
+    if (static_cast<int64_t>(layer.wqkv.size()) != (q + 2 * kv) * d) {
+      return bad("wqkv", layer.wqkv.size(), (q + 2 * kv) * d);
+    }
+    if (static_cast<int64_t>(layer.wo.size()) != d * q) return bad("wo", layer.wo.size(), d * q);
+    if (static_cast<int64_t>(layer.ffn_norm.size()) != d) return bad("ffn_norm", layer.ffn_norm.size(), d);
+    if (static_cast<int64_t>(layer.wgate_up.size()) != 2 * f * d) {
+      return bad("wgate_up", layer.wgate_up.size(), 2 * f * d);
+    }
+    if (static_cast<int64_t>(layer.wdown.size()) != d * f) return bad("wdown", layer.wdown.size(), d * f);
+  }
+  if (!indexer_layers.empty()) {
+    if (static_cast<int>(indexer_layers.size()) != config.num_layers ||
+        indexer_config.num_layers != config.num_layers) {
+      return bad("indexer_layers", indexer_layers.size(), config.num_layers);
+    }
+    const int64_t h = indexer_config.num_heads, dk = indexer_config.head_dim,
+                  r = indexer_config.query_rank;
+    if (h < 1 || dk < 1 || r < 1 || indexer_config.rope_dims % 2 != 0 ||
+        indexer_config.rope_dims < 0 || indexer_config.rope_dims > dk) {
+      return absl::InvalidArgumentError("LlamaModel::FromWeights: bad indexer config");
+    }
+    for (const IndexerLayer& layer : indexer_layers) {
+      if (static_cast<int64_t>(layer.wproj.size()) != (r + dk + h) * d) {
+        return bad("indexer wproj", layer.wproj.size(), (r + dk + h) * d);
+      }
+      if (static_cast<int64_t>(layer.wqb.size()) != h * dk * r) return bad("indexer wqb", layer.wqb.size(), h * dk * r);
+      if (static_cast<int64_t>(layer.k_norm_weight.size()) != dk ||
+          static_cast<int64_t>(layer.k_norm_bias.size()) != dk) {
+        return bad("indexer k_norm", layer.k_norm_weight.size(), dk);
+      }
+    }
+  }
+  UseSingleThreadedBlas();
+  std::shared_ptr<LlamaModel> model(new LlamaModel());
+  model->config_ = config;
+  model->indexer_config_ = indexer_config;
+  model->token_embd_ = std::move(token_embd);
+  model->output_norm_ = std::move(output_norm);
+  model->layers_ = std::move(layers);
+  model->indexer_layers_ = std::move(indexer_layers);
+  return std::shared_ptr<const LlamaModel>(std::move(model));
+}
+
+int64_t LlamaModel::weight_bytes() const {
+  int64_t values = static_cast<int64_t>(token_embd_.size() + output_norm_.size());
+  for (const Layer& layer : layers_) {
+    values += static_cast<int64_t>(layer.attn_norm.size() + layer.wqkv.size() + layer.wo.size() +
+                                   layer.ffn_norm.size() + layer.wgate_up.size() +
+                                   layer.wdown.size());
+  }
+  for (const IndexerLayer& layer : indexer_layers_) {
+    values += static_cast<int64_t>(layer.wproj.size() + layer.wqb.size() +
+                                   layer.k_norm_weight.size() + layer.k_norm_bias.size());
+  }
+  return values * static_cast<int64_t>(sizeof(float));
+}
+
+// ---- LlamaKvCache ----
+
+LlamaKvCache::LlamaKvCache(const LlamaModel& model)
+    : num_layers_(model.config().num_layers),
+      kv_dim_(model.config().kv_dim()),
+      context_length_(model.config().context_length),
+      keys_(num_layers_),
+      values_(num_layers_) {}
+
+absl::Status LlamaKvCache::Truncate(int64_t num_slots) {
+  if (in_pass_) {
+    return absl::FailedPreconditionError("LlamaKvCache::Truncate: the cache is in a pass");
+  }
+  if (num_slots < 0 || num_slots > num_slots_) {
+    return absl::InvalidArgumentError(absl::StrCat("LlamaKvCache::Truncate: ", num_slots,
+                                                   " slots requested, the cache holds ",
+                                                   num_slots_));
+  }
+  num_slots_ = num_slots;
+  return absl::OkStatus();
+}
+
+int64_t LlamaKvCache::bytes() const {
+  return 2 * static_cast<int64_t>(num_layers_) * capacity_ * kv_dim_ *
+         static_cast<int64_t>(sizeof(float));
+}
+
+std::span<const float> LlamaKvCache::keys(int layer) const {
+  return std::span<const float>(keys_[layer].data(), num_slots_ * kv_dim_);
+}
+
+std::span<const float> LlamaKvCache::values(int layer) const {
+  return std::span<const float>(values_[layer].data(), num_slots_ * kv_dim_);
+}
+
+void LlamaKvCache::Reserve(int64_t slots) {
+  if (slots <= capacity_) return;
+  const int64_t capacity =
+      std::min(context_length_, std::max({slots, 2 * capacity_, static_cast<int64_t>(64)}));
+  for (int l = 0; l < num_layers_; ++l) {
+    keys_[l].resize(capacity * kv_dim_);
+    values_[l].resize(capacity * kv_dim_);
+  }
+  capacity_ = capacity;
+}
+
+// ---- LlamaForward ----
+
+LlamaForward::LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows)
+    : model_(std::move(model)), rows_(std::move(rows)) {}
+
+LlamaForward::~LlamaForward() {
+  for (const CacheGroup& group : groups_) group.kv->in_pass_ = false;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
+    std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows) {
+  if (model == nullptr) return absl::InvalidArgumentError("LlamaForward::Begin: no model");
+  const LlamaConfig& config = model->config();
+  if (rows.empty()) return absl::InvalidArgumentError("LlamaForward::Begin: no rows");
+  if (rows.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return absl::InvalidArgumentError("LlamaForward::Begin: too many rows");
+  }
+  std::vector<CacheGroup> groups;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const LlamaRow& row = rows[r];
+    if (row.kv == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r, " has no cache"));
+    }
+    if (row.kv->num_layers_ != config.num_layers || row.kv->kv_dim_ != config.kv_dim()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("LlamaForward::Begin: row ", r, "'s cache was made for another model shape"));
+    }
+    if (row.token < 0 || row.token >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r, " has token ",
+                                                     row.token, ", outside [0, ",
+                                                     config.vocab_size, ")"));
+    }
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const CacheGroup& g) { return g.kv == row.kv; });
+    if (group == groups.end()) {
+      groups.push_back({row.kv, row.kv->num_slots(), {}});
+      group = groups.end() - 1;
+    }
+    group->rows_by_position.push_back(static_cast<int32_t>(r));
+  }
+  for (CacheGroup& group : groups) {
+    std::sort(group.rows_by_position.begin(), group.rows_by_position.end(),
+              [&](int32_t a, int32_t b) { return rows[a].position < rows[b].position; });
+    for (size_t i = 0; i < group.rows_by_position.size(); ++i) {
+      const int64_t position = rows[group.rows_by_position[i]].position;
+      if (position != group.first_position + static_cast<int64_t>(i)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "LlamaForward::Begin: the rows of a cache holding ", group.first_position,
+            " slots must have positions ", group.first_position, "..",
+            group.first_position + static_cast<int64_t>(group.rows_by_position.size()) - 1,
+            " exactly once each; row ", group.rows_by_position[i], " has position ", position));
+      }
+    }
+    const int64_t end = group.first_position + static_cast<int64_t>(group.rows_by_position.size());
+    if (end > config.context_length) {
+      return absl::ResourceExhaustedError(absl::StrCat("LlamaForward::Begin: position ", end - 1,
+                                                       " is beyond the context length ",
+                                                       config.context_length));
+    }
+  }
+  for (const CacheGroup& group : groups) {
+    if (group.kv->in_pass_) {
+      return absl::FailedPreconditionError("LlamaForward::Begin: a cache is in another pass");
+    }
+  }
+
+  std::unique_ptr<LlamaForward> pass(new LlamaForward(std::move(model), std::move(rows)));
+  const LlamaModel& m = *pass->model_;
+  for (CacheGroup& group : groups) {
+    group.kv->in_pass_ = true;
+    group.kv->Reserve(group.first_position + static_cast<int64_t>(group.rows_by_position.size()));
+  }
+  pass->groups_ = std::move(groups);
+  const int64_t n = pass->num_rows(), d = config.d_model;
+  pass->h_.resize(n * d);
+  pass->x_.resize(n * d);
+  pass->qkv_.resize(n * (config.q_dim() + 2 * config.kv_dim()));
+  pass->attn_.resize(n * config.q_dim());
+  const int pairs = config.head_dim / 2;
+  pass->rope_cos_.resize(n * pairs);
+  pass->rope_sin_.resize(n * pairs);
+  const int index_pairs = m.has_indexer() ? m.indexer_config_.rope_dims / 2 : 0;
+  pass->index_rope_cos_.resize(n * index_pairs);
+  pass->index_rope_sin_.resize(n * index_pairs);
+  for (int64_t r = 0; r < n; ++r) {
+    const LlamaRow& row = pass->rows_[r];
+    std::memcpy(&pass->h_[r * d], &m.token_embd_[static_cast<int64_t>(row.token) * d],
+                d * sizeof(float));
+    RopeAngles(row.position, config.rope_base, config.head_dim, &pass->rope_cos_[r * pairs],
+               &pass->rope_sin_[r * pairs]);
+    if (index_pairs > 0) {
+      RopeAngles(row.position, m.indexer_config_.rope_base, m.indexer_config_.rope_dims,
+                 &pass->index_rope_cos_[r * index_pairs], &pass->index_rope_sin_[r * index_pairs]);
+    }
+  }
+  return pass;
+}
+
+void LlamaForward::ComputeLayerInput() {
+  if (x_layer_ == layer_) return;
+  const LlamaConfig& config = model_->config();
+  const int64_t n = num_rows(), d = config.d_model;
+  const float* weight = model_->layers_[layer_].attn_norm.data();
+#pragma omp parallel for schedule(static) if (n >= 64)
+  for (int64_t r = 0; r < n; ++r) RmsNormRow(&h_[r * d], weight, d, config.rms_eps, &x_[r * d]);
+  x_layer_ = layer_;
+}
+
+absl::Status LlamaForward::IndexerInputs(std::span<float> queries, std::span<float> head_weights,
+                                         std::span<float> index_keys) {
+  if (!model_->has_indexer()) {
+    return absl::FailedPreconditionError("LlamaForward::IndexerInputs: the model has no indexer");
+  }
+  if (done()) return absl::FailedPreconditionError("LlamaForward::IndexerInputs: the pass is done");
+  const LightningIndexerConfig& ic = model_->indexer_config_;
+  const int64_t n = num_rows(), h = ic.num_heads, dk = ic.head_dim, rank = ic.query_rank;
+  if (static_cast<int64_t>(queries.size()) != n * h * dk ||
+      static_cast<int64_t>(head_weights.size()) != n * h ||
+      static_cast<int64_t>(index_keys.size()) != n * dk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LlamaForward::IndexerInputs: expected queries [", n, ", ", h, ", ", dk,
+        "], head_weights [", n, ", ", h, "], index_keys [", n, ", ", dk, "] values; got ",
+        queries.size(), ", ", head_weights.size(), ", ", index_keys.size()));
+  }
+  ComputeLayerInput();
+  const LlamaModel::IndexerLayer& layer = model_->indexer_layers_[layer_];
+  const int64_t d = model_->config().d_model, width = rank + dk + h;
+  std::vector<float> proj(n * width);
+  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wproj.data(), d, 0.0f, proj.data(), width);
+  GemmNT(n, h * dk, rank, 1.0f, proj.data(), width, layer.wqb.data(), rank, 0.0f, queries.data(),
+         h * dk);
+  const int pairs = ic.rope_dims / 2;
+  const float scale = ic.head_weight_scale();
+#pragma omp parallel for schedule(static) if (n >= 64)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* cos = index_rope_cos_.data() + r * pairs;
+    const float* sin = index_rope_sin_.data() + r * pairs;
+    for (int64_t head = 0; head < h; ++head) {
+      RotatePairs(&queries[(r * h + head) * dk], cos, sin, pairs);
+    }
+    // k = RoPE(LayerNorm(Wk x)).
+    const float* k_raw = &proj[r * width + rank];
+    double mean = 0, variance = 0;
+    for (int64_t i = 0; i < dk; ++i) mean += k_raw[i];
+    mean /= static_cast<double>(dk);
+    for (int64_t i = 0; i < dk; ++i) variance += (k_raw[i] - mean) * (k_raw[i] - mean);
+    variance /= static_cast<double>(dk);
+    const auto inv = static_cast<float>(1.0 / std::sqrt(variance + ic.k_norm_eps));
+    float* key = &index_keys[r * dk];
+    for (int64_t i = 0; i < dk; ++i) {
+      key[i] = (k_raw[i] - static_cast<float>(mean)) * inv * layer.k_norm_weight[i] +
+               layer.k_norm_bias[i];
+    }
+    RotatePairs(key, cos, sin, pairs);
+    for (int64_t head = 0; head < h; ++head) {
+      head_weights[r * h + head] = proj[r * width + rank + dk + head] * scale;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> selections) {
+  if (done()) return absl::FailedPreconditionError("LlamaForward::RunLayer: the pass is done");
+  const int64_t n = num_rows();
+  if (!selections.empty() && static_cast<int64_t>(selections.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: ", selections.size(),
+                                                   " selections for ", n, " rows"));
+  }
+  // Check every selection before anything changes (`seen` is all zero between rows).
+  int64_t max_position = 0;
+  for (const LlamaRow& row : rows_) max_position = std::max(max_position, row.position);
+  std::vector<uint8_t> seen(selections.empty() ? 0 : max_position + 1, 0);
+  for (size_t r = 0; r < selections.size(); ++r) {
+    const std::span<const int32_t> selection = selections[r];
+    if (selection.empty()) continue;
+    const int64_t position = rows_[r].position;
+    const absl::Cleanup clear_seen = [&] {
+      for (const int32_t slot : selection) {
+        if (slot >= 0 && slot <= position) seen[slot] = 0;
+      }
+    };
+    int64_t count = 0;
+    for (const int32_t slot : selection) {
+      if (slot == -1) continue;
+      if (slot < -1 || slot > position) {
+        return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: row ", r,
+                                                       " (position ", position, ") selects slot ",
+                                                       slot, ", outside [-1, ", position, "]"));
+      }
+      if (seen[slot] != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("LlamaForward::RunLayer: row ", r, " selects slot ", slot, " twice"));
+      }
+      seen[slot] = 1;
+      ++count;
+    }
+    if (count == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "LlamaForward::RunLayer: row ", r, "'s selection has no slot (only -1 padding)"));
+    }
+  }
+
+  const LlamaConfig& config = model_->config();
+  const LlamaModel::Layer& layer = model_->layers_[layer_];
+  const int64_t d = config.d_model, q = config.q_dim(), kv = config.kv_dim(), f = config.ffn_dim;
+  const int64_t hd = config.head_dim, width = q + 2 * kv;
+  ComputeLayerInput();
+  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wqkv.data(), d, 0.0f, qkv_.data(), width);
+  const int pairs = config.head_dim / 2;
+#pragma omp parallel for schedule(static) if (n >= 64)
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = &qkv_[r * width];
+    const float* cos = &rope_cos_[r * pairs];
+    const float* sin = &rope_sin_[r * pairs];
+    for (int64_t head = 0; head < config.num_heads + config.num_kv_heads; ++head) {
+      RotatePairs(row + head * hd, cos, sin, pairs);
+    }
+    LlamaKvCache& cache = *rows_[r].kv;
+    const int64_t slot = rows_[r].position;
+    std::memcpy(&cache.keys_[layer_][slot * kv], row + q, kv * sizeof(float));
+    std::memcpy(&cache.values_[layer_][slot * kv], row + q + kv, kv * sizeof(float));
+  }
+  Attention(selections);
+  // h += Wo o.
+  GemmNT(n, d, q, 1.0f, attn_.data(), q, layer.wo.data(), q, 1.0f, h_.data(), d);
+  // h += Wdown (silu(Wgate y) * (Wup y)), y = RMSNorm(h) * ffn_norm, in chunks of rows.
+  const int64_t chunk = std::min(n, kFfnChunkRows);
+  std::vector<float> y(chunk * d), gate_up(chunk * 2 * f);
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t rows = std::min(chunk, n - r0);
+#pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int64_t r = 0; r < rows; ++r) {
+      RmsNormRow(&h_[(r0 + r) * d], layer.ffn_norm.data(), d, config.rms_eps, &y[r * d]);
+    }
+    GemmNT(rows, 2 * f, d, 1.0f, y.data(), d, layer.wgate_up.data(), d, 0.0f, gate_up.data(),
+           2 * f);
+#pragma omp parallel for schedule(static) if (rows >= 16)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* g = &gate_up[r * 2 * f];
+      const float* u = g + f;
+      for (int64_t i = 0; i < f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+    GemmNT(rows, d, f, 1.0f, gate_up.data(), 2 * f, layer.wdown.data(), f, 1.0f, &h_[r0 * d], d);
+  }
+  ++layer_;
+  if (done()) {
+    for (const CacheGroup& group : groups_) {
+      group.kv->num_slots_ =
+          group.first_position + static_cast<int64_t>(group.rows_by_position.size());
+      group.kv->in_pass_ = false;
+    }
+    groups_.clear();
+  }
+  return absl::OkStatus();
+}
+
+void LlamaForward::Attention(std::span<const std::span<const int32_t>> selections) {
+  const LlamaConfig& config = model_->config();
+  const int64_t q = config.q_dim(), kv = config.kv_dim(), hd = config.head_dim;
+  const int64_t width = q + 2 * kv;
+  const int64_t group_heads = config.num_heads / config.num_kv_heads;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // Tasks: a tile of dense rows of one cache (rows_by_position[begin, end)) x one KV head, or one
+  // sparse row x one KV head.
+  struct Task {
+    int32_t group = 0;
+    int32_t begin = 0, end = 0;  // dense tile (indices into dense_rows[group])
+    int32_t sparse_row = -1;     // or a sparse row
+  };
+  std::vector<std::vector<int32_t>> dense_rows(groups_.size());
+  std::vector<Task> tiles;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (const int32_t r : groups_[g].rows_by_position) {
+      if (selections.empty() || selections[r].empty()) {
+        dense_rows[g].push_back(r);
+      } else {
+        tiles.push_back({static_cast<int32_t>(g), 0, 0, r});
+      }
+    }
+    const auto count = static_cast<int32_t>(dense_rows[g].size());
+    for (int32_t begin = 0; begin < count; begin += kAttentionTileRows) {
+      tiles.push_back(
+          {static_cast<int32_t>(g), begin, std::min(count, begin + kAttentionTileRows), -1});
+    }
+  }
+  const auto num_tasks = static_cast<int64_t>(tiles.size()) * config.num_kv_heads;
+  const int layer = layer_;
+
+#pragma omp parallel if (num_tasks > 1)
+  {
+    std::vector<float> query, scores, out, gathered_keys, gathered_values;
+    std::vector<int32_t> slots;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const Task& tile = tiles[task / config.num_kv_heads];
+      const int64_t kv_head = task % config.num_kv_heads;
+      const LlamaKvCache& cache = *groups_[tile.group].kv;
+      const float* keys = cache.keys_[layer].data() + kv_head * hd;
+      const float* values = cache.values_[layer].data() + kv_head * hd;
+      const int64_t q_offset = kv_head * group_heads * hd;  // this KV head's query heads
+      if (tile.sparse_row >= 0) {
+        // One row over its selected slots, in increasing slot order (so that the result does
+        // not depend on the selection's order): gather, S = q K^T, softmax, O = S V.
+        const int32_t r = tile.sparse_row;
+        slots.clear();
+        for (const int32_t slot : selections[r]) {
+          if (slot >= 0) slots.push_back(slot);
+        }
+        std::sort(slots.begin(), slots.end());
+        gathered_keys.clear();
+        gathered_values.clear();
+        for (const int32_t slot : slots) {
+          gathered_keys.insert(gathered_keys.end(), keys + slot * kv, keys + slot * kv + hd);
+          gathered_values.insert(gathered_values.end(), values + slot * kv,
+                                 values + slot * kv + hd);
+        }
+        const auto count = static_cast<int64_t>(gathered_keys.size()) / hd;
+        scores.resize(group_heads * count);
+        GemmNT(group_heads, count, hd, scale, &qkv_[r * width + q_offset], hd,
+               gathered_keys.data(), hd, 0.0f, scores.data(), count);
+        for (int64_t i = 0; i < group_heads; ++i) SoftmaxRow(&scores[i * count], count);
+        GemmNN(group_heads, hd, count, scores.data(), count, gathered_values.data(), hd,
+               &attn_[r * q + q_offset], hd);
+        continue;
+      }
+      // A tile of dense rows (increasing positions): S = Q K^T over slots 0..last position,
+      // the causal mask, softmax, O = S V; query row i * group_heads + j is row i's head j.
+      const std::vector<int32_t>& tile_rows = dense_rows[tile.group];
+      const int64_t m = static_cast<int64_t>(tile.end - tile.begin) * group_heads;
+      const int64_t num_keys = rows_[tile_rows[tile.end - 1]].position + 1;
+      query.resize(m * hd);
+      for (int32_t i = tile.begin; i < tile.end; ++i) {
+        std::memcpy(&query[(i - tile.begin) * group_heads * hd],
+                    &qkv_[tile_rows[i] * width + q_offset], group_heads * hd * sizeof(float));
+      }
+      scores.resize(m * num_keys);
+      GemmNT(m, num_keys, hd, scale, query.data(), hd, keys, kv, 0.0f, scores.data(), num_keys);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t visible = rows_[tile_rows[tile.begin + i / group_heads]].position + 1;
+        float* row = &scores[i * num_keys];
+        SoftmaxRow(row, visible);
+        std::fill(row + visible, row + num_keys, 0.0f);
+      }
+      out.resize(m * hd);
+      GemmNN(m, hd, num_keys, scores.data(), num_keys, values, kv, out.data(), hd);
+      for (int32_t i = tile.begin; i < tile.end; ++i) {
+        std::memcpy(&attn_[tile_rows[i] * q + q_offset], &out[(i - tile.begin) * group_heads * hd],
+                    group_heads * hd * sizeof(float));
+      }
+    }
+  }
+}
+
+absl::Status LlamaForward::FinalHidden(std::span<const int32_t> row_indices,
+                                       std::span<float> out) const {
+  if (!done()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "LlamaForward: the pass is at layer ", layer_, " of ", model_->config().num_layers));
+  }
+  const int64_t d = model_->config().d_model;
+  if (static_cast<int64_t>(out.size()) != static_cast<int64_t>(row_indices.size()) * d) {
+    return absl::InvalidArgumentError(absl::StrCat("LlamaForward::FinalHidden: out has ",
+                                                   out.size(), " values, expected ",
+                                                   row_indices.size() * d));
+  }
+  for (const int32_t r : row_indices) {
+    if (r < 0 || r >= num_rows()) {
+      return absl::InvalidArgumentError(absl::StrCat("LlamaForward: row index ", r,
+                                                     " outside [0, ", num_rows(), ")"));
+    }
+  }
+  for (size_t i = 0; i < row_indices.size(); ++i) {
+    RmsNormRow(&h_[row_indices[i] * d], model_->output_norm_.data(), d, model_->config().rms_eps,
+               &out[i * d]);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaForward::Logits(std::span<const int32_t> row_indices,
+                                  std::span<float> out) const {
+  const int64_t d = model_->config().d_model, vocab = model_->config().vocab_size;
+  const auto n = static_cast<int64_t>(row_indices.size());
+  if (static_cast<int64_t>(out.size()) != n * vocab) {
+    return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Logits: out has ", out.size(),
+                                                   " values, expected ", n * vocab));
+  }
+  std::vector<float> hidden(n * d);
+  DSA_RETURN_IF_ERROR(FinalHidden(row_indices, std::span<float>(hidden)));
+  GemmNT(n, vocab, d, 1.0f, hidden.data(), d, model_->token_embd_.data(), d, 0.0f, out.data(),
+         vocab);
+  return absl::OkStatus();
+}
+
+absl::Status IndexScores(int num_heads, int head_dim, std::span<const float> query,
+                         std::span<const float> head_weights, std::span<const float> keys,
+                         std::span<float> out) {
+  const int64_t h = num_heads, dk = head_dim;
+  if (h < 1 || dk < 1 || static_cast<int64_t>(query.size()) != h * dk ||
+      static_cast<int64_t>(head_weights.size()) != h ||
+      static_cast<int64_t>(keys.size()) != static_cast<int64_t>(out.size()) * dk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "IndexScores: expected query [", h, ", ", dk, "], head_weights [", h, "], keys [n, ", dk,
+        "] and out [n]; got ", query.size(), ", ", head_weights.size(), ", ", keys.size(), ", ",
+        out.size()));
+  }
+  const auto n = static_cast<int64_t>(out.size());
+  std::vector<float> dots(std::min(n, kIndexScoreBlock) * h);
+  for (int64_t i0 = 0; i0 < n; i0 += kIndexScoreBlock) {
+    const int64_t count = std::min(kIndexScoreBlock, n - i0);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(count),
+                static_cast<int>(h), static_cast<int>(dk), 1.0f, keys.data() + i0 * dk,
+                static_cast<int>(dk), query.data(), static_cast<int>(dk), 0.0f, dots.data(),
+                static_cast<int>(h));
+    for (int64_t i = 0; i < count; ++i) {
+      float z = 0;
+      for (int64_t head = 0; head < h; ++head) {
+        z += head_weights[head] * std::max(0.0f, dots[i * h + head]);
+      }
+      out[i0 + i] = z;
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dsa

