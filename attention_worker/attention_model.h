@@ -99,8 +99,8 @@ class AttentionModel {
   /// slots [first_slot, end_slot), required, each in [0, vocab)) through every layer densely,
   /// keeps their index keys for IndexKeys, and returns the token sampled for position end_slot
   /// under `sampling` (remembered as the sequence's SamplingParams for later steps).
-  /// INVALID_ARGUMENT (tokens' count or ids, first_slot not the sequence's length), RESOURCE_EXHAUSTED
-  /// (memory, the model's context); nothing changes on an error.
+  /// INVALID_ARGUMENT (tokens' count or ids, first_slot not the sequence's length),
+  /// RESOURCE_EXHAUSTED (memory, the model's context); nothing changes on an error.
   virtual absl::StatusOr<std::optional<int32_t>> Extend(uint64_t sequence_id, int64_t first_slot,
                                                         int64_t end_slot,
                                                         std::span<const int32_t> tokens,
@@ -129,7 +129,8 @@ class AttentionModel {
   /// Waits for queued device work (AttentionBackend::Synchronize).
   virtual absl::Status Synchronize() { return absl::OkStatus(); }
 
-  // ---- The device-resident path (AttentionBackend's; the synthetic model on the CUDA backend) ----
+  // ---- The device-resident path (AttentionBackend's; the synthetic model on the CUDA backend)
+  // ----
   virtual int device_ordinal() const { return -1; }
   virtual absl::Status EnableDeviceSelects() {
     return absl::UnimplementedError("this model has no device-resident path");

@@ -10,10 +10,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attention_worker/pattern_attention_model.h"
 #include "common/limits.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
-#include "attention_worker/pattern_attention_model.h"
 
 namespace dsa {
 
@@ -238,16 +238,14 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
   const int num_full = static_cast<int>(schedule.full_layers().size());
   const ModelShape& shape = model->shape();
   if (shape.indexer_per_model_layer && shape.num_indexer_layers != schedule.num_layers()) {
-    return absl::InvalidArgumentError(absl::StrCat("the model ", shape.name, " has ",
-                                                   shape.num_indexer_layers,
-                                                   " layers but the schedule ", schedule.Pattern(),
-                                                   " has ", schedule.num_layers()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the model ", shape.name, " has ", shape.num_indexer_layers, " layers but the schedule ",
+        schedule.Pattern(), " has ", schedule.num_layers()));
   }
   if (!shape.indexer_per_model_layer && shape.num_indexer_layers != num_full) {
-    return absl::InvalidArgumentError(absl::StrCat("the ", shape.name, " model has ",
-                                                   shape.num_indexer_layers,
-                                                   " layers but the schedule ", schedule.Pattern(),
-                                                   " has ", num_full, " full layers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the ", shape.name, " model has ", shape.num_indexer_layers, " layers but the schedule ",
+        schedule.Pattern(), " has ", num_full, " full layers"));
   }
   if (!indexer_clients) return absl::InvalidArgumentError("no indexer client factory");
   if (options.kv_capacity_slots < 0) {
@@ -405,8 +403,7 @@ absl::Status AttentionEngine::CheckIndexerShape(IndexerClient& client) {
   if (shape.num_heads != model.num_heads || shape.head_dim != model.head_dim) {
     return absl::FailedPreconditionError(absl::StrCat(
         "indexer worker ", client.address(), " has H = ", shape.num_heads, ", D = ", shape.head_dim,
-        " but this attention worker's model has H = ", model.num_heads,
-        ", D = ", model.head_dim));
+        " but this attention worker's model has H = ", model.num_heads, ", D = ", model.head_dim));
   }
   return absl::OkStatus();
 }
@@ -443,8 +440,8 @@ absl::Status AttentionEngine::AppendKeys(IndexerClient& client, uint64_t sequenc
     ParallelFor(static_cast<int64_t>(count), threads, [&](int64_t j) {
       const ChunkRange& range = ranges[base + j];
       keys[j].resize(static_cast<size_t>(range.num_slots * head_dim));
-      statuses[j] = model_->IndexKeys(sequence_id, prefix_block_ids, range.layer,
-                                      range.first_slot, range.num_slots, keys[j]);
+      statuses[j] = model_->IndexKeys(sequence_id, prefix_block_ids, range.layer, range.first_slot,
+                                      range.num_slots, keys[j]);
     });
     for (size_t j = 0; j < count; ++j) {
       if (!statuses[j].ok()) {
@@ -751,8 +748,7 @@ absl::Status AttentionEngine::RollbackStep(absl::Status status, StepState& step)
 absl::Status AttentionEngine::SubmitLayer(int f, StepState& step) {
   if (absl::Status s = step.model_step->PrepareIndexerInputs(schedule_.full_layers()[f], f);
       !s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("full layer ", f, " indexer inputs: ", s.message()));
+    return absl::Status(s.code(), absl::StrCat("full layer ", f, " indexer inputs: ", s.message()));
   }
   for (size_t b = 0; b < step.batches.size(); ++b) {
     DSA_RETURN_IF_ERROR(SubmitBatchLayer(f, static_cast<int>(b), step));
@@ -806,9 +802,9 @@ absl::Status AttentionEngine::SubmitBatchLayer(int f, int b, StepState& step) {
     if (!on_device) group.queries.resize(static_cast<size_t>(m.rows) * num_heads * head_dim);
     group.head_weights.resize(static_cast<size_t>(m.rows) * num_heads);
     group.new_index_keys.resize(static_cast<size_t>(m.rows) * head_dim);
-    generated[g] = step.model_step->IndexerInputs(f, m.step_row, m.rows,
-                                                  m.sequence->prefix_block_ids, group.queries,
-                                                  group.head_weights, group.new_index_keys);
+    generated[g] =
+        step.model_step->IndexerInputs(f, m.step_row, m.rows, m.sequence->prefix_block_ids,
+                                       group.queries, group.head_weights, group.new_index_keys);
   });
   for (const absl::Status& status : generated) DSA_RETURN_IF_ERROR(status);
   auto id = batch.client->Selections().Submit(std::move(select));
@@ -1072,8 +1068,8 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   report_observations();
   auto sampled = step.model_step->Finish();
   if (!sampled.ok()) {
-    return fail(absl::Status(sampled.status().code(),
-                             absl::StrCat("sampling the step's tokens: ", sampled.status().message())));
+    return fail(absl::Status(sampled.status().code(), absl::StrCat("sampling the step's tokens: ",
+                                                                   sampled.status().message())));
   }
 
   DecodeStepResult result;
@@ -1085,9 +1081,14 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
     } else {
       s.pending_rows = m.rows;
     }
-    SequenceStepResult& out = result.sequences.emplace_back(
-        SequenceStepResult{s.id, m.first_position, m.blocks_scored, m.blocks_visible,
-                           m.audited_rows, m.audit_miss_rate_sum, {}});
+    SequenceStepResult& out =
+        result.sequences.emplace_back(SequenceStepResult{s.id,
+                                                         m.first_position,
+                                                         m.blocks_scored,
+                                                         m.blocks_visible,
+                                                         m.audited_rows,
+                                                         m.audit_miss_rate_sum,
+                                                         {}});
     if (!sampled->empty()) {
       out.sampled_tokens.assign(sampled->begin() + m.step_row,
                                 sampled->begin() + m.step_row + m.rows);

@@ -132,9 +132,9 @@ struct AttentionEngineInfo {
   int num_model_layers = 0;
   int num_full_layers = 0;
   int lag_depth = 0;
-  int num_heads = 0;  // indexer H
-  int head_dim = 0;   // indexer D
-  std::string model;  // "pattern" or the real model's name
+  int num_heads = 0;   // indexer H
+  int head_dim = 0;    // indexer D
+  std::string model;   // "pattern" or the real model's name
   int vocab_size = 0;  // 0: the synthetic model (no tokens)
   int eos_token_id = -1;
   int64_t max_context = 0;  // 0: no model limit
@@ -144,10 +144,10 @@ struct AttentionEngineInfo {
 };
 
 /// Runs its sequences' model layers through the model seam (attention_model.h: the synthetic
-/// pattern model over a KV backend, or a real model), holds their KV cache there, owns their sequences on the indexer workers, and
-/// attends at every model layer l the selection of sigma(l) (MLI paper section 3 eq. (2);
-/// DESIGN.md 4.3): full layer f's select is submitted as soon as its inputs exist and awaited at
-/// the first layer that attends it.
+/// pattern model over a KV backend, or a real model), holds their KV cache there, owns their
+/// sequences on the indexer workers, and attends at every model layer l the selection of sigma(l)
+/// (MLI paper section 3 eq. (2); DESIGN.md 4.3): full layer f's select is submitted as soon as its
+/// inputs exist and awaited at the first layer that attends it.
 ///
 /// Thread-safety: every method may run concurrently. Each sequence has its own lock, so a Prefill
 /// of one sequence runs beside DecodeSteps of others; a DecodeStep locks its batch's sequences in
@@ -246,8 +246,8 @@ class AttentionEngine {
   struct StepState;
 
   AttentionEngine(MliSchedule schedule, std::unique_ptr<AttentionModel> model,
-                  IndexerClientFactory indexer_clients,
-                  AttentionEngineOptions options, AttentionMetrics* metrics);
+                  IndexerClientFactory indexer_clients, AttentionEngineOptions options,
+                  AttentionMetrics* metrics);
 
   absl::StatusOr<PrefillResult> NewPrefill(const PrefillSpec& spec);
   absl::StatusOr<PrefillResult> ContinuePrefill(const PrefillSpec& spec);

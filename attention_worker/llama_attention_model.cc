@@ -89,9 +89,9 @@ class LlamaModelStep : public ModelStep {
     DSA_RETURN_IF_ERROR(pass_->Logits(all, logits));
     std::vector<int32_t> tokens(rows_.size());
     for (size_t r = 0; r < rows_.size(); ++r) {
-      tokens[r] = SampleToken(
-          std::span<const float>(logits.data() + r * vocab, static_cast<size_t>(vocab)),
-          sampling_[r], rows_[r].position + 1);
+      tokens[r] =
+          SampleToken(std::span<const float>(logits.data() + r * vocab, static_cast<size_t>(vocab)),
+                      sampling_[r], rows_[r].position + 1);
     }
     return tokens;
   }
@@ -120,9 +120,8 @@ absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> LlamaAttentionModel::Create
   for (size_t i = 0; i < full_layers.size(); ++i) {
     if (full_layers[i] < 0 || full_layers[i] >= num_layers ||
         (i > 0 && full_layers[i] <= full_layers[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat("full layer ", full_layers[i],
-                                                     " is not an increasing layer in [0, ",
-                                                     num_layers, ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "full layer ", full_layers[i], " is not an increasing layer in [0, ", num_layers, ")"));
     }
   }
   return std::unique_ptr<LlamaAttentionModel>(
@@ -154,9 +153,11 @@ std::shared_ptr<LlamaAttentionModel::Sequence> LlamaAttentionModel::Find(
   return it == sequences_.end() ? nullptr : it->second;
 }
 
-absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(
-    uint64_t sequence_id, int64_t first_slot, int64_t end_slot, std::span<const int32_t> tokens,
-    const SamplingParams& sampling) {
+absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(uint64_t sequence_id,
+                                                                   int64_t first_slot,
+                                                                   int64_t end_slot,
+                                                                   std::span<const int32_t> tokens,
+                                                                   const SamplingParams& sampling) {
   if (end_slot <= first_slot || static_cast<int64_t>(tokens.size()) != end_slot - first_slot) {
     return absl::InvalidArgumentError(absl::StrCat("extending slots [", first_slot, ", ", end_slot,
                                                    ") needs that many token ids, got ",
@@ -225,10 +226,10 @@ absl::Status LlamaAttentionModel::IndexKeys(uint64_t sequence_id,
   const int64_t offset = first_slot - sequence->keys_first_slot;
   if (offset < 0 || num_slots < 0 || offset + num_slots > kept ||
       static_cast<int64_t>(out.size()) != num_slots * d) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "index keys of slots [", first_slot, ", ", first_slot + num_slots, ") of sequence ",
-        sequence_id, " were not computed (kept: [", sequence->keys_first_slot, ", ",
-        sequence->keys_first_slot + kept, "))"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("index keys of slots [", first_slot, ", ", first_slot + num_slots,
+                     ") of sequence ", sequence_id, " were not computed (kept: [",
+                     sequence->keys_first_slot, ", ", sequence->keys_first_slot + kept, "))"));
   }
   std::copy_n(keys.begin() + offset * d, num_slots * d, out.begin());
   return absl::OkStatus();

@@ -179,8 +179,8 @@ absl::Status ParseRealField(const std::map<std::string, std::string>& metadata,
 absl::Status CheckFormat(const SafetensorsFile& file, absl::string_view expected) {
   const auto it = file.metadata().find("dsa.format");
   if (it == file.metadata().end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.path(), ": metadata has no 'dsa.format' (expected '", expected, "')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.path(), ": metadata has no 'dsa.format' (expected '", expected, "')"));
   }
   if (it->second != expected) {
     return absl::InvalidArgumentError(absl::StrCat(file.path(), ": metadata 'dsa.format' is '",
@@ -194,8 +194,7 @@ absl::Status CheckFormat(const SafetensorsFile& file, absl::string_view expected
 absl::Status ReadTensor(const SafetensorsFile& file, const std::string& name,
                         std::vector<std::string> dtypes, std::vector<int64_t> shape,
                         std::vector<float>* out) {
-  const std::string expected =
-      absl::StrCat(absl::StrJoin(dtypes, " or "), " ", ShapeString(shape));
+  const std::string expected = absl::StrCat(absl::StrJoin(dtypes, " or "), " ", ShapeString(shape));
   const SafetensorsTensor* tensor = file.Find(name);
   if (tensor == nullptr) {
     return absl::InvalidArgumentError(
@@ -226,7 +225,8 @@ absl::Status ReadTensor(const SafetensorsFile& file, const std::string& name,
 }
 
 // Fails with INVALID_ARGUMENT naming the file if it holds a tensor outside `expected`.
-absl::Status CheckNoExtraTensors(const SafetensorsFile& file, const std::vector<std::string>& expected) {
+absl::Status CheckNoExtraTensors(const SafetensorsFile& file,
+                                 const std::vector<std::string>& expected) {
   for (const auto& [name, tensor] : file.tensors()) {
     if (std::find(expected.begin(), expected.end(), name) == expected.end()) {
       return absl::InvalidArgumentError(absl::StrCat(file.path(), ": unexpected tensor '", name,
@@ -279,8 +279,10 @@ absl::Status LlamaConfig::Validate(const std::string& path) const {
   if (num_layers < 1 || num_layers > 1024) return bad("num_layers must be in [1, 1024]");
   if (d_model < 1 || d_model > kMaxWidth) return bad("d_model must be in [1, 65536]");
   if (num_heads < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0) {
-    return bad(absl::StrCat("num_heads (", num_heads, ") must be a positive multiple of "
-                            "num_kv_heads (", num_kv_heads, ")"));
+    return bad(absl::StrCat("num_heads (", num_heads,
+                            ") must be a positive multiple of "
+                            "num_kv_heads (",
+                            num_kv_heads, ")"));
   }
   if (head_dim < 2 || head_dim % 2 != 0 || q_dim() > kMaxWidth) {
     return bad("head_dim must be even, >= 2, and num_heads * head_dim <= 65536");
@@ -335,7 +337,8 @@ absl::StatusOr<LightningIndexerConfig> LightningIndexerConfig::FromMetadata(
     return bad("num_heads, head_dim and query_rank must be in [1, 4096]");
   }
   if (config.rope_dims < 0 || config.rope_dims % 2 != 0 || config.rope_dims > config.head_dim) {
-    return bad(absl::StrCat("rope_dims (", config.rope_dims, ") must be even and in [0, head_dim]"));
+    return bad(
+        absl::StrCat("rope_dims (", config.rope_dims, ") must be even and in [0, head_dim]"));
   }
   if (!(config.rope_base > 1)) return bad("rope_base must be > 1");
   return config;
@@ -422,10 +425,10 @@ absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::Load(
     const auto model_digest = file->metadata().find("source_sha256");
     if (base_digest != indexer_file->metadata().end() && !base_digest->second.empty() &&
         model_digest != file->metadata().end() && base_digest->second != model_digest->second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          indexer_path, ": base_model_sha256 is ", base_digest->second, ", expected ",
-          model_digest->second, " (the source_sha256 of ", model_path,
-          "): an indexer for another model"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(indexer_path, ": base_model_sha256 is ", base_digest->second, ", expected ",
+                       model_digest->second, " (the source_sha256 of ", model_path,
+                       "): an indexer for another model"));
     }
     const int64_t h = indexer_config.num_heads, dk = indexer_config.head_dim,
                   r = indexer_config.query_rank;
@@ -461,28 +464,32 @@ absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::FromWeights(
     std::vector<IndexerLayer> indexer_layers) {
   DSA_RETURN_IF_ERROR(config.Validate("LlamaModel::FromWeights"));
   const auto bad = [](absl::string_view what, size_t size, int64_t expected) {
-    return absl::InvalidArgumentError(absl::StrCat("LlamaModel::FromWeights: ", what, " has ",
-                                                   size, " values, expected ", expected));
+    return absl::InvalidArgumentError(absl::StrCat("LlamaModel::FromWeights: ", what, " has ", size,
+                                                   " values, expected ", expected));
   };
   const int64_t d = config.d_model, q = config.q_dim(), kv = config.kv_dim(), f = config.ffn_dim;
   if (static_cast<int64_t>(token_embd.size()) != config.vocab_size * d) {
     return bad("token_embd", token_embd.size(), config.vocab_size * d);
   }
-  if (static_cast<int64_t>(output_norm.size()) != d) return bad("output_norm", output_norm.size(), d);
+  if (static_cast<int64_t>(output_norm.size()) != d)
+    return bad("output_norm", output_norm.size(), d);
   if (static_cast<int>(layers.size()) != config.num_layers) {
     return bad("layers", layers.size(), config.num_layers);
   }
   for (const Layer& layer : layers) {
-    if (static_cast<int64_t>(layer.attn_norm.size()) != d) return bad("attn_norm", layer.attn_norm.size(), d);
+    if (static_cast<int64_t>(layer.attn_norm.size()) != d)
+      return bad("attn_norm", layer.attn_norm.size(), d);
     if (static_cast<int64_t>(layer.wqkv.size()) != (q + 2 * kv) * d) {
       return bad("wqkv", layer.wqkv.size(), (q + 2 * kv) * d);
     }
     if (static_cast<int64_t>(layer.wo.size()) != d * q) return bad("wo", layer.wo.size(), d * q);
-    if (static_cast<int64_t>(layer.ffn_norm.size()) != d) return bad("ffn_norm", layer.ffn_norm.size(), d);
+    if (static_cast<int64_t>(layer.ffn_norm.size()) != d)
+      return bad("ffn_norm", layer.ffn_norm.size(), d);
     if (static_cast<int64_t>(layer.wgate_up.size()) != 2 * f * d) {
       return bad("wgate_up", layer.wgate_up.size(), 2 * f * d);
     }
-    if (static_cast<int64_t>(layer.wdown.size()) != d * f) return bad("wdown", layer.wdown.size(), d * f);
+    if (static_cast<int64_t>(layer.wdown.size()) != d * f)
+      return bad("wdown", layer.wdown.size(), d * f);
   }
   if (!indexer_layers.empty()) {
     if (static_cast<int>(indexer_layers.size()) != config.num_layers ||
@@ -499,7 +506,8 @@ absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::FromWeights(
       if (static_cast<int64_t>(layer.wproj.size()) != (r + dk + h) * d) {
         return bad("indexer wproj", layer.wproj.size(), (r + dk + h) * d);
       }
-      if (static_cast<int64_t>(layer.wqb.size()) != h * dk * r) return bad("indexer wqb", layer.wqb.size(), h * dk * r);
+      if (static_cast<int64_t>(layer.wqb.size()) != h * dk * r)
+        return bad("indexer wqb", layer.wqb.size(), h * dk * r);
       if (static_cast<int64_t>(layer.k_norm_weight.size()) != dk ||
           static_cast<int64_t>(layer.k_norm_bias.size()) != dk) {
         return bad("indexer k_norm", layer.k_norm_weight.size(), dk);
@@ -520,9 +528,9 @@ absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::FromWeights(
 int64_t LlamaModel::weight_bytes() const {
   int64_t values = static_cast<int64_t>(token_embd_.size() + output_norm_.size());
   for (const Layer& layer : layers_) {
-    values += static_cast<int64_t>(layer.attn_norm.size() + layer.wqkv.size() + layer.wo.size() +
-                                   layer.ffn_norm.size() + layer.wgate_up.size() +
-                                   layer.wdown.size());
+    values +=
+        static_cast<int64_t>(layer.attn_norm.size() + layer.wqkv.size() + layer.wo.size() +
+                             layer.ffn_norm.size() + layer.wgate_up.size() + layer.wdown.size());
   }
   for (const IndexerLayer& layer : indexer_layers_) {
     values += static_cast<int64_t>(layer.wproj.size() + layer.wqb.size() +
@@ -545,9 +553,8 @@ absl::Status LlamaKvCache::Truncate(int64_t num_slots) {
     return absl::FailedPreconditionError("LlamaKvCache::Truncate: the cache is in a pass");
   }
   if (num_slots < 0 || num_slots > num_slots_) {
-    return absl::InvalidArgumentError(absl::StrCat("LlamaKvCache::Truncate: ", num_slots,
-                                                   " slots requested, the cache holds ",
-                                                   num_slots_));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LlamaKvCache::Truncate: ", num_slots, " slots requested, the cache holds ", num_slots_));
   }
   num_slots_ = num_slots;
   return absl::OkStatus();
@@ -598,16 +605,17 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
   for (size_t r = 0; r < rows.size(); ++r) {
     const LlamaRow& row = rows[r];
     if (row.kv == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r, " has no cache"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("LlamaForward::Begin: row ", r, " has no cache"));
     }
     if (row.kv->num_layers_ != config.num_layers || row.kv->kv_dim_ != config.kv_dim()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("LlamaForward::Begin: row ", r, "'s cache was made for another model shape"));
+      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r,
+                                                     "'s cache was made for another model shape"));
     }
     if (row.token < 0 || row.token >= config.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r, " has token ",
-                                                     row.token, ", outside [0, ",
-                                                     config.vocab_size, ")"));
+                                                     row.token, ", outside [0, ", config.vocab_size,
+                                                     ")"));
     }
     auto group = std::find_if(groups.begin(), groups.end(),
                               [&](const CacheGroup& g) { return g.kv == row.kv; });
@@ -774,8 +782,8 @@ absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> se
       ++count;
     }
     if (count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "LlamaForward::RunLayer: row ", r, "'s selection has no slot (only -1 padding)"));
+      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: row ", r,
+                                                     "'s selection has no slot (only -1 padding)"));
     }
   }
 
@@ -895,8 +903,8 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
         }
         const auto count = static_cast<int64_t>(gathered_keys.size()) / hd;
         scores.resize(group_heads * count);
-        GemmNT(group_heads, count, hd, scale, &qkv_[r * width + q_offset], hd,
-               gathered_keys.data(), hd, 0.0f, scores.data(), count);
+        GemmNT(group_heads, count, hd, scale, &qkv_[r * width + q_offset], hd, gathered_keys.data(),
+               hd, 0.0f, scores.data(), count);
         for (int64_t i = 0; i < group_heads; ++i) SoftmaxRow(&scores[i * count], count);
         GemmNN(group_heads, hd, count, scores.data(), count, gathered_values.data(), hd,
                &attn_[r * q + q_offset], hd);
@@ -933,8 +941,8 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
 absl::Status LlamaForward::FinalHidden(std::span<const int32_t> row_indices,
                                        std::span<float> out) const {
   if (!done()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "LlamaForward: the pass is at layer ", layer_, " of ", model_->config().num_layers));
+    return absl::FailedPreconditionError(absl::StrCat("LlamaForward: the pass is at layer ", layer_,
+                                                      " of ", model_->config().num_layers));
   }
   const int64_t d = model_->config().d_model;
   if (static_cast<int64_t>(out.size()) != static_cast<int64_t>(row_indices.size()) * d) {
@@ -944,8 +952,8 @@ absl::Status LlamaForward::FinalHidden(std::span<const int32_t> row_indices,
   }
   for (const int32_t r : row_indices) {
     if (r < 0 || r >= num_rows()) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaForward: row index ", r,
-                                                     " outside [0, ", num_rows(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("LlamaForward: row index ", r, " outside [0, ", num_rows(), ")"));
     }
   }
   for (size_t i = 0; i < row_indices.size(); ++i) {
@@ -977,10 +985,10 @@ absl::Status IndexScores(int num_heads, int head_dim, std::span<const float> que
   if (h < 1 || dk < 1 || static_cast<int64_t>(query.size()) != h * dk ||
       static_cast<int64_t>(head_weights.size()) != h ||
       static_cast<int64_t>(keys.size()) != static_cast<int64_t>(out.size()) * dk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "IndexScores: expected query [", h, ", ", dk, "], head_weights [", h, "], keys [n, ", dk,
-        "] and out [n]; got ", query.size(), ", ", head_weights.size(), ", ", keys.size(), ", ",
-        out.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("IndexScores: expected query [", h, ", ", dk, "], head_weights [", h,
+                     "], keys [n, ", dk, "] and out [n]; got ", query.size(), ", ",
+                     head_weights.size(), ", ", keys.size(), ", ", out.size()));
   }
   const auto n = static_cast<int64_t>(out.size());
   std::vector<float> dots(std::min(n, kIndexScoreBlock) * h);

@@ -45,8 +45,8 @@ struct LlamaConfig {
 
   /// Parses the metadata's shape fields. Errors (INVALID_ARGUMENT, naming `path` and the field):
   /// a field absent or not a decimal number, or values Validate refuses.
-  static absl::StatusOr<LlamaConfig> FromMetadata(const std::map<std::string, std::string>& metadata,
-                                                  const std::string& path);
+  static absl::StatusOr<LlamaConfig> FromMetadata(
+      const std::map<std::string, std::string>& metadata, const std::string& path);
   /// INVALID_ARGUMENT (naming `path`) unless every field is in the range its comment gives.
   absl::Status Validate(const std::string& path) const;
 };
@@ -108,8 +108,8 @@ class LlamaModel {
   };
   /// The lightning indexer of one layer, fp32 row-major.
   struct IndexerLayer {
-    std::vector<float> wproj;   // [query_rank + head_dim + num_heads, d_model]: Wqa, Wk, Ww
-    std::vector<float> wqb;     // [num_heads * head_dim, query_rank]
+    std::vector<float> wproj;          // [query_rank + head_dim + num_heads, d_model]: Wqa, Wk, Ww
+    std::vector<float> wqb;            // [num_heads * head_dim, query_rank]
     std::vector<float> k_norm_weight;  // [head_dim] (LayerNorm gamma)
     std::vector<float> k_norm_bias;    // [head_dim] (LayerNorm beta)
   };
@@ -255,12 +255,12 @@ class LlamaForward {
   std::vector<LlamaRow> rows_;
   std::vector<CacheGroup> groups_;
   int layer_ = 0;
-  int x_layer_ = -1;        // the layer x_ was computed for
-  std::vector<float> h_;    // [rows, d_model] the residual stream
-  std::vector<float> x_;    // [rows, d_model] RMSNorm(h) * attn_norm of layer x_layer_
-  std::vector<float> qkv_;  // [rows, q_dim + 2 kv_dim]
+  int x_layer_ = -1;         // the layer x_ was computed for
+  std::vector<float> h_;     // [rows, d_model] the residual stream
+  std::vector<float> x_;     // [rows, d_model] RMSNorm(h) * attn_norm of layer x_layer_
+  std::vector<float> qkv_;   // [rows, q_dim + 2 kv_dim]
   std::vector<float> attn_;  // [rows, q_dim]
-  std::vector<float> rope_cos_, rope_sin_;  // [rows, head_dim / 2]
+  std::vector<float> rope_cos_, rope_sin_;              // [rows, head_dim / 2]
   std::vector<float> index_rope_cos_, index_rope_sin_;  // [rows, rope_dims / 2]
 };
 

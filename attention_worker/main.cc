@@ -16,6 +16,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/time/time.h"
+#include "attention_worker/llama_attention_model.h"
 #include "attention_worker/metrics.h"
 #include "attention_worker/pattern_model.h"
 #include "attention_worker/service.h"
@@ -165,8 +166,60 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "NAME:PORT of headless Services whose resolved addresses a Prefill may name")
       ->delimiter(',')
       ->check(dsa::HostPortValidator(1, /*allow_empty=*/false));
+  std::string model_name = "pattern";
+  app.add_option(
+         "--model", model_name,
+         "The model the worker runs: pattern (the synthetic pattern model: context lengths, "
+         "no tokens) or smollm2 (SmolLM2-135M with its trained lightning indexers, "
+         "docs/model.md: token ids in, sampled token ids out; 30 layers, indexer H 16, "
+         "D 64; CPU)")
+      ->check(CLI::IsMember({"pattern", "smollm2"}))
+      ->capture_default_str();
+  std::string model_file = "build/models/smollm2-135m/model.safetensors";
+  app.add_option("--model-file", model_file,
+                 "--model smollm2: the backbone, fp32 safetensors written by "
+                 "scripts/model_setup.sh")
+      ->capture_default_str();
+  std::string indexer_weights = "data/models/smollm2_indexer.safetensors";
+  app.add_option("--indexer-weights", indexer_weights,
+                 "--model smollm2: the lightning indexers' weights (fp16 safetensors, "
+                 "python/dsa_model/train_indexer.py)")
+      ->capture_default_str();
   dsa::AddFlagSources(app, "dsa-attention");
   CLI11_PARSE(app, argc, argv);
+  const bool real_model = model_name != "pattern";
+  if (!real_model) {
+    for (const char* name : {"--model-file", "--indexer-weights"}) {
+      if (app.count(name) > 0) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", std::string(name) + " needs --model smollm2"}});
+        return 2;
+      }
+    }
+  } else {
+    for (const char* name : {"--num-heads", "--head-dim", "--kv-dim", "--attention-heads", "--seed",
+                             "--layer-standin"}) {
+      if (app.count(name) > 0) {
+        dsa::LogJson("error", "bad config",
+                     {{"status", std::string(name) +
+                                     " configures the synthetic pattern model; --model smollm2 "
+                                     "takes its shapes from its files"}});
+        return 2;
+      }
+    }
+    if (attention_device != "cpu") {
+      dsa::LogJson("error", "bad config",
+                   {{"status",
+                     "--model smollm2 runs on --attention-device cpu (its GPU path is "
+                     "not built yet)"}});
+      return 2;
+    }
+    // The real model's 30 layers: every second one full unless the flags say otherwise.
+    if (app.count("--layer-pattern") == 0 && retention_option->count() == 0) {
+      retention = 2;
+      num_model_layers = 30;
+    }
+  }
   absl::StatusOr<dsa::ClientSecurity> indexer_security = dsa::ClientSecurityFrom(server_flags.tls);
   if (!indexer_security.ok()) {
     std::fprintf(stderr, "%s\n", std::string(indexer_security.status().message()).c_str());
@@ -229,7 +282,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   }
 
   absl::StatusOr<dsa::MliSchedule> schedule =
-      retention_option->count() > 0
+      retention_option->count() > 0 || retention > 0
           ? (num_model_layers > 0
                  ? dsa::MliSchedule::FromRetention(num_model_layers, retention, lag_depth)
                  : absl::InvalidArgumentError("--retention needs --num-model-layers"))
@@ -250,6 +303,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   if (!model.ok()) {
     dsa::LogJson("error", "bad model config", {{"status", model.status().ToString()}});
     return 2;
+  }
+  std::unique_ptr<dsa::LlamaAttentionModel> llama;
+  if (real_model) {
+    auto loaded = dsa::LlamaModel::Load(model_file, indexer_weights);
+    if (!loaded.ok()) {
+      dsa::LogJson("error", "cannot load the model", {{"status", loaded.status().ToString()}});
+      return 2;
+    }
+    auto created = dsa::LlamaAttentionModel::Create(*std::move(loaded), schedule->full_layers(),
+                                                    dsa::kSmolLM2ModelName);
+    if (!created.ok()) {
+      dsa::LogJson("error", "bad model config", {{"status", created.status().ToString()}});
+      return 2;
+    }
+    llama = *std::move(created);
+    model_config.num_heads = llama->shape().num_heads;
+    model_config.head_dim = llama->shape().head_dim;
   }
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::AttentionMetrics metrics(*registry, schedule->num_layers());
@@ -377,6 +447,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "with -DDSA_ENABLE_CUDA=ON where nvcc is installed)");
     return 2;
 #endif
+  } else if (llama != nullptr) {
+    engine = dsa::AttentionEngine::Create(*schedule, std::move(llama), std::move(indexer_clients),
+                                          options.engine, &metrics);
   } else {
     engine = dsa::MakeCpuAttentionEngine(*schedule, std::move(*model), options,
                                          std::move(indexer_clients), &metrics);
@@ -400,6 +473,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"lag_depth", lag_depth},
       {"num_heads", model_config.num_heads},
       {"head_dim", model_config.head_dim},
+      {"model", service->engine().model().shape().name},
       {"kv_dim", attention_device == "cuda" ? 576 : options.kv_dim},
       {"attention_heads", service->engine().model().output_values_per_row() /
                               (attention_device == "cuda" ? 512 : options.kv_dim)},

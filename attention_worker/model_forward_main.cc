@@ -91,8 +91,9 @@ absl::StatusOr<std::vector<int32_t>> ReadTokensNpy(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": no shape in header ", header));
   }
   int64_t count = 1;
-  for (absl::string_view dim : absl::StrSplit(
-           header.substr(shape_begin + 10, shape_end - shape_begin - 10), ',', absl::SkipWhitespace())) {
+  for (absl::string_view dim :
+       absl::StrSplit(header.substr(shape_begin + 10, shape_end - shape_begin - 10), ',',
+                      absl::SkipWhitespace())) {
     int64_t value = 0;
     if (!absl::SimpleAtoi(dim, &value) || value < 0) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": bad shape in header ", header));
@@ -125,8 +126,9 @@ absl::StatusOr<std::vector<int32_t>> ReadTokensNpy(const std::string& path) {
 // Writes a C-order .npy (version 1.0) of `descr` ("<f4", "<i4") with `shape`.
 absl::Status WriteNpy(const std::string& path, absl::string_view descr,
                       const std::vector<int64_t>& shape, const void* data, size_t bytes) {
-  std::string header = absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (",
-                                    absl::StrJoin(shape, ", "), shape.size() == 1 ? ",), }" : "), }");
+  std::string header =
+      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (",
+                   absl::StrJoin(shape, ", "), shape.size() == 1 ? ",), }" : "), }");
   header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
   header.push_back('\n');
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -260,8 +262,7 @@ absl::Status Run(const Options& options) {
                               std::span<const float>(&w[r * h], h),
                               std::span<const float>(stored.data(), (t + 1) * dk), scores);
               if (scored.ok()) {
-                SelectTopK(scores, {}, t,
-                           std::span<int32_t>(&selections[(f * n + t) * k], k));
+                SelectTopK(scores, {}, t, std::span<int32_t>(&selections[(f * n + t) * k], k));
               }
             }
           }
@@ -283,8 +284,8 @@ absl::Status Run(const Options& options) {
       std::vector<int32_t> row_indices(rows);
       for (int64_t r = 0; r < rows; ++r) row_indices[r] = static_cast<int32_t>(r);
       DSA_RETURN_IF_ERROR(pass->Logits(
-          row_indices, std::span<float>(&logits[begin * config.vocab_size],
-                                        rows * config.vocab_size)));
+          row_indices,
+          std::span<float>(&logits[begin * config.vocab_size], rows * config.vocab_size)));
     } else {
       std::vector<float> last(config.vocab_size);
       const int32_t last_row = static_cast<int32_t>(rows - 1);
@@ -307,8 +308,8 @@ absl::Status Run(const Options& options) {
   }
   if (!options.out_selections.empty()) {
     if (!sparse) return absl::InvalidArgumentError("--out-selections needs --mode sparse");
-    DSA_RETURN_IF_ERROR(WriteNpy(options.out_selections, "<i4", {num_full, n, k},
-                                 selections.data(), selections.size() * sizeof(int32_t)));
+    DSA_RETURN_IF_ERROR(WriteNpy(options.out_selections, "<i4", {num_full, n, k}, selections.data(),
+                                 selections.size() * sizeof(int32_t)));
   }
   if (!options.out_indexer.empty()) {
     std::vector<SafetensorsTensorToWrite> tensors;
@@ -318,11 +319,11 @@ absl::Status Run(const Options& options) {
       tensors.push_back({prefix + "w", "F32", {n, h}, Bytes(dump_w[i])});
       tensors.push_back({prefix + "k", "F32", {n, dk}, Bytes(dump_k[i])});
     }
-    DSA_RETURN_IF_ERROR(WriteSafetensors(
-        options.out_indexer,
-        {{"layers", absl::StrJoin(dump_layers, ",")}, {"mode", options.mode},
-         {"offset", absl::StrCat(options.offset)}},
-        tensors));
+    DSA_RETURN_IF_ERROR(WriteSafetensors(options.out_indexer,
+                                         {{"layers", absl::StrJoin(dump_layers, ",")},
+                                          {"mode", options.mode},
+                                          {"offset", absl::StrCat(options.offset)}},
+                                         tensors));
   }
   // Timings: the prefill pass (layers only, then the logits it wrote) and the decode steps
   // (layers + one row's logits, or all rows' when --out-logits).
@@ -351,10 +352,11 @@ absl::Status Run(const Options& options) {
 }  // namespace
 }  // namespace dsa
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
   dsa::Options options;
-  CLI::App app{"dsa-model-forward: the real model's forward pass (docs/model.md), dense or sparse "
-               "(MLI), over a .npy token file"};
+  CLI::App app{
+      "dsa-model-forward: the real model's forward pass (docs/model.md), dense or sparse "
+      "(MLI), over a .npy token file"};
   app.add_option("--model", options.model, "model.safetensors (fp32, dsa-llama/1)")->required();
   app.add_option("--indexer", options.indexer,
                  "the lightning indexers (fp16 safetensors, dsa-indexer/1); needed by sparse");
@@ -368,9 +370,9 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lag-depth", options.lag_depth, "MLI lag depth k")
       ->check(CLI::NonNegativeNumber);
-  auto* retention = app.add_option("--retention", options.retention,
-                                   "every r-th layer is full (retention 1/r)")
-                        ->check(CLI::PositiveNumber);
+  auto* retention =
+      app.add_option("--retention", options.retention, "every r-th layer is full (retention 1/r)")
+          ->check(CLI::PositiveNumber);
   app.add_option("--retention-pattern", options.retention_pattern,
                  "full/shared pattern, one F or S per layer")
       ->excludes(retention);

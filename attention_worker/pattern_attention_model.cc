@@ -14,8 +14,7 @@ namespace {
 
 class PatternModelStep : public ModelStep {
  public:
-  PatternModelStep(const PatternModel& model, AttentionBackend& backend,
-                   std::vector<ModelRow> rows)
+  PatternModelStep(const PatternModel& model, AttentionBackend& backend, std::vector<ModelRow> rows)
       : model_(model), backend_(backend), rows_(std::move(rows)) {}
 
   absl::Status PrepareIndexerInputs(int model_layer, int full_rank) override {
@@ -41,22 +40,23 @@ class PatternModelStep : public ModelStep {
     }
     for (int r = 0; r < num_rows; ++r) {
       const ModelRow& row = rows_[first_row + r];
-      const std::span<float> weights = head_weights.subspan(static_cast<size_t>(r) * num_heads,
-                                                            static_cast<size_t>(num_heads));
+      const std::span<float> weights =
+          head_weights.subspan(static_cast<size_t>(r) * num_heads, static_cast<size_t>(num_heads));
       if (queries.empty()) {
         DSA_RETURN_IF_ERROR(model_.HeadWeights(full_rank, row.position, weights));
       } else {
-        DSA_RETURN_IF_ERROR(model_.IndexerQuery(
-            full_rank, row.position,
-            queries.subspan(static_cast<size_t>(r) * num_heads * head_dim,
-                            static_cast<size_t>(num_heads) * head_dim),
-            weights));
+        DSA_RETURN_IF_ERROR(
+            model_.IndexerQuery(full_rank, row.position,
+                                queries.subspan(static_cast<size_t>(r) * num_heads * head_dim,
+                                                static_cast<size_t>(num_heads) * head_dim),
+                                weights));
       }
     }
     // A sequence's rows are contiguous: its keys in one call.
     for (int r = 0; r < num_rows;) {
       int end = r + 1;
-      while (end < num_rows && rows_[first_row + end].sequence_id == rows_[first_row + r].sequence_id) {
+      while (end < num_rows &&
+             rows_[first_row + end].sequence_id == rows_[first_row + r].sequence_id) {
         ++end;
       }
       DSA_RETURN_IF_ERROR(SequenceIndexKeys(
@@ -113,8 +113,8 @@ absl::StatusOr<std::optional<int32_t>> PatternAttentionModel::Extend(
 
 absl::Status PatternAttentionModel::IndexKeys(uint64_t sequence_id,
                                               std::span<const uint64_t> prefix_block_ids,
-                                              int full_rank, int64_t first_slot,
-                                              int64_t num_slots, std::span<float> out) const {
+                                              int full_rank, int64_t first_slot, int64_t num_slots,
+                                              std::span<float> out) const {
   return SequenceIndexKeys(model_, prefix_block_ids, full_rank, first_slot, num_slots, out);
 }
 

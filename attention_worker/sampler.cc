@@ -50,18 +50,16 @@ int32_t Greedy(std::span<const float> logits) {
 absl::Status ValidateSamplingParams(const SamplingParams& params) {
   if (!(params.temperature == 0.0f ||
         (params.temperature > 0.0f && params.temperature <= kMaxTemperature))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature must be 0 (greedy) or in (0, ", kMaxTemperature, "], got ", params.temperature));
+    return absl::InvalidArgumentError(absl::StrCat("temperature must be 0 (greedy) or in (0, ",
+                                                   kMaxTemperature, "], got ", params.temperature));
   }
   if (!(params.top_p > 0.0f && params.top_p <= 1.0f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1], got ", params.top_p));
+    return absl::InvalidArgumentError(absl::StrCat("top_p must be in (0, 1], got ", params.top_p));
   }
   return absl::OkStatus();
 }
 
-int32_t SampleToken(std::span<const float> logits, const SamplingParams& params,
-                    int64_t position) {
+int32_t SampleToken(std::span<const float> logits, const SamplingParams& params, int64_t position) {
   if (params.temperature == 0.0f) return Greedy(logits);
   const int32_t best = Greedy(logits);
   const float max_logit = logits.empty() || std::isnan(logits[best]) ? 0.0f : logits[best];

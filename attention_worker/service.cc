@@ -185,7 +185,8 @@ grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* context,
         !owned.ok()) {
       return ToGrpcStatus(owned);
     }
-    members.push_back(StepMember{s.sequence_id(), s.rows(), {s.tokens().begin(), s.tokens().end()}});
+    members.push_back(
+        StepMember{s.sequence_id(), s.rows(), {s.tokens().begin(), s.tokens().end()}});
   }
   absl::StatusOr<DecodeStepResult> result = engine_->DecodeStep(members);
   if (!result.ok()) return ToGrpcStatus(result.status());

@@ -153,8 +153,7 @@ TEST(Safetensors, MalformedHeadersAreInvalidArgument) {
     WriteRaw(path, c.header, c.data);
     const auto file = SafetensorsFile::Open(path);
     EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << c.header;
-    EXPECT_THAT(file.status().message(), AllOf(HasSubstr(path), HasSubstr(c.expected)))
-        << c.header;
+    EXPECT_THAT(file.status().message(), AllOf(HasSubstr(path), HasSubstr(c.expected))) << c.header;
   }
   // Offsets beyond the data section: the file is shorter than the header needs.
   WriteRaw(path, R"({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", eight);
@@ -273,7 +272,8 @@ Tensors TinyIndexerTensors(const LlamaConfig& c, const LightningIndexerConfig& i
   for (int l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("blk.", l, ".indexer.");
     t.Add(p + "q_a.weight", {r, d}, exact(Normal(rng, r * d, 1.0f / std::sqrt(float(d)))));
-    t.Add(p + "q_b.weight", {h * dk, r}, exact(Normal(rng, h * dk * r, 1.0f / std::sqrt(float(r)))));
+    t.Add(p + "q_b.weight", {h * dk, r},
+          exact(Normal(rng, h * dk * r, 1.0f / std::sqrt(float(r)))));
     t.Add(p + "k.weight", {dk, d}, exact(Normal(rng, dk * d, 1.0f / std::sqrt(float(d)))));
     t.Add(p + "k_norm.weight", {dk}, exact(Normal(rng, dk, 0.1f, 1.0f)));
     t.Add(p + "k_norm.bias", {dk}, exact(Normal(rng, dk, 0.1f)));
@@ -284,8 +284,7 @@ Tensors TinyIndexerTensors(const LlamaConfig& c, const LightningIndexerConfig& i
 
 // Writes `t` with dtype `dtype` ("F32" or "F16"), skipping `skip`, overriding shapes / dtypes.
 absl::Status WriteTensors(const std::string& path, const std::map<std::string, std::string>& meta,
-                          const Tensors& t, const std::string& dtype,
-                          const std::string& skip = "",
+                          const Tensors& t, const std::string& dtype, const std::string& skip = "",
                           const std::map<std::string, std::vector<int64_t>>& shape_override = {},
                           const std::map<std::string, std::string>& dtype_override = {},
                           bool extra = false) {
@@ -313,14 +312,10 @@ absl::Status WriteTensors(const std::string& path, const std::map<std::string, s
 }
 
 std::map<std::string, std::string> IndexerMetadata(const LightningIndexerConfig& ic) {
-  return {{"dsa.format", kLightningIndexerFormat},
-          {"base_model_sha256", "abc"},
-          {"num_layers", absl::StrCat(ic.num_layers)},
-          {"num_heads", absl::StrCat(ic.num_heads)},
-          {"head_dim", absl::StrCat(ic.head_dim)},
-          {"query_rank", absl::StrCat(ic.query_rank)},
-          {"rope_dims", absl::StrCat(ic.rope_dims)},
-          {"rope_base", "10000.0"}};
+  return {{"dsa.format", kLightningIndexerFormat},     {"base_model_sha256", "abc"},
+          {"num_layers", absl::StrCat(ic.num_layers)}, {"num_heads", absl::StrCat(ic.num_heads)},
+          {"head_dim", absl::StrCat(ic.head_dim)},     {"query_rank", absl::StrCat(ic.query_rank)},
+          {"rope_dims", absl::StrCat(ic.rope_dims)},   {"rope_base", "10000.0"}};
 }
 
 // The files of one tiny model, written once per suite.
@@ -333,11 +328,10 @@ class TinyModel : public ::testing::Test {
     indexer_tensors_ = new Tensors(TinyIndexerTensors(*config_, *indexer_config_, 8));
     model_path_ = new std::string(TempPath("tiny_model.safetensors"));
     indexer_path_ = new std::string(TempPath("tiny_indexer.safetensors"));
+    ASSERT_TRUE(WriteTensors(*model_path_, ConfigMetadata(*config_), *model_tensors_, "F32").ok());
     ASSERT_TRUE(
-        WriteTensors(*model_path_, ConfigMetadata(*config_), *model_tensors_, "F32").ok());
-    ASSERT_TRUE(WriteTensors(*indexer_path_, IndexerMetadata(*indexer_config_),
-                             *indexer_tensors_, "F16")
-                    .ok());
+        WriteTensors(*indexer_path_, IndexerMetadata(*indexer_config_), *indexer_tensors_, "F16")
+            .ok());
     auto model = LlamaModel::Load(*model_path_, *indexer_path_);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = new std::shared_ptr<const LlamaModel>(*model);
@@ -441,7 +435,7 @@ void Rope(double* x, int64_t position, double base, int dims) {
 }
 
 struct ReferenceOutput {
-  Matrix logits;                   // [n][vocab]
+  Matrix logits;                    // [n][vocab]
   std::vector<Matrix> layer_input;  // [layer][n][d_model]
 };
 
@@ -505,9 +499,8 @@ ReferenceOutput ReferenceForward(
     }
   }
   for (int64_t t = 0; t < n; ++t) {
-    out.logits.push_back(
-        MatVec(w["token_embd.weight"], c.vocab_size, d,
-               RmsNorm(h[t], w["output_norm.weight"], c.rms_eps)));
+    out.logits.push_back(MatVec(w["token_embd.weight"], c.vocab_size, d,
+                                RmsNorm(h[t], w["output_norm.weight"], c.rms_eps)));
   }
   return out;
 }
@@ -562,11 +555,13 @@ TEST_F(TinyModel, SparseMatchesTheReferenceOverItsSelections) {
   };
   LlamaKvCache cache(**model_);
   const std::vector<float> logits = RunPass(cache, tokens, selection_of);
-  const ReferenceOutput reference = ReferenceForward(*config_, *model_tensors_, tokens, selection_of);
+  const ReferenceOutput reference =
+      ReferenceForward(*config_, *model_tensors_, tokens, selection_of);
   double worst = 0, scale = 0;
   for (size_t t = 0; t < tokens.size(); ++t) {
     for (int i = 0; i < config_->vocab_size; ++i) {
-      worst = std::max(worst, std::abs(logits[t * config_->vocab_size + i] - reference.logits[t][i]));
+      worst =
+          std::max(worst, std::abs(logits[t * config_->vocab_size + i] - reference.logits[t][i]));
       scale = std::max(scale, std::abs(reference.logits[t][i]));
     }
   }
@@ -594,9 +589,10 @@ TEST_F(TinyModel, SparseOverEverySlotEqualsDense) {
   EXPECT_GT(scale, 1.0);
   EXPECT_LT(MaxAbsDiff(dense, sparse), 1e-5 * scale);
   for (int l = 0; l < config_->num_layers; ++l) {
-    EXPECT_LT(MaxAbsDiff(std::vector<float>(dense_cache.keys(l).begin(), dense_cache.keys(l).end()),
-                         std::vector<float>(sparse_cache.keys(l).begin(), sparse_cache.keys(l).end())),
-              1e-5);
+    EXPECT_LT(
+        MaxAbsDiff(std::vector<float>(dense_cache.keys(l).begin(), dense_cache.keys(l).end()),
+                   std::vector<float>(sparse_cache.keys(l).begin(), sparse_cache.keys(l).end())),
+        1e-5);
   }
 }
 
@@ -615,9 +611,10 @@ TEST_F(TinyModel, OnePassEqualsIncrementalDecode) {
   }
   EXPECT_EQ(decode_cache.num_slots(), 45);
   EXPECT_LT(MaxAbsDiff(prefill, decode), 1e-4);
-  EXPECT_LT(MaxAbsDiff(std::vector<float>(prefill_cache.values(2).begin(), prefill_cache.values(2).end()),
-                       std::vector<float>(decode_cache.values(2).begin(), decode_cache.values(2).end())),
-            1e-5);
+  EXPECT_LT(
+      MaxAbsDiff(std::vector<float>(prefill_cache.values(2).begin(), prefill_cache.values(2).end()),
+                 std::vector<float>(decode_cache.values(2).begin(), decode_cache.values(2).end())),
+      1e-5);
 }
 
 TEST_F(TinyModel, VerifierRowsAndTruncate) {
@@ -638,10 +635,11 @@ TEST_F(TinyModel, VerifierRowsAndTruncate) {
   ASSERT_TRUE((*pass)->Logits(all_rows, verifier).ok());
   for (int r = 0; r < 6; ++r) {
     const int64_t t = 35 - r;
-    EXPECT_LT(MaxAbsDiff(std::vector<float>(verifier.begin() + r * vocab,
-                                            verifier.begin() + (r + 1) * vocab),
-                         std::vector<float>(full.begin() + t * vocab, full.begin() + (t + 1) * vocab)),
-              1e-4)
+    EXPECT_LT(
+        MaxAbsDiff(
+            std::vector<float>(verifier.begin() + r * vocab, verifier.begin() + (r + 1) * vocab),
+            std::vector<float>(full.begin() + t * vocab, full.begin() + (t + 1) * vocab)),
+        1e-4)
         << "row at position " << t;
   }
   pass->reset();
@@ -654,7 +652,8 @@ TEST_F(TinyModel, VerifierRowsAndTruncate) {
   fresh_tokens.push_back(7);
   fresh_tokens.push_back(8);
   const std::vector<float> expected = RunPass(fresh, fresh_tokens);
-  EXPECT_LT(MaxAbsDiff(other, std::vector<float>(expected.end() - 2 * vocab, expected.end())), 1e-4);
+  EXPECT_LT(MaxAbsDiff(other, std::vector<float>(expected.end() - 2 * vocab, expected.end())),
+            1e-4);
   // Truncate, then the very same rows again: the same logits bit for bit.
   ASSERT_TRUE(cache.Truncate(33).ok());
   EXPECT_EQ(RunPass(cache, {7, 8}), other);
@@ -672,10 +671,8 @@ TEST_F(TinyModel, BatchedDecodeOverSeveralCaches) {
   RunPass(batch_a, std::vector<int32_t>(a.begin(), a.end() - 1));
   RunPass(batch_b, std::vector<int32_t>(b.begin(), b.end() - 3));
   // One pass: a's last row (dense), b's last 3 rows (sparse over all their slots), interleaved.
-  const std::vector<LlamaRow> rows = {{&batch_b, 10, b[10]},
-                                      {&batch_a, 19, a[19]},
-                                      {&batch_b, 9, b[9]},
-                                      {&batch_b, 11, b[11]}};
+  const std::vector<LlamaRow> rows = {
+      {&batch_b, 10, b[10]}, {&batch_a, 19, a[19]}, {&batch_b, 9, b[9]}, {&batch_b, 11, b[11]}};
   auto pass = LlamaForward::Begin(*model_, rows);
   ASSERT_TRUE(pass.ok()) << pass.status();
   std::vector<std::vector<int32_t>> owned;
@@ -772,7 +769,8 @@ TEST_F(TinyModel, IndexerInputsAndScoresMatchTheReference) {
     double worst = 0;
     for (int64_t t = 0; t < 24; ++t) {
       const std::vector<double>& x = reference.layer_input[layer][t];
-      std::vector<double> eq = MatVec(wi[p + "q_b.weight"], h * dk, r, MatVec(wi[p + "q_a.weight"], r, d, x));
+      std::vector<double> eq =
+          MatVec(wi[p + "q_b.weight"], h * dk, r, MatVec(wi[p + "q_a.weight"], r, d, x));
       for (int64_t head = 0; head < h; ++head) Rope(&eq[head * dk], t, ic.rope_base, ic.rope_dims);
       std::vector<double> ek = MatVec(wi[p + "k.weight"], dk, d, x);
       double mean = 0, var = 0;
@@ -784,7 +782,8 @@ TEST_F(TinyModel, IndexerInputsAndScoresMatchTheReference) {
       }
       Rope(ek.data(), t, ic.rope_base, ic.rope_dims);
       const std::vector<double> ew = MatVec(wi[p + "weights_proj.weight"], h, d, x);
-      for (int64_t i = 0; i < h * dk; ++i) worst = std::max(worst, std::abs(q[t * h * dk + i] - eq[i]));
+      for (int64_t i = 0; i < h * dk; ++i)
+        worst = std::max(worst, std::abs(q[t * h * dk + i] - eq[i]));
       for (int64_t i = 0; i < dk; ++i) worst = std::max(worst, std::abs(k[t * dk + i] - ek[i]));
       for (int64_t i = 0; i < h; ++i) {
         worst = std::max(worst, std::abs(w[t * h + i] - ew[i] / std::sqrt(double(h * dk))));
@@ -814,10 +813,11 @@ TEST_F(TinyModel, IndexerInputsAndScoresMatchTheReference) {
   std::vector<float> q(24 * h * dk), w(24 * h), k(24 * dk);
   EXPECT_EQ((*pass)->IndexerInputs(q, w, k).code(), absl::StatusCode::kFailedPrecondition);
   std::vector<float> out(3);
-  EXPECT_EQ(IndexScores(h, dk, std::span<const float>(q).first(h * dk), std::span<const float>(w).first(h),
-                        std::span<const float>(k).first(2 * dk), out)
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      IndexScores(h, dk, std::span<const float>(q).first(h * dk),
+                  std::span<const float>(w).first(h), std::span<const float>(k).first(2 * dk), out)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // ---- the loader's errors: each names the file and what was expected ----
@@ -905,9 +905,9 @@ TEST_F(LoaderErrors, IndexerForAnotherModel) {
   two.num_layers = 2;
   LlamaConfig two_layer_model = *config_;
   two_layer_model.num_layers = 2;
-  expect(WriteTensors(path, IndexerMetadata(two),
-                      TinyIndexerTensors(two_layer_model, two, 1), "F16"),
-         "the indexer has 2 layers, expected 3");
+  expect(
+      WriteTensors(path, IndexerMetadata(two), TinyIndexerTensors(two_layer_model, two, 1), "F16"),
+      "the indexer has 2 layers, expected 3");
   // Made for a backbone of width 64.
   LlamaConfig wide = *config_;
   wide.d_model = 64;
