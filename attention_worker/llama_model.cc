@@ -26,12 +26,12 @@ namespace {
 
 // Rows of a dense-attention tile: the tile's score block is [rows * heads per KV head, slots].
 constexpr int kAttentionTileRows = 64;
-// Rows of one feed-forward chunk (bounds the [rows, 2 ffn_dim] scratch).
-constexpr int64_t kFfnChunkRows = 512;
+// Rows of one feed-forward chunk (bounds the [rows, 2 ffn_dim] scratch: 25 MB at SmolLM2's shape).
+constexpr int64_t kFfnChunkRows = 2048;
+// Below this many rows the light per-row loops (norms, rotations, cache writes) run serially.
+constexpr int64_t kParallelMinRows = 256;
 // Keys per block of IndexScores (bounds its [keys, heads] scratch).
 constexpr int64_t kIndexScoreBlock = 512;
-// Below this many multiply-adds a GEMM runs on the calling thread alone.
-constexpr int64_t kParallelGemmMinWork = 1 << 18;
 
 // With OpenBLAS's pthread build, its own threads would compete with the model's OpenMP threads:
 // set it to one thread, once. (The OpenMP build runs single-threaded inside a parallel region by
@@ -46,7 +46,8 @@ void UseSingleThreadedBlas() {
 // c[m, n] = alpha * a[m, k] b[n, k]^T + beta * c (row-major; b is a weight [out, in]). Outside a
 // parallel region, splits the columns over the OpenMP threads.
 void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-            const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+            const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
+            int64_t parallel_min_work) {
   if (m == 0 || n == 0) return;
   const auto run = [&](int64_t n0, int64_t n1) {
     if (m == 1) {
@@ -59,7 +60,7 @@ void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_
     }
   };
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  if (threads <= 1 || m * n * k < kParallelGemmMinWork || n < 32) {
+  if (threads <= 1 || m * n * k < parallel_min_work || n < 32) {
     run(0, n);
     return;
   }
@@ -99,26 +100,58 @@ void RotatePairs(float* x, const float* cos, const float* sin, int pairs) {
   }
 }
 
-// cos / sin [pairs] of position * base^(-2j / dims), in double, rounded to float.
-void RopeAngles(int64_t position, double base, int dims, float* cos, float* sin) {
-  for (int j = 0; j < dims / 2; ++j) {
-    const double angle =
-        static_cast<double>(position) * std::pow(base, -2.0 * j / static_cast<double>(dims));
+// theta_j = base^(-2j / dims) for the pairs j of a RoPE over `dims` dims, in double.
+std::vector<double> RopeFrequencies(double base, int dims) {
+  std::vector<double> theta(dims / 2);
+  for (int j = 0; j < dims / 2; ++j) theta[j] = std::pow(base, -2.0 * j / dims);
+  return theta;
+}
+
+// cos / sin [theta.size()] of position * theta_j, in double, rounded to float.
+void RopeAngles(int64_t position, const std::vector<double>& theta, float* cos, float* sin) {
+  for (size_t j = 0; j < theta.size(); ++j) {
+    const double angle = static_cast<double>(position) * theta[j];
     cos[j] = static_cast<float>(std::cos(angle));
     sin[j] = static_cast<float>(std::sin(angle));
   }
 }
 
-// In-place softmax over row[0, n).
+// exp(x) for the softmax's shifted logits (x <= 0; NaN-free): Cephes' expf polynomial on
+// x = n ln 2 + r, |r| <= ln(2) / 2, then 2^n from the exponent bits; within 2 ulp of expf. Inputs
+// below -87.3 give about 1e-38 instead of a denormal or 0 (negligible beside the row's max term,
+// which is 1). Plain arithmetic, so the loops calling it vectorize.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.3f);
+  constexpr float kLog2e = 1.44269504088896341f, kRound = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * kLog2e + kRound) - kRound;                       // round to nearest
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;          // x - n ln 2, two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const auto bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// In-place softmax over row[0, n), n >= 1 (the attention's hot loop: one clone per x86 level).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 void SoftmaxRow(float* row, int64_t n) {
   float max_value = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) max_value = std::max(max_value, row[j]);
+#pragma omp simd reduction(max : max_value)
+  for (int64_t j = 0; j < n; ++j) max_value = row[j] > max_value ? row[j] : max_value;
   float total = 0;
+#pragma omp simd reduction(+ : total)
   for (int64_t j = 0; j < n; ++j) {
-    row[j] = std::exp(row[j] - max_value);
+    row[j] = ExpNonPositive(row[j] - max_value);
     total += row[j];
   }
   const float inv = 1.0f / total;
+#pragma omp simd
   for (int64_t j = 0; j < n; ++j) row[j] *= inv;
 }
 
@@ -586,16 +619,21 @@ void LlamaKvCache::Reserve(int64_t slots) {
 
 // ---- LlamaForward ----
 
-LlamaForward::LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows)
-    : model_(std::move(model)), rows_(std::move(rows)) {}
+LlamaForward::LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
+                           const LlamaForwardOptions& options)
+    : model_(std::move(model)), options_(options), rows_(std::move(rows)) {}
 
 LlamaForward::~LlamaForward() {
   for (const CacheGroup& group : groups_) group.kv->in_pass_ = false;
 }
 
 absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
-    std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows) {
+    std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
+    const LlamaForwardOptions& options) {
   if (model == nullptr) return absl::InvalidArgumentError("LlamaForward::Begin: no model");
+  if (options.parallel_min_work < 1) {
+    return absl::InvalidArgumentError("LlamaForward::Begin: parallel_min_work must be >= 1");
+  }
   const LlamaConfig& config = model->config();
   if (rows.empty()) return absl::InvalidArgumentError("LlamaForward::Begin: no rows");
   if (rows.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
@@ -651,7 +689,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
     }
   }
 
-  std::unique_ptr<LlamaForward> pass(new LlamaForward(std::move(model), std::move(rows)));
+  std::unique_ptr<LlamaForward> pass(new LlamaForward(std::move(model), std::move(rows), options));
   const LlamaModel& m = *pass->model_;
   for (CacheGroup& group : groups) {
     group.kv->in_pass_ = true;
@@ -669,15 +707,17 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
   const int index_pairs = m.has_indexer() ? m.indexer_config_.rope_dims / 2 : 0;
   pass->index_rope_cos_.resize(n * index_pairs);
   pass->index_rope_sin_.resize(n * index_pairs);
+  const std::vector<double> theta = RopeFrequencies(config.rope_base, config.head_dim);
+  const std::vector<double> index_theta =
+      RopeFrequencies(m.indexer_config_.rope_base, 2 * index_pairs);
   for (int64_t r = 0; r < n; ++r) {
     const LlamaRow& row = pass->rows_[r];
     std::memcpy(&pass->h_[r * d], &m.token_embd_[static_cast<int64_t>(row.token) * d],
                 d * sizeof(float));
-    RopeAngles(row.position, config.rope_base, config.head_dim, &pass->rope_cos_[r * pairs],
-               &pass->rope_sin_[r * pairs]);
+    RopeAngles(row.position, theta, &pass->rope_cos_[r * pairs], &pass->rope_sin_[r * pairs]);
     if (index_pairs > 0) {
-      RopeAngles(row.position, m.indexer_config_.rope_base, m.indexer_config_.rope_dims,
-                 &pass->index_rope_cos_[r * index_pairs], &pass->index_rope_sin_[r * index_pairs]);
+      RopeAngles(row.position, index_theta, &pass->index_rope_cos_[r * index_pairs],
+                 &pass->index_rope_sin_[r * index_pairs]);
     }
   }
   return pass;
@@ -688,7 +728,7 @@ void LlamaForward::ComputeLayerInput() {
   const LlamaConfig& config = model_->config();
   const int64_t n = num_rows(), d = config.d_model;
   const float* weight = model_->layers_[layer_].attn_norm.data();
-#pragma omp parallel for schedule(static) if (n >= 64)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinRows)
   for (int64_t r = 0; r < n; ++r) RmsNormRow(&h_[r * d], weight, d, config.rms_eps, &x_[r * d]);
   x_layer_ = layer_;
 }
@@ -712,13 +752,15 @@ absl::Status LlamaForward::IndexerInputs(std::span<float> queries, std::span<flo
   ComputeLayerInput();
   const LlamaModel::IndexerLayer& layer = model_->indexer_layers_[layer_];
   const int64_t d = model_->config().d_model, width = rank + dk + h;
-  std::vector<float> proj(n * width);
-  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wproj.data(), d, 0.0f, proj.data(), width);
+  std::vector<float>& proj = index_proj_;
+  proj.resize(n * width);
+  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wproj.data(), d, 0.0f, proj.data(), width,
+         options_.parallel_min_work);
   GemmNT(n, h * dk, rank, 1.0f, proj.data(), width, layer.wqb.data(), rank, 0.0f, queries.data(),
-         h * dk);
+         h * dk, options_.parallel_min_work);
   const int pairs = ic.rope_dims / 2;
   const float scale = ic.head_weight_scale();
-#pragma omp parallel for schedule(static) if (n >= 64)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinRows)
   for (int64_t r = 0; r < n; ++r) {
     const float* cos = index_rope_cos_.data() + r * pairs;
     const float* sin = index_rope_sin_.data() + r * pairs;
@@ -792,9 +834,10 @@ absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> se
   const int64_t d = config.d_model, q = config.q_dim(), kv = config.kv_dim(), f = config.ffn_dim;
   const int64_t hd = config.head_dim, width = q + 2 * kv;
   ComputeLayerInput();
-  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wqkv.data(), d, 0.0f, qkv_.data(), width);
+  GemmNT(n, width, d, 1.0f, x_.data(), d, layer.wqkv.data(), d, 0.0f, qkv_.data(), width,
+         options_.parallel_min_work);
   const int pairs = config.head_dim / 2;
-#pragma omp parallel for schedule(static) if (n >= 64)
+#pragma omp parallel for schedule(static) if (n >= kParallelMinRows)
   for (int64_t r = 0; r < n; ++r) {
     float* row = &qkv_[r * width];
     const float* cos = &rope_cos_[r * pairs];
@@ -809,25 +852,30 @@ absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> se
   }
   Attention(selections);
   // h += Wo o.
-  GemmNT(n, d, q, 1.0f, attn_.data(), q, layer.wo.data(), q, 1.0f, h_.data(), d);
+  GemmNT(n, d, q, 1.0f, attn_.data(), q, layer.wo.data(), q, 1.0f, h_.data(), d,
+         options_.parallel_min_work);
   // h += Wdown (silu(Wgate y) * (Wup y)), y = RMSNorm(h) * ffn_norm, in chunks of rows.
   const int64_t chunk = std::min(n, kFfnChunkRows);
-  std::vector<float> y(chunk * d), gate_up(chunk * 2 * f);
+  std::vector<float>& y = ffn_input_;
+  std::vector<float>& gate_up = ffn_gate_up_;
+  y.resize(chunk * d);
+  gate_up.resize(chunk * 2 * f);
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0);
-#pragma omp parallel for schedule(static) if (rows >= 64)
+#pragma omp parallel for schedule(static) if (rows >= kParallelMinRows)
     for (int64_t r = 0; r < rows; ++r) {
       RmsNormRow(&h_[(r0 + r) * d], layer.ffn_norm.data(), d, config.rms_eps, &y[r * d]);
     }
-    GemmNT(rows, 2 * f, d, 1.0f, y.data(), d, layer.wgate_up.data(), d, 0.0f, gate_up.data(),
-           2 * f);
-#pragma omp parallel for schedule(static) if (rows >= 16)
+    GemmNT(rows, 2 * f, d, 1.0f, y.data(), d, layer.wgate_up.data(), d, 0.0f, gate_up.data(), 2 * f,
+           options_.parallel_min_work);
+#pragma omp parallel for schedule(static) if (rows >= 64)
     for (int64_t r = 0; r < rows; ++r) {
       float* g = &gate_up[r * 2 * f];
       const float* u = g + f;
       for (int64_t i = 0; i < f; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }
-    GemmNT(rows, d, f, 1.0f, gate_up.data(), 2 * f, layer.wdown.data(), f, 1.0f, &h_[r0 * d], d);
+    GemmNT(rows, d, f, 1.0f, gate_up.data(), 2 * f, layer.wdown.data(), f, 1.0f, &h_[r0 * d], d,
+           options_.parallel_min_work);
   }
   ++layer_;
   if (done()) {
@@ -871,12 +919,29 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
     }
   }
   const auto num_tasks = static_cast<int64_t>(tiles.size()) * config.num_kv_heads;
+  int64_t work = 0;  // multiply-adds of Q K^T and P V, all tasks
+  for (const Task& tile : tiles) {
+    if (tile.sparse_row >= 0) {
+      work += static_cast<int64_t>(selections[tile.sparse_row].size()) * 2 * q;
+    } else {
+      const auto& tile_rows = dense_rows[tile.group];
+      work += static_cast<int64_t>(tile.end - tile.begin) *
+              (rows_[tile_rows[tile.end - 1]].position + 1) * 2 * q;
+    }
+  }
   const int layer = layer_;
 
-#pragma omp parallel if (num_tasks > 1)
+  const bool parallel = num_tasks > 1 && work >= options_.parallel_min_work;
+  scratch_.resize(parallel ? omp_get_max_threads() : 1);
+#pragma omp parallel if (parallel)
   {
-    std::vector<float> query, scores, out, gathered_keys, gathered_values;
-    std::vector<int32_t> slots;
+    AttentionScratch& scratch = scratch_[omp_get_thread_num()];
+    std::vector<float>& query = scratch.query;
+    std::vector<float>& scores = scratch.scores;
+    std::vector<float>& out = scratch.out;
+    std::vector<float>& gathered_keys = scratch.gathered_keys;
+    std::vector<float>& gathered_values = scratch.gathered_values;
+    std::vector<int32_t>& slots = scratch.slots;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const Task& tile = tiles[task / config.num_kv_heads];
@@ -904,7 +969,7 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
         const auto count = static_cast<int64_t>(gathered_keys.size()) / hd;
         scores.resize(group_heads * count);
         GemmNT(group_heads, count, hd, scale, &qkv_[r * width + q_offset], hd, gathered_keys.data(),
-               hd, 0.0f, scores.data(), count);
+               hd, 0.0f, scores.data(), count, options_.parallel_min_work);
         for (int64_t i = 0; i < group_heads; ++i) SoftmaxRow(&scores[i * count], count);
         GemmNN(group_heads, hd, count, scores.data(), count, gathered_values.data(), hd,
                &attn_[r * q + q_offset], hd);
@@ -921,7 +986,8 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
                     &qkv_[tile_rows[i] * width + q_offset], group_heads * hd * sizeof(float));
       }
       scores.resize(m * num_keys);
-      GemmNT(m, num_keys, hd, scale, query.data(), hd, keys, kv, 0.0f, scores.data(), num_keys);
+      GemmNT(m, num_keys, hd, scale, query.data(), hd, keys, kv, 0.0f, scores.data(), num_keys,
+             options_.parallel_min_work);
       for (int64_t i = 0; i < m; ++i) {
         const int64_t visible = rows_[tile_rows[tile.begin + i / group_heads]].position + 1;
         float* row = &scores[i * num_keys];
@@ -974,7 +1040,7 @@ absl::Status LlamaForward::Logits(std::span<const int32_t> row_indices,
   std::vector<float> hidden(n * d);
   DSA_RETURN_IF_ERROR(FinalHidden(row_indices, std::span<float>(hidden)));
   GemmNT(n, vocab, d, 1.0f, hidden.data(), d, model_->token_embd_.data(), d, 0.0f, out.data(),
-         vocab);
+         vocab, options_.parallel_min_work);
   return absl::OkStatus();
 }
 
@@ -990,6 +1056,7 @@ absl::Status IndexScores(int num_heads, int head_dim, std::span<const float> que
                      "], keys [n, ", dk, "] and out [n]; got ", query.size(), ", ",
                      head_weights.size(), ", ", keys.size(), ", ", out.size()));
   }
+  UseSingleThreadedBlas();
   const auto n = static_cast<int64_t>(out.size());
   std::vector<float> dots(std::min(n, kIndexScoreBlock) * h);
   for (int64_t i0 = 0; i0 < n; i0 += kIndexScoreBlock) {

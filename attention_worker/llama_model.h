@@ -144,9 +144,10 @@ class LlamaModel {
 };
 
 /// One sequence's KV cache: per layer, keys and values fp32 [slots, kv_dim] (post-RoPE keys),
-/// slot t holding position t. Grows as passes write rows (capacity doubles, up to the context
-/// length). A cache is used by one thread at a time, and is in at most one LlamaForward pass at a
-/// time (from Begin until the pass's last layer has run or the pass is destroyed).
+/// slot t holding position t: 2 x num_layers x kv_dim x 4 bytes a slot (46,080 for SmolLM2-135M).
+/// Grows as passes write rows (capacity doubles, up to the context length). A cache is used by one
+/// thread at a time, and is in at most one LlamaForward pass at a time (from Begin until the pass's
+/// last layer has run or the pass is destroyed).
 class LlamaKvCache {
  public:
   /// An empty cache for `model`'s shape.
@@ -185,6 +186,18 @@ struct LlamaRow {
   int32_t token = 0;
 };
 
+/// Tuning of a LlamaForward pass.
+struct LlamaForwardOptions {
+  /// A GEMM, or a layer's attention, forks OpenMP threads only from this many multiply-adds on
+  /// (smaller ones run on the calling thread). The default, 2^22, keeps a one-row decode step
+  /// serial but for its logits, while a prefill or a batched step of a few rows forks every GEMM:
+  /// on cores shared with other busy processes each fork-join can wait a whole time slice (a
+  /// one-row step of SmolLM2-135M at 1K context measured 86 ms at 2^22 but 0.2-1.2 s at
+  /// 2^18-2^20 on 2 busy cores). On idle dedicated cores 2^18 parallelizes the step's GEMVs too
+  /// (27 ms against 45 ms at 2^22 on 2 cores). >= 1.
+  int64_t parallel_min_work = int64_t{1} << 22;
+};
+
 /// One forward pass over a set of rows, layer by layer (prefill, a batched decode step and
 /// speculative verifier rows share it): Begin, then for each layer optionally IndexerInputs and
 /// then RunLayer, then Logits / FinalHidden. Rows of one cache see each other causally (row at
@@ -196,9 +209,11 @@ class LlamaForward {
   /// num_slots() + count - 1 (any order in `rows`). Errors, nothing changed: INVALID_ARGUMENT (no
   /// rows, a null cache, a cache made for another shape, positions not contiguous from
   /// num_slots(), a token outside [0, vocab_size)); RESOURCE_EXHAUSTED (a position >=
-  /// context_length); FAILED_PRECONDITION (a cache already in another pass).
+  /// context_length); FAILED_PRECONDITION (a cache already in another pass). The caches must
+  /// outlive the pass.
   static absl::StatusOr<std::unique_ptr<LlamaForward>> Begin(
-      std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows);
+      std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
+      const LlamaForwardOptions& options = {});
 
   /// Releases the caches; an unfinished pass commits nothing (its caches keep num_slots()).
   ~LlamaForward();
@@ -247,11 +262,13 @@ class LlamaForward {
     int64_t first_position = 0;
     std::vector<int32_t> rows_by_position;  // indices into rows_, increasing position
   };
-  LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows);
+  LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
+               const LlamaForwardOptions& options);
   void ComputeLayerInput();  // x_ for layer_, once per layer
   void Attention(std::span<const std::span<const int32_t>> selections);
 
   std::shared_ptr<const LlamaModel> model_;
+  LlamaForwardOptions options_;
   std::vector<LlamaRow> rows_;
   std::vector<CacheGroup> groups_;
   int layer_ = 0;
@@ -262,6 +279,15 @@ class LlamaForward {
   std::vector<float> attn_;  // [rows, q_dim]
   std::vector<float> rope_cos_, rope_sin_;              // [rows, head_dim / 2]
   std::vector<float> index_rope_cos_, index_rope_sin_;  // [rows, rope_dims / 2]
+  // Scratch kept across layers (no allocation and page faults per layer).
+  struct AttentionScratch {
+    std::vector<float> query, scores, out, gathered_keys, gathered_values;
+    std::vector<int32_t> slots;
+  };
+  std::vector<AttentionScratch> scratch_;  // one per OpenMP thread
+  std::vector<float> ffn_input_;           // [chunk rows, d_model]
+  std::vector<float> ffn_gate_up_;         // [chunk rows, 2 ffn_dim]
+  std::vector<float> index_proj_;          // [rows, query_rank + head_dim + num_heads]
 };
 
 /// The index scores of one row over fp32 keys (docs/model.md's z; DESIGN.md 2 without the fp8

@@ -154,6 +154,7 @@ struct Options {
   std::string model, indexer, tokens, mode = "dense";
   int64_t offset = 0, num_tokens = 0, decode_from = 0;
   int top_k = 64, lag_depth = 1, retention = 2;
+  int64_t parallel_min_work = LlamaForwardOptions().parallel_min_work;
   std::string retention_pattern, indexer_layers;
   std::string out_logits, out_selections, out_indexer, report;
 };
@@ -231,7 +232,8 @@ absl::Status Run(const Options& options) {
     const Clock::time_point pass_start = Clock::now();
     double pass_indexer_seconds = 0;
     DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> pass,
-                         LlamaForward::Begin(model, std::move(pass_rows)));
+                         LlamaForward::Begin(model, std::move(pass_rows),
+                                             {.parallel_min_work = options.parallel_min_work}));
     std::vector<float> q(rows * h * dk), w(rows * h), keys(rows * dk);
     std::vector<std::span<const int32_t>> row_selections;
     for (int layer = 0; layer < config.num_layers; ++layer) {
@@ -335,11 +337,12 @@ absl::Status Run(const Options& options) {
       "\"full_layers\": [%s], \"lag_depth\": %d, \"top_k\": %d, \"load_seconds\": %.3f, "
       "\"prefill_seconds\": %.4f, \"prefill_tokens_per_second\": %.2f, "
       "\"prefill_logits_seconds\": %.4f, \"indexer_seconds\": %.4f, \"decode_steps\": %d, "
-      "\"decode_step_mean_ms\": %.3f, \"decode_context_first\": %d, \"decode_context_last\": %d}\n",
+      "\"decode_step_mean_ms\": %.3f, \"decode_context_first\": %d, \"decode_context_last\": %d, "
+      "\"parallel_min_work\": %d}\n",
       options.mode, n, prefill_rows, omp_get_max_threads(), absl::StrJoin(full_layers, ", "),
       options.lag_depth, options.top_k, load_seconds, prefill_seconds,
       static_cast<double>(prefill_rows) / prefill_seconds, prefill_logits_seconds, indexer_seconds,
-      decode_seconds.size(), decode_mean * 1e3, prefill_rows + 1, n);
+      decode_seconds.size(), decode_mean * 1e3, prefill_rows + 1, n, options.parallel_min_work);
   std::fputs(report.c_str(), stdout);
   if (!options.report.empty()) {
     std::ofstream out(options.report);
@@ -386,6 +389,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "layers written to --out-indexer (comma list; default first, middle and last "
                  "full layer)");
   app.add_option("--report", options.report, "timings as JSON");
+  app.add_option("--parallel-min-work", options.parallel_min_work,
+                 "LlamaForwardOptions::parallel_min_work (multiply-adds below which a GEMM runs "
+                 "on one thread)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   const absl::Status status = dsa::Run(options);
   if (!status.ok()) {

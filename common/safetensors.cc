@@ -93,9 +93,9 @@ int64_t SafetensorsTensor::num_elements() const {
 
 int SafetensorsDtypeBytes(std::string_view dtype) {
   static constexpr std::pair<std::string_view, int> kSizes[] = {
-      {"F64", 8},    {"F32", 4}, {"F16", 2}, {"BF16", 2},   {"I64", 8},     {"I32", 4},
-      {"I16", 2},    {"I8", 1},  {"U64", 8}, {"U32", 4},    {"U16", 2},     {"U8", 1},
-      {"BOOL", 1},   {"F8_E4M3", 1},         {"F8_E5M2", 1}};
+      {"F64", 8}, {"F32", 4}, {"F16", 2},  {"BF16", 2},    {"I64", 8},
+      {"I32", 4}, {"I16", 2}, {"I8", 1},   {"U64", 8},     {"U32", 4},
+      {"U16", 2}, {"U8", 1},  {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
   for (const auto& [name, bytes] : kSizes) {
     if (name == dtype) return bytes;
   }
@@ -139,7 +139,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   if (header_bytes > kMaxHeaderBytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": safetensors header length ",
                                                    header_bytes, " is above the limit of ",
-                                                   kMaxHeaderBytes, " bytes (not a safetensors "
+                                                   kMaxHeaderBytes,
+                                                   " bytes (not a safetensors "
                                                    "file?)"));
   }
   if (header_bytes > file_bytes - 8) {
@@ -148,8 +149,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                                             " (the header alone)"));
   }
   const char* header_begin = reinterpret_cast<const char*>(base + 8);
-  const nlohmann::json header = nlohmann::json::parse(
-      header_begin, header_begin + header_bytes, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json header = nlohmann::json::parse(header_begin, header_begin + header_bytes,
+                                                      nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": the safetensors header (", header_bytes,
@@ -170,8 +171,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       }
       for (const auto& [key, value] : entry.items()) {
         if (!value.is_string()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              path, ": safetensors metadata '", key, "' is not a string (the format's rule)"));
+          return absl::InvalidArgumentError(absl::StrCat(path, ": safetensors metadata '", key,
+                                                         "' is not a string (the format's rule)"));
         }
         file->metadata_[key] = value.get<std::string>();
       }
@@ -247,10 +248,9 @@ absl::Status WriteSafetensors(const std::string& path,
     }
     const int64_t expected = TensorBytes(tensor.shape, element_bytes);
     if (expected < 0 || static_cast<uint64_t>(expected) != tensor.bytes.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", tensor.name, "' has ",
-                                                     tensor.bytes.size(), " bytes, ", tensor.dtype,
-                                                     " ", ShapeString(tensor.shape), " needs ",
-                                                     expected));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor '", tensor.name, "' has ", tensor.bytes.size(), " bytes, ",
+                       tensor.dtype, " ", ShapeString(tensor.shape), " needs ", expected));
     }
     header[tensor.name] = {{"dtype", tensor.dtype},
                            {"shape", tensor.shape},

@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
+#include "coordinator/token_blocks.h"
 #include "server/server.h"
 
 namespace dsa {
@@ -99,7 +100,49 @@ class HungCut {
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
+// The first id of `ids` outside [0, limit) (limit 0: no upper bound), as "field[i] = v" with why.
+std::optional<std::string> IdOutOfRange(const google::protobuf::RepeatedField<int32_t>& ids,
+                                        absl::string_view field, int64_t limit,
+                                        absl::string_view model) {
+  for (int i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0) {
+      return absl::StrCat(field, "[", i, "] = ", ids[i], ": token ids must be >= 0");
+    }
+    if (limit > 0 && ids[i] >= limit) {
+      return absl::StrCat(field, "[", i, "] = ", ids[i], " is outside the vocabulary [0, ", limit,
+                          ") of model '", model, "'");
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+std::string ServedModel::ToString() const {
+  return absl::StrCat(name, " (vocab ", vocab_size, ", eos ", eos_token_id, ", max_context ",
+                      max_context, ")");
+}
+
+absl::StatusOr<ServedModel> ModelOfAttentionWorker(const av1::GetInfoResponse& info) {
+  ServedModel model;
+  model.name = info.model().empty() && info.vocab_size() == 0 ? "pattern" : info.model();
+  model.vocab_size = info.vocab_size();
+  model.max_context = info.max_context();
+  if (model.vocab_size < 0 || model.max_context < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("it reports vocab_size ", model.vocab_size,
+                                                   " and max_context ", model.max_context,
+                                                   " (both must be >= 0)"));
+  }
+  if (model.real()) {
+    model.eos_token_id = info.eos_token_id();
+    if (model.eos_token_id < -1 || model.eos_token_id >= model.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("it reports eos_token_id ", model.eos_token_id,
+                                                     ", outside its vocabulary [0, ",
+                                                     model.vocab_size, ") and not -1"));
+    }
+  }
+  return model;
+}
 
 absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
   if (request.request_id().empty() || request.request_id().size() > 128) {
@@ -115,6 +158,15 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
     context = request.context_tokens().tokens_size();
     if (context < 1) {
       return absl::InvalidArgumentError("context_tokens must hold at least one token");
+    }
+    if (auto bad = IdOutOfRange(request.context_tokens().tokens(), "context_tokens.tokens", 0, "");
+        bad.has_value()) {
+      return absl::InvalidArgumentError(*bad);
+    }
+    if (request.prefix_block_ids_size() > 0) {
+      return absl::InvalidArgumentError(
+          "prefix_block_ids must be empty with context_tokens: the coordinator derives the prefix "
+          "block ids from the tokens");
     }
   } else if (request.context_case() == cv1::GenerateRequest::kContextLength) {
     context = request.context_length();
@@ -162,6 +214,54 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
   if (o.has_acceptance_rate() && !(o.acceptance_rate() >= 0.0 && o.acceptance_rate() <= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("overrides.acceptance_rate must be in [0, 1], got ", o.acceptance_rate()));
+  }
+  const cv1::SamplingParams& sampling = request.sampling();
+  if (!(sampling.temperature() == 0.0f ||
+        (sampling.temperature() > 0.0f && sampling.temperature() <= 100.0f))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.temperature must be 0 (greedy) or in (0, 100], got ", sampling.temperature()));
+  }
+  if (!(sampling.top_p() >= 0.0f && sampling.top_p() <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampling.top_p must be in (0, 1] (0 means 1), got ", sampling.top_p()));
+  }
+  if (request.stop_token_ids_size() > kMaxStopTokenIds) {
+    return absl::InvalidArgumentError(absl::StrCat("stop_token_ids holds ",
+                                                   request.stop_token_ids_size(), " ids; at most ",
+                                                   kMaxStopTokenIds));
+  }
+  if (auto bad = IdOutOfRange(request.stop_token_ids(), "stop_token_ids", 0, ""); bad.has_value()) {
+    return absl::InvalidArgumentError(*bad);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateGenerateRequestForModel(const cv1::GenerateRequest& request,
+                                             const ServedModel& model) {
+  if (model.real()) {
+    if (!request.has_context_tokens()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model '", model.name,
+                       "' generates real tokens: the request needs context_tokens "
+                       "(context_length alone is for the synthetic pattern model)"));
+    }
+    if (auto bad = IdOutOfRange(request.context_tokens().tokens(), "context_tokens.tokens",
+                                model.vocab_size, model.name);
+        bad.has_value()) {
+      return absl::InvalidArgumentError(*bad);
+    }
+    if (auto bad =
+            IdOutOfRange(request.stop_token_ids(), "stop_token_ids", model.vocab_size, model.name);
+        bad.has_value()) {
+      return absl::InvalidArgumentError(*bad);
+    }
+  }
+  const int64_t context = ContextLength(request);
+  if (model.max_context > 0 && context + request.max_new_tokens() > model.max_context) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "context (", context, " tokens) + max_new_tokens (", request.max_new_tokens(),
+        ") = ", context + request.max_new_tokens(), " tokens exceed the max_context of model '",
+        model.name, "' (", model.max_context, " tokens)"));
   }
   return absl::OkStatus();
 }
@@ -227,6 +327,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
                          SelectResponseBytesBound(kMaxStepRows, kMaxTopK),
                      "] (a step's selections must fit the ", kMaxReceiveMessageBytes,
                      "-byte message limit), got ", options.max_running_per_attention));
+  }
+  if (absl::Status ngram = ValidateNgramDraftOptions(options.ngram); !ngram.ok()) {
+    return ngram;
   }
   if (!AcceptanceModel::Create(options.acceptance_rate, 0, 0).ok()) {
     return absl::InvalidArgumentError(
@@ -388,6 +491,11 @@ int CoordinatorEngine::num_full_layers() const {
   return num_full_layers_;
 }
 
+std::optional<ServedModel> CoordinatorEngine::model() const {
+  absl::MutexLock lock(&mu_);
+  return model_;
+}
+
 bool CoordinatorEngine::ReadyLocked() const {
   return scheduler_.ReadyIndexers() > 0 && scheduler_.ReadyAttentions() > 0;
 }
@@ -474,12 +582,34 @@ std::string CoordinatorEngine::CheckShapeLocked(const Probe& probe, bool attenti
     return absl::StrCat("attention workers disagree on the number of full layers: it has ",
                         probe.info.num_full_layers(), ", the ready workers have ", ready_layers);
   }
+  // The model: every ready attention worker runs the same (its name, vocabulary, end-of-sequence
+  // token and context), and it changes only while nothing is held or queued.
+  absl::StatusOr<ServedModel> model = ModelOfAttentionWorker(probe.info);
+  if (!model.ok()) return std::string(model.status().message());
+  for (int j = 0; j < num_attention_; ++j) {
+    if (attention_[j]->ready && attention_[j]->model != *model) {
+      return absl::StrCat("attention workers disagree on the model: it runs ", model->ToString(),
+                          ", the ready workers run ", attention_[j]->model.ToString());
+    }
+  }
+  if (model_.has_value() && *model_ != *model && !scheduler_.Idle()) {
+    return absl::StrCat("it runs ", model->ToString(), ", the sequences held or queued were made ",
+                        "for ", model_->ToString());
+  }
   if (probe.info.num_full_layers() != num_full_layers_) {
     if (absl::Status set = scheduler_.SetNumFullLayers(probe.info.num_full_layers()); !set.ok()) {
       return absl::StrCat("it has ", probe.info.num_full_layers(), " full layers, the sequences ",
                           "held have ", num_full_layers_, ": ", set.message());
     }
     num_full_layers_ = probe.info.num_full_layers();
+  }
+  if (!model_.has_value() || *model_ != *model) {
+    if (model_.has_value()) {
+      LogJson(
+          "warn", "the model changed",
+          {{"from", model_->ToString()}, {"to", model->ToString()}, {"address", probe.address}});
+    }
+    model_ = *model;
   }
   return "";
 }
@@ -698,6 +828,7 @@ void CoordinatorEngine::RefreshWorkers() {
         worker->client = probe.attention_client;
         worker->ready = healthy;
         worker->instance_id = probe.info.instance_id();
+        worker->model = *model_;  // CheckShapeLocked set it to this worker's
         worker->num_full_layers = probe.info.num_full_layers();
         worker->num_heads = probe.info.num_heads();
         worker->head_dim = probe.info.head_dim();
@@ -734,6 +865,14 @@ void CoordinatorEngine::RefreshWorkers() {
       }
       bool healthy = target.wanted && probe.healthy;
       std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
+      // A worker of a model the coordinator no longer serves (the model changed while it was not
+      // ready) takes no new sequence.
+      if (healthy && target.attention && model_.has_value() &&
+          attention_[target.slot]->model != *model_) {
+        healthy = false;
+        reason = absl::StrCat("it runs ", attention_[target.slot]->model.ToString(),
+                              ", the coordinator now serves ", model_->ToString());
+      }
       if (options_.colocated) {
         const Probe* other = probe_of(target.address, !target.attention);
         if (other != nullptr && !other->healthy && healthy) {
@@ -950,7 +1089,23 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   av1::PrefillRequest prefill;
   prefill.set_sequence_id(admission.sequence_id);
   prefill.set_context_length(request.demand.context_length);
-  for (uint64_t id : g.prefix_block_ids()) prefill.add_prefix_block_ids(id);
+  for (uint64_t id : request.demand.prefix_block_ids) prefill.add_prefix_block_ids(id);
+  if (request.real) {
+    // The tokens of the new slots: all of them (the context, and after a migration the tokens
+    // generated so far), or a session's from the sequence's length on (its last turn's last
+    // token, which its KV does not hold yet, then the new turn's).
+    const int64_t from = admission.continue_sequence ? admission.continued_length - 1 : 0;
+    if (from < 0 || from >= static_cast<int64_t>(request.tokens.size())) {
+      return absl::InternalError(absl::StrCat("a session's sequence of ", from + 1,
+                                              " tokens cannot continue with ",
+                                              request.tokens.size()));
+    }
+    prefill.mutable_tokens()->Add(request.tokens.begin() + from, request.tokens.end());
+    av1::SamplingParams* sampling = prefill.mutable_sampling();
+    sampling->set_temperature(g.sampling().temperature());
+    sampling->set_top_p(g.sampling().top_p());
+    sampling->set_seed(g.sampling().seed());
+  }
   prefill.set_indexer_worker(indexers_[admission.indexer]->address);
   av1::SequenceSettings* settings = prefill.mutable_settings();
   settings->set_top_k(o.has_top_k() ? o.top_k() : options_.top_k);
@@ -1012,8 +1167,13 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   request->demand.context_length = ContextLength(*proto);
   request->demand.max_new_tokens = proto->max_new_tokens();
   request->demand.draft_length = proto->draft_length();
-  request->demand.prefix_block_ids.assign(proto->prefix_block_ids().begin(),
-                                          proto->prefix_block_ids().end());
+  if (proto->has_context_tokens()) {
+    // Ids of the tokens themselves (equal prefixes share, different ones never do).
+    request->demand.prefix_block_ids = PrefixBlockIdsOfTokens(proto->context_tokens().tokens());
+  } else {
+    request->demand.prefix_block_ids.assign(proto->prefix_block_ids().begin(),
+                                            proto->prefix_block_ids().end());
+  }
   request->demand.session_id = proto->session_id();
   request->demand.session_owner = caller;
   const double acceptance_rate = proto->overrides().has_acceptance_rate()
@@ -1021,6 +1181,24 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
                                      : options_.acceptance_rate;
   request->acceptance = *AcceptanceModel::Create(acceptance_rate, proto->draft_length(),
                                                  RequestSeed(options_.seed, proto->request_id()));
+
+  // The checks that need the model, outside the lock (a long context's ids take a while); the
+  // model is looked at again under it.
+  std::optional<ServedModel> model = this->model();
+  if (model.has_value()) {
+    if (absl::Status valid = ValidateGenerateRequestForModel(*proto, *model); !valid.ok()) {
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return valid;
+    }
+    request->real = model->real();
+  }
+  if (request->real) {
+    request->vocab_size = model->vocab_size;
+    request->eos_token_id = proto->ignore_eos() ? -1 : model->eos_token_id;
+    request->stop_token_ids.assign(proto->stop_token_ids().begin(), proto->stop_token_ids().end());
+    request->tokens.assign(proto->context_tokens().tokens().begin(),
+                           proto->context_tokens().tokens().end());
+  }
 
   {
     absl::MutexLock lock(&mu_);
@@ -1035,6 +1213,13 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
                            " indexer and ", scheduler_.ReadyAttentions(), " of ", num_attention_,
                            " attention workers are ready (a worker of each kind is needed)")};
     }
+    if (!model.has_value() || model_ != model) {
+      // Ready means an attention worker was taken in, so the model is known; it changed only if
+      // every worker was replaced meanwhile.
+      metrics_->CountRequest(RequestOutcome::kRejected);
+      return absl::UnavailableError(
+          "the attention workers' model changed while the request was checked; retry");
+    }
     if (by_id_.contains({caller, request->id})) {
       metrics_->CountRequest(RequestOutcome::kRejected);
       return {absl::StatusCode::kAlreadyExists,
@@ -1042,7 +1227,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     }
     request->ticket = next_ticket_++;
     absl::StatusOr<std::optional<Admission>> submitted =
-        scheduler_.Submit(request->ticket, request->demand);
+        scheduler_.Submit(request->ticket, request->demand, /*migrated=*/false, request->tokens);
     if (!submitted.ok()) {
       metrics_->CountRequest(RequestOutcome::kRejected);
       return submitted.status();
@@ -1102,13 +1287,24 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     CarryOutEvictions(admission.evictions);
     av1::PrefillResponse prefilled;
     bool prefill_cancelled = false;
-    const absl::Status prefill_status =
+    absl::Status prefill_status =
         Prefill(stream, *request, admission, &prefilled, &prefill_cancelled);
+    // A real model's first token (or, after a migration, its next one) comes from the prefill:
+    // its Tokens event is queued before the sequence joins its decode loop.
+    bool ended = false;  // that token ended the request
+    if (prefill_status.ok() && request->real) {
+      absl::StatusOr<Produced> first = FirstToken(*request, prefilled);
+      if (first.ok()) {
+        ended = AdvanceSequence(request, *first, /*result=*/nullptr, /*response=*/nullptr);
+      } else {
+        prefill_status = first.status();
+      }
+    }
     std::vector<Eviction> unpinned;
     bool decoding = false;
     {
       absl::MutexLock lock(&mu_);
-      if (prefill_status.ok() && !request->cancel_requested && !stream.IsCancelled()) {
+      if (prefill_status.ok() && !ended && !request->cancel_requested && !stream.IsCancelled()) {
         unpinned = scheduler_.PrefillDone(admission.sequence_id);
         request->phase = Phase::kDecoding;
         decoding = true;
@@ -1123,7 +1319,12 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       absl::MutexLock lock(&mu_);
       if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
     }
-    if (!decoding) {
+    if (ended) {
+      // Done at its first token (max_new_tokens 1, an end-of-sequence or stop token): Finished is
+      // queued; the sequence leaves its workers as after a last decode step (its donor, if any,
+      // is unpinned by the scheduler's Finish).
+      EndSequence(request, absl::OkStatus(), /*completed=*/true);
+    } else if (!decoding) {
       // Failed or cancelled during the prefill: a failed prefill leaves nothing on the workers
       // (a worker's failure migrates it), a cancelled successful one is released by EndSequence.
       if (!prefill_status.ok() && !prefill_cancelled) {
@@ -1133,7 +1334,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       }
     }
 
-    if (decoding && !admitted_sent) {
+    if ((decoding || ended) && !admitted_sent) {
       cv1::GenerateEvent admitted_event;
       cv1::Admitted* admitted = admitted_event.mutable_admitted();
       admitted->set_queue_seconds(Seconds(admitted_at - arrival));
@@ -1206,6 +1407,13 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
   {
     absl::MutexLock lock(&mu_);
     load = scheduler_.Load();
+    if (model_.has_value()) {
+      cv1::Model* model = response->mutable_model();
+      model->set_name(model_->name);
+      model->set_vocab_size(model_->vocab_size);
+      model->set_eos_token_id(model_->eos_token_id);
+      model->set_max_context(model_->max_context);
+    }
     for (int i = 0; i < num_indexers_; ++i) {
       indexer_ready.push_back(indexers_[i]->ready);
       indexer_retired.push_back(indexers_[i]->retired);
@@ -1285,7 +1493,12 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
     // The sequence holds the context it was prefilled with and the tokens generated since.
     const int64_t length =
         request->demand.context_length + request->generated - request->generated_when_placed;
-    finish = scheduler_.Finish(sequence_id, completed, length);
+    // A real model's session keeps its tokens for its next turn's check.
+    std::vector<int32_t> history;
+    if (completed && request->real && !request->demand.session_id.empty()) {
+      history = request->tokens;
+    }
+    finish = scheduler_.Finish(sequence_id, completed, length, std::move(history));
     UpdateGaugesLocked();
   }
   std::vector<Eviction> evictions = std::move(finish.evictions);
@@ -1505,6 +1718,10 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
     av1::SequenceStep* s = step.add_sequences();
     s->set_sequence_id(batch[i]->admission->sequence_id);
     s->set_rows(rows[i]);
+    if (batch[i]->real) {  // the last token, then the drafts (PlanDrafts)
+      s->add_tokens(batch[i]->tokens.back());
+      s->mutable_tokens()->Add(batch[i]->drafts.begin(), batch[i]->drafts.begin() + (rows[i] - 1));
+    }
   }
   const AttentionWorker& w = *attention_[worker];
   // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
@@ -1524,50 +1741,157 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
 
 void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
                                   const std::vector<int>& rows, const StepOutcome& outcome) {
-  // Speculative sequences: draw the accepted counts and commit them all concurrently.
+  // What each sequence produced (a real model's: checked, and cut at its end), then the Commits of
+  // the speculative ones, all at once, then the events.
   const size_t n = batch.size();
-  std::vector<int> accepted(n, 0);
-  std::vector<absl::Status> committed(n);
+  std::vector<Produced> produced(n);
+  std::vector<absl::Status> statuses(n);
   std::vector<AttentionWorkerClient::TracedCommit> commits;
   std::vector<size_t> committing;  // batch index of each commit
   for (size_t i = 0; i < n; ++i) {
-    if (rows[i] <= 1) continue;
     Request& request = *batch[i];
-    accepted[i] = std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
-    AttentionWorkerClient::TracedCommit commit;
-    commit.request.set_sequence_id(request.admission->sequence_id);
-    commit.request.set_accepted(accepted[i]);
-    commit.traceparent = request.trace.Child().ToTraceparent();
-    commits.push_back(std::move(commit));
-    committing.push_back(i);
+    const av1::SequenceStepResult& result = outcome.response.sequences(i);
+    Produced& p = produced[i];
+    p.drafted = rows[i] - 1;
+    p.seconds = outcome.seconds;
+    if (!request.real) {
+      if (rows[i] > 1) {
+        p.accepted =
+            std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
+      }
+      p.first_position = result.first_position();
+      p.count = p.accepted + 1;
+      if (request.generated + p.count >= request.proto.max_new_tokens()) {
+        p.finish = cv1::FINISH_REASON_LENGTH;
+      }
+    } else {
+      // Row r's input is at position t + r (t: the last token's, which the KV does not hold yet);
+      // sampled_tokens[r] is the model's token for t + r + 1.
+      const int64_t t = static_cast<int64_t>(request.tokens.size()) - 1;
+      const auto& sampled = result.sampled_tokens();
+      std::string wrong;
+      if (result.first_position() != t) {
+        wrong = absl::StrCat("first_position ", result.first_position(), ", expected ", t);
+      } else if (sampled.size() != rows[i]) {
+        wrong = absl::StrCat(sampled.size(), " sampled tokens for ", rows[i], " rows");
+      } else {
+        for (int r = 0; r < rows[i] && wrong.empty(); ++r) {
+          if (sampled[r] < 0 || sampled[r] >= request.vocab_size) {
+            wrong = absl::StrCat("sampled token ", sampled[r], " outside the vocabulary [0, ",
+                                 request.vocab_size, ")");
+          }
+        }
+      }
+      if (!wrong.empty()) {
+        statuses[i] =
+            absl::InternalError(absl::StrCat("attention worker ", attention_[worker]->address,
+                                             " answered a step it cannot have taken: ", wrong));
+        continue;  // no Commit: the sequence leaves the worker (FailSequence), its step with it
+      }
+      // Accept while the draft equals the model's own token at its position: exact for greedy
+      // and, for a deterministic draft, the rejection sampling of speculative decoding.
+      int a = 0;
+      while (a < rows[i] - 1 && request.drafts[a] == sampled[a]) ++a;
+      std::vector<int32_t> candidates(request.drafts.begin(), request.drafts.begin() + a);
+      candidates.push_back(sampled[a]);
+      p = CutEmission(request, candidates);
+      p.first_position = t + 1;
+      p.drafted = rows[i] - 1;
+      p.accepted = a;
+      p.seconds = outcome.seconds;
+    }
+    if (rows[i] > 1) {
+      AttentionWorkerClient::TracedCommit commit;
+      commit.request.set_sequence_id(request.admission->sequence_id);
+      // The KV keeps positions t..t + count - 1: every emitted token but the last.
+      commit.request.set_accepted(p.count - 1);
+      commit.traceparent = request.trace.Child().ToTraceparent();
+      commits.push_back(std::move(commit));
+      committing.push_back(i);
+    }
   }
   const AttentionWorker& w = *attention_[worker];
   HungCut hung(w.unreached_checks, options_.hung_worker_checks);
   if (!commits.empty()) {
-    std::vector<absl::Status> statuses =
+    std::vector<absl::Status> committed =
         w.client->Commit(RpcTimeout(), commits, [&hung] { return hung.Poll(); });
     for (size_t c = 0; c < committing.size(); ++c) {
-      committed[committing[c]] = c < statuses.size()
-                                     ? statuses[c]
-                                     : absl::InternalError("the worker client lost a Commit");
+      statuses[committing[c]] = c < committed.size()
+                                    ? CallStatus(w, committed[c], "commit", hung.cut(),
+                                                 /*hung=*/nullptr)
+                                    : absl::InternalError("the worker client lost a Commit");
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    const absl::Status status = CallStatus(w, committed[i], "commit", hung.cut(), /*hung=*/nullptr);
-    if (!status.ok()) {
-      FailSequence(batch[i], status);
+    if (!statuses[i].ok()) {
+      FailSequence(batch[i], statuses[i]);
       continue;
     }
-    AdvanceSequence(batch[i], rows[i], accepted[i], outcome.response.sequences(i), outcome.response,
-                    outcome.seconds);
+    if (AdvanceSequence(batch[i], produced[i], &outcome.response.sequences(i), &outcome.response)) {
+      EndSequence(batch[i], absl::OkStatus(), /*completed=*/true);
+    }
   }
 }
 
-void CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request, int rows,
-                                        int accepted, const av1::SequenceStepResult& result,
-                                        const av1::DecodeStepResponse& response, double seconds) {
-  if (rows > 1) metrics_->CountSpeculativeStep(rows - 1, accepted);
-  const int count = accepted + 1;
+CoordinatorEngine::Produced CoordinatorEngine::CutEmission(
+    const Request& request, const std::vector<int32_t>& candidates) const {
+  Produced p;
+  const int64_t left = request.proto.max_new_tokens() - request.generated;
+  for (int32_t token : candidates) {
+    p.token_ids.push_back(token);
+    if (token == request.eos_token_id) {  // -1 (none, or ignore_eos) never matches
+      p.finish = cv1::FINISH_REASON_EOS;
+      p.stop_token = token;
+    } else if (std::find(request.stop_token_ids.begin(), request.stop_token_ids.end(), token) !=
+               request.stop_token_ids.end()) {
+      p.finish = cv1::FINISH_REASON_STOP_TOKEN;
+      p.stop_token = token;
+    } else if (static_cast<int64_t>(p.token_ids.size()) >= left) {
+      p.finish = cv1::FINISH_REASON_LENGTH;
+    }
+    if (p.finish != cv1::FINISH_REASON_UNSPECIFIED) break;
+  }
+  p.count = static_cast<int>(p.token_ids.size());
+  return p;
+}
+
+absl::StatusOr<CoordinatorEngine::Produced> CoordinatorEngine::FirstToken(
+    const Request& request, const av1::PrefillResponse& prefilled) const {
+  if (!prefilled.has_next_token() || prefilled.next_token() < 0 ||
+      prefilled.next_token() >= request.vocab_size) {
+    return absl::InternalError(
+        absl::StrCat("attention worker ", attention_[request.admission->attention]->address,
+                     " answered a real model's prefill with ",
+                     prefilled.has_next_token()
+                         ? absl::StrCat("next_token ", prefilled.next_token(),
+                                        ", outside the vocabulary [0, ", request.vocab_size, ")")
+                         : std::string("no next_token")));
+  }
+  Produced p = CutEmission(request, {prefilled.next_token()});
+  p.first_position = static_cast<int64_t>(request.tokens.size());
+  p.seconds = prefilled.seconds();
+  return p;
+}
+
+void CoordinatorEngine::PlanDrafts(const std::vector<std::shared_ptr<Request>>& batch,
+                                   std::vector<int>* rows) {
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Request& request = *batch[i];
+    if (!request.real) continue;
+    const int64_t left = request.proto.max_new_tokens() - request.generated;
+    const int max_draft =
+        static_cast<int>(std::min<int64_t>(request.demand.draft_length, left - 1));
+    request.drafts = ProposeNgramDraft(request.tokens, max_draft, options_.ngram);
+    (*rows)[i] = 1 + static_cast<int>(request.drafts.size());
+  }
+}
+
+bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
+                                        const Produced& produced,
+                                        const av1::SequenceStepResult* result,
+                                        const av1::DecodeStepResponse* response) {
+  if (produced.drafted > 0) metrics_->CountSpeculativeStep(produced.drafted, produced.accepted);
+  const int count = produced.count;
   const absl::Time now = clock_.Now();
   if (request->generated == 0) {
     request->first_token_time = now;
@@ -1578,21 +1902,30 @@ void CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
   }
   request->last_step_time = now;
   request->generated += count;
+  if (request->real) {
+    request->tokens.insert(request->tokens.end(), produced.token_ids.begin(),
+                           produced.token_ids.end());
+  }
   metrics_->CountGeneratedTokens(count);
 
   cv1::GenerateEvent event;
   cv1::Tokens* tokens = event.mutable_tokens();
-  tokens->set_first_position(result.first_position());
+  tokens->set_first_position(produced.first_position);
   tokens->set_count(count);
-  tokens->set_drafted(rows - 1);
-  tokens->set_accepted(accepted);
-  tokens->set_step_seconds(seconds);
-  tokens->set_blocks_scored(result.blocks_scored());
-  tokens->set_blocks_visible(result.blocks_visible());
-  tokens->set_audited_rows(result.audited_rows());
-  tokens->set_audit_miss_rate_sum(result.audit_miss_rate_sum());
-  for (double wait : response.selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
-  const bool done = request->generated >= request->proto.max_new_tokens();
+  tokens->set_drafted(produced.drafted);
+  tokens->set_accepted(produced.accepted);
+  tokens->set_step_seconds(produced.seconds);
+  if (result != nullptr) {
+    tokens->set_blocks_scored(result->blocks_scored());
+    tokens->set_blocks_visible(result->blocks_visible());
+    tokens->set_audited_rows(result->audited_rows());
+    tokens->set_audit_miss_rate_sum(result->audit_miss_rate_sum());
+  }
+  if (response != nullptr) {
+    for (double wait : response->selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
+  }
+  tokens->mutable_token_ids()->Add(produced.token_ids.begin(), produced.token_ids.end());
+  const bool done = produced.finish != cv1::FINISH_REASON_UNSPECIFIED;
   {
     absl::MutexLock lock(&mu_);
     request->events.push_back(std::move(event));
@@ -1608,11 +1941,13 @@ void CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
           later > 0 ? Seconds(request->last_step_time - request->first_token_time) /
                           static_cast<double>(later)
                     : 0.0);
+      finished->set_finish_reason(produced.finish);
+      if (produced.stop_token.has_value()) finished->set_stop_token_id(*produced.stop_token);
       request->events.push_back(std::move(finished_event));
     }
     request->changed.SignalAll();
   }
-  if (done) EndSequence(request, absl::OkStatus(), /*completed=*/true);
+  return done;
 }
 
 CoordinatorEngine::Iteration CoordinatorEngine::CollectLocked(int worker) {
@@ -1654,7 +1989,8 @@ void CoordinatorEngine::RunIteration(int worker, const Iteration& it) {
   }
   if (it.batch.empty()) return;
   const auto& batch = it.batch;
-  const auto& rows = it.rows;
+  std::vector<int> rows = it.rows;
+  PlanDrafts(batch, &rows);
   StepOutcome outcome = RunStep(worker, batch, rows);
   if (outcome.status.ok()) {
     ApplyStep(worker, batch, rows, outcome);

@@ -1,8 +1,9 @@
 // The coordinator's engine: validation, admission and placement (coordinator/scheduler.h), prefill
 // off the decode loops, continuous batching with one decode loop per attention worker, speculative
-// rows with seeded acceptance, multi-turn sessions, worker watch, request migration, metrics and
-// drain, over injected worker clients and an injected clock (docs/services.md "Coordinator").
-// coordinator/service.h is its gRPC adapter.
+// rows (seeded acceptance for the pattern model; n-gram drafts verified by a real model), real
+// token ids with end-of-sequence and stop tokens, multi-turn sessions, worker watch, request
+// migration, metrics and drain, over injected worker clients and an injected clock
+// (docs/coordinator.md). coordinator/service.h is its gRPC adapter.
 #pragma once
 
 #include <atomic>
@@ -28,6 +29,7 @@
 #include "common/trace_context.h"
 #include "coordinator/acceptance_model.h"
 #include "coordinator/metrics.h"
+#include "coordinator/ngram_drafter.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/worker_clients.h"
 #include "dsa/attention/v1/attention.pb.h"
@@ -64,9 +66,11 @@ struct CoordinatorOptions {
   double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
   double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)
   bool all_keep = false;               // SPIN off
-  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1]
-  uint64_t seed = 0;                   // acceptance draws (mixed with the request id) and SPIN
-  bool retain_finished = true;         // keep finished sequences as prefix donors
+  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1] (pattern model)
+  /// N-gram lengths of a real model's prompt-lookup drafts (ngram_drafter.h).
+  NgramDraftOptions ngram;
+  uint64_t seed = 0;            // acceptance draws (mixed with the request id) and SPIN
+  bool retain_finished = true;  // keep finished sequences as prefix donors
   /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
   /// usually the same address): sequences on indexer i run on attention worker i.
   bool colocated = false;
@@ -97,13 +101,49 @@ struct CoordinatorOptions {
   bool run_loops = true;
 };
 
+/// The model the attention workers run (their GetInfo), as the coordinator serves it.
+struct ServedModel {
+  std::string name;           // "pattern", or the real model's name
+  int32_t vocab_size = 0;     // token ids are in [0, vocab_size); 0: the pattern model
+  int32_t eos_token_id = -1;  // -1: none (always, for the pattern model)
+  int64_t max_context = 0;    // the most tokens a sequence may hold; 0: no limit
+  /// A real model: token ids in, token ids out.
+  bool real() const { return vocab_size > 0; }
+  bool operator==(const ServedModel& other) const {
+    return name == other.name && vocab_size == other.vocab_size &&
+           eos_token_id == other.eos_token_id && max_context == other.max_context;
+  }
+  bool operator!=(const ServedModel& other) const { return !(*this == other); }
+  /// "smollm2-135m (vocab 49152, eos 2, max_context 8192)", for messages.
+  std::string ToString() const;
+};
+
+/// The model of an attention worker's GetInfo (an empty name with vocab_size 0 is "pattern";
+/// the pattern model has no end-of-sequence token), or why the coordinator cannot serve it
+/// (INVALID_ARGUMENT: a negative vocab_size or max_context, an eos_token_id outside the
+/// vocabulary).
+absl::StatusOr<ServedModel> ModelOfAttentionWorker(const dsa::attention::v1::GetInfoResponse& info);
+
+/// Most stop_token_ids a request may carry.
+inline constexpr int kMaxStopTokenIds = 256;
+
 /// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
-/// coordinator.proto: request_id 1..128 bytes; a context (context_length >= 1, or context_tokens
-/// with >= 1 token); at most ceil(context / 512) prefix ids; max_new_tokens >= 1; draft_length
-/// 0..kMaxDraftLength; overrides in range (rho, gamma in [0, 1), top_k in [1, kMaxTopK],
-/// acceptance_rate in [0, 1]);
-/// session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
+/// coordinator.proto whatever the model: request_id 1..128 bytes; a context (context_length >= 1,
+/// or context_tokens with >= 1 token, each id >= 0); prefix ids only with context_length, at most
+/// ceil(context / 512); max_new_tokens >= 1; draft_length 0..kMaxDraftLength; overrides in range
+/// (rho, gamma in [0, 1), top_k in [1, kMaxTopK], acceptance_rate in [0, 1]); sampling in range
+/// (temperature 0 or in (0, 100], top_p in [0, 1], not NaN); at most kMaxStopTokenIds stop ids,
+/// each >= 0; session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
+/// Messages name the field, and for a list the index and the value.
 absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
+
+/// The checks that need the model (after ValidateGenerateRequest): a real model needs
+/// context_tokens (INVALID_ARGUMENT naming the model), every context and stop token id below its
+/// vocab_size (INVALID_ARGUMENT naming the index and the value), and context + max_new_tokens at
+/// most its max_context (RESOURCE_EXHAUSTED with the numbers; a model limit, DESIGN.md 5's "too
+/// long a context"). The pattern model ignores sampling, stop_token_ids and ignore_eos.
+absl::Status ValidateGenerateRequestForModel(const dsa::coordinator::v1::GenerateRequest& request,
+                                             const ServedModel& model);
 
 /// The client's side of one Generate call, as its transport gives it to the engine (the gRPC
 /// adapter wraps the ServerWriter and ServerContext; the tests give a recorder).
@@ -136,11 +176,20 @@ class GenerateStream {
 /// Generate: after validation and admission, the handler thread itself runs the request's
 /// evictions and its Prefill (so prefills never stall a decode loop), writes Admitted, then hands
 /// the sequence to its attention worker's decode loop and writes the events that loop produces.
-/// Each decode loop sends one DecodeStep with every running sequence of its worker (rows =
-/// min(d + 1, tokens left)), draws the accepted count a of a speculative step from
-/// AcceptanceModel (seed mixed with the request id, step = the request's verification count),
-/// calls Commit(a), and queues a Tokens event (count = a + 1); at max_new_tokens it queues
-/// Finished and releases the sequence (donor: Release with keep_indexer_sequence; session: kept).
+/// Each decode loop sends one DecodeStep with every running sequence of its worker.
+/// The pattern model (ServedModel::real false): rows = min(d + 1, tokens left); the accepted count
+/// a of a speculative step is drawn from AcceptanceModel (seed mixed with the request id, step =
+/// the request's verification count), Commit(a), and a Tokens event with count = a + 1; at
+/// max_new_tokens it queues Finished (FINISH_REASON_LENGTH).
+/// A real model: the prefill's next_token is the first generated token (its own Tokens event:
+/// the time to first token). A step's rows are 1 + the drafts ProposeNgramDraft finds in the
+/// sequence's tokens (at most d, and at most tokens left - 1), with tokens = [the last token,
+/// drafts...]; a = the leading drafts equal to the worker's sampled_tokens, and the step emits
+/// drafts[0, a) + sampled_tokens[a], cut after the first end-of-sequence token (unless
+/// ignore_eos) or stop token and at max_new_tokens; Commit(kept - 1) for a speculative step, so
+/// the worker's KV holds the sequence's tokens but the last (the next step's input).
+/// At the end it releases the sequence (donor: Release with keep_indexer_sequence; session: kept,
+/// with a real model's token history for the next turn's check).
 ///
 /// Backpressure: events go through a per-request queue of at most max_pending_events; the handler
 /// writes them with the synchronous stream Write, so a slow reader fills only its own queue, and
@@ -156,8 +205,9 @@ class GenerateStream {
 /// failure came after its indexer had advanced it) migrates (Dynamo's request migration): it leaves
 /// both workers (released on each; what a dead worker could not release is released when it answers
 /// again), the workers are checked at once (RefreshWorkers), and the request is placed again ahead
-/// of the queue with its context plus the tokens generated so far, prefilled there and decoded on,
-/// its stream unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
+/// of the queue with its context plus the tokens generated so far, prefilled there (a real model:
+/// with those tokens, its next_token is the request's next token) and decoded on, its stream
+/// unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
 /// that fails so migrates too. Past max_migrations, or for any other status (INVALID_ARGUMENT,
 /// RESOURCE_EXHAUSTED, ...), the request ends with the status. Abort and a client cancelling its
 /// stream end the request with CANCELLED at the decode loop's next iteration (queued ones at once).
@@ -207,15 +257,22 @@ class CoordinatorEngine {
   /// the first attention worker was taken in.
   int num_full_layers() const;
 
+  /// The model the attention workers run; nullopt until the first one was taken in. Attention
+  /// workers must agree on it (a worker that runs another is refused, as for H and D), and it
+  /// changes only while nothing is held or queued (Scheduler::Idle).
+  std::optional<ServedModel> model() const;
+
   /// Validates, admits (or queues), places, prefills and writes Admitted, Tokens per decode step
   /// and Finished to `stream`; returns when the request has ended. `caller` is the call's
   /// CallerIdentity: it scopes the request id (only it may Abort the request; another caller may
   /// use the same id) and the session (another caller's session of the same id is another
   /// session). `traceparent` is the router's W3C traceparent ("" or malformed: a new trace).
-  /// Returns OK after Finished; INVALID_ARGUMENT (ValidateGenerateRequest, a session context
-  /// shorter than its sequence); ALREADY_EXISTS (this caller has a request of that id in flight);
-  /// RESOURCE_EXHAUSTED (queue full, or larger than any worker's whole capacity, with the
-  /// numbers); FAILED_PRECONDITION (the session has a turn queued or running); UNAVAILABLE
+  /// Returns OK after Finished; INVALID_ARGUMENT (ValidateGenerateRequest,
+  /// ValidateGenerateRequestForModel, a session context shorter than its sequence or, with a real
+  /// model, not starting with its tokens); ALREADY_EXISTS (this caller has a request of that id in
+  /// flight); RESOURCE_EXHAUSTED (queue full, larger than any worker's whole capacity, or beyond
+  /// the model's max_context, with the numbers); FAILED_PRECONDITION (the session has a turn
+  /// queued or running); UNAVAILABLE
   /// (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream cancelled, a
   /// stalled reader); any other status a worker returned for this request.
   absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
@@ -227,7 +284,8 @@ class CoordinatorEngine {
   /// request of that id included: ids are scoped per caller, so they cannot be probed).
   absl::Status Abort(const std::string& request_id, const std::string& caller);
 
-  /// Queued and running requests, retained sequences, and the index-key cache per indexer worker
+  /// Queued and running requests, retained sequences, the model, and the index-key cache per
+  /// indexer worker
   /// from its GetLoad (asked at once, each bounded by worker_check_timeout_ms; a worker that does
   /// not answer reports the coordinator's reservations). The indexers' answers are reused for
   /// load_cache_ms of the clock; concurrent calls wait for one round of asks and share it.
@@ -285,7 +343,17 @@ class CoordinatorEngine {
     absl::CondVar changed;        // admission, an event, the final status
     int migrations = 0;           // guarded by mu_; moves off a failed worker so far
     absl::Status migrate_reason;  // guarded by mu_; the failure that made it kMigrating
-    // Owned by the decode loop once the request is decoding.
+    // A real model (ServedModel::real when validated): vocabulary, end-of-sequence token and stop
+    // ids for the checks of its tokens. Set before admission, then read-only.
+    bool real = false;
+    int32_t vocab_size = 0;
+    int32_t eos_token_id = -1;  // -1: none, or ignore_eos
+    std::vector<int32_t> stop_token_ids;
+    // Owned by the handler until the request decodes, then by the decode loop (a migration hands
+    // it back through mu_). A real model: the sequence's tokens (context, then every generated
+    // token); drafts of the step in flight.
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> drafts;
     int64_t generated = 0;
     int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
     uint64_t verification_steps = 0;
@@ -307,6 +375,7 @@ class CoordinatorEngine {
     // by the calls in flight to it.
     std::atomic<int> unreached_checks{0};
     std::string instance_id;  // GetInfo's, when taken in
+    ServedModel model;        // GetInfo's, when taken in
     int num_full_layers = 0;
     int64_t num_heads = 0;
     int64_t head_dim = 0;
@@ -411,11 +480,34 @@ class CoordinatorEngine {
   // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
   void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
                  const std::vector<int>& rows, const StepOutcome& outcome);
-  // One sequence's step result with `accepted` drafts committed: Tokens event, metrics, and
-  // Finished (and EndSequence) at max_new_tokens.
-  void AdvanceSequence(const std::shared_ptr<Request>& request, int rows, int accepted,
-                       const dsa::attention::v1::SequenceStepResult& result,
-                       const dsa::attention::v1::DecodeStepResponse& response, double seconds);
+  // What one decode step (or a real model's prefill) produced for a sequence.
+  struct Produced {
+    int64_t first_position = 0;      // of the first token
+    int count = 0;                   // tokens emitted
+    int drafted = 0;                 // rows - 1
+    int accepted = 0;                // drafts kept (pattern) / confirmed by the model (real)
+    std::vector<int32_t> token_ids;  // a real model's `count` ids
+    // Set when these tokens end the request: max_new_tokens reached, or a real model's
+    // end-of-sequence or stop token (`stop_token`).
+    dsa::coordinator::v1::FinishReason finish = dsa::coordinator::v1::FINISH_REASON_UNSPECIFIED;
+    std::optional<int32_t> stop_token;
+    double seconds = 0;  // the step's (or the prefill's)
+  };
+  // A real model's emission: `candidates` (accepted drafts, then the model's token) cut after
+  // the first end-of-sequence or stop token and at the request's max_new_tokens. Decode-loop (or
+  // the handler's, before decoding) data of `request` only.
+  Produced CutEmission(const Request& request, const std::vector<int32_t>& candidates) const;
+  // A real model's first token from its prefill (PrefillResponse.next_token), or INTERNAL when
+  // the worker answered none or one outside the vocabulary.
+  absl::StatusOr<Produced> FirstToken(const Request& request,
+                                      const dsa::attention::v1::PrefillResponse& prefilled) const;
+  // Before a step: a real model's drafts (Request::drafts) and rows for each request of `batch`.
+  void PlanDrafts(const std::vector<std::shared_ptr<Request>>& batch, std::vector<int>* rows);
+  // Applies `produced` to its sequence: tokens, metrics, the Tokens event, and Finished when it
+  // ends the request. Returns whether it ended it (the caller ends the sequence: EndSequence).
+  bool AdvanceSequence(const std::shared_ptr<Request>& request, const Produced& produced,
+                       const dsa::attention::v1::SequenceStepResult* result,
+                       const dsa::attention::v1::DecodeStepResponse* response);
   // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
   // already set) and queued admissions.
   void EndSequence(const std::shared_ptr<Request>& request, const absl::Status& status,
@@ -517,8 +609,9 @@ class CoordinatorEngine {
   absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
   int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
-  absl::CondVar watch_wake_;                      // stop
-  absl::CondVar decoding_changed_;                // a sequence started decoding (AwaitDecoding)
+  std::optional<ServedModel> model_ ABSL_GUARDED_BY(mu_);  // once an attention worker came
+  absl::CondVar watch_wake_;                               // stop
+  absl::CondVar decoding_changed_;  // a sequence started decoding (AwaitDecoding)
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   // (caller, request id) -> the request in flight: request ids are scoped per caller.
   absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<Request>> by_id_

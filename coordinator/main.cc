@@ -109,6 +109,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->capture_default_str();
   app.add_option("--seed", options.seed, "Seed of the acceptance draws (mixed with request ids)")
       ->capture_default_str();
+  app.add_option("--ngram-min", options.ngram.min_ngram,
+                 "A real model's drafts: the shortest n-gram prompt lookup matches (vLLM's "
+                 "prompt_lookup_min)")
+      ->check(CLI::Range(1, dsa::kMaxNgram))
+      ->capture_default_str();
+  app.add_option("--ngram-max", options.ngram.max_ngram,
+                 "A real model's drafts: the longest n-gram prompt lookup tries first (vLLM's "
+                 "prompt_lookup_max), >= --ngram-min")
+      ->check(CLI::Range(1, dsa::kMaxNgram))
+      ->capture_default_str();
   app.add_option("--retain-finished", options.retain_finished,
                  "Keep finished sequences' index keys as prefix donors while space allows")
       ->capture_default_str();

@@ -2,6 +2,7 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -151,7 +152,10 @@ std::vector<Eviction> Scheduler::ForgetRetainedOn(int indexer, int attention) {
       if (session != session_sequences_.end() && session->second == id) {
         session_sequences_.erase(session);
       }
-      if (s.state == State::kRetained) s.session_key.clear();
+      if (s.state == State::kRetained) {
+        s.session_key.clear();
+        s.history.clear();
+      }
     }
     if (s.state != State::kRetained) continue;
     if (s.pins > 0) {
@@ -240,9 +244,9 @@ int64_t Scheduler::FreeKv(int attention) const {
   return attention_info_[attention].kv_capacity_slots - attentions_[attention].kv_reserved_slots;
 }
 
-absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
-                                                           const SequenceDemand& demand,
-                                                           bool migrated) {
+absl::StatusOr<std::optional<Admission>> Scheduler::Submit(
+    uint64_t ticket, const SequenceDemand& demand, bool migrated,
+    absl::Span<const int32_t> context_tokens) {
   const std::string session = SessionKey(demand);
   const Sequence* session_sequence = nullptr;
   if (!session.empty()) {
@@ -258,6 +262,22 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(uint64_t ticket,
             absl::StrCat("session '", demand.session_id, "' holds ", session_sequence->length,
                          " slots (previous context + generated tokens); context_length ",
                          demand.context_length, " must be at least that"));
+      }
+      const std::vector<int32_t>& history = session_sequence->history;
+      if (!history.empty()) {
+        const auto differ = std::mismatch(history.begin(), history.end(), context_tokens.begin(),
+                                          context_tokens.end())
+                                .first;
+        if (differ != history.end()) {
+          const size_t position = static_cast<size_t>(differ - history.begin());
+          return absl::InvalidArgumentError(absl::StrCat(
+              "session '", demand.session_id, "': context_tokens must start with the session's ",
+              history.size(), " tokens (previous context + generated tokens); position ", position,
+              " differs: ",
+              position < context_tokens.size() ? absl::StrCat(context_tokens[position])
+                                               : std::string("none"),
+              ", the session has ", history[position]));
+        }
       }
     }
   }
@@ -441,6 +461,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
       // conversation, so nothing is lost). The kept sequence becomes a plain retained one, evicted
       // like any other once its workers are back.
       kept.session_key.clear();
+      kept.history.clear();
       session_sequences_.erase(session_it);
       session_it = session_sequences_.end();
     }
@@ -475,6 +496,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
     admission.indexer = s.indexer;
     admission.attention = s.attention;
     admission.continue_sequence = true;
+    admission.continued_length = s.length;
     return admission;
   }
 
@@ -605,7 +627,8 @@ std::vector<Eviction> Scheduler::PrefillDone(uint64_t sequence_id) {
   return evictions;
 }
 
-Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, int64_t length) {
+Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, int64_t length,
+                                          std::vector<int32_t> history) {
   FinishResult result;
   auto it = sequences_.find(sequence_id);
   if (it == sequences_.end()) return result;
@@ -622,9 +645,11 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
   // A worker that restarted (or left) while the sequence ran no longer holds its half: nothing of
   // it is kept, whatever its outcome (ForgetRetainedOn forgot its session already).
   const bool on_retired = indexers_[s.indexer].retired || attentions_[s.attention].retired;
+  s.history.clear();
   if (completed && !on_retired && !s.session_key.empty()) {
     s.state = State::kRetained;
     s.length = length;
+    s.history = std::move(history);
     result.release_attention = false;
     return result;
   }

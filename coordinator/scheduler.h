@@ -15,6 +15,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 namespace dsa {
 
@@ -105,7 +106,11 @@ struct Admission {
   std::optional<uint64_t> prefix_source_id;  // a donor on the same indexer worker
   int64_t prefix_slots = 0;                  // multiple of 64, <= context_length
   bool continue_sequence = false;            // extend the session's sequence (new turn)
-  std::vector<Eviction> evictions;           // to carry out before the Prefill
+  /// continue_sequence: the session's length after its last turn (that turn's context +
+  /// generated tokens; with a real model the attention worker's KV holds one slot less, the last
+  /// generated token being the next input).
+  int64_t continued_length = 0;
+  std::vector<Eviction> evictions;  // to carry out before the Prefill
 };
 
 /// The index-key cache of one indexer worker by the scheduler's reservations.
@@ -170,6 +175,9 @@ class Scheduler {
   /// Sets the full layers of every sequence (the attention workers' GetInfo, known once the first
   /// one answers). FAILED_PRECONDITION while a sequence is held or queued; INVALID_ARGUMENT < 1.
   absl::Status SetNumFullLayers(int num_full_layers);
+  /// Whether nothing is held (no sequence: running, releasing or retained) and nothing queued:
+  /// only then may the model behind the workers change (CoordinatorEngine).
+  bool Idle() const { return sequences_.empty() && queue_.empty(); }
   /// Workers of each kind that are ready.
   int ReadyIndexers() const;
   int ReadyAttentions() const;
@@ -183,12 +191,16 @@ class Scheduler {
   /// blocks or slots needed and the largest capacity), a session's turn is larger than its own
   /// workers' capacity, or the queue is full; FAILED_PRECONDITION
   /// when its session has a turn queued or running; INVALID_ARGUMENT when its session's sequence
-  /// is longer than the new context (previous context + generated tokens).
+  /// is longer than the new context (previous context + generated tokens), or, when the session
+  /// kept its token history (Finish's `history`: a real model), when `context_tokens` does not
+  /// start with that history (the message names the first position that differs).
   /// `migrated`: the request is moving off a worker that failed (its context now includes the
   /// tokens it generated): it is placed ahead of every queued request and, when it must wait,
-  /// queued at the head even when the queue is full.
+  /// queued at the head even when the queue is full. `context_tokens`: the request's token ids
+  /// (a real model's), only read here.
   absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand,
-                                                  bool migrated = false);
+                                                  bool migrated = false,
+                                                  absl::Span<const int32_t> context_tokens = {});
 
   /// Places queued requests in FIFO order while the head fits; call after anything freed room.
   std::vector<Admission> AdmitQueued();
@@ -220,7 +232,11 @@ class Scheduler {
   /// it ran is freed whatever its outcome (the restarted process lost its half; found by
   /// fuzz_coordinator_service). What the attention worker's Release frees (KV, index keys) stays
   /// reserved until ReleaseDone, so no request is placed into space the workers still hold.
-  FinishResult Finish(uint64_t sequence_id, bool completed, int64_t length);
+  /// `history`: the sequence's token ids (context + generated; `length` of them) when a real
+  /// model made them, kept with a session's sequence for its next turn's check (Submit), else
+  /// dropped.
+  FinishResult Finish(uint64_t sequence_id, bool completed, int64_t length,
+                      std::vector<int32_t> history = {});
   /// The attention worker's Release of a finished sequence returned (either way): frees what
   /// Finish said it would. Returns evictions to carry out (a donor kept only for a prefill that
   /// has ended meanwhile). No-op for a sequence not waiting for it.
@@ -242,6 +258,7 @@ class Scheduler {
     int draft_length = 0;
     std::vector<uint64_t> whole_prefix_ids;  // prefix ids of whole 512-slot prompt blocks
     int64_t length = 0;                      // slots after the last completed turn
+    std::vector<int32_t> history;            // a real model's session: its `length` token ids
     std::vector<uint64_t> blocks;            // reserved block ids, one per 64 slots
     int64_t kv_slots = 0;                    // reserved KV slots on the attention worker
     std::string session_key;                 // SessionKey of its session; empty = not a session's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: install what is missing, build (CUDA kernels too when nvcc is present),
-# run every test with CTest (GoogleTest cases and the real-Prometheus test), check the formatting
+# The whole test suite: install what is missing, set up the real model's files, build (CUDA kernels
+# too when nvcc is present), run every test with CTest (GoogleTest cases and the real-Prometheus test), check the formatting
 # of every C++ and CUDA source, run clang-tidy over the library and tool sources, run each libFuzzer
 # harness for 20 s (scripts/fuzz.sh, clang-14 with ASan + UBSan), run every host suite (the
 # binaries' too) under ASan + UBSan in the same instrumented build (scripts/sanitize.sh) and the
@@ -16,6 +16,9 @@ step() {
   echo "test.sh: '$*' took $((SECONDS - start)) s (total $SECONDS s)" >&2
 }
 step bash scripts/bootstrap.sh
+# The real model's files (docs/model.md): SmolLM2-135M converted from its GGUF, its tokenizer and
+# the Python-docs token splits, into build/models/smollm2-135m (once; later runs check and skip).
+step bash scripts/model_setup.sh
 step bash scripts/build.sh
 step ctest --test-dir build --output-on-failure -j "$(nproc)" --timeout 600
 step bash scripts/check_format.sh

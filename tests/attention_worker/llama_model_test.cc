@@ -94,6 +94,8 @@ TEST(Safetensors, RoundTrip) {
   EXPECT_EQ(std::memcmp(tensor->bytes.data(), a.data(), 24), 0);
   EXPECT_EQ((*file)->Find("b")->bytes[1], std::byte{8});
   EXPECT_EQ((*file)->Find("c"), nullptr);
+  file->reset();
+  std::filesystem::remove(path);
 }
 
 TEST(Safetensors, MissingFileIsNotFound) {
@@ -122,6 +124,7 @@ TEST(Safetensors, TruncatedFileIsDataLossWithBothSizes) {
   file = SafetensorsFile::Open(path);
   EXPECT_EQ(file.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(file.status().message(), AllOf(HasSubstr(path), HasSubstr("at least 8")));
+  std::filesystem::remove(path);
 }
 
 TEST(Safetensors, MalformedHeadersAreInvalidArgument) {
@@ -168,6 +171,7 @@ TEST(Safetensors, MalformedHeadersAreInvalidArgument) {
     out << "{}";
   }
   EXPECT_EQ(SafetensorsFile::Open(path).status().code(), absl::StatusCode::kDataLoss);
+  std::filesystem::remove(path);
 }
 
 // ---- a tiny model ----
@@ -360,12 +364,13 @@ class TinyModel : public ::testing::Test {
   // (empty = dense) and returns every row's logits [n, vocab].
   static std::vector<float> RunPass(
       LlamaKvCache& cache, const std::vector<int32_t>& tokens,
-      const std::function<std::vector<int32_t>(int, int64_t)>& selection_of = nullptr) {
+      const std::function<std::vector<int32_t>(int, int64_t)>& selection_of = nullptr,
+      const LlamaForwardOptions& options = {}) {
     std::vector<LlamaRow> rows;
     for (size_t i = 0; i < tokens.size(); ++i) {
       rows.push_back({&cache, cache.num_slots() + static_cast<int64_t>(i), tokens[i]});
     }
-    auto pass = LlamaForward::Begin(*model_, rows);
+    auto pass = LlamaForward::Begin(*model_, rows, options);
     EXPECT_TRUE(pass.ok()) << pass.status();
     if (!pass.ok()) return {};
     for (int layer = 0; layer < config_->num_layers; ++layer) {
@@ -594,6 +599,34 @@ TEST_F(TinyModel, SparseOverEverySlotEqualsDense) {
                    std::vector<float>(sparse_cache.keys(l).begin(), sparse_cache.keys(l).end())),
         1e-5);
   }
+}
+
+TEST_F(TinyModel, ParallelAndSerialPassesAgree) {
+  // parallel_min_work = 1 forks every GEMM and every layer's attention (the tiny model's work is
+  // below the default threshold): the same logits, dense and sparse, as the serial pass.
+  const std::vector<int32_t> tokens = Tokens(60, 11);
+  const auto every_third = [](int, int64_t t) {
+    std::vector<int32_t> out;
+    for (int64_t s = t; s >= 0; s -= 3) out.push_back(static_cast<int32_t>(s));
+    return out;
+  };
+  for (const bool sparse : {false, true}) {
+    LlamaKvCache serial_cache(**model_), parallel_cache(**model_);
+    const std::function<std::vector<int32_t>(int, int64_t)> selection =
+        sparse ? every_third : std::function<std::vector<int32_t>(int, int64_t)>();
+    const std::vector<float> serial = RunPass(serial_cache, tokens, selection);
+    const std::vector<float> parallel =
+        RunPass(parallel_cache, tokens, selection, {.parallel_min_work = 1});
+    EXPECT_LT(MaxAbsDiff(serial, parallel), 1e-4) << (sparse ? "sparse" : "dense");
+    // A one-row step on top.
+    EXPECT_LT(MaxAbsDiff(RunPass(serial_cache, {5}),
+                         RunPass(parallel_cache, {5}, nullptr, {.parallel_min_work = 1})),
+              1e-4);
+  }
+  LlamaKvCache cache(**model_);
+  EXPECT_EQ(
+      LlamaForward::Begin(*model_, {{&cache, 0, 1}}, {.parallel_min_work = 0}).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(TinyModel, OnePassEqualsIncrementalDecode) {

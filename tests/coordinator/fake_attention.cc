@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tensor_codec.h"
+#include "tests/coordinator/tiny_model.h"
 
 namespace dsa::testing {
 
@@ -27,6 +28,10 @@ grpc::Status FakeAttentionService::GetInfo(grpc::ServerContext* context,
   response->set_kv_capacity_slots(shape_.kv_capacity_slots);
   response->set_sequences(static_cast<int32_t>(sequences_.size()));
   response->set_instance_id(instance_id_);
+  response->set_model(shape_.model);
+  response->set_vocab_size(shape_.vocab_size);
+  response->set_eos_token_id(shape_.eos_token_id);
+  response->set_max_context(shape_.max_context);
   return grpc::Status::OK;
 }
 
@@ -93,6 +98,19 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     } else if (it != sequences_.end()) {
       return {grpc::StatusCode::ALREADY_EXISTS, "sequence exists"};
     }
+    if (shape_.vocab_size > 0) {  // the tiny real model: the new slots' tokens
+      const int64_t held = request->continue_sequence() ? it->second.length : 0;
+      if (request->tokens_size() != request->context_length() - held) {
+        return {grpc::StatusCode::INVALID_ARGUMENT,
+                absl::StrCat(request->tokens_size(), " tokens for slots ", held, "..",
+                             request->context_length())};
+      }
+      for (int32_t token : request->tokens()) {
+        if (token < 0 || token >= shape_.vocab_size) {
+          return {grpc::StatusCode::INVALID_ARGUMENT, absl::StrCat("token ", token)};
+        }
+      }
+    }
     stub = &IndexerStub(request->indexer_worker());
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
@@ -138,6 +156,11 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
   s.length = request->context_length();
   s.pending_rows = 0;
   s.indexer = request->indexer_worker();
+  if (shape_.vocab_size > 0) {
+    s.kv.insert(s.kv.end(), request->tokens().begin(), request->tokens().end());
+    s.sampling = request->sampling();
+    response->set_next_token(TinyModelNext(s.kv, shape_.vocab_size, s.sampling));
+  }
   response->set_slots(request->context_length());
   response->set_slots_appended(request->context_length() - first);
   response->set_seconds(0.001);
@@ -174,7 +197,12 @@ grpc::Status FakeAttentionService::DecodeStep(grpc::ServerContext* context,
     if (fail_context_.has_value() && it->second.context_length == *fail_context_) {
       return {grpc::StatusCode::UNAVAILABLE, "injected failure"};
     }
+    if (shape_.vocab_size > 0 && step.tokens_size() != step.rows()) {
+      return {grpc::StatusCode::INVALID_ARGUMENT,
+              absl::StrCat(step.tokens_size(), " tokens for ", step.rows(), " rows")};
+    }
   }
+  steps_.push_back(*request);
   for (const av1::SequenceStep& step : request->sequences()) {
     Sequence& s = sequences_.at(step.sequence_id());
     av1::SequenceStepResult* result = response->add_sequences();
@@ -182,8 +210,19 @@ grpc::Status FakeAttentionService::DecodeStep(grpc::ServerContext* context,
     result->set_first_position(s.length);
     result->set_blocks_scored(step.rows());
     result->set_blocks_visible((s.length / 64 + 1) * shape_.num_full_layers);
+    if (shape_.vocab_size > 0) {
+      std::vector<int32_t> seen = s.kv;  // row r sees the KV and the rows' tokens up to its own
+      for (int r = 0; r < step.rows(); ++r) {
+        seen.push_back(step.tokens(r));
+        result->add_sampled_tokens(TinyModelNext(seen, shape_.vocab_size, s.sampling));
+      }
+      if (step.rows() == 1) s.kv.push_back(step.tokens(0));
+    }
     s.length += step.rows();
-    if (step.rows() > 1) s.pending_rows = step.rows();
+    if (step.rows() > 1) {
+      s.pending_rows = step.rows();
+      s.pending_tokens.assign(step.tokens().begin(), step.tokens().end());
+    }
   }
   for (int l = 0; l < 2 * shape_.num_full_layers; ++l) response->add_selection_wait_seconds(0.0);
   response->set_seconds(0.0001);
@@ -204,6 +243,11 @@ grpc::Status FakeAttentionService::Commit(grpc::ServerContext* context,
   }
   s.length = s.length - s.pending_rows + request->accepted() + 1;
   s.pending_rows = 0;
+  if (!s.pending_tokens.empty()) {
+    s.kv.insert(s.kv.end(), s.pending_tokens.begin(),
+                s.pending_tokens.begin() + request->accepted() + 1);
+    s.pending_tokens.clear();
+  }
   return grpc::Status::OK;
 }
 
@@ -283,6 +327,17 @@ std::vector<av1::ReleaseRequest> FakeAttentionService::releases() {
 std::vector<av1::CommitRequest> FakeAttentionService::commits() {
   absl::MutexLock lock(&mu_);
   return commits_;
+}
+
+std::vector<av1::DecodeStepRequest> FakeAttentionService::steps() {
+  absl::MutexLock lock(&mu_);
+  return steps_;
+}
+
+std::vector<int32_t> FakeAttentionService::KvTokens(uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  return it == sequences_.end() ? std::vector<int32_t>{} : it->second.kv;
 }
 
 int FakeAttentionService::max_batch_size() {

@@ -2,6 +2,9 @@
 // sequence's length and pending speculative step in memory, creates, fills (zero index keys),
 // continues and releases the sequences on the real indexer worker named in Prefill (so cache use
 // and prefix sharing are the indexer's own), records every call, and fails or slows on demand.
+// With a vocab_size it runs the tiny real model (tiny_model.h): Prefill takes the new slots'
+// tokens and answers next_token, DecodeStep takes the rows' tokens and answers sampled_tokens,
+// and the KV holds the tokens of the sequence's slots.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,11 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
     int num_heads = 4;
     int head_dim = 16;
     int64_t kv_capacity_slots = 0;  // 0 = unlimited
+    // The model GetInfo reports; vocab_size > 0: the tiny real model.
+    std::string model = "pattern";
+    int32_t vocab_size = 0;
+    int32_t eos_token_id = -1;
+    int64_t max_context = 0;
   };
   explicit FakeAttentionService(Shape shape) : shape_(shape) {}
 
@@ -64,6 +72,10 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   std::vector<std::string> prefill_traceparents();
   std::vector<dsa::attention::v1::ReleaseRequest> releases();
   std::vector<dsa::attention::v1::CommitRequest> commits();
+  /// Every DecodeStep request answered OK, in order.
+  std::vector<dsa::attention::v1::DecodeStepRequest> steps();
+  /// The tiny real model's KV of a sequence: the token ids of its slots (empty if unknown).
+  std::vector<int32_t> KvTokens(uint64_t sequence_id);
   int max_batch_size();
   int decode_steps();
 
@@ -73,6 +85,9 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
     int64_t length = 0;
     int pending_rows = 0;  // > 1 while a speculative step awaits Commit
     std::string indexer;
+    std::vector<int32_t> kv;              // the tiny real model: the tokens of the slots
+    std::vector<int32_t> pending_tokens;  // the rows' tokens of the step awaiting Commit
+    dsa::attention::v1::SamplingParams sampling;
   };
   dsa::indexer::v1::IndexerService::Stub& IndexerStub(const std::string& address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -90,6 +105,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   int fail_releases_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<dsa::attention::v1::ReleaseRequest> releases_ ABSL_GUARDED_BY(mu_);
   std::vector<dsa::attention::v1::CommitRequest> commits_ ABSL_GUARDED_BY(mu_);
+  std::vector<dsa::attention::v1::DecodeStepRequest> steps_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);
   int step_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
   int prefill_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "tests/coordinator/tiny_model.h"
 
 namespace dsa::testing {
 
@@ -16,7 +17,27 @@ absl::Status Unreachable(const std::string& address) {
   return absl::UnavailableError(absl::StrCat("failed to connect to ", address, " (fake: down)"));
 }
 
+// INVALID_ARGUMENT unless every id of `tokens` is in [0, vocab_size).
+absl::Status CheckTokens(const google::protobuf::RepeatedField<int32_t>& tokens,
+                         int32_t vocab_size) {
+  for (int i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens[", i, "] = ", tokens[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+FakeAttentionShape TinyModelShape(int64_t max_context) {
+  FakeAttentionShape shape;
+  shape.model = "tiny";
+  shape.vocab_size = kTinyVocab;
+  shape.eos_token_id = kTinyEos;
+  shape.max_context = max_context;
+  return shape;
+}
 
 // What a call to `w` at `address` answers before it is looked at: UNAVAILABLE for no worker or a
 // down one, DEADLINE_EXCEEDED for a hung one, else OK.
@@ -78,6 +99,10 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     response->set_head_dim(w->shape.head_dim);
     response->set_kv_capacity_slots(w->shape.kv_capacity_slots);
     response->set_instance_id(absl::StrCat(address_, "#", w->instance));
+    response->set_model(w->shape.model);
+    response->set_vocab_size(w->shape.vocab_size);
+    response->set_eos_token_id(w->shape.eos_token_id);
+    response->set_max_context(w->shape.max_context);
     return absl::OkStatus();
   }
 
@@ -95,10 +120,28 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     if (!request.continue_sequence() && w->sequences.contains(request.sequence_id())) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", request.sequence_id()));
     }
+    const int32_t vocab = w->shape.vocab_size;
+    if (vocab > 0) {  // the tiny real model: the new slots' tokens
+      auto it = w->sequences.find(request.sequence_id());
+      const int64_t held = it == w->sequences.end() ? 0 : it->second.length;
+      if (request.continue_sequence() && it == w->sequences.end()) {
+        return absl::NotFoundError(absl::StrCat("no sequence ", request.sequence_id()));
+      }
+      if (request.tokens_size() != request.context_length() - held) {
+        return absl::InvalidArgumentError(absl::StrCat(request.tokens_size(), " tokens for slots ",
+                                                       held, "..", request.context_length()));
+      }
+      if (absl::Status bad = CheckTokens(request.tokens(), vocab); !bad.ok()) return bad;
+    }
     FakeWorkers::Sequence& s = w->sequences[request.sequence_id()];
     s.length = request.context_length();
     s.pending_rows = 0;
     s.indexer = request.indexer_worker();
+    if (vocab > 0) {
+      s.kv.insert(s.kv.end(), request.tokens().begin(), request.tokens().end());
+      s.sampling = request.sampling();
+      response->set_next_token(TinyModelNext(s.kv, vocab, s.sampling));
+    }
     indexer->sequences[request.sequence_id()].length = request.context_length();
     w->prefills.push_back(request);
     response->set_seconds(0.001);
@@ -125,7 +168,22 @@ class FakeAttentionClient final : public AttentionWorkerClient {
         return absl::UnavailableError(
             absl::StrCat("indexer worker ", it->second.indexer, " failed the select"));
       }
+      if (w->shape.vocab_size > 0) {
+        if (it->second.pending_rows > 1) {
+          return absl::FailedPreconditionError("a step awaits Commit");
+        }
+        if (step.tokens_size() != step.rows()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(step.tokens_size(), " tokens for ", step.rows(), " rows"));
+        }
+        if (absl::Status bad = CheckTokens(step.tokens(), w->shape.vocab_size); !bad.ok()) {
+          return bad;
+        }
+      } else if (step.tokens_size() > 0) {
+        return absl::InvalidArgumentError("tokens for the pattern model");
+      }
     }
+    w->steps.push_back(request);
     for (const av1::SequenceStep& step : request.sequences()) {
       FakeWorkers::Sequence& s = w->sequences[step.sequence_id()];
       av1::SequenceStepResult* result = response->add_sequences();
@@ -133,10 +191,20 @@ class FakeAttentionClient final : public AttentionWorkerClient {
       result->set_first_position(s.length);
       result->set_blocks_scored(1);
       result->set_blocks_visible(1);
+      if (w->shape.vocab_size > 0) {
+        // Row r sees the KV and the rows' tokens up to its own.
+        std::vector<int32_t> seen = s.kv;
+        for (int r = 0; r < step.rows(); ++r) {
+          seen.push_back(step.tokens(r));
+          result->add_sampled_tokens(TinyModelNext(seen, w->shape.vocab_size, s.sampling));
+        }
+      }
       if (step.rows() > 1) {
         s.pending_rows = step.rows();
+        s.pending_tokens.assign(step.tokens().begin(), step.tokens().end());
       } else {
         s.length += 1;
+        if (step.tokens_size() > 0) s.kv.push_back(step.tokens(0));
       }
     }
     if (w->stall_after_step) {
@@ -170,6 +238,12 @@ class FakeAttentionClient final : public AttentionWorkerClient {
       }
       it->second.length += commit.request.accepted() + 1;
       it->second.pending_rows = 0;
+      if (!it->second.pending_tokens.empty()) {
+        it->second.kv.insert(it->second.kv.end(), it->second.pending_tokens.begin(),
+                             it->second.pending_tokens.begin() + commit.request.accepted() + 1);
+        it->second.pending_tokens.clear();
+      }
+      w->commits.push_back(commit.request);
       out.push_back(absl::OkStatus());
     }
     return out;
@@ -397,6 +471,26 @@ std::vector<av1::PrefillRequest> FakeWorkers::Prefills(const std::string& addres
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
   return w == nullptr ? std::vector<av1::PrefillRequest>{} : w->prefills;
+}
+
+std::vector<av1::DecodeStepRequest> FakeWorkers::Steps(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? std::vector<av1::DecodeStepRequest>{} : w->steps;
+}
+
+std::vector<av1::CommitRequest> FakeWorkers::Commits(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? std::vector<av1::CommitRequest>{} : w->commits;
+}
+
+std::vector<int32_t> FakeWorkers::KvTokens(const std::string& address, uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  if (w == nullptr) return {};
+  auto it = w->sequences.find(sequence_id);
+  return it == w->sequences.end() ? std::vector<int32_t>{} : it->second.kv;
 }
 
 std::shared_ptr<AttentionWorkerClient> FakeWorkers::Attention(const std::string& address) {

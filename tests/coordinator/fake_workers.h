@@ -4,6 +4,10 @@
 // call UNAVAILABLE, as a killed or unreachable process; hung: DecodeStep DEADLINE_EXCEEDED; not
 // ready; restarted: a new instance id with nothing held; stalled: a SIGSTOPped process whose
 // Prefill and DecodeStep calls stay open until cancelled). No threads, no sleeps, no gRPC.
+// An attention worker whose shape has a vocab_size runs the tiny real model (tiny_model.h): its
+// Prefill takes the new slots' tokens and answers next_token, its DecodeStep takes the rows'
+// tokens and answers sampled_tokens, and its KV holds the tokens of its slots, as the attention
+// worker's contract says.
 // DecodeStep fails a batch whole when a sequence is unknown (NOT_FOUND) or its indexer is down
 // (UNAVAILABLE), advancing nothing, as the attention worker's contract says.
 #pragma once
@@ -26,7 +30,15 @@ struct FakeAttentionShape {
   int64_t num_heads = 4;
   int64_t head_dim = 16;
   int64_t kv_capacity_slots = 0;  // 0 = unlimited
+  // The model GetInfo reports; vocab_size > 0: the tiny real model (tiny_model.h).
+  std::string model = "pattern";
+  int32_t vocab_size = 0;
+  int32_t eos_token_id = -1;
+  int64_t max_context = 0;
 };
+
+/// The tiny real model's shape: vocabulary kTinyVocab, end-of-sequence kTinyEos, `max_context`.
+FakeAttentionShape TinyModelShape(int64_t max_context = 4096);
 
 class FakeWorkers final : public WorkerClientFactory,
                           public std::enable_shared_from_this<FakeWorkers> {
@@ -79,6 +91,12 @@ class FakeWorkers final : public WorkerClientFactory,
   int GetLoads(const std::string& address);
   /// Prefills the worker at `address` answered OK, in order.
   std::vector<dsa::attention::v1::PrefillRequest> Prefills(const std::string& address);
+  /// DecodeSteps the attention worker at `address` answered OK, in order.
+  std::vector<dsa::attention::v1::DecodeStepRequest> Steps(const std::string& address);
+  /// Commits the attention worker at `address` answered OK, in order.
+  std::vector<dsa::attention::v1::CommitRequest> Commits(const std::string& address);
+  /// The tiny real model's KV of a sequence: the token ids of its slots (empty if unknown).
+  std::vector<int32_t> KvTokens(const std::string& address, uint64_t sequence_id);
 
   std::shared_ptr<AttentionWorkerClient> Attention(const std::string& address) override;
   std::shared_ptr<IndexerWorkerClient> Indexer(const std::string& address) override;
@@ -90,6 +108,11 @@ class FakeWorkers final : public WorkerClientFactory,
     int64_t length = 0;
     int pending_rows = 0;  // > 1 while a speculative step awaits its Commit
     std::string indexer;   // attention side: the indexer worker named in its Prefill
+    // The tiny real model: the tokens of its `length` slots, the rows' tokens of the step that
+    // awaits its Commit, and how it samples.
+    std::vector<int32_t> kv;
+    std::vector<int32_t> pending_tokens;
+    dsa::attention::v1::SamplingParams sampling;
   };
   struct Worker {
     bool attention = false;
@@ -106,6 +129,8 @@ class FakeWorkers final : public WorkerClientFactory,
     std::map<uint64_t, Sequence> sequences;
     std::vector<uint64_t> released;
     std::vector<dsa::attention::v1::PrefillRequest> prefills;
+    std::vector<dsa::attention::v1::DecodeStepRequest> steps;
+    std::vector<dsa::attention::v1::CommitRequest> commits;
     int decode_steps = 0;
     int release_calls = 0;
     int get_loads = 0;

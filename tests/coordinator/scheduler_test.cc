@@ -460,6 +460,33 @@ TEST(SchedulerTest, SessionsContinueTheirSequenceAndAreEvictedLikeDonors) {
   EXPECT_NE(t3.sequence_id, t1.sequence_id);
 }
 
+// A real model's session keeps its tokens: the next turn's must start with them (refused with the
+// first position that differs, nothing changed), and its admission says where the sequence ends.
+TEST(SchedulerTest, ASessionWithATokenHistoryRefusesATurnThatDoesNotStartWithIt) {
+  Scheduler s = Make(1, {10});
+  const Admission t1 = Admit(s, 1, Demand(3, 3, 0, {}, "chat"));
+  s.PrefillDone(t1.sequence_id);
+  EXPECT_FALSE(s.Finish(t1.sequence_id, true, 6, {5, 9, 20, 21, 22, 23}).release_attention);
+  const std::vector<int32_t> wrong = {5, 9, 20, 7, 22, 23, 40};
+  auto refused = s.Submit(2, Demand(7, 3, 0, {}, "chat"), false, wrong);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "session 'chat': context_tokens must start with the session's 6 tokens (previous "
+            "context + generated tokens); position 3 differs: 7, the session has 21");
+  EXPECT_EQ(s.Load().queued + s.Load().running, 0);
+  const std::vector<int32_t> right = {5, 9, 20, 21, 22, 23, 40};
+  auto admitted = s.Submit(3, Demand(7, 3, 0, {}, "chat"), false, right);
+  ASSERT_TRUE(admitted.ok() && admitted->has_value()) << admitted.status();
+  EXPECT_TRUE((*admitted)->continue_sequence);
+  EXPECT_EQ((*admitted)->continued_length, 6);
+  // A failed turn drops the session and its tokens: the next turn starts afresh, unchecked.
+  s.PrefillDone((*admitted)->sequence_id);
+  End(s, (*admitted)->sequence_id, false, 0);
+  auto afresh = s.Submit(4, Demand(7, 3, 0, {}, "chat"), false, wrong);
+  ASSERT_TRUE(afresh.ok() && afresh->has_value()) << afresh.status();
+  EXPECT_FALSE((*afresh)->continue_sequence);
+}
+
 TEST(SchedulerTest, ASessionTurnLargerThanItsOwnWorkerIsRefusedAtOnce) {
   Scheduler s = Make(1, {4, 100});
   const Admission t1 = Admit(s, 1, Demand(100, 20, 0, {}, "chat"));  // 2 blocks

@@ -2,7 +2,8 @@
 // attention workers (tests/coordinator/fake_attention.h) and real in-process indexer servers:
 // event streams with exact token counts, speculative steps, the queue, refusals with precise
 // statuses, Abort and client cancel, a failing worker, a slow reader, prefix sharing, sessions,
-// GetLoad, drain, metrics and startup checks.
+// GetLoad, drain, metrics and startup checks; and a fake worker running the tiny real model
+// (tiny_model.h): token ids end to end and prefix sharing by token content on a real indexer.
 #include "coordinator/service.h"
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 #include "prometheus/text_serializer.h"
 #include "server/parse_errors.h"
 #include "tests/coordinator/fake_attention.h"
+#include "tests/coordinator/tiny_model.h"
 #include "tests/testing/loopback_server.h"
 #include "tests/testing/raw_call.h"
 
@@ -54,6 +56,7 @@ struct ClusterOptions {
   double acceptance_rate = 0.7;
   int max_pending_events = 16;
   int64_t stall_timeout_ms = 60000;
+  bool tiny_model = false;  // the attention workers run the tiny real model (tiny_model.h)
 };
 
 // Real indexers, fake attention workers and the coordinator, each on its own port.
@@ -71,8 +74,14 @@ class Cluster {
       servers_.push_back(Serve(indexer_services_.back().get(), &indexer_addresses_.back()));
     }
     for (int j = 0; j < o.num_attention; ++j) {
-      fakes_.push_back(std::make_unique<FakeAttentionService>(
-          FakeAttentionService::Shape{kLayers, kHeads, kDim, 0}));
+      FakeAttentionService::Shape shape{kLayers, kHeads, kDim, 0};
+      if (o.tiny_model) {
+        shape.model = "tiny";
+        shape.vocab_size = dsa::testing::kTinyVocab;
+        shape.eos_token_id = dsa::testing::kTinyEos;
+        shape.max_context = 4096;
+      }
+      fakes_.push_back(std::make_unique<FakeAttentionService>(shape));
       attention_addresses_.emplace_back();
       servers_.push_back(Serve(fakes_.back().get(), &attention_addresses_.back()));
     }
@@ -431,6 +440,30 @@ TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
     cv1::GenerateRequest r = Request("a", 10, 1);
     r.mutable_overrides()->set_exploration_fraction(-0.1);
     cases.push_back({r, "overrides.exploration_fraction must be in [0, 1)"});
+  }
+  {
+    // Token ids are >= 0 whatever the model (the pattern model took [-5, 1000000000] before).
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.mutable_context_tokens()->add_tokens(-5);
+    r.mutable_context_tokens()->add_tokens(1000000000);
+    cases.push_back({r, "context_tokens.tokens[0] = -5: token ids must be >= 0"});
+  }
+  {
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.mutable_context_tokens()->add_tokens(5);
+    r.add_prefix_block_ids(11);
+    cases.push_back({r, "prefix_block_ids must be empty with context_tokens"});
+  }
+  {
+    // The real model's fields are validated for the pattern model too (and otherwise ignored).
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.mutable_sampling()->set_temperature(200);
+    cases.push_back({r, "sampling.temperature must be 0 (greedy) or in (0, 100], got 200"});
+  }
+  {
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.add_stop_token_ids(-2);
+    cases.push_back({r, "stop_token_ids[0] = -2: token ids must be >= 0"});
   }
   for (const Case& c : cases) {
     const Stream s = Generate(cluster.stub(), c.request);
@@ -1128,6 +1161,70 @@ TEST(CoordinatorServiceTest, AWorkerThatStopsAnsweringIsNotPlacedOn) {
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
     EXPECT_EQ(s.admitted()->attention_worker(), cluster.attention_address(1));
   }
+}
+
+// A real model behind the coordinator (the fake runs the tiny model: next = last + 1 mod 64):
+// token ids through the gRPC API, n-gram drafts verified, prefix sharing on the real indexer by
+// token content, GetLoad naming the model, and a context_length request refused.
+TEST(CoordinatorServiceTest, ARealModelStreamsTokenIdsAndSharesPrefixesByTokenContent) {
+  ClusterOptions o;
+  o.tiny_model = true;
+  Cluster cluster(o);
+  const cv1::GetLoadResponse load = Load(cluster.stub());
+  EXPECT_EQ(load.model().name(), "tiny");
+  EXPECT_EQ(load.model().vocab_size(), dsa::testing::kTinyVocab);
+  EXPECT_EQ(load.model().eos_token_id(), dsa::testing::kTinyEos);
+  EXPECT_EQ(load.model().max_context(), 4096);
+
+  const Stream synthetic = Generate(cluster.stub(), Request("synthetic", 100, 2));
+  EXPECT_EQ(synthetic.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(synthetic.status.error_message(), HasSubstr("model 'tiny' generates real tokens"));
+
+  auto tokens_request = [](const std::string& id, const std::vector<int32_t>& context,
+                           int64_t max_new, int draft) {
+    cv1::GenerateRequest r;
+    r.set_request_id(id);
+    for (int32_t t : context) r.mutable_context_tokens()->add_tokens(t);
+    r.set_max_new_tokens(max_new);
+    r.set_draft_length(draft);
+    return r;
+  };
+  auto ids_of = [](const Stream& s) {
+    std::vector<int32_t> ids;
+    for (const auto& e : s.events) {
+      if (e.has_tokens())
+        ids.insert(ids.end(), e.tokens().token_ids().begin(), e.tokens().token_ids().end());
+    }
+    return ids;
+  };
+  // Drafts 13..16 confirmed, then 10, 11, 12 refused: the model's own tokens either way.
+  const Stream spec =
+      Generate(cluster.stub(), tokens_request("spec", {10, 11, 12, 13, 14, 15, 16, 17, 10, 11}, 10,
+                                              /*draft=*/4));
+  ASSERT_TRUE(spec.status.ok()) << spec.status.error_message();
+  EXPECT_EQ(ids_of(spec), (std::vector<int32_t>{12, 13, 14, 15, 16, 17, 18, 19, 20, 21}));
+  EXPECT_EQ(spec.events.back().finished().finish_reason(), cv1::FINISH_REASON_LENGTH);
+  const auto commits = cluster.fake().commits();
+  ASSERT_EQ(commits.size(), 2u);
+  EXPECT_EQ(commits[0].accepted(), 4);
+  EXPECT_EQ(commits[1].accepted(), 0);
+
+  std::vector<int32_t> prompt(1100);
+  for (int i = 0; i < 1100; ++i) prompt[i] = (i * 7) % 61;
+  const Stream donor = Generate(cluster.stub(), tokens_request("donor", prompt, 3, 0));
+  ASSERT_TRUE(donor.status.ok()) << donor.status.error_message();
+  const int32_t last = prompt.back();
+  EXPECT_EQ(ids_of(donor), (std::vector<int32_t>{last + 1, last + 2, last + 3}));
+  std::vector<int32_t> same(prompt.begin(), prompt.begin() + 1024);
+  same.resize(1500, 7);
+  const Stream user = Generate(cluster.stub(), tokens_request("user", same, 2, 0));
+  ASSERT_TRUE(user.status.ok()) << user.status.error_message();
+  EXPECT_EQ(user.admitted()->prefix_slots_reused(), 1024);
+  std::vector<int32_t> changed = same;
+  changed[0] = 60;
+  const Stream other = Generate(cluster.stub(), tokens_request("other", changed, 2, 0));
+  ASSERT_TRUE(other.status.ok()) << other.status.error_message();
+  EXPECT_EQ(other.admitted()->prefix_slots_reused(), 0);
 }
 
 }  // namespace

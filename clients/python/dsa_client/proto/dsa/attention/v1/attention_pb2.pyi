@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("num_model_layers", "num_full_layers", "lag_depth", "num_heads", "head_dim", "kv_capacity_slots", "kv_used_slots", "sequences", "instance_id")
+    __slots__ = ("num_model_layers", "num_full_layers", "lag_depth", "num_heads", "head_dim", "kv_capacity_slots", "kv_used_slots", "sequences", "instance_id", "model", "vocab_size", "eos_token_id", "max_context")
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_FULL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAG_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,10 @@ class GetInfoResponse(_message.Message):
     KV_USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     num_model_layers: int
     num_full_layers: int
     lag_depth: int
@@ -31,7 +35,21 @@ class GetInfoResponse(_message.Message):
     kv_used_slots: int
     sequences: int
     instance_id: str
-    def __init__(self, num_model_layers: _Optional[int] = ..., num_full_layers: _Optional[int] = ..., lag_depth: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_capacity_slots: _Optional[int] = ..., kv_used_slots: _Optional[int] = ..., sequences: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    model: str
+    vocab_size: int
+    eos_token_id: int
+    max_context: int
+    def __init__(self, num_model_layers: _Optional[int] = ..., num_full_layers: _Optional[int] = ..., lag_depth: _Optional[int] = ..., num_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_capacity_slots: _Optional[int] = ..., kv_used_slots: _Optional[int] = ..., sequences: _Optional[int] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceSettings(_message.Message):
     __slots__ = ("top_k", "spin")
@@ -42,7 +60,7 @@ class SequenceSettings(_message.Message):
     def __init__(self, top_k: _Optional[int] = ..., spin: _Optional[_Union[_indexer_pb2.SpinSettings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "context_length", "prefix_block_ids", "indexer_worker", "settings", "prefix_source_id", "prefix_slots", "continue_sequence")
+    __slots__ = ("sequence_id", "context_length", "prefix_block_ids", "indexer_worker", "settings", "prefix_source_id", "prefix_slots", "continue_sequence", "tokens", "sampling")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +69,8 @@ class PrefillRequest(_message.Message):
     PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     context_length: int
     prefix_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,25 +79,31 @@ class PrefillRequest(_message.Message):
     prefix_source_id: int
     prefix_slots: int
     continue_sequence: bool
-    def __init__(self, sequence_id: _Optional[int] = ..., context_length: _Optional[int] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., indexer_worker: _Optional[str] = ..., settings: _Optional[_Union[SequenceSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ..., continue_sequence: _Optional[bool] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, sequence_id: _Optional[int] = ..., context_length: _Optional[int] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., indexer_worker: _Optional[str] = ..., settings: _Optional[_Union[SequenceSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ..., continue_sequence: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("slots", "slots_appended", "seconds")
+    __slots__ = ("slots", "slots_appended", "seconds", "next_token")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_APPENDED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     slots: int
     slots_appended: int
     seconds: float
-    def __init__(self, slots: _Optional[int] = ..., slots_appended: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    next_token: int
+    def __init__(self, slots: _Optional[int] = ..., slots_appended: _Optional[int] = ..., seconds: _Optional[float] = ..., next_token: _Optional[int] = ...) -> None: ...
 
 class SequenceStep(_message.Message):
-    __slots__ = ("sequence_id", "rows")
+    __slots__ = ("sequence_id", "rows", "tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     rows: int
-    def __init__(self, sequence_id: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., rows: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeStepRequest(_message.Message):
     __slots__ = ("sequences",)
@@ -86,20 +112,22 @@ class DecodeStepRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceStep, _Mapping]]] = ...) -> None: ...
 
 class SequenceStepResult(_message.Message):
-    __slots__ = ("sequence_id", "first_position", "blocks_scored", "blocks_visible", "audited_rows", "audit_miss_rate_sum")
+    __slots__ = ("sequence_id", "first_position", "blocks_scored", "blocks_visible", "audited_rows", "audit_miss_rate_sum", "sampled_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SCORED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_VISIBLE_FIELD_NUMBER: _ClassVar[int]
     AUDITED_ROWS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_MISS_RATE_SUM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     first_position: int
     blocks_scored: int
     blocks_visible: int
     audited_rows: int
     audit_miss_rate_sum: float
-    def __init__(self, sequence_id: _Optional[int] = ..., first_position: _Optional[int] = ..., blocks_scored: _Optional[int] = ..., blocks_visible: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_miss_rate_sum: _Optional[float] = ...) -> None: ...
+    sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[int] = ..., first_position: _Optional[int] = ..., blocks_scored: _Optional[int] = ..., blocks_visible: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_miss_rate_sum: _Optional[float] = ..., sampled_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeStepResponse(_message.Message):
     __slots__ = ("sequences", "selection_wait_seconds", "seconds")

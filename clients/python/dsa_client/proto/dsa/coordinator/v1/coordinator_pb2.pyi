@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP_TOKEN: FinishReason
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "context_length", "context_tokens", "prefix_block_ids", "max_new_tokens", "draft_length", "overrides", "session_id")
+    __slots__ = ("request_id", "context_length", "context_tokens", "prefix_block_ids", "max_new_tokens", "draft_length", "overrides", "session_id", "sampling", "stop_token_ids", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +28,9 @@ class GenerateRequest(_message.Message):
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     context_length: int
     context_tokens: ContextTokens
@@ -24,13 +39,26 @@ class GenerateRequest(_message.Message):
     draft_length: int
     overrides: Overrides
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., context_tokens: _Optional[_Union[ContextTokens, _Mapping]] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., draft_length: _Optional[int] = ..., overrides: _Optional[_Union[Overrides, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    sampling: SamplingParams
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., context_length: _Optional[int] = ..., context_tokens: _Optional[_Union[ContextTokens, _Mapping]] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., draft_length: _Optional[int] = ..., overrides: _Optional[_Union[Overrides, _Mapping]] = ..., session_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class ContextTokens(_message.Message):
     __slots__ = ("tokens",)
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Overrides(_message.Message):
     __slots__ = ("target_block_sparsity", "exploration_fraction", "top_k", "all_keep", "acceptance_rate")
@@ -71,7 +99,7 @@ class Admitted(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., indexer_worker: _Optional[str] = ..., attention_worker: _Optional[str] = ..., prefix_slots_reused: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("first_position", "count", "drafted", "accepted", "step_seconds", "blocks_scored", "blocks_visible", "audited_rows", "audit_miss_rate_sum", "selection_wait_seconds")
+    __slots__ = ("first_position", "count", "drafted", "accepted", "step_seconds", "blocks_scored", "blocks_visible", "audited_rows", "audit_miss_rate_sum", "selection_wait_seconds", "token_ids")
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +110,7 @@ class Tokens(_message.Message):
     AUDITED_ROWS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_MISS_RATE_SUM_FIELD_NUMBER: _ClassVar[int]
     SELECTION_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     first_position: int
     count: int
     drafted: int
@@ -92,19 +121,24 @@ class Tokens(_message.Message):
     audited_rows: int
     audit_miss_rate_sum: float
     selection_wait_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, first_position: _Optional[int] = ..., count: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., step_seconds: _Optional[float] = ..., blocks_scored: _Optional[int] = ..., blocks_visible: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_miss_rate_sum: _Optional[float] = ..., selection_wait_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_position: _Optional[int] = ..., count: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., step_seconds: _Optional[float] = ..., blocks_scored: _Optional[int] = ..., blocks_visible: _Optional[int] = ..., audited_rows: _Optional[int] = ..., audit_miss_rate_sum: _Optional[float] = ..., selection_wait_seconds: _Optional[_Iterable[float]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("generated_tokens", "time_to_first_token_seconds", "mean_inter_token_latency_seconds", "migrations")
+    __slots__ = ("generated_tokens", "time_to_first_token_seconds", "mean_inter_token_latency_seconds", "migrations", "finish_reason", "stop_token_id")
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_INTER_TOKEN_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     generated_tokens: int
     time_to_first_token_seconds: float
     mean_inter_token_latency_seconds: float
     migrations: int
-    def __init__(self, generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., mean_inter_token_latency_seconds: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...
+    finish_reason: FinishReason
+    stop_token_id: int
+    def __init__(self, generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., mean_inter_token_latency_seconds: _Optional[float] = ..., migrations: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -145,7 +179,7 @@ class AttentionWorkerLoad(_message.Message):
     def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., decoding: _Optional[int] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("queued", "running", "cache_blocks_used", "cache_blocks_capacity", "retained_sequences", "indexer_workers", "attention_workers")
+    __slots__ = ("queued", "running", "cache_blocks_used", "cache_blocks_capacity", "retained_sequences", "indexer_workers", "attention_workers", "model")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     CACHE_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +187,7 @@ class GetLoadResponse(_message.Message):
     RETAINED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     INDEXER_WORKERS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     queued: int
     running: int
     cache_blocks_used: int
@@ -160,4 +195,17 @@ class GetLoadResponse(_message.Message):
     retained_sequences: int
     indexer_workers: _containers.RepeatedCompositeFieldContainer[WorkerLoad]
     attention_workers: _containers.RepeatedCompositeFieldContainer[AttentionWorkerLoad]
-    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_capacity: _Optional[int] = ..., retained_sequences: _Optional[int] = ..., indexer_workers: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., attention_workers: _Optional[_Iterable[_Union[AttentionWorkerLoad, _Mapping]]] = ...) -> None: ...
+    model: Model
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_capacity: _Optional[int] = ..., retained_sequences: _Optional[int] = ..., indexer_workers: _Optional[_Iterable[_Union[WorkerLoad, _Mapping]]] = ..., attention_workers: _Optional[_Iterable[_Union[AttentionWorkerLoad, _Mapping]]] = ..., model: _Optional[_Union[Model, _Mapping]] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("name", "vocab_size", "eos_token_id", "max_context")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    vocab_size: int
+    eos_token_id: int
+    max_context: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...

@@ -57,13 +57,20 @@ class CoordinatorServiceServicer:
     def Generate(self, request, context):
         """Admits a request (by index-key-cache capacity, with a bounded queue), places it on an indexer
         worker (prefix-aware) and an attention worker, prefills, and streams events: Admitted once,
-        then one Tokens per decode step, then Finished, until max_new_tokens or Abort. A request
-        whose worker fails while it runs moves to a surviving worker and goes on (Finished.migrations
-        counts the moves); it fails only past the coordinator's --max-migrations.
-        Errors (the stream's status): RESOURCE_EXHAUSTED (queue full, or a context no worker can ever
-        hold; never a hang), INVALID_ARGUMENT, ALREADY_EXISTS (request id in flight),
-        FAILED_PRECONDITION (session busy), UNAVAILABLE (draining, no ready worker, a worker lost
-        past --max-migrations), CANCELLED (Abort).
+        then Tokens events, then Finished, until max_new_tokens, an end-of-sequence or stop token
+        (a real model), or Abort. A request whose worker fails while it runs moves to a surviving
+        worker and goes on (Finished.migrations counts the moves); it fails only past the
+        coordinator's --max-migrations.
+        Two kinds of model run behind it (GetLoadResponse.model): the synthetic pattern model
+        (vocab_size 0: context_length or context_tokens, counts only, a seeded acceptance model for
+        speculative steps) and a real model (vocab_size > 0: context_tokens required, Tokens carry
+        the generated token ids, n-gram drafts verified by the model).
+        Errors (the stream's status): RESOURCE_EXHAUSTED (queue full, a context no worker can ever
+        hold, or context + max_new_tokens beyond the real model's max_context; never a hang),
+        INVALID_ARGUMENT (a field out of its range, named with its value; a session turn whose
+        context_tokens do not start with the session's history), ALREADY_EXISTS (request id in
+        flight), FAILED_PRECONDITION (session busy), UNAVAILABLE (draining, no ready worker, a worker
+        lost past --max-migrations), CANCELLED (Abort).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,7 +86,8 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetLoad(self, request, context):
-        """Queue, running requests and cache use, for routers and the replay's cache-use samples.
+        """Queue, running requests, cache use and the model served, for routers (what to tokenize for)
+        and the replay's cache-use samples. Always OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
