@@ -26,7 +26,8 @@ suites="common_fp8_test common_philox_test common_mli_schedule_test common_statu
   tools_eval_test tools_replay_test transport_dsa_indexer_data_plane_test
   dsa_indexer_binary_test dsa_attention_binary_test dsa_coordinator_binary_test
   integration_local_cluster_test integration_faults_test integration_security_test
-  integration_chaos_test"
+  integration_chaos_test attention_llama_model_test attention_llama_engine_test attention_sampler_test
+  coordinator_real_model_engine_test coordinator_ngram_drafter_test coordinator_token_blocks_test"
 targets=$suites
 regex="^($(echo $suites | tr ' ' '|'))\\."
 if [ "${DSA_SANITIZE_TESTS:-}" = all ]; then targets=""; regex="."; fi
