@@ -1,4 +1,5 @@
-// The real model behind the model seam (see llama_attention_model.h).
+// The real model behind the model seam (see llama_attention_model.h), and the CPU LlamaRunner
+// (llama_runner.h) it uses by default: LlamaForward over LlamaKvCache, unchanged.
 #include "attention_worker/llama_attention_model.h"
 
 #include <algorithm>
@@ -11,9 +12,91 @@ namespace dsa {
 
 namespace {
 
+// ---- the CPU runner ----
+
+class CpuLlamaCache : public LlamaSequenceCache {
+ public:
+  CpuLlamaCache(const LlamaRunner* runner, const LlamaModel& model) : runner_(runner), kv_(model) {}
+  const LlamaRunner* runner() const override { return runner_; }
+  int64_t num_slots() const override { return kv_.num_slots(); }
+  absl::Status Truncate(int64_t num_slots) override { return kv_.Truncate(num_slots); }
+  absl::Status CopyFrom(const LlamaSequenceCache& source) override {
+    if (source.runner() != runner_ || &source == this) {
+      return absl::InvalidArgumentError(
+          "LlamaSequenceCache::CopyFrom: the source is this cache or another runner's");
+    }
+    // LlamaKvCache copies as a value; a cache in a pass refuses Truncate, which tells.
+    LlamaKvCache& kv = kv_;
+    const LlamaKvCache& from = static_cast<const CpuLlamaCache&>(source).kv_;
+    DSA_RETURN_IF_ERROR(kv.Truncate(kv.num_slots()));
+    DSA_RETURN_IF_ERROR(const_cast<LlamaKvCache&>(from).Truncate(from.num_slots()));
+    kv = from;
+    return absl::OkStatus();
+  }
+  int64_t bytes() const override { return kv_.bytes(); }
+  LlamaKvCache* kv() { return &kv_; }
+
+ private:
+  const LlamaRunner* const runner_;
+  LlamaKvCache kv_;
+};
+
+class CpuLlamaPass : public LlamaPass {
+ public:
+  explicit CpuLlamaPass(std::unique_ptr<LlamaForward> forward) : forward_(std::move(forward)) {}
+  int num_rows() const override { return forward_->num_rows(); }
+  int next_layer() const override { return forward_->next_layer(); }
+  bool done() const override { return forward_->done(); }
+  absl::Status IndexerInputs(std::span<float> queries, std::span<float> head_weights,
+                             std::span<float> index_keys) override {
+    return forward_->IndexerInputs(queries, head_weights, index_keys);
+  }
+  absl::Status RunLayer(std::span<const std::span<const int32_t>> selections) override {
+    return forward_->RunLayer(selections);
+  }
+  absl::Status Logits(std::span<const int32_t> row_indices, std::span<float> out) override {
+    return forward_->Logits(row_indices, out);
+  }
+
+ private:
+  std::unique_ptr<LlamaForward> forward_;
+};
+
+class CpuLlamaRunner : public LlamaRunner {
+ public:
+  CpuLlamaRunner(std::shared_ptr<const LlamaModel> model, const LlamaForwardOptions& options)
+      : model_(std::move(model)), options_(options) {}
+  const LlamaModel& model() const override { return *model_; }
+  std::string Description() const override { return "cpu"; }
+  absl::StatusOr<std::unique_ptr<LlamaSequenceCache>> NewCache() override {
+    return std::unique_ptr<LlamaSequenceCache>(new CpuLlamaCache(this, *model_));
+  }
+  absl::StatusOr<std::unique_ptr<LlamaPass>> Begin(std::vector<LlamaRunnerRow> rows) override {
+    std::vector<LlamaRow> forward_rows(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (rows[r].cache != nullptr && rows[r].cache->runner() != this) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("LlamaRunner::Begin: row ", r, "'s cache belongs to another runner"));
+      }
+      forward_rows[r] = LlamaRow{
+          rows[r].cache == nullptr ? nullptr : static_cast<CpuLlamaCache*>(rows[r].cache)->kv(),
+          rows[r].position, rows[r].token};
+    }
+    DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> forward,
+                         LlamaForward::Begin(model_, std::move(forward_rows), options_));
+    return std::unique_ptr<LlamaPass>(new CpuLlamaPass(std::move(forward)));
+  }
+
+ private:
+  const std::shared_ptr<const LlamaModel> model_;
+  const LlamaForwardOptions options_;
+};
+
+// ---- the engine's step ----
+
 class LlamaModelStep : public ModelStep {
  public:
-  LlamaModelStep(std::unique_ptr<LlamaForward> pass, std::vector<ModelRow> rows,
+  LlamaModelStep(std::unique_ptr<LlamaPass> pass, std::vector<ModelRow> rows,
                  std::vector<SamplingParams> sampling, const LightningIndexerConfig& indexer,
                  int vocab_size)
       : pass_(std::move(pass)),
@@ -74,7 +157,7 @@ class LlamaModelStep : public ModelStep {
     std::vector<std::span<const int32_t>> selections(rows.size());
     for (size_t r = 0; r < rows.size(); ++r) {
       if (rows[r].device_selection != nullptr) {
-        return absl::InvalidArgumentError("the real model on the CPU takes host selections only");
+        return absl::InvalidArgumentError("the real model takes host selections only");
       }
       selections[r] = rows[r].selection;
     }
@@ -97,7 +180,7 @@ class LlamaModelStep : public ModelStep {
   }
 
  private:
-  std::unique_ptr<LlamaForward> pass_;
+  std::unique_ptr<LlamaPass> pass_;
   const std::vector<ModelRow> rows_;
   const std::vector<SamplingParams> sampling_;
   const int num_heads_;
@@ -109,9 +192,21 @@ class LlamaModelStep : public ModelStep {
 
 }  // namespace
 
+std::shared_ptr<LlamaRunner> MakeCpuLlamaRunner(std::shared_ptr<const LlamaModel> model,
+                                                const LlamaForwardOptions& options) {
+  return std::make_shared<CpuLlamaRunner>(std::move(model), options);
+}
+
 absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> LlamaAttentionModel::Create(
     std::shared_ptr<const LlamaModel> model, std::vector<int> full_layers, std::string name) {
   if (model == nullptr) return absl::InvalidArgumentError("no model");
+  return Create(MakeCpuLlamaRunner(std::move(model)), std::move(full_layers), std::move(name));
+}
+
+absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> LlamaAttentionModel::Create(
+    std::shared_ptr<LlamaRunner> runner, std::vector<int> full_layers, std::string name) {
+  if (runner == nullptr) return absl::InvalidArgumentError("no model runner");
+  const LlamaModel* model = &runner->model();
   if (!model->has_indexer()) {
     return absl::InvalidArgumentError(
         "the real model needs its lightning indexer weights (none were loaded)");
@@ -125,13 +220,13 @@ absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> LlamaAttentionModel::Create
     }
   }
   return std::unique_ptr<LlamaAttentionModel>(
-      new LlamaAttentionModel(std::move(model), std::move(full_layers), std::move(name)));
+      new LlamaAttentionModel(std::move(runner), std::move(full_layers), std::move(name)));
 }
 
-LlamaAttentionModel::LlamaAttentionModel(std::shared_ptr<const LlamaModel> model,
+LlamaAttentionModel::LlamaAttentionModel(std::shared_ptr<LlamaRunner> runner,
                                          std::vector<int> full_layers, std::string name)
-    : model_(std::move(model)), full_layers_(std::move(full_layers)) {
-  const LlamaConfig& config = model_->config();
+    : runner_(std::move(runner)), model_(runner_->model()), full_layers_(std::move(full_layers)) {
+  const LlamaConfig& config = model_.config();
   full_rank_.assign(config.num_layers, -1);
   for (size_t f = 0; f < full_layers_.size(); ++f) {
     full_rank_[full_layers_[f]] = static_cast<int>(f);
@@ -139,8 +234,8 @@ LlamaAttentionModel::LlamaAttentionModel(std::shared_ptr<const LlamaModel> model
   shape_.name = std::move(name);
   shape_.num_indexer_layers = config.num_layers;
   shape_.indexer_per_model_layer = true;
-  shape_.num_heads = model_->indexer_config().num_heads;
-  shape_.head_dim = model_->indexer_config().head_dim;
+  shape_.num_heads = model_.indexer_config().num_heads;
+  shape_.head_dim = model_.indexer_config().head_dim;
   shape_.vocab_size = config.vocab_size;
   shape_.eos_token_id = config.eos_token_id;
   shape_.max_context = config.context_length;
@@ -172,31 +267,30 @@ absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(uint64_t sequ
           absl::StrCat("sequence ", sequence_id, " has no slots; cannot extend from ", first_slot));
     }
     sequence = std::make_shared<Sequence>();
-    sequence->kv = std::make_unique<LlamaKvCache>(*model_);
+    DSA_ASSIGN_OR_RETURN(sequence->kv, runner_->NewCache());
   } else if (sequence->kv->num_slots() != first_slot) {
     return absl::InvalidArgumentError(absl::StrCat("sequence ", sequence_id, " holds ",
                                                    sequence->kv->num_slots(),
                                                    " slots; cannot extend from ", first_slot));
   }
-  std::vector<LlamaRow> rows(tokens.size());
+  std::vector<LlamaRunnerRow> rows(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
-    rows[i] = LlamaRow{sequence->kv.get(), first_slot + static_cast<int64_t>(i), tokens[i]};
+    rows[i] = LlamaRunnerRow{sequence->kv.get(), first_slot + static_cast<int64_t>(i), tokens[i]};
   }
-  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> pass,
-                       LlamaForward::Begin(model_, std::move(rows)));
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner_->Begin(std::move(rows)));
   const int64_t n = end_slot - first_slot;
-  const LightningIndexerConfig& indexer = model_->indexer_config();
+  const LightningIndexerConfig& indexer = model_.indexer_config();
   std::vector<std::vector<float>> index_keys(full_layers_.size());
   std::vector<float> queries(static_cast<size_t>(n) * indexer.num_heads * indexer.head_dim);
   std::vector<float> head_weights(static_cast<size_t>(n) * indexer.num_heads);
-  for (int l = 0; l < model_->config().num_layers; ++l) {
+  for (int l = 0; l < model_.config().num_layers; ++l) {
     if (const int f = full_rank_[l]; f >= 0) {
       index_keys[f].resize(static_cast<size_t>(n) * indexer.head_dim);
       DSA_RETURN_IF_ERROR(pass->IndexerInputs(queries, head_weights, index_keys[f]));
     }
     DSA_RETURN_IF_ERROR(pass->RunLayer());
   }
-  std::vector<float> logits(static_cast<size_t>(model_->config().vocab_size));
+  std::vector<float> logits(static_cast<size_t>(model_.config().vocab_size));
   const int32_t last_row = static_cast<int32_t>(n - 1);
   DSA_RETURN_IF_ERROR(pass->Logits(std::span<const int32_t>(&last_row, 1), logits));
   pass.reset();
@@ -215,7 +309,7 @@ absl::Status LlamaAttentionModel::IndexKeys(uint64_t sequence_id,
                                             int full_rank, int64_t first_slot, int64_t num_slots,
                                             std::span<float> out) const {
   std::shared_ptr<Sequence> sequence = Find(sequence_id);
-  const int64_t d = model_->indexer_config().head_dim;
+  const int64_t d = model_.indexer_config().head_dim;
   if (sequence == nullptr || full_rank < 0 ||
       full_rank >= static_cast<int>(sequence->index_keys.size())) {
     return absl::InvalidArgumentError(
@@ -255,7 +349,7 @@ absl::Status LlamaAttentionModel::Truncate(uint64_t sequence_id, int64_t num_slo
 
 absl::StatusOr<std::unique_ptr<ModelStep>> LlamaAttentionModel::BeginStep(
     std::span<const ModelRow> rows) {
-  std::vector<LlamaRow> llama_rows(rows.size());
+  std::vector<LlamaRunnerRow> llama_rows(rows.size());
   std::vector<SamplingParams> sampling(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
     std::shared_ptr<Sequence> sequence = Find(rows[r].sequence_id);
@@ -263,14 +357,13 @@ absl::StatusOr<std::unique_ptr<ModelStep>> LlamaAttentionModel::BeginStep(
       return absl::NotFoundError(
           absl::StrCat("sequence ", rows[r].sequence_id, " has no KV on this model"));
     }
-    llama_rows[r] = LlamaRow{sequence->kv.get(), rows[r].position, rows[r].token};
+    llama_rows[r] = LlamaRunnerRow{sequence->kv.get(), rows[r].position, rows[r].token};
     sampling[r] = sequence->sampling;
   }
-  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> pass,
-                       LlamaForward::Begin(model_, std::move(llama_rows)));
-  return std::unique_ptr<ModelStep>(new LlamaModelStep(
-      std::move(pass), std::vector<ModelRow>(rows.begin(), rows.end()), std::move(sampling),
-      model_->indexer_config(), model_->config().vocab_size));
+  DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner_->Begin(std::move(llama_rows)));
+  return std::unique_ptr<ModelStep>(
+      new LlamaModelStep(std::move(pass), std::vector<ModelRow>(rows.begin(), rows.end()),
+                         std::move(sampling), model_.indexer_config(), model_.config().vocab_size));
 }
 
 }  // namespace dsa

@@ -1,7 +1,8 @@
 // The real model behind the engine's model seam: SmolLM2-135M with its lightning indexers
-// (llama_model.h, docs/model.md) on the CPU. Prefill runs the context densely and keeps the full
-// layers' index keys for the append; a decode step runs every row of the batch in one pass, each
-// layer over the MLI schedule's selection, and samples each row's next token.
+// (llama_model.h, docs/model.md) on a LlamaRunner's device (llama_runner.h: the CPU, or the GPU
+// with cuda/llama_cuda_runner.h). Prefill runs the context densely and keeps the full layers'
+// index keys for the append; a decode step runs every row of the batch in one pass, each layer
+// over the MLI schedule's selection, and samples each row's next token.
 #pragma once
 
 #include <memory>
@@ -11,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "attention_worker/attention_model.h"
 #include "attention_worker/llama_model.h"
+#include "attention_worker/llama_runner.h"
 
 namespace dsa {
 
@@ -21,13 +23,17 @@ class LlamaAttentionModel : public AttentionModel {
   /// `full_layers`: the schedule's full layers (model layer of each full-layer rank, increasing,
   /// each in [0, num_layers)). `name`: the model's name for GetInfo. INVALID_ARGUMENT (no model,
   /// no indexer, a full layer out of range).
+  /// On the CPU (MakeCpuLlamaRunner).
   static absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> Create(
       std::shared_ptr<const LlamaModel> model, std::vector<int> full_layers, std::string name);
+  /// On `runner`'s device (its model must have an indexer). INVALID_ARGUMENT as above.
+  static absl::StatusOr<std::unique_ptr<LlamaAttentionModel>> Create(
+      std::shared_ptr<LlamaRunner> runner, std::vector<int> full_layers, std::string name);
 
-  const LlamaModel& llama() const { return *model_; }
+  const LlamaModel& llama() const { return runner_->model(); }
 
   const ModelShape& shape() const override { return shape_; }
-  std::string Description() const override { return "cpu"; }
+  std::string Description() const override { return runner_->Description(); }
   /// The observer gets no attention outputs from the real model (0 values a row).
   int64_t output_values_per_row() const override { return 0; }
   absl::StatusOr<std::optional<int32_t>> Extend(uint64_t sequence_id, int64_t first_slot,
@@ -42,7 +48,7 @@ class LlamaAttentionModel : public AttentionModel {
 
   /// One sequence's state (public for the step's implementation).
   struct Sequence {
-    std::unique_ptr<LlamaKvCache> kv;
+    std::unique_ptr<LlamaSequenceCache> kv;
     SamplingParams sampling;
     // The index keys of the last Extend: slots [keys_first_slot, + n) of every full layer, fp32
     // [full layers][n, D].
@@ -51,11 +57,12 @@ class LlamaAttentionModel : public AttentionModel {
   };
 
  private:
-  LlamaAttentionModel(std::shared_ptr<const LlamaModel> model, std::vector<int> full_layers,
+  LlamaAttentionModel(std::shared_ptr<LlamaRunner> runner, std::vector<int> full_layers,
                       std::string name);
   std::shared_ptr<Sequence> Find(uint64_t sequence_id) const;
 
-  const std::shared_ptr<const LlamaModel> model_;
+  const std::shared_ptr<LlamaRunner> runner_;
+  const LlamaModel& model_;  // runner_->model()
   const std::vector<int> full_layers_;
   std::vector<int> full_rank_;  // per model layer: its full-layer rank, or -1
   ModelShape shape_;

@@ -2,7 +2,8 @@
 // safetensors weights, the KV cache, and the layer-by-layer pass over OpenBLAS GEMMs and OpenMP.
 #include "attention_worker/llama_model.h"
 
-#include <cblas.h>
+#include <cblas.h>  // declarations only: OpenBLAS is loaded with dlopen (Blas() below)
+#include <dlfcn.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -10,7 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -33,14 +34,48 @@ constexpr int64_t kParallelMinRows = 256;
 // Keys per block of IndexScores (bounds its [keys, heads] scratch).
 constexpr int64_t kIndexScoreBlock = 512;
 
-// With OpenBLAS's pthread build, its own threads would compete with the model's OpenMP threads:
-// set it to one thread, once. (The OpenMP build runs single-threaded inside a parallel region by
-// itself, and its openblas_set_num_threads would change OpenMP's thread count: leave it alone.)
-void UseSingleThreadedBlas() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    if (openblas_get_parallel() == 1) openblas_set_num_threads(1);
-  });
+// The OpenBLAS functions the model calls.
+struct BlasFunctions {
+  decltype(&cblas_sgemm) sgemm = nullptr;
+  decltype(&cblas_sgemv) sgemv = nullptr;
+};
+
+// OpenBLAS, loaded once (thread-safe) by the first model built or IndexScores call, and never
+// unloaded. It is dlopened, not linked: a linked libopenblas.so.0 is in every startup link map, and
+// its 60 KB of TLS then lands in every thread's static TLS block, which glibc takes out of each
+// thread's stack. Debian civetweb's /metrics threads ask for 100 KB and kept 12 KB (with CUDA's
+// libraries); serving a scrape overflowed that, jumping the guard page into the civetweb master
+// thread's descriptor, and dsa-attention died with SIGSEGV (cuda/standin_module.h: the same with
+// cuBLAS). Loaded later, the library's TLS (the general-dynamic model) is allocated on first use,
+// by the threads that call it. With OpenBLAS's pthread build, its own threads would compete with
+// the model's OpenMP threads: it is set to one thread. (The OpenMP build runs single-threaded
+// inside a parallel region by itself, and its openblas_set_num_threads would change OpenMP's
+// thread count: left alone.)
+const absl::StatusOr<BlasFunctions>& Blas() {
+  static const absl::StatusOr<BlasFunctions> blas = []() -> absl::StatusOr<BlasFunctions> {
+    void* library = dlopen(DSA_OPENBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+    if (library == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot load OpenBLAS (" DSA_OPENBLAS_SONAME "): ", dlerror()));
+    }
+    const auto bind = [library](auto& function, const char* name) {
+      function =
+          reinterpret_cast<std::remove_reference_t<decltype(function)>>(dlsym(library, name));
+      return function != nullptr;
+    };
+    BlasFunctions blas;
+    decltype(&openblas_get_parallel) get_parallel = nullptr;
+    decltype(&openblas_set_num_threads) set_num_threads = nullptr;
+    if (!bind(blas.sgemm, "cblas_sgemm") || !bind(blas.sgemv, "cblas_sgemv") ||
+        !bind(get_parallel, "openblas_get_parallel") ||
+        !bind(set_num_threads, "openblas_set_num_threads")) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("OpenBLAS (" DSA_OPENBLAS_SONAME ") lacks a function: ", dlerror()));
+    }
+    if (get_parallel() == 1) set_num_threads(1);
+    return blas;
+  }();
+  return blas;
 }
 
 // c[m, n] = alpha * a[m, k] b[n, k]^T + beta * c (row-major; b is a weight [out, in]). Outside a
@@ -49,14 +84,15 @@ void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_
             const float* b, int64_t ldb, float beta, float* c, int64_t ldc,
             int64_t parallel_min_work) {
   if (m == 0 || n == 0) return;
+  const BlasFunctions& blas = *Blas();  // loaded: a model exists
   const auto run = [&](int64_t n0, int64_t n1) {
     if (m == 1) {
-      cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n1 - n0), static_cast<int>(k),
-                  alpha, b + n0 * ldb, static_cast<int>(ldb), a, 1, beta, c + n0, 1);
+      blas.sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(n1 - n0), static_cast<int>(k), alpha,
+                 b + n0 * ldb, static_cast<int>(ldb), a, 1, beta, c + n0, 1);
     } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                  static_cast<int>(n1 - n0), static_cast<int>(k), alpha, a, static_cast<int>(lda),
-                  b + n0 * ldb, static_cast<int>(ldb), beta, c + n0, static_cast<int>(ldc));
+      blas.sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                 static_cast<int>(n1 - n0), static_cast<int>(k), alpha, a, static_cast<int>(lda),
+                 b + n0 * ldb, static_cast<int>(ldb), beta, c + n0, static_cast<int>(ldc));
     }
   };
   const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
@@ -77,9 +113,9 @@ void GemmNT(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_
 // c[m, n] = a[m, k] b[k, n] (row-major), on the calling thread.
 void GemmNN(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
             int64_t ldb, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-              static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f,
-              c, static_cast<int>(ldc));
+  Blas()->sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
+                static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), 0.0f,
+                c, static_cast<int>(ldc));
 }
 
 // out[i] = x[i] / sqrt(mean(x^2) + eps) * weight[i] over one row of width n.
@@ -547,7 +583,7 @@ absl::StatusOr<std::shared_ptr<const LlamaModel>> LlamaModel::FromWeights(
       }
     }
   }
-  UseSingleThreadedBlas();
+  DSA_RETURN_IF_ERROR(Blas().status());
   std::shared_ptr<LlamaModel> model(new LlamaModel());
   model->config_ = config;
   model->indexer_config_ = indexer_config;
@@ -1056,12 +1092,13 @@ absl::Status IndexScores(int num_heads, int head_dim, std::span<const float> que
                      "], keys [n, ", dk, "] and out [n]; got ", query.size(), ", ",
                      head_weights.size(), ", ", keys.size(), ", ", out.size()));
   }
-  UseSingleThreadedBlas();
+  const absl::StatusOr<BlasFunctions>& blas = Blas();
+  DSA_RETURN_IF_ERROR(blas.status());
   const auto n = static_cast<int64_t>(out.size());
   std::vector<float> dots(std::min(n, kIndexScoreBlock) * h);
   for (int64_t i0 = 0; i0 < n; i0 += kIndexScoreBlock) {
     const int64_t count = std::min(kIndexScoreBlock, n - i0);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(count),
+    blas->sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(count),
                 static_cast<int>(h), static_cast<int>(dk), 1.0f, keys.data() + i0 * dk,
                 static_cast<int>(dk), query.data(), static_cast<int>(dk), 0.0f, dots.data(),
                 static_cast<int>(h));

@@ -129,6 +129,12 @@ class LlamaModel {
   const LightningIndexerConfig& indexer_config() const { return indexer_config_; }
   /// token_embd: fp32 [vocab_size, d_model] (also the output head, tied).
   std::span<const float> token_embd() const { return token_embd_; }
+  /// output_norm: fp32 [d_model].
+  std::span<const float> output_norm() const { return output_norm_; }
+  /// Layer `l`'s weights (a device runner uploads them); requires 0 <= l < num_layers.
+  const Layer& layer(int l) const { return layers_[l]; }
+  /// Layer `l`'s indexer weights; requires has_indexer() and 0 <= l < num_layers.
+  const IndexerLayer& indexer_layer(int l) const { return indexer_layers_[l]; }
   /// Bytes of fp32 weights held.
   int64_t weight_bytes() const;
 

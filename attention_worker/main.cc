@@ -30,6 +30,7 @@
 #include "transport/in_process_indexer_client.h"
 #ifdef DSA_WITH_CUDA
 #include "attention_worker/cuda/cuda_attention_backend.h"
+#include "attention_worker/cuda/llama_cuda_runner.h"
 #include "attention_worker/cuda/standin_loader.h"
 #endif
 #ifdef DSA_WITH_NCCL
@@ -172,7 +173,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
          "The model the worker runs: pattern (the synthetic pattern model: context lengths, "
          "no tokens) or smollm2 (SmolLM2-135M with its trained lightning indexers, "
          "docs/model.md: token ids in, sampled token ids out; 30 layers, indexer H 16, "
-         "D 64; CPU)")
+         "D 64; on the CPU, or on the GPU with --attention-device cuda)")
       ->check(CLI::IsMember({"pattern", "smollm2"}))
       ->capture_default_str();
   std::string model_file = "build/models/smollm2-135m/model.safetensors";
@@ -206,13 +207,6 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                                      "takes its shapes from its files"}});
         return 2;
       }
-    }
-    if (attention_device != "cpu") {
-      dsa::LogJson("error", "bad config",
-                   {{"status",
-                     "--model smollm2 runs on --attention-device cpu (its GPU path is "
-                     "not built yet)"}});
-      return 2;
     }
     // The real model's 30 layers: every second one full unless the flags say otherwise.
     if (app.count("--layer-pattern") == 0 && retention_option->count() == 0) {
@@ -311,7 +305,27 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       dsa::LogJson("error", "cannot load the model", {{"status", loaded.status().ToString()}});
       return 2;
     }
-    auto created = dsa::LlamaAttentionModel::Create(*std::move(loaded), schedule->full_layers(),
+    // --attention-device cuda: the forward pass on the GPU (cuda/llama_cuda_runner.h).
+    std::shared_ptr<dsa::LlamaRunner> runner;
+    if (attention_device == "cuda") {
+#ifdef DSA_WITH_CUDA
+      auto on_gpu = dsa::cuda::CreateCudaLlamaRunner(*loaded, {attention_cuda_device});
+      if (!on_gpu.ok()) {
+        dsa::LogJson("error", "cannot use the attention GPU",
+                     {{"status", on_gpu.status().ToString()}});
+        return 2;
+      }
+      runner = *std::move(on_gpu);
+#else
+      dsa::LogJson("error",
+                   "--attention-device cuda: this dsa-attention was built without CUDA (configure "
+                   "with -DDSA_ENABLE_CUDA=ON where nvcc is installed)");
+      return 2;
+#endif
+    } else {
+      runner = dsa::MakeCpuLlamaRunner(*std::move(loaded));
+    }
+    auto created = dsa::LlamaAttentionModel::Create(std::move(runner), schedule->full_layers(),
                                                     dsa::kSmolLM2ModelName);
     if (!created.ok()) {
       dsa::LogJson("error", "bad model config", {{"status", created.status().ToString()}});
@@ -400,7 +414,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   std::unique_ptr<dsa::cuda::LoadedLayerStandin> standin_owner;
   std::atomic<const dsa::cuda::LoadedLayerStandin*> standin_slot{nullptr};
 #endif
-  if (attention_device == "cuda") {
+  if (attention_device == "cuda" && llama == nullptr) {
 #ifdef DSA_WITH_CUDA
     dsa::cuda::CudaAttentionBackendOptions backend_options;
     backend_options.device = attention_cuda_device;

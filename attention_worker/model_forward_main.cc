@@ -11,9 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -31,6 +29,7 @@
 #include "absl/strings/string_view.h"
 #include "attention_worker/llama_model.h"
 #include "common/mli_schedule.h"
+#include "common/npy.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
 #include "indexer_service/topk.h"
@@ -42,107 +41,6 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-// ---- a minimal .npy reader / writer (version 1.0 header, little-endian, C order) ----
-
-// Reads a C-order .npy of dtype <i4, <u2 or <i8 (any shape, flattened) as int32 token ids.
-absl::StatusOr<std::vector<int32_t>> ReadTokensNpy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (data.size() < 10 || data.compare(0, 6, "\x93NUMPY") != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a .npy file"));
-  }
-  const int major = static_cast<unsigned char>(data[6]);
-  size_t header_bytes = 0, header_begin = 0;
-  if (major == 1) {
-    header_bytes = static_cast<unsigned char>(data[8]) | static_cast<unsigned char>(data[9]) << 8;
-    header_begin = 10;
-  } else {
-    if (data.size() < 12) return absl::InvalidArgumentError(absl::StrCat(path, ": truncated"));
-    for (int i = 3; i >= 0; --i) {
-      header_bytes = header_bytes << 8 | static_cast<unsigned char>(data[8 + i]);
-    }
-    header_begin = 12;
-  }
-  if (header_begin + header_bytes > data.size()) {
-    return absl::DataLossError(absl::StrCat(path, ": truncated .npy header"));
-  }
-  const std::string header = data.substr(header_begin, header_bytes);
-  if (header.find("'fortran_order': True") != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": Fortran order is not supported"));
-  }
-  int element_bytes = 0;
-  std::string descr;
-  for (const char* candidate : {"<i4", "<u2", "<i8"}) {
-    if (header.find(absl::StrCat("'descr': '", candidate, "'")) != std::string::npos) {
-      descr = candidate;
-    }
-  }
-  if (descr.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": token dtype must be int32, uint16 or int64; header ", header));
-  }
-  element_bytes = descr == "<u2" ? 2 : descr == "<i4" ? 4 : 8;
-  const size_t shape_begin = header.find("'shape': (");
-  const size_t shape_end = header.find(')', shape_begin);
-  if (shape_begin == std::string::npos || shape_end == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": no shape in header ", header));
-  }
-  int64_t count = 1;
-  for (absl::string_view dim :
-       absl::StrSplit(header.substr(shape_begin + 10, shape_end - shape_begin - 10), ',',
-                      absl::SkipWhitespace())) {
-    int64_t value = 0;
-    if (!absl::SimpleAtoi(dim, &value) || value < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": bad shape in header ", header));
-    }
-    count *= value;
-  }
-  const size_t data_begin = header_begin + header_bytes;
-  if (data.size() - data_begin != static_cast<size_t>(count) * element_bytes) {
-    return absl::DataLossError(absl::StrCat(path, ": ", data.size() - data_begin,
-                                            " data bytes, expected ", count * element_bytes));
-  }
-  std::vector<int32_t> tokens(count);
-  for (int64_t i = 0; i < count; ++i) {
-    const char* p = data.data() + data_begin + i * element_bytes;
-    if (element_bytes == 2) {
-      uint16_t v;
-      std::memcpy(&v, p, 2);
-      tokens[i] = v;
-    } else if (element_bytes == 4) {
-      std::memcpy(&tokens[i], p, 4);
-    } else {
-      int64_t v;
-      std::memcpy(&v, p, 8);
-      tokens[i] = static_cast<int32_t>(v);
-    }
-  }
-  return tokens;
-}
-
-// Writes a C-order .npy (version 1.0) of `descr` ("<f4", "<i4") with `shape`.
-absl::Status WriteNpy(const std::string& path, absl::string_view descr,
-                      const std::vector<int64_t>& shape, const void* data, size_t bytes) {
-  std::string header =
-      absl::StrCat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (",
-                   absl::StrJoin(shape, ", "), shape.size() == 1 ? ",), }" : "), }");
-  header.append((64 - (10 + header.size() + 1) % 64) % 64, ' ');
-  header.push_back('\n');
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat(path, ": cannot create"));
-  const char magic[8] = {'\x93', 'N', 'U', 'M', 'P', 'Y', 1, 0};
-  out.write(magic, 8);
-  const char length[2] = {static_cast<char>(header.size() & 0xff),
-                          static_cast<char>(header.size() >> 8)};
-  out.write(length, 2);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
-  out.close();
-  if (!out) return absl::DataLossError(absl::StrCat(path, ": write failed"));
-  return absl::OkStatus();
 }
 
 template <typename T>

@@ -280,6 +280,33 @@ TEST(LocalClusterTest, OneRequestsTraceIdRunsThroughEveryServersLog) {
   EXPECT_TRUE(has_line(logs["dsa-indexer-0"], "/dsa.indexer.v1.IndexerService/AppendIndexKeys"));
 }
 
+// The real model's settings are checked before anything starts (its run with the real files is
+// tests/integration/served_generation_test.py, label `model`).
+TEST(LocalClusterTest, RealModelSettingsAreCheckedBeforeStarting) {
+  LocalClusterOptions options = SmallCluster("smollm2_settings");
+  options.model = kSmolLM2Model;
+  // SmallCluster's H 8, D 32 are not the model's indexer shape.
+  auto shape = LocalCluster::Start(options);
+  EXPECT_EQ(shape.status().code(), absl::StatusCode::kInvalidArgument) << shape.status();
+  EXPECT_NE(shape.status().message().find("H 16, D 64"), std::string::npos) << shape.status();
+  options.num_heads.reset();
+  options.head_dim.reset();
+  options.model_file = "/nonexistent/model.safetensors";
+  auto missing = LocalCluster::Start(options);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
+  EXPECT_NE(missing.status().message().find("scripts/model_setup.sh"), std::string::npos);
+  options.model_file.clear();
+  options.attention_device = "cuda";
+  EXPECT_EQ(LocalCluster::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+  // The model's files with the pattern model, or an unknown model.
+  LocalClusterOptions pattern = SmallCluster("pattern_with_files");
+  pattern.indexer_weights = "weights.safetensors";
+  EXPECT_EQ(LocalCluster::Start(pattern).status().code(), absl::StatusCode::kInvalidArgument);
+  pattern.indexer_weights.clear();
+  pattern.model = "gpt-5";
+  EXPECT_EQ(LocalCluster::Start(pattern).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LocalClusterTest, MissingBinaryIsNotFound) {
   LocalClusterOptions options = SmallCluster("missing");
   options.bin_dir = "/nonexistent-dsa-bin";

@@ -1,7 +1,8 @@
-// Tests of `dsa replay`: the report aggregation on hand-computed records, the trace caps, and the
-// client against an in-process fake CoordinatorService (counts, the event figures, the
-// --max-in-flight limit, arrival times, a refused request), including the `dsa` binary's exit
-// status.
+// Tests of `dsa replay`: the report aggregation on hand-computed records, the trace caps, the
+// real-text contexts (ContextTokenSource) and the fit to a model's max context, and the client
+// against an in-process fake CoordinatorService (counts, the event figures, the --max-in-flight
+// limit, arrival times, a refused request; a real model's token ids, finish reasons, sample
+// outputs and refusals), including the `dsa` binary's exit status.
 #include "tools/dsa/replay.h"
 
 #include <sys/wait.h>
@@ -181,6 +182,86 @@ TEST(ReusablePrefixSlots, LeadingRunOfWholeBlocksSeenBefore) {
   EXPECT_EQ(ReusablePrefixSlots({}), 0);
 }
 
+// A corpus whose ids are their positions, so a slice names its offset.
+std::vector<int32_t> PositionCorpus(int n) {
+  std::vector<int32_t> tokens(n);
+  for (int i = 0; i < n; ++i) tokens[i] = i;
+  return tokens;
+}
+
+TEST(ContextTokenSource, EqualHashIdsGetEqualBlocksAndOthersDiffer) {
+  auto source = ContextTokenSource::Create(PositionCorpus(5000));
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_EQ(source->num_offsets(), 5000 - 511);
+  // Requests 0 and 1 share hash ids 7 and 8, then diverge; request 2 has no ids at all.
+  const TraceRequest a = {0, 1600, 1, {7, 8, 9, 10}};
+  const TraceRequest b = {0, 1300, 1, {7, 8, 11}};
+  const TraceRequest c = {0, 700, 1, {}};
+  const std::vector<int32_t> ca = source->Context(a, 0), cb = source->Context(b, 1);
+  ASSERT_EQ(ca.size(), 1600u);
+  ASSERT_EQ(cb.size(), 1300u);
+  // The shared blocks: identical, each a contiguous slice at BlockOffset(id).
+  EXPECT_TRUE(std::equal(ca.begin(), ca.begin() + 1024, cb.begin()));
+  for (int j = 0; j < 512; ++j) {
+    EXPECT_EQ(ca[j], source->BlockOffset(7) + j);
+    EXPECT_EQ(ca[512 + j], source->BlockOffset(8) + j);
+  }
+  // The third block: different ids, different text; b's is cut at its context (276 tokens).
+  EXPECT_EQ(ca[1024], source->BlockOffset(9));
+  EXPECT_EQ(cb[1024], source->BlockOffset(11));
+  EXPECT_NE(ca[1024], cb[1024]);
+  EXPECT_EQ(cb.back(), source->BlockOffset(11) + 275);
+  // The fourth block of a is partial (64 tokens).
+  EXPECT_EQ(ca.back(), source->BlockOffset(10) + 63);
+  // Distinct ids below the number of offsets never share a slice.
+  std::set<int64_t> offsets;
+  for (uint64_t id = 0; id < 4489; ++id) offsets.insert(source->BlockOffset(id));
+  EXPECT_EQ(offsets.size(), 4489u);
+  // Blocks without an id: deterministic, by request and block.
+  const std::vector<int32_t> cc = source->Context(c, 2);
+  ASSERT_EQ(cc.size(), 700u);
+  EXPECT_EQ(cc, source->Context(c, 2));
+  EXPECT_EQ(cc[0], source->UnsharedBlockOffset(2, 0));
+  EXPECT_EQ(cc[512], source->UnsharedBlockOffset(2, 1));
+  EXPECT_NE(source->Context(c, 3), cc);
+  EXPECT_EQ(source->max_token(), 4999);
+}
+
+TEST(ContextTokenSource, RefusesAShortOrNegativeCorpus) {
+  EXPECT_EQ(ContextTokenSource::Create(PositionCorpus(511)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<int32_t> negative = PositionCorpus(600);
+  negative[10] = -1;
+  EXPECT_EQ(ContextTokenSource::Create(negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto exact = ContextTokenSource::Create(PositionCorpus(512));  // one slice, at 0
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->BlockOffset(12345), 0);
+  EXPECT_EQ(exact->Context({0, 1024, 1, {1, 2}}, 0), [] {
+    std::vector<int32_t> twice = PositionCorpus(512);
+    twice.insert(twice.end(), twice.begin(), twice.end());
+    return twice;
+  }());
+}
+
+TEST(FitToModelContext, CutsContextsThatDoNotFit) {
+  std::vector<TraceRequest> requests = {
+      {0, 8000, 300, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}},
+      {0, 1000, 32, {1, 2}},
+      {0, 10, 9000, {1}},
+  };
+  EXPECT_EQ(FitToModelContext(requests, 8192), 2);
+  EXPECT_EQ(requests[0].context_tokens, 7892);
+  EXPECT_EQ(requests[0].prefix_block_ids.size(), 16u);  // ceil(7892 / 512) = 16
+  EXPECT_EQ(requests[0].output_tokens, 300);
+  EXPECT_EQ(requests[1].context_tokens, 1000);  // fits: unchanged
+  EXPECT_EQ(requests[2].output_tokens, 8191);
+  EXPECT_EQ(requests[2].context_tokens, 1);
+  std::vector<TraceRequest> unlimited = {{0, 100000, 5, {}}};
+  EXPECT_EQ(FitToModelContext(unlimited, 0), 0);
+  EXPECT_EQ(unlimited[0].context_tokens, 100000);
+}
+
 TEST(ApplyCaps, LimitContextPrefixIdsAndOutput) {
   std::vector<TraceRequest> requests(3);
   requests[0] = {0, 5000, 100, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};  // ceil(5000 / 512) = 10 ids
@@ -216,6 +297,11 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
  public:
   std::set<std::string> refuse;
   std::chrono::milliseconds step_time{5};
+  /// GetLoad's model when named; a real model when its vocab_size > 0: Tokens carry ids (1000 +
+  /// the position), requests in `end_with_eos` end after their first token with
+  /// FINISH_REASON_EOS (id 2), those in `bad_ids` stream the id vocab_size.
+  v1::Model model;
+  std::set<std::string> end_with_eos, bad_ids;
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateEvent>* writer) override {
@@ -236,8 +322,11 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
     v1::GenerateEvent admitted;
     admitted.mutable_admitted()->set_prefix_slots_reused(512 * request->prefix_block_ids_size());
     writer->Write(admitted);
-    int64_t position = request->context_length();
-    for (int64_t left = request->max_new_tokens(); left > 0;) {
+    const bool real = model.vocab_size() > 0;
+    int64_t position = request->has_context_tokens() ? request->context_tokens().tokens_size()
+                                                     : request->context_length();
+    const bool eos = end_with_eos.count(request->request_id()) > 0;
+    for (int64_t left = eos ? 1 : request->max_new_tokens(); left > 0;) {
       std::this_thread::sleep_for(step_time);
       if (context->IsCancelled()) return {grpc::StatusCode::CANCELLED, "cancelled"};
       const int count = static_cast<int>(std::min<int64_t>(2, left));
@@ -253,12 +342,20 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
       tokens->set_audit_miss_rate_sum(0.25);
       tokens->add_selection_wait_seconds(0.001);
       tokens->add_selection_wait_seconds(0.002);
+      for (int i = 0; real && i < count; ++i) {
+        tokens->add_token_ids(eos                                        ? 2
+                              : bad_ids.count(request->request_id()) > 0 ? model.vocab_size()
+                                                                         : 1000 + position + i);
+      }
       writer->Write(event);
       position += count;
       left -= count;
     }
     v1::GenerateEvent finished;
-    finished.mutable_finished()->set_generated_tokens(request->max_new_tokens());
+    finished.mutable_finished()->set_generated_tokens(eos ? 1 : request->max_new_tokens());
+    finished.mutable_finished()->set_finish_reason(eos ? v1::FINISH_REASON_EOS
+                                                       : v1::FINISH_REASON_LENGTH);
+    if (eos) finished.mutable_finished()->set_stop_token_id(2);
     writer->Write(finished);
     return grpc::Status::OK;
   }
@@ -270,6 +367,7 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
   grpc::Status GetLoad(grpc::ServerContext*, const v1::GetLoadRequest*,
                        v1::GetLoadResponse* response) override {
     ++load_calls_;
+    if (!model.name().empty()) *response->mutable_model() = model;
     response->set_running(open_);
     response->set_cache_blocks_used(10 * open_);
     response->set_cache_blocks_capacity(1000);
@@ -462,6 +560,144 @@ TEST_F(FakeCoordinatorTest, AStopBeforeTheLastArrivalCountsTheUnsentRequestsAsFa
       << report->first_error;
   EXPECT_NE(ReplayReportToMarkdown(*report).find("stopped by a signal"), std::string::npos);
   EXPECT_EQ(ReplayReportToJson(*report)["requests"]["stopped"], true);
+}
+
+TEST_F(FakeCoordinatorTest, RealModelGetsRealTextTokensAndReportsFinishReasonsAndSamples) {
+  fake_.model.set_name("smollm2-135m");
+  fake_.model.set_vocab_size(49152);
+  fake_.model.set_eos_token_id(2);
+  fake_.model.set_max_context(3000);
+  fake_.end_with_eos = {"replay-1"};
+  auto source = ContextTokenSource::Create(PositionCorpus(4000));
+  ASSERT_TRUE(source.ok());
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  options.max_in_flight = 2;
+  options.tokens = &*source;
+  options.token_file = "corpus.npy";
+  options.sample_outputs = 2;
+  // 4 requests of 3000 context tokens (6 ids), 9 output tokens: cut to 2991 by the model's 3000.
+  const std::vector<TraceRequest> requests = Trace(4, 0);
+  auto report = RunReplay(requests, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 4) << report->first_error;  // the EOS one ended early, complete
+  EXPECT_EQ(report->contexts_cut_to_model, 4);
+  EXPECT_EQ(report->model_name, "smollm2-135m");
+  EXPECT_EQ(report->finish_reasons, (std::map<std::string, int64_t>{{"EOS", 1}, {"LENGTH", 3}}));
+  EXPECT_EQ(report->generated_tokens, 3 * 9 + 1);
+  ASSERT_EQ(report->samples.size(), 2u);
+  EXPECT_EQ(report->samples[0].index, 0);
+  EXPECT_EQ(report->samples[0].status, "OK");
+  EXPECT_EQ(report->samples[0].finish_reason, "LENGTH");
+  EXPECT_EQ(report->samples[0].context_tokens, 2991);
+  ASSERT_EQ(report->samples[0].token_ids.size(), 9u);
+  EXPECT_EQ(report->samples[0].token_ids[0], 1000 + 2991);
+  EXPECT_EQ(report->samples[1].token_ids, (std::vector<int32_t>{2}));
+  EXPECT_EQ(report->samples[1].finish_reason, "EOS");
+  ASSERT_EQ(report->samples[0].context_tail_ids.size(), size_t{kSampleContextTailTokens});
+  // Block 5 (ids 5: the trace's sixth) holds slots [2560, 2991): its last id ends the context.
+  EXPECT_EQ(report->samples[0].context_tail_ids.back(), source->BlockOffset(5) + 2990 - 2560);
+
+  const std::vector<v1::GenerateRequest> received = fake_.received();
+  ASSERT_EQ(received.size(), 4u);
+  for (const v1::GenerateRequest& request : received) {
+    ASSERT_TRUE(request.has_context_tokens());
+    EXPECT_EQ(request.context_tokens().tokens_size(), 2991);
+    EXPECT_EQ(request.prefix_block_ids_size(), 0);  // refused with context_tokens
+    EXPECT_FALSE(request.has_sampling());           // greedy
+    EXPECT_FALSE(request.ignore_eos());
+    // Every request shares the trace's ids 0..5, so every context is the same text.
+    EXPECT_EQ(request.context_tokens().tokens(512), source->BlockOffset(1));
+  }
+  const nlohmann::json json = ReplayReportToJson(*report);
+  EXPECT_EQ(json["finish_reasons"]["EOS"], 1);
+  EXPECT_EQ(json["samples"].size(), 2u);
+  EXPECT_EQ(json["samples"][1]["token_ids"], nlohmann::json::array({2}));
+  EXPECT_EQ(json["real_tokens"]["token_file"], "corpus.npy");
+  EXPECT_EQ(json["model"]["vocab_size"], 49152);
+  const std::string markdown = ReplayReportToMarkdown(*report);
+  EXPECT_NE(markdown.find("| finish reasons (completed requests) | EOS: 1, LENGTH: 3 |"),
+            std::string::npos)
+      << markdown;
+  EXPECT_NE(markdown.find("| sampling | greedy; ends at EOS |"), std::string::npos) << markdown;
+  EXPECT_NE(markdown.find("| 1 | 2991 | OK | EOS | 2 |"), std::string::npos) << markdown;
+}
+
+TEST_F(FakeCoordinatorTest, RealModelSamplingSeedsPerRequest) {
+  fake_.model.set_name("smollm2-135m");
+  fake_.model.set_vocab_size(49152);
+  auto source = ContextTokenSource::Create(PositionCorpus(2000));
+  ASSERT_TRUE(source.ok());
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  options.tokens = &*source;
+  options.sampling = {0.7F, 0.9F, 100, true};
+  auto report = RunReplay(ApplyCaps(Trace(3, 0), {0, 1000, 2}), options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 3);
+  std::set<uint64_t> seeds;
+  for (const v1::GenerateRequest& request : fake_.received()) {
+    ASSERT_TRUE(request.has_sampling());
+    EXPECT_FLOAT_EQ(request.sampling().temperature(), 0.7F);
+    EXPECT_FLOAT_EQ(request.sampling().top_p(), 0.9F);
+    EXPECT_TRUE(request.ignore_eos());
+    seeds.insert(request.sampling().seed());
+  }
+  EXPECT_EQ(seeds, (std::set<uint64_t>{100, 101, 102}));
+  EXPECT_NE(ReplayReportToMarkdown(*report).find(
+                "| sampling | temperature 0.7, top-p 0.9, seed 100 + request index; ignore_eos |"),
+            std::string::npos);
+}
+
+TEST_F(FakeCoordinatorTest, RealModelTokenIdsOutsideTheVocabularyFailTheRequest) {
+  fake_.model.set_name("smollm2-135m");
+  fake_.model.set_vocab_size(49152);
+  fake_.bad_ids = {"replay-0"};
+  auto source = ContextTokenSource::Create(PositionCorpus(2000));
+  ASSERT_TRUE(source.ok());
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  options.tokens = &*source;
+  auto report = RunReplay(ApplyCaps(Trace(2, 0), {0, 1000, 2}), options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 1);
+  EXPECT_EQ(report->failures_by_code, (std::map<std::string, int64_t>{{"MALFORMED_STREAM", 1}}));
+  EXPECT_NE(report->first_error.find("token id 49152"), std::string::npos) << report->first_error;
+}
+
+TEST_F(FakeCoordinatorTest, ModelMismatchesAreRefusedBeforeAnyRequest) {
+  auto source = ContextTokenSource::Create(PositionCorpus(2000));
+  ASSERT_TRUE(source.ok());
+  ReplayOptions options;
+  options.coordinator = address_;
+  options.time_scale = 0;
+  // Real text for the pattern model (GetLoad names it, with no vocabulary).
+  fake_.model.set_name("pattern");
+  options.tokens = &*source;
+  auto pattern = RunReplay(ApplyCaps(Trace(1, 0), {0, 600, 1}), options);
+  EXPECT_EQ(pattern.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(pattern.status().message().find("without --model smollm2"), std::string::npos)
+      << pattern.status();
+  // No tokens for a real model.
+  fake_.model.set_name("smollm2-135m");
+  fake_.model.set_vocab_size(49152);
+  options.tokens = nullptr;
+  auto refused = RunReplay(ApplyCaps(Trace(1, 0), {0, 600, 1}), options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("--model smollm2"), std::string::npos)
+      << refused.status();
+  // A corpus beyond the vocabulary.
+  fake_.model.set_vocab_size(1000);
+  options.tokens = &*source;
+  options.token_file = "other.npy";
+  auto beyond = RunReplay(ApplyCaps(Trace(1, 0), {0, 600, 1}), options);
+  EXPECT_EQ(beyond.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(beyond.status().message().find("other.npy holds token id 1999"), std::string::npos)
+      << beyond.status();
+  EXPECT_TRUE(fake_.received().empty());  // nothing was sent
 }
 
 // Runs the `dsa` binary; its exit code.

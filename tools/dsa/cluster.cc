@@ -127,6 +127,20 @@ std::string ExecutableDir() {
   return error ? "" : exe.parent_path().string();
 }
 
+std::string FindRepoFile(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::path given(path);
+  if (path.empty()) return path;
+  if (fs::exists(given, error)) return fs::absolute(given, error).lexically_normal().string();
+  if (given.is_absolute()) return path;
+  const std::string exe_dir = ExecutableDir();
+  if (exe_dir.empty()) return path;
+  const fs::path in_repo = fs::path(exe_dir).parent_path().parent_path() / given;
+  if (fs::exists(in_repo, error)) return in_repo.lexically_normal().string();
+  return path;
+}
+
 std::string FileTail(const std::string& path, size_t max_bytes) {
   std::string text = ReadFile(path);
   if (text.size() <= max_bytes) return text;
@@ -161,6 +175,47 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
         absl::StrCat("a cluster needs at least one indexer and one attention worker (asked for ",
                      options.num_indexers, " and ", options.num_attention_workers, ")"));
   }
+  const bool real_model = options.model == kSmolLM2Model;
+  if (!real_model && options.model != kPatternModel) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown model \"", options.model,
+                                                   "\": ", kPatternModel, " or ", kSmolLM2Model));
+  }
+  std::string model_file, indexer_weights;
+  if (real_model) {
+    if (options.attention_device.has_value() && *options.attention_device != "cpu") {
+      return absl::InvalidArgumentError(
+          "--model smollm2 runs its attention on the CPU (--attention-device cpu)");
+    }
+    if (options.num_heads.value_or(kSmolLM2IndexerHeads) != kSmolLM2IndexerHeads ||
+        options.head_dim.value_or(kSmolLM2IndexerHeadDim) != kSmolLM2IndexerHeadDim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--model smollm2's indexer is H ", kSmolLM2IndexerHeads, ", D ", kSmolLM2IndexerHeadDim,
+          " (its weights' shape): leave --num-heads and --head-dim unset or give those"));
+    }
+    model_file = FindRepoFile(options.model_file.empty() ? kDefaultModelFile : options.model_file);
+    indexer_weights = FindRepoFile(options.indexer_weights.empty() ? kDefaultIndexerWeights
+                                                                   : options.indexer_weights);
+    if (access(model_file.c_str(), R_OK) != 0) {
+      return absl::NotFoundError(
+          absl::StrCat("--model smollm2: no model file ", model_file,
+                       " (bash scripts/model_setup.sh writes it; or give --model-file)"));
+    }
+    if (access(indexer_weights.c_str(), R_OK) != 0) {
+      return absl::NotFoundError(
+          absl::StrCat("--model smollm2: no indexer weights ", indexer_weights,
+                       " (the repository carries data/models/smollm2_indexer.safetensors; or "
+                       "give --indexer-weights)"));
+    }
+  } else if (!options.model_file.empty() || !options.indexer_weights.empty()) {
+    return absl::InvalidArgumentError("--model-file and --indexer-weights need --model smollm2");
+  }
+  // The indexer shape every dsa-indexer (and a pattern dsa-attention) is given.
+  const std::optional<int> num_heads =
+      real_model ? std::optional<int>(kSmolLM2IndexerHeads) : options.num_heads;
+  const std::optional<int> head_dim =
+      real_model ? std::optional<int>(kSmolLM2IndexerHeadDim) : options.head_dim;
+  const std::optional<int> top_k =
+      real_model && !options.top_k.has_value() ? std::optional<int>(kSmolLM2TopK) : options.top_k;
   const std::string bin_dir = options.bin_dir.empty() ? ExecutableDir() : options.bin_dir;
   const std::string indexer_binary = bin_dir + "/dsa-indexer";
   const std::string attention_binary = bin_dir + "/dsa-attention";
@@ -238,8 +293,8 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   std::vector<std::string> indexer_addresses;
   for (int i = 0; i < (colocated ? 0 : options.num_indexers); ++i) {
     std::vector<std::string> args = loopback;
-    add(args, "--num-heads", options.num_heads);
-    add(args, "--head-dim", options.head_dim);
+    add(args, "--num-heads", num_heads);
+    add(args, "--head-dim", head_dim);
     const std::vector<std::string> flags = indexer_flags(i, "--");
     args.insert(args.end(), flags.begin(), flags.end());
     if (absl::Status started = cluster->StartProcess(
@@ -253,11 +308,18 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   std::vector<std::string> attention_addresses;
   for (int i = 0; i < options.num_attention_workers; ++i) {
     std::vector<std::string> args = loopback;
-    add(args, "--num-heads", options.num_heads);
-    add(args, "--head-dim", options.head_dim);
+    if (real_model) {
+      // Its shapes come from its files; the pattern model's --num-heads, --head-dim and --seed
+      // are refused.
+      args.insert(args.end(), {"--model", kSmolLM2Model, "--model-file", model_file,
+                               "--indexer-weights", indexer_weights});
+    } else {
+      add(args, "--num-heads", options.num_heads);
+      add(args, "--head-dim", options.head_dim);
+      add(args, "--seed", options.seed);
+    }
     add(args, "--layer-pattern", options.layer_pattern);
     add(args, "--kv-capacity-slots", options.kv_capacity_slots);
-    add(args, "--seed", options.seed);
     add(args, "--attention-device", options.attention_device);
     if (options.attention_device == "cuda" && !options.attention_cuda_devices.empty()) {
       add(args, "--attention-cuda-device",
@@ -289,7 +351,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   for (const std::string& address : attention_addresses) {
     args.insert(args.end(), {"--attention", address});
   }
-  add(args, "--top-k", options.top_k);
+  add(args, "--top-k", top_k);
   add(args, "--target-block-sparsity", options.target_block_sparsity);
   add(args, "--acceptance-rate", options.acceptance_rate);
   add(args, "--seed", options.seed);

@@ -16,6 +16,24 @@
 
 namespace dsa {
 
+/// `--model` of dsa-attention, `dsa up`, `dsa replay` and `dsa generate`: the synthetic pattern
+/// model, or SmolLM2-135M with its trained lightning indexers (docs/model.md).
+inline constexpr char kPatternModel[] = "pattern";
+inline constexpr char kSmolLM2Model[] = "smollm2";
+/// The real model's files, relative to the repository (dsa-attention's defaults):
+/// scripts/model_setup.sh writes the backbone, tokenizer and token splits; the repository carries
+/// the indexer weights.
+inline constexpr char kDefaultModelFile[] = "build/models/smollm2-135m/model.safetensors";
+inline constexpr char kDefaultIndexerWeights[] = "data/models/smollm2_indexer.safetensors";
+inline constexpr char kDefaultTokenizerFile[] = "build/models/smollm2-135m/tokenizer.json";
+inline constexpr char kDefaultHeldoutTokens[] = "build/models/smollm2-135m/python_docs_heldout.npy";
+/// The real model's indexer shape (its weights' H and D: dsa-indexer must match) and the
+/// selection size a cluster for it defaults to (the coordinator's --top-k; its own default, 2048,
+/// is the production shape's).
+inline constexpr int kSmolLM2IndexerHeads = 16;
+inline constexpr int kSmolLM2IndexerHeadDim = 64;
+inline constexpr int kSmolLM2TopK = 512;
+
 /// What to start. Unset optionals leave the binaries' own defaults.
 struct LocalClusterOptions {
   int num_indexers = 1;  // dsa-indexer processes, >= 1 (ignored with transport inprocess)
@@ -33,6 +51,17 @@ struct LocalClusterOptions {
   std::string log_dir;
   std::chrono::milliseconds startup_timeout{60000};  // per process: address printed + readiness
   std::chrono::milliseconds stop_timeout{15000};     // per group (coordinator, attention, indexers)
+
+  /// The model the attention workers run: kPatternModel, or kSmolLM2Model, which starts
+  /// dsa-attention with --model smollm2 --model-file --indexer-weights (not the pattern model's
+  /// --num-heads, --head-dim, --seed), every dsa-indexer with --num-heads 16 --head-dim 64 (the
+  /// model's indexer shape; num_heads and head_dim must be unset or equal to it), the coordinator
+  /// with --top-k 512 unless top_k is set; attention_device must be unset or cpu.
+  std::string model = kPatternModel;
+  /// kSmolLM2Model: the backbone and the indexer weights; empty = kDefaultModelFile and
+  /// kDefaultIndexerWeights, found by FindRepoFile. Start checks that both files exist.
+  std::string model_file;
+  std::string indexer_weights;
 
   // Pass-through settings (DESIGN.md / docs/services.md flag names).
   std::optional<int64_t> capacity_blocks;     // dsa-indexer --capacity-blocks, per indexer
@@ -134,6 +163,12 @@ class LocalCluster {
 
 /// The folder of the running executable (/proc/self/exe), or "" when it cannot be read.
 std::string ExecutableDir();
+
+/// Where a repository-relative file is: `path` itself when it is absolute or exists from the
+/// working directory; else the same relative path under the repository this executable was built
+/// in (two folders above ExecutableDir(), as for build/bin/dsa) when it exists there; else `path`
+/// unchanged (the caller's open then fails naming it). Existing files come back absolute.
+std::string FindRepoFile(const std::string& path);
 
 /// The last `max_bytes` of a file (whole lines where possible); "" when unreadable.
 std::string FileTail(const std::string& path, size_t max_bytes);

@@ -1,6 +1,6 @@
 // `dsa`: the project's command-line tool. Subcommands: `eval` (SPIN quality against all-keep),
-// `up` (a local cluster of the three servers) and `replay` (a production trace against a
-// coordinator).
+// `up` (a local cluster of the three servers), `replay` (a production trace against a
+// coordinator), `generate` (a prompt's streamed text from a real model) and `health`.
 #include <signal.h>
 
 #include <atomic>
@@ -14,11 +14,14 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/npy.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "server/health_check.h"
@@ -26,6 +29,7 @@
 #include "server/version.h"
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/eval.h"
+#include "tools/dsa/generate.h"
 #include "tools/dsa/replay.h"
 #include "tools/dsa/trace.h"
 
@@ -78,6 +82,18 @@ struct ClusterFlags {
 };
 
 void AddClusterFlags(CLI::App* cmd, dsa::LocalClusterOptions& options, ClusterFlags& flags) {
+  cmd->add_option("--model", options.model,
+                  "The model the attention workers run: pattern (the synthetic pattern model) or "
+                  "smollm2 (SmolLM2-135M with its lightning indexers, docs/model.md: the indexers "
+                  "at H 16, D 64, the coordinator at --top-k 512 unless given)")
+      ->check(CLI::IsMember({dsa::kPatternModel, dsa::kSmolLM2Model}))
+      ->capture_default_str();
+  cmd->add_option("--model-file", options.model_file,
+                  std::string("--model smollm2: the backbone (default ") + dsa::kDefaultModelFile +
+                      ", written by scripts/model_setup.sh)");
+  cmd->add_option("--indexer-weights", options.indexer_weights,
+                  std::string("--model smollm2: the lightning indexers' weights (default ") +
+                      dsa::kDefaultIndexerWeights + ")");
   cmd->add_option("--indexers", options.num_indexers,
                   "dsa-indexer processes (with --transport inprocess: none, each attention worker "
                   "holds its own)")
@@ -271,7 +287,7 @@ int RunUp(const dsa::LocalClusterOptions& options, bool restart, int64_t restart
 // Exit code 0 only when every request completed.
 int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, bool local,
                      const dsa::LocalClusterOptions& cluster_options, const std::string& json_path,
-                     const std::string& markdown_path) {
+                     const std::string& markdown_path, const std::string& token_file) {
   const sigset_t signals = BlockStopSignals();
   static std::atomic<bool> stop{false};
   std::thread([signals] {
@@ -292,6 +308,29 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   const std::vector<dsa::TraceRequest> requests = dsa::ApplyCaps(*std::move(trace), replay.caps);
   std::fprintf(stderr, "dsa replay: %zu of %zu requests from %s\n", requests.size(), trace_size,
                trace_path.c_str());
+  // A real model: the contexts are real text from the token file.
+  std::optional<dsa::ContextTokenSource> token_source;
+  if (cluster_options.model == dsa::kSmolLM2Model) {
+    // The report names the file as given (or the default, relative to the repository).
+    replay.token_file = token_file.empty() ? dsa::kDefaultHeldoutTokens : token_file;
+    const std::string corpus_path = dsa::FindRepoFile(replay.token_file);
+    absl::StatusOr<std::vector<int32_t>> corpus = dsa::ReadTokensNpy(corpus_path);
+    absl::StatusOr<dsa::ContextTokenSource> source =
+        corpus.ok() ? dsa::ContextTokenSource::Create(*std::move(corpus))
+                    : absl::StatusOr<dsa::ContextTokenSource>(corpus.status());
+    if (!source.ok()) {
+      std::fprintf(stderr, "dsa replay: --token-corpus: %s%s\n", source.status().ToString().c_str(),
+                   token_file.empty() ? " (bash scripts/model_setup.sh writes it)" : "");
+      return 2;
+    }
+    token_source = *std::move(source);
+    replay.tokens = &*token_source;
+    std::fprintf(stderr, "dsa replay: contexts of real text from %s (%lld tokens)\n",
+                 corpus_path.c_str(), static_cast<long long>(token_source->size()));
+  } else if (!token_file.empty()) {
+    std::fprintf(stderr, "dsa replay: --token-corpus needs --model smollm2\n");
+    return 2;
+  }
 
   std::unique_ptr<dsa::LocalCluster> cluster;
   if (local) {
@@ -338,9 +377,11 @@ int RunReplayCommand(const std::string& trace_path, dsa::ReplayOptions replay, b
   const std::string attention_device =
       local ? cluster_options.attention_device.value_or("cpu") : "not known (remote cluster)";
   json["settings"]["attention_device"] = attention_device;
+  json["settings"]["model"] = cluster_options.model;
   const std::string heading =
       "## `dsa replay` of " + std::filesystem::path(trace_path).filename().string() +
-      (local ? " (local cluster, attention device: " + attention_device +
+      (local ? " (local cluster, model: " + cluster_options.model +
+                   ", attention device: " + attention_device +
                    ", indexer device: " + indexer_device + ", transport: " + transport +
                    (colocated ? ", each indexer co-located in its attention worker" : "") + ")"
              : "") +
@@ -419,6 +460,141 @@ std::optional<dsa::ClientSecurity> DialSecurity(const DialFlags& flags, const ch
     return std::nullopt;
   }
   return *security;
+}
+
+// `dsa generate`'s own flags; each is passed on to dsa_client.generate.
+struct GenerateFlags {
+  std::string coordinator;
+  std::string prompt;
+  std::string tokenizer;
+  bool chat = false;
+  std::string system_prompt;
+  int64_t max_new_tokens = 64;
+  int draft_length = 2;
+  double temperature = 0, top_p = 0;
+  uint64_t sampling_seed = 0;
+  std::vector<int> stop_token_ids;
+  bool ignore_eos = false;
+  bool json = false;
+  std::string python, client_dir;
+  CLI::Option* system_opt = nullptr;
+};
+
+void AddGenerateFlags(CLI::App* cmd, GenerateFlags& flags) {
+  cmd->add_option("prompt", flags.prompt, "The prompt (plain text; with --chat the user's turn)")
+      ->required();
+  cmd->add_option("--coordinator", flags.coordinator,
+                  "Coordinator host:port; without it a local cluster is started for the prompt "
+                  "(the cluster flags below) and stopped after it");
+  cmd->add_option(
+      "--tokenizer", flags.tokenizer,
+      std::string("The model's tokenizer.json (default ") + dsa::kDefaultTokenizerFile + ")");
+  cmd->add_flag("--chat", flags.chat,
+                "Wrap the prompt in the model's ChatML template (system, user, then the "
+                "assistant's turn; the special tokens inserted by id)");
+  flags.system_opt =
+      cmd->add_option("--system", flags.system_prompt,
+                      "--chat: the system prompt (default: the model's own, SmolLM2's)");
+  cmd->add_option("--max-new-tokens", flags.max_new_tokens, "Tokens to generate at most")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--draft-length", flags.draft_length,
+                  "Speculative draft length d (0..4): the coordinator's n-gram drafts, kept where "
+                  "the model's own tokens confirm them")
+      ->check(CLI::Range(0, 4))
+      ->capture_default_str();
+  cmd->add_option("--temperature", flags.temperature, "Sampling temperature, 0 = greedy")
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
+  cmd->add_option("--top-p", flags.top_p, "Nucleus sampling's top-p (0 = 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_option("--sampling-seed", flags.sampling_seed, "Seed of the sampled draws")
+      ->capture_default_str();
+  cmd->add_option("--stop-token-id", flags.stop_token_ids,
+                  "End after this token id (repeat for several)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--ignore-eos", flags.ignore_eos,
+                "Do not end at the model's end-of-sequence token");
+  cmd->add_flag("--json", flags.json,
+                "Print one JSON line (prompt and generated ids, text, finish reason, timings) "
+                "instead of streaming the text");
+  cmd->add_option("--python", flags.python,
+                  "Python with grpcio, protobuf and tokenizers (default: $DSA_PYTHON, else the "
+                  "repository's .venv-model/bin/python from scripts/model_setup.sh)");
+  cmd->add_option("--client-dir", flags.client_dir,
+                  "Folder of the dsa_client package (default: the repository's clients/python)");
+}
+
+// `dsa generate`: starts a local cluster unless --coordinator is given, runs dsa_client.generate
+// against it, stops the cluster. The exit code is the Python side's (0: the text came; 1: the
+// request failed), 2 for a usage or startup error.
+int RunGenerateCommand(const GenerateFlags& flags, const dsa::LocalClusterOptions& cluster_options,
+                       const DialFlags& dial) {
+  dsa::PythonGenerateOptions python;
+  python.python = flags.python;
+  python.client_dir = flags.client_dir;
+  std::vector<std::string>& args = python.args;
+  args = {"--tokenizer",
+          dsa::FindRepoFile(flags.tokenizer.empty() ? dsa::kDefaultTokenizerFile : flags.tokenizer),
+          "--max-new-tokens",
+          std::to_string(flags.max_new_tokens),
+          "--draft-length",
+          std::to_string(flags.draft_length)};
+  if (flags.chat) args.emplace_back("--chat");
+  if (flags.system_opt->count() > 0) args.insert(args.end(), {"--system", flags.system_prompt});
+  if (flags.temperature > 0) {
+    std::ostringstream temperature, top_p;
+    temperature << flags.temperature;
+    top_p << flags.top_p;
+    args.insert(args.end(), {"--temperature", temperature.str(), "--top-p", top_p.str(), "--seed",
+                             std::to_string(flags.sampling_seed)});
+  }
+  for (int id : flags.stop_token_ids) {
+    args.insert(args.end(), {"--stop-token-id", std::to_string(id)});
+  }
+  if (flags.ignore_eos) args.emplace_back("--ignore-eos");
+  if (flags.json) args.emplace_back("--json");
+  if (!dial.tls.ca_file.empty()) args.insert(args.end(), {"--ca-cert", dial.tls.ca_file});
+  if (!dial.tls.cert_file.empty()) args.insert(args.end(), {"--client-cert", dial.tls.cert_file});
+  if (!dial.tls.key_file.empty()) args.insert(args.end(), {"--client-key", dial.tls.key_file});
+  if (!dial.tls.server_name.empty()) {
+    args.insert(args.end(), {"--tls-server-name", dial.tls.server_name});
+  }
+  if (!dial.token_file.empty()) args.insert(args.end(), {"--token-file", dial.token_file});
+  args.insert(args.end(), {"--", flags.prompt});
+
+  // Ctrl-C reaches the Python side (same process group); this process waits for it and then
+  // stops its cluster.
+  BlockStopSignals();
+  std::unique_ptr<dsa::LocalCluster> cluster;
+  std::string coordinator = flags.coordinator;
+  if (coordinator.empty()) {
+    std::fprintf(stderr, "dsa generate: starting a local cluster (--model %s)\n",
+                 cluster_options.model.c_str());
+    const auto started = std::chrono::steady_clock::now();
+    auto up = dsa::LocalCluster::Start(cluster_options);
+    if (!up.ok()) {
+      std::fprintf(stderr, "dsa generate: %s\n", up.status().ToString().c_str());
+      return 2;
+    }
+    cluster = *std::move(up);
+    std::fprintf(stderr, "dsa generate: local cluster ready in %.1f s; logs in %s\n",
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+                 cluster->log_dir().c_str());
+    coordinator = cluster->coordinator_address();
+  }
+  absl::StatusOr<int> exit_code = dsa::RunPythonGenerate(coordinator, python);
+  if (cluster != nullptr) {
+    if (absl::Status stopped = cluster->Stop(); !stopped.ok()) {
+      std::fprintf(stderr, "dsa generate: %s\n", stopped.ToString().c_str());
+    }
+  }
+  if (!exit_code.ok()) {
+    std::fprintf(stderr, "dsa generate: %s\n", exit_code.status().ToString().c_str());
+    return 2;
+  }
+  return *exit_code;
 }
 
 }  // namespace
@@ -535,12 +711,55 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                    "Deadline of each Generate stream")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  std::string replay_token_file;
+  replay_cmd->add_option("--token-corpus", replay_token_file,
+                         std::string("--model smollm2: .npy of token ids (uint16, int32 or int64) "
+                                     "whose 512-token slices fill the contexts, one per trace "
+                                     "hash id (default ") +
+                             dsa::kDefaultHeldoutTokens + ")");
+  replay_cmd
+      ->add_option("--temperature", replay.sampling.temperature,
+                   "--model smollm2: sampling temperature, 0 = greedy")
+      ->check(CLI::Range(0.0, 100.0))
+      ->capture_default_str();
+  replay_cmd
+      ->add_option("--top-p", replay.sampling.top_p,
+                   "--model smollm2: nucleus sampling's top-p with --temperature > 0 (0 = 1)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  replay_cmd
+      ->add_option("--sampling-seed", replay.sampling.seed,
+                   "--model smollm2 with --temperature > 0: request i samples with seed + i")
+      ->capture_default_str();
+  replay_cmd->add_flag("--ignore-eos", replay.sampling.ignore_eos,
+                       "--model smollm2: generate to the output length past the end-of-sequence "
+                       "token (default: a request may end there)");
+  replay_cmd
+      ->add_option("--sample-outputs", replay.sample_outputs,
+                   "--model smollm2: keep the generated token ids of the first N requests in "
+                   "the report")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   replay_cmd->add_option("--json", replay_json, "Write the report as JSON to this file");
   replay_cmd->add_option("--markdown", replay_markdown,
                          "Write the report as a markdown table to this file");
   AddClusterFlags(replay_cmd, replay_cluster, replay_flags);
   DialFlags replay_dial;
   AddDialFlags(replay_cmd, replay_dial);
+
+  dsa::LocalClusterOptions generate_cluster;
+  generate_cluster.model = dsa::kSmolLM2Model;
+  ClusterFlags generate_flags;
+  GenerateFlags generate;
+  CLI::App* generate_cmd = app.add_subcommand(
+      "generate",
+      "Stream a prompt's generated text from a real model (tokenized in Python by "
+      "dsa_client.generate with the model's tokenizer.json); starts a local cluster unless "
+      "--coordinator is given");
+  AddGenerateFlags(generate_cmd, generate);
+  AddClusterFlags(generate_cmd, generate_cluster, generate_flags);
+  DialFlags generate_dial;
+  AddDialFlags(generate_cmd, generate_dial);
 
   std::string health_target, health_service = dsa::kReadinessService;
   int64_t health_timeout_ms = 2000;
@@ -571,7 +790,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       std::as_const(app).get_subcommands(named_first).empty()) {
     std::fprintf(
         stderr,
-        "dsa: unknown subcommand '%s' (available: eval, up, replay, health); see dsa --help\n",
+        "dsa: unknown subcommand '%s' (available: eval, up, replay, generate, health); see dsa "
+        "--help\n",
         argv[1]);
     return 106;
   }
@@ -595,8 +815,16 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     const std::optional<dsa::ClientSecurity> security = DialSecurity(replay_dial, "dsa replay");
     if (!security.has_value()) return 2;
     replay.security = *security;
-    return RunReplayCommand(trace_path, replay, local, replay_cluster, replay_json,
-                            replay_markdown);
+    return RunReplayCommand(trace_path, replay, local, replay_cluster, replay_json, replay_markdown,
+                            replay_token_file);
+  }
+  if (*generate_cmd) {
+    if (generate_cluster.model != dsa::kSmolLM2Model) {
+      std::fprintf(stderr, "dsa generate: the pattern model draws no tokens: --model smollm2\n");
+      return 2;
+    }
+    ResolveClusterFlags(generate_flags, generate_cluster);
+    return RunGenerateCommand(generate, generate_cluster, generate_dial);
   }
   if (*eval_cmd) {
     eval.predictor_study = !no_predictor_study;

@@ -8,10 +8,12 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -19,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/limits.h"
 #include "coordinator/scheduler.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
@@ -30,8 +33,10 @@ namespace {
 namespace v1 = ::dsa::coordinator::v1;
 using Clock = std::chrono::steady_clock;
 
-// A stream that ended OK without a Finished event (or short of its tokens) is a failure too.
+// A stream that ended OK without a Finished event (or short of its tokens) is a failure too, and
+// so is one whose token ids do not match its counts or the vocabulary (a real model).
 constexpr int kIncompleteStream = -1;
+constexpr int kMalformedStream = -2;
 
 double SecondsBetween(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
@@ -39,16 +44,44 @@ double SecondsBetween(Clock::time_point from, Clock::time_point to) {
 
 std::string CodeName(int code) {
   if (code == kIncompleteStream) return "INCOMPLETE_STREAM";
+  if (code == kMalformedStream) return "MALFORMED_STREAM";
   return absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
 }
 
-// Runs one request's Generate stream to its end and records what it streamed.
+// "EOS" for FINISH_REASON_EOS.
+std::string FinishReasonName(int reason) {
+  std::string name = v1::FinishReason_Name(reason);
+  constexpr std::string_view kPrefix = "FINISH_REASON_";
+  if (name.rfind(kPrefix, 0) == 0) name = name.substr(kPrefix.size());
+  return name.empty() ? absl::StrCat(reason) : name;
+}
+
+// Runs one request's Generate stream to its end and records what it streamed. `vocab_size`: a
+// real model's (its token ids are checked against it), 0 for the pattern model.
 void RunOne(v1::CoordinatorService::Stub& stub, const TraceRequest& request, int64_t index,
-            const ReplayOptions& options, grpc::ClientContext& context, RequestRecord& record) {
+            const ReplayOptions& options, int32_t vocab_size, grpc::ClientContext& context,
+            RequestRecord& record) {
   v1::GenerateRequest generate;
   generate.set_request_id(absl::StrCat("replay-", index));
-  generate.set_context_length(request.context_tokens);
-  for (uint64_t id : request.prefix_block_ids) generate.add_prefix_block_ids(id);
+  if (options.tokens != nullptr) {
+    const std::vector<int32_t> ids = options.tokens->Context(request, index);
+    generate.mutable_context_tokens()->mutable_tokens()->Assign(ids.begin(), ids.end());
+    if (index < options.sample_outputs) {
+      const size_t tail = std::min<size_t>(ids.size(), kSampleContextTailTokens);
+      record.context_tail_ids.assign(ids.end() - static_cast<std::ptrdiff_t>(tail), ids.end());
+    }
+    const ReplaySampling& sampling = options.sampling;
+    if (sampling.temperature > 0) {
+      v1::SamplingParams* params = generate.mutable_sampling();
+      params->set_temperature(sampling.temperature);
+      params->set_top_p(sampling.top_p);
+      params->set_seed(sampling.seed + static_cast<uint64_t>(index));
+    }
+    generate.set_ignore_eos(sampling.ignore_eos);
+  } else {
+    generate.set_context_length(request.context_tokens);
+    for (uint64_t id : request.prefix_block_ids) generate.add_prefix_block_ids(id);
+  }
   generate.set_max_new_tokens(request.output_tokens);
   generate.set_draft_length(options.draft_length);
   context.set_deadline(std::chrono::system_clock::now() +
@@ -56,6 +89,7 @@ void RunOne(v1::CoordinatorService::Stub& stub, const TraceRequest& request, int
   const Clock::time_point sent = Clock::now();
   Clock::time_point last_tokens = sent;
   bool finished = false;
+  std::string malformed;  // the first event that broke the token contract
   std::unique_ptr<grpc::ClientReader<v1::GenerateEvent>> reader = stub.Generate(&context, generate);
   v1::GenerateEvent event;
   while (reader->Read(&event)) {
@@ -80,15 +114,40 @@ void RunOne(v1::CoordinatorService::Stub& stub, const TraceRequest& request, int
       record.audit_miss_rate_sum += tokens.audit_miss_rate_sum();
       record.selection_wait_seconds.emplace_back(tokens.selection_wait_seconds().begin(),
                                                  tokens.selection_wait_seconds().end());
+      if (vocab_size > 0) {
+        record.token_ids.insert(record.token_ids.end(), tokens.token_ids().begin(),
+                                tokens.token_ids().end());
+        if (malformed.empty() && tokens.token_ids_size() != tokens.count()) {
+          malformed =
+              absl::StrCat("a Tokens event at position ", tokens.first_position(), " counts ",
+                           tokens.count(), " tokens but carries ", tokens.token_ids_size(), " ids");
+        }
+        for (int32_t id : tokens.token_ids()) {
+          if (malformed.empty() && (id < 0 || id >= vocab_size)) {
+            malformed = absl::StrCat("token id ", id, " at position ", tokens.first_position(),
+                                     " is outside the vocabulary [0, ", vocab_size, ")");
+          }
+        }
+      }
     } else if (event.has_finished()) {
       finished = true;
       record.migrations = event.finished().migrations();
+      record.finish_reason = FinishReasonName(event.finished().finish_reason());
+      if (event.finished().has_stop_token_id()) {
+        record.stop_token_id = event.finished().stop_token_id();
+      }
     }
   }
   const grpc::Status status = reader->Finish();
   record.status_code = static_cast<int>(status.error_code());
   record.error = status.error_message();
-  if (status.ok() && (!finished || record.generated_tokens < request.output_tokens)) {
+  // A real model may end early, at its end-of-sequence or a stop token.
+  const bool ended_by_token = record.finish_reason == "EOS" || record.finish_reason == "STOP_TOKEN";
+  if (status.ok() && !malformed.empty()) {
+    record.status_code = kMalformedStream;
+    record.error = malformed;
+  } else if (status.ok() &&
+             (!finished || (record.generated_tokens < request.output_tokens && !ended_by_token))) {
     record.status_code = kIncompleteStream;
     record.error =
         absl::StrCat("stream ended OK with ", record.generated_tokens, " of ",
@@ -105,13 +164,15 @@ struct Pending {
 // The shared state of one replay.
 class ReplayRun {
  public:
-  ReplayRun(const std::vector<TraceRequest>& requests, const ReplayOptions& options)
-      : requests_(requests),
+  ReplayRun(std::vector<TraceRequest> requests, const ReplayOptions& options)
+      : requests_(std::move(requests)),
         options_(options),
         channel_(NewChannel(options.coordinator, options.security)),
         stub_(v1::CoordinatorService::NewStub(channel_)),
-        records_(requests.size()) {}
+        records_(requests_.size()) {}
 
+  // GetLoad: the coordinator answers, and its model fits the options (real tokens for a real
+  // model only, every corpus id in its vocabulary); cuts the contexts to its max context.
   absl::Status Probe() {
     v1::GetLoadResponse load;
     grpc::ClientContext context;
@@ -123,6 +184,26 @@ class ReplayRun {
           absl::StrCat("coordinator ", options_.coordinator,
                        " did not answer GetLoad: ", status.error_message()));
     }
+    model_ = load.model();
+    const bool real_model = model_.vocab_size() > 0;
+    if (real_model && options_.tokens == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "coordinator ", options_.coordinator, " serves the real model ", model_.name(),
+          ", which needs token ids: replay with --model smollm2 (real text contexts)"));
+    }
+    if (options_.tokens != nullptr && load.has_model() && !real_model) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("coordinator ", options_.coordinator, " serves the ",
+                       model_.name().empty() ? std::string("pattern") : model_.name(),
+                       " model, which draws no tokens: replay it without --model smollm2"));
+    }
+    if (real_model && options_.tokens->max_token() >= model_.vocab_size()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(options_.token_file, " holds token id ", options_.tokens->max_token(),
+                       ", beyond the vocabulary of ", model_.name(), " (", model_.vocab_size(),
+                       " ids): a token file of another tokenizer?"));
+    }
+    if (real_model) contexts_cut_ = FitToModelContext(requests_, model_.max_context());
     return absl::OkStatus();
   }
 
@@ -155,6 +236,10 @@ class ReplayRun {
     ReplayReport report = AggregateReplay(records_, samples_, wall_seconds, options_);
     report.prefix_slots_reusable = ReusablePrefixSlots(requests_);
     report.stopped = StopRequested();
+    report.model_name = model_.name();
+    report.vocab_size = model_.vocab_size();
+    report.model_max_context = model_.max_context();
+    report.contexts_cut_to_model = contexts_cut_;
     return report;
   }
 
@@ -207,7 +292,7 @@ class ReplayRun {
       record.max_new_tokens = request.output_tokens;
       record.client_wait_seconds = SecondsBetween(pending.arrival, Clock::now());
       record.sent = true;
-      RunOne(*stub_, request, pending.index, options_, context, record);
+      RunOne(*stub_, request, pending.index, options_, model_.vocab_size(), context, record);
       std::lock_guard<std::mutex> lock(mutex_);
       contexts_.erase(&context);
       --in_flight_;
@@ -292,8 +377,10 @@ class ReplayRun {
     if (options_.progress != nullptr) DrawProgress(tty, true);
   }
 
-  const std::vector<TraceRequest>& requests_;
+  std::vector<TraceRequest> requests_;  // cut to the model's max context by Probe
   const ReplayOptions& options_;
+  v1::Model model_;           // the coordinator's, from Probe
+  int64_t contexts_cut_ = 0;  // by Probe
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::CoordinatorService::Stub> stub_;
   Clock::time_point start_;
@@ -316,7 +403,76 @@ double Mean(const std::vector<double>& values) {
   return sum / static_cast<double>(values.size());
 }
 
+// SplitMix64's finalizer (Steele, Lea and Flood 2014): a well-mixed 64-bit hash of `x`.
+uint64_t Mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
 }  // namespace
+
+ContextTokenSource::ContextTokenSource(std::vector<int32_t> tokens) : tokens_(std::move(tokens)) {
+  for (int32_t id : tokens_) max_token_ = std::max(max_token_, id);
+}
+
+absl::StatusOr<ContextTokenSource> ContextTokenSource::Create(std::vector<int32_t> tokens) {
+  if (static_cast<int64_t>(tokens.size()) < kTracePrefixBlockTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("the token corpus holds ", tokens.size(),
+                                                   " ids; real-text contexts need at least ",
+                                                   kTracePrefixBlockTokens, " (one block)"));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the token corpus holds the negative id ", tokens[i], " at ", i));
+    }
+  }
+  return ContextTokenSource(std::move(tokens));
+}
+
+int64_t ContextTokenSource::BlockOffset(uint64_t id) const {
+  const auto modulus = static_cast<uint64_t>(num_offsets());
+  const unsigned __int128 product =
+      static_cast<unsigned __int128>(id % modulus) * (kOffsetMultiplier % modulus);
+  return static_cast<int64_t>(product % modulus);
+}
+
+int64_t ContextTokenSource::UnsharedBlockOffset(int64_t index, int64_t block) const {
+  const uint64_t key =
+      Mix64(static_cast<uint64_t>(index) * 0x100000001B3ULL ^ Mix64(static_cast<uint64_t>(block)));
+  return static_cast<int64_t>(key % static_cast<uint64_t>(num_offsets()));
+}
+
+std::vector<int32_t> ContextTokenSource::Context(const TraceRequest& request, int64_t index) const {
+  std::vector<int32_t> ids;
+  ids.reserve(static_cast<size_t>(std::max<int64_t>(request.context_tokens, 0)));
+  for (int64_t block = 0; block * kTracePrefixBlockTokens < request.context_tokens; ++block) {
+    const int64_t offset = block < static_cast<int64_t>(request.prefix_block_ids.size())
+                               ? BlockOffset(request.prefix_block_ids[static_cast<size_t>(block)])
+                               : UnsharedBlockOffset(index, block);
+    const int64_t length =
+        std::min(kTracePrefixBlockTokens, request.context_tokens - block * kTracePrefixBlockTokens);
+    ids.insert(ids.end(), tokens_.begin() + offset, tokens_.begin() + offset + length);
+  }
+  return ids;
+}
+
+int64_t FitToModelContext(std::vector<TraceRequest>& requests, int64_t max_context) {
+  if (max_context <= 1) return 0;
+  int64_t cut = 0;
+  for (TraceRequest& request : requests) {
+    request.output_tokens = std::min(request.output_tokens, max_context - 1);
+    if (request.context_tokens + request.output_tokens <= max_context) continue;
+    request.context_tokens = max_context - request.output_tokens;
+    const auto max_ids = static_cast<size_t>(
+        (request.context_tokens + kTracePrefixBlockTokens - 1) / kTracePrefixBlockTokens);
+    if (request.prefix_block_ids.size() > max_ids) request.prefix_block_ids.resize(max_ids);
+    ++cut;
+  }
+  return cut;
+}
 
 int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
   absl::flat_hash_set<uint64_t> seen;  // ids of whole blocks of earlier prompts
@@ -369,6 +525,11 @@ ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
   report.time_scale = options.time_scale;
   report.max_in_flight = options.max_in_flight;
   report.draft_length = options.draft_length;
+  report.real_tokens = options.tokens != nullptr;
+  if (report.real_tokens) {
+    report.token_file = options.token_file;
+    report.sampling = options.sampling;
+  }
   report.requests = static_cast<int64_t>(records.size());
   report.wall_seconds = wall_seconds;
 
@@ -377,6 +538,7 @@ ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
   for (const RequestRecord& record : records) {
     if (record.status_code == 0) {
       ++report.completed;
+      if (!record.finish_reason.empty()) ++report.finish_reasons[record.finish_reason];
       if (record.ttft_seconds >= 0) ttft.push_back(record.ttft_seconds);
       itl.insert(itl.end(), record.inter_token_seconds.begin(), record.inter_token_seconds.end());
     } else {
@@ -407,6 +569,21 @@ ReplayReport AggregateReplay(const std::vector<RequestRecord>& records,
         waits_by_layer[layer].push_back(step[layer]);
       }
     }
+  }
+  if (report.real_tokens) {
+    for (const RequestRecord& record : records) {
+      if (record.index >= options.sample_outputs) continue;
+      OutputSample sample;
+      sample.index = record.index;
+      sample.context_tokens = record.context_tokens;
+      sample.context_tail_ids = record.context_tail_ids;
+      sample.token_ids = record.token_ids;
+      sample.finish_reason = record.finish_reason;
+      sample.status = record.status_code == 0 ? "OK" : CodeName(record.status_code);
+      report.samples.push_back(std::move(sample));
+    }
+    std::sort(report.samples.begin(), report.samples.end(),
+              [](const OutputSample& a, const OutputSample& b) { return a.index < b.index; });
   }
   report.ttft_p50 = NearestRankPercentile(ttft, 50);
   report.ttft_p99 = NearestRankPercentile(ttft, 99);
@@ -474,6 +651,17 @@ absl::StatusOr<ReplayReport> RunReplay(const std::vector<TraceRequest>& requests
   if (options.sample_ms < 1 || options.request_timeout_ms < 1) {
     return absl::InvalidArgumentError("--sample-ms and the request timeout must be >= 1 ms");
   }
+  if (options.sample_outputs < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--sample-outputs must be >= 0, not ", options.sample_outputs));
+  }
+  const ReplaySampling& sampling = options.sampling;
+  if (!(sampling.temperature >= 0 && sampling.temperature <= 100) ||
+      !(sampling.top_p >= 0 && sampling.top_p <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--temperature must be in [0, 100] and --top-p in [0, 1], not ",
+                     sampling.temperature, " and ", sampling.top_p));
+  }
   ReplayRun run(requests, options);
   if (absl::Status reachable = run.Probe(); !reachable.ok()) return reachable;
   return run.Run();
@@ -537,6 +725,29 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report) {
                      {"p99_seconds", wait.p99_seconds}});
   }
   json["selection_wait_per_layer"] = waits;
+  json["model"] = {{"name", report.model_name},
+                   {"vocab_size", report.vocab_size},
+                   {"max_context", report.model_max_context}};
+  if (report.real_tokens) {
+    json["real_tokens"] = {{"token_file", report.token_file},
+                           {"block_tokens", kTracePrefixBlockTokens},
+                           {"contexts_cut_to_model", report.contexts_cut_to_model},
+                           {"temperature", report.sampling.temperature},
+                           {"top_p", report.sampling.top_p},
+                           {"seed", report.sampling.seed},
+                           {"ignore_eos", report.sampling.ignore_eos}};
+    json["finish_reasons"] = report.finish_reasons;
+    nlohmann::json samples_json = nlohmann::json::array();
+    for (const OutputSample& sample : report.samples) {
+      samples_json.push_back({{"index", sample.index},
+                              {"status", sample.status},
+                              {"context_tokens", sample.context_tokens},
+                              {"context_tail_ids", sample.context_tail_ids},
+                              {"token_ids", sample.token_ids},
+                              {"finish_reason", sample.finish_reason}});
+    }
+    json["samples"] = samples_json;
+  }
   return json;
 }
 
@@ -557,6 +768,24 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
   row("caps: limit / max context / max output",
       absl::StrCat(cap(report.caps.limit), " / ", cap(report.caps.max_context), " / ",
                    cap(report.caps.max_output)));
+  if (report.real_tokens) {
+    row("model", absl::StrFormat("%s (vocabulary %d, max context %d)",
+                                 report.model_name.empty() ? std::string("?") : report.model_name,
+                                 report.vocab_size, report.model_max_context));
+    row("contexts",
+        absl::StrCat("real text from ", report.token_file, ", one ", kTracePrefixBlockTokens,
+                     "-token slice per trace hash id (context_tokens); ",
+                     report.contexts_cut_to_model, " cut to fit the model's max context"));
+    const ReplaySampling& sampling = report.sampling;
+    row("sampling",
+        absl::StrCat(
+            sampling.temperature > 0
+                ? absl::StrFormat("temperature %g, top-p %g, seed %d + request index",
+                                  sampling.temperature, sampling.top_p > 0 ? sampling.top_p : 1.0F,
+                                  sampling.seed)
+                : std::string("greedy"),
+            sampling.ignore_eos ? "; ignore_eos" : "; ends at EOS"));
+  }
   row("time scale / max in flight / draft length",
       absl::StrCat(report.time_scale == 0 ? "0 (as fast as possible)"
                                           : absl::StrFormat("%g", report.time_scale),
@@ -593,10 +822,31 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
   row("spec acceptance (accepted / drafted)",
       absl::StrFormat("%.4f (%d / %d)", report.spec_acceptance, report.accepted_tokens,
                       report.drafted_tokens));
+  if (report.real_tokens) {
+    std::string reasons;
+    for (const auto& [reason, count] : report.finish_reasons) {
+      absl::StrAppend(&reasons, reasons.empty() ? "" : ", ", reason, ": ", count);
+    }
+    row("finish reasons (completed requests)", reasons.empty() ? std::string("none") : reasons);
+  }
   for (const LayerWait& wait : report.selection_wait) {
     row(absl::StrCat("selection wait, layer ", wait.layer, " mean / p99"),
         absl::StrCat(ms(wait.mean_seconds), " / ", ms(wait.p99_seconds), " over ", wait.steps,
                      " steps"));
+  }
+  if (!report.samples.empty()) {
+    absl::StrAppend(&out,
+                    "\n### Sample outputs (generated token ids; the JSON report has them and "
+                    "each context's last ",
+                    kSampleContextTailTokens,
+                    " ids: `python -m dsa_model.replay_samples REPORT.json` decodes them)\n\n"
+                    "| request | context tokens | status | finish | generated token ids |\n"
+                    "|---|---|---|---|---|\n");
+    for (const OutputSample& sample : report.samples) {
+      absl::StrAppend(&out, "| ", sample.index, " | ", sample.context_tokens, " | ", sample.status,
+                      " | ", sample.finish_reason.empty() ? std::string("-") : sample.finish_reason,
+                      " | ", absl::StrJoin(sample.token_ids, " "), " |\n");
+    }
   }
   return out;
 }

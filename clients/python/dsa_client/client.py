@@ -9,6 +9,13 @@ the grpc.health.v1 check of the three health names (docs/deploy.md, "The contrac
             print(event.WhichOneof("event"))           # admitted, tokens..., finished
         print(client.get_load().queued)
 
+        # A real model (GetLoad's model.vocab_size > 0): token ids in, token ids out.
+        generation = client.generate("req-2", context_tokens=[504, 3575, 282, 4649, 314],
+                                     max_new_tokens=12, sampling=Sampling(temperature=0.7))
+        for token_id in generation.token_ids():        # as they stream
+            print(token_id)
+        print(generation.finished.finish_reason)       # FINISH_REASON_LENGTH, _EOS, _STOP_TOKEN
+
     # TLS (mutual with cert_file/key_file) and a bearer token (docs/deploy.md, "TLS, mutual TLS
     # and bearer tokens"):
     credentials = tls_credentials(ca_file="ca.crt", cert_file="client.crt", key_file="client.key")
@@ -34,7 +41,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["CoordinatorClient", "Overrides", "Generation", "HEALTH_SERVICE_NAMES",
+__all__ = ["CoordinatorClient", "Overrides", "Sampling", "Generation", "HEALTH_SERVICE_NAMES",
            "tls_credentials"]
 
 #: The health names every dsa server answers (docs/deploy.md, "Health").
@@ -113,18 +120,54 @@ class Overrides:
         return coordinator_pb2.Overrides(**fields)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a real model draws a request's tokens (coordinator.proto's SamplingParams).
+
+    temperature: 0 = greedy (the most probable token), else in (0, 100]. top_p: nucleus, in
+    (0, 1]; 0 means 1 (no cut). seed: the draw at each position is a pure function of (seed,
+    position), so a request repeats exactly. The pattern model validates and ignores it.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 0.0
+    seed: int = 0
+
+    def to_proto(self) -> coordinator_pb2.SamplingParams:
+        return coordinator_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                                              seed=self.seed)
+
+
 class Generation:
     """One Generate call in flight: iterate it for its GenerateEvents (admitted once, then one
-    tokens per decode step, then finished); the iteration raises grpc.RpcError if the stream ends
-    with an error (CANCELLED after an abort). cancel() drops the stream from this side only (the
-    coordinator sees the client go away); abort the request by id to stop it for every caller."""
+    tokens per decode step, then finished), or token_ids() for a real model's generated ids; the
+    iteration raises grpc.RpcError if the stream ends with an error (CANCELLED after an abort).
+    cancel() drops the stream from this side only (the coordinator sees the client go away);
+    abort the request by id to stop it for every caller."""
 
     def __init__(self, request_id: str, call):
         self.request_id = request_id
         self._call = call
+        self.admitted: Optional[coordinator_pb2.Admitted] = None
+        self.finished: Optional[coordinator_pb2.Finished] = None
 
     def __iter__(self) -> Iterator[coordinator_pb2.GenerateEvent]:
         return iter(self._call)
+
+    def token_ids(self) -> Iterator[int]:
+        """Iterates the stream and yields each generated token id as its Tokens event arrives (a
+        real model: Tokens.token_ids; the pattern model yields none), keeping the Admitted and
+        Finished events in .admitted and .finished (Finished.finish_reason says why it ended:
+        LENGTH, EOS or STOP_TOKEN, with stop_token_id). Raises grpc.RpcError as iterating does.
+        Consumes the stream: iterate the Generation or call this, not both."""
+        for event in self._call:
+            kind = event.WhichOneof("event")
+            if kind == "tokens":
+                yield from event.tokens.token_ids
+            elif kind == "admitted":
+                self.admitted = event.admitted
+            elif kind == "finished":
+                self.finished = event.finished
 
     def cancel(self) -> None:
         """Cancels the call on the client side (the iteration then raises CANCELLED)."""
@@ -203,30 +246,40 @@ class CoordinatorClient:
                  context_tokens: Optional[Iterable[int]] = None,
                  prefix_block_ids: Iterable[int] = (), draft_length: int = 0,
                  session_id: str = "", overrides: Optional[Overrides] = None,
-                 timeout_s: Optional[float] = None,
+                 sampling: Optional[Sampling] = None, stop_token_ids: Iterable[int] = (),
+                 ignore_eos: bool = False, timeout_s: Optional[float] = None,
                  wait_for_ready: Optional[bool] = None) -> Generation:
-        """Starts a Generate and returns it; iterate the result for its events.
+        """Starts a Generate and returns it; iterate the result for its events, or its
+        token_ids() for a real model's generated ids.
 
         request_id: caller-chosen, 1..128 bytes, unique among requests in flight.
-        context_length (synthetic tokens, >= 1) or context_tokens (token ids): exactly one.
-        max_new_tokens: >= 1. prefix_block_ids: shared-prefix block ids, one per 512 tokens.
-        draft_length: speculative draft length in 0..4. session_id: continue a multi-turn
-        sequence (empty = a one-off request). timeout_s: deadline of the whole stream (None =
-        none). wait_for_ready: gRPC's wait-for-ready (queue the call while the channel connects).
-        Raises ValueError when both or neither context form is given.
+        context_length (synthetic tokens, >= 1: the pattern model only) or context_tokens (token
+        ids: a real model's prompt, each in [0, vocab_size) of GetLoad's model): exactly one.
+        max_new_tokens: >= 1. prefix_block_ids: shared-prefix block ids, one per 512 tokens
+        (context_length only: with context_tokens the coordinator derives them from the tokens).
+        draft_length: speculative draft length in 0..4 (a real model's are n-gram drafts kept
+        where its own tokens confirm them). session_id: continue a multi-turn sequence (empty = a
+        one-off request). sampling: a real model's draws (None = greedy). stop_token_ids: a real
+        model ends after any of these ids (at most 256). ignore_eos: a real model goes on past its
+        end-of-sequence token. timeout_s: deadline of the whole stream (None = none).
+        wait_for_ready: gRPC's wait-for-ready (queue the call while the channel connects).
+        Raises ValueError when both or neither context form is given; the coordinator answers
+        INVALID_ARGUMENT for an id out of range (the stream raises grpc.RpcError).
         """
         if (context_length is None) == (context_tokens is None):
             raise ValueError("give exactly one of context_length and context_tokens")
         request = coordinator_pb2.GenerateRequest(
             request_id=request_id, max_new_tokens=max_new_tokens,
             prefix_block_ids=list(prefix_block_ids), draft_length=draft_length,
-            session_id=session_id)
+            session_id=session_id, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
         if context_length is not None:
             request.context_length = context_length
         else:
             request.context_tokens.tokens.extend(context_tokens)
         if overrides is not None:
             request.overrides.CopyFrom(overrides.to_proto())
+        if sampling is not None:
+            request.sampling.CopyFrom(sampling.to_proto())
         call = self._stub.Generate(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         return Generation(request_id, call)
 

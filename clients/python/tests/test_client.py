@@ -12,7 +12,7 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsa_client import CoordinatorClient, Overrides  # noqa: E402
+from dsa_client import CoordinatorClient, Overrides, Sampling  # noqa: E402
 from dsa_client.client import (HEALTH_CHECK_METHOD, HealthCheckRequest,  # noqa: E402
                                HealthCheckResponse)
 from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
@@ -20,7 +20,9 @@ from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2
 
 class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """Streams Admitted, max_new_tokens Tokens and Finished; a request with max_new_tokens above
-    1000 waits until aborted and then ends with CANCELLED."""
+    1000 waits until aborted and then ends with CANCELLED. A context_tokens request is a real
+    model's: each Tokens event carries the id 100 + its position, and Finished says
+    FINISH_REASON_LENGTH."""
 
     def __init__(self):
         self.requests = []
@@ -38,11 +40,13 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(count=1))
             aborted.wait(timeout=10)
             context.abort(grpc.StatusCode.CANCELLED, "aborted")
+        real = request.WhichOneof("context") == "context_tokens"
         for position in range(request.max_new_tokens):
             yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(
-                first_position=position, count=1))
+                first_position=position, count=1, token_ids=[100 + position] if real else []))
         yield coordinator_pb2.GenerateEvent(finished=coordinator_pb2.Finished(
-            generated_tokens=request.max_new_tokens))
+            generated_tokens=request.max_new_tokens,
+            finish_reason=coordinator_pb2.FINISH_REASON_LENGTH))
 
     def Abort(self, request, context):
         with self.lock:
@@ -108,6 +112,36 @@ class CoordinatorClientTest(unittest.TestCase):
         # Unset overrides stay unset (the deployment's defaults apply).
         self.assertFalse(request.overrides.HasField("target_block_sparsity"))
         self.assertFalse(request.overrides.HasField("acceptance_rate"))
+
+    def test_generate_builds_a_real_models_request(self):
+        list(self.client.generate(
+            "r4", context_tokens=[504, 3575], max_new_tokens=2,
+            sampling=Sampling(temperature=0.7, top_p=0.9, seed=5), stop_token_ids=[2, 13],
+            ignore_eos=True))
+        request = self.fake.requests[-1]
+        self.assertAlmostEqual(request.sampling.temperature, 0.7, places=6)
+        self.assertAlmostEqual(request.sampling.top_p, 0.9, places=6)
+        self.assertEqual(request.sampling.seed, 5)
+        self.assertEqual(list(request.stop_token_ids), [2, 13])
+        self.assertTrue(request.ignore_eos)
+        # Defaults: greedy (no sampling message), no stop ids, ends at EOS.
+        list(self.client.generate("r5", context_tokens=[1], max_new_tokens=1))
+        request = self.fake.requests[-1]
+        self.assertFalse(request.HasField("sampling"))
+        self.assertEqual(list(request.stop_token_ids), [])
+        self.assertFalse(request.ignore_eos)
+
+    def test_token_ids_stream_and_keep_the_finished_event(self):
+        generation = self.client.generate("r6", context_tokens=[7, 8, 9], max_new_tokens=4)
+        self.assertEqual(list(generation.token_ids()), [100, 101, 102, 103])
+        self.assertEqual(generation.admitted.indexer_worker, "indexer-0")
+        self.assertEqual(generation.finished.generated_tokens, 4)
+        self.assertEqual(generation.finished.finish_reason,
+                         coordinator_pb2.FINISH_REASON_LENGTH)
+        # The pattern model's events carry no ids.
+        generation = self.client.generate("r7", context_length=16, max_new_tokens=3)
+        self.assertEqual(list(generation.token_ids()), [])
+        self.assertEqual(generation.finished.generated_tokens, 3)
 
     def test_generate_needs_exactly_one_context(self):
         with self.assertRaises(ValueError):

@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# Checks and times the real model's GPU path (SmolLM2-135M, docs/model.md; the LlamaRunner of
+# attention_worker/cuda/llama_cuda_runner.h) on the lent GPU host, which can neither install nor
+# build and receives at most 64 MiB a call (working tree included): the binaries, built here, and
+# the 98 MB GGUF travel in parts over consecutive calls, as scripts/train_indexer_gpu.sh's do; the
+# host converts the GGUF (python/dsa_model/convert.py, with the carried gguf wheel).
+#
+#   prepare   (here) builds, in build-gpu/ with CUDA for sm_90a, the GPU tests, bench_llama_decode
+#             and dsa-attention; packs them with the shared libraries they need
+#             (../shared/device/pack-runtime.sh) and the gguf wheel into .carry-model/run.tgz; and
+#             splits run.tgz and the GGUF over .carry-model/p1 .. pN, each call's carry plus the
+#             working tree under 64 MiB (run.tgz in p1). Prints the calls.
+#   device    (there, once per call, carrying .carry-model/pI in call I) stages what it finds in
+#             /tmp/dsa_model_check. Once run.tgz is there (call 1): the GPU tests (the kernels
+#             against their CPU reference, the GPU runner against the CPU runner on random models,
+#             the engine over the GPU runner), the kernel and runner tests under compute-sanitizer,
+#             and the benchmark on random weights of SmolLM2's shapes on the GPU. Once the GGUF is
+#             whole (the last call): its conversion, the runner test on SmolLM2 itself (CPU against
+#             GPU), the benchmark on SmolLM2 (GPU and CPU), and dsa-attention --model smollm2
+#             --attention-device cuda started, its /metrics read, and stopped. Everything into
+#             $OUT (at most 6 files a call). A call that finds parts missing says which is next.
+#             The calls must follow each other before the machine goes idle (30 s): a fresh
+#             machine has an empty /tmp, and the sequence starts again at call 1.
+#
+# Dry run here (no GPU: the GPU tests skip, the benchmark runs on the CPU with small settings,
+# dsa-attention starts on the CPU; the GGUF is reassembled and converted with .venv-model):
+#   bash scripts/gpu_model_check.sh prepare
+#   DSA_MODEL_CHECK_DRY_RUN=1 bash scripts/gpu_model_check.sh device
+# Settings (environment): DSA_BUILD_DIR (build-gpu), DSA_BUILD_JOBS, DSA_BENCH_ARGS (more
+# bench_llama_decode flags, e.g. "--steps 20"), DSA_MODEL_CHECK_CPU_BENCH (1: the bench's CPU arm
+# on SmolLM2 too; 0 skips it), DSA_PYTHON (python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+carry_dir=.carry-model
+gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
+gguf_wheel=gguf==0.19.0
+call_limit=$((64 * 1024 * 1024))
+call_margin=$((2 * 1024 * 1024))
+tests="attention_cuda_gqa_attention_test attention_cuda_llama_runner_test
+attention_cuda_llama_engine_test"
+binaries="$tests bench_llama_decode dsa-attention"
+indexer_weights=data/models/smollm2_indexer.safetensors
+
+die() { echo "gpu_model_check: $*" >&2; exit 1; }
+
+tree_bytes() {
+  git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c '%F %s' 2>/dev/null \
+    | awk '$1 == "regular" {s += $NF} END {print s + 0}'
+}
+
+prepare() {
+  local build=${DSA_BUILD_DIR:-build-gpu} model_dir gguf size sha tree budget run_bytes i
+  local offset chunk part_bytes parts
+  DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON ${DSA_CMAKE_ARGS:-}" \
+    DSA_BUILD_TARGETS="$(echo $binaries)" bash scripts/build.sh
+  model_dir=$(bash scripts/model_setup.sh)
+  gguf=$(PYTHONPATH="$PWD/python" "${DSA_MODEL_PYTHON:-$PWD/.venv-model/bin/python}" -c \
+    "from dsa_model.convert import find_gguf; print(find_gguf())")
+  [ -f "$gguf" ] || die "no GGUF at '$gguf' (bash scripts/model_setup.sh installs it)"
+  [ -d "$model_dir" ] || die "no model folder"
+  grep -qxF "/$carry_dir/" .git/info/exclude 2>/dev/null || echo "/$carry_dir/" >>.git/info/exclude
+  rm -rf "$carry_dir"
+  mkdir -p "$carry_dir/run/bin" "$carry_dir/run/devrt" "$carry_dir/run/wheel"
+  for b in $binaries; do cp "$build/bin/$b" "$carry_dir/run/bin/"; done
+  bash ../shared/device/pack-runtime.sh "$carry_dir/run/devrt" "$carry_dir"/run/bin/*
+  # The gguf wheel: the one train_indexer_gpu.sh fetched, else pip.
+  local wheel
+  wheel=$(ls .carry-train/p*/gguf-*.whl 2>/dev/null | head -1 || true)
+  if [ -n "$wheel" ]; then
+    cp "$wheel" "$carry_dir/run/wheel/"
+  else
+    "${DSA_PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+      -d "$carry_dir/run/wheel" "$gguf_wheel"
+  fi
+  tar -C "$carry_dir/run" -czf "$carry_dir/run.tgz" bin devrt wheel
+  rm -rf "$carry_dir/run"
+  size=$(stat -c %s "$gguf")
+  sha=$(sha256sum "$gguf" | cut -d' ' -f1)
+  run_bytes=$(stat -c %s "$carry_dir/run.tgz")
+  tree=$(tree_bytes)
+  budget=$((call_limit - call_margin - tree - 4096))
+  [ "$budget" -gt $((run_bytes + 1024 * 1024)) ] || \
+    die "working tree of $tree bytes and run.tgz of $run_bytes leave no room"
+  # p1: run.tgz and the GGUF's first chunk; then chunks of the budget.
+  parts=1
+  local first=$((budget - run_bytes))
+  if [ "$size" -gt "$first" ]; then parts=$((1 + (size - first + budget - 1) / budget)); fi
+  offset=0
+  for i in $(seq 1 "$parts"); do
+    mkdir -p "$carry_dir/p$i"
+    chunk=$([ "$i" = 1 ] && echo "$first" || echo "$budget")
+    [ $((offset + chunk)) -le "$size" ] || chunk=$((size - offset))
+    dd if="$gguf" of="$carry_dir/p$i/gguf.chunk$i" iflag=skip_bytes,count_bytes bs=1M \
+      skip="$offset" count="$chunk" status=none
+    offset=$((offset + chunk))
+    printf 'name=%s\nsize=%s\nsha256=%s\nparts=%s\nrun_sha256=%s\n' "$gguf_name" "$size" \
+      "$sha" "$parts" "$(sha256sum "$carry_dir/run.tgz" | cut -d' ' -f1)" \
+      >"$carry_dir/p$i/model_check.manifest"
+  done
+  mv "$carry_dir/run.tgz" "$carry_dir/p1/"
+  echo "gpu_model_check: run.tgz $run_bytes bytes; GGUF $size bytes, sha256 $sha, in $parts" \
+    "parts; working tree $tree bytes"
+  for i in $(seq 1 "$parts"); do
+    local bytes
+    bytes=$(du -cb "$carry_dir/p$i" | tail -1 | cut -f1)
+    [ $((bytes + tree)) -le "$call_limit" ] || die "call $i would carry $((bytes + tree)) bytes"
+    echo "  call $i: carry [\"$carry_dir/p$i\"]  ($bytes bytes + tree = $((bytes + tree))" \
+      "of $call_limit)"
+  done
+  echo "  command of every call: bash scripts/gpu_model_check.sh device   (timeout_s 600)"
+}
+
+# Runs "$@" with its output into $OUT/$log (and the terminal); a failure is recorded, not fatal.
+run_logged() {
+  local log=$1 status=0
+  shift
+  echo "+ $*" | tee -a "$out/$log"
+  "$@" 2>&1 | tee -a "$out/$log" || status=${PIPESTATUS[0]}
+  echo "= exit $status: $*" | tee -a "$out/$log"
+  [ "$status" = 0 ] || failures="$failures $log($1)"
+  return 0
+}
+
+device() {
+  local dry=${DSA_MODEL_CHECK_DRY_RUN:-0} stage python name size sha parts run_sha i missing=""
+  failures=""
+  if [ "$dry" = 1 ]; then
+    stage=/tmp/dsa_model_check_dry
+    python=${DSA_PYTHON:-$PWD/.venv-model/bin/python}
+    out=${OUT:-$stage/out}
+  else
+    stage=/tmp/dsa_model_check
+    python=${DSA_PYTHON:-python3}
+    out=${OUT:?OUT must name the output folder (the device tool sets it)}
+  fi
+  mkdir -p "$stage" "$out"
+  for d in "$carry_dir"/p*; do
+    [ -d "$d" ] && cp -f "$d"/* "$stage"/
+  done
+  [ -f "$stage/model_check.manifest" ] || die "no $carry_dir/pI carried and nothing staged in \
+$stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
+  name=$(sed -n 's/^name=//p' "$stage/model_check.manifest")
+  size=$(sed -n 's/^size=//p' "$stage/model_check.manifest")
+  sha=$(sed -n 's/^sha256=//p' "$stage/model_check.manifest")
+  parts=$(sed -n 's/^parts=//p' "$stage/model_check.manifest")
+  run_sha=$(sed -n 's/^run_sha256=//p' "$stage/model_check.manifest")
+  local run=$stage/run
+  export LD_LIBRARY_PATH=$run/devrt:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PATH=$PATH:/usr/local/cuda/bin  # compute-sanitizer
+
+  # ---- The binaries: the GPU tests and the random-weights benchmark, once ----
+  if [ -f "$stage/run.tgz" ] && [ ! -f "$run/.extracted" ]; then
+    [ "$(sha256sum "$stage/run.tgz" | cut -d' ' -f1)" = "$run_sha" ] || \
+      die "run.tgz's sha256 differs from the manifest's: re-run prepare and all calls"
+    rm -rf "$run" && mkdir -p "$run" && tar -C "$run" -xzf "$stage/run.tgz"
+    touch "$run/.extracted"
+  fi
+  [ -f "$run/.extracted" ] || die "run.tgz not staged: carry $carry_dir/p1 first"
+  if [ ! -f "$stage/tests.done" ]; then
+    if command -v nvidia-smi >/dev/null; then
+      run_logged host.log nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm \
+        --format=csv
+    fi
+    for t in $tests; do
+      run_logged gpu_tests.log "$run/bin/$t"
+    done
+    if command -v compute-sanitizer >/dev/null && [ "$dry" != 1 ]; then
+      run_logged sanitizer.log timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$run/bin/attention_cuda_gqa_attention_test" --gtest_filter='*EdgeCases*:*GqaPrefill*'
+      run_logged sanitizer.log timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 \
+        "$run/bin/attention_cuda_llama_runner_test" \
+        --gtest_filter='*/Tiny:*DensePrefillAndDecodeEqualTheCpu/SmolShaped'
+    fi
+    local random_args=(--random-weights --devices cuda)
+    [ "$dry" = 1 ] && random_args=(--random-weights --devices cpu --contexts 100,300
+      --batches 1,2 --steps 2 --warmup 1 --prefill-repeats 1)
+    # shellcheck disable=SC2086
+    run_logged bench_random.txt "$run/bin/bench_llama_decode" "${random_args[@]}" \
+      --out "$out/bench_random.json" ${DSA_BENCH_ARGS:-}
+    touch "$stage/tests.done"
+  fi
+
+  # ---- The GGUF: whole yet? ----
+  for i in $(seq 1 "$parts"); do
+    [ -f "$stage/gguf.chunk$i" ] || missing="$missing $i"
+  done
+  if [ -n "$missing" ]; then
+    local next=${missing# }
+    echo "gpu_model_check: GGUF parts still missing:$missing of $parts; next call: carry" \
+      "[\"$carry_dir/p${next%% *}\"] (before the machine idles 30 s; a fresh machine needs" \
+      "p1 again)"
+    [ -z "$failures" ] || die "failed:$failures"
+    return 0
+  fi
+  if [ ! -f "$stage/$name" ] || [ "$(sha256sum "$stage/$name" | cut -d' ' -f1)" != "$sha" ]; then
+    for i in $(seq 1 "$parts"); do cat "$stage/gguf.chunk$i"; done >"$stage/$name.tmp"
+    [ "$(stat -c %s "$stage/$name.tmp")" = "$size" ] || \
+      die "reassembled GGUF is $(stat -c %s "$stage/$name.tmp") bytes, expected $size"
+    [ "$(sha256sum "$stage/$name.tmp" | cut -d' ' -f1)" = "$sha" ] || \
+      die "reassembled GGUF's sha256 differs from $sha: re-run prepare and all calls"
+    mv "$stage/$name.tmp" "$stage/$name"
+  fi
+  echo "gpu_model_check: $stage/$name: $size bytes, sha256 $sha"
+  if [ ! -f "$stage/model/model.safetensors" ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$stage/site" "$run"/wheel/gguf-*.whl
+    PYTHONPATH="$stage/site:$PWD/python" "$python" -m dsa_model.convert --out "$stage/model" \
+      --gguf "$stage/$name" 2>&1 | tee "$out/convert.log"
+  fi
+  local model_file=$stage/model/model.safetensors
+  [ -f "$model_file" ] || die "the conversion wrote no $model_file"
+
+  # ---- SmolLM2 itself: CPU against GPU, the benchmark, dsa-attention ----
+  DSA_SMOLLM2_MODEL=$model_file DSA_SMOLLM2_INDEXER=$PWD/$indexer_weights \
+    run_logged smollm2.log "$run/bin/attention_cuda_llama_runner_test" --gtest_filter='*RealModel*'
+  local devices=cuda,cpu bench_args=()
+  [ "${DSA_MODEL_CHECK_CPU_BENCH:-1}" = 1 ] || devices=cuda
+  [ "$dry" = 1 ] && { devices=cpu; bench_args=(--contexts 128,512 --batches 1,2 --steps 2
+    --warmup 1 --prefill-repeats 1); }
+  # shellcheck disable=SC2086
+  run_logged bench_smollm2.txt "$run/bin/bench_llama_decode" --model-file "$model_file" \
+    --indexer-weights "$indexer_weights" --devices "$devices" "${bench_args[@]}" \
+    --out "$out/bench_smollm2.json" ${DSA_BENCH_ARGS:-}
+  attention_smoke "$run" "$model_file" "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
+
+  {
+    echo "== gpu_model_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
+    grep -h -E "^\[  (PASSED|FAILED|SKIPPED) \]|^= exit" "$out"/*.log 2>/dev/null || true
+    sed -n '/^dev /,$p' "$out/bench_smollm2.txt" 2>/dev/null || true
+    echo "failures:${failures:- none}"
+  } | tee "$out/summary.txt"
+  [ -z "$failures" ] || die "failed:$failures"
+}
+
+# dsa-attention --model smollm2 on `device`: starts, serves /metrics, stops on SIGTERM.
+attention_smoke() {
+  local run=$1 model_file=$2 device=$3 log=$out/smollm2.log pid metrics="" listen=""
+  echo "+ dsa-attention --model smollm2 --attention-device $device" | tee -a "$log"
+  "$run/bin/dsa-attention" --model smollm2 --attention-device "$device" \
+    --model-file "$model_file" --indexer-weights "$indexer_weights" --transport inprocess \
+    --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 >"$stage/attention.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 120); do
+    metrics=$(sed -n 's|.*metrics on \(http://[^ ]*\).*|\1|p' "$stage/attention.log" | head -1)
+    listen=$(sed -n 's|.*listening on \([^ ]*\).*|\1|p' "$stage/attention.log" | head -1)
+    { [ -n "$metrics" ] && [ -n "$listen" ]; } && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  local ok=0
+  if [ -n "$metrics" ] && "${DSA_PYTHON:-python3}" -c "import sys, urllib.request; \
+body = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode(); \
+print(len(body), 'bytes of /metrics'); sys.exit(0 if 'dsa_' in body else 1)" "$metrics" \
+    >>"$log" 2>&1; then
+    ok=1
+  fi
+  kill -TERM "$pid" 2>/dev/null || true
+  local status=0
+  wait "$pid" || status=$?
+  cat "$stage/attention.log" >>"$log"
+  echo "= dsa-attention on $device: listening '$listen', metrics '$metrics', /metrics read $ok," \
+    "exit $status after SIGTERM" | tee -a "$log"
+  { [ "$ok" = 1 ] && [ "$status" = 0 ]; } || failures="$failures smollm2.log(dsa-attention)"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  device) device ;;
+  *) die "usage: $0 prepare | device   (see the header)" ;;
+esac
