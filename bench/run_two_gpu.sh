@@ -379,7 +379,7 @@ PY
 
 step_replay() {
   env DSA_PREBUILT_BIN="$bin" DSA_REPLAY_TRACE="$trace" DSA_EVAL_OUT="$out" \
-    DSA_REPLAY_NAME=replay_mooncake_two_gpu_nccl "${replay_env[@]}" bash scripts/main_job.sh
+    DSA_REPLAY_NAME=replay_mooncake_two_gpu_nccl "${replay_env[@]}" bash scripts/throughput_job.sh
 }
 
 for step in "${steps[@]}"; do

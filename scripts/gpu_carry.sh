@@ -10,7 +10,7 @@
 #   bash bench/run_gpu_bench.sh DIR $OUT tests      # or sanitize, bench, all
 #   DSA_TWO_GPU_ARCHIVE=$OUT/two_gpu.tgz bash bench/run_two_gpu.sh DIR /tmp/two_gpu  # two GPUs
 #   DSA_PREBUILT_BIN=DIR DSA_INDEXER_DEVICE=cuda DSA_REPLAY_TRACE=DIR/mooncake_conversation_trace.jsonl \
-#     DSA_EVAL_OUT=$OUT bash scripts/main_job.sh
+#     DSA_EVAL_OUT=$OUT bash scripts/throughput_job.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-carry-gpu}
