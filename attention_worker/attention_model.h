@@ -9,6 +9,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,6 +34,9 @@ struct ModelShape {
   int vocab_size = 0;
   int eos_token_id = -1;    // the real model's end-of-sequence id; -1 for none
   int64_t max_context = 0;  // slots a sequence may hold (0 = no model limit)
+  /// With indexer_per_model_layer: the model layers whose index keys the model makes for the
+  /// full-layer ranks (must be the schedule's full layers).
+  std::vector<int> full_layers;
 };
 
 /// One row of a decode step: a sequence at a query position, with its input token (a real model;
@@ -41,6 +45,7 @@ struct ModelRow {
   uint64_t sequence_id = 0;
   int64_t position = 0;
   int32_t token = -1;
+  SamplingParams sampling;  // a real model's draw for position + 1 (the sequence's)
 };
 
 /// One decode step's pass over the model's layers for a batch of rows (ModelRow order), driven by
@@ -98,7 +103,7 @@ class AttentionModel {
   /// `end_slot`: the synthetic model generates the KV rows; a real model runs `tokens` (the ids of
   /// slots [first_slot, end_slot), required, each in [0, vocab)) through every layer densely,
   /// keeps their index keys for IndexKeys, and returns the token sampled for position end_slot
-  /// under `sampling` (remembered as the sequence's SamplingParams for later steps).
+  /// under `sampling` (the engine keeps it: each step's ModelRow carries it).
   /// INVALID_ARGUMENT (tokens' count or ids, first_slot not the sequence's length),
   /// RESOURCE_EXHAUSTED (memory, the model's context); nothing changes on an error.
   virtual absl::StatusOr<std::optional<int32_t>> Extend(uint64_t sequence_id, int64_t first_slot,

@@ -144,10 +144,11 @@ struct AttentionEngine::Sequence {
   std::string broken;  // non-empty: why the sequence may differ from the indexer's
   std::string indexer_worker;
   std::vector<uint64_t> prefix_block_ids;
-  int64_t length = 0;    // committed slots (t of the next step)
-  int pending_rows = 0;  // > 0: a step of that many rows awaits Commit
-  int64_t kv_slots = 0;  // slots held in the backend (and counted in kv_used_slots_)
-  int top_k = 0;         // K of the indexer sequence
+  int64_t length = 0;       // committed slots (t of the next step)
+  int pending_rows = 0;     // > 0: a step of that many rows awaits Commit
+  int64_t kv_slots = 0;     // slots held in the backend (and counted in kv_used_slots_)
+  int top_k = 0;            // K of the indexer sequence
+  SamplingParams sampling;  // a real model's draws (set by a successful prefill)
 };
 
 absl::Status AttentionEngine::CheckUsable(const Sequence& s, bool check_pending) {
@@ -241,6 +242,12 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "the model ", shape.name, " has ", shape.num_indexer_layers, " layers but the schedule ",
         schedule.Pattern(), " has ", schedule.num_layers()));
+  }
+  if (shape.indexer_per_model_layer && shape.full_layers != schedule.full_layers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the model ", shape.name, " makes index keys for full layers ",
+                     absl::StrJoin(shape.full_layers, ","), " but the schedule ",
+                     schedule.Pattern(), " has ", absl::StrJoin(schedule.full_layers(), ",")));
   }
   if (!shape.indexer_per_model_layer && shape.num_indexer_layers != num_full) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -554,6 +561,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
   }
   sequence->indexer_worker = spec.indexer_worker;
   sequence->top_k = spec.top_k;
+  sequence->sampling = spec.sampling;
   sequence->length = context;
   sequence->live = true;
   UpdateUsageMetrics();
@@ -581,6 +589,12 @@ absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec
     return absl::InvalidArgumentError(absl::StrCat(
         "context_length ", context, " is shorter than sequence ", id, "'s ", old_length, " slots"));
   }
+  if (model_->shape().vocab_size > 0 && context == old_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a continuation of sequence ", id, " on the model ", model_->shape().name,
+        " needs at least one new token (the last generated one); context_length is its length ",
+        old_length));
+  }
   DSA_RETURN_IF_ERROR(
       ValidateTokens(model_->shape(), spec.tokens, context - old_length, "the continuation"));
   const int64_t more = Footprint(context) - Footprint(old_length);
@@ -601,11 +615,13 @@ absl::StatusOr<PrefillResult> AttentionEngine::ContinuePrefill(const PrefillSpec
   absl::Status status = run();
   model_->DropIndexKeys(id);
   if (!status.ok()) {
-    if (sequence->kv_slots != old_length) (void)ResizeKv(*sequence, old_length);
+    // Unconditionally: a model that failed after its pass may hold more than kv_slots says.
+    (void)ResizeKv(*sequence, old_length);
     FreeKv(more);
     return status;
   }
   sequence->length = context;
+  sequence->sampling = spec.sampling;
   sequence->prefix_block_ids = std::move(ids);
   return PrefillResult{context, context - old_length, next_token};
 }
@@ -664,7 +680,8 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
     m.step_row = static_cast<int>(model_rows.size());
     for (int r = 0; r < m.rows; ++r) {
       model_rows.push_back(ModelRow{m.sequence->id, m.first_position + r,
-                                    members[i].tokens.empty() ? -1 : members[i].tokens[r]});
+                                    members[i].tokens.empty() ? -1 : members[i].tokens[r],
+                                    m.sequence->sampling});
     }
     m.sequence->kv_slots = m.first_position + m.rows;  // rolled back from here on a failure
   }
@@ -910,7 +927,7 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_a
     for (int g = 0; g < num_groups; ++g) {
       StepState::Member& m = step.members[batch.members[g]];
       GroupSelection& selection = answer->groups[g];
-      if (selection.num_rows != m.rows || selection.top_k < 0 ||
+      if (selection.num_rows != m.rows || selection.top_k < 1 ||
           selection.selections.size() != static_cast<size_t>(m.rows) * selection.top_k) {
         if (first_error.ok()) {
           first_error = absl::InternalError(

@@ -239,6 +239,7 @@ LlamaAttentionModel::LlamaAttentionModel(std::shared_ptr<LlamaRunner> runner,
   shape_.vocab_size = config.vocab_size;
   shape_.eos_token_id = config.eos_token_id;
   shape_.max_context = config.context_length;
+  shape_.full_layers = full_layers_;
 }
 
 std::shared_ptr<LlamaAttentionModel::Sequence> LlamaAttentionModel::Find(
@@ -292,9 +293,13 @@ absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(uint64_t sequ
   }
   std::vector<float> logits(static_cast<size_t>(model_.config().vocab_size));
   const int32_t last_row = static_cast<int32_t>(n - 1);
-  DSA_RETURN_IF_ERROR(pass->Logits(std::span<const int32_t>(&last_row, 1), logits));
+  if (absl::Status s = pass->Logits(std::span<const int32_t>(&last_row, 1), logits); !s.ok()) {
+    // The pass committed its rows when its last layer ran: back to where the sequence was.
+    pass.reset();
+    if (!created) (void)sequence->kv->Truncate(first_slot);
+    return s;
+  }
   pass.reset();
-  sequence->sampling = sampling;
   sequence->keys_first_slot = first_slot;
   sequence->index_keys = std::move(index_keys);
   if (created) {
@@ -357,8 +362,8 @@ absl::StatusOr<std::unique_ptr<ModelStep>> LlamaAttentionModel::BeginStep(
       return absl::NotFoundError(
           absl::StrCat("sequence ", rows[r].sequence_id, " has no KV on this model"));
     }
+    sampling[r] = rows[r].sampling;
     llama_rows[r] = LlamaRunnerRow{sequence->kv.get(), rows[r].position, rows[r].token};
-    sampling[r] = sequence->sampling;
   }
   DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner_->Begin(std::move(llama_rows)));
   return std::unique_ptr<ModelStep>(

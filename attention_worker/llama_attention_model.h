@@ -49,7 +49,6 @@ class LlamaAttentionModel : public AttentionModel {
   /// One sequence's state (public for the step's implementation).
   struct Sequence {
     std::unique_ptr<LlamaSequenceCache> kv;
-    SamplingParams sampling;
     // The index keys of the last Extend: slots [keys_first_slot, + n) of every full layer, fp32
     // [full layers][n, D].
     int64_t keys_first_slot = 0;

@@ -328,3 +328,50 @@ TEST_F(LlamaEngineTest, BadTokensSamplingAndContextsAreRefusedAndChangeNothing) 
 
 }  // namespace
 }  // namespace dsa
+
+namespace dsa {
+namespace {
+
+TEST_F(LlamaEngineTest, AContinuationRunsItsNewTokensAndNeedsAtLeastOne) {
+  std::vector<int32_t> tokens = Prompt(12, 8);
+  auto prefill = Prefill(1, tokens, /*top_k=*/kContext);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  PrefillSpec empty;
+  empty.sequence_id = 1;
+  empty.context_length = 12;
+  empty.continue_sequence = true;
+  const auto refused = engine_->Prefill(empty);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("needs at least one new token"), std::string::npos)
+      << refused.status();
+  // The next turn: the generated token, then more text; its next token is the dense pass's.
+  const std::vector<int32_t> more = {*prefill->next_token, 3, 4, 5};
+  PrefillSpec next = empty;
+  next.context_length = 16;
+  next.tokens = more;
+  auto continued = engine_->Prefill(next);
+  ASSERT_TRUE(continued.ok()) << continued.status();
+  tokens.insert(tokens.end(), more.begin(), more.end());
+  const std::vector<float> dense = DenseLogits(tokens);
+  EXPECT_EQ(*continued->next_token,
+            Argmax(std::span<const float>(dense).subspan(15 * kVocab, kVocab)));
+}
+
+TEST(LlamaEngineCreateTest, AModelWhoseFullLayersDifferFromTheSchedulesIsRefused) {
+  auto schedule = MliSchedule::FromPattern("FSFS", 1);
+  ASSERT_TRUE(schedule.ok());
+  auto seam = LlamaAttentionModel::Create(MakeTinyModel(), {0, 1}, "tiny");
+  ASSERT_TRUE(seam.ok()) << seam.status();
+  auto engine = AttentionEngine::Create(
+      *schedule, *std::move(seam),
+      [](const std::string&) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+        return absl::UnavailableError("unused");
+      },
+      AttentionEngineOptions{});
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("full layers 0,1"), std::string::npos)
+      << engine.status();
+}
+
+}  // namespace
+}  // namespace dsa
