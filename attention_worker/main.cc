@@ -213,6 +213,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       retention = 2;
       num_model_layers = 30;
     }
+    // Its KV is 46 KB a slot (fp32 K and V of 30 layers): the pattern model's default of 4M
+    // slots would admit 190 GB. 65,536 slots are 3 GB.
+    if (app.count("--kv-capacity-slots") == 0) options.engine.kv_capacity_slots = 65536;
   }
   absl::StatusOr<dsa::ClientSecurity> indexer_security = dsa::ClientSecurityFrom(server_flags.tls);
   if (!indexer_security.ok()) {
