@@ -456,7 +456,7 @@ absl::Status CudaLlamaRunner::Reserve(CudaLlamaCache* cache, int64_t slots) {
   CudaLlamaCache grown(this);
   grown.base_ = static_cast<float*>(base);
   grown.capacity_ = capacity;
-  const absl::Status copied = CopySlots(*cache, &grown, cache->num_slots_);
+  absl::Status copied = CopySlots(*cache, &grown, cache->num_slots_);
   if (!copied.ok()) {
     Free(grown.base_);
     grown.base_ = nullptr;
