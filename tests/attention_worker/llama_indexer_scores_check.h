@@ -31,10 +31,10 @@
 
 namespace dsa::indexer_scores_check {
 
-inline constexpr int kTokens = 512;                  // held-out tokens run through the model
-inline constexpr int kRows = 4;                      // rows n-4 .. n-1 select
-inline constexpr int kTopK = 64;                     // K
-inline constexpr int kLayers[] = {0, 2, 14, 28};     // model layers checked (indexer layers 0..3)
+inline constexpr int kTokens = 512;               // held-out tokens run through the model
+inline constexpr int kRows = 4;                   // rows n-4 .. n-1 select
+inline constexpr int kTopK = 64;                  // K
+inline constexpr int kLayers[] = {0, 2, 14, 28};  // model layers checked (indexer layers 0..3)
 inline constexpr int kNumLayers = 4;
 // A service slot may replace a reference top-K slot only when both reference scores lie within
 // this fraction of the row's largest |z| of the K-th reference score (a near-tie).
@@ -203,7 +203,8 @@ inline void CheckIndexer(Indexer& indexer, bool bf16_queries, bool expect_on_dev
     std::vector<float> dequant(static_cast<size_t>(n) * D), scales(n), unit(n, 1.0f);
     std::vector<uint8_t> codes(D);
     for (int i = 0; i < n; ++i) {
-      scales[i] = QuantizeIndexKey(std::span(layer.keys).subspan(static_cast<size_t>(i) * D, D), codes);
+      scales[i] =
+          QuantizeIndexKey(std::span(layer.keys).subspan(static_cast<size_t>(i) * D, D), codes);
       for (int d = 0; d < D; ++d) dequant[static_cast<size_t>(i) * D + d] = DecodeFp8E4m3(codes[d]);
     }
     const int64_t first = n - kRows;
@@ -251,7 +252,8 @@ inline void CheckIndexer(Indexer& indexer, bool bf16_queries, bool expect_on_dev
       }
       const float* w = layer.head_weights.data() + t * H;
       const RefRow ref = Reference(query.data(), w, dequant, scales, t, H, D);
-      const RefRow ref32 = Reference(layer.queries.data() + t * H * D, w, layer.keys, unit, t, H, D);
+      const RefRow ref32 =
+          Reference(layer.queries.data() + t * H * D, w, layer.keys, unit, t, H, D);
       std::span<const int32_t> sel(got.selections.data() + static_cast<size_t>(r) * kTopK, kTopK);
       // Selection: K distinct slots <= t, the reference's top-K up to near-tie swaps.
       const double tie = kTieTolerance * ref.row_scale;
