@@ -78,7 +78,8 @@ class ModelStep {
                                    std::span<float> outputs) = 0;
 
   /// After the last layer: the token sampled for position + 1 of every row (a real model, with
-  /// its sequence's SamplingParams), or nothing (the synthetic model). INTERNAL.
+  /// its sequence's SamplingParams), or nothing (the synthetic model). FAILED_PRECONDITION (a
+  /// layer not attended yet), INTERNAL (a device error).
   virtual absl::StatusOr<std::vector<int32_t>> Finish() = 0;
 };
 
@@ -128,7 +129,8 @@ class AttentionModel {
 
   /// A decode step over `rows` (ModelRow order; a sequence's rows contiguous at positions from its
   /// length). Real model: INVALID_ARGUMENT (missing token, id out of the vocabulary, positions),
-  /// RESOURCE_EXHAUSTED (the model's context), NOT_FOUND (a sequence never extended).
+  /// RESOURCE_EXHAUSTED (the model's context; host or device memory for the rows' KV),
+  /// NOT_FOUND (a sequence never extended); nothing changes on an error.
   virtual absl::StatusOr<std::unique_ptr<ModelStep>> BeginStep(std::span<const ModelRow> rows) = 0;
 
   /// Waits for queued device work (AttentionBackend::Synchronize).

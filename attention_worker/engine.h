@@ -218,7 +218,8 @@ class AttentionEngine {
   /// step awaiting Commit. Errors: INVALID_ARGUMENT (no sequences, rows outside 1..5, a sequence
   /// twice, tokens: a real model needs one id a row in [0, vocab), the synthetic model none);
   /// NOT_FOUND; FAILED_PRECONDITION (a step awaits Commit, broken
-  /// sequence); RESOURCE_EXHAUSTED (KV capacity; index-key cache); UNAVAILABLE /
+  /// sequence); RESOURCE_EXHAUSTED (KV capacity; index-key cache; a real model's context, or the
+  /// host or device memory for its rows' KV); INTERNAL (a device error); UNAVAILABLE /
   /// DEADLINE_EXCEEDED (indexer); the indexer's status otherwise. On an error every sequence's KV
   /// is rolled back; a sequence the indexer may have advanced (an earlier full layer's select
   /// applied, or a group the indexer reports as applied) is marked broken (named in the message,

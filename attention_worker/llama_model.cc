@@ -14,7 +14,6 @@
 #include <type_traits>
 #include <utility>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -133,22 +132,6 @@ void RotatePairs(float* x, const float* cos, const float* sin, int pairs) {
     const float a = x[2 * j], b = x[2 * j + 1];
     x[2 * j] = a * cos[j] - b * sin[j];
     x[2 * j + 1] = a * sin[j] + b * cos[j];
-  }
-}
-
-// theta_j = base^(-2j / dims) for the pairs j of a RoPE over `dims` dims, in double.
-std::vector<double> RopeFrequencies(double base, int dims) {
-  std::vector<double> theta(dims / 2);
-  for (int j = 0; j < dims / 2; ++j) theta[j] = std::pow(base, -2.0 * j / dims);
-  return theta;
-}
-
-// cos / sin [theta.size()] of position * theta_j, in double, rounded to float.
-void RopeAngles(int64_t position, const std::vector<double>& theta, float* cos, float* sin) {
-  for (size_t j = 0; j < theta.size(); ++j) {
-    const double angle = static_cast<double>(position) * theta[j];
-    cos[j] = static_cast<float>(std::cos(angle));
-    sin[j] = static_cast<float>(std::sin(angle));
   }
 }
 
@@ -642,15 +625,23 @@ std::span<const float> LlamaKvCache::values(int layer) const {
   return std::span<const float>(values_[layer].data(), num_slots_ * kv_dim_);
 }
 
-void LlamaKvCache::Reserve(int64_t slots) {
-  if (slots <= capacity_) return;
+absl::Status LlamaKvCache::Reserve(int64_t slots) {
+  if (slots <= capacity_) return absl::OkStatus();
   const int64_t capacity =
       std::min(context_length_, std::max({slots, 2 * capacity_, static_cast<int64_t>(64)}));
-  for (int l = 0; l < num_layers_; ++l) {
-    keys_[l].resize(capacity * kv_dim_);
-    values_[l].resize(capacity * kv_dim_);
+  try {
+    for (int l = 0; l < num_layers_; ++l) {
+      keys_[l].resize(capacity * kv_dim_);
+      values_[l].resize(capacity * kv_dim_);
+    }
+  } catch (const std::bad_alloc&) {
+    // Layers already grown keep their memory; capacity_ stays what every layer holds.
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "LlamaKvCache: cannot allocate ", capacity, " slots (",
+        2 * capacity * kv_dim_ * num_layers_ * static_cast<int64_t>(sizeof(float)), " bytes)"));
   }
   capacity_ = capacity;
+  return absl::OkStatus();
 }
 
 // ---- LlamaForward ----
@@ -660,7 +651,7 @@ LlamaForward::LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<
     : model_(std::move(model)), options_(options), rows_(std::move(rows)) {}
 
 LlamaForward::~LlamaForward() {
-  for (const CacheGroup& group : groups_) group.kv->in_pass_ = false;
+  for (const auto& group : groups_) group.cache->in_pass_ = false;
 }
 
 absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
@@ -671,66 +662,35 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
     return absl::InvalidArgumentError("LlamaForward::Begin: parallel_min_work must be >= 1");
   }
   const LlamaConfig& config = model->config();
-  if (rows.empty()) return absl::InvalidArgumentError("LlamaForward::Begin: no rows");
-  if (rows.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
-    return absl::InvalidArgumentError("LlamaForward::Begin: too many rows");
-  }
-  std::vector<CacheGroup> groups;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const LlamaRow& row = rows[r];
-    if (row.kv == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("LlamaForward::Begin: row ", r, " has no cache"));
-    }
-    if (row.kv->num_layers_ != config.num_layers || row.kv->kv_dim_ != config.kv_dim()) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r,
-                                                     "'s cache was made for another model shape"));
-    }
-    if (row.token < 0 || row.token >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::Begin: row ", r, " has token ",
-                                                     row.token, ", outside [0, ", config.vocab_size,
-                                                     ")"));
-    }
-    auto group = std::find_if(groups.begin(), groups.end(),
-                              [&](const CacheGroup& g) { return g.kv == row.kv; });
-    if (group == groups.end()) {
-      groups.push_back({row.kv, row.kv->num_slots(), {}});
-      group = groups.end() - 1;
-    }
-    group->rows_by_position.push_back(static_cast<int32_t>(r));
-  }
-  for (CacheGroup& group : groups) {
-    std::sort(group.rows_by_position.begin(), group.rows_by_position.end(),
-              [&](int32_t a, int32_t b) { return rows[a].position < rows[b].position; });
-    for (size_t i = 0; i < group.rows_by_position.size(); ++i) {
-      const int64_t position = rows[group.rows_by_position[i]].position;
-      if (position != group.first_position + static_cast<int64_t>(i)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "LlamaForward::Begin: the rows of a cache holding ", group.first_position,
-            " slots must have positions ", group.first_position, "..",
-            group.first_position + static_cast<int64_t>(group.rows_by_position.size()) - 1,
-            " exactly once each; row ", group.rows_by_position[i], " has position ", position));
-      }
-    }
-    const int64_t end = group.first_position + static_cast<int64_t>(group.rows_by_position.size());
-    if (end > config.context_length) {
-      return absl::ResourceExhaustedError(absl::StrCat("LlamaForward::Begin: position ", end - 1,
-                                                       " is beyond the context length ",
-                                                       config.context_length));
-    }
-  }
-  for (const CacheGroup& group : groups) {
-    if (group.kv->in_pass_) {
+  auto grouped = GroupLlamaRows<LlamaKvCache>(
+      "LlamaForward::Begin", config.vocab_size, config.context_length, rows,
+      [&](size_t r) -> absl::StatusOr<LlamaKvCache*> {
+        LlamaKvCache* kv = rows[r].kv;
+        if (kv == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("LlamaForward::Begin: row ", r, " has no cache"));
+        }
+        if (kv->num_layers_ != config.num_layers || kv->kv_dim_ != config.kv_dim()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "LlamaForward::Begin: row ", r, "'s cache was made for another model shape"));
+        }
+        return kv;
+      });
+  if (!grouped.ok()) return grouped.status();
+  std::vector<LlamaCacheRows<LlamaKvCache>> groups = *std::move(grouped);
+  for (const auto& group : groups) {
+    if (group.cache->in_pass_) {
       return absl::FailedPreconditionError("LlamaForward::Begin: a cache is in another pass");
     }
+  }
+  for (const auto& group : groups) {
+    DSA_RETURN_IF_ERROR(group.cache->Reserve(group.first_position +
+                                             static_cast<int64_t>(group.rows_by_position.size())));
   }
 
   std::unique_ptr<LlamaForward> pass(new LlamaForward(std::move(model), std::move(rows), options));
   const LlamaModel& m = *pass->model_;
-  for (CacheGroup& group : groups) {
-    group.kv->in_pass_ = true;
-    group.kv->Reserve(group.first_position + static_cast<int64_t>(group.rows_by_position.size()));
-  }
+  for (const auto& group : groups) group.cache->in_pass_ = true;
   pass->groups_ = std::move(groups);
   const int64_t n = pass->num_rows(), d = config.d_model;
   pass->h_.resize(n * d);
@@ -827,43 +787,8 @@ absl::Status LlamaForward::IndexerInputs(std::span<float> queries, std::span<flo
 absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> selections) {
   if (done()) return absl::FailedPreconditionError("LlamaForward::RunLayer: the pass is done");
   const int64_t n = num_rows();
-  if (!selections.empty() && static_cast<int64_t>(selections.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: ", selections.size(),
-                                                   " selections for ", n, " rows"));
-  }
-  // Check every selection before anything changes (`seen` is all zero between rows).
-  int64_t max_position = 0;
-  for (const LlamaRow& row : rows_) max_position = std::max(max_position, row.position);
-  std::vector<uint8_t> seen(selections.empty() ? 0 : max_position + 1, 0);
-  for (size_t r = 0; r < selections.size(); ++r) {
-    const std::span<const int32_t> selection = selections[r];
-    if (selection.empty()) continue;
-    const int64_t position = rows_[r].position;
-    const absl::Cleanup clear_seen = [&] {
-      for (const int32_t slot : selection) {
-        if (slot >= 0 && slot <= position) seen[slot] = 0;
-      }
-    };
-    int64_t count = 0;
-    for (const int32_t slot : selection) {
-      if (slot == -1) continue;
-      if (slot < -1 || slot > position) {
-        return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: row ", r,
-                                                       " (position ", position, ") selects slot ",
-                                                       slot, ", outside [-1, ", position, "]"));
-      }
-      if (seen[slot] != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("LlamaForward::RunLayer: row ", r, " selects slot ", slot, " twice"));
-      }
-      seen[slot] = 1;
-      ++count;
-    }
-    if (count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaForward::RunLayer: row ", r,
-                                                     "'s selection has no slot (only -1 padding)"));
-    }
-  }
+  DSA_RETURN_IF_ERROR(
+      CheckLlamaSelections("LlamaForward::RunLayer", rows_, selections, selection_seen_));
 
   const LlamaConfig& config = model_->config();
   const LlamaModel::Layer& layer = model_->layers_[layer_];
@@ -915,10 +840,10 @@ absl::Status LlamaForward::RunLayer(std::span<const std::span<const int32_t>> se
   }
   ++layer_;
   if (done()) {
-    for (const CacheGroup& group : groups_) {
-      group.kv->num_slots_ =
+    for (const auto& group : groups_) {
+      group.cache->num_slots_ =
           group.first_position + static_cast<int64_t>(group.rows_by_position.size());
-      group.kv->in_pass_ = false;
+      group.cache->in_pass_ = false;
     }
     groups_.clear();
   }
@@ -982,7 +907,7 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
     for (int64_t task = 0; task < num_tasks; ++task) {
       const Task& tile = tiles[task / config.num_kv_heads];
       const int64_t kv_head = task % config.num_kv_heads;
-      const LlamaKvCache& cache = *groups_[tile.group].kv;
+      const LlamaKvCache& cache = *groups_[tile.group].cache;
       const float* keys = cache.keys_[layer].data() + kv_head * hd;
       const float* values = cache.values_[layer].data() + kv_head * hd;
       const int64_t q_offset = kv_head * group_heads * hd;  // this KV head's query heads

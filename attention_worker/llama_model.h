@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "attention_worker/llama_pass_rules.h"
 
 namespace dsa {
 
@@ -174,7 +175,8 @@ class LlamaKvCache {
 
  private:
   friend class LlamaForward;
-  void Reserve(int64_t slots);
+  // Grows every layer to hold `slots` slots. RESOURCE_EXHAUSTED when memory runs out.
+  absl::Status Reserve(int64_t slots);
   int num_layers_ = 0;
   int kv_dim_ = 0;
   int64_t context_length_ = 0;
@@ -215,8 +217,8 @@ class LlamaForward {
   /// num_slots() + count - 1 (any order in `rows`). Errors, nothing changed: INVALID_ARGUMENT (no
   /// rows, a null cache, a cache made for another shape, positions not contiguous from
   /// num_slots(), a token outside [0, vocab_size)); RESOURCE_EXHAUSTED (a position >=
-  /// context_length); FAILED_PRECONDITION (a cache already in another pass). The caches must
-  /// outlive the pass.
+  /// context_length, or host memory for a cache's growth); FAILED_PRECONDITION (a cache already in
+  /// another pass). The caches must outlive the pass.
   static absl::StatusOr<std::unique_ptr<LlamaForward>> Begin(
       std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
       const LlamaForwardOptions& options = {});
@@ -262,12 +264,6 @@ class LlamaForward {
   absl::Status FinalHidden(std::span<const int32_t> row_indices, std::span<float> out) const;
 
  private:
-  // The rows of one cache in this pass.
-  struct CacheGroup {
-    LlamaKvCache* kv = nullptr;
-    int64_t first_position = 0;
-    std::vector<int32_t> rows_by_position;  // indices into rows_, increasing position
-  };
   LlamaForward(std::shared_ptr<const LlamaModel> model, std::vector<LlamaRow> rows,
                const LlamaForwardOptions& options);
   void ComputeLayerInput();  // x_ for layer_, once per layer
@@ -276,7 +272,7 @@ class LlamaForward {
   std::shared_ptr<const LlamaModel> model_;
   LlamaForwardOptions options_;
   std::vector<LlamaRow> rows_;
-  std::vector<CacheGroup> groups_;
+  std::vector<LlamaCacheRows<LlamaKvCache>> groups_;  // the rows of each cache
   int layer_ = 0;
   int x_layer_ = -1;         // the layer x_ was computed for
   std::vector<float> h_;     // [rows, d_model] the residual stream
@@ -294,6 +290,7 @@ class LlamaForward {
   std::vector<float> ffn_input_;           // [chunk rows, d_model]
   std::vector<float> ffn_gate_up_;         // [chunk rows, 2 ffn_dim]
   std::vector<float> index_proj_;          // [rows, query_rank + head_dim + num_heads]
+  std::vector<uint8_t> selection_seen_;    // CheckLlamaSelections' scratch
 };
 
 /// The index scores of one row over fp32 keys (docs/model.md's z; DESIGN.md 2 without the fp8

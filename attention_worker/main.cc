@@ -172,8 +172,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
          "--model", model_name,
          "The model the worker runs: pattern (the synthetic pattern model: context lengths, "
          "no tokens) or smollm2 (SmolLM2-135M with its trained lightning indexers, "
-         "docs/model.md: token ids in, sampled token ids out; 30 layers, indexer H 16, "
-         "D 64; on the CPU, or on the GPU with --attention-device cuda)")
+         "docs/model.md: token ids in, sampled token ids out; the shapes come from "
+         "--model-file and --indexer-weights; on the CPU, or on the GPU with "
+         "--attention-device cuda)")
       ->check(CLI::IsMember({"pattern", "smollm2"}))
       ->capture_default_str();
   std::string model_file = "build/models/smollm2-135m/model.safetensors";
@@ -208,13 +209,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
         return 2;
       }
     }
-    // The real model's 30 layers: every second one full unless the flags say otherwise.
+  }
+  // The real model's files, read before the schedule: its layers come from their metadata.
+  std::shared_ptr<const dsa::LlamaModel> loaded_model;
+  if (real_model) {
+    auto loaded = dsa::LlamaModel::Load(model_file, indexer_weights);
+    if (!loaded.ok()) {
+      dsa::LogJson("error", "cannot load the model", {{"status", loaded.status().ToString()}});
+      return 2;
+    }
+    loaded_model = *std::move(loaded);
+    // Every second layer full unless the flags say otherwise.
     if (app.count("--layer-pattern") == 0 && retention_option->count() == 0) {
       retention = 2;
-      num_model_layers = 30;
+      num_model_layers = loaded_model->config().num_layers;
     }
-    // Its KV is 46 KB a slot (fp32 K and V of 30 layers): the pattern model's default of 4M
-    // slots would admit 190 GB. 65,536 slots are 3 GB.
+    // SmolLM2-135M's KV is 46 KB a slot (fp32 K and V of 30 layers): the pattern model's default
+    // of 4M slots would admit 190 GB. 65,536 slots are 3 GB.
     if (app.count("--kv-capacity-slots") == 0) options.engine.kv_capacity_slots = 65536;
   }
   absl::StatusOr<dsa::ClientSecurity> indexer_security = dsa::ClientSecurityFrom(server_flags.tls);
@@ -303,16 +314,11 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   }
   std::unique_ptr<dsa::LlamaAttentionModel> llama;
   if (real_model) {
-    auto loaded = dsa::LlamaModel::Load(model_file, indexer_weights);
-    if (!loaded.ok()) {
-      dsa::LogJson("error", "cannot load the model", {{"status", loaded.status().ToString()}});
-      return 2;
-    }
     // --attention-device cuda: the forward pass on the GPU (cuda/llama_cuda_runner.h).
     std::shared_ptr<dsa::LlamaRunner> runner;
     if (attention_device == "cuda") {
 #ifdef DSA_WITH_CUDA
-      auto on_gpu = dsa::cuda::CreateCudaLlamaRunner(*loaded, {attention_cuda_device});
+      auto on_gpu = dsa::cuda::CreateCudaLlamaRunner(loaded_model, {attention_cuda_device});
       if (!on_gpu.ok()) {
         dsa::LogJson("error", "cannot use the attention GPU",
                      {{"status", on_gpu.status().ToString()}});
@@ -326,7 +332,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       return 2;
 #endif
     } else {
-      runner = dsa::MakeCpuLlamaRunner(*std::move(loaded));
+      runner = dsa::MakeCpuLlamaRunner(loaded_model);
     }
     auto created = dsa::LlamaAttentionModel::Create(std::move(runner), schedule->full_layers(),
                                                     dsa::kSmolLM2ModelName);
@@ -491,9 +497,13 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       {"num_heads", model_config.num_heads},
       {"head_dim", model_config.head_dim},
       {"model", service->engine().model().shape().name},
-      {"kv_dim", attention_device == "cuda" ? 576 : options.kv_dim},
-      {"attention_heads", service->engine().model().output_values_per_row() /
-                              (attention_device == "cuda" ? 512 : options.kv_dim)},
+      {"kv_dim", loaded_model != nullptr      ? loaded_model->config().kv_dim()
+                 : attention_device == "cuda" ? 576
+                                              : options.kv_dim},
+      {"attention_heads", loaded_model != nullptr
+                              ? loaded_model->config().num_heads
+                              : service->engine().model().output_values_per_row() /
+                                    (attention_device == "cuda" ? 512 : options.kv_dim)},
       {"kv_capacity_slots", options.engine.kv_capacity_slots},
       {"transport", transport},
       {"device_selects", options.engine.device_selects},

@@ -64,6 +64,11 @@ absl::StatusOr<std::vector<int32_t>> ParseTokensNpy(absl::string_view data,
     if (!absl::SimpleAtoi(dim, &value) || value < 0 || value > (int64_t{1} << 40)) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": bad shape in header ", header));
     }
+    // Bounded at every factor, so that a shape of many large dims cannot wrap around.
+    if (value != 0 && count > (size_t{1} << 40) / static_cast<size_t>(value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": the header's shape holds more than 2^40 tokens: ", header));
+    }
     count *= static_cast<size_t>(value);
   }
   const size_t data_begin = header_begin + header_bytes;

@@ -582,6 +582,7 @@ class CoordinatorEngine {
   std::vector<std::unique_ptr<IndexerWorker>> indexers_;
 
   absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
+  std::atomic<uint64_t> sampling_seeds_drawn_{0};     // seeds picked for requests without one
   std::atomic<uint64_t> refreshes_begun_{0};          // RefreshWorkers that did their checks
   std::atomic<int> refreshes_waiting_{0};             // for refresh_mu_
   // The indexers' last GetLoad answers (GetLoad), by slot, and when they were asked for. Held

@@ -10,9 +10,9 @@ namespace dsa {
 absl::Status ValidateNgramDraftOptions(const NgramDraftOptions& options) {
   if (options.min_ngram < 1 || options.max_ngram < options.min_ngram ||
       options.max_ngram > kMaxNgram) {
-    return absl::InvalidArgumentError(absl::StrCat("n-gram lengths must satisfy 1 <= min (",
-                                                   options.min_ngram, ") <= max (",
-                                                   options.max_ngram, ") <= ", kMaxNgram));
+    return absl::InvalidArgumentError(
+        absl::StrCat("n-gram lengths must satisfy 1 <= min_ngram (--ngram-min, ", options.min_ngram,
+                     ") <= max_ngram (--ngram-max, ", options.max_ngram, ") <= ", kMaxNgram));
   }
   return absl::OkStatus();
 }

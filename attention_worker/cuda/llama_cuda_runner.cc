@@ -18,6 +18,7 @@
 #include "attention_worker/cuda/gqa_attention.h"
 #include "attention_worker/cuda/llama_kernels.h"
 #include "attention_worker/cuda/llama_kv_layout.h"
+#include "attention_worker/llama_pass_rules.h"
 #include "common/status_macros.h"
 
 namespace dsa::cuda {
@@ -47,22 +48,6 @@ absl::Status CudaStatus(cudaError_t error, const std::string& what) {
       return CudaStatus(dsa_cuda_error_, (what)); \
     }                                             \
   } while (false)
-
-// theta_j = base^(-2j / dims) in double (as the CPU's RopeFrequencies).
-std::vector<double> RopeFrequencies(double base, int dims) {
-  std::vector<double> theta(dims / 2);
-  for (int j = 0; j < dims / 2; ++j) theta[j] = std::pow(base, -2.0 * j / dims);
-  return theta;
-}
-
-// cos / sin of position * theta_j, in double, rounded to float (as the CPU's RopeAngles).
-void RopeAngles(int64_t position, const std::vector<double>& theta, float* cos, float* sin) {
-  for (size_t j = 0; j < theta.size(); ++j) {
-    const double angle = static_cast<double>(position) * theta[j];
-    cos[j] = static_cast<float>(std::cos(angle));
-    sin[j] = static_cast<float>(std::sin(angle));
-  }
-}
 
 // One layer's weights on the device (fp32, row-major [out, in] as LlamaModel's).
 struct DeviceLayer {
@@ -184,11 +169,7 @@ class CudaLlamaRunner final : public LlamaRunner {
 
 class CudaLlamaPass final : public LlamaPass {
  public:
-  struct CacheGroup {
-    CudaLlamaCache* cache = nullptr;
-    int64_t first_position = 0;
-    std::vector<int32_t> rows_by_position;  // indices into rows_, increasing position
-  };
+  using CacheGroup = LlamaCacheRows<CudaLlamaCache>;
 
   CudaLlamaPass(CudaLlamaRunner* runner, std::vector<LlamaRunnerRow> rows,
                 std::vector<CacheGroup> groups)
@@ -209,7 +190,6 @@ class CudaLlamaPass final : public LlamaPass {
   absl::Status Logits(std::span<const int32_t> row_indices, std::span<float> out) override;
 
  private:
-  absl::Status CheckSelections(std::span<const std::span<const int32_t>> selections);
   absl::Status ComputeLayerInput();  // x_ = RMSNorm(h_) * attn_norm of layer_, once a layer
   absl::Status Attention(std::span<const std::span<const int32_t>> selections);
   absl::Status Fail(absl::Status status) {
@@ -222,7 +202,7 @@ class CudaLlamaPass final : public LlamaPass {
   int layer_ = 0;
   int x_layer_ = -1;
   absl::Status failed_;        // a device error: the pass is unusable
-  std::vector<uint8_t> seen_;  // CheckSelections' scratch, all zero between rows
+  std::vector<uint8_t> seen_;  // CheckLlamaSelections' scratch
 
   // The workspace (one pool allocation), device fp32 unless said.
   void* workspace_ = nullptr;
@@ -500,55 +480,21 @@ absl::Status CudaLlamaRunner::Gemm(int64_t m, int64_t n, int64_t k, float alpha,
 absl::StatusOr<std::unique_ptr<LlamaPass>> CudaLlamaRunner::Begin(
     std::vector<LlamaRunnerRow> rows) {
   const LlamaConfig& c = config();
-  if (rows.empty()) return absl::InvalidArgumentError("LlamaRunner::Begin: no rows");
-  if (rows.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 2)) {
-    return absl::InvalidArgumentError("LlamaRunner::Begin: too many rows");
-  }
-  std::vector<CudaLlamaPass::CacheGroup> groups;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    const LlamaRunnerRow& row = rows[r];
-    if (row.cache == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("LlamaRunner::Begin: row ", r, " has no cache"));
-    }
-    if (row.cache->runner() != this) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("LlamaRunner::Begin: row ", r, "'s cache belongs to another runner"));
-    }
-    if (row.token < 0 || row.token >= c.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaRunner::Begin: row ", r, " has token ",
-                                                     row.token, ", outside [0, ", c.vocab_size,
-                                                     ")"));
-    }
-    auto* cache = static_cast<CudaLlamaCache*>(row.cache);
-    auto group = std::find_if(groups.begin(), groups.end(),
-                              [&](const CudaLlamaPass::CacheGroup& g) { return g.cache == cache; });
-    if (group == groups.end()) {
-      groups.push_back({cache, cache->num_slots_, {}});
-      group = groups.end() - 1;
-    }
-    group->rows_by_position.push_back(static_cast<int32_t>(r));
-  }
-  for (CudaLlamaPass::CacheGroup& group : groups) {
-    std::sort(group.rows_by_position.begin(), group.rows_by_position.end(),
-              [&](int32_t a, int32_t b) { return rows[a].position < rows[b].position; });
-    for (size_t i = 0; i < group.rows_by_position.size(); ++i) {
-      const int64_t position = rows[group.rows_by_position[i]].position;
-      if (position != group.first_position + static_cast<int64_t>(i)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "LlamaRunner::Begin: the rows of a cache holding ", group.first_position,
-            " slots must have positions ", group.first_position, "..",
-            group.first_position + static_cast<int64_t>(group.rows_by_position.size()) - 1,
-            " exactly once each; row ", group.rows_by_position[i], " has position ", position));
-      }
-    }
-    const int64_t end = group.first_position + static_cast<int64_t>(group.rows_by_position.size());
-    if (end > c.context_length) {
-      return absl::ResourceExhaustedError(absl::StrCat("LlamaRunner::Begin: position ", end - 1,
-                                                       " is beyond the context length ",
-                                                       c.context_length));
-    }
-  }
+  auto grouped = GroupLlamaRows<CudaLlamaCache>(
+      "LlamaRunner::Begin", c.vocab_size, c.context_length, rows,
+      [&](size_t r) -> absl::StatusOr<CudaLlamaCache*> {
+        if (rows[r].cache == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("LlamaRunner::Begin: row ", r, " has no cache"));
+        }
+        if (rows[r].cache->runner() != this) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("LlamaRunner::Begin: row ", r, "'s cache belongs to another runner"));
+        }
+        return static_cast<CudaLlamaCache*>(rows[r].cache);
+      });
+  if (!grouped.ok()) return grouped.status();
+  std::vector<CudaLlamaPass::CacheGroup> groups = *std::move(grouped);
   auto held = lock();
   for (const CudaLlamaPass::CacheGroup& group : groups) {
     if (group.cache->in_pass_) {
@@ -748,54 +694,6 @@ absl::Status CudaLlamaPass::IndexerInputs(std::span<float> queries, std::span<fl
   return status.ok() ? status : Fail(status);
 }
 
-absl::Status CudaLlamaPass::CheckSelections(std::span<const std::span<const int32_t>> selections) {
-  const int64_t n = num_rows();
-  if (!selections.empty() && static_cast<int64_t>(selections.size()) != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("LlamaPass::RunLayer: ", selections.size(), " selections for ", n, " rows"));
-  }
-  int64_t max_position = 0;
-  for (const LlamaRunnerRow& row : rows_) max_position = std::max(max_position, row.position);
-  if (!selections.empty() && static_cast<int64_t>(seen_.size()) < max_position + 1) {
-    seen_.assign(max_position + 1, 0);
-  }
-  for (size_t r = 0; r < selections.size(); ++r) {
-    const std::span<const int32_t> selection = selections[r];
-    if (selection.empty()) continue;
-    const int64_t position = rows_[r].position;
-    if (selection.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max() / 4)) {
-      return absl::InvalidArgumentError("LlamaPass::RunLayer: a selection is too long");
-    }
-    int64_t count = 0;
-    absl::Status status;
-    for (const int32_t slot : selection) {
-      if (slot == -1) continue;
-      if (slot < -1 || slot > position) {
-        status = absl::InvalidArgumentError(absl::StrCat("LlamaPass::RunLayer: row ", r,
-                                                         " (position ", position, ") selects slot ",
-                                                         slot, ", outside [-1, ", position, "]"));
-        break;
-      }
-      if (seen_[slot] != 0) {
-        status = absl::InvalidArgumentError(
-            absl::StrCat("LlamaPass::RunLayer: row ", r, " selects slot ", slot, " twice"));
-        break;
-      }
-      seen_[slot] = 1;
-      ++count;
-    }
-    for (const int32_t slot : selection) {
-      if (slot >= 0 && slot <= position) seen_[slot] = 0;
-    }
-    DSA_RETURN_IF_ERROR(status);
-    if (count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("LlamaPass::RunLayer: row ", r,
-                                                     "'s selection has no slot (only -1 padding)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CudaLlamaPass::Attention(std::span<const std::span<const int32_t>> selections) {
   const LlamaConfig& c = runner_->config();
   // The plan: decode entries (selected rows; dense rows of small groups) and prefill tiles (the
@@ -930,7 +828,7 @@ absl::Status CudaLlamaPass::Attention(std::span<const std::span<const int32_t>> 
 absl::Status CudaLlamaPass::RunLayer(std::span<const std::span<const int32_t>> selections) {
   if (done()) return absl::FailedPreconditionError("LlamaPass::RunLayer: the pass is done");
   DSA_RETURN_IF_ERROR(failed_);
-  DSA_RETURN_IF_ERROR(CheckSelections(selections));
+  DSA_RETURN_IF_ERROR(CheckLlamaSelections("LlamaPass::RunLayer", rows_, selections, seen_));
   auto held = runner_->lock();
   const absl::Status status = [&]() -> absl::Status {
     const LlamaConfig& c = runner_->config();

@@ -16,66 +16,18 @@
 #include "attention_worker/llama_model.h"
 #include "gtest/gtest.h"
 #include "indexer_service/indexer.h"
+#include "tests/attention_worker/random_llama.h"
 #include "transport/in_process_indexer_client.h"
 
 namespace dsa {
 namespace {
 
-constexpr int kVocab = 50;
+constexpr int kVocab = testing::kTinyLlamaVocab;
 constexpr int kContext = 96;
 
-std::vector<float> Normal(std::mt19937& rng, int64_t n, float stddev, float mean = 0) {
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> out(n);
-  for (float& x : out) x = normal(rng);
-  return out;
-}
-
 std::shared_ptr<const LlamaModel> MakeTinyModel() {
-  LlamaConfig c;
-  c.num_layers = 4;
-  c.d_model = 32;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.ffn_dim = 48;
-  c.vocab_size = kVocab;
-  c.context_length = kContext;
-  c.rope_base = 10000.0;
-  c.rms_eps = 1e-5f;
-  c.bos_token_id = 1;
-  c.eos_token_id = 2;
-  LightningIndexerConfig ic;
-  ic.num_layers = c.num_layers;
-  ic.num_heads = 4;
-  ic.head_dim = 16;
-  ic.query_rank = 8;
-  ic.rope_dims = 8;
-  ic.rope_base = 10000.0;
-  std::mt19937 rng(11);
-  const int64_t d = c.d_model;
-  const float s = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<LlamaModel::Layer> layers(c.num_layers);
-  std::vector<LlamaModel::IndexerLayer> indexers(c.num_layers);
-  for (int l = 0; l < c.num_layers; ++l) {
-    LlamaModel::Layer& layer = layers[l];
-    layer.attn_norm = Normal(rng, d, 0.1f, 1.0f);
-    layer.wqkv = Normal(rng, (c.q_dim() + 2 * c.kv_dim()) * d, 2 * s);
-    layer.wo = Normal(rng, d * c.q_dim(), s);
-    layer.ffn_norm = Normal(rng, d, 0.1f, 1.0f);
-    layer.wgate_up = Normal(rng, 2 * c.ffn_dim * d, s);
-    layer.wdown = Normal(rng, d * c.ffn_dim, 1.0f / std::sqrt(static_cast<float>(c.ffn_dim)));
-    LlamaModel::IndexerLayer& indexer = indexers[l];
-    indexer.wproj = Normal(rng, (ic.query_rank + ic.head_dim + ic.num_heads) * d, s);
-    indexer.wqb = Normal(rng, ic.num_heads * ic.head_dim * ic.query_rank,
-                         1.0f / std::sqrt(static_cast<float>(ic.query_rank)));
-    indexer.k_norm_weight = Normal(rng, ic.head_dim, 0.1f, 1.0f);
-    indexer.k_norm_bias = Normal(rng, ic.head_dim, 0.1f);
-  }
-  auto model = LlamaModel::FromWeights(c, Normal(rng, kVocab * d, 1.0f), Normal(rng, d, 0.1f, 1.0f),
-                                       std::move(layers), ic, std::move(indexers));
-  EXPECT_TRUE(model.ok()) << model.status();
-  return *model;
+  const LlamaConfig c = testing::TinyLlamaConfig(4, kContext);
+  return testing::RandomLlamaModel(c, testing::TinyIndexerConfig(c), 11);
 }
 
 int32_t Argmax(std::span<const float> logits) {

@@ -101,6 +101,12 @@ TEST(Npy, RefusesMalformedFiles) {
   EXPECT_EQ(ReadTokensNpy(path).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ReadTokensNpy(TempPath("npy_test_missing.npy")).status().code(),
             absl::StatusCode::kNotFound);
+  // A shape whose product wraps around 2^64 (2^40 x 2^40 = 2^80) is no empty file.
+  const std::string wrapped = TempPath("npy_test_wrapped.npy");
+  ASSERT_TRUE(WriteNpy(wrapped, "<u2", {int64_t{1} << 40, int64_t{1} << 40}, nullptr, 0).ok());
+  const absl::Status huge = ReadTokensNpy(wrapped).status();
+  EXPECT_EQ(huge.code(), absl::StatusCode::kInvalidArgument) << huge;
+  EXPECT_NE(huge.message().find("more than 2^40 tokens"), std::string::npos) << huge;
 }
 
 }  // namespace

@@ -61,8 +61,9 @@ TEST(NgramDrafterTest, OptionsOutOfRangeAreRefusedWithTheNumbers) {
        {NgramDraftOptions{0, 4}, NgramDraftOptions{3, 2}, NgramDraftOptions{1, kMaxNgram + 1}}) {
     const absl::Status status = ValidateNgramDraftOptions(bad);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(status.message(), "n-gram lengths must satisfy 1 <= min (" +
-                                    std::to_string(bad.min_ngram) + ") <= max (" +
+    EXPECT_EQ(status.message(), "n-gram lengths must satisfy 1 <= min_ngram (--ngram-min, " +
+                                    std::to_string(bad.min_ngram) +
+                                    ") <= max_ngram (--ngram-max, " +
                                     std::to_string(bad.max_ngram) + ") <= 64");
   }
 }

@@ -289,6 +289,48 @@ TEST_F(RealModelTest, SamplingReachesTheWorkerAndASeedRepeats) {
   EXPECT_EQ(prefill.sampling().seed(), 5u);
 }
 
+// Without a seed, equal sampled requests (even with one request id) must not draw alike: the
+// coordinator picks a seed per request, and keeps it when the request moves to another worker.
+TEST_F(RealModelTest, AnUnseededSampledRequestGetsASeedOfItsOwnThatAMigrationKeeps) {
+  Start({kA1, kA2}, {kI1});
+  cv1::GenerateRequest request = TokensRequest("same-id", {5}, 4);
+  request.mutable_sampling()->set_temperature(0.7f);
+  std::vector<uint64_t> seeds;
+  for (int run = 0; run < 2; ++run) {
+    Call* call = Generate(request);
+    ASSERT_TRUE(call->stream.AwaitEvents(2));
+    const std::string worker = call->admitted().attention_worker();
+    ASSERT_TRUE(engine_->AwaitDecoding(worker, 1, kSafetyNet));
+    const auto prefills = fakes_->Prefills(worker);
+    ASSERT_FALSE(prefills.empty());
+    seeds.push_back(prefills.back().sampling().seed());
+    if (run == 1) {
+      // Move the second request: its re-prefill carries the seed it started with.
+      const std::string other = worker == kA1 ? kA2 : kA1;
+      const size_t before = fakes_->Prefills(other).size();
+      fakes_->SetDown(worker, true);
+      ASSERT_EQ(*engine_->StepWorker(worker), 1);  // fails: the request moves
+      ASSERT_TRUE(engine_->AwaitDecoding(other, 1, kSafetyNet));
+      const auto moved = fakes_->Prefills(other);
+      ASSERT_EQ(moved.size(), before + 1);
+      EXPECT_EQ(moved.back().sampling().seed(), seeds[1]);
+      StepUntilFinished(other, *call);
+    } else {
+      StepUntilFinished(worker, *call);
+    }
+    call->Join();
+    ASSERT_TRUE(call->status.ok()) << call->status;
+  }
+  EXPECT_NE(seeds[0], seeds[1]);
+  // A greedy request needs none and gets none.
+  Call* greedy = Generate(TokensRequest("greedy", {5}, 1));
+  ASSERT_TRUE(greedy->stream.AwaitEvents(2));
+  const std::string worker = greedy->admitted().attention_worker();
+  greedy->Join();
+  ASSERT_TRUE(greedy->status.ok()) << greedy->status;
+  EXPECT_EQ(fakes_->Prefills(worker).back().sampling().seed(), 0u);
+}
+
 TEST_F(RealModelTest, EachBadFieldIsRefusedWithAPreciseStatus) {
   Start({kA1}, {kI1});
   struct Case {
@@ -513,7 +555,9 @@ TEST(RealModelEngineCreateTest, NgramLengthsOutOfRangeAreRefused) {
   options.ngram = {3, 2};
   auto engine = CoordinatorEngine::Create(options, &metrics, std::make_shared<FakeWorkers>());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(engine.status().message(), "n-gram lengths must satisfy 1 <= min (3) <= max (2) <= 64");
+  EXPECT_EQ(engine.status().message(),
+            "n-gram lengths must satisfy 1 <= min_ngram (--ngram-min, 3) <= max_ngram "
+            "(--ngram-max, 2) <= 64");
 }
 
 // The pattern model: context token ids must be >= 0 too; sampling and stop ids are validated and

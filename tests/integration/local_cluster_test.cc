@@ -296,8 +296,15 @@ TEST(LocalClusterTest, RealModelSettingsAreCheckedBeforeStarting) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
   EXPECT_NE(missing.status().message().find("scripts/model_setup.sh"), std::string::npos);
   options.model_file.clear();
-  options.attention_device = "cuda";
-  EXPECT_EQ(LocalCluster::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+  // Indexer weights whose header is not a safetensors file's: refused, naming the file.
+  const std::string bad_weights =
+      (std::filesystem::path(::testing::TempDir()) / "not_weights.safetensors").string();
+  std::ofstream(bad_weights) << "not a safetensors file";
+  options.indexer_weights = bad_weights;
+  auto bad = LocalCluster::Start(options);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find(bad_weights), std::string::npos) << bad.status();
+  options.indexer_weights.clear();
   // The model's files with the pattern model, or an unknown model.
   LocalClusterOptions pattern = SmallCluster("pattern_with_files");
   pattern.indexer_weights = "weights.safetensors";

@@ -1,9 +1,7 @@
-// LocalCluster: the three server binaries as child processes on loopback (posix_spawn, no shell).
+// LocalCluster: the three server binaries as child processes on loopback (SpawnChild: no shell).
 #include "tools/dsa/cluster.h"
 
-#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,10 +16,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "attention_worker/llama_model.h"
+#include "common/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "server/health_check.h"
-
-extern char** environ;
+#include "tools/dsa/spawn.h"
 
 namespace dsa {
 namespace {
@@ -74,49 +73,6 @@ std::string Describe(const ClusterProcess& process) {
   if (tail.empty()) tail = "(empty)\n";
   return absl::StrCat(process.name, " (", process.binary, "); its stderr is in ", process.log_path,
                       " and ends with:\n", tail);
-}
-
-// Spawns `binary args...` with stdout and stderr redirected to files, stdin from /dev/null, in
-// its own process group (a Ctrl-C at the terminal reaches only the parent, which stops the
-// cluster in order) and with default signal handling.
-absl::StatusOr<pid_t> Spawn(const std::string& binary, const std::vector<std::string>& args,
-                            const std::string& stdout_path, const std::string& stderr_path) {
-  std::vector<std::string> owned = {binary};
-  owned.insert(owned.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  argv.reserve(owned.size() + 1);
-  for (std::string& arg : owned) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, stdout_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, stderr_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawnattr_t attributes;
-  posix_spawnattr_init(&attributes);
-  sigset_t empty_mask;
-  sigemptyset(&empty_mask);
-  sigset_t default_signals;
-  sigemptyset(&default_signals);
-  sigaddset(&default_signals, SIGINT);
-  sigaddset(&default_signals, SIGTERM);
-  sigaddset(&default_signals, SIGPIPE);
-  posix_spawnattr_setsigmask(&attributes, &empty_mask);
-  posix_spawnattr_setsigdefault(&attributes, &default_signals);
-  posix_spawnattr_setpgroup(&attributes, 0);
-  posix_spawnattr_setflags(&attributes,
-                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  pid_t pid = -1;
-  const int error = posix_spawn(&pid, binary.c_str(), &actions, &attributes, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attributes);
-  if (error != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", binary, ": ", std::strerror(error)));
-  }
-  return pid;
 }
 
 }  // namespace
@@ -181,39 +137,42 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
                                                    "\": ", kPatternModel, " or ", kSmolLM2Model));
   }
   std::string model_file, indexer_weights;
+  LightningIndexerConfig indexer_shape;
   if (real_model) {
-    if (options.attention_device.has_value() && *options.attention_device != "cpu") {
-      return absl::InvalidArgumentError(
-          "--model smollm2 runs its attention on the CPU (--attention-device cpu)");
-    }
-    if (options.num_heads.value_or(kSmolLM2IndexerHeads) != kSmolLM2IndexerHeads ||
-        options.head_dim.value_or(kSmolLM2IndexerHeadDim) != kSmolLM2IndexerHeadDim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--model smollm2's indexer is H ", kSmolLM2IndexerHeads, ", D ", kSmolLM2IndexerHeadDim,
-          " (its weights' shape): leave --num-heads and --head-dim unset or give those"));
-    }
     model_file = FindRepoFile(options.model_file.empty() ? kDefaultModelFile : options.model_file);
     indexer_weights = FindRepoFile(options.indexer_weights.empty() ? kDefaultIndexerWeights
                                                                    : options.indexer_weights);
-    if (access(model_file.c_str(), R_OK) != 0) {
-      return absl::NotFoundError(
-          absl::StrCat("--model smollm2: no model file ", model_file,
-                       " (bash scripts/model_setup.sh writes it; or give --model-file)"));
-    }
     if (access(indexer_weights.c_str(), R_OK) != 0) {
       return absl::NotFoundError(
           absl::StrCat("--model smollm2: no indexer weights ", indexer_weights,
                        " (the repository carries data/models/smollm2_indexer.safetensors; or "
                        "give --indexer-weights)"));
     }
+    // The indexer's H and D, which every dsa-indexer must serve, are the weights' own.
+    auto weights = SafetensorsFile::Open(indexer_weights);
+    if (!weights.ok()) return weights.status();
+    auto shape = LightningIndexerConfig::FromMetadata((*weights)->metadata(), indexer_weights);
+    if (!shape.ok()) return shape.status();
+    indexer_shape = *shape;
+    if (options.num_heads.value_or(shape->num_heads) != shape->num_heads ||
+        options.head_dim.value_or(shape->head_dim) != shape->head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--model smollm2's indexer is H ", shape->num_heads, ", D ", shape->head_dim, " (",
+          indexer_weights, "): leave --num-heads and --head-dim unset or give those"));
+    }
+    if (access(model_file.c_str(), R_OK) != 0) {
+      return absl::NotFoundError(
+          absl::StrCat("--model smollm2: no model file ", model_file,
+                       " (bash scripts/model_setup.sh writes it; or give --model-file)"));
+    }
   } else if (!options.model_file.empty() || !options.indexer_weights.empty()) {
     return absl::InvalidArgumentError("--model-file and --indexer-weights need --model smollm2");
   }
   // The indexer shape every dsa-indexer (and a pattern dsa-attention) is given.
   const std::optional<int> num_heads =
-      real_model ? std::optional<int>(kSmolLM2IndexerHeads) : options.num_heads;
+      real_model ? std::optional<int>(indexer_shape.num_heads) : options.num_heads;
   const std::optional<int> head_dim =
-      real_model ? std::optional<int>(kSmolLM2IndexerHeadDim) : options.head_dim;
+      real_model ? std::optional<int>(indexer_shape.head_dim) : options.head_dim;
   const std::optional<int> top_k =
       real_model && !options.top_k.has_value() ? std::optional<int>(kSmolLM2TopK) : options.top_k;
   const std::string bin_dir = options.bin_dir.empty() ? ExecutableDir() : options.bin_dir;
@@ -366,8 +325,12 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
 
 absl::Status LocalCluster::StartProcess(ClusterProcess process, std::chrono::milliseconds timeout,
                                         std::optional<size_t> replace) {
-  absl::StatusOr<pid_t> pid =
-      Spawn(process.binary, process.args, process.stdout_path, process.log_path);
+  SpawnOptions spawn;
+  spawn.stdin_from_dev_null = true;
+  spawn.stdout_path = process.stdout_path;
+  spawn.stderr_path = process.log_path;
+  spawn.own_process_group = true;
+  absl::StatusOr<pid_t> pid = SpawnChild(process.binary, process.args, spawn);
   if (!pid.ok()) return pid.status();
   process.pid = *pid;
   if (replace.has_value()) {

@@ -27,11 +27,9 @@ inline constexpr char kDefaultModelFile[] = "build/models/smollm2-135m/model.saf
 inline constexpr char kDefaultIndexerWeights[] = "data/models/smollm2_indexer.safetensors";
 inline constexpr char kDefaultTokenizerFile[] = "build/models/smollm2-135m/tokenizer.json";
 inline constexpr char kDefaultHeldoutTokens[] = "build/models/smollm2-135m/python_docs_heldout.npy";
-/// The real model's indexer shape (its weights' H and D: dsa-indexer must match) and the
-/// selection size a cluster for it defaults to (the coordinator's --top-k; its own default, 2048,
-/// is the production shape's).
-inline constexpr int kSmolLM2IndexerHeads = 16;
-inline constexpr int kSmolLM2IndexerHeadDim = 64;
+/// The selection size a cluster for the real model defaults to (the coordinator's --top-k; its
+/// own default, 2048, is the production shape's). The indexer shape every dsa-indexer is given
+/// comes from the indexer weights' metadata.
 inline constexpr int kSmolLM2TopK = 512;
 
 /// What to start. Unset optionals leave the binaries' own defaults.
@@ -54,12 +52,14 @@ struct LocalClusterOptions {
 
   /// The model the attention workers run: kPatternModel, or kSmolLM2Model, which starts
   /// dsa-attention with --model smollm2 --model-file --indexer-weights (not the pattern model's
-  /// --num-heads, --head-dim, --seed), every dsa-indexer with --num-heads 16 --head-dim 64 (the
-  /// model's indexer shape; num_heads and head_dim must be unset or equal to it), the coordinator
-  /// with --top-k 512 unless top_k is set; attention_device must be unset or cpu.
+  /// --num-heads, --head-dim, --seed), every dsa-indexer with the --num-heads and --head-dim of
+  /// the indexer weights' metadata (num_heads and head_dim must be unset or equal to them), the
+  /// coordinator with --top-k kSmolLM2TopK unless top_k is set. With attention_device cuda the
+  /// real model's forward pass runs on the GPU (cuda/llama_cuda_runner.h).
   std::string model = kPatternModel;
   /// kSmolLM2Model: the backbone and the indexer weights; empty = kDefaultModelFile and
-  /// kDefaultIndexerWeights, found by FindRepoFile. Start checks that both files exist.
+  /// kDefaultIndexerWeights, found by FindRepoFile. Start checks that both files exist and reads
+  /// the indexer's shape from the weights' header.
   std::string model_file;
   std::string indexer_weights;
 

@@ -1,8 +1,6 @@
-// `dsa generate`'s Python side: spawns dsa_client.generate (posix_spawn, no shell) and waits.
+// `dsa generate`'s Python side: spawns dsa_client.generate (SpawnChild: no shell) and waits.
 #include "tools/dsa/generate.h"
 
-#include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,11 +8,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "tools/dsa/cluster.h"
+#include "tools/dsa/spawn.h"
 
 extern char** environ;
 
@@ -42,13 +42,6 @@ absl::StatusOr<int> RunPythonGenerate(const std::string& coordinator,
                                             "clients/python)"));
   }
 
-  std::vector<std::string> owned = {python, "-m", "dsa_client.generate", "--target", coordinator};
-  owned.insert(owned.end(), options.args.begin(), options.args.end());
-  std::vector<char*> argv;
-  argv.reserve(owned.size() + 1);
-  for (std::string& arg : owned) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-
   // The environment with the client first on PYTHONPATH.
   std::vector<std::string> environment;
   std::string python_path = "PYTHONPATH=" + client_dir;
@@ -60,30 +53,13 @@ absl::StatusOr<int> RunPythonGenerate(const std::string& coordinator,
     }
   }
   environment.push_back(python_path);
-  std::vector<char*> envp;
-  envp.reserve(environment.size() + 1);
-  for (std::string& entry : environment) envp.push_back(entry.data());
-  envp.push_back(nullptr);
-
-  posix_spawnattr_t attributes;
-  posix_spawnattr_init(&attributes);
-  sigset_t empty_mask;
-  sigemptyset(&empty_mask);
-  sigset_t default_signals;
-  sigemptyset(&default_signals);
-  sigaddset(&default_signals, SIGINT);
-  sigaddset(&default_signals, SIGTERM);
-  sigaddset(&default_signals, SIGPIPE);
-  posix_spawnattr_setsigmask(&attributes, &empty_mask);
-  posix_spawnattr_setsigdefault(&attributes, &default_signals);
-  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  pid_t pid = -1;
-  const int error =
-      posix_spawn(&pid, python.c_str(), nullptr, &attributes, argv.data(), envp.data());
-  posix_spawnattr_destroy(&attributes);
-  if (error != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", python, ": ", std::strerror(error)));
-  }
+  std::vector<std::string> args = {"-m", "dsa_client.generate", "--target", coordinator};
+  args.insert(args.end(), options.args.begin(), options.args.end());
+  SpawnOptions spawn;
+  spawn.environment = std::move(environment);
+  absl::StatusOr<pid_t> spawned = SpawnChild(python, args, spawn);
+  if (!spawned.ok()) return spawned.status();
+  const pid_t pid = *spawned;
   int wait_status = 0;
   while (waitpid(pid, &wait_status, 0) < 0) {
     if (errno != EINTR) {

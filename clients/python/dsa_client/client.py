@@ -126,16 +126,19 @@ class Sampling:
 
     temperature: 0 = greedy (the most probable token), else in (0, 100]. top_p: nucleus, in
     (0, 1]; 0 means 1 (no cut). seed: the draw at each position is a pure function of (seed,
-    position), so a request repeats exactly. The pattern model validates and ignores it.
+    position), so a request repeats exactly; None lets the coordinator pick one per request. The
+    pattern model validates and ignores it.
     """
 
     temperature: float = 0.0
     top_p: float = 0.0
-    seed: int = 0
+    seed: Optional[int] = None
 
     def to_proto(self) -> coordinator_pb2.SamplingParams:
-        return coordinator_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p,
-                                              seed=self.seed)
+        proto = coordinator_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p)
+        if self.seed is not None:
+            proto.seed = self.seed
+        return proto
 
 
 class Generation:

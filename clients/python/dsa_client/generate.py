@@ -200,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="speculative draft length 0..4 (the coordinator's n-gram drafts)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=0.0, help="nucleus top-p (0 = 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled draws")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampled draws (default: the coordinator picks one)")
     parser.add_argument("--stop-token-id", type=int, action="append", default=[],
                         help="end after this token id (repeat)")
     parser.add_argument("--ignore-eos", action="store_true",

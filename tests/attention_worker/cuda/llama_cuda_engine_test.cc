@@ -17,17 +17,11 @@
 #include "attention_worker/llama_model.h"
 #include "gtest/gtest.h"
 #include "indexer_service/indexer.h"
+#include "tests/attention_worker/random_llama.h"
 #include "transport/in_process_indexer_client.h"
 
 namespace dsa {
 namespace {
-
-std::vector<float> Normal(std::mt19937& rng, int64_t n, float stddev, float mean = 0) {
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> out(n);
-  for (float& x : out) x = normal(rng);
-  return out;
-}
 
 struct Shape {
   const char* name;
@@ -41,51 +35,15 @@ constexpr Shape kTiny{"Tiny", 32, 4, 2, 8, 48, 50, 96, 4, 16};
 constexpr Shape kSmolShaped{"SmolShaped", 96, 6, 2, 64, 160, 200, 160, 4, 32};
 
 std::shared_ptr<const LlamaModel> MakeModel(const Shape& shape) {
-  LlamaConfig c;
-  c.num_layers = 4;
+  LlamaConfig c = testing::TinyLlamaConfig(4, shape.context);
   c.d_model = shape.d_model;
   c.num_heads = shape.num_heads;
   c.num_kv_heads = shape.num_kv_heads;
   c.head_dim = shape.head_dim;
   c.ffn_dim = shape.ffn_dim;
   c.vocab_size = shape.vocab;
-  c.context_length = shape.context;
-  c.rope_base = 10000.0;
-  c.rms_eps = 1e-5f;
-  c.bos_token_id = 1;
-  c.eos_token_id = 2;
-  LightningIndexerConfig ic;
-  ic.num_layers = c.num_layers;
-  ic.num_heads = shape.index_heads;
-  ic.head_dim = shape.index_dim;
-  ic.query_rank = 8;
-  ic.rope_dims = 8;
-  ic.rope_base = 10000.0;
-  std::mt19937 rng(11);
-  const int64_t d = c.d_model;
-  const float s = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<LlamaModel::Layer> layers(c.num_layers);
-  std::vector<LlamaModel::IndexerLayer> indexers(c.num_layers);
-  for (int l = 0; l < c.num_layers; ++l) {
-    LlamaModel::Layer& layer = layers[l];
-    layer.attn_norm = Normal(rng, d, 0.1f, 1.0f);
-    layer.wqkv = Normal(rng, (c.q_dim() + 2 * c.kv_dim()) * d, 2 * s);
-    layer.wo = Normal(rng, d * c.q_dim(), s);
-    layer.ffn_norm = Normal(rng, d, 0.1f, 1.0f);
-    layer.wgate_up = Normal(rng, 2 * c.ffn_dim * d, s);
-    layer.wdown = Normal(rng, d * c.ffn_dim, 1.0f / std::sqrt(static_cast<float>(c.ffn_dim)));
-    LlamaModel::IndexerLayer& indexer = indexers[l];
-    indexer.wproj = Normal(rng, (ic.query_rank + ic.head_dim + ic.num_heads) * d, s);
-    indexer.wqb = Normal(rng, ic.num_heads * ic.head_dim * ic.query_rank,
-                         1.0f / std::sqrt(static_cast<float>(ic.query_rank)));
-    indexer.k_norm_weight = Normal(rng, ic.head_dim, 0.1f, 1.0f);
-    indexer.k_norm_bias = Normal(rng, ic.head_dim, 0.1f);
-  }
-  auto model =
-      LlamaModel::FromWeights(c, Normal(rng, c.vocab_size * d, 1.0f), Normal(rng, d, 0.1f, 1.0f),
-                              std::move(layers), ic, std::move(indexers));
-  EXPECT_TRUE(model.ok()) << model.status();
-  return *model;
+  return testing::RandomLlamaModel(
+      c, testing::TinyIndexerConfig(c, shape.index_heads, shape.index_dim), 11);
 }
 
 // One engine over a runner, with its own in-process indexer.
