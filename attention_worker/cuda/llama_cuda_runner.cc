@@ -262,10 +262,11 @@ absl::Status CudaLlamaCache::CopyFrom(const LlamaSequenceCache& source) {
         "LlamaSequenceCache::CopyFrom: the source is this cache or another runner's");
   }
   const auto& from = static_cast<const CudaLlamaCache&>(source);
+  // Under the lock: Begin, on another thread, marks the source in a pass under it.
+  auto held = runner_->lock();
   if (in_pass_ || from.in_pass_) {
     return absl::FailedPreconditionError("LlamaSequenceCache::CopyFrom: a cache is in a pass");
   }
-  auto held = runner_->lock();
   const int64_t kept = num_slots_;
   num_slots_ = 0;  // Reserve need not copy this cache's own slots
   absl::Status status = runner_->Reserve(this, from.num_slots_);

@@ -1,10 +1,12 @@
-// Issue 27's check, shared by the CPU test (llama_indexer_scores_test.cc) and its CUDA variant
+// The real model's indexer-scores check, shared by the CPU test (llama_indexer_scores_test.cc) and its CUDA variant
 // (cuda/llama_indexer_scores_cuda_test.cc): the real SmolLM2-135M backbone with the trained
 // lightning indexer runs over held-out tokens; the indexer inputs of a few full layers go through
 // an Indexer (append, then RunLayerSelect: the entry point every data plane uses), and its
 // selections (and, through Indexer::Select, its scores) must equal a double-precision reference of
 // docs/model.md's z_t[i] = s_i * sum_h w_h ReLU(q_h . k^_i) over the fp8-dequantized keys
-// (common/fp8.h's QuantizeIndexKey, as the service quantizes).
+// (common/fp8.h's QuantizeIndexKey, as the service quantizes). With $DSA_INDEXER_SCORES_INPUTS
+// set, the model's indexer inputs are written to that file, or read from it when it exists: the
+// GPU host, which cannot receive the backbone with the tests, checks the inputs computed here.
 #pragma once
 
 #include <algorithm>
@@ -14,10 +16,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <numeric>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,6 +29,7 @@
 #include "attention_worker/llama_model.h"
 #include "common/fp8.h"
 #include "common/npy.h"
+#include "common/safetensors.h"
 #include "gtest/gtest.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/layer_select.h"
@@ -109,11 +114,80 @@ inline void ComputeInputs(ModelInputs* out) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The model's inputs, computed once per test binary.
+inline std::string InputsTensorName(int model_layer, const char* what) {
+  return absl::StrCat("layer", model_layer, ".", what);
+}
+
+// Writes `in` to a safetensors file (fp32 tensors layer<L>.queries [n, H, D], .head_weights
+// [n, H], .keys [n, D]; metadata n, num_heads, head_dim), so that a host without the 538 MB
+// backbone (the GPU host) can check the same inputs.
+inline void WriteInputs(const ModelInputs& in, const std::string& path) {
+  std::vector<SafetensorsTensorToWrite> tensors;
+  const auto bytes = [](const std::vector<float>& v) { return std::as_bytes(std::span(v)); };
+  for (const LayerInputs& layer : in.layers) {
+    tensors.push_back({InputsTensorName(layer.model_layer, "queries"),
+                       "F32",
+                       {in.n, in.num_heads, in.head_dim},
+                       bytes(layer.queries)});
+    tensors.push_back({InputsTensorName(layer.model_layer, "head_weights"),
+                       "F32",
+                       {in.n, in.num_heads},
+                       bytes(layer.head_weights)});
+    tensors.push_back({InputsTensorName(layer.model_layer, "keys"),
+                       "F32",
+                       {in.n, in.head_dim},
+                       bytes(layer.keys)});
+  }
+  const absl::Status written = WriteSafetensors(path,
+                                                {{"n", std::to_string(in.n)},
+                                                 {"num_heads", std::to_string(in.num_heads)},
+                                                 {"head_dim", std::to_string(in.head_dim)}},
+                                                tensors);
+  ASSERT_TRUE(written.ok()) << written;
+}
+
+// Reads what WriteInputs wrote; fails on any mismatch with kLayers and kTokens.
+inline void ReadInputs(const std::string& path, ModelInputs* out) {
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const auto& metadata = (*file)->metadata();
+  ASSERT_TRUE(metadata.count("n") && metadata.count("num_heads") && metadata.count("head_dim"))
+      << path << ": metadata n, num_heads, head_dim expected";
+  out->n = std::stoi(metadata.at("n"));
+  out->num_heads = std::stoi(metadata.at("num_heads"));
+  out->head_dim = std::stoi(metadata.at("head_dim"));
+  ASSERT_EQ(out->n, kTokens) << path;
+  for (int layer : kLayers) {
+    LayerInputs in;
+    in.model_layer = layer;
+    const auto read = [&](const char* what, std::vector<float>* v, int64_t count) {
+      const SafetensorsTensor* t = (*file)->Find(InputsTensorName(layer, what));
+      ASSERT_NE(t, nullptr) << path << ": no " << InputsTensorName(layer, what);
+      ASSERT_EQ(t->dtype, "F32");
+      ASSERT_EQ(t->num_elements(), count) << InputsTensorName(layer, what);
+      v->resize(count);
+      std::memcpy(v->data(), t->bytes.data(), count * sizeof(float));
+    };
+    const int64_t n = out->n, h = out->num_heads, d = out->head_dim;
+    read("queries", &in.queries, n * h * d);
+    read("head_weights", &in.head_weights, n * h);
+    read("keys", &in.keys, n * d);
+    out->layers.push_back(std::move(in));
+  }
+}
+
+// The model's inputs, once per test binary: from $DSA_INDEXER_SCORES_INPUTS when that file exists
+// (the GPU host's way), else computed from the model (and written there when it is set).
 inline const ModelInputs& Inputs() {
   static ModelInputs* inputs = [] {
     auto* computed = new ModelInputs;
+    const char* path = std::getenv("DSA_INDEXER_SCORES_INPUTS");
+    if (path != nullptr && *path != '\0' && std::filesystem::exists(path)) {
+      ReadInputs(path, computed);
+      return computed;
+    }
     ComputeInputs(computed);
+    if (path != nullptr && *path != '\0' && !computed->layers.empty()) WriteInputs(*computed, path);
     return computed;
   }();
   return *inputs;

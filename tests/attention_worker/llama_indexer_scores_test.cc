@@ -1,4 +1,4 @@
-// Issue 27: the indexer service's CPU scoring of the real SmolLM2-135M indexer inputs (trained
+// The indexer service's CPU scoring of the real SmolLM2-135M indexer inputs (trained
 // weights, held-out tokens) equals the double-precision reference of docs/model.md over fp8 keys.
 // Fails, naming scripts/model_setup.sh, when the model files are missing.
 #include <memory>

@@ -472,7 +472,7 @@ struct GenerateFlags {
   int64_t max_new_tokens = 64;
   int draft_length = 2;
   double temperature = 0, top_p = 0;
-  uint64_t sampling_seed = 0;
+  std::optional<uint64_t> sampling_seed;  // unset: the coordinator picks one per request
   std::vector<int> stop_token_ids;
   bool ignore_eos = false;
   bool json = false;
@@ -509,8 +509,8 @@ void AddGenerateFlags(CLI::App* cmd, GenerateFlags& flags) {
   cmd->add_option("--top-p", flags.top_p, "Nucleus sampling's top-p (0 = 1)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
-  cmd->add_option("--sampling-seed", flags.sampling_seed, "Seed of the sampled draws")
-      ->capture_default_str();
+  cmd->add_option("--sampling-seed", flags.sampling_seed,
+                  "Seed of the sampled draws (default: the coordinator picks one)");
   cmd->add_option("--stop-token-id", flags.stop_token_ids,
                   "End after this token id (repeat for several)")
       ->check(CLI::NonNegativeNumber);
@@ -547,8 +547,10 @@ int RunGenerateCommand(const GenerateFlags& flags, const dsa::LocalClusterOption
     std::ostringstream temperature, top_p;
     temperature << flags.temperature;
     top_p << flags.top_p;
-    args.insert(args.end(), {"--temperature", temperature.str(), "--top-p", top_p.str(), "--seed",
-                             std::to_string(flags.sampling_seed)});
+    args.insert(args.end(), {"--temperature", temperature.str(), "--top-p", top_p.str()});
+    if (flags.sampling_seed.has_value()) {
+      args.insert(args.end(), {"--seed", std::to_string(*flags.sampling_seed)});
+    }
   }
   for (int id : flags.stop_token_ids) {
     args.insert(args.end(), {"--stop-token-id", std::to_string(id)});

@@ -1,7 +1,8 @@
-// Issue 27 on the CUDA scoring device (skips without a usable GPU): the real SmolLM2-135M indexer
-// inputs scored by the GPU equal the double-precision reference over fp8 keys; the CUDA-core scan
-// against fp32 queries, the tensor-core scan (the default, kAuto, for H = 16, D = 64) against the
-// queries rounded to bf16 (cuda_scoring_device.h: "scores as ScoreBlocks on the bf16 query").
+// The real model's indexer-scores check on the CUDA scoring device (skips without a usable GPU):
+// the real SmolLM2-135M indexer inputs scored by the GPU equal the double-precision reference over
+// fp8 keys; the CUDA-core scan against fp32 queries, the tensor-core scan (the default, kAuto, for
+// H = 16, D = 64) against the queries rounded to bf16 (cuda_scoring_device.h: "scores as
+// ScoreBlocks on the bf16 query").
 #include <memory>
 
 #include "gtest/gtest.h"
