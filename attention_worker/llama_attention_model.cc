@@ -98,8 +98,9 @@ class LlamaModelStep : public ModelStep {
  public:
   LlamaModelStep(std::unique_ptr<LlamaPass> pass, std::vector<ModelRow> rows,
                  std::vector<SamplingParams> sampling, const LightningIndexerConfig& indexer,
-                 int vocab_size)
-      : pass_(std::move(pass)),
+                 int vocab_size, const LlamaAttentionModel::LogitsObserver* logits_observer)
+      : logits_observer_(logits_observer),
+        pass_(std::move(pass)),
         rows_(std::move(rows)),
         sampling_(std::move(sampling)),
         num_heads_(indexer.num_heads),
@@ -172,14 +173,15 @@ class LlamaModelStep : public ModelStep {
     DSA_RETURN_IF_ERROR(pass_->Logits(all, logits));
     std::vector<int32_t> tokens(rows_.size());
     for (size_t r = 0; r < rows_.size(); ++r) {
-      tokens[r] =
-          SampleToken(std::span<const float>(logits.data() + r * vocab, static_cast<size_t>(vocab)),
-                      sampling_[r], rows_[r].position + 1);
+      const std::span<const float> row(logits.data() + r * vocab, static_cast<size_t>(vocab));
+      if (*logits_observer_) (*logits_observer_)(rows_[r].sequence_id, rows_[r].position, row);
+      tokens[r] = SampleToken(row, sampling_[r], rows_[r].position + 1);
     }
     return tokens;
   }
 
  private:
+  const LlamaAttentionModel::LogitsObserver* const logits_observer_;
   std::unique_ptr<LlamaPass> pass_;
   const std::vector<ModelRow> rows_;
   const std::vector<SamplingParams> sampling_;
@@ -300,6 +302,7 @@ absl::StatusOr<std::optional<int32_t>> LlamaAttentionModel::Extend(uint64_t sequ
     return s;
   }
   pass.reset();
+  if (logits_observer_) logits_observer_(sequence_id, end_slot - 1, logits);
   sequence->keys_first_slot = first_slot;
   sequence->index_keys = std::move(index_keys);
   if (created) {
@@ -366,9 +369,13 @@ absl::StatusOr<std::unique_ptr<ModelStep>> LlamaAttentionModel::BeginStep(
     llama_rows[r] = LlamaRunnerRow{sequence->kv.get(), rows[r].position, rows[r].token};
   }
   DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner_->Begin(std::move(llama_rows)));
-  return std::unique_ptr<ModelStep>(
-      new LlamaModelStep(std::move(pass), std::vector<ModelRow>(rows.begin(), rows.end()),
-                         std::move(sampling), model_.indexer_config(), model_.config().vocab_size));
+  return std::unique_ptr<ModelStep>(new LlamaModelStep(
+      std::move(pass), std::vector<ModelRow>(rows.begin(), rows.end()), std::move(sampling),
+      model_.indexer_config(), model_.config().vocab_size, &logits_observer_));
+}
+
+void LlamaAttentionModel::set_logits_observer(LogitsObserver observer) {
+  logits_observer_ = std::move(observer);
 }
 
 }  // namespace dsa

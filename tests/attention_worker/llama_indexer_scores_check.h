@@ -1,9 +1,9 @@
-// The real model's indexer-scores check, shared by the CPU test (llama_indexer_scores_test.cc) and its CUDA variant
-// (cuda/llama_indexer_scores_cuda_test.cc): the real SmolLM2-135M backbone with the trained
-// lightning indexer runs over held-out tokens; the indexer inputs of a few full layers go through
-// an Indexer (append, then RunLayerSelect: the entry point every data plane uses), and its
-// selections (and, through Indexer::Select, its scores) must equal a double-precision reference of
-// docs/model.md's z_t[i] = s_i * sum_h w_h ReLU(q_h . k^_i) over the fp8-dequantized keys
+// The real model's indexer-scores check, shared by the CPU test (llama_indexer_scores_test.cc) and
+// its CUDA variant (cuda/llama_indexer_scores_cuda_test.cc): the real SmolLM2-135M backbone with
+// the trained lightning indexer runs over held-out tokens; the indexer inputs of a few full layers
+// go through an Indexer (append, then RunLayerSelect: the entry point every data plane uses), and
+// its selections (and, through Indexer::Select, its scores) must equal a double-precision reference
+// of docs/model.md's z_t[i] = s_i * sum_h w_h ReLU(q_h . k^_i) over the fp8-dequantized keys
 // (common/fp8.h's QuantizeIndexKey, as the service quantizes). With $DSA_INDEXER_SCORES_INPUTS
 // set, the model's indexer inputs are written to that file, or read from it when it exists: the
 // GPU host, which cannot receive the backbone with the tests, checks the inputs computed here.

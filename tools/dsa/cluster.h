@@ -27,6 +27,8 @@ inline constexpr char kDefaultModelFile[] = "build/models/smollm2-135m/model.saf
 inline constexpr char kDefaultIndexerWeights[] = "data/models/smollm2_indexer.safetensors";
 inline constexpr char kDefaultTokenizerFile[] = "build/models/smollm2-135m/tokenizer.json";
 inline constexpr char kDefaultHeldoutTokens[] = "build/models/smollm2-135m/python_docs_heldout.npy";
+/// Passkey cases in the essay haystack (python/dsa_model/needles.py, written by model_setup.sh).
+inline constexpr char kDefaultNeedles[] = "build/models/smollm2-135m/needles.json";
 /// The selection size a cluster for the real model defaults to (the coordinator's --top-k; its
 /// own default, 2048, is the production shape's). The indexer shape every dsa-indexer is given
 /// comes from the indexer weights' metadata.

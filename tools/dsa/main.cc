@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_join.h"
 #include "common/npy.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
@@ -30,6 +31,7 @@
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/eval.h"
 #include "tools/dsa/generate.h"
+#include "tools/dsa/model_eval.h"
 #include "tools/dsa/replay.h"
 #include "tools/dsa/trace.h"
 
@@ -645,6 +647,51 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   bool no_predictor_study = false;
   eval_cmd->add_flag("--no-predictor-study", no_predictor_study,
                      "Skip the SPIN Table-1 predictor comparison");
+  // The real model's evaluation (tools/dsa/model_eval.h).
+  std::string eval_model = dsa::kPatternModel;
+  eval_cmd
+      ->add_option("--model", eval_model,
+                   "pattern (SPIN's miss rate on the synthetic model) or smollm2 (perplexity, "
+                   "passkey retrieval and selection statistics of every arm on SmolLM2-135M)")
+      ->check(CLI::IsMember({dsa::kPatternModel, dsa::kSmolLM2Model}))
+      ->capture_default_str();
+  dsa::ModelEvalOptions model_eval;
+  bool eval_quick = false;
+  eval_cmd->add_flag(
+      "--quick", eval_quick,
+      "--model smollm2: context 1K, 2 windows of 32 tokens, 4 arms (dense, all-keep, "
+      "SPIN rho 0.4, MLI k 1 at retention 1/2), the 1K passkeys");
+  eval_cmd->add_option(
+      "--model-file", model_eval.model_file,
+      std::string("--model smollm2: the backbone (default ") + dsa::kDefaultModelFile + ")");
+  eval_cmd->add_option("--indexer-weights", model_eval.indexer_weights,
+                       std::string("--model smollm2: the indexer weights (default ") +
+                           dsa::kDefaultIndexerWeights + ")");
+  eval_cmd->add_option("--heldout-tokens", model_eval.heldout_tokens,
+                       std::string("--model smollm2: .npy of held-out token ids (default ") +
+                           dsa::kDefaultHeldoutTokens + ")");
+  std::string needles_path;
+  eval_cmd->add_option("--needles", needles_path,
+                       std::string("--model smollm2: passkey cases (default ") +
+                           dsa::kDefaultNeedles + "; 'none' skips them)");
+  eval_cmd
+      ->add_option("--contexts", model_eval.contexts,
+                   "--model smollm2: context lengths of the perplexity windows, tokens")
+      ->delimiter(',')
+      ->capture_default_str();
+  eval_cmd->add_option("--samples", model_eval.samples, "--model smollm2: windows per context")
+      ->capture_default_str();
+  eval_cmd
+      ->add_option("--continuation", model_eval.continuation,
+                   "--model smollm2: tokens scored after each window's context")
+      ->capture_default_str();
+  eval_cmd
+      ->add_option("--needle-lengths", model_eval.needle_lengths,
+                   "--model smollm2: passkey lengths evaluated (default: every length in the file)")
+      ->delimiter(',');
+  bool no_greedy = false;
+  eval_cmd->add_flag("--no-greedy", no_greedy,
+                     "--model smollm2: skip the perplexity of the dense greedy continuations");
   eval_cmd->add_option("--json", json_path, "Write the results as JSON to this file");
   eval_cmd->add_option("--markdown", markdown_path,
                        "Write the results as a markdown table to this file");
@@ -828,7 +875,70 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     ResolveClusterFlags(generate_flags, generate_cluster);
     return RunGenerateCommand(generate, generate_cluster, generate_dial);
   }
+  if (*eval_cmd && eval_model == dsa::kSmolLM2Model) {
+    for (const char* name :
+         {"--context", "--steps", "--layers", "--heads", "--head-dim", "--sparsities",
+          "--exploration", "--draft-length", "--acceptance-rate", "--pooling", "--reduction",
+          "--exploration-policy", "--no-predictor-study"}) {
+      if (eval_cmd->count(name) > 0) {
+        std::fprintf(stderr,
+                     "dsa eval: %s is the pattern model's; --model smollm2 takes "
+                     "--contexts, --samples, --continuation, --needle-lengths\n",
+                     name);
+        return 2;
+      }
+    }
+    if (eval_quick) {
+      if (eval_cmd->count("--contexts") == 0) model_eval.contexts = {1024};
+      if (eval_cmd->count("--samples") == 0) model_eval.samples = 2;
+      if (eval_cmd->count("--continuation") == 0) model_eval.continuation = 32;
+      if (eval_cmd->count("--needle-lengths") == 0) model_eval.needle_lengths = {1024};
+      model_eval.arms = dsa::QuickModelEvalArms();
+    }
+    if (eval_cmd->count("--top-k") > 0) model_eval.top_k = eval.top_k;
+    model_eval.seed = eval.seed;
+    model_eval.greedy_continuations = !no_greedy;
+    const auto or_default = [](const std::string& given, const char* fallback) {
+      return dsa::FindRepoFile(given.empty() ? fallback : given);
+    };
+    model_eval.model_file = or_default(model_eval.model_file, dsa::kDefaultModelFile);
+    model_eval.indexer_weights =
+        or_default(model_eval.indexer_weights, dsa::kDefaultIndexerWeights);
+    model_eval.heldout_tokens = or_default(model_eval.heldout_tokens, dsa::kDefaultHeldoutTokens);
+    model_eval.needles_file =
+        needles_path == "none" ? "" : or_default(needles_path, dsa::kDefaultNeedles);
+    if (const absl::Status valid = dsa::ValidateModelEvalOptions(model_eval); !valid.ok()) {
+      std::fprintf(stderr, "dsa eval: %s\n", valid.ToString().c_str());
+      return 2;
+    }
+    std::ofstream json_out, markdown_out;
+    if (!OpenOutput(json_path, json_out) || !OpenOutput(markdown_path, markdown_out)) return 1;
+    std::fprintf(stderr,
+                 "dsa eval --model smollm2: %zu arms, contexts %s, %d windows of %d tokens, K %d\n",
+                 model_eval.arms.size(), absl::StrJoin(model_eval.contexts, ",").c_str(),
+                 model_eval.samples, model_eval.continuation, model_eval.top_k);
+    auto report = dsa::RunModelEval(model_eval, &PrintProgress);
+    if (!report.ok()) {
+      std::fprintf(stderr, "dsa eval: %s\n", report.status().ToString().c_str());
+      return 2;
+    }
+    const std::string markdown = dsa::ModelEvalReportToMarkdown(*report);
+    std::cout << markdown;
+    if (!WriteOutput(json_path, json_out, dsa::ModelEvalReportToJson(*report).dump(2) + "\n") ||
+        !WriteOutput(markdown_path, markdown_out, markdown)) {
+      return 1;
+    }
+    return 0;
+  }
   if (*eval_cmd) {
+    for (const char* name :
+         {"--quick", "--model-file", "--indexer-weights", "--heldout-tokens", "--needles",
+          "--contexts", "--samples", "--continuation", "--needle-lengths", "--no-greedy"}) {
+      if (eval_cmd->count(name) > 0) {
+        std::fprintf(stderr, "dsa eval: %s needs --model smollm2\n", name);
+        return 2;
+      }
+    }
     eval.predictor_study = !no_predictor_study;
     if (const absl::Status valid = dsa::ValidateEvalOptions(eval); !valid.ok()) {
       std::fprintf(stderr, "dsa eval: %s\n", valid.ToString().c_str());

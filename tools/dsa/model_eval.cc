@@ -1,0 +1,602 @@
+#include "tools/dsa/model_eval.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "attention_worker/engine.h"
+#include "attention_worker/llama_attention_model.h"
+#include "attention_worker/llama_model.h"
+#include "attention_worker/llama_runner.h"
+#include "common/mli_schedule.h"
+#include "common/npy.h"
+#include "common/status_macros.h"
+#include "indexer_service/indexer.h"
+#include "transport/in_process_indexer_client.h"
+
+namespace dsa {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// -log softmax(logits)[target], in double.
+double NegativeLogLikelihood(std::span<const float> logits, int32_t target) {
+  const float peak = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - peak);
+  return std::log(sum) + peak - logits[target];
+}
+
+int32_t Argmax(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+// Summed NLL and count of one kind of continuation.
+struct NllSum {
+  double nll = 0;
+  int64_t tokens = 0;
+  double Perplexity() const {
+    return tokens == 0 ? 0 : std::exp(nll / static_cast<double>(tokens));
+  }
+};
+
+// p-quantile (nearest rank) of `values` (sorted in place).
+double Quantile(std::vector<double>& values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
+  return values[std::min(values.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+// ---- dense: the runner's passes without selections (the reference every arm is read against) --
+
+// Runs `contexts` densely on fresh caches, then `steps` single-row steps per sequence: each step
+// feeds next_input(s, j) (the j-th token after the context) and hands the logits of position
+// context + j - 1 .. to `on_logits(s, position, logits)`; the prefill's last logits too.
+// next_input may read what on_logits stored (greedy generation).
+template <typename NextInput, typename OnLogits>
+absl::Status RunDense(LlamaRunner& runner, const std::vector<std::vector<int32_t>>& contexts,
+                      int steps, NextInput next_input, OnLogits on_logits) {
+  const int vocab = runner.model().config().vocab_size;
+  std::vector<std::unique_ptr<LlamaSequenceCache>> caches;
+  std::vector<float> logits(vocab);
+  for (size_t s = 0; s < contexts.size(); ++s) {
+    DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaSequenceCache> cache, runner.NewCache());
+    std::vector<LlamaRunnerRow> rows;
+    for (size_t t = 0; t < contexts[s].size(); ++t) {
+      rows.push_back({cache.get(), static_cast<int64_t>(t), contexts[s][t]});
+    }
+    DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner.Begin(std::move(rows)));
+    while (!pass->done()) DSA_RETURN_IF_ERROR(pass->RunLayer());
+    const int32_t last = static_cast<int32_t>(contexts[s].size()) - 1;
+    DSA_RETURN_IF_ERROR(pass->Logits(std::span<const int32_t>(&last, 1), logits));
+    on_logits(s, static_cast<int64_t>(last), std::span<const float>(logits));
+    caches.push_back(std::move(cache));
+  }
+  std::vector<float> step_logits(contexts.size() * vocab);
+  std::vector<int32_t> all(contexts.size());
+  for (size_t s = 0; s < all.size(); ++s) all[s] = static_cast<int32_t>(s);
+  for (int j = 0; j < steps; ++j) {
+    std::vector<LlamaRunnerRow> rows;
+    for (size_t s = 0; s < contexts.size(); ++s) {
+      rows.push_back(
+          {caches[s].get(), static_cast<int64_t>(contexts[s].size()) + j, next_input(s, j)});
+    }
+    DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaPass> pass, runner.Begin(std::move(rows)));
+    while (!pass->done()) DSA_RETURN_IF_ERROR(pass->RunLayer());
+    DSA_RETURN_IF_ERROR(pass->Logits(all, step_logits));
+    for (size_t s = 0; s < contexts.size(); ++s) {
+      on_logits(s, static_cast<int64_t>(contexts[s].size()) + j,
+                std::span<const float>(step_logits).subspan(s * vocab, vocab));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- a sparse arm: the attention engine with an in-process indexer ----
+
+struct ArmEngine {
+  std::unique_ptr<Indexer> indexer;  // outlives the engine (declared first, destroyed last)
+  std::unique_ptr<AttentionEngine> engine;
+};
+
+// Sequence ids are 1-based indices into the caller's arrays.
+absl::StatusOr<ArmEngine> MakeArmEngine(std::shared_ptr<LlamaRunner> runner,
+                                        const ModelEvalArm& arm, int64_t max_slots,
+                                        int num_sequences,
+                                        LlamaAttentionModel::LogitsObserver observer) {
+  const LlamaModel& model = runner->model();
+  const int num_layers = model.config().num_layers;
+  DSA_ASSIGN_OR_RETURN(MliSchedule schedule,
+                       MliSchedule::FromRetention(num_layers, arm.retention_stride, arm.lag_depth));
+  DSA_ASSIGN_OR_RETURN(
+      std::unique_ptr<LlamaAttentionModel> seam,
+      LlamaAttentionModel::Create(std::move(runner), schedule.full_layers(), "smollm2-135m"));
+  seam->set_logits_observer(std::move(observer));
+  ArmEngine out;
+  IndexerOptions indexer_options;
+  const int64_t blocks_per_sequence = (max_slots + 63) / 64 + 1;
+  indexer_options.capacity_blocks =
+      blocks_per_sequence * num_sequences * static_cast<int64_t>(schedule.full_layers().size());
+  indexer_options.num_heads = model.indexer_config().num_heads;
+  indexer_options.head_dim = model.indexer_config().head_dim;
+  // Every pruned select is scored densely as well: its miss rate against the dense top-K.
+  indexer_options.audit_fraction = arm.spin ? 1.0 : 0.0;
+  DSA_ASSIGN_OR_RETURN(out.indexer, Indexer::Create(indexer_options));
+  AttentionEngineOptions options;
+  options.kv_capacity_slots = (max_slots + 64) * num_sequences;
+  DSA_ASSIGN_OR_RETURN(
+      out.engine,
+      AttentionEngine::Create(std::move(schedule), std::move(seam),
+                              InProcessIndexerClient::Factory(out.indexer.get()), options));
+  return out;
+}
+
+PrefillSpec ArmPrefill(const ModelEvalArm& arm, const ModelEvalOptions& options, uint64_t id,
+                       std::vector<int32_t> tokens) {
+  PrefillSpec spec;
+  spec.sequence_id = id;
+  spec.context_length = static_cast<int64_t>(tokens.size());
+  spec.indexer_worker = kInProcessIndexerAddress;
+  spec.top_k = options.top_k;
+  spec.spin.enabled = arm.spin;
+  spec.spin.target_block_sparsity = arm.target_block_sparsity;
+  spec.spin.exploration_fraction = arm.exploration_fraction;
+  spec.spin.seed = options.seed;
+  spec.tokens = std::move(tokens);
+  return spec;
+}
+
+// The selection statistics of an arm's decode steps.
+struct StepStats {
+  int64_t blocks_scored = 0;
+  int64_t blocks_visible = 0;
+  std::vector<double> miss_rates;
+  void Add(const DecodeStepResult& step) {
+    for (const SequenceStepResult& s : step.sequences) {
+      blocks_scored += s.blocks_scored;
+      blocks_visible += s.blocks_visible;
+      miss_rates.insert(miss_rates.end(), s.audit_miss_rates.begin(), s.audit_miss_rates.end());
+    }
+  }
+};
+
+// Teacher-forces every sequence (context then continuation, `sequences[i]`, id i + 1) through the
+// arm: a prefill of `context` tokens, then continuation - 1 one-row steps. Adds each sequence's
+// NLL of tokens [context, context + continuation) to sums[kind[i]].
+absl::Status ScoreArm(std::shared_ptr<LlamaRunner> runner, const ModelEvalArm& arm,
+                      const ModelEvalOptions& options, int64_t context, int continuation,
+                      const std::vector<std::vector<int32_t>>& sequences,
+                      const std::vector<int>& kind, std::vector<NllSum>& sums, StepStats& stats) {
+  std::mutex mutex;
+  const auto observer = [&](uint64_t id, int64_t position, std::span<const float> logits) {
+    const std::vector<int32_t>& tokens = sequences[id - 1];
+    if (position + 1 >= static_cast<int64_t>(tokens.size())) return;
+    const double nll = NegativeLogLikelihood(logits, tokens[position + 1]);
+    std::lock_guard<std::mutex> lock(mutex);
+    sums[kind[id - 1]].nll += nll;
+    ++sums[kind[id - 1]].tokens;
+  };
+  DSA_ASSIGN_OR_RETURN(ArmEngine arm_engine,
+                       MakeArmEngine(std::move(runner), arm, context + continuation,
+                                     static_cast<int>(sequences.size()), observer));
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    std::vector<int32_t> prompt(sequences[i].begin(), sequences[i].begin() + context);
+    DSA_RETURN_IF_ERROR(
+        arm_engine.engine->Prefill(ArmPrefill(arm, options, i + 1, std::move(prompt))).status());
+  }
+  for (int j = 0; j + 1 < continuation; ++j) {
+    std::vector<StepMember> members;
+    for (size_t i = 0; i < sequences.size(); ++i) {
+      members.push_back(StepMember{i + 1, 1, {sequences[i][context + j]}});
+    }
+    DSA_ASSIGN_OR_RETURN(DecodeStepResult step, arm_engine.engine->DecodeStep(members));
+    stats.Add(step);
+  }
+  return absl::OkStatus();
+}
+
+struct NeedleCase {
+  int64_t length = 0;
+  double depth = 0;
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> answer;
+};
+
+absl::StatusOr<std::vector<NeedleCase>> ReadNeedles(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("no needle cases at ", path));
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(in);
+    std::vector<NeedleCase> cases;
+    for (const nlohmann::json& c : doc.at("cases")) {
+      NeedleCase out;
+      out.length = c.at("length").get<int64_t>();
+      out.depth = c.at("depth").get<double>();
+      out.tokens = c.at("tokens").get<std::vector<int32_t>>();
+      out.answer = c.at("answer").get<std::vector<int32_t>>();
+      if (static_cast<int64_t>(out.tokens.size()) != out.length || out.answer.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": a case of length ", out.length, " has ", out.tokens.size(),
+                         " tokens and an answer of ", out.answer.size()));
+      }
+      cases.push_back(std::move(out));
+    }
+    return cases;
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a needles file: ", e.what()));
+  }
+}
+
+// Greedy answers of `cases` under the arm (or densely), as many tokens as each answer.
+absl::StatusOr<std::vector<std::vector<int32_t>>> AnswerNeedles(
+    std::shared_ptr<LlamaRunner> runner, const ModelEvalArm& arm, const ModelEvalOptions& options,
+    const std::vector<const NeedleCase*>& cases) {
+  size_t answer_tokens = 0;
+  int64_t max_length = 0;
+  for (const NeedleCase* c : cases) {
+    answer_tokens = std::max(answer_tokens, c->answer.size());
+    max_length = std::max(max_length, c->length);
+  }
+  std::vector<std::vector<int32_t>> generated(cases.size());
+  const int steps = static_cast<int>(answer_tokens) - 1;
+  if (arm.dense) {
+    std::vector<std::vector<int32_t>> contexts;
+    for (const NeedleCase* c : cases) contexts.push_back(c->tokens);
+    DSA_RETURN_IF_ERROR(RunDense(
+        *runner, contexts, steps, [&](size_t s, int j) { return generated[s][j]; },
+        [&](size_t s, int64_t, std::span<const float> logits) {
+          generated[s].push_back(Argmax(logits));
+        }));
+    return generated;
+  }
+  DSA_ASSIGN_OR_RETURN(ArmEngine arm_engine,
+                       MakeArmEngine(std::move(runner), arm, max_length + answer_tokens,
+                                     static_cast<int>(cases.size()), nullptr));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SamplingParams greedy;
+    PrefillSpec spec = ArmPrefill(arm, options, i + 1, cases[i]->tokens);
+    spec.sampling = greedy;
+    DSA_ASSIGN_OR_RETURN(PrefillResult prefill, arm_engine.engine->Prefill(spec));
+    if (!prefill.next_token.has_value()) return absl::InternalError("no token from the prefill");
+    generated[i].push_back(*prefill.next_token);
+  }
+  for (int j = 0; j < steps; ++j) {
+    std::vector<StepMember> members;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      members.push_back(StepMember{i + 1, 1, {generated[i].back()}});
+    }
+    DSA_ASSIGN_OR_RETURN(DecodeStepResult step, arm_engine.engine->DecodeStep(members));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      generated[i].push_back(step.sequences[i].sampled_tokens.at(0));
+    }
+  }
+  return generated;
+}
+
+ModelEvalArm Arm(std::string name, int retention, int lag, bool spin, double rho, double gamma) {
+  ModelEvalArm arm;
+  arm.name = std::move(name);
+  arm.retention_stride = retention;
+  arm.lag_depth = lag;
+  arm.spin = spin;
+  arm.target_block_sparsity = rho;
+  arm.exploration_fraction = gamma;
+  return arm;
+}
+
+ModelEvalArm DenseArm() {
+  ModelEvalArm arm;
+  arm.name = "dense";
+  arm.dense = true;
+  return arm;
+}
+
+}  // namespace
+
+std::vector<ModelEvalArm> DefaultModelEvalArms() {
+  std::vector<ModelEvalArm> arms = {DenseArm(), Arm("all-keep", 1, 0, false, 0, 0)};
+  for (double gamma : {0.0, 0.05}) {
+    for (double rho : {0.2, 0.3, 0.4, 0.5}) {
+      arms.push_back(
+          Arm(absl::StrFormat("spin rho=%.1f gamma=%.2f", rho, gamma), 1, 0, true, rho, gamma));
+    }
+  }
+  arms.push_back(Arm("mli k=1", 1, 1, false, 0, 0));
+  arms.push_back(Arm("mli k=2", 1, 2, false, 0, 0));
+  arms.push_back(Arm("retention 1/2", 2, 0, false, 0, 0));
+  arms.push_back(Arm("retention 1/4", 4, 0, false, 0, 0));
+  arms.push_back(Arm("spin rho=0.4 gamma=0.05 + mli k=1 r=1/2", 2, 1, true, 0.4, 0.05));
+  return arms;
+}
+
+std::vector<ModelEvalArm> QuickModelEvalArms() {
+  return {DenseArm(), Arm("all-keep", 1, 0, false, 0, 0),
+          Arm("spin rho=0.4 gamma=0.05", 1, 0, true, 0.4, 0.05),
+          Arm("mli k=1 r=1/2", 2, 1, false, 0, 0)};
+}
+
+absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
+  const auto bad = [](std::string what) { return absl::InvalidArgumentError(std::move(what)); };
+  if (o.contexts.empty()) return bad("no context lengths");
+  for (int64_t c : o.contexts) {
+    if (c < 64) return bad(absl::StrCat("context ", c, " is below 64 tokens"));
+  }
+  if (o.samples < 1) return bad(absl::StrCat("samples must be >= 1, got ", o.samples));
+  if (o.continuation < 2) {
+    return bad(absl::StrCat("continuation must be >= 2 tokens, got ", o.continuation));
+  }
+  if (o.top_k < 1 || o.top_k > 2048) {
+    return bad(absl::StrCat("top_k must be in [1, 2048], got ", o.top_k));
+  }
+  if (o.arms.empty()) return bad("no arms");
+  for (const ModelEvalArm& a : o.arms) {
+    if (a.retention_stride < 1 || a.lag_depth < 0 || !(a.target_block_sparsity >= 0) ||
+        a.target_block_sparsity >= 1 || !(a.exploration_fraction >= 0) ||
+        a.exploration_fraction >= 1) {
+      return bad(
+          absl::StrCat("arm \"", a.name, "\": retention >= 1, lag >= 0, rho and gamma in [0, 1)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
+                                             void (*progress)(const std::string&)) {
+  DSA_RETURN_IF_ERROR(ValidateModelEvalOptions(options));
+  const auto start = Clock::now();
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<const LlamaModel> model,
+                       LlamaModel::Load(options.model_file, options.indexer_weights));
+  DSA_ASSIGN_OR_RETURN(std::vector<int32_t> heldout, ReadTokensNpy(options.heldout_tokens));
+  const int64_t max_context = model->config().context_length;
+  std::shared_ptr<LlamaRunner> runner = MakeCpuLlamaRunner(model);
+  ModelEvalReport report;
+  report.options = options;
+  const auto say = [&](const std::string& line) {
+    if (progress != nullptr) progress(line);
+  };
+
+  for (const int64_t context : options.contexts) {
+    const int m = options.continuation;
+    if (context + m > max_context) {
+      return absl::InvalidArgumentError(absl::StrCat("context ", context, " + continuation ", m,
+                                                     " exceeds the model's ", max_context));
+    }
+    const auto window = static_cast<size_t>(context + m);
+    if (heldout.size() < window) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          options.heldout_tokens, " holds ", heldout.size(), " tokens, fewer than ", window));
+    }
+    // The windows, spread evenly over the held-out tokens.
+    std::vector<std::vector<int32_t>> real(options.samples);
+    for (int i = 0; i < options.samples; ++i) {
+      const size_t offset =
+          (heldout.size() - window) * static_cast<size_t>(i) / static_cast<size_t>(options.samples);
+      real[i].assign(heldout.begin() + offset, heldout.begin() + offset + window);
+    }
+    // Dense: the real continuations' NLL, and the greedy continuations (generated and scored).
+    const auto dense_start = Clock::now();
+    std::vector<std::vector<int32_t>> contexts;
+    for (const auto& r : real) contexts.emplace_back(r.begin(), r.begin() + context);
+    NllSum dense_real;
+    DSA_RETURN_IF_ERROR(RunDense(
+        *runner, contexts, m - 1, [&](size_t s, int j) { return real[s][context + j]; },
+        [&](size_t s, int64_t position, std::span<const float> logits) {
+          dense_real.nll += NegativeLogLikelihood(logits, real[s][position + 1]);
+          ++dense_real.tokens;
+        }));
+    std::vector<std::vector<int32_t>> greedy = contexts;
+    NllSum dense_greedy;
+    if (options.greedy_continuations) {
+      DSA_RETURN_IF_ERROR(RunDense(
+          *runner, contexts, m - 1, [&](size_t s, int j) { return greedy[s][context + j]; },
+          [&](size_t s, int64_t, std::span<const float> logits) {
+            const int32_t next = Argmax(logits);
+            dense_greedy.nll += NegativeLogLikelihood(logits, next);
+            ++dense_greedy.tokens;
+            greedy[s].push_back(next);
+          }));
+    }
+    for (const ModelEvalArm& arm : options.arms) {
+      PerplexityCell cell;
+      cell.arm = arm.name;
+      cell.context = context;
+      if (arm.dense) {
+        cell.tokens_scored = dense_real.tokens;
+        cell.real_perplexity = dense_real.Perplexity();
+        cell.greedy_perplexity = dense_greedy.Perplexity();
+        cell.seconds = SecondsSince(dense_start);
+      } else {
+        const auto arm_start = Clock::now();
+        std::vector<std::vector<int32_t>> sequences = real;
+        std::vector<int> kind(real.size(), 0);
+        if (options.greedy_continuations) {
+          sequences.insert(sequences.end(), greedy.begin(), greedy.end());
+          kind.resize(sequences.size(), 1);
+        }
+        std::vector<NllSum> sums(2);
+        StepStats stats;
+        DSA_RETURN_IF_ERROR(
+            ScoreArm(runner, arm, options, context, m, sequences, kind, sums, stats));
+        cell.tokens_scored = sums[0].tokens;
+        cell.real_perplexity = sums[0].Perplexity();
+        cell.greedy_perplexity = sums[1].Perplexity();
+        cell.realized_block_sparsity = stats.blocks_visible == 0
+                                           ? 0
+                                           : 1.0 - static_cast<double>(stats.blocks_scored) /
+                                                       static_cast<double>(stats.blocks_visible);
+        cell.audited_rows = static_cast<int64_t>(stats.miss_rates.size());
+        double sum = 0;
+        for (double r : stats.miss_rates) sum += r;
+        cell.mean_miss_rate = stats.miss_rates.empty() ? 0 : sum / stats.miss_rates.size();
+        cell.p99_miss_rate = Quantile(stats.miss_rates, 0.99);
+        cell.seconds = SecondsSince(arm_start);
+      }
+      say(absl::StrFormat(
+          "context %d %-40s ppl %.4f greedy %.4f sparsity %.3f miss %.3f/%.3f "
+          "(%.1f s)",
+          context, cell.arm, cell.real_perplexity, cell.greedy_perplexity,
+          cell.realized_block_sparsity, cell.mean_miss_rate, cell.p99_miss_rate, cell.seconds));
+      report.perplexity.push_back(std::move(cell));
+    }
+  }
+
+  if (!options.needles_file.empty()) {
+    DSA_ASSIGN_OR_RETURN(std::vector<NeedleCase> cases, ReadNeedles(options.needles_file));
+    std::map<int64_t, std::vector<const NeedleCase*>> by_length;
+    for (const NeedleCase& c : cases) {
+      const bool wanted = options.needle_lengths.empty() ||
+                          std::find(options.needle_lengths.begin(), options.needle_lengths.end(),
+                                    c.length) != options.needle_lengths.end();
+      if (!wanted) continue;
+      if (c.length + static_cast<int64_t>(c.answer.size()) - 1 > max_context) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            options.needles_file, ": a case of ", c.length, " tokens and a ", c.answer.size(),
+            "-token answer exceeds the model's context of ", max_context));
+      }
+      by_length[c.length].push_back(&c);
+    }
+    for (const ModelEvalArm& arm : options.arms) {
+      for (const auto& [length, group] : by_length) {
+        const auto arm_start = Clock::now();
+        DSA_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> answers,
+                             AnswerNeedles(runner, arm, options, group));
+        int found = 0;
+        for (size_t i = 0; i < group.size(); ++i) {
+          NeedleCell cell;
+          cell.arm = arm.name;
+          cell.length = length;
+          cell.depth = group[i]->depth;
+          cell.generated = answers[i];
+          cell.generated.resize(std::min(cell.generated.size(), group[i]->answer.size()));
+          cell.found = cell.generated == group[i]->answer;
+          found += cell.found ? 1 : 0;
+          report.needles.push_back(std::move(cell));
+        }
+        say(absl::StrFormat("needles %d %-40s %d of %d (%.1f s)", length, arm.name, found,
+                            group.size(), SecondsSince(arm_start)));
+      }
+    }
+  }
+  report.seconds = SecondsSince(start);
+  return report;
+}
+
+nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
+  const ModelEvalOptions& o = report.options;
+  nlohmann::json arms = nlohmann::json::array();
+  for (const ModelEvalArm& a : o.arms) {
+    arms.push_back({{"name", a.name},
+                    {"dense", a.dense},
+                    {"retention_stride", a.retention_stride},
+                    {"lag_depth", a.lag_depth},
+                    {"spin", a.spin},
+                    {"target_block_sparsity", a.target_block_sparsity},
+                    {"exploration_fraction", a.exploration_fraction}});
+  }
+  nlohmann::json out = {{"options",
+                         {{"model_file", o.model_file},
+                          {"indexer_weights", o.indexer_weights},
+                          {"heldout_tokens", o.heldout_tokens},
+                          {"needles_file", o.needles_file},
+                          {"contexts", o.contexts},
+                          {"samples", o.samples},
+                          {"continuation", o.continuation},
+                          {"greedy_continuations", o.greedy_continuations},
+                          {"top_k", o.top_k},
+                          {"seed", o.seed},
+                          {"arms", arms}}},
+                        {"seconds", report.seconds}};
+  nlohmann::json cells = nlohmann::json::array();
+  for (const PerplexityCell& c : report.perplexity) {
+    cells.push_back({{"arm", c.arm},
+                     {"context", c.context},
+                     {"tokens_scored", c.tokens_scored},
+                     {"real_perplexity", c.real_perplexity},
+                     {"greedy_perplexity", c.greedy_perplexity},
+                     {"realized_block_sparsity", c.realized_block_sparsity},
+                     {"audited_rows", c.audited_rows},
+                     {"mean_miss_rate", c.mean_miss_rate},
+                     {"p99_miss_rate", c.p99_miss_rate},
+                     {"seconds", c.seconds}});
+  }
+  out["perplexity"] = cells;
+  nlohmann::json needles = nlohmann::json::array();
+  for (const NeedleCell& c : report.needles) {
+    needles.push_back({{"arm", c.arm},
+                       {"length", c.length},
+                       {"depth", c.depth},
+                       {"found", c.found},
+                       {"generated", c.generated}});
+  }
+  out["needles"] = needles;
+  return out;
+}
+
+std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
+  std::string md;
+  // Perplexity, with the ratios the targets are stated in.
+  std::map<int64_t, const PerplexityCell*> dense, all_keep;
+  for (const PerplexityCell& c : report.perplexity) {
+    if (c.arm == "dense") dense[c.context] = &c;
+    if (c.arm == "all-keep") all_keep[c.context] = &c;
+  }
+  absl::StrAppend(&md,
+                  "| context | arm | perplexity (held-out) | / dense | / all-keep | perplexity "
+                  "(greedy) | realized block sparsity | mean miss | p99 miss | s |\n"
+                  "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const PerplexityCell& c : report.perplexity) {
+    const auto ratio = [&](const std::map<int64_t, const PerplexityCell*>& base) {
+      const auto it = base.find(c.context);
+      return it == base.end() || it->second->real_perplexity == 0
+                 ? std::string("-")
+                 : absl::StrFormat("%.4f", c.real_perplexity / it->second->real_perplexity);
+    };
+    absl::StrAppend(
+        &md, absl::StrFormat("| %d | %s | %.3f | %s | %s | %.3f | %.3f | %s | %s | %.0f |\n",
+                             c.context, c.arm, c.real_perplexity, ratio(dense), ratio(all_keep),
+                             c.greedy_perplexity, c.realized_block_sparsity,
+                             c.audited_rows > 0 ? absl::StrFormat("%.3f", c.mean_miss_rate) : "-",
+                             c.audited_rows > 0 ? absl::StrFormat("%.3f", c.p99_miss_rate) : "-",
+                             c.seconds));
+  }
+  if (!report.needles.empty()) {
+    // One row per arm and length: found / cases, and which depths missed.
+    std::map<std::pair<std::string, int64_t>, std::pair<int, int>> grid;
+    std::map<std::pair<std::string, int64_t>, std::string> missed;
+    std::vector<std::string> order;
+    for (const NeedleCell& c : report.needles) {
+      const auto key = std::make_pair(c.arm, c.length);
+      if (std::find(order.begin(), order.end(), c.arm) == order.end()) order.push_back(c.arm);
+      grid[key].first += c.found ? 1 : 0;
+      grid[key].second += 1;
+      if (!c.found) absl::StrAppend(&missed[key], missed[key].empty() ? "" : ", ", c.depth);
+    }
+    absl::StrAppend(&md, "\n| arm | length | found | missed at depths |\n|---|---|---|---|\n");
+    for (const std::string& arm : order) {
+      for (const auto& [key, counts] : grid) {
+        if (key.first != arm) continue;
+        absl::StrAppend(
+            &md, absl::StrFormat("| %s | %d | %d / %d | %s |\n", arm, key.second, counts.first,
+                                 counts.second, missed[key].empty() ? "-" : missed[key]));
+      }
+    }
+  }
+  return md;
+}
+
+}  // namespace dsa
