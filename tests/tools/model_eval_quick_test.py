@@ -1,9 +1,10 @@
-"""`dsa eval --model smollm2 --quick` end to end (tools/dsa/model_eval.h): the real model on one
-1K window of held-out text under 4 arms and the 1K pass-key cases. Checks what must hold whatever
-the machine: every perplexity finite and above 1, the sparse arms' ordering against dense (DSA
-all-keep at least dense's perplexity, within the 2% target), SPIN's realized sparsity and audited
-miss rate present and in range, dense retrieving at least one pass key, and all-keep retrieving
-every key dense retrieves (the issue's target: equal to dense where dense succeeds).
+"""`dsa eval --model smollm2 --quick` end to end (tools/dsa/model_eval.h): the real model on two
+1K windows of held-out text under 5 arms (one with d = 3 speculative steps) and the 1K pass-key
+cases. Checks what must hold whatever the machine: every perplexity finite and above 1; DSA
+all-keep's perplexity at least dense's and within the 2% target; SPIN's realized sparsity and
+audited miss rate present and in range; the speculative arm scoring every token with an accepted
+count in [0, d]; dense retrieving at least one pass key, and all-keep every key dense retrieves
+(the target: equal to dense where dense succeeds).
 
 usage: model_eval_quick_test.py --dsa build/bin/dsa [--work-dir DIR]
 """
@@ -35,7 +36,8 @@ def main() -> int:
     report = json.load(open(out))
     failures = []
     cells = {c["arm"]: c for c in report["perplexity"]}
-    for arm in ("dense", "all-keep", "spin rho=0.4 gamma=0.05", "mli k=1 r=1/2"):
+    spec_arm = "spec d=3 spin rho=0.4 union + prefix-valid"
+    for arm in ("dense", "all-keep", "spin rho=0.4 gamma=0.05", "mli k=1 r=1/2", spec_arm):
         if arm not in cells:
             failures.append(f"no perplexity cell for {arm}")
     for c in report["perplexity"]:
@@ -52,11 +54,18 @@ def main() -> int:
             failures.append(f"SPIN's selection statistics out of range: {spin}")
         if cells["all-keep"]["realized_block_sparsity"] != 0.0:
             failures.append("all-keep scored fewer blocks than it sees")
+        spec = cells[spec_arm]
+        # Every window is scored whole whatever the drafts: 2 windows x 32 tokens.
+        if spec["tokens_scored"] != cells["dense"]["tokens_scored"]:
+            failures.append(f"speculative steps scored {spec['tokens_scored']} tokens, dense "
+                            f"{cells['dense']['tokens_scored']}")
+        if not (spec["steps"] > 0 and 0.0 <= spec["mean_accepted"] <= 3.0):
+            failures.append(f"speculative steps out of range: {spec}")
     found = {}
     for n in report["needles"]:
         found.setdefault(n["arm"], {})[n["depth"]] = n["found"]
-    if len(report["needles"]) != 20:
-        failures.append(f"{len(report['needles'])} needle cells, expected 4 arms x 5 depths")
+    if len(report["needles"]) != 25:
+        failures.append(f"{len(report['needles'])} needle cells, expected 5 arms x 5 depths")
     dense_found = [d for d, ok in found.get("dense", {}).items() if ok]
     if not dense_found:
         failures.append("dense retrieved no pass key at 1K")

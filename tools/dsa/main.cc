@@ -689,6 +689,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->add_option("--needle-lengths", model_eval.needle_lengths,
                    "--model smollm2: passkey lengths evaluated (default: every length in the file)")
       ->delimiter(',');
+  std::vector<std::string> arm_filters;
+  eval_cmd
+      ->add_option("--arms", arm_filters,
+                   "--model smollm2: only the arms whose names contain one of these texts "
+                   "(comma-separated; e.g. dense,all-keep,spec; the names are the report's)")
+      ->delimiter(',');
   bool no_greedy = false;
   eval_cmd->add_flag("--no-greedy", no_greedy,
                      "--model smollm2: skip the perplexity of the dense greedy continuations");
@@ -894,6 +900,18 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       if (eval_cmd->count("--continuation") == 0) model_eval.continuation = 32;
       if (eval_cmd->count("--needle-lengths") == 0) model_eval.needle_lengths = {1024};
       model_eval.arms = dsa::QuickModelEvalArms();
+    }
+    if (!arm_filters.empty()) {
+      std::vector<dsa::ModelEvalArm> kept;
+      for (const dsa::ModelEvalArm& arm : model_eval.arms) {
+        for (const std::string& text : arm_filters) {
+          if (arm.name.find(text) != std::string::npos) {
+            kept.push_back(arm);
+            break;
+          }
+        }
+      }
+      model_eval.arms = std::move(kept);
     }
     if (eval_cmd->count("--top-k") > 0) model_eval.top_k = eval.top_k;
     model_eval.seed = eval.seed;

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/types/span.h"
 #include "attention_worker/engine.h"
 #include "attention_worker/llama_attention_model.h"
 #include "attention_worker/llama_model.h"
@@ -20,6 +21,7 @@
 #include "common/mli_schedule.h"
 #include "common/npy.h"
 #include "common/status_macros.h"
+#include "coordinator/ngram_drafter.h"
 #include "indexer_service/indexer.h"
 #include "transport/in_process_indexer_client.h"
 
@@ -156,6 +158,10 @@ PrefillSpec ArmPrefill(const ModelEvalArm& arm, const ModelEvalOptions& options,
   spec.spin.target_block_sparsity = arm.target_block_sparsity;
   spec.spin.exploration_fraction = arm.exploration_fraction;
   spec.spin.seed = options.seed;
+  if (arm.row0_policies) {
+    spec.spin.spec_mask = SpecMaskPolicy::kRow0Sharing;
+    spec.spin.spec_update = SpecUpdatePolicy::kRow0;
+  }
   spec.tokens = std::move(tokens);
   return spec;
 }
@@ -165,6 +171,8 @@ struct StepStats {
   int64_t blocks_scored = 0;
   int64_t blocks_visible = 0;
   std::vector<double> miss_rates;
+  int64_t steps = 0;     // sequence-steps
+  int64_t accepted = 0;  // draft tokens accepted over them
   void Add(const DecodeStepResult& step) {
     for (const SequenceStepResult& s : step.sequences) {
       blocks_scored += s.blocks_scored;
@@ -175,20 +183,35 @@ struct StepStats {
 };
 
 // Teacher-forces every sequence (context then continuation, `sequences[i]`, id i + 1) through the
-// arm: a prefill of `context` tokens, then continuation - 1 one-row steps. Adds each sequence's
+// arm: a prefill of `context` tokens, then steps until every sequence has predicted its last
+// token. A step feeds each sequence's next true token as row 0, and with draft_length > 0 up to d
+// n-gram draft tokens as verifier rows; the drafts equal to the text (a prefix) are accepted and
+// committed, and only the rows whose inputs were all true count (rows 0..a). Adds each sequence's
 // NLL of tokens [context, context + continuation) to sums[kind[i]].
 absl::Status ScoreArm(std::shared_ptr<LlamaRunner> runner, const ModelEvalArm& arm,
                       const ModelEvalOptions& options, int64_t context, int continuation,
                       const std::vector<std::vector<int32_t>>& sequences,
                       const std::vector<int>& kind, std::vector<NllSum>& sums, StepStats& stats) {
   std::mutex mutex;
+  // (sequence index, position) -> the NLL of the token after `position`, until the step decides
+  // whether that row's inputs were all true.
+  std::map<std::pair<size_t, int64_t>, double> pending;
   const auto observer = [&](uint64_t id, int64_t position, std::span<const float> logits) {
     const std::vector<int32_t>& tokens = sequences[id - 1];
     if (position + 1 >= static_cast<int64_t>(tokens.size())) return;
     const double nll = NegativeLogLikelihood(logits, tokens[position + 1]);
     std::lock_guard<std::mutex> lock(mutex);
-    sums[kind[id - 1]].nll += nll;
-    ++sums[kind[id - 1]].tokens;
+    pending[{id - 1, position}] = nll;
+  };
+  const auto settle = [&](size_t i, int64_t last_valid) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto it = pending.lower_bound({i, 0}); it != pending.end() && it->first.first == i;) {
+      if (it->first.second <= last_valid) {
+        sums[kind[i]].nll += it->second;
+        ++sums[kind[i]].tokens;
+      }
+      it = pending.erase(it);
+    }
   };
   DSA_ASSIGN_OR_RETURN(ArmEngine arm_engine,
                        MakeArmEngine(std::move(runner), arm, context + continuation,
@@ -197,14 +220,49 @@ absl::Status ScoreArm(std::shared_ptr<LlamaRunner> runner, const ModelEvalArm& a
     std::vector<int32_t> prompt(sequences[i].begin(), sequences[i].begin() + context);
     DSA_RETURN_IF_ERROR(
         arm_engine.engine->Prefill(ArmPrefill(arm, options, i + 1, std::move(prompt))).status());
+    settle(i, context - 1);
   }
-  for (int j = 0; j + 1 < continuation; ++j) {
+  // next[i]: the position of sequence i's next row 0 (its length); done at `end`, the position
+  // after the last one whose prediction counts.
+  const int64_t end = context + continuation - 1;
+  std::vector<int64_t> next(sequences.size(), context);
+  while (true) {
     std::vector<StepMember> members;
+    std::vector<size_t> member_of;
     for (size_t i = 0; i < sequences.size(); ++i) {
-      members.push_back(StepMember{i + 1, 1, {sequences[i][context + j]}});
+      const int64_t t = next[i];
+      if (t >= end) continue;
+      StepMember member{i + 1, 1, {sequences[i][t]}};
+      if (arm.draft_length > 0) {
+        // Rows up to end - 1 only: a row's prediction past the window has no text to score.
+        const int room = static_cast<int>(std::min<int64_t>(arm.draft_length, end - 1 - t));
+        const std::vector<int32_t> draft = ProposeNgramDraft(
+            absl::MakeConstSpan(sequences[i].data(), static_cast<size_t>(t + 1)), room);
+        member.tokens.insert(member.tokens.end(), draft.begin(), draft.end());
+        member.rows = static_cast<int>(member.tokens.size());
+      }
+      members.push_back(std::move(member));
+      member_of.push_back(i);
     }
+    if (members.empty()) break;
     DSA_ASSIGN_OR_RETURN(DecodeStepResult step, arm_engine.engine->DecodeStep(members));
     stats.Add(step);
+    for (size_t m = 0; m < members.size(); ++m) {
+      const size_t i = member_of[m];
+      const int64_t t = next[i];
+      int accepted = 0;
+      while (accepted + 1 < members[m].rows &&
+             members[m].tokens[accepted + 1] == sequences[i][t + accepted + 1]) {
+        ++accepted;
+      }
+      if (members[m].rows > 1) {
+        DSA_RETURN_IF_ERROR(arm_engine.engine->Commit(i + 1, accepted));
+      }
+      settle(i, t + accepted);
+      next[i] = t + accepted + 1;
+      ++stats.steps;
+      stats.accepted += accepted;
+    }
   }
   return absl::OkStatus();
 }
@@ -321,13 +379,24 @@ std::vector<ModelEvalArm> DefaultModelEvalArms() {
   arms.push_back(Arm("retention 1/2", 2, 0, false, 0, 0));
   arms.push_back(Arm("retention 1/4", 4, 0, false, 0, 0));
   arms.push_back(Arm("spin rho=0.4 gamma=0.05 + mli k=1 r=1/2", 2, 1, true, 0.4, 0.05));
+  ModelEvalArm spec = Arm("spec d=3 all-keep", 1, 0, false, 0, 0);
+  spec.draft_length = 3;
+  arms.push_back(spec);
+  spec = Arm("spec d=3 spin rho=0.4 union + prefix-valid", 1, 0, true, 0.4, 0);
+  spec.draft_length = 3;
+  arms.push_back(spec);
+  spec.name = "spec d=3 spin rho=0.4 row-0 sharing + row-0 update";
+  spec.row0_policies = true;
+  arms.push_back(spec);
   return arms;
 }
 
 std::vector<ModelEvalArm> QuickModelEvalArms() {
+  ModelEvalArm spec = Arm("spec d=3 spin rho=0.4 union + prefix-valid", 1, 0, true, 0.4, 0);
+  spec.draft_length = 3;
   return {DenseArm(), Arm("all-keep", 1, 0, false, 0, 0),
           Arm("spin rho=0.4 gamma=0.05", 1, 0, true, 0.4, 0.05),
-          Arm("mli k=1 r=1/2", 2, 1, false, 0, 0)};
+          Arm("mli k=1 r=1/2", 2, 1, false, 0, 0), spec};
 }
 
 absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
@@ -350,6 +419,10 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
         a.exploration_fraction >= 1) {
       return bad(
           absl::StrCat("arm \"", a.name, "\": retention >= 1, lag >= 0, rho and gamma in [0, 1)"));
+    }
+    if (a.draft_length < 0 || a.draft_length > 4) {
+      return bad(
+          absl::StrCat("arm \"", a.name, "\": draft length ", a.draft_length, " outside [0, 4]"));
     }
   }
   return absl::OkStatus();
@@ -444,6 +517,9 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         for (double r : stats.miss_rates) sum += r;
         cell.mean_miss_rate = stats.miss_rates.empty() ? 0 : sum / stats.miss_rates.size();
         cell.p99_miss_rate = Quantile(stats.miss_rates, 0.99);
+        cell.steps = stats.steps;
+        cell.mean_accepted =
+            stats.steps == 0 ? 0 : static_cast<double>(stats.accepted) / stats.steps;
         cell.seconds = SecondsSince(arm_start);
       }
       say(absl::StrFormat(
@@ -506,7 +582,9 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                     {"lag_depth", a.lag_depth},
                     {"spin", a.spin},
                     {"target_block_sparsity", a.target_block_sparsity},
-                    {"exploration_fraction", a.exploration_fraction}});
+                    {"exploration_fraction", a.exploration_fraction},
+                    {"draft_length", a.draft_length},
+                    {"row0_policies", a.row0_policies}});
   }
   nlohmann::json out = {{"options",
                          {{"model_file", o.model_file},
@@ -532,6 +610,8 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                      {"audited_rows", c.audited_rows},
                      {"mean_miss_rate", c.mean_miss_rate},
                      {"p99_miss_rate", c.p99_miss_rate},
+                     {"steps", c.steps},
+                     {"mean_accepted", c.mean_accepted},
                      {"seconds", c.seconds}});
   }
   out["perplexity"] = cells;
@@ -555,10 +635,11 @@ std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
     if (c.arm == "dense") dense[c.context] = &c;
     if (c.arm == "all-keep") all_keep[c.context] = &c;
   }
-  absl::StrAppend(&md,
-                  "| context | arm | perplexity (held-out) | / dense | / all-keep | perplexity "
-                  "(greedy) | realized block sparsity | mean miss | p99 miss | s |\n"
-                  "|---|---|---|---|---|---|---|---|---|---|\n");
+  absl::StrAppend(
+      &md,
+      "| context | arm | perplexity (held-out) | / dense | / all-keep | perplexity "
+      "(greedy) | realized block sparsity | mean miss | p99 miss | accepted / step | s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const PerplexityCell& c : report.perplexity) {
     const auto ratio = [&](const std::map<int64_t, const PerplexityCell*>& base) {
       const auto it = base.find(c.context);
@@ -567,11 +648,12 @@ std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
                  : absl::StrFormat("%.4f", c.real_perplexity / it->second->real_perplexity);
     };
     absl::StrAppend(
-        &md, absl::StrFormat("| %d | %s | %.3f | %s | %s | %.3f | %.3f | %s | %s | %.0f |\n",
+        &md, absl::StrFormat("| %d | %s | %.3f | %s | %s | %.3f | %.3f | %s | %s | %s | %.0f |\n",
                              c.context, c.arm, c.real_perplexity, ratio(dense), ratio(all_keep),
                              c.greedy_perplexity, c.realized_block_sparsity,
                              c.audited_rows > 0 ? absl::StrFormat("%.3f", c.mean_miss_rate) : "-",
                              c.audited_rows > 0 ? absl::StrFormat("%.3f", c.p99_miss_rate) : "-",
+                             c.mean_accepted > 0 ? absl::StrFormat("%.2f", c.mean_accepted) : "-",
                              c.seconds));
   }
   if (!report.needles.empty()) {

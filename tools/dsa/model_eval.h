@@ -27,13 +27,22 @@ struct ModelEvalArm {
   bool spin = false;                 // SPIN block pruning (false: all-keep, every block scored)
   double target_block_sparsity = 0;  // rho in [0, 1) (SPIN)
   double exploration_fraction = 0;   // gamma in [0, 1) (SPIN)
+  /// Speculative steps: d n-gram draft tokens (coordinator/ngram_drafter.h over the sequence's
+  /// own tokens) verified as rows 1..d, accepted while they equal the held-out text; 0: one row a
+  /// step. In [0, 4].
+  int draft_length = 0;
+  /// The SPIN paper's ablation (section 4.6): verifier rows share row 0's mask and only row 0
+  /// updates the EMAs (false: the union of the rows' masks, EMAs replayed for rows 0..a).
+  bool row0_policies = false;
 };
 
-/// The arms: dense; all-keep; SPIN rho 0.2/0.3/0.4/0.5 with gamma 0 and 0.05; MLI k = 1,
-/// 2; retention 1/2, 1/4; SPIN rho 0.4 with MLI k = 1 at retention 1/2 (the served default's
-/// schedule).
+/// Dense; all-keep; SPIN rho 0.2/0.3/0.4/0.5 with gamma 0 and 0.05; MLI k = 1, 2; retention 1/2,
+/// 1/4; SPIN rho 0.4 with MLI k = 1 at retention 1/2 (the served default's schedule); and d = 3
+/// speculative steps: all-keep, SPIN rho 0.4 with the union mask and prefix-valid replay, and with
+/// row-0 sharing and row-0 update.
 std::vector<ModelEvalArm> DefaultModelEvalArms();
-/// The --quick arms: dense, all-keep, SPIN rho 0.4 with gamma 0.05, MLI k = 1 at retention 1/2.
+/// The --quick arms: dense, all-keep, SPIN rho 0.4 with gamma 0.05, MLI k = 1 at retention 1/2,
+/// and d = 3 speculative steps with SPIN rho 0.4 (union mask, prefix-valid replay).
 std::vector<ModelEvalArm> QuickModelEvalArms();
 
 struct ModelEvalOptions {
@@ -65,6 +74,9 @@ struct PerplexityCell {
   int64_t audited_rows = 0;            // rows audited against the dense top-K (SPIN arms)
   double mean_miss_rate = 0;
   double p99_miss_rate = 0;
+  /// Speculative arms: decode steps run, and draft tokens accepted per step.
+  int64_t steps = 0;
+  double mean_accepted = 0;
   double seconds = 0;
 };
 
