@@ -689,6 +689,14 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       ->add_option("--needle-lengths", model_eval.needle_lengths,
                    "--model smollm2: passkey lengths evaluated (default: every length in the file)")
       ->delimiter(',');
+  eval_cmd
+      ->add_option("--device", model_eval.device,
+                   "--model smollm2: where the model runs: auto (the GPU when built with CUDA and "
+                   "one is present), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  eval_cmd->add_option("--cuda-device", model_eval.cuda_device, "--model smollm2: the GPU ordinal")
+      ->capture_default_str();
   std::vector<std::string> arm_filters;
   eval_cmd
       ->add_option("--arms", arm_filters,

@@ -25,6 +25,10 @@
 #include "indexer_service/indexer.h"
 #include "transport/in_process_indexer_client.h"
 
+#ifdef DSA_WITH_CUDA
+#include "attention_worker/cuda/llama_cuda_runner.h"
+#endif
+
 namespace dsa {
 namespace {
 
@@ -346,6 +350,22 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AnswerNeedles(
   return generated;
 }
 
+absl::StatusOr<std::shared_ptr<LlamaRunner>> MakeRunner(std::shared_ptr<const LlamaModel> model,
+                                                        const ModelEvalOptions& options) {
+  if (options.device == "cpu") return MakeCpuLlamaRunner(std::move(model));
+#ifdef DSA_WITH_CUDA
+  if (options.device == "cuda" || cuda::CudaDeviceCount() > 0) {
+    return cuda::CreateCudaLlamaRunner(std::move(model), {options.cuda_device});
+  }
+#else
+  if (options.device == "cuda") {
+    return absl::FailedPreconditionError(
+        "device cuda: this dsa was built without CUDA (configure with -DDSA_ENABLE_CUDA=ON)");
+  }
+#endif
+  return MakeCpuLlamaRunner(std::move(model));
+}
+
 ModelEvalArm Arm(std::string name, int retention, int lag, bool spin, double rho, double gamma) {
   ModelEvalArm arm;
   arm.name = std::move(name);
@@ -413,6 +433,9 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
     return bad(absl::StrCat("top_k must be in [1, 2048], got ", o.top_k));
   }
   if (o.arms.empty()) return bad("no arms");
+  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
+    return bad(absl::StrCat("device \"", o.device, "\": auto, cpu or cuda"));
+  }
   for (const ModelEvalArm& a : o.arms) {
     if (a.retention_stride < 1 || a.lag_depth < 0 || !(a.target_block_sparsity >= 0) ||
         a.target_block_sparsity >= 1 || !(a.exploration_fraction >= 0) ||
@@ -436,9 +459,10 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                        LlamaModel::Load(options.model_file, options.indexer_weights));
   DSA_ASSIGN_OR_RETURN(std::vector<int32_t> heldout, ReadTokensNpy(options.heldout_tokens));
   const int64_t max_context = model->config().context_length;
-  std::shared_ptr<LlamaRunner> runner = MakeCpuLlamaRunner(model);
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<LlamaRunner> runner, MakeRunner(model, options));
   ModelEvalReport report;
   report.options = options;
+  report.device = runner->Description();
   const auto say = [&](const std::string& line) {
     if (progress != nullptr) progress(line);
   };
@@ -598,6 +622,7 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                           {"top_k", o.top_k},
                           {"seed", o.seed},
                           {"arms", arms}}},
+                        {"device", report.device},
                         {"seconds", report.seconds}};
   nlohmann::json cells = nlohmann::json::array();
   for (const PerplexityCell& c : report.perplexity) {

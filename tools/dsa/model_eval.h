@@ -61,6 +61,10 @@ struct ModelEvalOptions {
   int top_k = 512;  // K of the sparse arms
   std::vector<ModelEvalArm> arms = DefaultModelEvalArms();
   uint64_t seed = 0;  // SPIN exploration seed
+  /// Where the model runs: "cpu", "cuda" (cuda/llama_cuda_runner.h on GPU cuda_device; needs a
+  /// build with CUDA) or "auto" (the GPU when this build has CUDA and one is present).
+  std::string device = "auto";
+  int cuda_device = 0;
 };
 
 /// The perplexity of one arm at one context length.
@@ -93,6 +97,7 @@ struct ModelEvalReport {
   ModelEvalOptions options;
   std::vector<PerplexityCell> perplexity;
   std::vector<NeedleCell> needles;
+  std::string device;  // the runner's Description()
   double seconds = 0;
 };
 
@@ -100,7 +105,8 @@ struct ModelEvalReport {
 absl::Status ValidateModelEvalOptions(const ModelEvalOptions& options);
 
 /// Runs every arm. Errors: INVALID_ARGUMENT (options; a held-out file too short for a window;
-/// malformed needles), NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT from the model's and tokens'
+/// malformed needles), FAILED_PRECONDITION (device "cuda" in a build without CUDA, or the GPU
+/// runner's own errors), NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT from the model's and tokens'
 /// loaders (naming the file), and any engine error (its status). `progress` (may be null) gets one
 /// line per finished arm and context.
 absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
