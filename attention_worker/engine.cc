@@ -182,7 +182,7 @@ struct AttentionEngine::StepState {
     int64_t blocks_visible = 0;
     int audited_rows = 0;
     double audit_miss_rate_sum = 0;
-    std::vector<double> audit_miss_rates;
+    std::vector<SequenceStepResult::AuditedRow> audited;
     bool touched = false;  // the indexer may have applied part of this step
   };
   struct Batch {  // the members on one indexer worker
@@ -952,8 +952,7 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_a
       m.blocks_visible += selection.blocks_visible;
       m.audited_rows += static_cast<int>(selection.audit_miss_rates.size());
       for (double rate : selection.audit_miss_rates) m.audit_miss_rate_sum += rate;
-      m.audit_miss_rates.insert(m.audit_miss_rates.end(), selection.audit_miss_rates.begin(),
-                                selection.audit_miss_rates.end());
+      for (double rate : selection.audit_miss_rates) m.audited.push_back({f, rate});
     }
   }
   return first_error;
@@ -1108,7 +1107,7 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
                                                          m.blocks_visible,
                                                          m.audited_rows,
                                                          m.audit_miss_rate_sum,
-                                                         std::move(m.audit_miss_rates),
+                                                         std::move(m.audited),
                                                          {}});
     if (!sampled->empty()) {
       out.sampled_tokens.assign(sampled->begin() + m.step_row,

@@ -113,9 +113,13 @@ struct SequenceStepResult {
   int64_t blocks_visible = 0;  // summed over the full layers
   int audited_rows = 0;
   double audit_miss_rate_sum = 0;
-  /// Each audited row's miss rate (its selection against the dense top-K), over the full layers
-  /// in rank order; audited_rows of them.
-  std::vector<double> audit_miss_rates;
+  /// Each audited row (audited_rows of them, full layers in rank order): its full layer's rank
+  /// and its miss rate, the fraction of the dense top-K its selection lost.
+  struct AuditedRow {
+    int full_rank = 0;
+    double miss_rate = 0;
+  };
+  std::vector<AuditedRow> audited;
   /// A real model: per row r, the token sampled for position first_position + r + 1.
   std::vector<int32_t> sampled_tokens;
 };

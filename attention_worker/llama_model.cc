@@ -934,6 +934,22 @@ void LlamaForward::Attention(std::span<const std::span<const int32_t>> selection
         for (int64_t i = 0; i < group_heads; ++i) SoftmaxRow(&scores[i * count], count);
         GemmNN(group_heads, hd, count, scores.data(), count, gathered_values.data(), hd,
                &attn_[r * q + q_offset], hd);
+        if (options_.selection_mass_probe) {
+          // The dense softmax over slots 0..position, and its mass on the selected slots.
+          const int64_t visible = rows_[r].position + 1;
+          query.resize(group_heads * visible);
+          GemmNT(group_heads, visible, hd, scale, &qkv_[r * width + q_offset], hd, keys, kv, 0.0f,
+                 query.data(), visible, options_.parallel_min_work);
+          double mass = 0;
+          for (int64_t i = 0; i < group_heads; ++i) {
+            float* row = &query[i * visible];
+            SoftmaxRow(row, visible);
+            for (const int32_t slot : slots) mass += row[slot];
+          }
+          options_.selection_mass_probe(groups_[tile.group].cache, layer, rows_[r].position,
+                                        static_cast<int>(kv_head),
+                                        mass / static_cast<double>(group_heads));
+        }
         continue;
       }
       // A tile of dense rows (increasing positions): S = Q K^T over slots 0..last position,

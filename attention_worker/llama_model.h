@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -204,6 +205,15 @@ struct LlamaForwardOptions {
   /// 2^18-2^20 on 2 busy cores). On idle dedicated cores 2^18 parallelizes the step's GEMVs too
   /// (27 ms against 45 ms at 2^22 on 2 cores). >= 1.
   int64_t parallel_min_work = int64_t{1} << 22;
+  /// For evaluations (dsa eval --model smollm2): when set, every sparse row's attention also
+  /// scores all its visible slots 0..position densely and reports, per KV head, the dense softmax
+  /// probability mass that falls on the row's selected slots, averaged over that KV head's query
+  /// heads (the selection's attention-mass recall, in [0, 1]). Arguments: the row's cache, the
+  /// model layer, the row's position, the KV head, the mass. Called from the pass's OpenMP
+  /// threads, so it must be thread-safe; costs a dense attention per sparse row.
+  std::function<void(const LlamaKvCache* cache, int layer, int64_t position, int kv_head,
+                     double mass)>
+      selection_mass_probe;
 };
 
 /// One forward pass over a set of rows, layer by layer (prefill, a batched decode step and

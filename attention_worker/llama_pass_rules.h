@@ -27,8 +27,8 @@ struct LlamaCacheRows {
 };
 
 /// Groups a pass's rows by the cache they extend and checks them (LlamaForward::Begin's rules):
-/// at least one row and at most 2^30; every token in [0, vocab_size); the rows of a cache holding
-/// s slots have positions s, s+1, ... exactly once each, ending before context_length.
+/// at least one row and fewer than 2^30; every token in [0, vocab_size); the rows of a cache
+/// holding s slots have positions s, s+1, ... exactly once each, ending before context_length.
 /// `Row` has `int64_t position` and `int32_t token`; `cache_of(r)` (r a size_t row index) gives
 /// row r's cache, a `Cache*` with `num_slots()`, or the error that refuses it (no cache, a cache
 /// of another model or runner). Returns the groups in order of first appearance.

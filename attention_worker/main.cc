@@ -219,9 +219,10 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       return 2;
     }
     loaded_model = *std::move(loaded);
-    // Every second layer full unless the flags say otherwise.
-    if (app.count("--layer-pattern") == 0 && retention_option->count() == 0) {
-      retention = 2;
+    // Every second layer full unless the flags say otherwise; a --retention without
+    // --num-model-layers takes the model's layers.
+    if (app.count("--layer-pattern") == 0 && retention_option->count() == 0) retention = 2;
+    if (num_model_layers == 0 && app.count("--layer-pattern") == 0) {
       num_model_layers = loaded_model->config().num_layers;
     }
     // SmolLM2-135M's KV is 46 KB a slot (fp32 K and V of 30 layers): the pattern model's default

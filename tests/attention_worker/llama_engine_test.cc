@@ -4,11 +4,13 @@
 // step attends exactly the selections the indexer made (checked against a pass over them);
 // verifier rows and Commit; and bad tokens, sampling and contexts refused with nothing changed.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "attention_worker/engine.h"
@@ -42,6 +44,12 @@ class LlamaEngineTest : public ::testing::Test {
     ASSERT_TRUE(schedule.ok()) << schedule.status();
     auto seam = LlamaAttentionModel::Create(model_, schedule->full_layers(), "tiny");
     ASSERT_TRUE(seam.ok()) << seam.status();
+    // A position seen again (a rejected draft's slot decoded anew) keeps its latest logits.
+    (*seam)->set_logits_observer(
+        [this](uint64_t id, int64_t position, std::span<const float> logits) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          logits_seen_[{id, position}].assign(logits.begin(), logits.end());
+        });
     auto indexer = Indexer::Create({512, 4, 16});
     ASSERT_TRUE(indexer.ok()) << indexer.status();
     indexer_ = std::move(*indexer);
@@ -99,6 +107,8 @@ class LlamaEngineTest : public ::testing::Test {
   std::unique_ptr<AttentionEngine> engine_;
   std::mutex mutex_;
   std::map<std::pair<int, int64_t>, std::vector<int32_t>> observed_;  // (layer, position)
+  // The logits observer's: (sequence, position) -> logits [vocab].
+  std::map<std::pair<uint64_t, int64_t>, std::vector<float>> logits_seen_;
 };
 
 TEST_F(LlamaEngineTest, GetInfoNamesTheModelAndItsVocabulary) {
@@ -111,6 +121,41 @@ TEST_F(LlamaEngineTest, GetInfoNamesTheModelAndItsVocabulary) {
   EXPECT_EQ(info.num_full_layers, 2);
   EXPECT_EQ(info.num_heads, 4);
   EXPECT_EQ(info.head_dim, 16);
+}
+
+// The logits observer sees the prefill's last position and every row of a step, verifier rows
+// included, each with the logits a dense pass gives there (K covers the context).
+TEST_F(LlamaEngineTest, TheLogitsObserverSeesEachRowsLogitsAtItsPosition) {
+  std::vector<int32_t> tokens = Prompt(20, 7);
+  auto prefill = Prefill(1, tokens, /*top_k=*/kContext);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  const auto close_to = [](const std::vector<float>& seen, std::span<const float> dense) {
+    float worst = 0;
+    for (size_t i = 0; i < dense.size(); ++i) worst = std::max(worst, std::abs(seen[i] - dense[i]));
+    return worst;
+  };
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ASSERT_EQ(logits_seen_.size(), 1u);
+    ASSERT_TRUE(logits_seen_.contains({1, 19}));
+    EXPECT_LT(close_to(logits_seen_[{1, 19}],
+                       std::span<const float>(DenseLogits(tokens)).subspan(19 * kVocab, kVocab)),
+              1e-4);
+  }
+  const StepMember member{1, 3, {*prefill->next_token, 4, 9}};  // row 0 and two drafts
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  tokens.insert(tokens.end(), member.tokens.begin(), member.tokens.end());
+  const std::vector<float> dense = DenseLogits(tokens);
+  std::lock_guard<std::mutex> lock(mutex_);
+  EXPECT_EQ(logits_seen_.size(), 4u);
+  for (int64_t position = 20; position <= 22; ++position) {
+    ASSERT_TRUE(logits_seen_.contains({1, position})) << position;
+    EXPECT_LT(close_to(logits_seen_[{1, position}],
+                       std::span<const float>(dense).subspan(position * kVocab, kVocab)),
+              1e-4)
+        << position;
+  }
 }
 
 TEST_F(LlamaEngineTest, GreedyDecodingWithKOverTheContextEqualsADensePass) {

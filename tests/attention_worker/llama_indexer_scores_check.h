@@ -146,7 +146,8 @@ inline void WriteInputs(const ModelInputs& in, const std::string& path) {
   ASSERT_TRUE(written.ok()) << written;
 }
 
-// Reads what WriteInputs wrote; fails on any mismatch with kLayers and kTokens.
+// Reads what WriteInputs wrote into `out`; leaves out->layers empty (and fails the test) on any
+// mismatch with kLayers, kTokens or the indexer's H = 16, D = 64.
 inline void ReadInputs(const std::string& path, ModelInputs* out) {
   auto file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
@@ -157,37 +158,51 @@ inline void ReadInputs(const std::string& path, ModelInputs* out) {
   out->num_heads = std::stoi(metadata.at("num_heads"));
   out->head_dim = std::stoi(metadata.at("head_dim"));
   ASSERT_EQ(out->n, kTokens) << path;
+  ASSERT_EQ(out->num_heads, 16) << path;
+  ASSERT_EQ(out->head_dim, 64) << path;
+  std::vector<LayerInputs> layers;
   for (int layer : kLayers) {
     LayerInputs in;
     in.model_layer = layer;
     const auto read = [&](const char* what, std::vector<float>* v, int64_t count) {
       const SafetensorsTensor* t = (*file)->Find(InputsTensorName(layer, what));
-      ASSERT_NE(t, nullptr) << path << ": no " << InputsTensorName(layer, what);
-      ASSERT_EQ(t->dtype, "F32");
-      ASSERT_EQ(t->num_elements(), count) << InputsTensorName(layer, what);
+      if (t == nullptr || t->dtype != "F32" || t->num_elements() != count) {
+        ADD_FAILURE() << path << ": " << InputsTensorName(layer, what) << " missing or not F32 of "
+                      << count << " values";
+        return false;
+      }
       v->resize(count);
       std::memcpy(v->data(), t->bytes.data(), count * sizeof(float));
+      return true;
     };
     const int64_t n = out->n, h = out->num_heads, d = out->head_dim;
-    read("queries", &in.queries, n * h * d);
-    read("head_weights", &in.head_weights, n * h);
-    read("keys", &in.keys, n * d);
-    out->layers.push_back(std::move(in));
+    if (!read("queries", &in.queries, n * h * d) ||
+        !read("head_weights", &in.head_weights, n * h) || !read("keys", &in.keys, n * d)) {
+      return;
+    }
+    layers.push_back(std::move(in));
   }
+  out->layers = std::move(layers);
 }
 
-// The model's inputs, once per test binary: from $DSA_INDEXER_SCORES_INPUTS when that file exists
-// (the GPU host's way), else computed from the model (and written there when it is set).
-inline const ModelInputs& Inputs() {
-  static ModelInputs* inputs = [] {
+// The model's inputs, once per test binary. With `read_file` and $DSA_INDEXER_SCORES_INPUTS
+// naming an existing file, read from it (the GPU host's way: the backbone cannot travel there);
+// else computed from the model, and written to $DSA_INDEXER_SCORES_INPUTS when it is set and every
+// layer was computed.
+inline const ModelInputs& Inputs(bool read_file) {
+  static ModelInputs* inputs = [read_file] {
     auto* computed = new ModelInputs;
     const char* path = std::getenv("DSA_INDEXER_SCORES_INPUTS");
-    if (path != nullptr && *path != '\0' && std::filesystem::exists(path)) {
+    const bool named = path != nullptr && *path != '\0';
+    if (named && read_file && std::filesystem::exists(path)) {
       ReadInputs(path, computed);
       return computed;
     }
     ComputeInputs(computed);
-    if (path != nullptr && *path != '\0' && !computed->layers.empty()) WriteInputs(*computed, path);
+    if (named && static_cast<int>(computed->layers.size()) == kNumLayers &&
+        !::testing::Test::HasFailure()) {
+      WriteInputs(*computed, path);
+    }
     return computed;
   }();
   return *inputs;
@@ -245,12 +260,12 @@ inline double Overlap(const std::vector<int32_t>& a, std::span<const int32_t> b)
   return static_cast<double>(common) / a.size();
 }
 
-// Runs issue 27's check on `indexer` (CPU, or with a scoring device). `bf16_queries`: the
+// Runs the check on `indexer` (CPU, or with a scoring device). `bf16_queries`: the
 // reference rounds the queries to bf16 (the tensor-core scan). `expect_on_device`: every select
 // must have run on the device.
 inline void CheckIndexer(Indexer& indexer, bool bf16_queries, bool expect_on_device,
                          const std::string& label) {
-  const ModelInputs& in = Inputs();
+  const ModelInputs& in = Inputs(/*read_file=*/expect_on_device);
   ASSERT_EQ(static_cast<int>(in.layers.size()), kNumLayers) << "model inputs missing";
   const auto start = std::chrono::steady_clock::now();
   const int n = in.n, H = in.num_heads, D = in.head_dim;

@@ -11,7 +11,7 @@ namespace dsa {
 namespace {
 
 TEST(LlamaIndexerScoresTest, CpuScoresAndSelectionsEqualTheReferenceOfTheTrainedWeights) {
-  const auto& inputs = indexer_scores_check::Inputs();
+  const auto& inputs = indexer_scores_check::Inputs(/*read_file=*/false);
   ASSERT_FALSE(inputs.layers.empty()) << "the model inputs could not be computed (see above)";
   auto indexer = Indexer::Create({.capacity_blocks = 256, .num_heads = 16, .head_dim = 64});
   ASSERT_TRUE(indexer.ok()) << indexer.status();

@@ -14,9 +14,11 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -172,6 +174,13 @@ TEST(Safetensors, MalformedHeadersAreInvalidArgument) {
   }
   EXPECT_EQ(SafetensorsFile::Open(path).status().code(), absl::StatusCode::kDataLoss);
   std::filesystem::remove(path);
+}
+
+// Options whose GEMMs and attention fork threads from `work` multiply-adds on.
+LlamaForwardOptions ParallelFrom(int64_t work) {
+  LlamaForwardOptions options;
+  options.parallel_min_work = work;
+  return options;
 }
 
 // ---- a tiny model ----
@@ -615,18 +624,63 @@ TEST_F(TinyModel, ParallelAndSerialPassesAgree) {
     const std::function<std::vector<int32_t>(int, int64_t)> selection =
         sparse ? every_third : std::function<std::vector<int32_t>(int, int64_t)>();
     const std::vector<float> serial = RunPass(serial_cache, tokens, selection);
-    const std::vector<float> parallel =
-        RunPass(parallel_cache, tokens, selection, {.parallel_min_work = 1});
+    const std::vector<float> parallel = RunPass(parallel_cache, tokens, selection, ParallelFrom(1));
     EXPECT_LT(MaxAbsDiff(serial, parallel), 1e-4) << (sparse ? "sparse" : "dense");
     // A one-row step on top.
     EXPECT_LT(MaxAbsDiff(RunPass(serial_cache, {5}),
-                         RunPass(parallel_cache, {5}, nullptr, {.parallel_min_work = 1})),
+                         RunPass(parallel_cache, {5}, nullptr, ParallelFrom(1))),
               1e-4);
   }
   LlamaKvCache cache(**model_);
-  EXPECT_EQ(
-      LlamaForward::Begin(*model_, {{&cache, 0, 1}}, {.parallel_min_work = 0}).status().code(),
-      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LlamaForward::Begin(*model_, {{&cache, 0, 1}}, ParallelFrom(0)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// The selection-mass probe: at layer 0 (the same inputs whatever the selections), the masses of
+// two selections that split a row's visible slots add up to 1 for every row and KV head, and a
+// selection of every visible slot holds all of it.
+TEST_F(TinyModel, SelectionMassProbeMeasuresTheDenseMassOnTheSelection) {
+  const std::vector<int32_t> tokens = {3, 17, 5, 9, 22, 8, 1, 40, 13, 2, 7, 30};
+  using Key = std::tuple<int, int64_t, int>;  // layer, position, KV head
+  const auto run = [&](const std::function<bool(int32_t)>& keep) {
+    std::map<Key, double> masses;
+    std::mutex mutex;
+    LlamaForwardOptions options;
+    options.selection_mass_probe = [&](const LlamaKvCache*, int layer, int64_t position,
+                                       int kv_head, double mass) {
+      std::lock_guard<std::mutex> lock(mutex);
+      EXPECT_TRUE(masses.emplace(Key{layer, position, kv_head}, mass).second);
+    };
+    LlamaKvCache cache(**model_);
+    RunPass(
+        cache, tokens,
+        [&](int, int64_t position) {
+          std::vector<int32_t> selection;
+          for (int32_t slot = 0; slot <= position; ++slot) {
+            if (keep(slot)) selection.push_back(slot);
+          }
+          if (selection.empty()) selection.push_back(static_cast<int32_t>(position));
+          return selection;
+        },
+        options);
+    return masses;
+  };
+  const auto even = run([](int32_t slot) { return slot % 2 == 0; });
+  const auto odd = run([](int32_t slot) { return slot % 2 == 1; });
+  const auto all = run([](int32_t) { return true; });
+  const int64_t rows = static_cast<int64_t>(tokens.size());
+  EXPECT_EQ(all.size(), static_cast<size_t>(rows * config_->num_layers * config_->num_kv_heads));
+  for (const auto& [key, mass] : all) EXPECT_NEAR(mass, 1.0, 1e-5);
+  // Position 0 has one visible slot (0, even): the odd selection falls back to it.
+  for (int64_t position = 1; position < rows; ++position) {
+    for (int h = 0; h < config_->num_kv_heads; ++h) {
+      const Key key{0, position, h};
+      ASSERT_TRUE(even.count(key) && odd.count(key));
+      EXPECT_GT(even.at(key), 0.0);
+      EXPECT_GT(odd.at(key), 0.0);
+      EXPECT_NEAR(even.at(key) + odd.at(key), 1.0, 1e-5) << position << " " << h;
+    }
+  }
 }
 
 TEST_F(TinyModel, OnePassEqualsIncrementalDecode) {

@@ -659,8 +659,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   bool eval_quick = false;
   eval_cmd->add_flag(
       "--quick", eval_quick,
-      "--model smollm2: context 1K, 2 windows of 32 tokens, 4 arms (dense, all-keep, "
-      "SPIN rho 0.4, MLI k 1 at retention 1/2), the 1K passkeys");
+      "--model smollm2: context 1K, 2 windows of 32 tokens, 5 arms (dense, all-keep, "
+      "SPIN rho 0.4, MLI k 1 at retention 1/2, d = 3 speculative steps with SPIN), the 1K "
+      "passkeys");
   eval_cmd->add_option(
       "--model-file", model_eval.model_file,
       std::string("--model smollm2: the backbone (default ") + dsa::kDefaultModelFile + ")");
@@ -959,7 +960,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   if (*eval_cmd) {
     for (const char* name :
          {"--quick", "--model-file", "--indexer-weights", "--heldout-tokens", "--needles",
-          "--contexts", "--samples", "--continuation", "--needle-lengths", "--no-greedy"}) {
+          "--contexts", "--samples", "--continuation", "--needle-lengths", "--no-greedy", "--arms",
+          "--device", "--cuda-device"}) {
       if (eval_cmd->count(name) > 0) {
         std::fprintf(stderr, "dsa eval: %s needs --model smollm2\n", name);
         return 2;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <tuple>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -18,10 +19,12 @@
 #include "attention_worker/llama_attention_model.h"
 #include "attention_worker/llama_model.h"
 #include "attention_worker/llama_runner.h"
+#include "common/limits.h"
 #include "common/mli_schedule.h"
 #include "common/npy.h"
 #include "common/status_macros.h"
 #include "coordinator/ngram_drafter.h"
+#include "indexer_service/block_pool.h"
 #include "indexer_service/indexer.h"
 #include "transport/in_process_indexer_client.h"
 
@@ -112,11 +115,48 @@ absl::Status RunDense(LlamaRunner& runner, const std::vector<std::vector<int32_t
   return absl::OkStatus();
 }
 
+// ---- attention-mass recall (LlamaForwardOptions::selection_mass_probe) ----
+
+// What the CPU runner's probe reports while an arm runs: per (cache, layer, position) row, the sum
+// over KV heads of their mean mass on the selection, and how many KV heads reported.
+class MassSink {
+ public:
+  void Record(const void* cache, int layer, int64_t position, double mass) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!active_) return;
+    auto& [sum, heads] = rows_[{cache, layer, position}];
+    sum += mass;
+    ++heads;
+  }
+  void Start() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rows_.clear();
+    active_ = true;
+  }
+  // Per model layer, each row's mass recall (mean over its KV heads); stops recording.
+  std::map<int, std::vector<double>> Stop() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    active_ = false;
+    std::map<int, std::vector<double>> out;
+    for (const auto& [key, value] : rows_) {
+      out[std::get<1>(key)].push_back(value.first / value.second);
+    }
+    rows_.clear();
+    return out;
+  }
+
+ private:
+  std::mutex mutex_;
+  bool active_ = false;
+  std::map<std::tuple<const void*, int, int64_t>, std::pair<double, int>> rows_;
+};
+
 // ---- a sparse arm: the attention engine with an in-process indexer ----
 
 struct ArmEngine {
   std::unique_ptr<Indexer> indexer;  // outlives the engine (declared first, destroyed last)
   std::unique_ptr<AttentionEngine> engine;
+  std::vector<int> full_layers;  // the model layer of each full-layer rank
 };
 
 // Sequence ids are 1-based indices into the caller's arrays.
@@ -133,8 +173,9 @@ absl::StatusOr<ArmEngine> MakeArmEngine(std::shared_ptr<LlamaRunner> runner,
       LlamaAttentionModel::Create(std::move(runner), schedule.full_layers(), "smollm2-135m"));
   seam->set_logits_observer(std::move(observer));
   ArmEngine out;
+  out.full_layers = schedule.full_layers();
   IndexerOptions indexer_options;
-  const int64_t blocks_per_sequence = (max_slots + 63) / 64 + 1;
+  const int64_t blocks_per_sequence = CeilDiv(max_slots, kBlockSize) + 1;
   indexer_options.capacity_blocks =
       blocks_per_sequence * num_sequences * static_cast<int64_t>(schedule.full_layers().size());
   indexer_options.num_heads = model.indexer_config().num_heads;
@@ -143,7 +184,7 @@ absl::StatusOr<ArmEngine> MakeArmEngine(std::shared_ptr<LlamaRunner> runner,
   indexer_options.audit_fraction = arm.spin ? 1.0 : 0.0;
   DSA_ASSIGN_OR_RETURN(out.indexer, Indexer::Create(indexer_options));
   AttentionEngineOptions options;
-  options.kv_capacity_slots = (max_slots + 64) * num_sequences;
+  options.kv_capacity_slots = (max_slots + kBlockSize) * num_sequences;
   DSA_ASSIGN_OR_RETURN(
       out.engine,
       AttentionEngine::Create(std::move(schedule), std::move(seam),
@@ -175,13 +216,18 @@ struct StepStats {
   int64_t blocks_scored = 0;
   int64_t blocks_visible = 0;
   std::vector<double> miss_rates;
-  int64_t steps = 0;     // sequence-steps
-  int64_t accepted = 0;  // draft tokens accepted over them
+  std::map<int, std::vector<double>> miss_by_full_rank;
+  std::vector<int> full_layers;  // the arm's schedule: model layer of each full-layer rank
+  int64_t steps = 0;             // sequence-steps
+  int64_t accepted = 0;          // draft tokens accepted over them
   void Add(const DecodeStepResult& step) {
     for (const SequenceStepResult& s : step.sequences) {
       blocks_scored += s.blocks_scored;
       blocks_visible += s.blocks_visible;
-      miss_rates.insert(miss_rates.end(), s.audit_miss_rates.begin(), s.audit_miss_rates.end());
+      for (const SequenceStepResult::AuditedRow& row : s.audited) {
+        miss_rates.push_back(row.miss_rate);
+        miss_by_full_rank[row.full_rank].push_back(row.miss_rate);
+      }
     }
   }
 };
@@ -220,6 +266,7 @@ absl::Status ScoreArm(std::shared_ptr<LlamaRunner> runner, const ModelEvalArm& a
   DSA_ASSIGN_OR_RETURN(ArmEngine arm_engine,
                        MakeArmEngine(std::move(runner), arm, context + continuation,
                                      static_cast<int>(sequences.size()), observer));
+  stats.full_layers = arm_engine.full_layers;
   for (size_t i = 0; i < sequences.size(); ++i) {
     std::vector<int32_t> prompt(sequences[i].begin(), sequences[i].begin() + context);
     DSA_RETURN_IF_ERROR(
@@ -351,8 +398,14 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AnswerNeedles(
 }
 
 absl::StatusOr<std::shared_ptr<LlamaRunner>> MakeRunner(std::shared_ptr<const LlamaModel> model,
-                                                        const ModelEvalOptions& options) {
-  if (options.device == "cpu") return MakeCpuLlamaRunner(std::move(model));
+                                                        const ModelEvalOptions& options,
+                                                        std::shared_ptr<MassSink> sink) {
+  LlamaForwardOptions cpu_options;
+  cpu_options.selection_mass_probe = [sink](const LlamaKvCache* cache, int layer, int64_t position,
+                                            int /*kv_head*/, double mass) {
+    sink->Record(cache, layer, position, mass);
+  };
+  if (options.device == "cpu") return MakeCpuLlamaRunner(std::move(model), cpu_options);
 #ifdef DSA_WITH_CUDA
   if (options.device == "cuda" || cuda::CudaDeviceCount() > 0) {
     return cuda::CreateCudaLlamaRunner(std::move(model), {options.cuda_device});
@@ -363,7 +416,7 @@ absl::StatusOr<std::shared_ptr<LlamaRunner>> MakeRunner(std::shared_ptr<const Ll
         "device cuda: this dsa was built without CUDA (configure with -DDSA_ENABLE_CUDA=ON)");
   }
 #endif
-  return MakeCpuLlamaRunner(std::move(model));
+  return MakeCpuLlamaRunner(std::move(model), cpu_options);
 }
 
 ModelEvalArm Arm(std::string name, int retention, int lag, bool spin, double rho, double gamma) {
@@ -429,8 +482,8 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
   if (o.continuation < 2) {
     return bad(absl::StrCat("continuation must be >= 2 tokens, got ", o.continuation));
   }
-  if (o.top_k < 1 || o.top_k > 2048) {
-    return bad(absl::StrCat("top_k must be in [1, 2048], got ", o.top_k));
+  if (o.top_k < 1 || o.top_k > kMaxTopK) {
+    return bad(absl::StrCat("top_k must be in [1, ", kMaxTopK, "], got ", o.top_k));
   }
   if (o.arms.empty()) return bad("no arms");
   if (o.device != "auto" && o.device != "cpu" && o.device != "cuda") {
@@ -443,9 +496,9 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
       return bad(
           absl::StrCat("arm \"", a.name, "\": retention >= 1, lag >= 0, rho and gamma in [0, 1)"));
     }
-    if (a.draft_length < 0 || a.draft_length > 4) {
-      return bad(
-          absl::StrCat("arm \"", a.name, "\": draft length ", a.draft_length, " outside [0, 4]"));
+    if (a.draft_length < 0 || a.draft_length > kMaxDraftLength) {
+      return bad(absl::StrCat("arm \"", a.name, "\": draft length ", a.draft_length,
+                              " outside [0, ", kMaxDraftLength, "]"));
     }
   }
   return absl::OkStatus();
@@ -455,11 +508,42 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                                              void (*progress)(const std::string&)) {
   DSA_RETURN_IF_ERROR(ValidateModelEvalOptions(options));
   const auto start = Clock::now();
+  // Everything a run could be refused for is checked before the first arm runs.
+  std::vector<NeedleCase> cases;
+  if (!options.needles_file.empty()) {
+    DSA_ASSIGN_OR_RETURN(cases, ReadNeedles(options.needles_file));
+  }
   DSA_ASSIGN_OR_RETURN(std::shared_ptr<const LlamaModel> model,
                        LlamaModel::Load(options.model_file, options.indexer_weights));
   DSA_ASSIGN_OR_RETURN(std::vector<int32_t> heldout, ReadTokensNpy(options.heldout_tokens));
   const int64_t max_context = model->config().context_length;
-  DSA_ASSIGN_OR_RETURN(std::shared_ptr<LlamaRunner> runner, MakeRunner(model, options));
+  for (const int64_t context : options.contexts) {
+    if (context + options.continuation > max_context) {
+      return absl::InvalidArgumentError(absl::StrCat("context ", context, " + continuation ",
+                                                     options.continuation, " exceeds the model's ",
+                                                     max_context));
+    }
+    if (heldout.size() < static_cast<size_t>(context + options.continuation)) {
+      return absl::InvalidArgumentError(absl::StrCat(options.heldout_tokens, " holds ",
+                                                     heldout.size(), " tokens, fewer than ",
+                                                     context + options.continuation));
+    }
+  }
+  std::map<int64_t, std::vector<const NeedleCase*>> needles_by_length;
+  for (const NeedleCase& c : cases) {
+    const bool wanted = options.needle_lengths.empty() ||
+                        std::find(options.needle_lengths.begin(), options.needle_lengths.end(),
+                                  c.length) != options.needle_lengths.end();
+    if (!wanted) continue;
+    if (c.length + static_cast<int64_t>(c.answer.size()) - 1 > max_context) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          options.needles_file, ": a case of ", c.length, " tokens and a ", c.answer.size(),
+          "-token answer exceeds the model's context of ", max_context));
+    }
+    needles_by_length[c.length].push_back(&c);
+  }
+  auto mass_sink = std::make_shared<MassSink>();
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<LlamaRunner> runner, MakeRunner(model, options, mass_sink));
   ModelEvalReport report;
   report.options = options;
   report.device = runner->Description();
@@ -469,15 +553,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
 
   for (const int64_t context : options.contexts) {
     const int m = options.continuation;
-    if (context + m > max_context) {
-      return absl::InvalidArgumentError(absl::StrCat("context ", context, " + continuation ", m,
-                                                     " exceeds the model's ", max_context));
-    }
     const auto window = static_cast<size_t>(context + m);
-    if (heldout.size() < window) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          options.heldout_tokens, " holds ", heldout.size(), " tokens, fewer than ", window));
-    }
     // The windows, spread evenly over the held-out tokens.
     std::vector<std::vector<int32_t>> real(options.samples);
     for (int i = 0; i < options.samples; ++i) {
@@ -527,8 +603,40 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         }
         std::vector<NllSum> sums(2);
         StepStats stats;
-        DSA_RETURN_IF_ERROR(
-            ScoreArm(runner, arm, options, context, m, sequences, kind, sums, stats));
+        mass_sink->Start();
+        const absl::Status scored =
+            ScoreArm(runner, arm, options, context, m, sequences, kind, sums, stats);
+        std::map<int, std::vector<double>> mass = mass_sink->Stop();
+        DSA_RETURN_IF_ERROR(scored);
+        std::vector<double> all_mass;
+        for (int l = 0; l < model->config().num_layers; ++l) {
+          LayerSelectionStats layer;
+          layer.model_layer = l;
+          std::vector<double>& rows = mass[l];
+          layer.rows = static_cast<int64_t>(rows.size());
+          double mass_sum = 0;
+          for (double v : rows) mass_sum += v;
+          layer.mean_mass_recall = rows.empty() ? 0 : mass_sum / static_cast<double>(rows.size());
+          all_mass.insert(all_mass.end(), rows.begin(), rows.end());
+          layer.p1_mass_recall = Quantile(rows, 0.01);
+          const auto rank = std::find(stats.full_layers.begin(), stats.full_layers.end(), l);
+          if (rank != stats.full_layers.end()) {
+            std::vector<double>& misses =
+                stats.miss_by_full_rank[static_cast<int>(rank - stats.full_layers.begin())];
+            layer.audited_rows = static_cast<int64_t>(misses.size());
+            double miss_sum = 0;
+            for (double v : misses) miss_sum += v;
+            layer.mean_miss_rate =
+                misses.empty() ? 0 : miss_sum / static_cast<double>(misses.size());
+            layer.p99_miss_rate = Quantile(misses, 0.99);
+          }
+          cell.layers.push_back(layer);
+        }
+        double all_sum = 0;
+        for (double v : all_mass) all_sum += v;
+        cell.mean_mass_recall =
+            all_mass.empty() ? 0 : all_sum / static_cast<double>(all_mass.size());
+        cell.p1_mass_recall = Quantile(all_mass, 0.01);
         cell.tokens_scored = sums[0].tokens;
         cell.real_perplexity = sums[0].Perplexity();
         cell.greedy_perplexity = sums[1].Perplexity();
@@ -547,31 +655,19 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         cell.seconds = SecondsSince(arm_start);
       }
       say(absl::StrFormat(
-          "context %d %-40s ppl %.4f greedy %.4f sparsity %.3f miss %.3f/%.3f "
+          "context %d %-40s ppl %.4f greedy %.4f mass %.3f sparsity %.3f miss %.3f/%.3f "
           "(%.1f s)",
-          context, cell.arm, cell.real_perplexity, cell.greedy_perplexity,
+          context, cell.arm, cell.real_perplexity, cell.greedy_perplexity, cell.mean_mass_recall,
           cell.realized_block_sparsity, cell.mean_miss_rate, cell.p99_miss_rate, cell.seconds));
       report.perplexity.push_back(std::move(cell));
     }
   }
 
-  if (!options.needles_file.empty()) {
-    DSA_ASSIGN_OR_RETURN(std::vector<NeedleCase> cases, ReadNeedles(options.needles_file));
-    std::map<int64_t, std::vector<const NeedleCase*>> by_length;
-    for (const NeedleCase& c : cases) {
-      const bool wanted = options.needle_lengths.empty() ||
-                          std::find(options.needle_lengths.begin(), options.needle_lengths.end(),
-                                    c.length) != options.needle_lengths.end();
-      if (!wanted) continue;
-      if (c.length + static_cast<int64_t>(c.answer.size()) - 1 > max_context) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            options.needles_file, ": a case of ", c.length, " tokens and a ", c.answer.size(),
-            "-token answer exceeds the model's context of ", max_context));
-      }
-      by_length[c.length].push_back(&c);
-    }
+  {
     for (const ModelEvalArm& arm : options.arms) {
-      for (const auto& [length, group] : by_length) {
+      // A pass key is answered one row a step; a speculative arm would repeat its base arm.
+      if (arm.draft_length > 0) continue;
+      for (const auto& [length, group] : needles_by_length) {
         const auto arm_start = Clock::now();
         DSA_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> answers,
                              AnswerNeedles(runner, arm, options, group));
@@ -621,11 +717,24 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                           {"greedy_continuations", o.greedy_continuations},
                           {"top_k", o.top_k},
                           {"seed", o.seed},
+                          {"needle_lengths", o.needle_lengths},
+                          {"requested_device", o.device},
+                          {"cuda_device", o.cuda_device},
                           {"arms", arms}}},
                         {"device", report.device},
                         {"seconds", report.seconds}};
   nlohmann::json cells = nlohmann::json::array();
   for (const PerplexityCell& c : report.perplexity) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (const LayerSelectionStats& l : c.layers) {
+      layers.push_back({{"model_layer", l.model_layer},
+                        {"rows", l.rows},
+                        {"mean_mass_recall", l.mean_mass_recall},
+                        {"p1_mass_recall", l.p1_mass_recall},
+                        {"audited_rows", l.audited_rows},
+                        {"mean_miss_rate", l.mean_miss_rate},
+                        {"p99_miss_rate", l.p99_miss_rate}});
+    }
     cells.push_back({{"arm", c.arm},
                      {"context", c.context},
                      {"tokens_scored", c.tokens_scored},
@@ -637,6 +746,9 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                      {"p99_miss_rate", c.p99_miss_rate},
                      {"steps", c.steps},
                      {"mean_accepted", c.mean_accepted},
+                     {"mean_mass_recall", c.mean_mass_recall},
+                     {"p1_mass_recall", c.p1_mass_recall},
+                     {"layers", layers},
                      {"seconds", c.seconds}});
   }
   out["perplexity"] = cells;
@@ -653,7 +765,10 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
 }
 
 std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
-  std::string md;
+  std::string md =
+      absl::StrCat("Device: ", report.device, "; K = ", report.options.top_k, "; ",
+                   report.options.samples, " windows of ", report.options.continuation,
+                   " tokens a context; ", absl::StrFormat("%.0f", report.seconds), " s.\n\n");
   // Perplexity, with the ratios the targets are stated in.
   std::map<int64_t, const PerplexityCell*> dense, all_keep;
   for (const PerplexityCell& c : report.perplexity) {
@@ -663,8 +778,9 @@ std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
   absl::StrAppend(
       &md,
       "| context | arm | perplexity (held-out) | / dense | / all-keep | perplexity "
-      "(greedy) | realized block sparsity | mean miss | p99 miss | accepted / step | s |\n"
-      "|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "(greedy) | mass recall (mean / p1) | realized block sparsity | mean miss | p99 miss | "
+      "accepted / step | s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const PerplexityCell& c : report.perplexity) {
     const auto ratio = [&](const std::map<int64_t, const PerplexityCell*>& base) {
       const auto it = base.find(c.context);
@@ -673,13 +789,17 @@ std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
                  : absl::StrFormat("%.4f", c.real_perplexity / it->second->real_perplexity);
     };
     absl::StrAppend(
-        &md, absl::StrFormat("| %d | %s | %.3f | %s | %s | %.3f | %.3f | %s | %s | %s | %.0f |\n",
-                             c.context, c.arm, c.real_perplexity, ratio(dense), ratio(all_keep),
-                             c.greedy_perplexity, c.realized_block_sparsity,
-                             c.audited_rows > 0 ? absl::StrFormat("%.3f", c.mean_miss_rate) : "-",
-                             c.audited_rows > 0 ? absl::StrFormat("%.3f", c.p99_miss_rate) : "-",
-                             c.mean_accepted > 0 ? absl::StrFormat("%.2f", c.mean_accepted) : "-",
-                             c.seconds));
+        &md,
+        absl::StrFormat(
+            "| %d | %s | %.3f | %s | %s | %.3f | %s | %.3f | %s | %s | %s | %.0f |\n", c.context,
+            c.arm, c.real_perplexity, ratio(dense), ratio(all_keep), c.greedy_perplexity,
+            c.mean_mass_recall > 0
+                ? absl::StrFormat("%.3f / %.3f", c.mean_mass_recall, c.p1_mass_recall)
+                : "-",
+            c.realized_block_sparsity,
+            c.audited_rows > 0 ? absl::StrFormat("%.3f", c.mean_miss_rate) : "-",
+            c.audited_rows > 0 ? absl::StrFormat("%.3f", c.p99_miss_rate) : "-",
+            c.mean_accepted > 0 ? absl::StrFormat("%.2f", c.mean_accepted) : "-", c.seconds));
   }
   if (!report.needles.empty()) {
     // One row per arm and length: found / cases, and which depths missed.

@@ -4,8 +4,10 @@
 // (dense; DSA all-keep; SPIN at target block sparsities with and without exploration, SPIN paper
 // section 4.5; MLI lag depths and IndexCache retention, MLI paper section 4), passkey retrieval in
 // an essay haystack, and each arm's realized block sparsity and audited miss rate against the
-// dense top-K of the indexer scores (SPIN paper's miss rate). Every arm runs the served path:
-// AttentionEngine over LlamaAttentionModel on the CPU runner, with an in-process Indexer.
+// dense top-K of the indexer scores (SPIN paper's miss rate), and the attention mass the selected
+// slots hold. Every sparse arm runs the served path: AttentionEngine over LlamaAttentionModel (the
+// CPU runner, or the GPU runner), with an in-process Indexer; the dense reference runs the
+// runner's passes without selections.
 #pragma once
 
 #include <cstdint>
@@ -67,6 +69,21 @@ struct ModelEvalOptions {
   int cuda_device = 0;
 };
 
+/// One model layer's selections under an arm, over every decode row of a context.
+struct LayerSelectionStats {
+  int model_layer = 0;
+  /// Attention-mass recall: per sparse row, the dense softmax mass (over every visible slot,
+  /// averaged over the layer's query heads) that falls on the slots the row attended. Measured on
+  /// the CPU runner only (0 rows elsewhere).
+  int64_t rows = 0;
+  double mean_mass_recall = 0;
+  double p1_mass_recall = 0;  // the 1st percentile: 99% of rows keep at least this
+  /// Audited miss rates of this layer's own selects (full layers of SPIN arms).
+  int64_t audited_rows = 0;
+  double mean_miss_rate = 0;
+  double p99_miss_rate = 0;
+};
+
 /// The perplexity of one arm at one context length.
 struct PerplexityCell {
   std::string arm;
@@ -78,6 +95,10 @@ struct PerplexityCell {
   int64_t audited_rows = 0;            // rows audited against the dense top-K (SPIN arms)
   double mean_miss_rate = 0;
   double p99_miss_rate = 0;
+  /// Attention-mass recall over every sparse row and layer (see LayerSelectionStats).
+  double mean_mass_recall = 0;
+  double p1_mass_recall = 0;
+  std::vector<LayerSelectionStats> layers;  // sparse arms: one per model layer
   /// Speculative arms: decode steps run, and draft tokens accepted per step.
   int64_t steps = 0;
   double mean_accepted = 0;

@@ -23,7 +23,7 @@ bool NoUsableGpu() {
 
 void RunOnDevice(cuda::ScanKernel kernel, bool bf16_queries, const std::string& label) {
   if (NoUsableGpu()) GTEST_SKIP() << "no GPU that can run the indexer kernels";
-  const auto& inputs = indexer_scores_check::Inputs();
+  const auto& inputs = indexer_scores_check::Inputs(/*read_file=*/true);
   ASSERT_FALSE(inputs.layers.empty()) << "the model inputs could not be computed (see above)";
   cuda::CudaScoringOptions options;
   options.scan_kernel = kernel;
