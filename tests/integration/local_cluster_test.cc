@@ -305,6 +305,18 @@ TEST(LocalClusterTest, RealModelSettingsAreCheckedBeforeStarting) {
   EXPECT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find(bad_weights), std::string::npos) << bad.status();
   options.indexer_weights.clear();
+  // The GPU is no longer refused for the real model: the tool starts the cluster, and on a machine
+  // without a GPU (or a build without CUDA) it is dsa-attention that fails to start, naming why.
+  if (std::filesystem::exists(FindRepoFile(kDefaultModelFile))) {
+    options.attention_device = "cuda";
+    auto on_gpu = LocalCluster::Start(options);
+    if (!on_gpu.ok()) {
+      EXPECT_NE(on_gpu.status().code(), absl::StatusCode::kInvalidArgument) << on_gpu.status();
+      EXPECT_NE(on_gpu.status().message().find("dsa-attention-0"), std::string::npos)
+          << on_gpu.status();
+    }
+    options.attention_device.reset();
+  }
   // The model's files with the pattern model, or an unknown model.
   LocalClusterOptions pattern = SmallCluster("pattern_with_files");
   pattern.indexer_weights = "weights.safetensors";

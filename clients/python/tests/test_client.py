@@ -131,6 +131,17 @@ class CoordinatorClientTest(unittest.TestCase):
         self.assertEqual(list(request.stop_token_ids), [])
         self.assertFalse(request.ignore_eos)
 
+    def test_an_unseeded_sampling_leaves_the_seed_to_the_coordinator(self):
+        list(self.client.generate("r6", context_tokens=[1], max_new_tokens=1,
+                                  sampling=Sampling(temperature=0.7)))
+        self.assertFalse(self.fake.requests[-1].sampling.HasField("seed"))
+        # Seed 0 is a seed like any other, sent as such.
+        list(self.client.generate("r7", context_tokens=[1], max_new_tokens=1,
+                                  sampling=Sampling(temperature=0.7, seed=0)))
+        sampling = self.fake.requests[-1].sampling
+        self.assertTrue(sampling.HasField("seed"))
+        self.assertEqual(sampling.seed, 0)
+
     def test_token_ids_stream_and_keep_the_finished_event(self):
         generation = self.client.generate("r6", context_tokens=[7, 8, 9], max_new_tokens=4)
         self.assertEqual(list(generation.token_ids()), [100, 101, 102, 103])
