@@ -5,19 +5,25 @@
 # the 98 MB GGUF travel in parts over consecutive calls, as scripts/train_indexer_gpu.sh's do; the
 # host converts the GGUF (python/dsa_model/convert.py, with the carried gguf wheel).
 #
-#   prepare   (here) builds, in build-gpu/ with CUDA for sm_90a, the GPU tests, bench_llama_decode
-#             and dsa-attention; packs them with the shared libraries they need
-#             (../shared/device/pack-runtime.sh) and the gguf wheel into .carry-model/run.tgz; and
+#   prepare   (here) builds, in build-gpu/ with CUDA for sm_90a, the GPU tests, bench_llama_decode,
+#             dsa-attention and dsa; packs them with the shared libraries they need
+#             (../shared/device/pack-runtime.sh), the gguf wheel, the indexer inputs of the CUDA
+#             indexer-scores test (computed here by the CPU test) and dsa eval's held-out tokens
+#             and pass-key cases into .carry-model/run.tgz; and
 #             splits run.tgz and the GGUF over .carry-model/p1 .. pN, each call's carry plus the
 #             working tree under 64 MiB (run.tgz in p1). Prints the calls.
 #   device    (there, once per call, carrying .carry-model/pI in call I) stages what it finds in
 #             /tmp/dsa_model_check. Once run.tgz is there (call 1): the GPU tests (the kernels
 #             against their CPU reference, the GPU runner against the CPU runner on random models,
-#             the engine over the GPU runner), the kernel and runner tests under compute-sanitizer,
+#             the engine over the GPU runner, the service's CUDA scoring of the real model's indexer
+#             inputs), the kernel and runner tests under compute-sanitizer,
 #             and the benchmark on random weights of SmolLM2's shapes on the GPU. Once the GGUF is
 #             whole (the last call): its conversion, the runner test on SmolLM2 itself (CPU against
 #             GPU), the benchmark on SmolLM2 (GPU and CPU), and dsa-attention --model smollm2
-#             --attention-device cuda started, its /metrics read, and stopped. Everything into
+#             --attention-device cuda started, its /metrics read, and stopped; with
+#             DSA_MODEL_CHECK_EVAL=1, then `dsa eval --model smollm2 --device cuda` (every arm,
+#             docs/eval.md; DSA_EVAL_ARGS adds flags; best in a call of its own: run the last
+#             call again with the variable set). Everything into
 #             $OUT (at most 6 files a call). A call that finds parts missing says which is next.
 #             The calls must follow each other before the machine goes idle (30 s): a fresh
 #             machine has an empty /tmp, and the sequence starts again at call 1.
@@ -28,7 +34,8 @@
 #   DSA_MODEL_CHECK_DRY_RUN=1 bash scripts/gpu_model_check.sh device
 # Settings (environment): DSA_BUILD_DIR (build-gpu), DSA_BUILD_JOBS, DSA_BENCH_ARGS (more
 # bench_llama_decode flags, e.g. "--steps 20"), DSA_MODEL_CHECK_CPU_BENCH (1: the bench's CPU arm
-# on SmolLM2 too; 0 skips it), DSA_PYTHON (python3).
+# on SmolLM2 too; 0 skips it), DSA_MODEL_CHECK_EVAL (1: dsa eval too), DSA_EVAL_ARGS, DSA_PYTHON
+# (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,8 +45,8 @@ gguf_wheel=gguf==0.19.0
 call_limit=$((64 * 1024 * 1024))
 call_margin=$((2 * 1024 * 1024))
 tests="attention_cuda_gqa_attention_test attention_cuda_llama_runner_test
-attention_cuda_llama_engine_test"
-binaries="$tests bench_llama_decode dsa-attention"
+attention_cuda_llama_engine_test attention_cuda_llama_indexer_scores_test"
+binaries="$tests bench_llama_decode dsa-attention dsa"
 indexer_weights=data/models/smollm2_indexer.safetensors
 
 die() { echo "gpu_model_check: $*" >&2; exit 1; }
@@ -53,7 +60,7 @@ prepare() {
   local build=${DSA_BUILD_DIR:-build-gpu} model_dir gguf size sha tree budget run_bytes i
   local offset chunk part_bytes parts
   DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON ${DSA_CMAKE_ARGS:-}" \
-    DSA_BUILD_TARGETS="$(echo $binaries)" bash scripts/build.sh
+    DSA_BUILD_TARGETS="$(echo $binaries) attention_llama_indexer_scores_test" bash scripts/build.sh
   model_dir=$(bash scripts/model_setup.sh)
   gguf=$(PYTHONPATH="$PWD/python" "${DSA_MODEL_PYTHON:-$PWD/.venv-model/bin/python}" -c \
     "from dsa_model.convert import find_gguf; print(find_gguf())")
@@ -61,8 +68,15 @@ prepare() {
   [ -d "$model_dir" ] || die "no model folder"
   grep -qxF "/$carry_dir/" .git/info/exclude 2>/dev/null || echo "/$carry_dir/" >>.git/info/exclude
   rm -rf "$carry_dir"
-  mkdir -p "$carry_dir/run/bin" "$carry_dir/run/devrt" "$carry_dir/run/wheel"
+  mkdir -p "$carry_dir/run/bin" "$carry_dir/run/devrt" "$carry_dir/run/wheel" "$carry_dir/run/eval"
   for b in $binaries; do cp "$build/bin/$b" "$carry_dir/run/bin/"; done
+  # What the GPU host cannot make without the backend here: the indexer inputs the CUDA
+  # indexer-scores test checks (computed by the CPU test), and dsa eval's held-out tokens and
+  # pass-key cases.
+  DSA_INDEXER_SCORES_INPUTS=$PWD/$carry_dir/run/eval/indexer_scores_inputs.safetensors \
+    "$build/bin/attention_llama_indexer_scores_test" >/dev/null
+  cp "$model_dir/python_docs_heldout.npy" "$carry_dir/run/eval/"
+  [ -f "$model_dir/needles.json" ] && cp "$model_dir/needles.json" "$carry_dir/run/eval/"
   bash ../shared/device/pack-runtime.sh "$carry_dir/run/devrt" "$carry_dir"/run/bin/*
   # The gguf wheel: the one train_indexer_gpu.sh fetched, else pip.
   local wheel
@@ -74,7 +88,7 @@ prepare() {
       --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
       -d "$carry_dir/run/wheel" "$gguf_wheel"
   fi
-  tar -C "$carry_dir/run" -czf "$carry_dir/run.tgz" bin devrt wheel
+  tar -C "$carry_dir/run" -czf "$carry_dir/run.tgz" bin devrt wheel eval
   rm -rf "$carry_dir/run"
   size=$(stat -c %s "$gguf")
   sha=$(sha256sum "$gguf" | cut -d' ' -f1)
@@ -158,6 +172,7 @@ $stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
     touch "$run/.extracted"
   fi
   [ -f "$run/.extracted" ] || die "run.tgz not staged: carry $carry_dir/p1 first"
+  export DSA_INDEXER_SCORES_INPUTS=$run/eval/indexer_scores_inputs.safetensors
   if [ ! -f "$stage/tests.done" ]; then
     if command -v nvidia-smi >/dev/null; then
       run_logged host.log nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm \
@@ -212,18 +227,35 @@ $stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
   local model_file=$stage/model/model.safetensors
   [ -f "$model_file" ] || die "the conversion wrote no $model_file"
 
-  # ---- SmolLM2 itself: CPU against GPU, the benchmark, dsa-attention ----
-  DSA_SMOLLM2_MODEL=$model_file DSA_SMOLLM2_INDEXER=$PWD/$indexer_weights \
-    run_logged smollm2.log "$run/bin/attention_cuda_llama_runner_test" --gtest_filter='*RealModel*'
-  local devices=cuda,cpu bench_args=()
-  [ "${DSA_MODEL_CHECK_CPU_BENCH:-1}" = 1 ] || devices=cuda
-  [ "$dry" = 1 ] && { devices=cpu; bench_args=(--contexts 128,512 --batches 1,2 --steps 2
-    --warmup 1 --prefill-repeats 1); }
-  # shellcheck disable=SC2086
-  run_logged bench_smollm2.txt "$run/bin/bench_llama_decode" --model-file "$model_file" \
-    --indexer-weights "$indexer_weights" --devices "$devices" "${bench_args[@]}" \
-    --out "$out/bench_smollm2.json" ${DSA_BENCH_ARGS:-}
-  attention_smoke "$run" "$model_file" "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
+  # ---- SmolLM2 itself: CPU against GPU, the benchmark, dsa-attention (once) ----
+  if [ ! -f "$stage/smollm2.done" ]; then
+    DSA_SMOLLM2_MODEL=$model_file DSA_SMOLLM2_INDEXER=$PWD/$indexer_weights \
+      run_logged smollm2.log "$run/bin/attention_cuda_llama_runner_test" --gtest_filter='*RealModel*'
+    local devices=cuda,cpu bench_args=()
+    [ "${DSA_MODEL_CHECK_CPU_BENCH:-1}" = 1 ] || devices=cuda
+    [ "$dry" = 1 ] && { devices=cpu; bench_args=(--contexts 128,512 --batches 1,2 --steps 2
+      --warmup 1 --prefill-repeats 1); }
+    # shellcheck disable=SC2086
+    run_logged bench_smollm2.txt "$run/bin/bench_llama_decode" --model-file "$model_file" \
+      --indexer-weights "$indexer_weights" --devices "$devices" "${bench_args[@]}" \
+      --out "$out/bench_smollm2.json" ${DSA_BENCH_ARGS:-}
+    attention_smoke "$run" "$model_file" "$([ "$dry" = 1 ] && echo cpu || echo cuda)"
+    touch "$stage/smollm2.done"
+  fi
+
+  # ---- dsa eval --model smollm2 on the GPU (DSA_MODEL_CHECK_EVAL=1; docs/eval.md) ----
+  if [ "${DSA_MODEL_CHECK_EVAL:-0}" = 1 ] && [ ! -f "$stage/eval.done" ]; then
+    local eval_args=(--device cuda)
+    [ "$dry" = 1 ] && eval_args=(--device cpu --quick)
+    local needles=none
+    [ -f "$run/eval/needles.json" ] && needles=$run/eval/needles.json
+    # shellcheck disable=SC2086
+    run_logged eval.log "$run/bin/dsa" eval --model smollm2 "${eval_args[@]}" \
+      --model-file "$model_file" --indexer-weights "$indexer_weights" \
+      --heldout-tokens "$run/eval/python_docs_heldout.npy" --needles "$needles" \
+      --json "$out/eval_smollm2.json" --markdown "$out/eval_smollm2.md" ${DSA_EVAL_ARGS:-}
+    touch "$stage/eval.done"
+  fi
 
   {
     echo "== gpu_model_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ))"
