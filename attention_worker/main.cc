@@ -278,8 +278,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     }
   }
   if (transport != "inprocess") {
-    for (const std::string& name : {"capacity-blocks", "audit-fraction", "audit-seed", "device",
-                                    "cuda-device", "scan-kernel", "gpu-spin"}) {
+    for (const std::string& name :
+         {"capacity-blocks", "audit-fraction", "audit-seed", "miss-target", "device", "cuda-device",
+          "scan-kernel", "gpu-spin"}) {
       if (app.count("--indexer-" + name) > 0) {
         dsa::LogJson("error", "bad config",
                      {{"status", "--indexer-" + name +

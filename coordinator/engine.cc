@@ -215,6 +215,10 @@ absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
     return absl::InvalidArgumentError(
         absl::StrCat("overrides.acceptance_rate must be in [0, 1], got ", o.acceptance_rate()));
   }
+  if (o.has_miss_target() && !(o.miss_target() >= 0.0 && o.miss_target() < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("overrides.miss_target must be in [0, 1), got ", o.miss_target()));
+  }
   const cv1::SamplingParams& sampling = request.sampling();
   if (!(sampling.temperature() == 0.0f ||
         (sampling.temperature() > 0.0f && sampling.temperature() <= 100.0f))) {
@@ -1119,6 +1123,7 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   spin->set_exploration_fraction(o.has_exploration_fraction() ? o.exploration_fraction()
                                                               : options_.exploration_fraction);
   spin->set_seed(options_.seed);
+  if (o.has_miss_target()) spin->set_miss_target(o.miss_target());
   if (admission.prefix_source_id.has_value()) {
     prefill.set_prefix_source_id(*admission.prefix_source_id);
     prefill.set_prefix_slots(admission.prefix_slots);

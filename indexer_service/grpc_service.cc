@@ -143,6 +143,7 @@ absl::Status ToSpinConfig(const v1::SpinSettings& settings, SpinConfig* config) 
           absl::StrCat("unknown spec update policy ", settings.spec_update()));
   }
   config->seed = settings.seed();
+  if (settings.has_miss_target()) config->miss_target = settings.miss_target();
   return absl::OkStatus();
 }
 
@@ -155,6 +156,7 @@ v1::SpinSettings ToSpinSettings(const SpinConfig& config) {
   }
   settings.set_ema_decay(config.ema_decay);
   settings.set_exploration_fraction(config.exploration_fraction);
+  if (config.miss_target.has_value()) settings.set_miss_target(*config.miss_target);
   switch (config.pooling) {
     case BlockPooling::kMax:
       settings.set_pooling(v1::BLOCK_POOLING_MAX);

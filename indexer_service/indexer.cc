@@ -8,6 +8,7 @@
 #include "common/check.h"
 #include "common/philox.h"
 #include "common/status_macros.h"
+#include "indexer_service/sparsity_controller.h"
 #include "indexer_service/topk.h"
 
 namespace dsa {
@@ -35,6 +36,14 @@ absl::StatusOr<std::unique_ptr<Indexer>> Indexer::Create(const IndexerOptions& o
   if (!(options.audit_fraction >= 0.0 && options.audit_fraction <= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("audit_fraction must be in [0, 1], got ", options.audit_fraction));
+  }
+  if (!(options.miss_target >= 0.0 && options.miss_target < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("miss_target must be in [0, 1), got ", options.miss_target));
+  }
+  if (options.miss_target > 0 && options.audit_fraction == 0) {
+    return absl::InvalidArgumentError(
+        "a miss target needs audit_fraction > 0 (the audits are the controller's feedback)");
   }
   auto cache = IndexKeyCache::Create(options.capacity_blocks, options.head_dim);
   if (!cache.ok()) return cache.status();
@@ -81,7 +90,14 @@ absl::Status Indexer::ValidateSequenceOptions(const SequenceOptions& options) co
     return absl::InvalidArgumentError(
         absl::StrCat("top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", options.top_k));
   }
-  return ValidateSpinConfig(options.spin);
+  DSA_RETURN_IF_ERROR(ValidateSpinConfig(options.spin));
+  if (options.spin.enabled && options.spin.miss_target.value_or(0) > 0 &&
+      options_.audit_fraction == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "miss target ", *options.spin.miss_target,
+        " needs audits: this indexer runs with audit_fraction 0 (dsa-indexer --audit-fraction)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Indexer::SequenceState*> Indexer::Find(uint64_t sequence_id) {
@@ -107,6 +123,7 @@ void Indexer::AddSequenceState(uint64_t sequence_id, const SequenceOptions& opti
   spin.seed = MixSeed(options.spin.seed, sequence_id);
   for (int l = 0; l < options.num_layers; ++l) state.spin.emplace_back(spin, options.top_k, l);
   state.spin_config = spin;
+  state.miss_target = spin.enabled ? spin.miss_target.value_or(options_.miss_target) : 0.0;
   state.spin_on_device = DeviceActiveLocked() && device_->RunsSpin(spin, options.top_k);
   state.pending.resize(options.num_layers);
   state.last_position.assign(options.num_layers, -1);
@@ -386,7 +403,29 @@ void Indexer::FinishSelectLocked(PreparedSelect& prepared) {
           std::span<const int32_t>(dense.data() + r * result.top_k, result.top_k)));
     }
   }
+  result.spin = state.spin_config.enabled;
+  result.target_block_sparsity = result.spin ? state.spin_config.target_block_sparsity : 0.0;
+  if (state.miss_target > 0) AdaptSparsityLocked(state, result, positions[0]);
   if (prepared.return_scores) result.scores = std::move(scores);
+}
+
+void Indexer::AdaptSparsityLocked(SequenceState& state, const SelectResult& result,
+                                  int64_t first_position) {
+  double observed = 0;
+  if (!result.audit_miss_rates.empty()) {
+    for (double rate : result.audit_miss_rates) observed += rate;
+    observed /= static_cast<double>(result.audit_miss_rates.size());
+  } else if (!(result.all_blocks && state.spin_config.target_block_sparsity == 0 &&
+               first_position + 1 > result.top_k)) {
+    // Nothing observed: an unaudited pruned select, a warm-up, or a row that sees at most K slots.
+    // At rho 0 a long row's select pruned nothing, so its miss is 0 without an audit, which lets
+    // rho rise again.
+    return;
+  }
+  const double rho =
+      NextTargetSparsity(state.spin_config.target_block_sparsity, observed, state.miss_target);
+  state.spin_config.target_block_sparsity = rho;
+  for (SpinState& layer : state.spin) layer.set_target_block_sparsity(rho);
 }
 
 void Indexer::ScoreSelectsLocked(std::span<PreparedSelect> prepared) {

@@ -33,6 +33,10 @@ struct IndexerOptions {
   /// function of (audit_seed, sequence, layer, first position). 0 = no audit.
   double audit_fraction = 0;
   uint64_t audit_seed = 0;
+  /// The adaptive-sparsity miss target of sequences whose SPIN settings name none, in [0, 1); 0 =
+  /// rho fixed (sparsity_controller.h). A target needs audit_fraction > 0: the audits are its
+  /// feedback.
+  double miss_target = 0;
 };
 
 /// Called once, under the engine's lock (do not call back into the Indexer), with the error of a
@@ -79,6 +83,10 @@ struct SelectResult {
   /// selection against the dense top-K of the same row; empty otherwise. Auditing costs a dense
   /// scan and changes nothing else (the EMAs see only the pruned scores).
   std::vector<double> audit_miss_rates;
+  /// The SPIN target block sparsity rho this select planned with (0 with SPIN off); with a miss
+  /// target the controller may move the sequence's rho after it.
+  double target_block_sparsity = 0;
+  bool spin = false;  // SPIN planned this select (false: all-keep)
 };
 
 /// One group of a batched select: rows of one sequence at one layer (see Indexer::Select).
@@ -238,6 +246,7 @@ class Indexer {
     int64_t pending_first_position = -1;  // t of the pending speculative step, -1 = none
     int pending_rows = 0;
     SpinConfig spin_config;       // options.spin with the seed mixed with the sequence id
+    double miss_target = 0;       // adaptive sparsity's target (0 = rho fixed)
     bool spin_on_device = false;  // V and D live on the scoring device (RunsSpin)
   };
   // One select between its checks and its finish (all under mutex_).
@@ -290,6 +299,9 @@ class Indexer {
   void PlanSelectLocked(PreparedSelect& prepared);
   // Top-K, EMA update or pending step, audit; the scores into the result with return_scores.
   void FinishSelectLocked(PreparedSelect& prepared);
+  // Moves the sequence's rho after a select (sparsity_controller.h) when it has a miss target.
+  void AdaptSparsityLocked(SequenceState& state, const SelectResult& result,
+                           int64_t first_position);
   // One select, start to finish (check, plan, score, finish) into `prepared`; Select's errors.
   absl::Status SelectOneLocked(uint64_t sequence_id, int layer, std::span<const IndexerRow> rows,
                                bool return_scores, PreparedSelect& prepared);

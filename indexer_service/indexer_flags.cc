@@ -31,6 +31,13 @@ void AddIndexerFlags(CLI::App& app, IndexerFlags& flags, const std::string& pref
       ->capture_default_str();
   app.add_option(prefix + "audit-seed", flags.options.audit_seed, "Seed of the audit draws")
       ->capture_default_str();
+  app.add_option(prefix + "miss-target", flags.options.miss_target,
+                 "Adaptive sparsity: hold each sequence's audited miss rate near this target by "
+                 "moving its SPIN rho (0: rho fixed, the default); for sequences whose settings "
+                 "name no target; needs " +
+                     prefix + "audit-fraction > 0")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->capture_default_str();
   app.add_option(prefix + "device", flags.device,
                  "Where scan and top-K run: cpu, or cuda (a GPU mirrors the index-key cache; the "
                  "host copy stays, so a GPU failure falls back to the CPU)")

@@ -45,6 +45,15 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
                     .Register(registry)
                     .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.01, 0.02, 0.05, 0.1,
                                                                      0.2, 0.3, 0.5, 0.75, 1.0});
+  target_sparsity_ =
+      &prometheus::BuildHistogram()
+           .Name("dsa_indexer_target_block_sparsity")
+           .Help(
+               "SPIN's target block sparsity rho of each select (SPIN on): the configured rho, "
+               "or where adaptive sparsity (--miss-target) moved it")
+           .Register(registry)
+           .Add({}, prometheus::Histogram::BucketBoundaries{0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7,
+                                                            0.8});
   auto& cache = prometheus::BuildGauge()
                     .Name("dsa_indexer_cache_blocks")
                     .Help(
@@ -65,6 +74,7 @@ void IndexerMetrics::RecordSelect(const SelectResult& result) {
   blocks_scored_->Increment(static_cast<double>(result.blocks_scored));
   blocks_visible_->Increment(static_cast<double>(result.blocks_visible));
   for (double miss : result.audit_miss_rates) miss_rate_->Observe(miss);
+  if (result.spin) target_sparsity_->Observe(result.target_block_sparsity);
   (result.on_device ? selects_on_device_ : selects_on_cpu_)->Increment();
 }
 

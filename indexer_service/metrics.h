@@ -18,6 +18,9 @@ namespace dsa {
 ///   held by one sequence, by several, or by none: the three add up to the capacity)
 /// - dsa_indexer_audited_miss_ratio (histogram of audited rows' miss ratio against the dense
 ///   top-K, 0..1; only rows of selects the engine audited, IndexerOptions::audit_fraction)
+/// - dsa_indexer_target_block_sparsity (histogram of the SPIN rho each select planned with, 0..0.8:
+///   the configured rho, or where adaptive sparsity moved it; selects with SPIN off are not
+///   observed)
 /// - dsa_indexer_selects_total{scored_on="device"|"cpu"} (counter of row groups by where their
 ///   scan and top-K ran: with --device cuda, "cpu" grows when the GPU declined a batch or was
 ///   dropped after a failure)
@@ -38,6 +41,7 @@ class IndexerMetrics {
   prometheus::Histogram* topk_seconds_;
   prometheus::Histogram* update_seconds_;
   prometheus::Histogram* miss_rate_;
+  prometheus::Histogram* target_sparsity_;
   prometheus::Counter* blocks_scored_;
   prometheus::Counter* blocks_visible_;
   prometheus::Counter* selects_on_device_;

@@ -90,6 +90,9 @@ absl::Status ValidateSpinConfig(const SpinConfig& config) {
     return s;
   }
   if (auto s = CheckUnitInterval("EMA decay a", config.ema_decay); !s.ok()) return s;
+  if (config.miss_target.has_value()) {
+    if (auto s = CheckUnitInterval("miss target", *config.miss_target); !s.ok()) return s;
+  }
   return CheckUnitInterval("exploration fraction gamma", config.exploration_fraction);
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -37,9 +38,14 @@ struct SpinConfig {
   SpecMaskPolicy spec_mask = SpecMaskPolicy::kRowLocalUnion;
   SpecUpdatePolicy spec_update = SpecUpdatePolicy::kPrefixValid;
   uint64_t seed = 0;  // exploration seed (mixed with layer and position)
+  /// Adaptive sparsity (sparsity_controller.h): hold the audited miss rate near this target by
+  /// moving rho, in (0, 1); 0 = rho fixed; unset = the indexer's default
+  /// (IndexerOptions::miss_target).
+  std::optional<double> miss_target;
 };
 
-/// INVALID_ARGUMENT naming the field when rho, a or gamma is outside [0, 1) or not finite.
+/// INVALID_ARGUMENT naming the field when rho, a, gamma or the miss target is outside [0, 1) or
+/// not finite.
 absl::Status ValidateSpinConfig(const SpinConfig& config);
 
 /// Parses "max" | "top4" | "mean", "a0" | "a1" | "a2", "random" | "staleness" | "age".
@@ -89,6 +95,8 @@ class SpinState {
   std::vector<float> PredictBlockScores(int64_t position) const;
 
   bool warmup_pending() const { return warmup_pending_; }
+  /// Moves rho (the adaptive-sparsity controller); in [0, 1).
+  void set_target_block_sparsity(double rho) { config_.target_block_sparsity = rho; }
   /// For a device that plans in place of Plan (indexer_service/scoring_device.h): whether this
   /// select is the turn's warm-up, clearing the flag as Plan does.
   bool TakeWarmup() {

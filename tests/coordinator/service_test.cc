@@ -227,6 +227,7 @@ TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTo
   EXPECT_EQ(prefills[0].indexer_worker(), cluster.indexer_address());
   EXPECT_EQ(prefills[0].settings().top_k(), 64);
   EXPECT_DOUBLE_EQ(prefills[0].settings().spin().target_block_sparsity(), 0.4);
+  EXPECT_FALSE(prefills[0].settings().spin().has_miss_target());  // the indexer's default
   EXPECT_FALSE(prefills[0].continue_sequence());
   // Finished and retained as a donor: KV released, index keys kept.
   ASSERT_TRUE(WaitFor([&] { return cluster.fake().releases().size() == 1; }));
@@ -245,6 +246,22 @@ TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTo
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_time_to_first_token_seconds_count 1"));
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_inter_token_latency_seconds_count 6"));
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_queue_duration_seconds_count 1"));
+}
+
+// A request's miss target goes to its indexer sequence; this cluster's indexer does not audit, so
+// the request fails with the indexer's precise reason.
+TEST(CoordinatorServiceTest, ARequestsMissTargetReachesItsIndexerSequence) {
+  Cluster cluster;
+  cv1::GenerateRequest request = Request("r1", 300, 2);
+  request.mutable_overrides()->set_miss_target(0.05);
+  const Stream s = Generate(cluster.stub(), request);
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(s.status.error_message().find("needs audits"), std::string::npos)
+      << s.status.error_message();
+  const auto prefills = cluster.fake().prefills();
+  ASSERT_FALSE(prefills.empty());
+  ASSERT_TRUE(prefills[0].settings().spin().has_miss_target());
+  EXPECT_DOUBLE_EQ(prefills[0].settings().spin().miss_target(), 0.05);
 }
 
 TEST(CoordinatorServiceTest, SpeculativeStepsNeverExceedMaxNewTokens) {
@@ -440,6 +457,11 @@ TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
     cv1::GenerateRequest r = Request("a", 10, 1);
     r.mutable_overrides()->set_exploration_fraction(-0.1);
     cases.push_back({r, "overrides.exploration_fraction must be in [0, 1)"});
+  }
+  {
+    cv1::GenerateRequest r = Request("a", 10, 1);
+    r.mutable_overrides()->set_miss_target(1.0);
+    cases.push_back({r, "overrides.miss_target must be in [0, 1), got 1"});
   }
   {
     // Token ids are >= 0 whatever the model (the pattern model took [-5, 1000000000] before).

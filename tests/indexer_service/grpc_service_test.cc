@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -930,6 +931,45 @@ TEST(IndexerMetricsTest, AuditedRowsFeedTheMissRateHistogram) {
       EXPECT_DOUBLE_EQ(family.metric[0].histogram.sample_sum, 0.75);
     }
   }
+}
+
+TEST(IndexerMetricsTest, SpinSelectsFeedTheTargetSparsityHistogram) {
+  prometheus::Registry registry;
+  IndexerMetrics metrics(registry);
+  SelectResult result;
+  result.top_k = 4;
+  result.selections.assign(4, -1);
+  result.spin = true;
+  result.target_block_sparsity = 0.35;
+  metrics.RecordSelect(result);
+  result.target_block_sparsity = 0.0;  // adaptive sparsity at rho 0 still counts
+  metrics.RecordSelect(result);
+  result.spin = false;  // all-keep: no rho
+  metrics.RecordSelect(result);
+  EXPECT_EQ(MetricValue(registry, "dsa_indexer_target_block_sparsity"), 2);
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name == "dsa_indexer_target_block_sparsity") {
+      EXPECT_DOUBLE_EQ(family.metric[0].histogram.sample_sum, 0.35);
+    }
+  }
+}
+
+TEST(SpinSettingsTest, TheMissTargetCrossesTheWireOnlyWhenSet) {
+  SpinConfig config;
+  v1::SpinSettings settings = ToSpinSettings(config);
+  EXPECT_FALSE(settings.has_miss_target());
+  SpinConfig back;
+  ASSERT_TRUE(ToSpinConfig(settings, &back).ok());
+  EXPECT_FALSE(back.miss_target.has_value());
+  config.miss_target = 0.05;
+  settings = ToSpinSettings(config);
+  ASSERT_TRUE(settings.has_miss_target());
+  ASSERT_TRUE(ToSpinConfig(settings, &back).ok());
+  ASSERT_TRUE(back.miss_target.has_value());
+  EXPECT_DOUBLE_EQ(*back.miss_target, 0.05);
+  config.miss_target = 0.0;  // an explicit 0 (rho fixed) overrides a deployment's target
+  ASSERT_TRUE(ToSpinConfig(ToSpinSettings(config), &back).ok());
+  EXPECT_EQ(back.miss_target, std::optional<double>(0.0));
 }
 
 TEST(IndexerMetricsTest, SelectsAreCountedByWhereTheyWereScored) {

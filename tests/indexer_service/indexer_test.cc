@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "indexer_service/sparsity_controller.h"
 #include "indexer_service/topk.h"
 #include "tests/indexer_service/reference.h"
 
@@ -1472,6 +1474,104 @@ TEST(IndexerTest, AuditedSelectsReportTheMissRateAgainstTheDenseTopKAndChangeNot
   EXPECT_GT(total_miss, 0.0);  // rho = 0.6 on random keys loses some of the dense top-K
   EXPECT_EQ(GetSpin(*audited, 1, 0).vertical(), GetSpin(*plain, 1, 0).vertical());
   EXPECT_EQ(GetSpin(*audited, 1, 0).diagonal(), GetSpin(*plain, 1, 0).diagonal());
+}
+
+// Adaptive sparsity (sparsity_controller.h): each select plans with the rho the controller left
+// after the selects before it, replayed here from their audited miss rates; a target that audits
+// always exceed moves rho down, one they never reach moves it up, and at rho 0 a select over more
+// than K slots counts as a miss of 0. The indexer's default target applies to a sequence that
+// names none.
+TEST(IndexerTest, AMissTargetMovesEachSequencesRhoFromItsAuditedMissRates) {
+  const int H = 2, D = 8, K = 64;
+  IndexerOptions options{.capacity_blocks = 160, .num_heads = H, .head_dim = D};
+  options.audit_fraction = 1.0;
+  options.miss_target = 0.99;  // for sequence 4, which names none: audits never exceed it
+  auto indexer = *Indexer::Create(options);
+  SequenceOptions strict = Options(K, 0.6, true, 1, 0.0);
+  strict.spin.miss_target = 0.001;
+  SequenceOptions loose = Options(K, 0.2, true, 1, 0.0);
+  loose.spin.miss_target = 0.99;
+  SequenceOptions from_zero = Options(K, 0.0, true, 1, 0.0);
+  from_zero.spin.miss_target = 0.5;
+  const SequenceOptions by_default = Options(K, 0.3, true, 1, 0.0);
+  std::mt19937 rng(29);
+  const std::vector<float> keys = RandomValues(rng, 2010 * D);
+  const std::vector<std::pair<uint64_t, SequenceOptions>> sequences = {
+      {1, strict}, {2, loose}, {3, from_zero}, {4, by_default}};
+  for (const auto& [id, o] : sequences) {
+    ASSERT_TRUE(indexer->CreateSequence(id, o).ok());
+    ASSERT_TRUE(
+        indexer->AppendIndexKeys(id, 0, std::span<const float>(keys.data(), 2000 * D), 2000).ok());
+  }
+  std::map<uint64_t, double> rho = {{1, 0.6}, {2, 0.2}, {3, 0.0}, {4, 0.3}};
+  const std::map<uint64_t, double> target = {{1, 0.001}, {2, 0.99}, {3, 0.5}, {4, 0.99}};
+  int strict_misses = 0;
+  for (int64_t t = 1999; t < 2009; ++t) {
+    const Query q = RandomQuery(rng, H, D);
+    for (const auto& [id, o] : sequences) {
+      if (t > 1999) {
+        ASSERT_TRUE(
+            indexer->AppendIndexKeys(id, 0, std::span<const float>(keys.data() + t * D, D), 1)
+                .ok());
+      }
+      auto result = SelectOne(*indexer, id, 0, q, t, false);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_NEAR(result->target_block_sparsity, rho[id], 1e-12) << id << " at " << t;
+      EXPECT_TRUE(result->spin);
+      if (!result->all_blocks) {
+        // SPIN planned with that rho: m_t blocks (gamma 0).
+        EXPECT_EQ(result->blocks_scored,
+                  SpinState::BlockBudget(result->blocks_visible, K, rho[id]));
+      }
+      if (!result->audit_miss_rates.empty()) {
+        const double miss = result->audit_miss_rates[0];
+        if (id == 1 && miss > target.at(1)) ++strict_misses;
+        rho[id] = NextTargetSparsity(rho[id], miss, target.at(id));
+      } else if (result->all_blocks && rho[id] == 0) {
+        rho[id] = NextTargetSparsity(rho[id], 0.0, target.at(id));
+      }
+    }
+  }
+  EXPECT_GE(strict_misses, 3);                 // random keys: a strict target is missed often...
+  EXPECT_LT(rho[1], 0.6 - 0.05 * 2);           // ...and rho came down
+  EXPECT_NEAR(rho[2], 0.2 + 0.01 * 9, 1e-12);  // 9 audited selects after the warm-up, all below
+  EXPECT_GT(rho[3], 0.0);                      // rose from 0
+  EXPECT_NEAR(rho[4], 0.3 + 0.01 * 9, 1e-12);  // the indexer's default target
+}
+
+TEST(IndexerTest, AMissTargetWithoutAuditsIsRefused) {
+  IndexerOptions options{.capacity_blocks = 4, .num_heads = 2, .head_dim = 4};
+  options.miss_target = 0.05;
+  const auto unaudited = Indexer::Create(options);
+  EXPECT_EQ(unaudited.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unaudited.status().message().find("audit_fraction"), std::string::npos);
+  options.miss_target = 1.0;
+  options.audit_fraction = 0.5;
+  EXPECT_EQ(Indexer::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.miss_target = 0;
+  options.audit_fraction = 0;
+  auto indexer = *Indexer::Create(options);
+  SequenceOptions sequence = Options(64, 0.4);
+  sequence.spin.miss_target = 0.05;
+  const absl::Status refused = indexer->CreateSequence(1, sequence);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("--audit-fraction"), std::string::npos) << refused;
+  sequence.spin.miss_target = 1.5;
+  const absl::Status out_of_range = indexer->CreateSequence(1, sequence);
+  EXPECT_EQ(out_of_range.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(out_of_range.message().find("miss target"), std::string::npos) << out_of_range;
+  // All-keep needs no audits: its target is moot.
+  SequenceOptions all_keep = Options(64, 0.4, /*enabled=*/false);
+  all_keep.spin.miss_target = 0.05;
+  EXPECT_TRUE(indexer->CreateSequence(2, all_keep).ok());
+}
+
+TEST(SparsityControllerTest, StepsDownAboveTheTargetAndUpOtherwiseWithinItsBounds) {
+  EXPECT_NEAR(NextTargetSparsity(0.4, 0.10, 0.05), 0.4 - kSparsityDecrease, 1e-12);
+  EXPECT_NEAR(NextTargetSparsity(0.4, 0.05, 0.05), 0.4 + kSparsityIncrease, 1e-12);  // at: up
+  EXPECT_NEAR(NextTargetSparsity(0.4, 0.0, 0.05), 0.41, 1e-12);
+  EXPECT_EQ(NextTargetSparsity(0.02, 0.9, 0.05), 0.0);
+  EXPECT_EQ(NextTargetSparsity(kMaxAdaptiveSparsity, 0.0, 0.05), kMaxAdaptiveSparsity);
 }
 
 TEST(IndexerTest, AuditFractionOutsideTheUnitIntervalIsRefused) {

@@ -46,21 +46,28 @@ TEST(ModelEvalTest, OptionsOutOfRangeAreRefusedByName) {
   o = ModelEvalOptions{};
   o.arms[1].draft_length = 5;
   ExpectRefused(o, "draft length 5");
+  o = ModelEvalOptions{};
+  o.arms[1].miss_target = 0.05;  // all-keep: no rho to move
+  ExpectRefused(o, "needs SPIN");
 }
 
 TEST(ModelEvalTest, TheDefaultArmsAreTheDocumentedOnes) {
   const std::vector<ModelEvalArm> arms = DefaultModelEvalArms();
-  ASSERT_EQ(arms.size(), 18u);
+  ASSERT_EQ(arms.size(), 20u);
   EXPECT_TRUE(arms[0].dense);
   EXPECT_EQ(arms[1].name, "all-keep");
   EXPECT_FALSE(arms[1].spin);
-  int spin = 0, speculative = 0;
+  int spin = 0, speculative = 0, adaptive = 0;
   for (const ModelEvalArm& arm : arms) {
-    spin += arm.spin && arm.draft_length == 0 && arm.retention_stride == 1 ? 1 : 0;
+    spin += arm.spin && arm.draft_length == 0 && arm.retention_stride == 1 && arm.miss_target == 0
+                ? 1
+                : 0;
+    adaptive += arm.miss_target > 0 ? 1 : 0;
     speculative += arm.draft_length == 3 ? 1 : 0;
   }
   EXPECT_EQ(spin, 8);  // rho 0.2-0.5 x gamma 0, 0.05
   EXPECT_EQ(speculative, 3);
+  EXPECT_EQ(adaptive, 2);
   EXPECT_EQ(QuickModelEvalArms().size(), 5u);
 }
 

@@ -203,6 +203,7 @@ PrefillSpec ArmPrefill(const ModelEvalArm& arm, const ModelEvalOptions& options,
   spec.spin.target_block_sparsity = arm.target_block_sparsity;
   spec.spin.exploration_fraction = arm.exploration_fraction;
   spec.spin.seed = options.seed;
+  if (arm.miss_target > 0) spec.spin.miss_target = arm.miss_target;
   if (arm.row0_policies) {
     spec.spin.spec_mask = SpecMaskPolicy::kRow0Sharing;
     spec.spin.spec_update = SpecUpdatePolicy::kRow0;
@@ -218,15 +219,21 @@ struct StepStats {
   std::vector<double> miss_rates;
   std::map<int, std::vector<double>> miss_by_full_rank;
   std::vector<int> full_layers;  // the arm's schedule: model layer of each full-layer rank
-  int64_t steps = 0;             // sequence-steps
-  int64_t accepted = 0;          // draft tokens accepted over them
+  // Per sequence id: blocks scored and visible, and its audited miss rates.
+  std::map<uint64_t, std::pair<int64_t, int64_t>> blocks_by_sequence;
+  std::map<uint64_t, std::vector<double>> miss_by_sequence;
+  int64_t steps = 0;     // sequence-steps
+  int64_t accepted = 0;  // draft tokens accepted over them
   void Add(const DecodeStepResult& step) {
     for (const SequenceStepResult& s : step.sequences) {
       blocks_scored += s.blocks_scored;
       blocks_visible += s.blocks_visible;
+      blocks_by_sequence[s.sequence_id].first += s.blocks_scored;
+      blocks_by_sequence[s.sequence_id].second += s.blocks_visible;
       for (const SequenceStepResult::AuditedRow& row : s.audited) {
         miss_rates.push_back(row.miss_rate);
         miss_by_full_rank[row.full_rank].push_back(row.miss_rate);
+        miss_by_sequence[s.sequence_id].push_back(row.miss_rate);
       }
     }
   }
@@ -447,6 +454,12 @@ std::vector<ModelEvalArm> DefaultModelEvalArms() {
           Arm(absl::StrFormat("spin rho=%.1f gamma=%.2f", rho, gamma), 1, 0, true, rho, gamma));
     }
   }
+  for (double target : {0.05, 0.2}) {
+    ModelEvalArm adaptive =
+        Arm(absl::StrFormat("spin adaptive miss<=%.2f", target), 1, 0, true, 0.4, 0.05);
+    adaptive.miss_target = target;
+    arms.push_back(adaptive);
+  }
   arms.push_back(Arm("mli k=1", 1, 1, false, 0, 0));
   arms.push_back(Arm("mli k=2", 1, 2, false, 0, 0));
   arms.push_back(Arm("retention 1/2", 2, 0, false, 0, 0));
@@ -495,6 +508,9 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
         a.exploration_fraction >= 1) {
       return bad(
           absl::StrCat("arm \"", a.name, "\": retention >= 1, lag >= 0, rho and gamma in [0, 1)"));
+    }
+    if (!(a.miss_target >= 0 && a.miss_target < 1) || (a.miss_target > 0 && !a.spin)) {
+      return bad(absl::StrCat("arm \"", a.name, "\": a miss target in [0, 1) needs SPIN"));
     }
     if (a.draft_length < 0 || a.draft_length > kMaxDraftLength) {
       return bad(absl::StrCat("arm \"", a.name, "\": draft length ", a.draft_length,
@@ -637,6 +653,24 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         cell.mean_mass_recall =
             all_mass.empty() ? 0 : all_sum / static_cast<double>(all_mass.size());
         cell.p1_mass_recall = Quantile(all_mass, 0.01);
+        if (arm.spin) {
+          for (const auto& [id, blocks] : stats.blocks_by_sequence) {
+            SequenceSelectionStats seq;
+            seq.window = static_cast<int>((id - 1) % real.size());
+            seq.greedy = id > real.size();
+            seq.realized_block_sparsity =
+                blocks.second == 0
+                    ? 0
+                    : 1.0 - static_cast<double>(blocks.first) / static_cast<double>(blocks.second);
+            std::vector<double>& misses = stats.miss_by_sequence[id];
+            seq.audited_rows = static_cast<int64_t>(misses.size());
+            double miss_sum = 0;
+            for (double v : misses) miss_sum += v;
+            seq.mean_miss_rate = misses.empty() ? 0 : miss_sum / static_cast<double>(misses.size());
+            seq.p99_miss_rate = Quantile(misses, 0.99);
+            cell.sequences.push_back(seq);
+          }
+        }
         cell.tokens_scored = sums[0].tokens;
         cell.real_perplexity = sums[0].Perplexity();
         cell.greedy_perplexity = sums[1].Perplexity();
@@ -704,7 +738,8 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                     {"target_block_sparsity", a.target_block_sparsity},
                     {"exploration_fraction", a.exploration_fraction},
                     {"draft_length", a.draft_length},
-                    {"row0_policies", a.row0_policies}});
+                    {"row0_policies", a.row0_policies},
+                    {"miss_target", a.miss_target}});
   }
   nlohmann::json out = {{"options",
                          {{"model_file", o.model_file},
@@ -735,6 +770,15 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                         {"mean_miss_rate", l.mean_miss_rate},
                         {"p99_miss_rate", l.p99_miss_rate}});
     }
+    nlohmann::json sequences = nlohmann::json::array();
+    for (const SequenceSelectionStats& q : c.sequences) {
+      sequences.push_back({{"window", q.window},
+                           {"greedy", q.greedy},
+                           {"realized_block_sparsity", q.realized_block_sparsity},
+                           {"audited_rows", q.audited_rows},
+                           {"mean_miss_rate", q.mean_miss_rate},
+                           {"p99_miss_rate", q.p99_miss_rate}});
+    }
     cells.push_back({{"arm", c.arm},
                      {"context", c.context},
                      {"tokens_scored", c.tokens_scored},
@@ -749,6 +793,7 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                      {"mean_mass_recall", c.mean_mass_recall},
                      {"p1_mass_recall", c.p1_mass_recall},
                      {"layers", layers},
+                     {"sequences", sequences},
                      {"seconds", c.seconds}});
   }
   out["perplexity"] = cells;

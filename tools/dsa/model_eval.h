@@ -36,9 +36,13 @@ struct ModelEvalArm {
   /// The SPIN paper's ablation (section 4.6): verifier rows share row 0's mask and only row 0
   /// updates the EMAs (false: the union of the rows' masks, EMAs replayed for rows 0..a).
   bool row0_policies = false;
+  /// Adaptive sparsity (indexer_service/sparsity_controller.h): each sequence's rho moves from
+  /// target_block_sparsity to hold its audited miss rate near this, in (0, 1); 0: rho fixed.
+  double miss_target = 0;
 };
 
-/// Dense; all-keep; SPIN rho 0.2/0.3/0.4/0.5 with gamma 0 and 0.05; MLI k = 1, 2; retention 1/2,
+/// Dense; all-keep; SPIN rho 0.2/0.3/0.4/0.5 with gamma 0 and 0.05; adaptive sparsity with miss
+/// targets 0.05 and 0.2 from rho 0.4 (gamma 0.05); MLI k = 1, 2; retention 1/2,
 /// 1/4; SPIN rho 0.4 with MLI k = 1 at retention 1/2 (the served default's schedule); and d = 3
 /// speculative steps: all-keep, SPIN rho 0.4 with the union mask and prefix-valid replay, and with
 /// row-0 sharing and row-0 update.
@@ -84,6 +88,16 @@ struct LayerSelectionStats {
   double p99_miss_rate = 0;
 };
 
+/// One sequence's selections under a SPIN arm (fixed rho, or moved by adaptive sparsity).
+struct SequenceSelectionStats {
+  int window = 0;       // the window's index in the context's samples
+  bool greedy = false;  // the dense greedy continuation (else the held-out one)
+  double realized_block_sparsity = 0;
+  int64_t audited_rows = 0;
+  double mean_miss_rate = 0;
+  double p99_miss_rate = 0;
+};
+
 /// The perplexity of one arm at one context length.
 struct PerplexityCell {
   std::string arm;
@@ -98,7 +112,8 @@ struct PerplexityCell {
   /// Attention-mass recall over every sparse row and layer (see LayerSelectionStats).
   double mean_mass_recall = 0;
   double p1_mass_recall = 0;
-  std::vector<LayerSelectionStats> layers;  // sparse arms: one per model layer
+  std::vector<LayerSelectionStats> layers;        // sparse arms: one per model layer
+  std::vector<SequenceSelectionStats> sequences;  // SPIN arms: one per scored sequence
   /// Speculative arms: decode steps run, and draft tokens accepted per step.
   int64_t steps = 0;
   double mean_accepted = 0;
