@@ -372,6 +372,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AnswerNeedles(
   const int steps = static_cast<int>(answer_tokens) - 1;
   if (arm.dense) {
     std::vector<std::vector<int32_t>> contexts;
+    contexts.reserve(cases.size());
     for (const NeedleCase* c : cases) contexts.push_back(c->tokens);
     DSA_RETURN_IF_ERROR(RunDense(
         *runner, contexts, steps, [&](size_t s, int j) { return generated[s][j]; },
@@ -406,7 +407,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> AnswerNeedles(
 
 absl::StatusOr<std::shared_ptr<LlamaRunner>> MakeRunner(std::shared_ptr<const LlamaModel> model,
                                                         const ModelEvalOptions& options,
-                                                        std::shared_ptr<MassSink> sink) {
+                                                        const std::shared_ptr<MassSink>& sink) {
   LlamaForwardOptions cpu_options;
   cpu_options.selection_mass_probe = [sink](const LlamaKvCache* cache, int layer, int64_t position,
                                             int /*kv_head*/, double mass) {
@@ -486,7 +487,7 @@ std::vector<ModelEvalArm> QuickModelEvalArms() {
 }
 
 absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
-  const auto bad = [](std::string what) { return absl::InvalidArgumentError(std::move(what)); };
+  const auto bad = [](const std::string& what) { return absl::InvalidArgumentError(what); };
   if (o.contexts.empty()) return bad("no context lengths");
   for (int64_t c : o.contexts) {
     if (c < 64) return bad(absl::StrCat("context ", c, " is below 64 tokens"));
@@ -580,6 +581,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
     // Dense: the real continuations' NLL, and the greedy continuations (generated and scored).
     const auto dense_start = Clock::now();
     std::vector<std::vector<int32_t>> contexts;
+    contexts.reserve(real.size());
     for (const auto& r : real) contexts.emplace_back(r.begin(), r.begin() + context);
     NllSum dense_real;
     DSA_RETURN_IF_ERROR(RunDense(
