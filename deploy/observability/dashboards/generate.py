@@ -267,10 +267,12 @@ def indexer() -> dashboard_builders.Dashboard:
              [(f"dsa:indexer_blocks_scored:rate5m{{{SEL}}}", "scored"),
               (f"dsa:indexer_blocks_visible:rate5m{{{SEL}}}", "visible")]))
          .with_panel(timeseries(
-             "Realized block sparsity", "1 - scored / visible over 5 m; compare with the target "
-             "block sparsity rho the coordinator sends (--target-block-sparsity).",
+             "Realized block sparsity", "1 - scored / visible over 5 m, and the mean target "
+             "block sparsity rho the selects planned with over 10 m (the coordinator's "
+             "--target-block-sparsity, or where adaptive sparsity's --miss-target moved it).",
              "percentunit",
-             [(f"dsa:indexer_realized_block_sparsity:ratio_rate5m{{{SEL}}}", "{{job}}")],
+             [(f"dsa:indexer_realized_block_sparsity:ratio_rate5m{{{SEL}}}", "{{job}}"),
+              (f"dsa:indexer_target_block_sparsity:mean_rate10m{{{SEL}}}", "rho {{job}}")],
              max_value=1)))
     d = d.with_row(dashboard_builders.Row("Accuracy and placement"))
     d = (d.with_panel(timeseries(

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dsa/coordinator/v1/coordinator.proto\x12\x12\x64sa.coordinator.v1\"\xf7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x0e\x63ontext_length\x18\x02 \x01(\x03H\x00\x12;\n\x0e\x63ontext_tokens\x18\x03 \x01(\x0b\x32!.dsa.coordinator.v1.ContextTokensH\x00\x12\x18\n\x10prefix_block_ids\x18\x04 \x03(\x04\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x03\x12\x14\n\x0c\x64raft_length\x18\x06 \x01(\x05\x12\x30\n\toverrides\x18\x07 \x01(\x0b\x32\x1d.dsa.coordinator.v1.Overrides\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x34\n\x08sampling\x18\t \x01(\x0b\x32\".dsa.coordinator.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\t\n\x07\x63ontext\"\x1f\n\rContextTokens\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"P\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xf9\x01\n\tOverrides\x12\"\n\x15target_block_sparsity\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x65xploration_fraction\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x08\x61ll_keep\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01H\x04\x88\x01\x01\x42\x18\n\x16_target_block_sparsityB\x17\n\x15_exploration_fractionB\x08\n\x06_top_kB\x0b\n\t_all_keepB\x12\n\x10_acceptance_rate\"\xaa\x01\n\rGenerateEvent\x12\x30\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x1c.dsa.coordinator.v1.AdmittedH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.dsa.coordinator.v1.TokensH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.dsa.coordinator.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x89\x01\n\x08\x41\x64mitted\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x16\n\x0eindexer_worker\x18\x02 \x01(\t\x12\x18\n\x10\x61ttention_worker\x18\x03 \x01(\t\x12\x1b\n\x13prefix_slots_reused\x18\x04 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\"\xfd\x01\n\x06Tokens\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x01\x12\x15\n\rblocks_scored\x18\x06 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x07 \x01(\x03\x12\x14\n\x0c\x61udited_rows\x18\x08 \x01(\x05\x12\x1b\n\x13\x61udit_miss_rate_sum\x18\t \x01(\x01\x12\x1e\n\x16selection_wait_seconds\x18\n \x03(\x01\x12\x11\n\ttoken_ids\x18\x0b \x03(\x05\"\xee\x01\n\x08\x46inished\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12(\n mean_inter_token_latency_seconds\x18\x03 \x01(\x01\x12\x12\n\nmigrations\x18\x04 \x01(\x05\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .dsa.coordinator.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetLoadRequest\"y\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61\x63he_blocks_used\x18\x02 \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_blocks_capacity\x18\x03 \x01(\x03\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\r\n\x05ready\x18\x05 \x01(\x08\"G\n\x13\x41ttentionWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x10\n\x08\x64\x65\x63oding\x18\x03 \x01(\x05\"\xaf\x02\n\x0fGetLoadResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x19\n\x11\x63\x61\x63he_blocks_used\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_blocks_capacity\x18\x04 \x01(\x03\x12\x1a\n\x12retained_sequences\x18\x05 \x01(\x03\x12\x37\n\x0findexer_workers\x18\x06 \x03(\x0b\x32\x1e.dsa.coordinator.v1.WorkerLoad\x12\x42\n\x11\x61ttention_workers\x18\x07 \x03(\x0b\x32\'.dsa.coordinator.v1.AttentionWorkerLoad\x12(\n\x05model\x18\x08 \x01(\x0b\x32\x19.dsa.coordinator.v1.Model\"T\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x32\x8c\x02\n\x12\x43oordinatorService\x12T\n\x08Generate\x12#.dsa.coordinator.v1.GenerateRequest\x1a!.dsa.coordinator.v1.GenerateEvent0\x01\x12L\n\x05\x41\x62ort\x12 .dsa.coordinator.v1.AbortRequest\x1a!.dsa.coordinator.v1.AbortResponse\x12R\n\x07GetLoad\x12\".dsa.coordinator.v1.GetLoadRequest\x1a#.dsa.coordinator.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dsa/coordinator/v1/coordinator.proto\x12\x12\x64sa.coordinator.v1\"\xf7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x0e\x63ontext_length\x18\x02 \x01(\x03H\x00\x12;\n\x0e\x63ontext_tokens\x18\x03 \x01(\x0b\x32!.dsa.coordinator.v1.ContextTokensH\x00\x12\x18\n\x10prefix_block_ids\x18\x04 \x03(\x04\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x03\x12\x14\n\x0c\x64raft_length\x18\x06 \x01(\x05\x12\x30\n\toverrides\x18\x07 \x01(\x0b\x32\x1d.dsa.coordinator.v1.Overrides\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x34\n\x08sampling\x18\t \x01(\x0b\x32\".dsa.coordinator.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x42\t\n\x07\x63ontext\"\x1f\n\rContextTokens\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"P\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa3\x02\n\tOverrides\x12\"\n\x15target_block_sparsity\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12!\n\x14\x65xploration_fraction\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x15\n\x08\x61ll_keep\x18\x04 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x0bmiss_target\x18\x06 \x01(\x01H\x05\x88\x01\x01\x42\x18\n\x16_target_block_sparsityB\x17\n\x15_exploration_fractionB\x08\n\x06_top_kB\x0b\n\t_all_keepB\x12\n\x10_acceptance_rateB\x0e\n\x0c_miss_target\"\xaa\x01\n\rGenerateEvent\x12\x30\n\x08\x61\x64mitted\x18\x01 \x01(\x0b\x32\x1c.dsa.coordinator.v1.AdmittedH\x00\x12,\n\x06tokens\x18\x02 \x01(\x0b\x32\x1a.dsa.coordinator.v1.TokensH\x00\x12\x30\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1c.dsa.coordinator.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x89\x01\n\x08\x41\x64mitted\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x16\n\x0eindexer_worker\x18\x02 \x01(\t\x12\x18\n\x10\x61ttention_worker\x18\x03 \x01(\t\x12\x1b\n\x13prefix_slots_reused\x18\x04 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\"\xfd\x01\n\x06Tokens\x12\x16\n\x0e\x66irst_position\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x01\x12\x15\n\rblocks_scored\x18\x06 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x07 \x01(\x03\x12\x14\n\x0c\x61udited_rows\x18\x08 \x01(\x05\x12\x1b\n\x13\x61udit_miss_rate_sum\x18\t \x01(\x01\x12\x1e\n\x16selection_wait_seconds\x18\n \x03(\x01\x12\x11\n\ttoken_ids\x18\x0b \x03(\x05\"\xee\x01\n\x08\x46inished\x12\x18\n\x10generated_tokens\x18\x01 \x01(\x03\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12(\n mean_inter_token_latency_seconds\x18\x03 \x01(\x01\x12\x12\n\nmigrations\x18\x04 \x01(\x05\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .dsa.coordinator.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetLoadRequest\"y\n\nWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x19\n\x11\x63\x61\x63he_blocks_used\x18\x02 \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_blocks_capacity\x18\x03 \x01(\x03\x12\x11\n\tsequences\x18\x04 \x01(\x05\x12\r\n\x05ready\x18\x05 \x01(\x08\"G\n\x13\x41ttentionWorkerLoad\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x10\n\x08\x64\x65\x63oding\x18\x03 \x01(\x05\"\xaf\x02\n\x0fGetLoadResponse\x12\x0e\n\x06queued\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x19\n\x11\x63\x61\x63he_blocks_used\x18\x03 \x01(\x03\x12\x1d\n\x15\x63\x61\x63he_blocks_capacity\x18\x04 \x01(\x03\x12\x1a\n\x12retained_sequences\x18\x05 \x01(\x03\x12\x37\n\x0findexer_workers\x18\x06 \x03(\x0b\x32\x1e.dsa.coordinator.v1.WorkerLoad\x12\x42\n\x11\x61ttention_workers\x18\x07 \x03(\x0b\x32\'.dsa.coordinator.v1.AttentionWorkerLoad\x12(\n\x05model\x18\x08 \x01(\x0b\x32\x19.dsa.coordinator.v1.Model\"T\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x32\x8c\x02\n\x12\x43oordinatorService\x12T\n\x08Generate\x12#.dsa.coordinator.v1.GenerateRequest\x1a!.dsa.coordinator.v1.GenerateEvent0\x01\x12L\n\x05\x41\x62ort\x12 .dsa.coordinator.v1.AbortRequest\x1a!.dsa.coordinator.v1.AbortResponse\x12R\n\x07GetLoad\x12\".dsa.coordinator.v1.GetLoadRequest\x1a#.dsa.coordinator.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsa.coordinator.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2274
-  _globals['_FINISHREASON']._serialized_end=2398
+  _globals['_FINISHREASON']._serialized_start=2316
+  _globals['_FINISHREASON']._serialized_end=2440
   _globals['_GENERATEREQUEST']._serialized_start=61
   _globals['_GENERATEREQUEST']._serialized_end=436
   _globals['_CONTEXTTOKENS']._serialized_start=438
@@ -40,29 +40,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=471
   _globals['_SAMPLINGPARAMS']._serialized_end=551
   _globals['_OVERRIDES']._serialized_start=554
-  _globals['_OVERRIDES']._serialized_end=803
-  _globals['_GENERATEEVENT']._serialized_start=806
-  _globals['_GENERATEEVENT']._serialized_end=976
-  _globals['_ADMITTED']._serialized_start=979
-  _globals['_ADMITTED']._serialized_end=1116
-  _globals['_TOKENS']._serialized_start=1119
-  _globals['_TOKENS']._serialized_end=1372
-  _globals['_FINISHED']._serialized_start=1375
-  _globals['_FINISHED']._serialized_end=1613
-  _globals['_ABORTREQUEST']._serialized_start=1615
-  _globals['_ABORTREQUEST']._serialized_end=1649
-  _globals['_ABORTRESPONSE']._serialized_start=1651
-  _globals['_ABORTRESPONSE']._serialized_end=1666
-  _globals['_GETLOADREQUEST']._serialized_start=1668
-  _globals['_GETLOADREQUEST']._serialized_end=1684
-  _globals['_WORKERLOAD']._serialized_start=1686
-  _globals['_WORKERLOAD']._serialized_end=1807
-  _globals['_ATTENTIONWORKERLOAD']._serialized_start=1809
-  _globals['_ATTENTIONWORKERLOAD']._serialized_end=1880
-  _globals['_GETLOADRESPONSE']._serialized_start=1883
-  _globals['_GETLOADRESPONSE']._serialized_end=2186
-  _globals['_MODEL']._serialized_start=2188
-  _globals['_MODEL']._serialized_end=2272
-  _globals['_COORDINATORSERVICE']._serialized_start=2401
-  _globals['_COORDINATORSERVICE']._serialized_end=2669
+  _globals['_OVERRIDES']._serialized_end=845
+  _globals['_GENERATEEVENT']._serialized_start=848
+  _globals['_GENERATEEVENT']._serialized_end=1018
+  _globals['_ADMITTED']._serialized_start=1021
+  _globals['_ADMITTED']._serialized_end=1158
+  _globals['_TOKENS']._serialized_start=1161
+  _globals['_TOKENS']._serialized_end=1414
+  _globals['_FINISHED']._serialized_start=1417
+  _globals['_FINISHED']._serialized_end=1655
+  _globals['_ABORTREQUEST']._serialized_start=1657
+  _globals['_ABORTREQUEST']._serialized_end=1691
+  _globals['_ABORTRESPONSE']._serialized_start=1693
+  _globals['_ABORTRESPONSE']._serialized_end=1708
+  _globals['_GETLOADREQUEST']._serialized_start=1710
+  _globals['_GETLOADREQUEST']._serialized_end=1726
+  _globals['_WORKERLOAD']._serialized_start=1728
+  _globals['_WORKERLOAD']._serialized_end=1849
+  _globals['_ATTENTIONWORKERLOAD']._serialized_start=1851
+  _globals['_ATTENTIONWORKERLOAD']._serialized_end=1922
+  _globals['_GETLOADRESPONSE']._serialized_start=1925
+  _globals['_GETLOADRESPONSE']._serialized_end=2228
+  _globals['_MODEL']._serialized_start=2230
+  _globals['_MODEL']._serialized_end=2314
+  _globals['_COORDINATORSERVICE']._serialized_start=2443
+  _globals['_COORDINATORSERVICE']._serialized_end=2711
 # @@protoc_insertion_point(module_scope)

@@ -61,18 +61,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Overrides(_message.Message):
-    __slots__ = ("target_block_sparsity", "exploration_fraction", "top_k", "all_keep", "acceptance_rate")
+    __slots__ = ("target_block_sparsity", "exploration_fraction", "top_k", "all_keep", "acceptance_rate", "miss_target")
     TARGET_BLOCK_SPARSITY_FIELD_NUMBER: _ClassVar[int]
     EXPLORATION_FRACTION_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     ALL_KEEP_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MISS_TARGET_FIELD_NUMBER: _ClassVar[int]
     target_block_sparsity: float
     exploration_fraction: float
     top_k: int
     all_keep: bool
     acceptance_rate: float
-    def __init__(self, target_block_sparsity: _Optional[float] = ..., exploration_fraction: _Optional[float] = ..., top_k: _Optional[int] = ..., all_keep: _Optional[bool] = ..., acceptance_rate: _Optional[float] = ...) -> None: ...
+    miss_target: float
+    def __init__(self, target_block_sparsity: _Optional[float] = ..., exploration_fraction: _Optional[float] = ..., top_k: _Optional[int] = ..., all_keep: _Optional[bool] = ..., acceptance_rate: _Optional[float] = ..., miss_target: _Optional[float] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("admitted", "tokens", "finished")

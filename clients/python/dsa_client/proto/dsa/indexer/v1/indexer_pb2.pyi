@@ -60,7 +60,7 @@ SPEC_UPDATE_POLICY_PREFIX_VALID: SpecUpdatePolicy
 SPEC_UPDATE_POLICY_ROW0: SpecUpdatePolicy
 
 class SpinSettings(_message.Message):
-    __slots__ = ("all_keep", "target_block_sparsity", "ema_decay", "exploration_fraction", "pooling", "reduction", "exploration", "spec_mask", "spec_update", "seed")
+    __slots__ = ("all_keep", "target_block_sparsity", "ema_decay", "exploration_fraction", "pooling", "reduction", "exploration", "spec_mask", "spec_update", "seed", "miss_target")
     ALL_KEEP_FIELD_NUMBER: _ClassVar[int]
     TARGET_BLOCK_SPARSITY_FIELD_NUMBER: _ClassVar[int]
     EMA_DECAY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class SpinSettings(_message.Message):
     SPEC_MASK_FIELD_NUMBER: _ClassVar[int]
     SPEC_UPDATE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MISS_TARGET_FIELD_NUMBER: _ClassVar[int]
     all_keep: bool
     target_block_sparsity: float
     ema_decay: float
@@ -81,7 +82,8 @@ class SpinSettings(_message.Message):
     spec_mask: SpecMaskPolicy
     spec_update: SpecUpdatePolicy
     seed: int
-    def __init__(self, all_keep: _Optional[bool] = ..., target_block_sparsity: _Optional[float] = ..., ema_decay: _Optional[float] = ..., exploration_fraction: _Optional[float] = ..., pooling: _Optional[_Union[BlockPooling, str]] = ..., reduction: _Optional[_Union[BlockReduction, str]] = ..., exploration: _Optional[_Union[ExplorationPolicy, str]] = ..., spec_mask: _Optional[_Union[SpecMaskPolicy, str]] = ..., spec_update: _Optional[_Union[SpecUpdatePolicy, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    miss_target: float
+    def __init__(self, all_keep: _Optional[bool] = ..., target_block_sparsity: _Optional[float] = ..., ema_decay: _Optional[float] = ..., exploration_fraction: _Optional[float] = ..., pooling: _Optional[_Union[BlockPooling, str]] = ..., reduction: _Optional[_Union[BlockReduction, str]] = ..., exploration: _Optional[_Union[ExplorationPolicy, str]] = ..., spec_mask: _Optional[_Union[SpecMaskPolicy, str]] = ..., spec_update: _Optional[_Union[SpecUpdatePolicy, str]] = ..., seed: _Optional[int] = ..., miss_target: _Optional[float] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
     __slots__ = ("sequence_id", "num_layers", "top_k", "spin", "prefix_source_id", "prefix_slots")
