@@ -23,7 +23,8 @@
 #             --attention-device cuda started, its /metrics read, and stopped; with
 #             DSA_MODEL_CHECK_EVAL=1, then `dsa eval --model smollm2 --device cuda` (every arm,
 #             docs/eval.md; DSA_EVAL_ARGS adds flags; best in a call of its own: run the last
-#             call again with the variable set). Everything into
+#             call again with the variable set; once per distinct DSA_EVAL_ARGS, stopped after
+#             DSA_EVAL_TIMEOUT seconds (560) with the cells it finished). Everything into
 #             $OUT (at most 6 files a call). A call that finds parts missing says which is next.
 #             The calls must follow each other before the machine goes idle (30 s): a fresh
 #             machine has an empty /tmp, and the sequence starts again at call 1.
@@ -244,17 +245,22 @@ $stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
   fi
 
   # ---- dsa eval --model smollm2 on the GPU (DSA_MODEL_CHECK_EVAL=1; docs/eval.md) ----
-  if [ "${DSA_MODEL_CHECK_EVAL:-0}" = 1 ] && [ ! -f "$stage/eval.done" ]; then
+  # One run per distinct DSA_EVAL_ARGS; a time limit (DSA_EVAL_TIMEOUT seconds, 560) stops it
+  # with its finished cells written (dsa eval writes each as it ends).
+  local eval_done
+  eval_done=$stage/eval.$(echo "${DSA_EVAL_ARGS:-}" | sha256sum | cut -c1-12).done
+  if [ "${DSA_MODEL_CHECK_EVAL:-0}" = 1 ] && [ ! -f "$eval_done" ]; then
     local eval_args=(--device cuda)
     [ "$dry" = 1 ] && eval_args=(--device cpu --quick)
     local needles=none
     [ -f "$run/eval/needles.json" ] && needles=$run/eval/needles.json
     # shellcheck disable=SC2086
-    run_logged eval.log "$run/bin/dsa" eval --model smollm2 "${eval_args[@]}" \
+    run_logged eval.log timeout "${DSA_EVAL_TIMEOUT:-560}" "$run/bin/dsa" eval --model smollm2 \
+      "${eval_args[@]}" \
       --model-file "$model_file" --indexer-weights "$indexer_weights" \
       --heldout-tokens "$run/eval/python_docs_heldout.npy" --needles "$needles" \
       --json "$out/eval_smollm2.json" --markdown "$out/eval_smollm2.md" ${DSA_EVAL_ARGS:-}
-    touch "$stage/eval.done"
+    touch "$eval_done"
   fi
 
   {

@@ -45,6 +45,10 @@ def main() -> int:
         return 1
     report = json.load(open(out))
     failures = []
+    if report.get("complete") is not True:
+        failures.append("the report is not marked complete")
+    if os.path.exists(out + ".partial"):
+        failures.append(f"{out}.partial left behind")
     cells = {c["arm"]: c for c in report["perplexity"]}
     spec_arm = "spec d=3 spin rho=0.4 union + prefix-valid"
     for arm in ("dense", "all-keep", "spin rho=0.4 gamma=0.05", "mli k=1 r=1/2", spec_arm):

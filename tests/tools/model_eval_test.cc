@@ -98,5 +98,22 @@ TEST(ModelEvalTest, AMissingOrMalformedNeedlesFileIsRefusedBeforeTheModelLoads) 
       << malformed.status();
 }
 
+TEST(ModelEvalTest, APartialReportSaysSoInBothForms) {
+  ModelEvalReport report;
+  report.device = "cpu";
+  PerplexityCell cell;
+  cell.arm = "dense";
+  cell.context = 1024;
+  cell.real_perplexity = 3.5;
+  report.perplexity.push_back(cell);
+  EXPECT_EQ(ModelEvalReportToJson(report)["complete"], false);
+  EXPECT_NE(ModelEvalReportToMarkdown(report).find("Partial report"), std::string::npos);
+  report.complete = true;
+  EXPECT_EQ(ModelEvalReportToJson(report)["complete"], true);
+  const std::string whole = ModelEvalReportToMarkdown(report);
+  EXPECT_EQ(whole.find("Partial report"), std::string::npos);
+  EXPECT_NE(whole.find("| 1024 | dense | 3.500 |"), std::string::npos) << whole;
+}
+
 }  // namespace
 }  // namespace dsa

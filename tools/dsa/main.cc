@@ -64,6 +64,21 @@ bool WriteOutput(const std::string& path, std::ofstream& out, const std::string&
   return true;
 }
 
+// Replaces `path` with `text` through a temporary beside it, so that a run killed mid-write
+// leaves the previous whole file; empty path = none.
+bool ReplaceOutput(const std::string& path, const std::string& text) {
+  if (path.empty()) return true;
+  const std::string temporary = path + ".partial";
+  std::ofstream out(temporary, std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out || std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::fprintf(stderr, "dsa: writing %s failed: %s\n", path.c_str(), std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
 // The cluster flags shared by `dsa up` and `dsa replay --local`; optional ones are passed on to
 // the binaries only when given.
 struct ClusterFlags {
@@ -953,18 +968,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "dsa eval --model smollm2: %zu arms, contexts %s, %d windows of %d tokens, K %d\n",
                  model_eval.arms.size(), absl::StrJoin(model_eval.contexts, ",").c_str(),
                  model_eval.samples, model_eval.continuation, model_eval.top_k);
-    auto report = dsa::RunModelEval(model_eval, &PrintProgress);
+    json_out.close();
+    markdown_out.close();
+    // Every finished cell is written at once: a run stopped by a time limit keeps its cells.
+    const auto write = [&](const dsa::ModelEvalReport& report) {
+      return ReplaceOutput(json_path, dsa::ModelEvalReportToJson(report).dump(2) + "\n") &&
+             ReplaceOutput(markdown_path, dsa::ModelEvalReportToMarkdown(report));
+    };
+    bool written = true;
+    auto report = dsa::RunModelEval(
+        model_eval, &PrintProgress,
+        [&](const dsa::ModelEvalReport& partial) { written = write(partial) && written; });
     if (!report.ok()) {
       std::fprintf(stderr, "dsa eval: %s\n", report.status().ToString().c_str());
       return 2;
     }
-    const std::string markdown = dsa::ModelEvalReportToMarkdown(*report);
-    std::cout << markdown;
-    if (!WriteOutput(json_path, json_out, dsa::ModelEvalReportToJson(*report).dump(2) + "\n") ||
-        !WriteOutput(markdown_path, markdown_out, markdown)) {
-      return 1;
-    }
-    return 0;
+    std::cout << dsa::ModelEvalReportToMarkdown(*report);
+    return write(*report) && written ? 0 : 1;
   }
   if (*eval_cmd) {
     for (const char* name :

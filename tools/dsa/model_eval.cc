@@ -62,12 +62,19 @@ struct NllSum {
   }
 };
 
-// p-quantile (nearest rank) of `values` (sorted in place).
-double Quantile(std::vector<double>& values, double p) {
-  if (values.empty()) return 0;
+// The mean and the p-quantile (nearest rank) of `values` (sorted in place); zeros when empty.
+struct Summary {
+  double mean = 0;
+  double quantile = 0;
+};
+Summary Summarize(std::vector<double>& values, double p) {
+  if (values.empty()) return {};
   std::sort(values.begin(), values.end());
+  double sum = 0;
+  for (double v : values) sum += v;
   const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
-  return values[std::min(values.size() - 1, rank == 0 ? 0 : rank - 1)];
+  return {sum / static_cast<double>(values.size()),
+          values[std::min(values.size() - 1, rank == 0 ? 0 : rank - 1)]};
 }
 
 // ---- dense: the runner's passes without selections (the reference every arm is read against) --
@@ -522,7 +529,8 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& o) {
 }
 
 absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
-                                             void (*progress)(const std::string&)) {
+                                             void (*progress)(const std::string&),
+                                             const ModelEvalCheckpoint& checkpoint) {
   DSA_RETURN_IF_ERROR(ValidateModelEvalOptions(options));
   const auto start = Clock::now();
   // Everything a run could be refused for is checked before the first arm runs.
@@ -566,6 +574,10 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
   report.device = runner->Description();
   const auto say = [&](const std::string& line) {
     if (progress != nullptr) progress(line);
+  };
+  const auto save = [&] {
+    report.seconds = SecondsSince(start);
+    if (checkpoint) checkpoint(report);
   };
 
   for (const int64_t context : options.contexts) {
@@ -632,29 +644,24 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
           layer.model_layer = l;
           std::vector<double>& rows = mass[l];
           layer.rows = static_cast<int64_t>(rows.size());
-          double mass_sum = 0;
-          for (double v : rows) mass_sum += v;
-          layer.mean_mass_recall = rows.empty() ? 0 : mass_sum / static_cast<double>(rows.size());
           all_mass.insert(all_mass.end(), rows.begin(), rows.end());
-          layer.p1_mass_recall = Quantile(rows, 0.01);
+          const Summary recall = Summarize(rows, 0.01);
+          layer.mean_mass_recall = recall.mean;
+          layer.p1_mass_recall = recall.quantile;
           const auto rank = std::find(stats.full_layers.begin(), stats.full_layers.end(), l);
           if (rank != stats.full_layers.end()) {
             std::vector<double>& misses =
                 stats.miss_by_full_rank[static_cast<int>(rank - stats.full_layers.begin())];
             layer.audited_rows = static_cast<int64_t>(misses.size());
-            double miss_sum = 0;
-            for (double v : misses) miss_sum += v;
-            layer.mean_miss_rate =
-                misses.empty() ? 0 : miss_sum / static_cast<double>(misses.size());
-            layer.p99_miss_rate = Quantile(misses, 0.99);
+            const Summary miss = Summarize(misses, 0.99);
+            layer.mean_miss_rate = miss.mean;
+            layer.p99_miss_rate = miss.quantile;
           }
           cell.layers.push_back(layer);
         }
-        double all_sum = 0;
-        for (double v : all_mass) all_sum += v;
-        cell.mean_mass_recall =
-            all_mass.empty() ? 0 : all_sum / static_cast<double>(all_mass.size());
-        cell.p1_mass_recall = Quantile(all_mass, 0.01);
+        const Summary recall = Summarize(all_mass, 0.01);
+        cell.mean_mass_recall = recall.mean;
+        cell.p1_mass_recall = recall.quantile;
         if (arm.spin) {
           for (const auto& [id, blocks] : stats.blocks_by_sequence) {
             SequenceSelectionStats seq;
@@ -666,10 +673,9 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                     : 1.0 - static_cast<double>(blocks.first) / static_cast<double>(blocks.second);
             std::vector<double>& misses = stats.miss_by_sequence[id];
             seq.audited_rows = static_cast<int64_t>(misses.size());
-            double miss_sum = 0;
-            for (double v : misses) miss_sum += v;
-            seq.mean_miss_rate = misses.empty() ? 0 : miss_sum / static_cast<double>(misses.size());
-            seq.p99_miss_rate = Quantile(misses, 0.99);
+            const Summary miss = Summarize(misses, 0.99);
+            seq.mean_miss_rate = miss.mean;
+            seq.p99_miss_rate = miss.quantile;
             cell.sequences.push_back(seq);
           }
         }
@@ -681,10 +687,9 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                                            : 1.0 - static_cast<double>(stats.blocks_scored) /
                                                        static_cast<double>(stats.blocks_visible);
         cell.audited_rows = static_cast<int64_t>(stats.miss_rates.size());
-        double sum = 0;
-        for (double r : stats.miss_rates) sum += r;
-        cell.mean_miss_rate = stats.miss_rates.empty() ? 0 : sum / stats.miss_rates.size();
-        cell.p99_miss_rate = Quantile(stats.miss_rates, 0.99);
+        const Summary miss = Summarize(stats.miss_rates, 0.99);
+        cell.mean_miss_rate = miss.mean;
+        cell.p99_miss_rate = miss.quantile;
         cell.steps = stats.steps;
         cell.mean_accepted =
             stats.steps == 0 ? 0 : static_cast<double>(stats.accepted) / stats.steps;
@@ -696,6 +701,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
           context, cell.arm, cell.real_perplexity, cell.greedy_perplexity, cell.mean_mass_recall,
           cell.realized_block_sparsity, cell.mean_miss_rate, cell.p99_miss_rate, cell.seconds));
       report.perplexity.push_back(std::move(cell));
+      save();
     }
   }
 
@@ -721,10 +727,12 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         }
         say(absl::StrFormat("needles %d %-40s %d of %d (%.1f s)", length, arm.name, found,
                             group.size(), SecondsSince(arm_start)));
+        save();
       }
     }
   }
   report.seconds = SecondsSince(start);
+  report.complete = true;
   return report;
 }
 
@@ -759,7 +767,8 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
                           {"cuda_device", o.cuda_device},
                           {"arms", arms}}},
                         {"device", report.device},
-                        {"seconds", report.seconds}};
+                        {"seconds", report.seconds},
+                        {"complete", report.complete}};
   nlohmann::json cells = nlohmann::json::array();
   for (const PerplexityCell& c : report.perplexity) {
     nlohmann::json layers = nlohmann::json::array();
@@ -812,10 +821,13 @@ nlohmann::json ModelEvalReportToJson(const ModelEvalReport& report) {
 }
 
 std::string ModelEvalReportToMarkdown(const ModelEvalReport& report) {
-  std::string md =
-      absl::StrCat("Device: ", report.device, "; K = ", report.options.top_k, "; ",
-                   report.options.samples, " windows of ", report.options.continuation,
-                   " tokens a context; ", absl::StrFormat("%.0f", report.seconds), " s.\n\n");
+  std::string md = absl::StrCat(
+      report.complete ? ""
+                      : "**Partial report**: the run stopped before its last cell; every cell "
+                        "below is whole.\n\n",
+      "Device: ", report.device, "; K = ", report.options.top_k, "; ", report.options.samples,
+      " windows of ", report.options.continuation, " tokens a context; ",
+      absl::StrFormat("%.0f", report.seconds), " s.\n\n");
   // Perplexity, with the ratios the targets are stated in.
   std::map<int64_t, const PerplexityCell*> dense, all_keep;
   for (const PerplexityCell& c : report.perplexity) {

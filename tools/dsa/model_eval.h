@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -135,7 +136,13 @@ struct ModelEvalReport {
   std::vector<NeedleCell> needles;
   std::string device;  // the runner's Description()
   double seconds = 0;
+  /// False in the reports a checkpoint sees: some cells are still to run.
+  bool complete = false;
 };
+
+/// Sees the report so far after every finished perplexity cell and pass-key group, so that a run
+/// cut short (a time limit) leaves what it finished.
+using ModelEvalCheckpoint = std::function<void(const ModelEvalReport&)>;
 
 /// INVALID_ARGUMENT naming the first option out of range.
 absl::Status ValidateModelEvalOptions(const ModelEvalOptions& options);
@@ -144,9 +151,10 @@ absl::Status ValidateModelEvalOptions(const ModelEvalOptions& options);
 /// malformed needles), FAILED_PRECONDITION (device "cuda" in a build without CUDA, or the GPU
 /// runner's own errors), NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT from the model's and tokens'
 /// loaders (naming the file), and any engine error (its status). `progress` (may be null) gets one
-/// line per finished arm and context.
+/// line per finished arm and context; `checkpoint` (may be empty) the report so far.
 absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
-                                             void (*progress)(const std::string&));
+                                             void (*progress)(const std::string&),
+                                             const ModelEvalCheckpoint& checkpoint = {});
 
 /// The report as JSON (options, cells) and as markdown tables (perplexity with each arm's ratio to
 /// dense and to all-keep, the needle grid, selection statistics).
