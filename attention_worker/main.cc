@@ -369,6 +369,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     indexer = std::move(*created);
     indexer_metrics = std::make_unique<dsa::IndexerMetrics>(*registry);
     indexer_metrics->SetCacheUsage(indexer->Usage());
+    indexer_metrics->SetMissTarget(indexer_flags.options.miss_target);
     indexer_service =
         std::make_unique<dsa::IndexerServiceImpl>(indexer.get(), indexer_metrics.get());
     indexer_clients = dsa::InProcessIndexerClient::Factory(

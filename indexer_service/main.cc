@@ -52,6 +52,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::IndexerMetrics metrics(*registry);
   metrics.SetCacheUsage((*indexer)->Usage());
+  metrics.SetMissTarget(options.miss_target);
   dsa::IndexerServiceImpl service(indexer->get(), &metrics, operator_identities);
 #ifdef DSA_WITH_NCCL
   // OpenDataPlane: NCCL data planes need the GPU (transport/README.md).

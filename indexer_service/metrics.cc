@@ -63,6 +63,13 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
   exclusive_blocks_ = &cache.Add({{"state", "exclusive"}});
   shared_blocks_ = &cache.Add({{"state", "shared"}});
   free_blocks_ = &cache.Add({{"state", "free"}});
+  // Registered now so the family exists, but with no series until SetMissTarget gives one.
+  miss_target_family_ = &prometheus::BuildGauge()
+                             .Name("dsa_indexer_miss_target")
+                             .Help(
+                                 "Adaptive sparsity's audited miss target (--miss-target, 0..1) "
+                                 "of sequences that name none; absent when none is set")
+                             .Register(registry);
 }
 
 void IndexerMetrics::RecordSelect(const SelectResult& result) {
@@ -82,6 +89,16 @@ void IndexerMetrics::SetCacheUsage(const CacheUsage& usage) {
   exclusive_blocks_->Set(static_cast<double>(usage.used_blocks - usage.shared_blocks));
   shared_blocks_->Set(static_cast<double>(usage.shared_blocks));
   free_blocks_->Set(static_cast<double>(usage.free_blocks));
+}
+
+void IndexerMetrics::SetMissTarget(double miss_target) {
+  if (miss_target > 0) {
+    if (miss_target_ == nullptr) miss_target_ = &miss_target_family_->Add({});
+    miss_target_->Set(miss_target);
+  } else if (miss_target_ != nullptr) {
+    miss_target_family_->Remove(miss_target_);
+    miss_target_ = nullptr;
+  }
 }
 
 }  // namespace dsa

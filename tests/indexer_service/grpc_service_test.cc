@@ -987,5 +987,32 @@ TEST(IndexerMetricsTest, SelectsAreCountedByWhereTheyWereScored) {
   EXPECT_EQ(MetricValue(registry, "dsa_indexer_selects_total", "cpu"), 1);
 }
 
+// Samples of family `name` in the registry (a family without samples may be left out entirely).
+size_t SampleCount(prometheus::Registry& registry, const std::string& name) {
+  size_t samples = 0;
+  for (const prometheus::MetricFamily& family : registry.Collect()) {
+    if (family.name == name) samples += family.metric.size();
+  }
+  return samples;
+}
+
+TEST(IndexerMetricsTest, TheMissTargetIsExportedOnlyWhenSet) {
+  prometheus::Registry registry;
+  IndexerMetrics metrics(registry);
+  // Before start-up sets it, and with --miss-target 0 (rho fixed): no series, so that the alert
+  // falls back to its default threshold rather than judging against 0.
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+  metrics.SetMissTarget(0);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+  metrics.SetMissTarget(0.2);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 1u);
+  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target"), 0.2);
+  metrics.SetMissTarget(0.05);  // set again: one series, the new value
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 1u);
+  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target"), 0.05);
+  metrics.SetMissTarget(0);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+}
+
 }  // namespace
 }  // namespace dsa

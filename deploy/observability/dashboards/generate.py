@@ -40,7 +40,8 @@ DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${dataso
 SEL = 'namespace=~"$namespace", job=~"$job"'
 
 # Thresholds the alerts of dsa-rules.yaml use, drawn on the panels they judge.
-MISS_RATIO_TARGET = 0.05  # DsaIndexerAuditedMissRatioHigh
+# DsaIndexerAuditedMissRatioHigh's threshold where the job sets no --miss-target.
+MISS_RATIO_TARGET = 0.05
 MLI_LAG_BUDGET_SECONDS = 0.005  # DsaAttentionSelectionWaitOverBudget
 
 
@@ -245,8 +246,9 @@ def indexer() -> dashboard_builders.Dashboard:
         f"dsa:indexer_realized_block_sparsity:ratio_rate5m{{{SEL}}}", "{{job}}", span=8))
          .with_panel(stat(
              "Audited miss ratio (mean)", "Mean over the audited rows of the fraction of the "
-             "dense top-K the pruned selection lost (10 m). Alert above "
-             f"{MISS_RATIO_TARGET:g}.", "percentunit",
+             "dense top-K the pruned selection lost (10 m). Red above "
+             f"{MISS_RATIO_TARGET:g}, the alert's threshold where the job sets no --miss-target "
+             "(the Audited miss ratio panel draws each job's).", "percentunit",
              f"dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}}", "{{job}}", span=8,
              steps=[(None, "green"), (MISS_RATIO_TARGET, "red")]))
          .with_panel(stat(
@@ -275,13 +277,20 @@ def indexer() -> dashboard_builders.Dashboard:
               (f"dsa:indexer_target_block_sparsity:mean_rate10m{{{SEL}}}", "rho {{job}}")],
              max_value=1)))
     d = d.with_row(dashboard_builders.Row("Accuracy and placement"))
+    # The threshold DsaIndexerAuditedMissRatioHigh judges the mean against, per job: its
+    # --miss-target, or the default (built from the mean so that it carries the job's labels).
+    miss_threshold = (
+        f"dsa:indexer_miss_target:max{{{SEL}}} or on (namespace, job) "
+        f"(0 * dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}} + {MISS_RATIO_TARGET:g})")
     d = (d.with_panel(timeseries(
         "Audited miss ratio", "Audited rows (--audit-fraction): the fraction of the dense top-K "
-        f"the pruned selection lost, mean and p99 over 10 m. Dashed: the alert's target "
-        f"({MISS_RATIO_TARGET:g}).", "percentunit",
+        "the pruned selection lost, mean and p99 over 10 m. Dashed: the miss target the alert "
+        "judges the mean against, the job's --miss-target (adaptive sparsity holds it), or "
+        f"{MISS_RATIO_TARGET:g} where the job sets none.", "percentunit",
         [(f"dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}}", "mean"),
-         (f"dsa:indexer_audited_miss_ratio:p99_10m{{{SEL}}}", "p99")],
-        threshold=MISS_RATIO_TARGET))
+         (f"dsa:indexer_audited_miss_ratio:p99_10m{{{SEL}}}", "p99"),
+         (miss_threshold, "target {{job}}")],
+        dashed="target .*"))
          .with_panel(timeseries(
              "Selects by where they ran", "Row groups per second by indexer and scored_on "
              "(device or cpu). CPU selects beside device ones: alert DsaIndexerSelectsOnCpu; "
