@@ -51,8 +51,20 @@ absl::Status WorkerStatus(const absl::Status& status, const std::string& address
 }
 
 // Whether a sequence that failed with `status` may migrate: the codes of a worker's failure
-// (CoordinatorEngine's class comment), not a refusal of the request itself.
-bool WorkerFailure(const absl::Status& status) {
+// (CoordinatorEngine's class comment), not a refusal of the request itself. `creating`: the
+// status answers the Prefill that creates the sequence (not a session's next turn).
+//
+// FAILED_PRECONDITION is a worker's failure only for a sequence the workers hold: the attention
+// worker marked it broken (another sequence's failure came after its indexer had advanced it),
+// and a fresh prefill elsewhere mends that. From the Prefill that creates a sequence it cannot
+// mean that, since nothing of the sequence existed: it is a worker that answered refusing the
+// request's settings, e.g. an indexer without audits (--audit-fraction 0) refusing a miss target
+// (overrides.miss_target). Such a refusal follows from the workers' flags, which a deployment's
+// workers share, so every worker would answer the same, and the request ends at once with it.
+// Where the indexers' flags differ (some audit, some not) another one might have taken the
+// request; it ends all the same, with the refusing workers named, so that the mismatch shows
+// instead of hiding behind migrations that succeed or not as placement happens to fall.
+bool WorkerFailure(const absl::Status& status, bool creating) {
   switch (status.code()) {
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:
@@ -60,8 +72,9 @@ bool WorkerFailure(const absl::Status& status) {
     case absl::StatusCode::kInternal:
     case absl::StatusCode::kUnknown:
     case absl::StatusCode::kNotFound:
-    case absl::StatusCode::kFailedPrecondition:
       return true;
+    case absl::StatusCode::kFailedPrecondition:
+      return !creating;
     default:
       return false;
   }
@@ -1557,19 +1570,30 @@ void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
 void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
                                      const absl::Status& status) {
   absl::Status final_status = status;
+  bool worker_failed = false;
   {
     absl::MutexLock lock(&mu_);
-    const bool can_migrate = WorkerFailure(status) && !request->cancel_requested && !stopping_;
+    const Admission& admission = *request->admission;
+    // Only a prefill fails a request not yet decoding; a session's next turn continues a sequence.
+    const bool creating = request->phase == Phase::kPrefilling && !admission.continue_sequence;
+    worker_failed = WorkerFailure(status, creating);
+    const bool can_migrate = worker_failed && !request->cancel_requested && !stopping_;
     if (can_migrate && request->migrations >= options_.max_migrations) {
       final_status = absl::Status(status.code(),
                                   absl::StrCat(status.message(), " (after ", request->migrations,
                                                " migrations, --max-migrations)"));
     } else if (can_migrate) {
       final_status = absl::OkStatus();
+    } else if (creating && status.code() == absl::StatusCode::kFailedPrecondition) {
+      // The workers' refusal of the request (WorkerFailure): which ones refused, and why.
+      final_status = absl::FailedPreconditionError(
+          absl::StrCat("attention worker ", attention_[admission.attention]->address,
+                       " with indexer worker ", indexers_[admission.indexer]->address,
+                       " refused the request's sequence: ", status.message()));
     }
   }
   if (!final_status.ok()) {
-    EndSequence(request, final_status, /*completed=*/false, WorkerFailure(status));
+    EndSequence(request, final_status, /*completed=*/false, worker_failed);
     return;
   }
   LeaveWorkers(request, /*completed=*/false, /*worker_failed=*/true);

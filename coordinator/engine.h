@@ -208,8 +208,12 @@ class GenerateStream {
 /// of the queue with its context plus the tokens generated so far, prefilled there (a real model:
 /// with those tokens, its next_token is the request's next token) and decoded on, its stream
 /// unchanged but for the longer gap; Finished.migrations counts the moves. A prefill
-/// that fails so migrates too. Past max_migrations, or for any other status (INVALID_ARGUMENT,
-/// RESOURCE_EXHAUSTED, ...), the request ends with the status. Abort and a client cancelling its
+/// that fails so migrates too, but for FAILED_PRECONDITION from the Prefill that creates the
+/// sequence: nothing existed to break, so that is the workers refusing the request (an indexer
+/// without audits refusing overrides.miss_target), which every worker of a deployment would
+/// answer alike; the request ends at once with it, naming both workers, no worker suspected.
+/// Past max_migrations, or for any other status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...), the
+/// request ends with the status. Abort and a client cancelling its
 /// stream end the request with CANCELLED at the decode loop's next iteration (queued ones at once).
 /// A stream's status is sent only after its sequence was released on the workers (or retained), so
 /// a client that saw the end finds that reflected in GetLoad and in the placement of its next
@@ -518,6 +522,8 @@ class CoordinatorEngine {
   void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
   // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
   // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
+  // A status while the request is kPrefilling answers its Prefill, which creates the sequence
+  // unless it continues a session's: a FAILED_PRECONDITION there is a refusal, not a failure.
   void FailSequence(const std::shared_ptr<Request>& request, const absl::Status& status);
   // The handler's side of a migration: checks the workers, then places the request again (ahead
   // of the queue) with its context plus its generated tokens. Not OK: the status to end with.

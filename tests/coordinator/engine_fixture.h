@@ -143,7 +143,7 @@ class EngineTest : public ::testing::Test {
     options_.stall_timeout_ms = 0;
   }
 
-  void Start(std::vector<std::string> attention, std::vector<std::string> indexers) {
+  void Start(const std::vector<std::string>& attention, const std::vector<std::string>& indexers) {
     for (const std::string& a : attention) fakes_->AddAttention(a, attention_shape_);
     for (const std::string& i : indexers) fakes_->AddIndexer(i);
     options_.attention_addresses = attention;

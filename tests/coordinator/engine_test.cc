@@ -311,6 +311,95 @@ TEST_F(EngineTest, AnAbortDuringThePrefillCancelsItAndIsNoMigration) {
   ResumeAndExpectNothingLeft(kA1);
 }
 
+// An indexer without audits (--audit-fraction 0) refuses a sequence with a miss target,
+// FAILED_PRECONDITION, and the attention worker's Prefill answers that refusal. It is about the
+// request, not a failed worker (every worker of a deployment shares the flag): the request ends at
+// once with the indexer's message, naming the workers, without a migration and without a check
+// of the workers; the request decoding beside it, and one that comes after it, go on there.
+TEST_F(EngineTest, AMissTargetTheIndexerRefusesEndsItsRequestAtOnceWithoutMigrating) {
+  Start({kA1}, {kI1});
+  fakes_->SetWithoutAudits(kI1, true);
+  auto r1 = Generate(Request("r1", 64, 4));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  ASSERT_EQ(*engine_->StepWorker(kA1), 1);
+  ASSERT_TRUE(r1->stream.AwaitEvents(2));
+  const int checks_before = fakes_->GetLoads(kI1);
+
+  cv1::GenerateRequest refused = Request("r2", 64, 4);
+  refused.mutable_overrides()->set_miss_target(0.05);
+  auto r2 = Generate(refused);
+  r2->Join();
+  EXPECT_EQ(r2->status.code(), absl::StatusCode::kFailedPrecondition) << r2->status;
+  EXPECT_TRUE(absl::StrContains(r2->status.message(),
+                                "miss target 0.05 needs audits: this indexer runs with "
+                                "audit_fraction 0 (dsa-indexer --audit-fraction)"))
+      << r2->status;
+  EXPECT_TRUE(absl::StrContains(r2->status.message(), kA1)) << r2->status;
+  EXPECT_TRUE(absl::StrContains(r2->status.message(), kI1)) << r2->status;
+  EXPECT_FALSE(absl::StrContains(r2->status.message(), "migrations")) << r2->status;
+  EXPECT_TRUE(r2->stream.events().empty());  // not even Admitted
+  EXPECT_EQ(fakes_->PrefillCalls(kA1), 2);   // r1's, and r2's only one
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
+  EXPECT_EQ(fakes_->GetLoads(kI1), checks_before);  // no worker was suspected
+  EXPECT_EQ(Metric("dsa_coordinator_requests_total{outcome=\"failed\"} "), 1);
+
+  // The workers stay ready: the next request is placed there and decodes in r1's batch.
+  auto r3 = Generate(Request("r3", 64, 4));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 2, kSafetyNet));
+  StepUntilFinished(kA1, *r1);
+  StepUntilFinished(kA1, *r3);
+  r1->Join();
+  r3->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  ASSERT_TRUE(r3->status.ok()) << r3->status;
+  bool contiguous = false;
+  EXPECT_EQ(r1->Tokens(64, &contiguous), 4);
+  EXPECT_TRUE(contiguous);
+  EXPECT_EQ(r1->finished()->migrations(), 0);
+  EXPECT_EQ(r3->finished()->migrations(), 0);
+  EXPECT_EQ(fakes_->Steps(kA1).at(1).sequences_size(), 2);  // r1 and r3 in one batch
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
+// FAILED_PRECONDITION from a DecodeStep is a worker's failure: the attention worker marked a
+// sequence it holds broken, and a fresh prefill elsewhere mends it. That sequence's request moves
+// (unlike the refusal of a Prefill that creates one, above); its batch neighbour goes on unmoved.
+TEST_F(EngineTest, ASequenceTheAttentionWorkerMarkedBrokenMovesAndItsNeighbourGoesOn) {
+  Start({kA1, kA2}, {kI1});
+  fakes_->SetNotReady(kA2, true);
+  engine_->RefreshWorkers();
+  auto r1 = Generate(Request("r1", 64, 4));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  auto r2 = Generate(Request("r2", 64, 4));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 2, kSafetyNet));
+  fakes_->SetNotReady(kA2, false);
+  engine_->RefreshWorkers();
+  const uint64_t broken = fakes_->Prefills(kA1).at(0).sequence_id();
+  fakes_->SetBroken(kA1, broken);
+
+  // The batch fails; each alone: r2 steps, r1 fails again and migrates.
+  ASSERT_EQ(*engine_->StepWorker(kA1), 2);
+  ASSERT_TRUE(engine_->AwaitDecoding(kA2, 1, kSafetyNet));
+  StepUntilFinished(kA1, *r2);
+  StepUntilFinished(kA2, *r1);
+  r1->Join();
+  r2->Join();
+  ASSERT_TRUE(r1->status.ok()) << r1->status;
+  ASSERT_TRUE(r2->status.ok()) << r2->status;
+  bool contiguous = false;
+  EXPECT_EQ(r1->Tokens(64, &contiguous), 4);
+  EXPECT_TRUE(contiguous);
+  EXPECT_EQ(r1->finished()->migrations(), 1);
+  EXPECT_EQ(r2->finished()->migrations(), 0);
+  EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 1);
+  EXPECT_EQ(fakes_->Released(kA1).at(0), broken);
+  EXPECT_EQ(fakes_->Sequences(kA1), 0);
+  EXPECT_EQ(fakes_->Sequences(kA2), 0);
+  EXPECT_EQ(fakes_->Sequences(kI1), 0);
+}
+
 TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) {
   Start({kA1}, {kI1});
   auto call = Generate(Request("r1", 50, 4));

@@ -109,6 +109,7 @@ class FakeAttentionClient final : public AttentionWorkerClient {
   absl::Status Prefill(const WorkerCall& call, const av1::PrefillRequest& request,
                        av1::PrefillResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
+    if (FakeWorkers::Worker* w = fakes_->Find(address_, true)) ++w->prefill_calls;
     if (absl::Status held = fakes_->WaitWhileStalled(address_, call); !held.ok()) return held;
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
@@ -119,6 +120,14 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     }
     if (!request.continue_sequence() && w->sequences.contains(request.sequence_id())) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", request.sequence_id()));
+    }
+    // The indexer's CreateSequence refusal (indexer_service/indexer.cc), answered unchanged.
+    const iv1::SpinSettings& spin = request.settings().spin();
+    if (!request.continue_sequence() && indexer->without_audits && !spin.all_keep() &&
+        spin.miss_target() > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "miss target ", spin.miss_target(),
+          " needs audits: this indexer runs with audit_fraction 0 (dsa-indexer --audit-fraction)"));
     }
     const int32_t vocab = w->shape.vocab_size;
     if (vocab > 0) {  // the tiny real model: the new slots' tokens
@@ -161,6 +170,10 @@ class FakeAttentionClient final : public AttentionWorkerClient {
       auto it = w->sequences.find(step.sequence_id());
       if (it == w->sequences.end()) {
         return absl::NotFoundError(absl::StrCat("no sequence ", step.sequence_id()));
+      }
+      if (it->second.broken) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence ", step.sequence_id(), " is broken (fake); release it"));
       }
       const FakeWorkers::Worker* indexer = fakes_->Find(it->second.indexer, false);
       if (!FakeWorkers::Gone(indexer, it->second.indexer).ok() ||
@@ -340,7 +353,7 @@ void FakeWorkers::AddAttention(const std::string& address, AttentionShape shape)
   absl::MutexLock lock(&mu_);
   Worker& w = attention_[address];
   w.attention = true;
-  w.shape = shape;
+  w.shape = std::move(shape);
 }
 
 void FakeWorkers::AddIndexer(const std::string& address, int64_t capacity_blocks, int64_t num_heads,
@@ -427,6 +440,19 @@ void FakeWorkers::Restart(const std::string& address) {
   }
 }
 
+void FakeWorkers::SetBroken(const std::string& address, uint64_t sequence_id) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  if (w == nullptr) return;
+  auto it = w->sequences.find(sequence_id);
+  if (it != w->sequences.end()) it->second.broken = true;
+}
+
+void FakeWorkers::SetWithoutAudits(const std::string& address, bool without_audits) {
+  absl::MutexLock lock(&mu_);
+  if (Worker* w = Find(address, false)) w->without_audits = without_audits;
+}
+
 int FakeWorkers::Sequences(const std::string& address) {
   absl::MutexLock lock(&mu_);
   int n = 0;
@@ -465,6 +491,12 @@ int FakeWorkers::GetLoads(const std::string& address) {
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, false);
   return w == nullptr ? 0 : w->get_loads;
+}
+
+int FakeWorkers::PrefillCalls(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  Worker* w = Find(address, true);
+  return w == nullptr ? 0 : w->prefill_calls;
 }
 
 std::vector<av1::PrefillRequest> FakeWorkers::Prefills(const std::string& address) {

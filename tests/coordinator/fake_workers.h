@@ -9,7 +9,9 @@
 // tokens and answers sampled_tokens, and its KV holds the tokens of its slots, as the attention
 // worker's contract says.
 // DecodeStep fails a batch whole when a sequence is unknown (NOT_FOUND) or its indexer is down
-// (UNAVAILABLE), advancing nothing, as the attention worker's contract says.
+// (UNAVAILABLE), advancing nothing, as the attention worker's contract says. An indexer without
+// audits refuses a new sequence's miss target, and its attention worker's Prefill answers that
+// refusal unchanged, as the real ones do.
 #pragma once
 
 #include <cstdint>
@@ -78,6 +80,14 @@ class FakeWorkers final : public WorkerClientFactory,
   bool AwaitHeldGetLoads(const std::string& address, int count, absl::Duration timeout);
   /// A restart: a new instance id, and every sequence it held is gone.
   void Restart(const std::string& address);
+  /// Marks the attention worker's sequence broken (its indexer advanced it in a step that failed
+  /// on another sequence): every DecodeStep with it fails whole, FAILED_PRECONDITION, until it is
+  /// released.
+  void SetBroken(const std::string& address, uint64_t sequence_id);
+  /// Without audits (dsa-indexer --audit-fraction 0): the indexer at `address` refuses to create
+  /// a sequence whose SPIN settings carry a miss target > 0 (FAILED_PRECONDITION, the real
+  /// indexer's message), and the Prefill that asked for it answers that refusal, creating nothing.
+  void SetWithoutAudits(const std::string& address, bool without_audits);
 
   /// Sequences held by the worker at `address` (0 for an unknown address).
   int Sequences(const std::string& address);
@@ -89,6 +99,8 @@ class FakeWorkers final : public WorkerClientFactory,
   int DecodeSteps(const std::string& address);
   /// GetLoad calls the indexer worker at `address` received (answered or not).
   int GetLoads(const std::string& address);
+  /// Prefill calls the attention worker at `address` received (answered or not).
+  int PrefillCalls(const std::string& address);
   /// Prefills the worker at `address` answered OK, in order.
   std::vector<dsa::attention::v1::PrefillRequest> Prefills(const std::string& address);
   /// DecodeSteps the attention worker at `address` answered OK, in order.
@@ -107,6 +119,7 @@ class FakeWorkers final : public WorkerClientFactory,
   struct Sequence {
     int64_t length = 0;
     int pending_rows = 0;  // > 1 while a speculative step awaits its Commit
+    bool broken = false;   // attention side: SetBroken
     std::string indexer;   // attention side: the indexer worker named in its Prefill
     // The tiny real model: the tokens of its `length` slots, the rows' tokens of the step that
     // awaits its Commit, and how it samples.
@@ -123,14 +136,16 @@ class FakeWorkers final : public WorkerClientFactory,
     bool not_ready = false;
     bool stalled = false;
     bool stall_after_step = false;
-    int stalled_calls = 0;    // waiting in the stall now
-    int cancelled_calls = 0;  // ended by their cancellation while stalled
+    bool without_audits = false;  // indexer: refuses miss targets (SetWithoutAudits)
+    int stalled_calls = 0;        // waiting in the stall now
+    int cancelled_calls = 0;      // ended by their cancellation while stalled
     int instance = 1;
     std::map<uint64_t, Sequence> sequences;
     std::vector<uint64_t> released;
     std::vector<dsa::attention::v1::PrefillRequest> prefills;
     std::vector<dsa::attention::v1::DecodeStepRequest> steps;
     std::vector<dsa::attention::v1::CommitRequest> commits;
+    int prefill_calls = 0;
     int decode_steps = 0;
     int release_calls = 0;
     int get_loads = 0;
