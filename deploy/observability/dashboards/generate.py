@@ -41,7 +41,7 @@ SEL = 'namespace=~"$namespace", job=~"$job"'
 
 # Thresholds the alerts of dsa-rules.yaml use, drawn on the panels they judge.
 # DsaIndexerAuditedMissRatioHigh's threshold where the job sets no --miss-target.
-MISS_RATIO_TARGET = 0.05
+MISS_RATIO_TARGET = 0.25
 MLI_LAG_BUDGET_SECONDS = 0.005  # DsaAttentionSelectionWaitOverBudget
 
 
