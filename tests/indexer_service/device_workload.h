@@ -5,9 +5,11 @@
 // the scores do not depend on accumulation order or on a device's bf16/f16 query rounding, and the
 // record must match bit for bit, SPIN's EMAs included. Covers prefill, decode steps with SPIN,
 // prefix sharing with copy on write after a truncate, speculative verifier rows with Commit, a
-// batch of groups of distinct sequences, the audit, a K above the GPU's largest, and a new turn.
+// batch of groups of distinct sequences, the audit, a K above the GPU's largest, a sequence whose
+// rho adaptive sparsity moves, and a new turn.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -27,6 +29,7 @@ struct WorkloadRecord {
   std::vector<std::vector<int32_t>> selections;
   std::vector<std::vector<float>> scores;
   std::vector<std::vector<double>> miss_rates;
+  std::vector<double> target_block_sparsity;      // the rho each select planned with
   std::vector<std::vector<float>> spin_vertical;  // V after the workload, per (sequence, layer)
   std::vector<std::vector<float>> spin_diagonal;  // D, likewise
   int selects_on_device = 0;
@@ -80,6 +83,7 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256, int wide_to
     record.selections.push_back(result.selections);
     record.scores.push_back(result.scores);
     record.miss_rates.push_back(result.audit_miss_rates);
+    record.target_block_sparsity.push_back(result.target_block_sparsity);
     if (result.on_device) ++record.selects_on_device;
   };
   auto append = [&](uint64_t id, int layer, int64_t n) {
@@ -174,6 +178,27 @@ inline WorkloadRecord RunWorkload(Indexer& indexer, int top_k = 256, int wide_to
     append(2, 1, 1);
     if (!select_pair(3, 0, 9001, 2, 1, 3300, "mixed batch")) return record;
   }
+  // Sequence 4 holds a miss target (adaptive sparsity): after each audited select its rho moves,
+  // so the device must plan every select with the rho the CPU would.
+  {
+    SequenceOptions adaptive = options;
+    adaptive.num_layers = 1;
+    adaptive.spin.miss_target = 0.001;
+    EXPECT_TRUE(indexer.CreateSequence(4, adaptive).ok());
+    append(4, 0, 3000);
+    select(4, 0, 2999, "adaptive warm-up");
+    const size_t first = record.target_block_sparsity.size();
+    for (int step = 0; step < 8; ++step) {
+      append(4, 0, 1);
+      select(4, 0, 3000 + step, absl::StrCat("adaptive decode ", step));
+    }
+    const std::vector<double> rhos(record.target_block_sparsity.begin() + first,
+                                   record.target_block_sparsity.end());
+    EXPECT_NE(*std::min_element(rhos.begin(), rhos.end()),
+              *std::max_element(rhos.begin(), rhos.end()))
+        << "rho never moved: the workload no longer covers adaptive sparsity";
+    EXPECT_TRUE(indexer.Release(4).ok());
+  }
   // A new turn: the EMAs reset and the next select is dense again.
   EXPECT_TRUE(indexer.BeginTurn(1).ok());
   append(1, 1, 1);
@@ -208,6 +233,7 @@ inline void ExpectSameRecord(const WorkloadRecord& cpu, const WorkloadRecord& de
       }
     }
     EXPECT_EQ(cpu.miss_rates[i], device.miss_rates[i]) << cpu.labels[i];
+    EXPECT_EQ(cpu.target_block_sparsity[i], device.target_block_sparsity[i]) << cpu.labels[i];
   }
   EXPECT_EQ(cpu.spin_vertical, device.spin_vertical);
   EXPECT_EQ(cpu.spin_diagonal, device.spin_diagonal);

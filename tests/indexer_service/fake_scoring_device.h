@@ -124,6 +124,8 @@ class FakeDevice : public ScoringDevice {
       auto [it, fresh] =
           spin_.try_emplace({job.sequence_id, job.layer}, *job.config, job.top_k, job.layer);
       SpinSlot& slot = it->second;
+      // As the CUDA device does: rho comes with every call (adaptive sparsity moves it).
+      slot.spin.set_target_block_sparsity(job.config->target_block_sparsity);
       std::vector<int64_t> positions;
       for (const IndexerRow& row : job.rows) positions.push_back(row.position);
       slot.spin.TakeWarmup();  // the Indexer keeps the warm-up flag
