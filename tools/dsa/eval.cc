@@ -241,7 +241,7 @@ absl::Status ValidateEvalOptions(const EvalOptions& o) {
 absl::StatusOr<EvalReport> RunEval(const EvalOptions& options,
                                    void (*progress)(const std::string&)) {
   DSA_RETURN_IF_ERROR(ValidateEvalOptions(options));
-  PatternModelConfig model_config;
+  PatternModelConfig model_config = options.pattern;
   model_config.num_layers = options.num_layers;
   model_config.num_heads = options.num_heads;
   model_config.head_dim = options.head_dim;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "attention_worker/pattern_model.h"
 #include "indexer_service/spin.h"
 #include "nlohmann/json.hpp"
 
@@ -18,10 +19,13 @@ struct EvalOptions {
   int64_t context_slots = 32768;  // prefill length N (a multiple of 64: prefill blocks are shared)
   int decode_steps = 128;         // decode positions after the prefill (per configuration)
   int num_layers = 4;             // full layers of the pattern model
-  int num_heads = 64;             // H
-  int head_dim = 128;             // D
-  int top_k = 2048;               // K
-  uint64_t seed = 1;              // pattern model, exploration and acceptance seed
+  /// The pattern model's other parameters; num_layers, num_heads, head_dim and seed come from the
+  /// fields here.
+  PatternModelConfig pattern;
+  int num_heads = 64;  // H
+  int head_dim = 128;  // D
+  int top_k = 2048;    // K
+  uint64_t seed = 1;   // pattern model, exploration and acceptance seed
   std::vector<double> target_sparsities = {0.2, 0.3, 0.4, 0.5};
   std::vector<double> exploration_fractions = {0.0, 0.05};
   int draft_length = 3;          // d of the speculative ablation (0 skips it)

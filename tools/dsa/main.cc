@@ -32,6 +32,7 @@
 #include "tools/dsa/eval.h"
 #include "tools/dsa/generate.h"
 #include "tools/dsa/model_eval.h"
+#include "tools/dsa/pattern_fit.h"
 #include "tools/dsa/replay.h"
 #include "tools/dsa/trace.h"
 
@@ -662,6 +663,45 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   bool no_predictor_study = false;
   eval_cmd->add_flag("--no-predictor-study", no_predictor_study,
                      "Skip the SPIN Table-1 predictor comparison");
+  // `dsa fit-pattern` (tools/dsa/pattern_fit.h).
+  dsa::PatternFitStudyOptions fit;
+  std::string fit_json, fit_markdown;
+  CLI::App* fit_cmd = app.add_subcommand(
+      "fit-pattern",
+      "Fit the synthetic pattern model to the index-score statistics of SmolLM2-135M's trained "
+      "indexer on held-out text, and compare SPIN's miss rate before and after");
+  fit_cmd->add_option("--model-file", fit.model_file,
+                      std::string("The backbone (default ") + dsa::kDefaultModelFile + ")");
+  fit_cmd->add_option(
+      "--indexer-weights", fit.indexer_weights,
+      std::string("The indexer weights (default ") + dsa::kDefaultIndexerWeights + ")");
+  fit_cmd->add_option(
+      "--heldout-tokens", fit.heldout_tokens,
+      std::string(".npy of held-out token ids (default ") + dsa::kDefaultHeldoutTokens + ")");
+  fit_cmd->add_option("--context", fit.fit.window.n, "Tokens of each window (n)")
+      ->capture_default_str();
+  fit_cmd->add_option("--rows", fit.fit.window.rows, "Query rows at the end of each window")
+      ->capture_default_str();
+  fit_cmd->add_option("--top-k", fit.fit.window.top_k, "Selection size K")->capture_default_str();
+  fit_cmd->add_option("--samples", fit.samples, "Windows of held-out text")->capture_default_str();
+  fit_cmd->add_option("--layers", fit.fit.start.num_layers, "Layers of the pattern model")
+      ->capture_default_str();
+  fit_cmd->add_option("--heads", fit.pattern_heads,
+                      "Indexer heads H of the pattern model (default: the real indexer's)");
+  fit_cmd->add_option("--head-dim", fit.pattern_head_dim,
+                      "Index-key dimension D of the pattern model (default: the real indexer's)");
+  fit_cmd->add_option("--seed", fit.fit.start.seed, "Seed of the pattern model")
+      ->capture_default_str();
+  fit_cmd
+      ->add_option("--spin-steps", fit.spin_decode_steps,
+                   "Decode positions of the SPIN check on the pattern model (0 skips it)")
+      ->capture_default_str();
+  fit_cmd->add_option("--real-eval", fit.real_eval_report,
+                      "A dsa eval --model smollm2 JSON report: its fixed-rho SPIN cells beside the "
+                      "pattern model's");
+  fit_cmd->add_option("--json", fit_json, "Write the study as JSON to this file");
+  fit_cmd->add_option("--markdown", fit_markdown, "Write the study's tables to this file");
+
   // The real model's evaluation (tools/dsa/model_eval.h).
   std::string eval_model = dsa::kPatternModel;
   eval_cmd
@@ -904,6 +944,27 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     }
     ResolveClusterFlags(generate_flags, generate_cluster);
     return RunGenerateCommand(generate, generate_cluster, generate_dial);
+  }
+  if (*fit_cmd) {
+    const auto or_default = [](const std::string& given, const char* fallback) {
+      return dsa::FindRepoFile(given.empty() ? fallback : given);
+    };
+    fit.model_file = or_default(fit.model_file, dsa::kDefaultModelFile);
+    fit.indexer_weights = or_default(fit.indexer_weights, dsa::kDefaultIndexerWeights);
+    fit.heldout_tokens = or_default(fit.heldout_tokens, dsa::kDefaultHeldoutTokens);
+    std::ofstream json_out, markdown_out;
+    if (!OpenOutput(fit_json, json_out) || !OpenOutput(fit_markdown, markdown_out)) return 1;
+    auto study = dsa::RunPatternFitStudy(fit, &PrintProgress);
+    if (!study.ok()) {
+      std::fprintf(stderr, "dsa fit-pattern: %s\n", study.status().ToString().c_str());
+      return 2;
+    }
+    const std::string markdown = dsa::PatternFitStudyToMarkdown(*study);
+    std::cout << markdown;
+    return WriteOutput(fit_json, json_out, dsa::PatternFitStudyToJson(*study).dump(2) + "\n") &&
+                   WriteOutput(fit_markdown, markdown_out, markdown)
+               ? 0
+               : 1;
   }
   if (*eval_cmd && eval_model == dsa::kSmolLM2Model) {
     for (const char* name :
