@@ -133,6 +133,19 @@ void BoxMullerFirstNormalTables(std::vector<float>* radius, std::vector<float>* 
   }
 }
 
+PatternModelConfig SpinFigurePatternConfig() {
+  PatternModelConfig c;
+  c.sink_strength = 4.0f;
+  c.salient_strength = 2.0f;
+  c.topic_strength = 1.0f;
+  c.recency_strength = 2.0f;
+  c.recency_window_slots = 128;
+  c.key_noise = 1.0f;
+  c.query_noise = 1.0f;
+  c.layer_correlation = 0.6f;
+  return c;
+}
+
 absl::Status ValidatePatternModelConfig(const PatternModelConfig& c) {
   if (c.num_layers < 1) return Invalid("num_layers", "must be >= 1");
   if (c.num_heads < 1 || c.num_heads > 65535) return Invalid("num_heads", "must be in [1, 65535]");

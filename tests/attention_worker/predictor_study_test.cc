@@ -111,7 +111,8 @@ class PredictorStudyTable1Test : public ::testing::Test {
   static constexpr int kLayers = 4;
 
   static void SetUpTestSuite() {
-    PatternModelConfig config;  // defaults: H = 64, D = 128, seed 0
+    // The patterns at SPIN Figure 1's strength; H = 64, D = 128, seed 0.
+    PatternModelConfig config = SpinFigurePatternConfig();
     config.num_layers = kLayers;
     absl::StatusOr<PatternModel> model = PatternModel::Create(config);
     ASSERT_TRUE(model.ok()) << model.status();

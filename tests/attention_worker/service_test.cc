@@ -121,7 +121,8 @@ class AttentionServiceTest : public ::testing::Test {
     auto schedule = MliSchedule::FromPattern(pattern, lag);
     ASSERT_TRUE(schedule.ok()) << schedule.status();
     schedule_ = std::make_unique<MliSchedule>(*schedule);
-    PatternModelConfig config;
+    // Plain patterns: SPIN's pruning loses a few slots on these short contexts.
+    PatternModelConfig config = SpinFigurePatternConfig();
     config.num_layers = static_cast<int>(schedule->full_layers().size());
     config.num_heads = kH;
     config.head_dim = kD;

@@ -19,6 +19,7 @@ EvalOptions Small() {
   o.exploration_fractions = {0.0};
   o.draft_length = 2;
   o.predictor_study = false;
+  o.pattern = SpinFigurePatternConfig();  // SPIN misses a few slots of it at 4K
   return o;
 }
 
