@@ -3,6 +3,7 @@
 #include "attention_worker/llama_attention_model.h"
 
 #include <algorithm>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -14,30 +15,23 @@ namespace {
 
 // ---- the CPU runner ----
 
+class CpuLlamaRunner;
+
+// Copies and truncations take the runner's lock, under which Begin marks caches in a pass, so that
+// a CopyFrom on one thread cannot read a source that a pass on another thread is starting or
+// writing; a pass ends (clears the mark) without the lock, and in_pass() reads it race-free.
 class CpuLlamaCache : public LlamaSequenceCache {
  public:
-  CpuLlamaCache(const LlamaRunner* runner, const LlamaModel& model) : runner_(runner), kv_(model) {}
-  const LlamaRunner* runner() const override { return runner_; }
+  CpuLlamaCache(CpuLlamaRunner* runner, const LlamaModel& model) : runner_(runner), kv_(model) {}
+  const LlamaRunner* runner() const override;
   int64_t num_slots() const override { return kv_.num_slots(); }
-  absl::Status Truncate(int64_t num_slots) override { return kv_.Truncate(num_slots); }
-  absl::Status CopyFrom(const LlamaSequenceCache& source) override {
-    if (source.runner() != runner_ || &source == this) {
-      return absl::InvalidArgumentError(
-          "LlamaSequenceCache::CopyFrom: the source is this cache or another runner's");
-    }
-    // LlamaKvCache copies as a value; a cache in a pass refuses Truncate, which tells.
-    LlamaKvCache& kv = kv_;
-    const LlamaKvCache& from = static_cast<const CpuLlamaCache&>(source).kv_;
-    DSA_RETURN_IF_ERROR(kv.Truncate(kv.num_slots()));
-    DSA_RETURN_IF_ERROR(const_cast<LlamaKvCache&>(from).Truncate(from.num_slots()));
-    kv = from;
-    return absl::OkStatus();
-  }
+  absl::Status Truncate(int64_t num_slots) override;
+  absl::Status CopyFrom(const LlamaSequenceCache& source) override;
   int64_t bytes() const override { return kv_.bytes(); }
   LlamaKvCache* kv() { return &kv_; }
 
  private:
-  const LlamaRunner* const runner_;
+  CpuLlamaRunner* const runner_;
   LlamaKvCache kv_;
 };
 
@@ -82,15 +76,43 @@ class CpuLlamaRunner : public LlamaRunner {
           rows[r].cache == nullptr ? nullptr : static_cast<CpuLlamaCache*>(rows[r].cache)->kv(),
           rows[r].position, rows[r].token};
     }
+    // Under the lock: CopyFrom, on another thread, checks and copies these caches under it.
+    std::unique_lock<std::mutex> held(mutex_);
     DSA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaForward> forward,
                          LlamaForward::Begin(model_, std::move(forward_rows), options_));
+    held.unlock();
     return std::unique_ptr<LlamaPass>(new CpuLlamaPass(std::move(forward)));
   }
+
+  // Held by Begin while it marks caches in a pass, and by a cache's CopyFrom and Truncate.
+  std::mutex& mutex() { return mutex_; }
 
  private:
   const std::shared_ptr<const LlamaModel> model_;
   const LlamaForwardOptions options_;
+  std::mutex mutex_;
 };
+
+const LlamaRunner* CpuLlamaCache::runner() const { return runner_; }
+
+absl::Status CpuLlamaCache::Truncate(int64_t num_slots) {
+  std::lock_guard<std::mutex> held(runner_->mutex());
+  return kv_.Truncate(num_slots);
+}
+
+absl::Status CpuLlamaCache::CopyFrom(const LlamaSequenceCache& source) {
+  if (source.runner() != runner_ || &source == this) {
+    return absl::InvalidArgumentError(
+        "LlamaSequenceCache::CopyFrom: the source is this cache or another runner's");
+  }
+  const LlamaKvCache& from = static_cast<const CpuLlamaCache&>(source).kv_;
+  // Under the lock: Begin, on another thread, marks the source in a pass under it.
+  std::lock_guard<std::mutex> held(runner_->mutex());
+  if (kv_.in_pass() || from.in_pass()) {
+    return absl::FailedPreconditionError("LlamaSequenceCache::CopyFrom: a cache is in a pass");
+  }
+  return kv_.CopyFrom(from);
+}
 
 // ---- the engine's step ----
 

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "absl/base/config.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -156,7 +157,9 @@ inline float ExpNonPositive(float x) {
 }
 
 // In-place softmax over row[0, n), n >= 1 (the attention's hot loop: one clone per x86 level).
-#if defined(__x86_64__) && defined(__GNUC__)
+// Not under ThreadSanitizer: the clones' ifunc resolver, instrumented, runs at load before TSan's
+// runtime is up and crashes the process (as indexer_service/scoring.cc's ScoreTile).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ABSL_HAVE_THREAD_SANITIZER)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
 void SoftmaxRow(float* row, int64_t n) {
@@ -601,7 +604,7 @@ LlamaKvCache::LlamaKvCache(const LlamaModel& model)
       values_(num_layers_) {}
 
 absl::Status LlamaKvCache::Truncate(int64_t num_slots) {
-  if (in_pass_) {
+  if (in_pass()) {
     return absl::FailedPreconditionError("LlamaKvCache::Truncate: the cache is in a pass");
   }
   if (num_slots < 0 || num_slots > num_slots_) {
@@ -609,6 +612,26 @@ absl::Status LlamaKvCache::Truncate(int64_t num_slots) {
         "LlamaKvCache::Truncate: ", num_slots, " slots requested, the cache holds ", num_slots_));
   }
   num_slots_ = num_slots;
+  return absl::OkStatus();
+}
+
+absl::Status LlamaKvCache::CopyFrom(const LlamaKvCache& source) {
+  if (&source == this || source.num_layers_ != num_layers_ || source.kv_dim_ != kv_dim_ ||
+      source.context_length_ != context_length_) {
+    return absl::InvalidArgumentError(
+        "LlamaKvCache::CopyFrom: the source is this cache or was made for another model shape");
+  }
+  // The source's fields are read only after its mark reads clear (in_pass()'s acquire).
+  if (in_pass() || source.in_pass()) {
+    return absl::FailedPreconditionError("LlamaKvCache::CopyFrom: a cache is in a pass");
+  }
+  const int64_t n = source.num_slots_;
+  DSA_RETURN_IF_ERROR(Reserve(n));
+  for (int l = 0; l < num_layers_; ++l) {
+    std::copy_n(source.keys_[l].data(), n * kv_dim_, keys_[l].data());
+    std::copy_n(source.values_[l].data(), n * kv_dim_, values_[l].data());
+  }
+  num_slots_ = n;
   return absl::OkStatus();
 }
 
@@ -679,7 +702,7 @@ absl::StatusOr<std::unique_ptr<LlamaForward>> LlamaForward::Begin(
   if (!grouped.ok()) return grouped.status();
   std::vector<LlamaCacheRows<LlamaKvCache>> groups = *std::move(grouped);
   for (const auto& group : groups) {
-    if (group.cache->in_pass_) {
+    if (group.cache->in_pass()) {
       return absl::FailedPreconditionError("LlamaForward::Begin: a cache is in another pass");
     }
   }

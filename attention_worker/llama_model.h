@@ -3,6 +3,7 @@
 // forward pass layer by layer (dense causal or over a selection per row), BLAS GEMMs and OpenMP.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -155,18 +156,30 @@ class LlamaModel {
 /// slot t holding position t: 2 x num_layers x kv_dim x 4 bytes a slot (46,080 for SmolLM2-135M).
 /// Grows as passes write rows (capacity doubles, up to the context length). A cache is used by one
 /// thread at a time, and is in at most one LlamaForward pass at a time (from Begin until the pass's
-/// last layer has run or the pass is destroyed).
+/// last layer has run or the pass is destroyed). Not copyable: CopyFrom copies the slots.
 class LlamaKvCache {
  public:
   /// An empty cache for `model`'s shape.
   explicit LlamaKvCache(const LlamaModel& model);
+  LlamaKvCache(const LlamaKvCache&) = delete;
+  LlamaKvCache& operator=(const LlamaKvCache&) = delete;
 
   /// Slots committed: a pass commits its rows when its last layer has run.
   int64_t num_slots() const { return num_slots_; }
+  /// Whether a pass holds the cache (from LlamaForward::Begin until the pass's last layer has run
+  /// or the pass is destroyed). Safe to read from another thread while that pass ends: a runner
+  /// that marks caches under its lock (the CPU LlamaRunner) checks it under the same lock, and
+  /// reading false there also sees everything the ended pass wrote (its slots, num_slots()).
+  bool in_pass() const { return in_pass_.load(std::memory_order_acquire); }
   /// Drops slots [num_slots, num_slots()) (a rollback: rejected speculative rows, a turn reset);
   /// the memory stays reserved. Errors: INVALID_ARGUMENT unless 0 <= num_slots <= num_slots();
   /// FAILED_PRECONDITION while the cache is in a pass.
   absl::Status Truncate(int64_t num_slots);
+  /// Makes this cache hold exactly `source`'s slots (a copy of their keys and values; the memory
+  /// grows as a pass's would). Errors, nothing changed: INVALID_ARGUMENT (`source` is this cache or
+  /// was made for another model shape); FAILED_PRECONDITION (either cache in a pass).
+  /// RESOURCE_EXHAUSTED (host memory) leaves this cache's slots as they were.
+  absl::Status CopyFrom(const LlamaKvCache& source);
   /// Bytes of K and V storage allocated (capacity, all layers).
   int64_t bytes() const;
   /// Layer `layer`'s keys, fp32 [num_slots(), kv_dim] (for checks). Requires a valid layer.
@@ -183,7 +196,9 @@ class LlamaKvCache {
   int64_t context_length_ = 0;
   int64_t num_slots_ = 0;
   int64_t capacity_ = 0;
-  bool in_pass_ = false;
+  // Set by LlamaForward::Begin, cleared when the pass ends (possibly while another thread reads
+  // in_pass()): the clear is a release after the pass's last writes to the cache.
+  std::atomic<bool> in_pass_{false};
   std::vector<std::vector<float>> keys_;    // [num_layers][capacity_ * kv_dim_]
   std::vector<std::vector<float>> values_;  // [num_layers][capacity_ * kv_dim_]
 };

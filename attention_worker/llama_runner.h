@@ -33,7 +33,9 @@ class LlamaSequenceCache {
   virtual absl::Status Truncate(int64_t num_slots) = 0;
   /// Makes this cache hold exactly `source`'s slots (a copy of its keys and values; prefix sharing,
   /// benchmarks). INVALID_ARGUMENT (another runner's cache, or itself); FAILED_PRECONDITION (either
-  /// in a pass); RESOURCE_EXHAUSTED (device memory); INTERNAL (a device error).
+  /// in a pass); RESOURCE_EXHAUSTED (device memory); INTERNAL (a device error). The source may be
+  /// driven by another thread meanwhile (its passes begun, run, ended): the check and the copy are
+  /// atomic with respect to Begin.
   virtual absl::Status CopyFrom(const LlamaSequenceCache& source) = 0;
   /// Bytes of key and value storage reserved (all layers).
   virtual int64_t bytes() const = 0;

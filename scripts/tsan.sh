@@ -59,9 +59,10 @@ fi
 
 # The suites: the scheduler, the coordinator's engine over in-memory workers (decode loops, worker
 # watch, migration, drain: the most threads), the attention engine over in-process indexers, the
-# indexer engine and block pool, and common.
+# CPU LlamaRunner (passes racing copies of their caches), the indexer engine and block pool, and
+# common.
 suites=(coordinator_scheduler_test coordinator_engine_test coordinator_real_model_engine_test
-  attention_engine_test indexer_test
+  attention_engine_test attention_llama_runner_test indexer_test
   block_pool_test common_mli_schedule_test common_trace_context_test)
 # tsan_mutex_canary: the check that TSan sees absl::Mutex at all (run first, below).
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build/dsa \

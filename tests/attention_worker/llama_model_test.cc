@@ -749,6 +749,42 @@ TEST_F(TinyModel, VerifierRowsAndTruncate) {
   EXPECT_GE(cache.bytes(), 2 * 3 * 35 * 16 * 4);
 }
 
+TEST_F(TinyModel, CopyFromCopiesTheSlotsAndRefusesCachesInAPass) {
+  const std::vector<int32_t> tokens = Tokens(20, 10);
+  LlamaKvCache source(**model_), copy(**model_), control(**model_);
+  RunPass(source, tokens);
+  RunPass(copy, Tokens(30, 11));  // more slots than the source: the copy drops them
+  RunPass(control, Tokens(30, 11));
+  // In a pass (begun, one layer run): refused both ways, nothing changed.
+  auto pass = LlamaForward::Begin(*model_, {{&source, 20, 4}});
+  ASSERT_TRUE(pass.ok()) << pass.status();
+  ASSERT_TRUE((*pass)->RunLayer().ok());
+  EXPECT_TRUE(source.in_pass());
+  EXPECT_EQ(copy.CopyFrom(source).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(source.CopyFrom(copy).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(copy.CopyFrom(copy).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(copy.num_slots(), 30);
+  EXPECT_EQ(source.num_slots(), 20);
+  for (int l = 1; l < config_->num_layers; ++l) ASSERT_TRUE((*pass)->RunLayer().ok());
+  EXPECT_FALSE(source.in_pass());  // the last layer ends the pass
+  EXPECT_EQ(source.num_slots(), 21);
+  pass->reset();
+  EXPECT_EQ(RunPass(copy, {5}), RunPass(control, {5}));
+  // After the pass: a copy of the slots, bit for bit, that the source's later passes leave alone.
+  ASSERT_TRUE(copy.CopyFrom(source).ok());
+  EXPECT_FALSE(copy.in_pass());
+  EXPECT_EQ(copy.num_slots(), 21);
+  const std::vector<float> next = RunPass(source, {6});
+  EXPECT_EQ(RunPass(copy, {6}), next);
+  EXPECT_EQ(copy.Truncate(21).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(RunPass(copy, {6}), next);
+  // Into an empty cache (its memory grows as a pass's would).
+  LlamaKvCache empty(**model_);
+  ASSERT_TRUE(empty.CopyFrom(source).ok());
+  EXPECT_EQ(empty.num_slots(), 22);
+  EXPECT_EQ(RunPass(empty, {7}), RunPass(source, {7}));
+}
+
 TEST_F(TinyModel, BatchedDecodeOverSeveralCaches) {
   const std::vector<int32_t> a = Tokens(20, 7), b = Tokens(12, 8);
   LlamaKvCache alone_a(**model_), alone_b(**model_), batch_a(**model_), batch_b(**model_);
