@@ -32,6 +32,34 @@ __host__ __device__ constexpr int PartialValues() {
   return G * (HD + 2);
 }
 
+// A softmax over a set of slots, for one query head and one value dim: m the largest score
+// (-inf where the set holds no slot), l = sum exp(s - m), acc = sum exp(s - m) v (the attention
+// output is acc / l).
+struct SoftmaxPartial {
+  float m;
+  float l;
+  float acc;
+};
+
+// Merges the partials part(0), ..., part(n - 1) of disjoint slot sets into the one of their
+// union: each rescaled by exp(m_i - m) to the common max m; a part with m_i -inf adds nothing.
+// Serves the decode kernel's merge of its warps and GqaMergeKernel's merge of the chunks. (The
+// decode's constant n unrolls fully without a pragma; `#pragma unroll` here would pin the merge
+// kernel's runtime loop to nounroll.)
+template <typename Part>
+__device__ __forceinline__ SoftmaxPartial MergeSoftmaxPartials(int n, Part part) {
+  SoftmaxPartial merged{-INFINITY, 0.0f, 0.0f};
+  for (int i = 0; i < n; ++i) merged.m = fmaxf(merged.m, part(i).m);
+  for (int i = 0; i < n; ++i) {
+    const SoftmaxPartial p = part(i);
+    if (p.m == -INFINITY) continue;
+    const float f = expf(p.m - merged.m);
+    merged.l = fmaf(p.l, f, merged.l);
+    merged.acc = fmaf(p.acc, f, merged.acc);
+  }
+  return merged;
+}
+
 // The decode kernel: block (entry, chunk, kv head), 4 warps; lane i of warp w scores slot entry
 // chunk * 128 + w * 32 + i for the group's G heads (one key row read serves them all), then the
 // warp accumulates P V with each lane owning HD / 32 value dims (one value row read a slot serves
@@ -148,30 +176,20 @@ __global__ void __launch_bounds__(kGqaDecodeSlotsPerBlock)
   __syncthreads();
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int h = i / HD, d = i % HD;
-    float peak = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kDecodeWarps; ++w) peak = fmaxf(peak, m_s[w][h]);
-    float total = 0.0f, weighted = 0.0f;
-    if (peak != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        if (m_s[w][h] == -INFINITY) continue;
-        const float f = expf(m_s[w][h] - peak);
-        total = fmaf(l_s[w][h], f, total);
-        weighted = fmaf(acc_s[w][h][d], f, weighted);
-      }
-    }
+    const SoftmaxPartial merged = MergeSoftmaxPartials(kDecodeWarps, [&](int w) {
+      return SoftmaxPartial{m_s[w][h], l_s[w][h], acc_s[w][h][d]};
+    });
     if (num_chunks == 1) {
-      // One chunk holds every slot of the entry: total > 0.
-      p.out[static_cast<int64_t>(r) * p.out_stride + (g * G + h) * HD + d] = weighted / total;
+      // One chunk holds every slot of the entry: merged.l > 0.
+      p.out[static_cast<int64_t>(r) * p.out_stride + (g * G + h) * HD + d] = merged.acc / merged.l;
     } else {
       float* part = static_cast<float*>(p.scratch) +
                     ((static_cast<int64_t>(e) * p.num_kv_heads + g) * num_chunks + chunk) *
                         PartialValues<HD, G>();
-      part[2 * G + h * HD + d] = weighted;
+      part[2 * G + h * HD + d] = merged.acc;
       if (d == 0) {
-        part[h] = peak;
-        part[G + h] = total;
+        part[h] = merged.m;
+        part[G + h] = merged.l;
       }
     }
   }
@@ -187,17 +205,11 @@ __global__ void GqaMergeKernel(GqaDecodeParams p, int num_chunks) {
                        (static_cast<int64_t>(e) * p.num_kv_heads + g) * num_chunks * kStride;
   for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
     const int h = i / HD, d = i % HD;
-    float peak = -INFINITY;
-    for (int c = 0; c < num_chunks; ++c) peak = fmaxf(peak, parts[c * kStride + h]);
-    float total = 0.0f, weighted = 0.0f;
-    for (int c = 0; c < num_chunks; ++c) {
-      const float* part = parts + c * kStride;
-      if (part[h] == -INFINITY) continue;
-      const float f = expf(part[h] - peak);
-      total = fmaf(part[G + h], f, total);
-      weighted = fmaf(part[2 * G + h * HD + d], f, weighted);
-    }
-    p.out[static_cast<int64_t>(r) * p.out_stride + (g * G + h) * HD + d] = weighted / total;
+    const SoftmaxPartial merged = MergeSoftmaxPartials(num_chunks, [&](int c) {
+      const int part = c * kStride;
+      return SoftmaxPartial{parts[part + h], parts[part + G + h], parts[part + 2 * G + h * HD + d]};
+    });
+    p.out[static_cast<int64_t>(r) * p.out_stride + (g * G + h) * HD + d] = merged.acc / merged.l;
   }
 }
 
@@ -387,12 +399,25 @@ bool Refuse(const char** why, const char* reason) {
   return false;
 }
 
-}  // namespace
-
-bool CanImplementGqaDecode(int num_heads, int num_kv_heads, int head_dim, const char** why) {
+// The shape rule both kernels share: the query heads split evenly over the KV heads.
+bool CanGroupHeads(int num_heads, int num_kv_heads, const char** why) {
   if (num_kv_heads < 1 || num_heads < num_kv_heads || num_heads % num_kv_heads != 0) {
     return Refuse(why, "num_heads must be a positive multiple of num_kv_heads");
   }
+  return true;
+}
+
+// The checks of the fields GqaDecodeParams and GqaPrefillParams share (the shape aside).
+template <typename Params>
+bool SharedParamsValid(const Params& p) {
+  return p.queries != nullptr && p.caches != nullptr && p.out != nullptr && p.layer >= 0 &&
+         p.query_stride >= p.num_heads * p.head_dim && p.out_stride >= p.num_heads * p.head_dim;
+}
+
+}  // namespace
+
+bool CanImplementGqaDecode(int num_heads, int num_kv_heads, int head_dim, const char** why) {
+  if (!CanGroupHeads(num_heads, num_kv_heads, why)) return false;
   const int group = num_heads / num_kv_heads;
   if (group > 4) return Refuse(why, "more than 4 query heads a KV head are not built");
   if (head_dim != 8 && head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128) {
@@ -413,10 +438,8 @@ size_t GqaDecodeScratchBytes(int num_entries, int max_entry_slots, int num_heads
 
 cudaError_t LaunchGqaDecode(const GqaDecodeParams& p, cudaStream_t stream) {
   if (!CanImplementGqaDecode(p.num_heads, p.num_kv_heads, p.head_dim, nullptr) ||
-      p.queries == nullptr || p.caches == nullptr || p.entry_rows == nullptr ||
-      p.selection_offsets == nullptr || p.out == nullptr || p.num_entries < 1 ||
-      p.max_entry_slots < 1 || p.layer < 0 || p.query_stride < p.num_heads * p.head_dim ||
-      p.out_stride < p.num_heads * p.head_dim ||
+      !SharedParamsValid(p) || p.entry_rows == nullptr || p.selection_offsets == nullptr ||
+      p.num_entries < 1 || p.max_entry_slots < 1 ||
       (p.max_entry_slots + kGqaDecodeSlotsPerBlock - 1) / kGqaDecodeSlotsPerBlock > 65535 ||
       (p.max_entry_slots > kGqaDecodeSlotsPerBlock && p.scratch == nullptr)) {
     return cudaErrorInvalidValue;
@@ -439,9 +462,7 @@ cudaError_t LaunchGqaDecode(const GqaDecodeParams& p, cudaStream_t stream) {
 }
 
 bool CanImplementGqaPrefill(int num_heads, int num_kv_heads, int head_dim, const char** why) {
-  if (num_kv_heads < 1 || num_heads < num_kv_heads || num_heads % num_kv_heads != 0) {
-    return Refuse(why, "num_heads must be a positive multiple of num_kv_heads");
-  }
+  if (!CanGroupHeads(num_heads, num_kv_heads, why)) return false;
   if (head_dim != kPrefillHeadDim)
     return Refuse(why, "the prefill kernel is built for head_dim 64");
   return true;
@@ -449,9 +470,7 @@ bool CanImplementGqaPrefill(int num_heads, int num_kv_heads, int head_dim, const
 
 cudaError_t LaunchGqaPrefill(const GqaPrefillParams& p, cudaStream_t stream) {
   if (!CanImplementGqaPrefill(p.num_heads, p.num_kv_heads, p.head_dim, nullptr) ||
-      p.queries == nullptr || p.caches == nullptr || p.tile_rows == nullptr || p.tiles == nullptr ||
-      p.out == nullptr || p.num_tiles < 1 || p.layer < 0 ||
-      p.query_stride < p.num_heads * p.head_dim || p.out_stride < p.num_heads * p.head_dim ||
+      !SharedParamsValid(p) || p.tile_rows == nullptr || p.tiles == nullptr || p.num_tiles < 1 ||
       p.num_heads > 65535 || p.query_stride % 4 != 0 || p.out_stride % 4 != 0) {
     return cudaErrorInvalidValue;
   }

@@ -192,6 +192,10 @@ class CudaLlamaPass final : public LlamaPass {
  private:
   absl::Status ComputeLayerInput();  // x_ = RMSNorm(h_) * attn_norm of layer_, once a layer
   absl::Status Attention(std::span<const std::span<const int32_t>> selections);
+  // GqaDecodeParams or GqaPrefillParams with the fields they share set for layer_: the queries
+  // (the first q_dim columns of qkv_), the rows' caches, the heads, the logit scale and attn_.
+  template <typename Params>
+  Params GqaParams() const;
   absl::Status Fail(absl::Status status) {
     if (failed_.ok()) failed_ = status;
     return status;
@@ -244,6 +248,8 @@ CudaLlamaCache::~CudaLlamaCache() {
 const LlamaRunner* CudaLlamaCache::runner() const { return runner_; }
 
 absl::Status CudaLlamaCache::Truncate(int64_t num_slots) {
+  // Under the lock: a CopyFrom on another thread reads num_slots_ (and Begin sets in_pass_) there.
+  auto held = runner_->lock();
   if (in_pass_) {
     return absl::FailedPreconditionError("LlamaSequenceCache::Truncate: the cache is in a pass");
   }
@@ -695,6 +701,23 @@ absl::Status CudaLlamaPass::IndexerInputs(std::span<float> queries, std::span<fl
   return status.ok() ? status : Fail(status);
 }
 
+template <typename Params>
+Params CudaLlamaPass::GqaParams() const {
+  const LlamaConfig& c = runner_->config();
+  Params p;
+  p.queries = qkv_;
+  p.query_stride = c.q_dim() + 2 * c.kv_dim();
+  p.caches = caches_;
+  p.layer = layer_;
+  p.num_heads = c.num_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_dim = c.head_dim;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  p.out = attn_;
+  p.out_stride = c.q_dim();
+  return p;
+}
+
 absl::Status CudaLlamaPass::Attention(std::span<const std::span<const int32_t>> selections) {
   const LlamaConfig& c = runner_->config();
   // The plan: decode entries (selected rows; dense rows of small groups) and prefill tiles (the
@@ -773,8 +796,6 @@ absl::Status CudaLlamaPass::Attention(std::span<const std::span<const int32_t>> 
               "uploading the selections");
   DSA_CUDA_OK(cudaEventRecord(staging.copied, stream), "recording a staging buffer's copy");
   const int32_t* plan = plan_;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
-  const int64_t width = c.q_dim() + 2 * c.kv_dim();
   if (num_entries > 0) {
     const size_t scratch =
         GqaDecodeScratchBytes(static_cast<int>(num_entries), static_cast<int>(max_entry_slots),
@@ -786,41 +807,21 @@ absl::Status CudaLlamaPass::Attention(std::span<const std::span<const int32_t>> 
       DSA_RETURN_IF_ERROR(runner_->Allocate(scratch * 2, &scratch_, "the attention's scratch"));
       scratch_capacity_ = scratch * 2;
     }
-    GqaDecodeParams decode;
-    decode.queries = qkv_;
-    decode.query_stride = width;
-    decode.caches = caches_;
+    auto decode = GqaParams<GqaDecodeParams>();
     decode.entry_rows = plan;
     decode.selection_offsets = plan + num_entries;
     decode.selections = plan + 2 * num_entries + 1;
     decode.num_entries = static_cast<int>(num_entries);
     decode.max_entry_slots = static_cast<int>(max_entry_slots);
-    decode.layer = layer_;
-    decode.num_heads = c.num_heads;
-    decode.num_kv_heads = c.num_kv_heads;
-    decode.head_dim = c.head_dim;
-    decode.scale = scale;
-    decode.out = attn_;
-    decode.out_stride = c.q_dim();
     decode.scratch = scratch_;
     DSA_CUDA_OK(LaunchGqaDecode(decode, stream), "the sparse GQA decode");
   }
   if (num_tiles > 0) {
     const int32_t* tile_rows_device = plan + 2 * num_entries + 1 + flat.size();
-    GqaPrefillParams prefill;
-    prefill.queries = qkv_;
-    prefill.query_stride = width;
-    prefill.caches = caches_;
+    auto prefill = GqaParams<GqaPrefillParams>();
     prefill.tile_rows = tile_rows_device;
     prefill.tiles = reinterpret_cast<const GqaPrefillTile*>(tile_rows_device + tile_rows.size());
     prefill.num_tiles = static_cast<int>(num_tiles);
-    prefill.layer = layer_;
-    prefill.num_heads = c.num_heads;
-    prefill.num_kv_heads = c.num_kv_heads;
-    prefill.head_dim = c.head_dim;
-    prefill.scale = scale;
-    prefill.out = attn_;
-    prefill.out_stride = c.q_dim();
     DSA_CUDA_OK(LaunchGqaPrefill(prefill, stream), "the dense causal prefill attention");
   }
   return absl::OkStatus();
