@@ -65,7 +65,7 @@ IndexerMetrics::IndexerMetrics(prometheus::Registry& registry) {
   free_blocks_ = &cache.Add({{"state", "free"}});
   // Registered now so the family exists, but with no series until SetMissTarget gives one.
   miss_target_family_ = &prometheus::BuildGauge()
-                             .Name("dsa_indexer_miss_target")
+                             .Name("dsa_indexer_miss_target_ratio")
                              .Help(
                                  "Adaptive sparsity's audited miss target (--miss-target, 0..1) "
                                  "of sequences that name none; absent when none is set")

@@ -24,9 +24,9 @@ namespace dsa {
 /// - dsa_indexer_selects_total{scored_on="device"|"cpu"} (counter of row groups by where their
 ///   scan and top-K ran: with --device cuda, "cpu" grows when the GPU declined a batch or was
 ///   dropped after a failure)
-/// - dsa_indexer_miss_target (gauge, 0..1): the configured --miss-target (IndexerOptions::
-///   miss_target), so that an alert can judge the audited miss ratio against what this deployment
-///   asked for; no series while none is set (SetMissTarget)
+/// - dsa_indexer_miss_target_ratio (gauge, 0..1): the configured --miss-target
+///   (IndexerOptions::miss_target), so that an alert can judge the audited miss ratio against what
+///   this deployment asked for; no series while none is set (SetMissTarget)
 /// Thread-safe (prometheus-cpp metrics are).
 class IndexerMetrics {
  public:
@@ -37,9 +37,9 @@ class IndexerMetrics {
   void RecordSelect(const SelectResult& result);
   /// Sets the cache gauges from the pool's usage.
   void SetCacheUsage(const CacheUsage& usage);
-  /// Exports `miss_target` (IndexerOptions::miss_target, in [0, 1)) as dsa_indexer_miss_target;
-  /// called once at start. 0 (rho fixed) exports no series rather than a 0, which an alert would
-  /// read as a target that every audited miss exceeds.
+  /// Exports `miss_target` (IndexerOptions::miss_target, in [0, 1)) as
+  /// dsa_indexer_miss_target_ratio; called once at start. 0 (rho fixed) exports no series rather
+  /// than a 0, which an alert would read as a target that every audited miss exceeds.
   void SetMissTarget(double miss_target);
 
  private:

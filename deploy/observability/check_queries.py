@@ -10,7 +10,7 @@
    counters and histogram parts; label matchers name labels the family has, and `=` values (and
    `=~` patterns) match values it can take.
 4. Every family of metrics.txt is used by a rule or a dashboard, and every recorded series by a
-   dashboard or an alert.
+   dashboard or an alert, directly or through recording rules that one of them reads.
 
 dashboard_queries() and plain_promql() need only the standard library (the Prometheus integration
 test, tests/integration/prometheus_rules_test.sh, imports them).
@@ -240,7 +240,18 @@ def main() -> int:
 
     for name in sorted(set(families) - used_by_rules - used_by_dashboards):
         problems.append(f"metrics.txt: {name} is used by no rule and no dashboard")
-    for name in sorted(set(recorded) - used_by_dashboards - used_by_alerts):
+    # A recorded series read by a recording rule that is itself used counts as used.
+    used = used_by_dashboards | used_by_alerts
+    pending = list(used)
+    while pending:
+        name = pending.pop()
+        if name not in recorded:
+            continue
+        reads: set[str] = set()
+        check_expr(name, recorded[name], families, recorded, [], reads)
+        pending += sorted(reads - used)
+        used |= reads
+    for name in sorted(set(recorded) - used):
         problems.append(f"{args.rules.name}: {name} is recorded but used by no dashboard or alert")
 
     for problem in problems:

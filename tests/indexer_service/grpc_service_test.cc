@@ -1001,17 +1001,17 @@ TEST(IndexerMetricsTest, TheMissTargetIsExportedOnlyWhenSet) {
   IndexerMetrics metrics(registry);
   // Before start-up sets it, and with --miss-target 0 (rho fixed): no series, so that the alert
   // falls back to its default threshold rather than judging against 0.
-  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target_ratio"), 0u);
   metrics.SetMissTarget(0);
-  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target_ratio"), 0u);
   metrics.SetMissTarget(0.2);
-  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 1u);
-  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target"), 0.2);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target_ratio"), 1u);
+  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target_ratio"), 0.2);
   metrics.SetMissTarget(0.05);  // set again: one series, the new value
-  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 1u);
-  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target"), 0.05);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target_ratio"), 1u);
+  EXPECT_DOUBLE_EQ(MetricValue(registry, "dsa_indexer_miss_target_ratio"), 0.05);
   metrics.SetMissTarget(0);
-  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target"), 0u);
+  EXPECT_EQ(SampleCount(registry, "dsa_indexer_miss_target_ratio"), 0u);
 }
 
 }  // namespace

@@ -40,7 +40,10 @@ DATASOURCE = dashboard_models.DataSourceRef(type_val="prometheus", uid="${dataso
 SEL = 'namespace=~"$namespace", job=~"$job"'
 
 # Thresholds the alerts of dsa-rules.yaml use, drawn on the panels they judge.
-# DsaIndexerAuditedMissRatioHigh's threshold where the job sets no --miss-target.
+# Mirrors the fallback miss target of the rule dsa:indexer_miss_target_ratio:effective (what
+# DsaIndexerAuditedMissRatioHigh judges a job without --miss-target against), for the red threshold
+# of the "Audited miss ratio (mean)" stat only: Grafana's thresholds are numbers, not queries.
+# Change it with the rule; every query reads the rule instead.
 MISS_RATIO_TARGET = 0.25
 MLI_LAG_BUDGET_SECONDS = 0.005  # DsaAttentionSelectionWaitOverBudget
 
@@ -246,9 +249,9 @@ def indexer() -> dashboard_builders.Dashboard:
         f"dsa:indexer_realized_block_sparsity:ratio_rate5m{{{SEL}}}", "{{job}}", span=8))
          .with_panel(stat(
              "Audited miss ratio (mean)", "Mean over the audited rows of the fraction of the "
-             "dense top-K the pruned selection lost (10 m). Red above "
-             f"{MISS_RATIO_TARGET:g}, the alert's threshold where the job sets no --miss-target "
-             "(the Audited miss ratio panel draws each job's).", "percentunit",
+             "dense top-K the pruned selection lost (10 m). Red above the alert's fallback miss "
+             "target, its threshold where the job sets no --miss-target (the Audited miss ratio "
+             "panel draws each job's).", "percentunit",
              f"dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}}", "{{job}}", span=8,
              steps=[(None, "green"), (MISS_RATIO_TARGET, "red")]))
          .with_panel(stat(
@@ -278,15 +281,14 @@ def indexer() -> dashboard_builders.Dashboard:
              max_value=1)))
     d = d.with_row(dashboard_builders.Row("Accuracy and placement"))
     # The threshold DsaIndexerAuditedMissRatioHigh judges the mean against, per job: its
-    # --miss-target, or the default (built from the mean so that it carries the job's labels).
-    miss_threshold = (
-        f"dsa:indexer_miss_target:max{{{SEL}}} or on (namespace, job) "
-        f"(0 * dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}} + {MISS_RATIO_TARGET:g})")
+    # --miss-target, or the rules' fallback.
+    miss_threshold = f"dsa:indexer_miss_target_ratio:effective{{{SEL}}}"
     d = (d.with_panel(timeseries(
         "Audited miss ratio", "Audited rows (--audit-fraction): the fraction of the dense top-K "
         "the pruned selection lost, mean and p99 over 10 m. Dashed: the miss target the alert "
-        "judges the mean against, the job's --miss-target (adaptive sparsity holds it), or "
-        f"{MISS_RATIO_TARGET:g} where the job sets none.", "percentunit",
+        "judges the mean against (dsa:indexer_miss_target_ratio:effective), the job's "
+        "--miss-target (adaptive sparsity holds it), or the rules' fallback where it sets none.",
+        "percentunit",
         [(f"dsa:indexer_audited_miss_ratio:mean_rate10m{{{SEL}}}", "mean"),
          (f"dsa:indexer_audited_miss_ratio:p99_10m{{{SEL}}}", "p99"),
          (miss_threshold, "target {{job}}")],
