@@ -20,10 +20,11 @@ inline constexpr int kPrefixBlockSlots = 512;
 /// Parameters of the pattern model. Every "strength" is in index-score units: the score a slot gets
 /// from that pattern alone at the pattern's peak (head weights of each head group sum to 1).
 ///
-/// The defaults of the sink, salient, topic, recency, noise and layer-correlation fields are fitted
-/// to the index-score statistics of SmolLM2-135M's trained indexer on held-out text (4 windows of
-/// 4,096 tokens, K = 512; at H = 64, D = 128, 4 layers, seed 0): `dsa fit-pattern`,
-/// docs/eval.md "The pattern model, fitted to the real model". The fit is not unique (several sets
+/// The defaults of the sink, salient-strength, topic-strength, recency, noise and layer-correlation
+/// fields are fitted to the index-score statistics of SmolLM2-135M's trained indexer on held-out
+/// text (4 windows of 4,096 tokens, K = 512; at H = 64, D = 128, 4 layers, seed 0; the salient
+/// fraction and topic switch rate held), as `dsa fit-pattern` printed them: docs/eval.md "The
+/// pattern model, fitted to the real model" has the command. The fit is not unique (several sets
 /// give the same statistics); it moves the noise from the keys to the queries.
 ///
 /// Head roles (per layer, fixed by head index): heads [0, num_positional_heads) are positional
@@ -112,10 +113,11 @@ struct PatternModelConfig {
   int layer_correlation_length = 4;
 };
 
-/// The pattern model at the strengths SPIN section 2's figures show, every pattern plainly visible
-/// (the defaults before they were fitted to a real model): sinks 4, salient slots 2, topics 1,
-/// recency 2 over 128 slots, key and query noise 1, layer correlation 0.6. For tests and studies of
-/// the patterns themselves (SPIN Figure 1, Table 1); the defaults are what real text looks like.
+/// The pattern model with hand-set strengths at which every pattern of SPIN section 2 shows plainly
+/// (the defaults before they were fitted to a real model; the paper gives no strengths): sinks 4,
+/// salient slots 2, topics 1, recency 2 over 128 slots, key and query noise 1, layer correlation
+/// 0.6. For tests and studies of the patterns themselves (SPIN Figure 1, Table 1); the defaults are
+/// what real text looks like.
 PatternModelConfig SpinFigurePatternConfig();
 
 /// Checks every field of `config`. INVALID_ARGUMENT naming the first bad field otherwise.

@@ -59,6 +59,13 @@ def load_report(path: str) -> dict:
     cells = report["needles"]
     if not isinstance(cells, list):
         raise ReportError(f"{path}: 'needles' is not a list")
+    options = report.get("options", {})
+    if not isinstance(options, dict) or not isinstance(options.get("arms", []), list):
+        raise ReportError(f"{path}: 'options' is not an object with an 'arms' list")
+    if report.get("complete") is False:
+        # A run stopped early (dsa eval writes each finished cell): its cells are whole.
+        print(f"plot_needles: {path}: a partial report (the run stopped before its last cell)",
+              file=sys.stderr)
     for i, c in enumerate(cells):
         ok = (isinstance(c, dict) and isinstance(c.get("arm"), str)
               and isinstance(c.get("length"), int) and not isinstance(c.get("length"), bool)

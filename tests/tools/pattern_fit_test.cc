@@ -4,6 +4,8 @@
 #include "tools/dsa/pattern_fit.h"
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
@@ -62,6 +64,8 @@ TEST(PatternFitTest, StatisticsOfAKnownTopK) {
   EXPECT_NEAR(s->segment_share, (0.0 + 8.0 / 128) / 2, 1e-12);
   // Consecutive rows share all but one slot of the newest run.
   EXPECT_NEAR(s->step_overlap, (127.0 / 128 + 127.0 / 128) / 2, 1e-12);
+  // Every slot of a newest run lies in a block the previous row's run touched.
+  EXPECT_NEAR(s->block_step_overlap, 1.0, 1e-12);
   // The layers share the newest 120.
   EXPECT_NEAR(s->layer_overlap, 120.0 / 128, 1e-12);
 }
@@ -84,6 +88,60 @@ TEST(PatternFitTest, RefusalsNameTheProblem) {
   EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(outside.status().message().find("topic_strength starts at 1"), std::string::npos)
       << outside.status();
+}
+
+// Every refusal of RunPatternFitStudy comes before the model loads: the model files here do not
+// exist, so a refusal that came later would be NOT_FOUND.
+TEST(PatternFitTest, AStudyRefusesBadOptionsBeforeLoadingTheModel) {
+  PatternFitStudyOptions base;
+  base.model_file = "/nonexistent/model.safetensors";
+  base.indexer_weights = "/nonexistent/indexer.safetensors";
+  base.heldout_tokens = "/nonexistent/heldout.npy";
+  const auto refused = [](const PatternFitStudyOptions& o, const std::string& words) {
+    auto study = RunPatternFitStudy(o, nullptr);
+    EXPECT_EQ(study.status().code(), absl::StatusCode::kInvalidArgument) << words;
+    EXPECT_NE(study.status().message().find(words), std::string::npos) << study.status();
+  };
+  PatternFitStudyOptions o = base;
+  o.samples = 0;
+  refused(o, "samples must be >= 1");
+  o = base;
+  o.fit.window.rows = 1;
+  refused(o, "rows >= 2");
+  o = base;
+  o.fit.window = {.n = 600, .rows = 100, .top_k = 512};
+  refused(o, "n - rows >= top_k");
+  o = base;
+  o.spin_decode_steps = -5;
+  refused(o, "SPIN check steps");
+  o = base;
+  o.pattern_heads = 5;  // one positional head for four diagonals
+  refused(o, "H = 5");
+
+  const std::string path =
+      (std::filesystem::path(::testing::TempDir()) / "pattern_fit_real_eval.json").string();
+  o = base;
+  o.real_eval_report = path;
+  o.fit.window = {.n = 4096, .rows = 32, .top_k = 512};
+  const std::string arms =
+      R"("arms": [{"name": "spin", "spin": true, "exploration_fraction": 0.0, "lag_depth": 0,
+                   "retention_stride": 1, "draft_length": 0, "miss_target": 0.0,
+                   "target_block_sparsity": 0.4}])";
+  for (const std::string& text :
+       {std::string(R"({"options": 1, "perplexity": []})"), std::string(R"([1, 2])"),
+        std::string("not json"),
+        std::string(R"({"options": {"top_k": 512, "arms": [{"spin": "yes"}]}, "perplexity": []})"),
+        R"({"options": {"top_k": 512, )" + arms +
+            R"(}, "perplexity": [{"arm": "spin", "context": "4096"}]})"}) {
+    std::ofstream(path) << text;
+    refused(o, "is not a dsa eval --model smollm2 JSON report");
+  }
+  std::ofstream(path) << R"({"options": {"top_k": 256, )" << arms
+                      << R"(}, "perplexity": [{"arm": "spin", "context": 4096}]})";
+  refused(o, "was run with K = 256");
+  std::ofstream(path) << R"({"options": {"top_k": 512, )" << arms
+                      << R"(}, "perplexity": [{"arm": "spin", "context": 2048}]})";
+  refused(o, "no fixed-rho SPIN cell (gamma 0) at context 4096; its cells' contexts: 2048");
 }
 
 TEST(PatternFitTest, TheFitRecoversAPatternModelsOwnStatistics) {

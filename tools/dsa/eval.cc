@@ -16,6 +16,7 @@
 #include "coordinator/acceptance_model.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/topk.h"
+#include "tools/dsa/pattern_fit.h"
 
 namespace dsa {
 namespace {
@@ -393,7 +394,8 @@ nlohmann::json EvalReportToJson(const EvalReport& report) {
                   {"spec_exploration_fraction", o.spec_exploration_fraction},
                   {"pooling", o.pooling},
                   {"reduction", o.reduction},
-                  {"exploration_policy", o.exploration_policy}};
+                  {"exploration_policy", o.exploration_policy},
+                  {"pattern", PatternModelConfigToJson(o.pattern)}};
   j["rows"] = nlohmann::json::array();
   for (const EvalRow& r : report.rows) {
     j["rows"].push_back({{"name", r.name},

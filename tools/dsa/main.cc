@@ -65,19 +65,47 @@ bool WriteOutput(const std::string& path, std::ofstream& out, const std::string&
   return true;
 }
 
-// Replaces `path` with `text` through a temporary beside it, so that a run killed mid-write
-// leaves the previous whole file; empty path = none.
+// The temporary ReplaceOutput writes beside `path`.
+std::string PartialPath(const std::string& path) { return path + ".partial"; }
+
+// Whether ReplaceOutput can write beside `path` (its temporary is created and removed), so a bad
+// path fails before minutes of work without truncating what `path` holds; empty path = none.
+bool CanReplaceOutput(const std::string& path) {
+  if (path.empty()) return true;
+  std::ofstream probe(PartialPath(path), std::ios::trunc);
+  const int error = errno;
+  if (!probe) {
+    std::fprintf(stderr, "dsa: cannot write %s: %s\n", PartialPath(path).c_str(),
+                 std::strerror(error));
+    return false;
+  }
+  probe.close();
+  std::remove(PartialPath(path).c_str());
+  return true;
+}
+
+// Replaces `path` with `text` through a temporary beside it, so that a reader never sees half a
+// file and a run killed mid-write leaves the previous whole one; empty path = none. On failure
+// the temporary is removed and `path` kept.
 bool ReplaceOutput(const std::string& path, const std::string& text) {
   if (path.empty()) return true;
-  const std::string temporary = path + ".partial";
+  const std::string temporary = PartialPath(path);
   std::ofstream out(temporary, std::ios::trunc);
   out << text;
   out.close();
-  if (!out || std::rename(temporary.c_str(), path.c_str()) != 0) {
-    std::fprintf(stderr, "dsa: writing %s failed: %s\n", path.c_str(), std::strerror(errno));
+  const bool written = static_cast<bool>(out);
+  if (!written || std::rename(temporary.c_str(), path.c_str()) != 0) {
+    std::fprintf(stderr, "dsa: writing %s failed%s%s\n", path.c_str(), written ? ": " : "",
+                 written ? std::strerror(errno) : "");
+    std::remove(temporary.c_str());
     return false;
   }
   return true;
+}
+
+// A file named by a flag, or the repository's default (FindRepoFile) when the flag is empty.
+std::string RepoFileOr(const std::string& given, const char* fallback) {
+  return dsa::FindRepoFile(given.empty() ? fallback : given);
 }
 
 // The cluster flags shared by `dsa up` and `dsa replay --local`; optional ones are passed on to
@@ -692,6 +720,20 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                       "Index-key dimension D of the pattern model (default: the real indexer's)");
   fit_cmd->add_option("--seed", fit.fit.start.seed, "Seed of the pattern model")
       ->capture_default_str();
+  std::vector<std::string> fit_parameters;
+  fit_cmd
+      ->add_option("--parameters", fit_parameters,
+                   "PatternModelConfig fields to fit (default: sink_strength, salient_fraction, "
+                   "salient_strength, topic_strength, topic_switch_rate, recency_strength, "
+                   "recency_window_slots, key_noise, query_noise, layer_correlation)")
+      ->delimiter(',');
+  std::string fit_start = "defaults";
+  fit_cmd
+      ->add_option("--start", fit_start,
+                   "Where the fit starts: defaults (PatternModelConfig's, themselves fitted) or "
+                   "spin-figure (SpinFigurePatternConfig(), the defaults before the fit)")
+      ->check(CLI::IsMember({"defaults", "spin-figure"}))
+      ->capture_default_str();
   fit_cmd
       ->add_option("--spin-steps", fit.spin_decode_steps,
                    "Decode positions of the SPIN check on the pattern model (0 skips it)")
@@ -946,12 +988,31 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     return RunGenerateCommand(generate, generate_cluster, generate_dial);
   }
   if (*fit_cmd) {
-    const auto or_default = [](const std::string& given, const char* fallback) {
-      return dsa::FindRepoFile(given.empty() ? fallback : given);
-    };
-    fit.model_file = or_default(fit.model_file, dsa::kDefaultModelFile);
-    fit.indexer_weights = or_default(fit.indexer_weights, dsa::kDefaultIndexerWeights);
-    fit.heldout_tokens = or_default(fit.heldout_tokens, dsa::kDefaultHeldoutTokens);
+    if (!fit_parameters.empty()) {
+      fit.fit.parameters.clear();
+      for (const std::string& name : fit_parameters) {
+        const std::vector<dsa::PatternFitParameter> known = dsa::FittablePatternParameters();
+        const auto it =
+            std::find_if(known.begin(), known.end(),
+                         [&](const dsa::PatternFitParameter& p) { return p.name == name; });
+        if (it == known.end()) {
+          std::fprintf(stderr, "dsa fit-pattern: --parameters: no fittable field %s\n",
+                       name.c_str());
+          return 2;
+        }
+        fit.fit.parameters.push_back(*it);
+      }
+    }
+    if (fit_start == "spin-figure") {
+      // The shape flags were parsed into fit.fit.start: keep them over the preset's.
+      dsa::PatternModelConfig preset = dsa::SpinFigurePatternConfig();
+      preset.num_layers = fit.fit.start.num_layers;
+      preset.seed = fit.fit.start.seed;
+      fit.fit.start = preset;
+    }
+    fit.model_file = RepoFileOr(fit.model_file, dsa::kDefaultModelFile);
+    fit.indexer_weights = RepoFileOr(fit.indexer_weights, dsa::kDefaultIndexerWeights);
+    fit.heldout_tokens = RepoFileOr(fit.heldout_tokens, dsa::kDefaultHeldoutTokens);
     std::ofstream json_out, markdown_out;
     if (!OpenOutput(fit_json, json_out) || !OpenOutput(fit_markdown, markdown_out)) return 1;
     auto study = dsa::RunPatternFitStudy(fit, &PrintProgress);
@@ -1001,15 +1062,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     if (eval_cmd->count("--top-k") > 0) model_eval.top_k = eval.top_k;
     model_eval.seed = eval.seed;
     model_eval.greedy_continuations = !no_greedy;
-    const auto or_default = [](const std::string& given, const char* fallback) {
-      return dsa::FindRepoFile(given.empty() ? fallback : given);
-    };
-    model_eval.model_file = or_default(model_eval.model_file, dsa::kDefaultModelFile);
+    model_eval.model_file = RepoFileOr(model_eval.model_file, dsa::kDefaultModelFile);
     model_eval.indexer_weights =
-        or_default(model_eval.indexer_weights, dsa::kDefaultIndexerWeights);
-    model_eval.heldout_tokens = or_default(model_eval.heldout_tokens, dsa::kDefaultHeldoutTokens);
+        RepoFileOr(model_eval.indexer_weights, dsa::kDefaultIndexerWeights);
+    model_eval.heldout_tokens = RepoFileOr(model_eval.heldout_tokens, dsa::kDefaultHeldoutTokens);
     model_eval.needles_file =
-        needles_path == "none" ? "" : or_default(needles_path, dsa::kDefaultNeedles);
+        needles_path == "none" ? "" : RepoFileOr(needles_path, dsa::kDefaultNeedles);
     // The default cases exist only where scripts/model_setup.sh found the essays (../shared): a
     // run without them skips the pass keys, saying so; a file given by name must exist.
     if (needles_path.empty() && !std::filesystem::exists(model_eval.needles_file)) {
@@ -1023,29 +1081,28 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       std::fprintf(stderr, "dsa eval: %s\n", valid.ToString().c_str());
       return 2;
     }
-    std::ofstream json_out, markdown_out;
-    if (!OpenOutput(json_path, json_out) || !OpenOutput(markdown_path, markdown_out)) return 1;
+    if (!CanReplaceOutput(json_path) || !CanReplaceOutput(markdown_path)) return 1;
     std::fprintf(stderr,
                  "dsa eval --model smollm2: %zu arms, contexts %s, %d windows of %d tokens, K %d\n",
                  model_eval.arms.size(), absl::StrJoin(model_eval.contexts, ",").c_str(),
                  model_eval.samples, model_eval.continuation, model_eval.top_k);
-    json_out.close();
-    markdown_out.close();
-    // Every finished cell is written at once: a run stopped by a time limit keeps its cells.
+    // Every finished cell is written at once: a run stopped by a time limit keeps its cells. A
+    // failed checkpoint is said once; the exit status is the final write's.
     const auto write = [&](const dsa::ModelEvalReport& report) {
       return ReplaceOutput(json_path, dsa::ModelEvalReportToJson(report).dump(2) + "\n") &&
              ReplaceOutput(markdown_path, dsa::ModelEvalReportToMarkdown(report));
     };
-    bool written = true;
-    auto report = dsa::RunModelEval(
-        model_eval, &PrintProgress,
-        [&](const dsa::ModelEvalReport& partial) { written = write(partial) && written; });
+    bool checkpoint_failed = false;
+    auto report =
+        dsa::RunModelEval(model_eval, &PrintProgress, [&](const dsa::ModelEvalReport& partial) {
+          if (!checkpoint_failed) checkpoint_failed = !write(partial);
+        });
     if (!report.ok()) {
       std::fprintf(stderr, "dsa eval: %s\n", report.status().ToString().c_str());
       return 2;
     }
     std::cout << dsa::ModelEvalReportToMarkdown(*report);
-    return write(*report) && written ? 0 : 1;
+    return write(*report) ? 0 : 1;
   }
   if (*eval_cmd) {
     for (const char* name :

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "attention_worker/llama_model.h"
 #include "common/npy.h"
 #include "common/status_macros.h"
@@ -103,32 +104,37 @@ class RealSource final : public IndexScoreSource {
   std::vector<std::vector<float>> keys_, queries_, weights_;
 };
 
+// A PatternModelConfig field the fit may move: its accessors, range and step rule.
 struct FieldRef {
-  const char* name;
+  PatternFitParameter parameter;
+  bool fitted_by_default = false;
   double (*get)(const PatternModelConfig&);
   void (*set)(PatternModelConfig&, double);
 };
 
-#define DSA_PATTERN_FIELD(field)                                                              \
-  FieldRef {                                                                                  \
-#field, [](const PatternModelConfig& c) { return static_cast<double>(c.field); },           \
+#define DSA_PATTERN_FIELD(field, min, max, integer, additive, fitted)                        \
+  FieldRef {                                                                                 \
+    {#field, min, max, integer, additive}, fitted,                                           \
+        [](const PatternModelConfig& c) { return static_cast<double>(c.field); },            \
         [](PatternModelConfig& c, double v) { c.field = static_cast<decltype(c.field)>(v); } \
   }
 
+// The fittable fields, in the order the fit tries them. Strengths, rates and widths move
+// multiplicatively; the layer correlation, a fraction of variance in [0, 1], additively.
 const std::vector<FieldRef>& Fields() {
   static const std::vector<FieldRef> fields = {
-      DSA_PATTERN_FIELD(sink_strength),
-      DSA_PATTERN_FIELD(salient_fraction),
-      DSA_PATTERN_FIELD(salient_strength),
-      DSA_PATTERN_FIELD(topic_strength),
-      DSA_PATTERN_FIELD(topic_switch_rate),
-      DSA_PATTERN_FIELD(recency_strength),
-      DSA_PATTERN_FIELD(recency_window_slots),
-      DSA_PATTERN_FIELD(diagonal_strength),
-      DSA_PATTERN_FIELD(key_noise),
-      DSA_PATTERN_FIELD(query_noise),
-      DSA_PATTERN_FIELD(layer_correlation),
-      DSA_PATTERN_FIELD(num_topics),
+      DSA_PATTERN_FIELD(sink_strength, 0.0, 32.0, false, false, true),
+      DSA_PATTERN_FIELD(salient_fraction, 0.0, 0.2, false, false, true),
+      DSA_PATTERN_FIELD(salient_strength, 0.0, 32.0, false, false, true),
+      DSA_PATTERN_FIELD(topic_strength, 0.0, 32.0, false, false, true),
+      DSA_PATTERN_FIELD(topic_switch_rate, 1e-4, 1.0, false, false, true),
+      DSA_PATTERN_FIELD(recency_strength, 0.0, 32.0, false, false, true),
+      DSA_PATTERN_FIELD(recency_window_slots, 1, 4096, true, false, true),
+      DSA_PATTERN_FIELD(key_noise, 0.0, 16.0, false, false, true),
+      DSA_PATTERN_FIELD(query_noise, 0.0, 16.0, false, false, true),
+      DSA_PATTERN_FIELD(layer_correlation, 0.0, 1.0, false, true, true),
+      DSA_PATTERN_FIELD(diagonal_strength, 0.0, 32.0, false, false, false),
+      DSA_PATTERN_FIELD(num_topics, 1, 64, true, false, false),
   };
   return fields;
 }
@@ -136,22 +142,27 @@ const std::vector<FieldRef>& Fields() {
 
 const FieldRef* FindField(const std::string& name) {
   for (const FieldRef& f : Fields()) {
-    if (name == f.name) return &f;
+    if (name == f.parameter.name) return &f;
   }
   return nullptr;
 }
 
 }  // namespace
 
-absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& source,
-                                                        const IndexScoreWindow& window) {
-  const int64_t n = window.n;
-  const int k = window.top_k;
-  if (window.rows < 2 || k < 1 || n - window.rows < k) {
+absl::Status ValidateIndexScoreWindow(const IndexScoreWindow& window) {
+  if (window.rows < 2 || window.top_k < 1 || window.n - window.rows < window.top_k) {
     return absl::InvalidArgumentError(
         absl::StrCat("index-score window: need rows >= 2, top_k >= 1 and n - rows >= top_k; got n ",
-                     n, ", rows ", window.rows, ", top_k ", k));
+                     window.n, ", rows ", window.rows, ", top_k ", window.top_k));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& source,
+                                                        const IndexScoreWindow& window) {
+  DSA_RETURN_IF_ERROR(ValidateIndexScoreWindow(window));
+  const int64_t n = window.n;
+  const int k = window.top_k;
   const int num_heads = source.num_heads();
   const int head_dim = source.head_dim();
   const int64_t first = n - window.rows;
@@ -159,7 +170,8 @@ absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& 
   std::vector<float> query(static_cast<size_t>(num_heads) * head_dim);
   std::vector<float> weights(num_heads);
   std::vector<float> scores;
-  double coverage = 0, recency = 0, sink = 0, segment = 0, step = 0, layer_overlap = 0;
+  double coverage = 0, recency = 0, sink = 0, segment = 0, step = 0, block_step = 0,
+         layer_overlap = 0;
   int64_t selections = 0, steps = 0, layer_pairs = 0;
   std::vector<std::vector<int32_t>> previous_layer(window.rows);
   for (int layer = 0; layer < source.num_layers(); ++layer) {
@@ -194,6 +206,20 @@ absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& 
       ++selections;
       if (!previous_row.empty()) {
         step += Overlap(top, previous_row);
+        // Both are sorted by slot, so their blocks come sorted too.
+        std::vector<int32_t> previous_blocks;
+        for (int32_t i : previous_row) {
+          if (previous_blocks.empty() || previous_blocks.back() != i / kBlockSize) {
+            previous_blocks.push_back(i / kBlockSize);
+          }
+        }
+        int64_t hits = 0;
+        for (int32_t i : top) {
+          hits += std::binary_search(previous_blocks.begin(), previous_blocks.end(), i / kBlockSize)
+                      ? 1
+                      : 0;
+        }
+        block_step += static_cast<double>(hits) / k;
         ++steps;
       }
       if (!previous_layer[r].empty()) {
@@ -213,6 +239,7 @@ absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& 
   s.sink_share = mean(sink, selections);
   s.segment_share = mean(segment, selections);
   s.step_overlap = mean(step, steps);
+  s.block_step_overlap = mean(block_step, steps);
   s.layer_overlap = mean(layer_overlap, layer_pairs);
   return s;
 }
@@ -222,16 +249,19 @@ std::unique_ptr<IndexScoreSource> PatternScoreSource(std::shared_ptr<const Patte
 }
 
 absl::StatusOr<std::unique_ptr<IndexScoreSource>> RealModelScoreSource(
-    const std::string& model_file, const std::string& indexer_weights,
-    const std::vector<int32_t>& tokens, int64_t n, int rows) {
+    const std::shared_ptr<const LlamaModel>& model, const std::vector<int32_t>& tokens, int64_t n,
+    int rows) {
   if (n < 1 || rows < 1 || rows > n || static_cast<int64_t>(tokens.size()) < n) {
     return absl::InvalidArgumentError(absl::StrCat("real-model window: ", n, " tokens with ", rows,
                                                    " query rows from ", tokens.size(), " tokens"));
   }
-  DSA_ASSIGN_OR_RETURN(std::shared_ptr<const LlamaModel> model,
-                       LlamaModel::Load(model_file, indexer_weights));
+  if (n > model->config().context_length) {
+    return absl::InvalidArgumentError(absl::StrCat("real-model window: ", n,
+                                                   " tokens exceed the model's context of ",
+                                                   model->config().context_length));
+  }
   if (!model->has_indexer()) {
-    return absl::InvalidArgumentError(absl::StrCat(model_file, " was loaded without an indexer"));
+    return absl::InvalidArgumentError("the model was loaded without an indexer");
   }
   auto source = std::make_unique<RealSource>();
   const LightningIndexerConfig& ic = model->indexer_config();
@@ -263,17 +293,22 @@ double StatisticsDistance(const IndexScoreStatistics& a, const IndexScoreStatist
   const auto sq = [](double x) { return x * x; };
   return sq(a.block_coverage - b.block_coverage) + sq(a.recency_share - b.recency_share) +
          sq(a.sink_share - b.sink_share) + sq(a.segment_share - b.segment_share) +
-         sq(a.step_overlap - b.step_overlap) + sq(a.layer_overlap - b.layer_overlap);
+         sq(a.step_overlap - b.step_overlap) + sq(a.block_step_overlap - b.block_step_overlap) +
+         sq(a.layer_overlap - b.layer_overlap);
+}
+
+std::vector<PatternFitParameter> FittablePatternParameters() {
+  std::vector<PatternFitParameter> parameters;
+  for (const FieldRef& f : Fields()) parameters.push_back(f.parameter);
+  return parameters;
 }
 
 std::vector<PatternFitParameter> DefaultPatternFitParameters() {
-  return {
-      {"sink_strength", 0.0, 32.0, false},     {"salient_fraction", 0.0, 0.2, false},
-      {"salient_strength", 0.0, 32.0, false},  {"topic_strength", 0.0, 32.0, false},
-      {"topic_switch_rate", 1e-4, 1.0, false}, {"recency_strength", 0.0, 32.0, false},
-      {"recency_window_slots", 1, 4096, true}, {"key_noise", 0.0, 16.0, false},
-      {"query_noise", 0.0, 16.0, false},       {"layer_correlation", 0.0, 1.0, false},
-  };
+  std::vector<PatternFitParameter> parameters;
+  for (const FieldRef& f : Fields()) {
+    if (f.fitted_by_default) parameters.push_back(f.parameter);
+  }
+  return parameters;
 }
 
 absl::StatusOr<double> GetPatternParameter(const PatternModelConfig& config,
@@ -295,12 +330,8 @@ absl::Status SetPatternParameter(PatternModelConfig& config, const std::string& 
   return absl::OkStatus();
 }
 
-absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& real,
-                                                 const PatternFitOptions& options,
-                                                 void (*progress)(const std::string&)) {
-  const auto start_time = Clock::now();
-  PatternFitReport report;
-  report.real = real;
+absl::Status CheckFitParameters(const PatternFitOptions& options) {
+  DSA_RETURN_IF_ERROR(ValidateIndexScoreWindow(options.window));
   for (const PatternFitParameter& p : options.parameters) {
     DSA_ASSIGN_OR_RETURN(const double value, GetPatternParameter(options.start, p.name));
     if (!(value >= p.min && value <= p.max)) {
@@ -308,6 +339,16 @@ absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& rea
                                                      ", outside [", p.min, ", ", p.max, "]"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& real,
+                                                 const PatternFitOptions& options,
+                                                 void (*progress)(const std::string&)) {
+  const auto start_time = Clock::now();
+  PatternFitReport report;
+  report.real = real;
+  DSA_RETURN_IF_ERROR(CheckFitParameters(options));
   const auto measure = [&](const PatternModelConfig& config) -> absl::StatusOr<double> {
     DSA_ASSIGN_OR_RETURN(PatternModel model, PatternModel::Create(config));
     auto source = PatternScoreSource(std::make_shared<const PatternModel>(std::move(model)));
@@ -326,12 +367,11 @@ absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& rea
     bool improved = false;
     for (const PatternFitParameter& p : options.parameters) {
       const double value = *GetPatternParameter(best, p.name);
-      // Parameters bounded by 1 move additively; strengths, rates and widths multiplicatively
-      // (a zero strength moves to step itself, so it can come back).
-      const bool additive = p.max <= 1.0;
+      // Additive parameters move by step / 2 of their range; the others multiplicatively (a zero
+      // strength moves to step itself, so it can come back).
       for (const double direction : {1.0, -1.0}) {
-        double next = additive
-                          ? value + direction * step * 0.5
+        double next = p.additive
+                          ? value + direction * step * 0.5 * (p.max - p.min)
                           : (value == 0 && direction > 0 ? step : value * (1.0 + direction * step));
         next = std::clamp(next, p.min, p.max);
         if (p.integer) next = std::round(next);
@@ -366,10 +406,17 @@ absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& rea
   return report;
 }
 
+nlohmann::json PatternModelConfigToJson(const PatternModelConfig& config) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const FieldRef& f : Fields()) out[f.parameter.name] = f.get(config);
+  return out;
+}
+
 nlohmann::json IndexScoreStatisticsToJson(const IndexScoreStatistics& s) {
   return {{"block_coverage", s.block_coverage}, {"recency_share", s.recency_share},
           {"sink_share", s.sink_share},         {"segment_share", s.segment_share},
-          {"step_overlap", s.step_overlap},     {"layer_overlap", s.layer_overlap}};
+          {"step_overlap", s.step_overlap},     {"block_step_overlap", s.block_step_overlap},
+          {"layer_overlap", s.layer_overlap}};
 }
 
 namespace {
@@ -382,6 +429,7 @@ IndexScoreStatistics Average(const std::vector<IndexScoreStatistics>& all) {
     mean.sink_share += s.sink_share / static_cast<double>(all.size());
     mean.segment_share += s.segment_share / static_cast<double>(all.size());
     mean.step_overlap += s.step_overlap / static_cast<double>(all.size());
+    mean.block_step_overlap += s.block_step_overlap / static_cast<double>(all.size());
     mean.layer_overlap += s.layer_overlap / static_cast<double>(all.size());
   }
   return mean;
@@ -413,43 +461,62 @@ absl::StatusOr<std::vector<SpinMissRow>> PatternSpinMisses(const PatternModelCon
 }
 
 // The fixed-rho SPIN cells (gamma 0, no lag, retention 1, no drafts, no miss target) of a `dsa
-// eval --model smollm2` report, at its context nearest to `n`.
-absl::Status ReadRealSpinMisses(const std::string& path, int64_t n, PatternFitStudy& study) {
+// eval --model smollm2` report at context `n` with K = `top_k`.
+absl::Status ReadRealSpinMisses(const std::string& path, int64_t n, int top_k,
+                                PatternFitStudy& study) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
   const nlohmann::json report = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (report.is_discarded() || !report.contains("perplexity") || !report.contains("options")) {
+  const auto malformed = [&](const std::string& why) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, " is not a dsa eval --model smollm2 JSON report"));
-  }
-  std::map<std::string, double> fixed_rho;
-  for (const nlohmann::json& arm : report["options"].value("arms", nlohmann::json::array())) {
-    if (arm.value("spin", false) && arm.value("exploration_fraction", 1.0) == 0.0 &&
-        arm.value("lag_depth", 1) == 0 && arm.value("retention_stride", 2) == 1 &&
-        arm.value("draft_length", 1) == 0 && arm.value("miss_target", 1.0) == 0.0) {
-      fixed_rho[arm.value("name", "")] = arm.value("target_block_sparsity", 0.0);
+        absl::StrCat(path, " is not a dsa eval --model smollm2 JSON report: ", why));
+  };
+  if (report.is_discarded()) return malformed("not JSON");
+  // value() and get() throw on a field of the wrong type: any such field makes it malformed.
+  try {
+    if (!report.is_object() || !report.contains("options") || !report["options"].is_object() ||
+        !report.contains("perplexity") || !report["perplexity"].is_array()) {
+      return malformed("no options object or perplexity array");
     }
-  }
-  int64_t best = -1;
-  for (const nlohmann::json& cell : report["perplexity"]) {
-    const int64_t context = cell.value("context", int64_t{0});
-    if (fixed_rho.count(cell.value("arm", "")) != 0 &&
-        (best < 0 || std::llabs(context - n) < std::llabs(best - n))) {
-      best = context;
+    const nlohmann::json& options = report["options"];
+    const int report_k = options.value("top_k", 0);
+    if (report_k != top_k) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, " was run with K = ", report_k, ", this fit with K = ", top_k));
     }
-  }
-  for (const nlohmann::json& cell : report["perplexity"]) {
-    const auto arm = fixed_rho.find(cell.value("arm", ""));
-    if (arm == fixed_rho.end() || cell.value("context", int64_t{0}) != best) continue;
-    study.spin_real.push_back({arm->second, cell.value("mean_miss_rate", 0.0),
-                               cell.value("p99_miss_rate", 0.0),
-                               cell.value("realized_block_sparsity", 0.0)});
+    std::map<std::string, double> fixed_rho;
+    for (const nlohmann::json& arm : options.value("arms", nlohmann::json::array())) {
+      if (arm.value("spin", false) && arm.value("exploration_fraction", 1.0) == 0.0 &&
+          arm.value("lag_depth", 1) == 0 && arm.value("retention_stride", 2) == 1 &&
+          arm.value("draft_length", 1) == 0 && arm.value("miss_target", 1.0) == 0.0) {
+        fixed_rho[arm.value("name", "")] = arm.value("target_block_sparsity", 0.0);
+      }
+    }
+    std::vector<int64_t> contexts;
+    for (const nlohmann::json& cell : report["perplexity"]) {
+      const auto arm = fixed_rho.find(cell.value("arm", ""));
+      if (arm == fixed_rho.end()) continue;
+      const int64_t context = cell.value("context", int64_t{0});
+      contexts.push_back(context);
+      if (context != n) continue;
+      study.spin_real.push_back({arm->second, cell.value("mean_miss_rate", 0.0),
+                                 cell.value("p99_miss_rate", 0.0),
+                                 cell.value("realized_block_sparsity", 0.0)});
+    }
+    if (study.spin_real.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " has no fixed-rho SPIN cell (gamma 0) at context ", n, "; its cells' contexts: ",
+          contexts.empty() ? std::string("none") : absl::StrJoin(contexts, ", ")));
+    }
+    study.real_eval_partial = !report.value("complete", true);
+  } catch (const nlohmann::json::exception& e) {
+    return malformed(e.what());
   }
   std::sort(study.spin_real.begin(), study.spin_real.end(),
             [](const SpinMissRow& a, const SpinMissRow& b) {
               return a.target_block_sparsity < b.target_block_sparsity;
             });
-  study.real_eval_context = best;
+  study.real_eval_context = n;
   return absl::OkStatus();
 }
 
@@ -469,15 +536,33 @@ nlohmann::json SpinRowsToJson(const std::vector<SpinMissRow>& rows) {
 absl::StatusOr<PatternFitStudy> RunPatternFitStudy(const PatternFitStudyOptions& options,
                                                    void (*progress)(const std::string&)) {
   const auto start = Clock::now();
+  // Everything a run could be refused for is checked before the model loads (seconds) and the
+  // prefills run (seconds each).
   if (options.samples < 1) {
     return absl::InvalidArgumentError(absl::StrCat("samples must be >= 1, got ", options.samples));
   }
+  DSA_RETURN_IF_ERROR(ValidateIndexScoreWindow(options.fit.window));
+  if (options.spin_decode_steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SPIN check steps must be >= 0, got ", options.spin_decode_steps));
+  }
   PatternFitStudy study;
   study.options = options;
-  if (options.pattern_heads != 0) study.options.fit.start.num_heads = options.pattern_heads;
-  if (options.pattern_head_dim != 0) study.options.fit.start.head_dim = options.pattern_head_dim;
+  PatternModelConfig& shape = study.options.fit.start;
+  const auto check_shape = [&]() -> absl::Status {
+    if (absl::Status valid = ValidatePatternModelConfig(shape); !valid.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pattern model with ", shape.num_layers, " layers, H = ", shape.num_heads,
+                       ", D = ", shape.head_dim, ": ", valid.message()));
+    }
+    return CheckFitParameters(study.options.fit);
+  };
+  if (options.pattern_heads != 0) shape.num_heads = options.pattern_heads;
+  if (options.pattern_head_dim != 0) shape.head_dim = options.pattern_head_dim;
+  DSA_RETURN_IF_ERROR(check_shape());
   if (!options.real_eval_report.empty()) {
-    DSA_RETURN_IF_ERROR(ReadRealSpinMisses(options.real_eval_report, options.fit.window.n, study));
+    DSA_RETURN_IF_ERROR(ReadRealSpinMisses(options.real_eval_report, options.fit.window.n,
+                                           options.fit.window.top_k, study));
   }
   DSA_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, ReadTokensNpy(options.heldout_tokens));
   const int64_t n = options.fit.window.n;
@@ -485,6 +570,21 @@ absl::StatusOr<PatternFitStudy> RunPatternFitStudy(const PatternFitStudyOptions&
     return absl::InvalidArgumentError(
         absl::StrCat(options.heldout_tokens, " holds ", tokens.size(), " tokens, fewer than ", n));
   }
+  DSA_ASSIGN_OR_RETURN(std::shared_ptr<const LlamaModel> model,
+                       LlamaModel::Load(options.model_file, options.indexer_weights));
+  if (n > model->config().context_length) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context ", n, " exceeds the model's ", model->config().context_length));
+  }
+  if (!model->has_indexer()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(options.model_file, " was loaded without an indexer"));
+  }
+  // The statistics are rank-based, so the pattern model may have any shape; by default the real
+  // indexer's.
+  if (options.pattern_heads == 0) shape.num_heads = model->indexer_config().num_heads;
+  if (options.pattern_head_dim == 0) shape.head_dim = model->indexer_config().head_dim;
+  DSA_RETURN_IF_ERROR(check_shape());
   std::vector<IndexScoreStatistics> measured;
   for (int i = 0; i < options.samples; ++i) {
     const size_t offset = (tokens.size() - static_cast<size_t>(n)) * static_cast<size_t>(i) /
@@ -492,14 +592,9 @@ absl::StatusOr<PatternFitStudy> RunPatternFitStudy(const PatternFitStudyOptions&
     const std::vector<int32_t> window(tokens.begin() + static_cast<int64_t>(offset),
                                       tokens.begin() + static_cast<int64_t>(offset) + n);
     DSA_ASSIGN_OR_RETURN(std::unique_ptr<IndexScoreSource> source,
-                         RealModelScoreSource(options.model_file, options.indexer_weights, window,
-                                              n, options.fit.window.rows));
+                         RealModelScoreSource(model, window, n, options.fit.window.rows));
     DSA_ASSIGN_OR_RETURN(IndexScoreStatistics s, MeasureIndexScores(*source, options.fit.window));
     measured.push_back(s);
-    // The statistics are rank-based, so the pattern model may have any shape; by default the
-    // real indexer's.
-    if (options.pattern_heads == 0) study.options.fit.start.num_heads = source->num_heads();
-    if (options.pattern_head_dim == 0) study.options.fit.start.head_dim = source->head_dim();
     if (progress != nullptr) {
       progress(absl::StrFormat("real model, window %d at token %d: %s", i + 1, offset,
                                IndexScoreStatisticsToJson(s).dump()));
@@ -508,8 +603,7 @@ absl::StatusOr<PatternFitStudy> RunPatternFitStudy(const PatternFitStudyOptions&
   const IndexScoreStatistics real = Average(measured);
   DSA_ASSIGN_OR_RETURN(study.fit, FitPatternModel(real, study.options.fit, progress));
   if (options.spin_decode_steps > 0) {
-    DSA_ASSIGN_OR_RETURN(study.spin_start,
-                         PatternSpinMisses(study.options.fit.start, study.options));
+    DSA_ASSIGN_OR_RETURN(study.spin_start, PatternSpinMisses(shape, study.options));
     DSA_ASSIGN_OR_RETURN(study.spin_fitted, PatternSpinMisses(study.fit.config, study.options));
   }
   study.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -546,10 +640,12 @@ nlohmann::json PatternFitStudyToJson(const PatternFitStudy& study) {
           {"fitted_distance", study.fit.fitted_distance},
           {"evaluations", study.fit.evaluations},
           {"parameters", parameters},
+          {"fitted_config", PatternModelConfigToJson(study.fit.config)},
           {"spin_start", SpinRowsToJson(study.spin_start)},
           {"spin_fitted", SpinRowsToJson(study.spin_fitted)},
           {"spin_real", SpinRowsToJson(study.spin_real)},
           {"real_eval_context", study.real_eval_context},
+          {"real_eval_partial", study.real_eval_partial},
           {"seconds", study.seconds}};
 }
 
@@ -574,6 +670,7 @@ std::string PatternFitStudyToMarkdown(const PatternFitStudy& study) {
   row("sink share (first block)", &IndexScoreStatistics::sink_share);
   row("segment share (top older 512)", &IndexScoreStatistics::segment_share);
   row("step overlap", &IndexScoreStatistics::step_overlap);
+  row("block step overlap", &IndexScoreStatistics::block_step_overlap);
   row("layer overlap", &IndexScoreStatistics::layer_overlap);
   absl::StrAppend(&md, absl::StrFormat("| distance (sum of squares) | 0 | %.4f | %.4f |\n\n",
                                        f.start_distance, f.fitted_distance));
@@ -592,7 +689,8 @@ std::string PatternFitStudyToMarkdown(const PatternFitStudy& study) {
                         study.spin_real.empty()
                             ? std::string()
                             : absl::StrCat("; the real model's at context ",
-                                           study.real_eval_context, " from ", o.real_eval_report)));
+                                           study.real_eval_context, " from ", o.real_eval_report,
+                                           study.real_eval_partial ? " (a partial report)" : "")));
     absl::StrAppend(&md,
                     "| rho | real model | pattern model (start) | pattern model (fitted) |\n"
                     "|---|---|---|---|\n");

@@ -5,7 +5,7 @@
 //
 // The statistics are those SPIN section 2 describes and SPIN's block pruning depends on, measured
 // on the exact top-K of each decode-like row (rows t = n - rows .. n - 1, each over slots [0, t])
-// of every indexer layer, from z_t[i] = sum_h w_t,h ReLU(q_t,h . k_i) (DESIGN.md 3.1, without the
+// of every indexer layer, from z_t[i] = sum_h w_t,h ReLU(q_t,h . k_i) (DESIGN.md 4.1, without the
 // fp8 key scale):
 //   block coverage     distinct 64-slot blocks holding a top-K slot / visible blocks (how much a
 //                      block-sparse scan must read to keep the top-K: score concentration)
@@ -13,6 +13,8 @@
 //   sink share         top-K slots in the first block
 //   segment share      top-K slots in the most-selected older 512-slot segment (topic segments)
 //   step overlap       |top-K(t) n top-K(t - 1)| / K (how often the selection shifts)
+//   block step overlap top-K(t) slots in a block that held a top-K slot at t - 1, / K (what SPIN's
+//                      prev-iter planning can keep)
 //   layer overlap      |top-K of layer l n of layer l - 1| / K, at the same row (layer correlation)
 #pragma once
 
@@ -24,21 +26,25 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "attention_worker/llama_model.h"
 #include "attention_worker/pattern_model.h"
 #include "nlohmann/json.hpp"
 
 namespace dsa {
 
-/// Where the index scores come from: a model's indexer inputs at consecutive layers.
+/// Where the index scores come from: a model's indexer inputs at consecutive layers. The methods
+/// are const and thread-safe.
 class IndexScoreSource {
  public:
   virtual ~IndexScoreSource() = default;
   virtual int num_layers() const = 0;
   virtual int num_heads() const = 0;  // H
   virtual int head_dim() const = 0;   // D
-  /// The index keys of slots [0, n) at `layer`: fp32 [n, D].
+  /// The index keys of slots [0, n) at `layer`: fp32 [n, D]. INVALID_ARGUMENT for a layer out of
+  /// range, more slots than the source holds, or out.size() != n * D.
   virtual absl::Status Keys(int layer, int64_t n, std::span<float> out) const = 0;
-  /// The indexer query (fp32 [H, D]) and head weights ([H]) of the row at position t.
+  /// The indexer query (fp32 [H, D]) and head weights (fp32 [H]) of the row at position t.
+  /// INVALID_ARGUMENT for a layer or position the source does not hold, or wrong span sizes.
   virtual absl::Status Query(int layer, int64_t t, std::span<float> query,
                              std::span<float> head_weights) const = 0;
 };
@@ -50,6 +56,7 @@ struct IndexScoreStatistics {
   double sink_share = 0;
   double segment_share = 0;
   double step_overlap = 0;
+  double block_step_overlap = 0;
   double layer_overlap = 0;
 };
 
@@ -61,8 +68,10 @@ struct IndexScoreWindow {
   int top_k = 512;
 };
 
-/// Measures `source` over `window`. Errors: INVALID_ARGUMENT (rows < 2, n - rows < top_k,
-/// top_k < 1), and the source's.
+/// INVALID_ARGUMENT unless rows >= 2, top_k >= 1 and n - rows >= top_k (every row sees K slots).
+absl::Status ValidateIndexScoreWindow(const IndexScoreWindow& window);
+
+/// Measures `source` over `window`. Errors: ValidateIndexScoreWindow's, and the source's.
 absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& source,
                                                         const IndexScoreWindow& window);
 
@@ -70,14 +79,15 @@ absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& 
 std::unique_ptr<IndexScoreSource> PatternScoreSource(std::shared_ptr<const PatternModel> model);
 
 /// The real model's indexer inputs over the first `n` tokens of `tokens` (one dense prefill on the
-/// CPU), keeping the keys of every layer and the queries of the last `rows` rows.
-/// Errors: NOT_FOUND / DATA_LOSS / INVALID_ARGUMENT from the loaders (naming the file),
-/// INVALID_ARGUMENT (fewer than n tokens, a model without an indexer), the forward pass's.
+/// CPU, LlamaForward::IndexerInputs at every layer), keeping the keys of every layer (fp32
+/// [n, D] each) and the queries and head weights of the last `rows` rows. Errors:
+/// INVALID_ARGUMENT (fewer than n tokens, rows outside [1, n], n above the model's context, a model
+/// without an indexer), the forward pass's.
 absl::StatusOr<std::unique_ptr<IndexScoreSource>> RealModelScoreSource(
-    const std::string& model_file, const std::string& indexer_weights,
-    const std::vector<int32_t>& tokens, int64_t n, int rows);
+    const std::shared_ptr<const LlamaModel>& model, const std::vector<int32_t>& tokens, int64_t n,
+    int rows);
 
-/// The distance minimized: the sum over the statistics of (pattern - real)^2.
+/// The distance minimized: the sum over the seven statistics of (pattern - real)^2.
 double StatisticsDistance(const IndexScoreStatistics& a, const IndexScoreStatistics& b);
 
 /// One fitted parameter of PatternModelConfig and the range it may take.
@@ -86,10 +96,15 @@ struct PatternFitParameter {
   double min = 0;
   double max = 0;
   bool integer = false;
+  /// Steps of step / 2 of (max - min) instead of a factor (1 +- step).
+  bool additive = false;
 };
 
-/// The parameters `dsa fit-pattern` moves: the strengths and rates of the sinks, salient slots,
-/// topics, recency and noise, and the layer correlation.
+/// Every field `dsa fit-pattern` can move (--parameters), with its range and step rule.
+std::vector<PatternFitParameter> FittablePatternParameters();
+
+/// The parameters `dsa fit-pattern` moves by default: the strengths and rates of the sinks, salient
+/// slots, topics, recency and noise, and the layer correlation.
 std::vector<PatternFitParameter> DefaultPatternFitParameters();
 
 /// Reads and writes a fitted parameter of `config` by name. INVALID_ARGUMENT for an unknown name.
@@ -97,19 +112,22 @@ absl::StatusOr<double> GetPatternParameter(const PatternModelConfig& config,
                                            const std::string& name);
 absl::Status SetPatternParameter(PatternModelConfig& config, const std::string& name, double value);
 
+/// What FitPatternModel fits, from where, and how far it searches.
 struct PatternFitOptions {
   IndexScoreWindow window;
-  /// The pattern model's shape while fitting (the real indexer's H and D, its own layers).
+  /// The first config tried; its shape (layers, H, D, seed) is kept throughout.
   PatternModelConfig start;
   std::vector<PatternFitParameter> parameters = DefaultPatternFitParameters();
-  /// Coordinate descent: each round tries every parameter scaled by (1 +- step) (an additive step
-  /// of `step` for parameters bounded by 1) and keeps any improvement; the step halves after a
-  /// round without one, down to min_step.
+  /// Coordinate descent: each round tries every parameter scaled by (1 +- step) (additive ones
+  /// moved by +- step / 2 of their range) and keeps the first improvement of each; the step halves
+  /// after a round without one, down to min_step.
   double initial_step = 0.5;
   double min_step = 0.06;
   int max_rounds = 40;
 };
 
+/// FitPatternModel's result: the statistics it fitted to, those of the start and of the fitted
+/// config, and the distances between them.
 struct PatternFitReport {
   IndexScoreStatistics real;
   IndexScoreStatistics start;   // the pattern model with options.start
@@ -121,6 +139,10 @@ struct PatternFitReport {
   double seconds = 0;
 };
 
+/// INVALID_ARGUMENT for the window's errors, an unknown parameter, or a start value outside its
+/// parameter's range.
+absl::Status CheckFitParameters(const PatternFitOptions& options);
+
 /// Fits options.parameters of the pattern model to `real` by coordinate descent on
 /// StatisticsDistance. Errors: INVALID_ARGUMENT (an unknown parameter, a start value outside its
 /// range, the window's), the pattern model's (an invalid start config).
@@ -128,6 +150,11 @@ absl::StatusOr<PatternFitReport> FitPatternModel(const IndexScoreStatistics& rea
                                                  const PatternFitOptions& options,
                                                  void (*progress)(const std::string&));
 
+/// The pattern model's fittable fields (DefaultPatternFitParameters' and the diagonal strength and
+/// topic count) as a JSON object keyed by field name: what a report records of the model it ran.
+nlohmann::json PatternModelConfigToJson(const PatternModelConfig& config);
+
+/// The six statistics as a JSON object keyed by their field names.
 nlohmann::json IndexScoreStatisticsToJson(const IndexScoreStatistics& s);
 
 /// SPIN's audited quality at one target block sparsity (gamma 0), against the dense top-K.
@@ -147,7 +174,8 @@ struct PatternFitStudyOptions {
   std::string indexer_weights;
   std::string heldout_tokens;
   int samples = 2;  // windows of window.n tokens, spread evenly over the held-out tokens
-  /// The pattern model's H and D while fitting (0: the real indexer's). fit.start's are ignored.
+  /// The pattern model's H and D while fitting (0: the real indexer's, which then replace
+  /// fit.start's).
   int pattern_heads = 0;
   int pattern_head_dim = 0;
   PatternFitOptions fit;
@@ -156,18 +184,24 @@ struct PatternFitStudyOptions {
   std::string real_eval_report;  // optional: a dsa eval --model smollm2 JSON
 };
 
+/// RunPatternFitStudy's result; options as run (the pattern shape filled in).
 struct PatternFitStudy {
   PatternFitStudyOptions options;
   PatternFitReport fit;
   std::vector<SpinMissRow> spin_start, spin_fitted, spin_real;  // spin_real: from the report
-  int64_t real_eval_context = 0;
+  int64_t real_eval_context = 0;                                // the report's context (window.n)
+  bool real_eval_partial = false;                               // the report was marked incomplete
   double seconds = 0;
 };
 
-/// Errors: those of the loaders, RealModelScoreSource, MeasureIndexScores, FitPatternModel and
-/// RunEval; INVALID_ARGUMENT for samples < 1 or a real-eval report that is not one.
+/// Every option is checked before the model loads. Errors: INVALID_ARGUMENT (samples < 1, the
+/// window's, spin_decode_steps < 0, a pattern shape PatternModelConfig refuses, n above the model's
+/// context, a real-eval report that is malformed, has another K, or no fixed-rho SPIN cell at
+/// context n), NOT_FOUND (a file), the loaders', FitPatternModel's and RunEval's.
 absl::StatusOr<PatternFitStudy> RunPatternFitStudy(const PatternFitStudyOptions& options,
                                                    void (*progress)(const std::string&));
+/// The study as JSON (options, statistics, parameters start and fitted, SPIN rows) and as the
+/// markdown tables of docs/eval.md.
 nlohmann::json PatternFitStudyToJson(const PatternFitStudy& study);
 std::string PatternFitStudyToMarkdown(const PatternFitStudy& study);
 
