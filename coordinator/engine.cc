@@ -59,11 +59,13 @@ absl::Status WorkerStatus(const absl::Status& status, const std::string& address
 // and a fresh prefill elsewhere mends that. From the Prefill that creates a sequence it cannot
 // mean that, since nothing of the sequence existed: it is a worker that answered refusing the
 // request's settings, e.g. an indexer without audits (--audit-fraction 0) refusing a miss target
-// (overrides.miss_target). Such a refusal follows from the workers' flags, which a deployment's
-// workers share, so every worker would answer the same, and the request ends at once with it.
-// Where the indexers' flags differ (some audit, some not) another one might have taken the
-// request; it ends all the same, with the refusing workers named, so that the mismatch shows
-// instead of hiding behind migrations that succeed or not as placement happens to fall.
+// (overrides.miss_target), or a refusal of the pair itself (an indexer restarted with another H or
+// D since the coordinator last checked it; the next worker check takes the pair out). Such a
+// refusal follows from the workers' flags, which a deployment's workers share, so every worker
+// would answer the same, and the request ends at once with it. Where the indexers' flags differ
+// (some audit, some not) another one might have taken the request; it ends all the same, with the
+// refusing workers named, so that the mismatch shows instead of hiding behind migrations that
+// succeed or not as placement happens to fall.
 bool WorkerFailure(const absl::Status& status, bool creating) {
   switch (status.code()) {
     case absl::StatusCode::kUnavailable:
