@@ -17,6 +17,7 @@
 #include "indexer_service/indexer.h"
 #include "indexer_service/topk.h"
 #include "tools/dsa/pattern_fit.h"
+#include "tools/dsa/replay.h"
 
 namespace dsa {
 namespace {
@@ -85,11 +86,7 @@ struct Tally {
       double sum = 0.0;
       for (double m : misses) sum += m;
       row.mean_miss_rate = sum / misses.size();
-      std::vector<double> sorted = misses;
-      std::sort(sorted.begin(), sorted.end());
-      // Nearest-rank 99th percentile.
-      const size_t rank = static_cast<size_t>(std::ceil(0.99 * sorted.size()));
-      row.p99_miss_rate = sorted[std::max<size_t>(rank, 1) - 1];
+      row.p99_miss_rate = NearestRankPercentile(misses, 99);
     }
     row.mean_accepted = steps > 0 ? static_cast<double>(accepted) / steps : 0.0;
   }

@@ -26,6 +26,7 @@
 #include "coordinator/ngram_drafter.h"
 #include "indexer_service/block_pool.h"
 #include "indexer_service/indexer.h"
+#include "tools/dsa/replay.h"
 #include "transport/in_process_indexer_client.h"
 
 #ifdef DSA_WITH_CUDA
@@ -62,19 +63,18 @@ struct NllSum {
   }
 };
 
-// The mean and the p-quantile (nearest rank) of `values` (sorted in place); zeros when empty.
+// The mean and the nearest-rank `percentile` (NearestRankPercentile) of `values` (sorted in
+// place, so the mean sums them in ascending order); zeros when empty.
 struct Summary {
   double mean = 0;
   double quantile = 0;
 };
-Summary Summarize(std::vector<double>& values, double p) {
+Summary Summarize(std::vector<double>& values, double percentile) {
   if (values.empty()) return {};
   std::sort(values.begin(), values.end());
   double sum = 0;
   for (double v : values) sum += v;
-  const auto rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
-  return {sum / static_cast<double>(values.size()),
-          values[std::min(values.size() - 1, rank == 0 ? 0 : rank - 1)]};
+  return {sum / static_cast<double>(values.size()), NearestRankPercentile(values, percentile)};
 }
 
 // ---- dense: the runner's passes without selections (the reference every arm is read against) --
@@ -645,7 +645,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
           std::vector<double>& rows = mass[l];
           layer.rows = static_cast<int64_t>(rows.size());
           all_mass.insert(all_mass.end(), rows.begin(), rows.end());
-          const Summary recall = Summarize(rows, 0.01);
+          const Summary recall = Summarize(rows, 1);
           layer.mean_mass_recall = recall.mean;
           layer.p1_mass_recall = recall.quantile;
           const auto rank = std::find(stats.full_layers.begin(), stats.full_layers.end(), l);
@@ -653,13 +653,13 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
             std::vector<double>& misses =
                 stats.miss_by_full_rank[static_cast<int>(rank - stats.full_layers.begin())];
             layer.audited_rows = static_cast<int64_t>(misses.size());
-            const Summary miss = Summarize(misses, 0.99);
+            const Summary miss = Summarize(misses, 99);
             layer.mean_miss_rate = miss.mean;
             layer.p99_miss_rate = miss.quantile;
           }
           cell.layers.push_back(layer);
         }
-        const Summary recall = Summarize(all_mass, 0.01);
+        const Summary recall = Summarize(all_mass, 1);
         cell.mean_mass_recall = recall.mean;
         cell.p1_mass_recall = recall.quantile;
         if (arm.spin) {
@@ -673,7 +673,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                     : 1.0 - static_cast<double>(blocks.first) / static_cast<double>(blocks.second);
             std::vector<double>& misses = stats.miss_by_sequence[id];
             seq.audited_rows = static_cast<int64_t>(misses.size());
-            const Summary miss = Summarize(misses, 0.99);
+            const Summary miss = Summarize(misses, 99);
             seq.mean_miss_rate = miss.mean;
             seq.p99_miss_rate = miss.quantile;
             cell.sequences.push_back(seq);
@@ -687,7 +687,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                                            : 1.0 - static_cast<double>(stats.blocks_scored) /
                                                        static_cast<double>(stats.blocks_visible);
         cell.audited_rows = static_cast<int64_t>(stats.miss_rates.size());
-        const Summary miss = Summarize(stats.miss_rates, 0.99);
+        const Summary miss = Summarize(stats.miss_rates, 99);
         cell.mean_miss_rate = miss.mean;
         cell.p99_miss_rate = miss.quantile;
         cell.steps = stats.steps;
