@@ -44,7 +44,7 @@ if [[ $what == sanitize || $what == all ]]; then
       if [[ $tool == racecheck && $t == scoring_device ]]; then
         # The scoring device runs the kernels that the suites above racecheck, through the Indexer;
         # under racecheck its filtered tests (5) did not finish in 200 s (H200, 30 Nov 2026,
-        # docs/results/h200_2026-11-30_racecheck_80d3b10.log).
+        # docs/results/gpu_racecheck_scoring_device_h200.log).
         echo "=== racecheck indexer_cuda_scoring_device_test: skipped (its kernels are racechecked above)" |
           tee -a "$out/sanitizer.log"
         continue
