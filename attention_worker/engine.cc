@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "attention_worker/pattern_attention_model.h"
-#include "common/limits.h"
 #include "common/parallel_for.h"
 #include "common/status_macros.h"
+#include "contracts/limits.h"
 
 namespace dsa {
 
@@ -712,7 +712,7 @@ absl::Status AttentionEngine::PlanStep(std::span<const StepMember> members, Step
     m.device_selections.assign(num_full, nullptr);
   }
   // Each layer's select to an indexer worker carries its batch's rows: its answer must fit a
-  // message (common/limits.h), or every sequence of the batch would fail at the first layer.
+  // message (contracts/limits.h), or every sequence of the batch would fail at the first layer.
   for (const StepState::Batch& batch : step.batches) {
     int64_t bound = kSelectResponseFramingBytes;
     for (int i : batch.members) {

@@ -12,7 +12,8 @@
 #include "common/instance_id.h"
 #include "common/status_macros.h"
 #include "common/trace_context.h"
-#include "indexer_service/grpc_service.h"
+#include "contracts/grpc_status.h"
+#include "proto/indexer_codec.h"
 #include "transport/grpc_indexer_client.h"
 
 namespace dsa {

@@ -30,6 +30,7 @@
 #include "indexer_service/indexer.h"
 #include "indexer_service/layer_select.h"
 #include "nlohmann/json.hpp"
+#include "proto/indexer_codec.h"
 #include "proto/tensor_codec.h"
 #include "transport/grpc_stream_transport.h"
 #include "transport/in_process_transport.h"
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
       if (positions[mode] - context_slots >= steps_per_sequence) fresh_sequence(mode);
       dsa::LayerSelectRequest request = make_request(mode);
       // The unary RPC's message is built before the clock starts (the stream encodes in Submit).
-      const v1::SelectRequest proto = dsa::ToSelectRequestProto(request);
+      const v1::SelectRequest proto = dsa::EncodeSelectRequest(request);
       v1::SelectResponse response;
       const auto start = Clock::now();
       bool ok = false;

@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "common/limits.h"
 #include "common/philox.h"
+#include "contracts/limits.h"
 
 namespace dsa {
 

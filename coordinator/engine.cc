@@ -8,8 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/limits.h"
 #include "common/status_macros.h"
+#include "contracts/limits.h"
 #include "coordinator/token_blocks.h"
 #include "server/server.h"
 
@@ -335,7 +335,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
                                                    "exploration_fraction in [0, 1)"));
   }
   // A decode step's select to one indexer worker carries every running sequence of an attention
-  // worker at most: its answer must fit a message (common/limits.h) at the largest rows and K.
+  // worker at most: its answer must fit a message (contracts/limits.h) at the largest rows and K.
   if (options.max_running_per_attention < 1 ||
       kSelectResponseFramingBytes + int64_t{options.max_running_per_attention} *
                                         SelectResponseBytesBound(kMaxStepRows, kMaxTopK) >

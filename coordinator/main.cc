@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
-#include "common/limits.h"
+#include "contracts/limits.h"
 #include "coordinator/metrics.h"
 #include "coordinator/service.h"
 #include "prometheus/registry.h"

@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "indexer_service/index_key_append.h"
 #include "indexer_service/layer_select.h"
+#include "proto/indexer_codec.h"
 #include "proto/tensor_codec.h"
 #include "server/parse_errors.h"
 
@@ -24,205 +25,6 @@ namespace v1 = ::dsa::indexer::v1;
 // tests.
 constexpr int kAppendIndexKeysMethod = 1;
 constexpr int kSelectStreamMethod = 3;
-
-// The tensors of one group decoded into the transport's plain struct (every other check is
-// RunLayerSelect's).
-absl::Status DecodeGroup(const Indexer& indexer, const v1::RowGroup& group, size_t index,
-                         SelectRowGroup* decoded) {
-  const int64_t num_heads = indexer.options().num_heads;
-  const int64_t head_dim = indexer.options().head_dim;
-  const std::string prefix = absl::StrCat("group ", index, ": ");
-  const int64_t query_shape[] = {-1, num_heads, head_dim};
-  DSA_ASSIGN_OR_RETURN(decoded->queries,
-                       DecodeFloatTensor(group.queries(), query_shape, prefix + "queries"));
-  const int64_t num_rows = group.queries().shape(0);
-  if (num_rows < 1) return absl::InvalidArgumentError(prefix + "queries have no rows");
-  if (group.head_weights().dtype() != dsa::common::v1::DTYPE_FLOAT32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "head_weights must be DTYPE_FLOAT32, got ",
-                     dsa::common::v1::DType_Name(group.head_weights().dtype())));
-  }
-  const int64_t weight_shape[] = {num_rows, num_heads};
-  DSA_ASSIGN_OR_RETURN(decoded->head_weights, DecodeFloatTensor(group.head_weights(), weight_shape,
-                                                                prefix + "head_weights"));
-  if (group.has_new_index_keys()) {
-    const int64_t key_shape[] = {-1, head_dim};
-    DSA_ASSIGN_OR_RETURN(
-        decoded->new_index_keys,
-        DecodeFloatTensor(group.new_index_keys(), key_shape, prefix + "new_index_keys"));
-  }
-  decoded->sequence_id = group.sequence_id();
-  decoded->layer = group.layer();
-  decoded->first_position = group.first_position();
-  decoded->num_rows = static_cast<int>(num_rows);
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::Status ToSpinConfig(const v1::SpinSettings& settings, SpinConfig* config) {
-  switch (settings.mode_case()) {
-    case v1::SpinSettings::kAllKeep:
-      config->enabled = !settings.all_keep();
-      break;
-    case v1::SpinSettings::kTargetBlockSparsity:
-      config->target_block_sparsity = settings.target_block_sparsity();
-      break;
-    case v1::SpinSettings::MODE_NOT_SET:
-      break;
-  }
-  if (settings.has_ema_decay()) config->ema_decay = settings.ema_decay();
-  if (settings.has_exploration_fraction()) {
-    config->exploration_fraction = settings.exploration_fraction();
-  }
-  switch (settings.pooling()) {
-    case v1::BLOCK_POOLING_UNSPECIFIED:
-    case v1::BLOCK_POOLING_MAX:
-      config->pooling = BlockPooling::kMax;
-      break;
-    case v1::BLOCK_POOLING_TOP4_MEAN:
-      config->pooling = BlockPooling::kTop4Mean;
-      break;
-    case v1::BLOCK_POOLING_MEAN:
-      config->pooling = BlockPooling::kMean;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown pooling ", settings.pooling()));
-  }
-  switch (settings.reduction()) {
-    case v1::BLOCK_REDUCTION_UNSPECIFIED:
-    case v1::BLOCK_REDUCTION_A1:
-      config->reduction = BlockReduction::kA1;
-      break;
-    case v1::BLOCK_REDUCTION_A0:
-      config->reduction = BlockReduction::kA0;
-      break;
-    case v1::BLOCK_REDUCTION_A2:
-      config->reduction = BlockReduction::kA2;
-      break;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown reduction ", settings.reduction()));
-  }
-  switch (settings.exploration()) {
-    case v1::EXPLORATION_POLICY_UNSPECIFIED:
-    case v1::EXPLORATION_POLICY_RANDOM:
-      config->exploration = ExplorationPolicy::kRandom;
-      break;
-    case v1::EXPLORATION_POLICY_STALENESS_SCORE:
-      config->exploration = ExplorationPolicy::kStalenessScore;
-      break;
-    case v1::EXPLORATION_POLICY_BLOCK_AGE:
-      config->exploration = ExplorationPolicy::kBlockAge;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown exploration policy ", settings.exploration()));
-  }
-  switch (settings.spec_mask()) {
-    case v1::SPEC_MASK_POLICY_UNSPECIFIED:
-    case v1::SPEC_MASK_POLICY_ROW_LOCAL_UNION:
-      config->spec_mask = SpecMaskPolicy::kRowLocalUnion;
-      break;
-    case v1::SPEC_MASK_POLICY_ROW0_SHARING:
-      config->spec_mask = SpecMaskPolicy::kRow0Sharing;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown spec mask policy ", settings.spec_mask()));
-  }
-  switch (settings.spec_update()) {
-    case v1::SPEC_UPDATE_POLICY_UNSPECIFIED:
-    case v1::SPEC_UPDATE_POLICY_PREFIX_VALID:
-      config->spec_update = SpecUpdatePolicy::kPrefixValid;
-      break;
-    case v1::SPEC_UPDATE_POLICY_ROW0:
-      config->spec_update = SpecUpdatePolicy::kRow0;
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown spec update policy ", settings.spec_update()));
-  }
-  config->seed = settings.seed();
-  if (settings.has_miss_target()) config->miss_target = settings.miss_target();
-  return absl::OkStatus();
-}
-
-v1::SpinSettings ToSpinSettings(const SpinConfig& config) {
-  v1::SpinSettings settings;
-  if (config.enabled) {
-    settings.set_target_block_sparsity(config.target_block_sparsity);
-  } else {
-    settings.set_all_keep(true);
-  }
-  settings.set_ema_decay(config.ema_decay);
-  settings.set_exploration_fraction(config.exploration_fraction);
-  if (config.miss_target.has_value()) settings.set_miss_target(*config.miss_target);
-  switch (config.pooling) {
-    case BlockPooling::kMax:
-      settings.set_pooling(v1::BLOCK_POOLING_MAX);
-      break;
-    case BlockPooling::kTop4Mean:
-      settings.set_pooling(v1::BLOCK_POOLING_TOP4_MEAN);
-      break;
-    case BlockPooling::kMean:
-      settings.set_pooling(v1::BLOCK_POOLING_MEAN);
-      break;
-  }
-  switch (config.reduction) {
-    case BlockReduction::kA0:
-      settings.set_reduction(v1::BLOCK_REDUCTION_A0);
-      break;
-    case BlockReduction::kA1:
-      settings.set_reduction(v1::BLOCK_REDUCTION_A1);
-      break;
-    case BlockReduction::kA2:
-      settings.set_reduction(v1::BLOCK_REDUCTION_A2);
-      break;
-  }
-  switch (config.exploration) {
-    case ExplorationPolicy::kRandom:
-      settings.set_exploration(v1::EXPLORATION_POLICY_RANDOM);
-      break;
-    case ExplorationPolicy::kStalenessScore:
-      settings.set_exploration(v1::EXPLORATION_POLICY_STALENESS_SCORE);
-      break;
-    case ExplorationPolicy::kBlockAge:
-      settings.set_exploration(v1::EXPLORATION_POLICY_BLOCK_AGE);
-      break;
-  }
-  switch (config.spec_mask) {
-    case SpecMaskPolicy::kRowLocalUnion:
-      settings.set_spec_mask(v1::SPEC_MASK_POLICY_ROW_LOCAL_UNION);
-      break;
-    case SpecMaskPolicy::kRow0Sharing:
-      settings.set_spec_mask(v1::SPEC_MASK_POLICY_ROW0_SHARING);
-      break;
-  }
-  switch (config.spec_update) {
-    case SpecUpdatePolicy::kPrefixValid:
-      settings.set_spec_update(v1::SPEC_UPDATE_POLICY_PREFIX_VALID);
-      break;
-    case SpecUpdatePolicy::kRow0:
-      settings.set_spec_update(v1::SPEC_UPDATE_POLICY_ROW0);
-      break;
-  }
-  settings.set_seed(config.seed);
-  return settings;
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view context) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      context.empty() ? status.error_message()
-                                      : absl::StrCat(context, ": ", status.error_message()));
-}
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
-
-namespace {
 
 // RESOURCE_EXHAUSTED when the answer to `request` could pass kMaxReceiveMessageBytes. Groups of
 // unknown sequences count nothing (the select refuses them anyway).
@@ -250,25 +52,12 @@ absl::Status RunSelect(Indexer& indexer, const v1::SelectRequest& request,
   if (request.groups().empty())
     return absl::InvalidArgumentError("select needs at least one group");
   DSA_RETURN_IF_ERROR(CheckSelectResponseFits(indexer, request));
-  LayerSelectRequest decoded;
-  decoded.num_heads = indexer.options().num_heads;
-  decoded.head_dim = indexer.options().head_dim;
-  decoded.groups.resize(request.groups_size());
-  for (int g = 0; g < request.groups_size(); ++g) {
-    DSA_RETURN_IF_ERROR(DecodeGroup(indexer, request.groups(g), g, &decoded.groups[g]));
-  }
+  DSA_ASSIGN_OR_RETURN(
+      LayerSelectRequest decoded,
+      DecodeSelectRequest(request, indexer.options().num_heads, indexer.options().head_dim));
   DSA_ASSIGN_OR_RETURN(LayerSelection selection,
                        RunLayerSelect(indexer, decoded, metrics, groups_applied_out));
-  response->set_request_id(request.request_id());
-  for (const GroupSelection& group : selection.groups) {
-    v1::GroupSelection* out = response->add_selections();
-    const int64_t shape[] = {group.num_rows, group.top_k};
-    EncodeInt32Tensor(group.selections, shape, out->mutable_selections());
-    out->set_blocks_scored(group.blocks_scored);
-    out->set_blocks_visible(group.blocks_visible);
-    out->set_all_blocks(group.all_blocks);
-    for (const double miss_rate : group.audit_miss_rates) out->add_audit_miss_rates(miss_rate);
-  }
+  EncodeSelectResponse(selection, request.request_id(), response);
   return absl::OkStatus();
 }
 
@@ -452,13 +241,7 @@ grpc::Status IndexerServiceImpl::SelectStreamFrom(
     int groups_applied = 0;
     absl::Status s = CheckOwned(request, caller);
     if (s.ok()) s = RunSelect(*indexer_, request, &response, metrics_, &groups_applied);
-    if (!s.ok()) {
-      response.Clear();
-      response.set_request_id(request.request_id());
-      response.mutable_error()->set_code(static_cast<int32_t>(s.code()));
-      response.mutable_error()->set_message(std::string(s.message()));
-      response.mutable_error()->set_groups_applied(groups_applied);
-    }
+    if (!s.ok()) EncodeSelectError(s, groups_applied, request.request_id(), &response);
     UpdateCacheMetrics();
     if (!write(response)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "the client closed the stream");

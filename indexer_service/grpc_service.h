@@ -9,40 +9,22 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/limits.h"
+#include "contracts/grpc_status.h"
+#include "contracts/limits.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "indexer_service/data_plane.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
+#include "proto/indexer_codec.h"
 #include "server/security.h"
 
 namespace dsa {
 
-/// Largest AppendIndexKeys chunk (serialized message) the adapter takes: gRPC's 4 MiB default.
-/// A larger one is refused with RESOURCE_EXHAUSTED by the handler, which undoes the call's earlier
-/// chunks before the status is sent.
-inline constexpr int kMaxAppendChunkBytes = 4 << 20;
-// kMaxReceiveMessageBytes (common/limits.h) is the receive limit a server of this service sets, so
-// that chunks up to kMaxAppendChunkBytes reach the handler and are refused deterministically as
+// kMaxReceiveMessageBytes (contracts/limits.h) is the receive limit a server of this service sets,
+// so that chunks up to kMaxAppendChunkBytes reach the handler and are refused deterministically as
 // above. A message over it is failed by gRPC itself before the handler sees it; the handler then
 // undoes the call's chunks only if gRPC has already marked the call cancelled when the stream ends.
-
-/// Applies `settings` to `config` (whose fields are the defaults for unset ones): unset mode =
-/// SPIN on at the config's rho; all_keep = SPIN off; unset optional fields and UNSPECIFIED enums
-/// keep the paper's defaults (SPIN paper section 3; DESIGN.md 4.2). INVALID_ARGUMENT for an
-/// unknown enum value (range checks are ValidateSpinConfig's).
-absl::Status ToSpinConfig(const dsa::indexer::v1::SpinSettings& settings, SpinConfig* config);
-
-/// The settings that ToSpinConfig turns back into `config` exactly (every field explicit).
-dsa::indexer::v1::SpinSettings ToSpinSettings(const SpinConfig& config);
-
-/// absl::Status -> grpc::Status with the same code (Abseil's codes are gRPC's) and message.
-grpc::Status ToGrpcStatus(const absl::Status& status);
-
-/// grpc::Status -> absl::Status with the same code; the message prefixed "<context>: " when
-/// `context` is not empty (e.g. "indexer worker host:port: Commit").
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view context = {});
 
 /// Decodes, validates and runs one SelectRequest against `indexer` (shared by Select and
 /// SelectStream; exposed for tests and in-process callers).

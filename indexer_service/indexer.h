@@ -15,7 +15,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/limits.h"
+#include "contracts/limits.h"
+#include "contracts/sequence.h"
 #include "indexer_service/index_key_cache.h"
 #include "indexer_service/scoring.h"
 #include "indexer_service/scoring_device.h"
@@ -42,15 +43,6 @@ struct IndexerOptions {
 /// Called once, under the engine's lock (do not call back into the Indexer), with the error of a
 /// scoring device that failed and was dropped; the CPU serves on from then.
 using DeviceFailureCallback = std::function<void(const absl::Status&)>;
-
-/// Per-sequence settings.
-struct SequenceOptions {
-  int num_layers = 1;  // full layers with an indexer (index-key cache and SPIN state each)
-  int top_k = 2048;    // K, in [1, kMaxTopK]
-  /// SPIN settings; the exploration draws use MixSeed(spin.seed, sequence id), so sequences with
-  /// the same configured seed still draw independently, and a rerun with the same ids repeats.
-  SpinConfig spin;
-};
 
 /// Time of the phases of one Select (DESIGN.md 4.2 steps 2-8), seconds: wall time on the steady
 /// clock on the CPU. A pass shared by a batch (the CPU's scan, or the device's) is charged to each

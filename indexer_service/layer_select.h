@@ -1,14 +1,14 @@
-// One layer's select of a decode step, from the transport's plain structs (transport/
-// selection_transport.h) to the Indexer engine and back: what every data plane runs on the indexer
+// One layer's select of a decode step, from the contracts' plain structs (contracts/
+// layer_select.h) to the Indexer engine and back: what every data plane runs on the indexer
 // side (the gRPC stream after decoding its protos, the in-process transport, the NCCL server).
 #pragma once
 
 #include <functional>
 
 #include "absl/status/statusor.h"
+#include "contracts/layer_select.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
-#include "transport/selection_transport.h"
 
 namespace dsa {
 

@@ -10,7 +10,9 @@
 #include "common/host_port.h"
 #include "common/status_macros.h"
 #include "common/trace_context.h"
-#include "indexer_service/grpc_service.h"
+#include "contracts/grpc_status.h"
+#include "contracts/limits.h"
+#include "proto/indexer_codec.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {

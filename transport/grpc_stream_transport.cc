@@ -7,8 +7,8 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
-#include "indexer_service/grpc_service.h"
-#include "proto/tensor_codec.h"
+#include "contracts/grpc_status.h"
+#include "proto/indexer_codec.h"
 
 namespace dsa {
 namespace {
@@ -16,54 +16,6 @@ namespace {
 namespace v1 = dsa::indexer::v1;
 
 }  // namespace
-
-v1::SelectRequest ToSelectRequestProto(const LayerSelectRequest& request) {
-  v1::SelectRequest proto;
-  const int64_t num_heads = request.num_heads;
-  const int64_t head_dim = request.head_dim;
-  for (const SelectRowGroup& group : request.groups) {
-    v1::RowGroup* out = proto.add_groups();
-    out->set_sequence_id(group.sequence_id);
-    out->set_layer(group.layer);
-    out->set_first_position(group.first_position);
-    const int64_t query_shape[] = {group.num_rows, num_heads, head_dim};
-    EncodeFloatTensor(group.queries, query_shape, out->mutable_queries());
-    const int64_t weight_shape[] = {group.num_rows, num_heads};
-    EncodeFloatTensor(group.head_weights, weight_shape, out->mutable_head_weights());
-    if (!group.new_index_keys.empty()) {
-      const int64_t key_shape[] = {static_cast<int64_t>(group.new_index_keys.size()) / head_dim,
-                                   head_dim};
-      EncodeFloatTensor(group.new_index_keys, key_shape, out->mutable_new_index_keys());
-    }
-  }
-  return proto;
-}
-
-absl::StatusOr<LayerSelection> FromSelectResponseProto(const v1::SelectResponse& response,
-                                                       const std::vector<int>& group_rows) {
-  if (response.selections_size() != static_cast<int>(group_rows.size())) {
-    return absl::InternalError(absl::StrCat("the indexer answered ", response.selections_size(),
-                                            " selections for ", group_rows.size(), " groups"));
-  }
-  LayerSelection selection;
-  selection.groups.resize(group_rows.size());
-  for (size_t g = 0; g < group_rows.size(); ++g) {
-    const v1::GroupSelection& in = response.selections(static_cast<int>(g));
-    GroupSelection& out = selection.groups[g];
-    const int64_t shape[] = {group_rows[g], -1};
-    auto values =
-        DecodeInt32Tensor(in.selections(), shape, absl::StrCat("group ", g, " selections"));
-    if (!values.ok()) return absl::InternalError(values.status().message());
-    out.num_rows = group_rows[g];
-    out.top_k = static_cast<int>(in.selections().shape(1));
-    out.selections = std::move(*values);
-    out.blocks_scored = in.blocks_scored();
-    out.blocks_visible = in.blocks_visible();
-    out.all_blocks = in.all_blocks();
-    out.audit_miss_rates.assign(in.audit_miss_rates().begin(), in.audit_miss_rates().end());
-  }
-  return selection;
-}
 
 GrpcStreamTransport::GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel)
     : stub_(v1::IndexerService::NewStub(std::move(channel))) {
@@ -97,7 +49,7 @@ absl::StatusOr<uint64_t> GrpcStreamTransport::Submit(LayerSelectRequest layer) {
   std::vector<int> group_rows;
   group_rows.reserve(layer.groups.size());
   for (const SelectRowGroup& group : layer.groups) group_rows.push_back(group.num_rows);
-  v1::SelectRequest request = ToSelectRequestProto(layer);
+  v1::SelectRequest request = EncodeSelectRequest(layer);
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -139,18 +91,9 @@ absl::StatusOr<LayerSelection> GrpcStreamTransport::Await(uint64_t request_id,
     const std::vector<int> group_rows = std::move(outstanding_[request_id]);
     outstanding_.erase(request_id);
     if (response.has_error()) {  // the indexer refused this request; the stream goes on
-      const int code = response.error().code();
-      if (code < 1 || code > 16) {  // never OK, and only the codes gRPC defines
-        return absl::InternalError(absl::StrCat("indexer answered request ", request_id,
-                                                " with an invalid status code ", code, ": ",
-                                                response.error().message()));
-      }
-      absl::Status refused(static_cast<absl::StatusCode>(code), response.error().message());
-      refused.SetPayload(kGroupsAppliedPayload,
-                         absl::Cord(absl::StrCat(response.error().groups_applied())));
-      return refused;
+      return DecodeSelectError(response.error(), request_id);
     }
-    return FromSelectResponseProto(response, group_rows);
+    return DecodeSelectResponse(response, group_rows);
   }
   outstanding_.erase(request_id);
   if (!final_status_.ok()) return final_status_;

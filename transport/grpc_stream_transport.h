@@ -16,15 +16,6 @@
 
 namespace dsa {
 
-/// The wire form of one layer's select: one RowGroup per group, fp32 tensors (queries [rows, H, D],
-/// head_weights [rows, H], new_index_keys [n, D] when n > 0); request_id left 0.
-dsa::indexer::v1::SelectRequest ToSelectRequestProto(const LayerSelectRequest& request);
-
-/// The plain form of an answer to a request whose groups had `group_rows` rows each. INTERNAL when
-/// it does not match (group count, a selections tensor that is not int32 [rows, K]).
-absl::StatusOr<LayerSelection> FromSelectResponseProto(
-    const dsa::indexer::v1::SelectResponse& response, const std::vector<int>& group_rows);
-
 class GrpcStreamTransport final : public SelectionTransport {
  public:
   /// Opens the stream on `channel` (not yet connected is fine: the first write connects).

@@ -14,16 +14,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "indexer_service/indexer.h"
+#include "contracts/sequence.h"
 #include "transport/selection_transport.h"
 
 namespace dsa {
-
-/// What the attention worker must agree on with its indexer worker.
-struct IndexerShape {
-  int num_heads = 0;  // H of the indexer query
-  int head_dim = 0;   // D of index keys and queries
-};
 
 /// A sequence to create on the indexer (Indexer::CreateSequence / CreateSequenceFromPrefix).
 struct IndexerSequenceSpec {

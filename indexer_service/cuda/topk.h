@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
-#include "common/limits.h"  // kMaxTopK: the largest K the kernel takes (its winners live in
-                            // shared memory)
+#include "contracts/limits.h"  // kMaxTopK: the largest K the kernel takes (its winners live in
+                               // shared memory)
 
 namespace dsa::cuda {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "common/limits.h"
+#include "contracts/limits.h"
 #include "grpcpp/grpcpp.h"
 #include "server/parse_errors.h"
 

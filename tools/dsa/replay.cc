@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/limits.h"
+#include "contracts/limits.h"
 #include "coordinator/scheduler.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"

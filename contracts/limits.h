@@ -1,4 +1,5 @@
-// Limits every part checks before it does any work (issue 13, "Hostile input"), one name each.
+// Limits every part checks before it does any work (docs/reliability.md, "Hostile input"), one
+// name each.
 #pragma once
 
 #include <cstdint>
@@ -36,5 +37,10 @@ constexpr int64_t SelectResponseBytesBound(int64_t rows, int top_k) {
 
 /// The bytes a SelectResponse has besides its groups (the request_id), with room to spare.
 inline constexpr int64_t kSelectResponseFramingBytes = 16;
+
+/// Largest AppendIndexKeys chunk (serialized message) an indexer worker takes: gRPC's 4 MiB
+/// default. A larger one is refused with RESOURCE_EXHAUSTED by the handler, which undoes the call's
+/// earlier chunks before the status is sent.
+inline constexpr int kMaxAppendChunkBytes = 4 << 20;
 
 }  // namespace dsa
