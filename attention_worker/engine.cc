@@ -102,14 +102,14 @@ absl::Status ValidatePrefill(const PrefillSpec& spec, const ModelShape& shape) {
         absl::StrCat("context_length ", context, " is too long: an indexer layer holds at most ",
                      kMaxContextSlots, " slots"));
   }
-  const int64_t max_ids = (context + kPrefixBlockSlots - 1) / kPrefixBlockSlots;
+  const int64_t max_ids = (context + kPrefixBlockTokens - 1) / kPrefixBlockTokens;
   if (static_cast<int64_t>(spec.prefix_block_ids.size()) > max_ids) {
     return absl::InvalidArgumentError(
         absl::StrCat(spec.prefix_block_ids.size(), " prefix block ids for a context of ", context,
-                     " slots; at most ceil(context / ", kPrefixBlockSlots, ") = ", max_ids));
+                     " slots; at most ceil(context / ", kPrefixBlockTokens, ") = ", max_ids));
   }
   const int64_t prefix_slots = spec.prefix_slots;
-  if (prefix_slots < 0 || prefix_slots % 64 != 0 || prefix_slots > context) {
+  if (prefix_slots < 0 || prefix_slots % kBlockSize != 0 || prefix_slots > context) {
     return absl::InvalidArgumentError(
         absl::StrCat("prefix_slots must be a multiple of 64 in [0, context_length = ", context,
                      "], got ", prefix_slots));

@@ -24,7 +24,7 @@ void Bf16Row(uint64_t seed, uint32_t stream, int layer, int64_t index, std::span
 }  // namespace
 
 absl::Status MlaKvRow(uint64_t seed, int layer, int64_t slot, std::span<uint16_t> out576) {
-  if (layer < 0 || slot < 0 || out576.size() != static_cast<size_t>(kMlaLatentDim)) {
+  if (layer < 0 || slot < 0 || out576.size() != static_cast<size_t>(kMlaKeyDim)) {
     return absl::InvalidArgumentError(absl::StrCat("MlaKvRow: need layer >= 0 (", layer,
                                                    "), slot >= 0 (", slot, ") and 576 values (",
                                                    out576.size(), ")"));
@@ -35,7 +35,7 @@ absl::Status MlaKvRow(uint64_t seed, int layer, int64_t slot, std::span<uint16_t
 
 absl::Status MlaAttentionQuery(uint64_t seed, int layer, int64_t position,
                                std::span<uint16_t> out) {
-  if (layer < 0 || position < 0 || out.empty() || out.size() % kMlaLatentDim != 0 ||
+  if (layer < 0 || position < 0 || out.empty() || out.size() % kMlaKeyDim != 0 ||
       out.size() > kMaxRowValues) {
     return absl::InvalidArgumentError(
         absl::StrCat("MlaAttentionQuery: need layer >= 0 (", layer, "), position >= 0 (", position,

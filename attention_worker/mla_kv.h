@@ -7,11 +7,11 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "contracts/layout.h"
 
 namespace dsa {
 
-/// Dims of an MLA latent row (512 nope + 64 RoPE) and query heads of DeepSeek-V3.2's attention.
-inline constexpr int kMlaLatentDim = 576;
+/// Query heads of DeepSeek-V3.2's attention.
 inline constexpr int kMlaAttentionHeads = 128;
 
 /// The latent row of KV slot `slot` at model layer `layer`: bf16 bits [576], round to nearest

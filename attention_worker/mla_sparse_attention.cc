@@ -27,7 +27,7 @@ absl::Status CheckBatch(const MlaSparseDecodeBatch& b) {
     return absl::InvalidArgumentError(absl::StrCat("mla sparse decode: ", name, " has ", got,
                                                    " entries, the shape needs ", want));
   };
-  const int64_t pool = b.num_physical_blocks * kMlaBlockSize * kMlaQkDim;
+  const int64_t pool = b.num_physical_blocks * kBlockSize * kMlaQkDim;
   if (static_cast<int64_t>(b.kv_pool.size()) != pool)
     return mismatch("kv_pool", b.kv_pool.size(), pool);
   if (static_cast<int64_t>(b.query.size()) != rows * b.num_heads * kMlaQkDim) {
@@ -47,16 +47,16 @@ absl::Status CheckBatch(const MlaSparseDecodeBatch& b) {
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t slots = b.num_slots[r];
-    if (slots < 1 || slots > int64_t{kMlaBlockSize} * b.max_blocks_per_row) {
+    if (slots < 1 || slots > int64_t{kBlockSize} * b.max_blocks_per_row) {
       return absl::InvalidArgumentError(
           absl::StrCat("mla sparse decode: row ", r, " has ", slots, " slots, outside [1, ",
-                       int64_t{kMlaBlockSize} * b.max_blocks_per_row, "]"));
+                       int64_t{kBlockSize} * b.max_blocks_per_row, "]"));
     }
     if (b.positions[r] < 0 || b.positions[r] >= slots) {
       return absl::InvalidArgumentError(absl::StrCat("mla sparse decode: row ", r, " position ",
                                                      b.positions[r], " outside [0, ", slots, ")"));
     }
-    const int64_t used_blocks = (slots + kMlaBlockSize - 1) / kMlaBlockSize;
+    const int64_t used_blocks = (slots + kBlockSize - 1) / kBlockSize;
     for (int64_t j = 0; j < used_blocks; ++j) {
       const int32_t block = b.block_tables[r * b.max_blocks_per_row + j];
       if (block < 0 || block >= b.num_physical_blocks) {
@@ -101,9 +101,9 @@ absl::Status MlaSparseDecode(const MlaSparseDecodeBatch& batch, std::span<float>
     for (int64_t e = 0; e < batch.top_k; ++e) {
       const int32_t slot = batch.selections[r * batch.top_k + e];
       if (slot < 0 || slot > batch.positions[r]) continue;  // unused, or hidden by causality
-      const int64_t block = batch.block_tables[r * batch.max_blocks_per_row + slot / kMlaBlockSize];
+      const int64_t block = batch.block_tables[r * batch.max_blocks_per_row + slot / kBlockSize];
       const uint16_t* row =
-          batch.kv_pool.data() + (block * kMlaBlockSize + slot % kMlaBlockSize) * kMlaQkDim;
+          batch.kv_pool.data() + (block * kBlockSize + slot % kBlockSize) * kMlaQkDim;
       for (int d = 0; d < kMlaQkDim; ++d) keys.push_back(Bf16ToFloat(row[d]));
     }
     const int64_t n = static_cast<int64_t>(keys.size()) / kMlaQkDim;

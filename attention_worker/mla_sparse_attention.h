@@ -9,14 +9,10 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "contracts/layout.h"
 
 namespace dsa {
 
-/// Slots per block of the paged MLA KV cache.
-inline constexpr int kMlaBlockSize = 64;
-/// Dims of one latent row: the key (kMlaNopeDim "nope" dims, then kMlaRopeDim RoPE dims).
-inline constexpr int kMlaNopeDim = 512;
-inline constexpr int kMlaRopeDim = 64;
 inline constexpr int kMlaQkDim = kMlaNopeDim + kMlaRopeDim;  // 576
 /// Dims of a value: the first kMlaNopeDim dims of the latent row.
 inline constexpr int kMlaVDim = kMlaNopeDim;  // 512

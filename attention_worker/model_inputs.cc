@@ -49,15 +49,15 @@ absl::Status SequenceIndexKeys(const PatternModel& model,
                                                    ", num_slots ", num_slots, ", out size ",
                                                    out.size()));
   }
-  const int64_t prefix_end = kPrefixBlockSlots * static_cast<int64_t>(prefix_block_ids.size());
+  const int64_t prefix_end = kPrefixBlockTokens * static_cast<int64_t>(prefix_block_ids.size());
   const int64_t end = first_slot + num_slots;
   int64_t slot = first_slot;
   while (slot < end) {
     float* dst = out.data() + (slot - first_slot) * head_dim;
     if (slot < prefix_end) {
-      const int64_t block = slot / kPrefixBlockSlots;
-      const int offset = static_cast<int>(slot % kPrefixBlockSlots);
-      const int n = static_cast<int>(std::min<int64_t>(end - slot, kPrefixBlockSlots - offset));
+      const int64_t block = slot / kPrefixBlockTokens;
+      const int offset = static_cast<int>(slot % kPrefixBlockTokens);
+      const int n = static_cast<int>(std::min<int64_t>(end - slot, kPrefixBlockTokens - offset));
       DSA_RETURN_IF_ERROR(
           model.PrefixBlockIndexKeys(full_layer, prefix_block_ids[block], offset, slot, n,
                                      std::span<float>(dst, static_cast<size_t>(n * head_dim))));

@@ -35,8 +35,8 @@ void KvCacheRow(uint64_t seed, int layer, int64_t slot, std::span<float> key_out
 void AttentionQuery(uint64_t seed, int layer, int64_t position, std::span<float> out);
 
 /// Index keys of slots [first_slot, first_slot + num_slots) of full layer `full_layer` of a
-/// sequence whose prompt has `prefix_block_ids` (one per kPrefixBlockSlots slots): slot i below
-/// kPrefixBlockSlots * prefix_block_ids.size() takes offset i % 512 of block id[i / 512]
+/// sequence whose prompt has `prefix_block_ids` (one per kPrefixBlockTokens slots): slot i below
+/// kPrefixBlockTokens * prefix_block_ids.size() takes offset i % 512 of block id[i / 512]
 /// (PatternModel::PrefixBlockIndexKeys), other slots PatternModel::IndexKeys. Requests with equal
 /// leading prefix ids thus get bit-identical keys there. out: fp32 [num_slots, head_dim].
 /// Errors: the pattern model's INVALID_ARGUMENT.

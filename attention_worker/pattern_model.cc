@@ -426,7 +426,7 @@ float PatternModel::SalienceValue(int layer, const ContentId& content) const {
 int PatternModel::TopicOf(const ContentId& content) const {
   const uint64_t segment = content.from_prefix_block
                                ? content.id
-                               : content.id / static_cast<uint64_t>(kPrefixBlockSlots);
+                               : content.id / static_cast<uint64_t>(kPrefixBlockTokens);
   const Stream stream = content.from_prefix_block ? kSegmentTopicPrefix : kSegmentTopicSlot;
   const PhiloxCounter r =
       Philox4x32(PhiloxCounter{{Lo32(segment), Hi32(segment), 0u, 0u}}, stream_keys_[2 * stream]);
@@ -520,11 +520,11 @@ absl::Status PatternModel::PrefixBlockIndexKeys(int layer, uint64_t prefix_block
                                                    " not in [0, ", config_.num_layers, ")"));
   }
   if (first_slot < 0 || first_offset < 0 || num_slots < 0 ||
-      first_offset + num_slots > kPrefixBlockSlots) {
+      first_offset + num_slots > kPrefixBlockTokens) {
     return absl::InvalidArgumentError(absl::StrCat(
         "PrefixBlockIndexKeys: need first_slot >= 0, first_offset >= 0, num_slots >= 0 and "
         "first_offset + num_slots <= ",
-        kPrefixBlockSlots));
+        kPrefixBlockTokens));
   }
   if (static_cast<int64_t>(out.size()) != static_cast<int64_t>(num_slots) * config_.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("PrefixBlockIndexKeys: out has ", out.size(),

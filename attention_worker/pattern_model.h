@@ -10,12 +10,9 @@
 #include "absl/status/statusor.h"
 #include "attention_worker/pattern_tables.h"
 #include "common/philox.h"
+#include "contracts/layout.h"
 
 namespace dsa {
-
-/// Slots of one prefix block: the unit of prefix sharing in the Mooncake trace (`hash_ids`, one id
-/// per 512 tokens) and the pattern model's topic segment.
-inline constexpr int kPrefixBlockSlots = 512;
 
 /// Parameters of the pattern model. Every "strength" is in index-score units: the score a slot gets
 /// from that pattern alone at the pattern's peak (head weights of each head group sum to 1).
@@ -172,7 +169,7 @@ class PatternModel {
   /// Index keys of slots [first_slot, first_slot + num_slots) at `layer`: fp32
   /// [num_slots, head_dim], row-major, into `out`. Slot i's key is a pure function of
   /// (seed, layer, i): its content (all dims before the rotation) derives from the slot index and
-  /// its topic segment is floor(i / kPrefixBlockSlots).
+  /// its topic segment is floor(i / kPrefixBlockTokens).
   /// Errors: INVALID_ARGUMENT (layer out of [0, L), first_slot < 0, num_slots < 0,
   /// out.size() != num_slots * head_dim).
   absl::Status IndexKeys(int layer, int64_t first_slot, int64_t num_slots,
@@ -185,7 +182,7 @@ class PatternModel {
   /// boost follow the absolute slot. So two requests whose prefix blocks share ids at the same
   /// positions get bit-identical keys. Layout as IndexKeys.
   /// Errors: INVALID_ARGUMENT (layer, first_slot < 0, first_offset < 0, num_slots < 0,
-  /// first_offset + num_slots > kPrefixBlockSlots, out.size()).
+  /// first_offset + num_slots > kPrefixBlockTokens, out.size()).
   absl::Status PrefixBlockIndexKeys(int layer, uint64_t prefix_block_id, int first_offset,
                                     int64_t first_slot, int num_slots, std::span<float> out) const;
 
@@ -212,7 +209,7 @@ class PatternModel {
   /// Whether slot `slot` (slot-indexed content) is salient (a vertical line) at `layer`.
   /// Requires 0 <= layer < L and slot >= 0.
   bool IsSalientSlot(int layer, int64_t slot) const;
-  /// Topic of slot-indexed segment floor(slot / kPrefixBlockSlots); in [0, num_topics).
+  /// Topic of slot-indexed segment floor(slot / kPrefixBlockTokens); in [0, num_topics).
   int SegmentTopic(int64_t slot) const;
   /// Topic of prefix block `prefix_block_id`; in [0, num_topics).
   int PrefixBlockTopic(uint64_t prefix_block_id) const;

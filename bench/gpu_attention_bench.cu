@@ -49,9 +49,9 @@ Problem MakeProblem(DeviceBuffers& buffers, int rows, int64_t context, int top_k
   pr.context = context;
   const int blocks_per_row = static_cast<int>((context + 63) / 64);
   const int64_t num_blocks = int64_t{rows} * blocks_per_row;
-  auto* pool = buffers.Keep(DeviceZeros<__nv_bfloat16>(num_blocks * 64 * cuda::kMlaKeyDim));
-  FillBf16<<<2048, 256>>>(pool, num_blocks * 64 * cuda::kMlaKeyDim, seed);
-  const int64_t query_values = int64_t{rows} * 128 * cuda::kMlaKeyDim;
+  auto* pool = buffers.Keep(DeviceZeros<__nv_bfloat16>(num_blocks * 64 * kMlaKeyDim));
+  FillBf16<<<2048, 256>>>(pool, num_blocks * 64 * kMlaKeyDim, seed);
+  const int64_t query_values = int64_t{rows} * 128 * kMlaKeyDim;
   auto* query = buffers.Keep(DeviceZeros<__nv_bfloat16>(query_values));
   FillBf16<<<256, 256>>>(query, query_values, seed + 17);
   DSA_BENCH_CUDA(cudaGetLastError());
@@ -83,7 +83,7 @@ Problem MakeProblem(DeviceBuffers& buffers, int rows, int64_t context, int top_k
   p.positions = buffers.Keep(DeviceCopy(positions));
   p.selections = buffers.Keep(DeviceCopy(selections));
   p.top_k = top_k;
-  p.out = buffers.Keep(DeviceZeros<__nv_bfloat16>(int64_t{rows} * 128 * cuda::kMlaValueDim));
+  p.out = buffers.Keep(DeviceZeros<__nv_bfloat16>(int64_t{rows} * 128 * kMlaValueDim));
   p.lse = buffers.Keep(DeviceZeros<float>(int64_t{rows} * 128));
   DSA_BENCH_CUDA(cudaDeviceSynchronize());
   return pr;
@@ -93,13 +93,13 @@ Problem MakeProblem(DeviceBuffers& buffers, int rows, int64_t context, int top_k
 // entries, the query, the bf16 output and the LSE.
 double FloorBytes(const Problem& pr) {
   const double attended = std::min<int64_t>(pr.top_k, pr.context);
-  const double per_row = attended * (cuda::kMlaKeyDim * 2.0 + 4 + 4) +
-                         128.0 * cuda::kMlaKeyDim * 2 + 128.0 * cuda::kMlaValueDim * 2 + 128 * 4;
+  const double per_row = attended * (kMlaKeyDim * 2.0 + 4 + 4) + 128.0 * kMlaKeyDim * 2 +
+                         128.0 * kMlaValueDim * 2 + 128 * 4;
   return pr.rows * per_row;
 }
 double Flops(const Problem& pr) {
   const double attended = std::min<int64_t>(pr.top_k, pr.context);
-  return 2.0 * pr.rows * 128 * attended * (cuda::kMlaKeyDim + cuda::kMlaValueDim);
+  return 2.0 * pr.rows * 128 * attended * (kMlaKeyDim + kMlaValueDim);
 }
 
 // NaN outputs would mean a wrong read: fail loudly instead of timing them.

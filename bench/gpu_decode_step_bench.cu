@@ -201,14 +201,13 @@ class StepModel {
       }
     }
     // ---- the attention ----
-    const int64_t kv_pool_values = seq_blocks * 64 * cuda::kMlaKeyDim;
+    const int64_t kv_pool_values = seq_blocks * 64 * kMlaKeyDim;
     const int64_t kv_pool_bytes = kv_pool_values * 2;
     kv_pools_ = static_cast<int>(
         std::clamp<int64_t>((kKvRotationBytes + kv_pool_bytes - 1) / kv_pool_bytes, 1, layers));
     auto* kv = buffers_.Keep(DeviceZeros<__nv_bfloat16>(kv_pool_values * kv_pools_));
     FillBf16<<<4096, 256>>>(kv, kv_pool_values * kv_pools_, 1);
-    const int64_t attention_query_values =
-        int64_t{layers} * rows * kAttentionHeads * cuda::kMlaKeyDim;
+    const int64_t attention_query_values = int64_t{layers} * rows * kAttentionHeads * kMlaKeyDim;
     auto* attention_query = buffers_.Keep(DeviceZeros<__nv_bfloat16>(attention_query_values));
     FillBf16<<<1024, 256>>>(attention_query, attention_query_values, 17);
     DSA_BENCH_CUDA(cudaGetLastError());
@@ -226,15 +225,15 @@ class StepModel {
     a.num_slots = buffers_.Keep(DeviceCopy(std::vector<int32_t>(rows, int32_t(slots))));
     a.positions = buffers_.Keep(DeviceCopy(std::vector<int32_t>(rows, int32_t(slots - 1))));
     a.top_k = kTopK;
-    a.out = buffers_.Keep(
-        DeviceZeros<__nv_bfloat16>(int64_t{rows} * kAttentionHeads * cuda::kMlaValueDim));
+    a.out =
+        buffers_.Keep(DeviceZeros<__nv_bfloat16>(int64_t{rows} * kAttentionHeads * kMlaValueDim));
     a.workspace_bytes = cuda::SparseMlaDecodeScratchBytes(a);
     a.workspace = buffers_.Keep(DeviceZeros<uint8_t>(a.workspace_bytes));
     attention_splits_ = cuda::SparseMlaDecodeNumSplits(a);
     for (int l = 0; l < layers; ++l) {
       cuda::SparseMlaDecodeParams p = a;
       p.kv_pool = kv + (l % kv_pools_) * kv_pool_values;
-      p.query = attention_query + int64_t{l} * rows * kAttentionHeads * cuda::kMlaKeyDim;
+      p.query = attention_query + int64_t{l} * rows * kAttentionHeads * kMlaKeyDim;
       p.lse = lse_ + int64_t{l} * rows * kAttentionHeads;
       layer_attention_.push_back(p);
     }

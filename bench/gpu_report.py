@@ -4,7 +4,7 @@
 Reads the JSON of one run of
   bench_gpu_indexer   (bench/gpu_indexer_bench.cu: scan, top-K, HBM floor)   --kernels
   bench_gpu_select    (bench/gpu_select_bench.cu: the whole select, SPIN)    --select
-  torch_reference_indexer.py (/work/shared/device: the PyTorch peer)         --torch
+  torch_peer_indexer.py (bench/: the PyTorch peer)                         --torch
 and writes a markdown report (--markdown) and a PNG (--plot). --check validates the inputs and
 writes nothing; it exits 1 on malformed input. Every target verdict is computed from the data.
 
@@ -140,7 +140,7 @@ def load_torch(path):
     doc = _load(path, flag)
     if not isinstance(doc, list) or not doc:
         raise InputError(f"{flag} {path}: expected a non-empty list of rows "
-                         "(torch_reference_indexer.py --json)")
+                         "(torch_peer_indexer.py --json)")
     out, notes = {}, []
     for i, r in enumerate(doc):
         where = f"{flag} {path}: [{i}]"
@@ -324,7 +324,7 @@ def markdown(args, kcopy, scopy, rows, sweeps, tg, notes):
              "% of floor = floor / scan; top-K: K = 2048 over the row's scores. "
              "select: the whole select (plan, union, layout, scan, top-K, EMA update) replayed "
              "from a CUDA graph (bench_gpu_select); SPIN / all-keep = the two selects' times. "
-             "PyTorch (torch_reference_indexer.py, same GPU): scan = fp8 -> bf16 of dense "
+             "PyTorch (torch_peer_indexer.py, same GPU): scan = fp8 -> bf16 of dense "
              "[rows, slots, 128] keys, bmm, ReLU, head weights and scale; top-K = `torch.topk` "
              "of the fp32 scores; each a median of triton `do_bench`; scan+top-K is the sum of "
              "the two medians and `select vs PyTorch` divides it by the all-keep select.")
@@ -486,7 +486,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernels", required=True, help="bench_gpu_indexer --json output")
     ap.add_argument("--select", required=True, help="bench_gpu_select --json output")
-    ap.add_argument("--torch", required=True, help="torch_reference_indexer.py --json output")
+    ap.add_argument("--torch", required=True, help="torch_peer_indexer.py --json output")
     ap.add_argument("--commit", help="commit the binaries were built from")
     ap.add_argument("--title", default="DSA indexer on the H200: scan, top-K and the whole select")
     ap.add_argument("--markdown", help="write the tables here")

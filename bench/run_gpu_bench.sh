@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU host: runs the GPU tests of indexer_service/cuda, compute-sanitizer memcheck and
 # racecheck on them, then bench_gpu_indexer, bench_gpu_select and the PyTorch peer
-# (torch_reference_indexer.py) in the same run. Logs and JSON go to OUT_DIR; a short table is
+# (torch_peer_indexer.py) in the same run. Logs and JSON go to OUT_DIR; a short table is
 # printed last. The report (tables and plot) is made from the JSON by bench/gpu_report.py.
 #
-# usage (from the repo root, binaries and torch_reference_indexer.py copied into BIN_DIR):
+# usage (from the repo root, binaries and torch_peer_indexer.py copied into BIN_DIR):
 #   LD_LIBRARY_PATH=$PWD/.devrt:/usr/local/cuda/lib64 bash bench/run_gpu_bench.sh BIN_DIR OUT_DIR [tests|sanitize|bench|all]
 # DSA_SANITIZER_TOOLS picks the sanitizer tools (default "memcheck racecheck"; one at a time keeps a
 # call short), DSA_SANITIZER_TIMEOUT_S the limit a suite (default 120 s).
@@ -59,7 +59,7 @@ fi
 if [[ $what == bench || $what == all ]]; then
   "$bin/bench_gpu_indexer" --json "$out/gpu_bench.json" | tee "$out/gpu_bench.txt" || status=1
   "$bin/bench_gpu_select" --json "$out/select.json" | tee "$out/select.txt" || status=1
-  python3 "$bin/torch_reference_indexer.py" --shapes 1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536 \
+  python3 "$bin/torch_peer_indexer.py" --shapes 1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536 \
     --json "$out/torch_reference.json" | tee "$out/torch_reference.txt" || status=1
 fi
 exit $status

@@ -36,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     last = request.arrival_ms;
     Check(request.context_tokens >= 1 && request.output_tokens >= 1);
     const int64_t blocks =
-        (request.context_tokens + dsa::kTracePrefixBlockTokens - 1) / dsa::kTracePrefixBlockTokens;
+        (request.context_tokens + dsa::kPrefixBlockTokens - 1) / dsa::kPrefixBlockTokens;
     Check(static_cast<int64_t>(request.prefix_block_ids.size()) <= blocks);
   }
   return 0;

@@ -8,11 +8,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "contracts/layout.h"
 
 namespace dsa {
-
-/// Slots per block (the paged cache's page; SPIN's block size b).
-inline constexpr int kBlockSize = 64;
 
 /// ceil(a / b) for a >= 0, b > 0: e.g. the blocks that hold a slots, CeilDiv(a, kBlockSize).
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -21,7 +21,7 @@
 namespace dsa::cuda {
 namespace {
 
-constexpr int64_t kSlotsPerBlock = kMlaCacheBlockSize;
+constexpr int64_t kSlotsPerBlock = kBlockSize;
 constexpr int64_t kBlockElements = kSlotsPerBlock * kMlaKeyDim;  // bf16 values a block
 
 absl::Status CudaError(cudaError_t error, const std::string& what) {

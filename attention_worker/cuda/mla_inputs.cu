@@ -1,13 +1,12 @@
 // The attention side's MLA rows on the GPU (see mla_inputs.h).
 #include "attention_worker/cuda/mla_inputs.h"
 #include "attention_worker/cuda/uniform_row.h"
+#include "contracts/layout.h"
 
 namespace dsa::cuda {
 namespace {
 
-constexpr int kLatentDim = 576;
-constexpr int kGroupsPerRow = kLatentDim / 4;  // 144 Philox blocks a row
-constexpr int kBlockSlots = 64;
+constexpr int kGroupsPerRow = kMlaKeyDim / 4;  // 144 Philox blocks a row
 constexpr int kThreads = 256;
 constexpr int64_t kMaxRowValues = int64_t{1} << 26;
 constexpr int64_t kMaxGridItems = int64_t{1} << 38;  // 2^30 blocks of 256 threads
@@ -27,8 +26,8 @@ __global__ void MlaKvRowsKernel(MlaKvRowsParams p) {
   const int64_t slot = p.first_slot + item / kGroupsPerRow;
   const auto group = static_cast<uint32_t>(item % kGroupsPerRow);
   const PhiloxCounter words = UniformRowBlock(p.seed, kMlaKeyStream, p.layer, slot, group);
-  const int64_t physical = p.block_table[slot / kBlockSlots];
-  const int64_t element = (physical * kBlockSlots + slot % kBlockSlots) * kLatentDim + 4 * group;
+  const int64_t physical = p.block_table[slot / kBlockSize];
+  const int64_t element = (physical * kBlockSize + slot % kBlockSize) * kMlaKeyDim + 4 * group;
   *reinterpret_cast<uint2*>(p.kv_pool + element) = PackBf16x4(words);
 }
 
@@ -70,7 +69,7 @@ bool CanImplementMlaKvRows(const MlaKvRowsParams& params, const char** why) {
 bool CanImplementMlaQueryRows(const MlaQueryRowsParams& params, const char** why) {
   if (params.layer < 0) return Fail(why, "layer must be >= 0");
   if (params.num_rows < 0) return Fail(why, "num_rows must be >= 0");
-  if (params.num_heads < 1 || int64_t{params.num_heads} * kLatentDim > kMaxRowValues) {
+  if (params.num_heads < 1 || int64_t{params.num_heads} * kMlaKeyDim > kMaxRowValues) {
     return Fail(why, "num_heads * 576 must be in [576, 2^26]");
   }
   if (int64_t{params.num_rows} * params.num_heads * kGroupsPerRow > kMaxGridItems) {

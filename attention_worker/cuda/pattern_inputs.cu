@@ -6,6 +6,7 @@
 
 #include "attention_worker/cuda/pattern_inputs.h"
 #include "attention_worker/cuda/rotation_cos_sin.h"
+#include "contracts/layout.h"
 
 namespace dsa::cuda {
 namespace {
@@ -14,7 +15,6 @@ constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kNoiseTerms = 8;  // pool rows summed per noise vector (two Philox blocks)
 constexpr uint32_t kSharedHead = 0xFFFF;
-constexpr int kPrefixSlots = 512;
 
 __device__ uint32_t Lo32(uint64_t x) { return static_cast<uint32_t>(x); }
 __device__ uint32_t Hi32(uint64_t x) { return static_cast<uint32_t>(x >> 32); }
@@ -98,7 +98,7 @@ __device__ void WriteKey(const PatternDeviceTables& t, int layer, int64_t slot, 
                         s.pool_gain)
           : PoolTermsOf(s.key_noise_slot, PhiloxCounter{{0u, 0u, Lo32(id), Hi32(id)}}, s.pool_gain);
   const float* pool = t.key_noise_pool + static_cast<size_t>(layer) * kPatternNoisePoolRows * dim;
-  const uint64_t segment = prefix ? id : id / kPrefixSlots;
+  const uint64_t segment = prefix ? id : id / kPrefixBlockTokens;
   const int topic =
       TopicOfSegment(t, prefix ? s.segment_topic_prefix : s.segment_topic_slot, segment);
   const bool sink = slot < s.num_sink_slots;
@@ -153,9 +153,9 @@ __global__ void PatternIndexKeysKernel(PatternIndexKeysParams p) {
     id = offset >= 0 ? p.key_prefix_block_ids[key_index] : static_cast<uint64_t>(slot);
   } else {
     slot = p.first_slot + key_index;
-    if (slot < kPrefixSlots * p.num_prefix_ids) {
-      id = p.prefix_block_ids[slot / kPrefixSlots];
-      offset = static_cast<int>(slot % kPrefixSlots);
+    if (slot < kPrefixBlockTokens * p.num_prefix_ids) {
+      id = p.prefix_block_ids[slot / kPrefixBlockTokens];
+      offset = static_cast<int>(slot % kPrefixBlockTokens);
     } else {
       id = static_cast<uint64_t>(slot);
       offset = -1;

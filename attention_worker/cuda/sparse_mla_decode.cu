@@ -30,10 +30,8 @@ __device__ inline bool Attended(int32_t slot, int32_t position, int32_t num_slot
 __device__ inline const __nv_bfloat16* LatentRow(const SparseMlaDecodeParams& p, int row,
                                                  int32_t slot) {
   const int32_t block =
-      p.block_tables[static_cast<int64_t>(row) * p.max_blocks_per_row + slot / kMlaCacheBlockSize];
-  return p.kv_pool +
-         (static_cast<int64_t>(block) * kMlaCacheBlockSize + slot % kMlaCacheBlockSize) *
-             kMlaKeyDim;
+      p.block_tables[static_cast<int64_t>(row) * p.max_blocks_per_row + slot / kBlockSize];
+  return p.kv_pool + (static_cast<int64_t>(block) * kBlockSize + slot % kBlockSize) * kMlaKeyDim;
 }
 
 // ---- CUDA-core kernel ------------------------------------------------------------------------

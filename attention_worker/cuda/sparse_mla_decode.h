@@ -17,14 +17,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace dsa::cuda {
+#include "contracts/layout.h"
 
-/// Slots per block of the paged MLA KV cache.
-inline constexpr int kMlaCacheBlockSize = 64;
-/// Dims of a latent row (the key): 512 nope + 64 RoPE.
-inline constexpr int kMlaKeyDim = 576;
-/// Dims of a value (the first 512 of the latent row) and of an output head.
-inline constexpr int kMlaValueDim = 512;
+namespace dsa::cuda {
 
 /// Which tensor-core instructions the tensor-core kernel uses.
 enum class SparseMlaMma : int {

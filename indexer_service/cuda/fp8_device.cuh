@@ -7,18 +7,17 @@
 
 #include <cstdint>
 
+#include "contracts/layout.h"
+
 namespace dsa::cuda {
 
 /// An fp32 or bf16 input value (keys, queries) as fp32: exact either way.
 __device__ inline float LoadAsFloat(const float* p) { return *p; }
 __device__ inline float LoadAsFloat(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
-/// Slots per block of the paged index-key cache (indexer_service/block_pool.h kBlockSize).
-inline constexpr int kCacheBlockSize = 64;
-
 /// Bytes of one cache block: 64 x head_dim fp8 codes, then 64 fp32 scales.
 __host__ __device__ inline int64_t CacheBlockBytes(int head_dim) {
-  return int64_t{kCacheBlockSize} * (head_dim + 4);
+  return int64_t{kBlockSize} * (head_dim + 4);
 }
 
 /// fp32 -> E4M3 with round-to-nearest-even and saturation to +/-448; NaN -> 0x7f (sign kept).

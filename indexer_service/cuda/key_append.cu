@@ -25,15 +25,15 @@ __global__ void AppendKernel(const T* __restrict__ keys, int64_t num_keys, int h
     }
     const float scale = __fdiv_rn(amax, 448.0f);
     const int64_t slot = first_slot + key;
-    uint8_t* block = pool + CacheBlockBytes(head_dim) * block_table[slot / kCacheBlockSize];
-    const int slot_in_block = static_cast<int>(slot % kCacheBlockSize);
+    uint8_t* block = pool + CacheBlockBytes(head_dim) * block_table[slot / kBlockSize];
+    const int slot_in_block = static_cast<int>(slot % kBlockSize);
     uint8_t* codes = block + static_cast<int64_t>(slot_in_block) * head_dim;
     const bool zero = !(scale > 0.0f);
     for (int d = lane; d < head_dim; d += 32) {
       codes[d] = zero ? uint8_t{0} : EncodeFp8E4m3Device(__fdiv_rn(LoadAsFloat(src + d), scale));
     }
     if (lane == 0) {
-      reinterpret_cast<float*>(block + int64_t{kCacheBlockSize} * head_dim)[slot_in_block] =
+      reinterpret_cast<float*>(block + int64_t{kBlockSize} * head_dim)[slot_in_block] =
           zero ? 0.0f : scale;
     }
   }

@@ -56,15 +56,15 @@ __device__ inline BlockWork FindBlockWork(const ScanParams& p, int64_t block) {
 // Writes the scaled, masked score of slot s of the CTA's block for row r.
 __device__ inline void StoreScore(const ScanParams& p, const BlockWork& w, int r, int s,
                                   float scale, float total) {
-  const int64_t slot = w.logical_block * kCacheBlockSize + s;
+  const int64_t slot = w.logical_block * kBlockSize + s;
   const bool visible = slot <= p.row_position[r] && slot < w.num_slots;
-  p.scores[p.row_score_offset[r] + w.entry_block * kCacheBlockSize + s] =
+  p.scores[p.row_score_offset[r] + w.entry_block * kBlockSize + s] =
       visible ? scale * total : -INFINITY;
 }
 
 // ---- CUDA-core scan ------------------------------------------------------------------------
 constexpr int kCudaCoreThreads = 256;
-constexpr int kHeadLanes = kCudaCoreThreads / kCacheBlockSize;  // 4 threads per slot
+constexpr int kHeadLanes = kCudaCoreThreads / kBlockSize;  // 4 threads per slot
 
 // Thread (slot s = tid % 64, head lane hl = tid / 64) sums heads hl, hl + 4, ...; the four partial
 // sums meet in shared memory. Keys are decoded to fp32 [64][head_dim + 1] (padded: no conflicts).
@@ -72,18 +72,18 @@ template <typename Q>
 __global__ void __launch_bounds__(kCudaCoreThreads) ScanCudaCoreKernel(ScanParams p) {
   extern __shared__ float smem[];
   const int stride = p.head_dim + 1;
-  float* keys = smem;                                // [64][head_dim + 1]
-  float* partial = smem + kCacheBlockSize * stride;  // [kHeadLanes][64]
+  float* keys = smem;                           // [64][head_dim + 1]
+  float* partial = smem + kBlockSize * stride;  // [kHeadLanes][64]
   BeginDependentKernel();
   if (p.device_total_blocks != nullptr && blockIdx.x >= *p.device_total_blocks) return;
   const BlockWork w = FindBlockWork(p, blockIdx.x);
-  const int64_t key_bytes = int64_t{kCacheBlockSize} * p.head_dim;
+  const int64_t key_bytes = int64_t{kBlockSize} * p.head_dim;
   for (int i = threadIdx.x; i < key_bytes; i += kCudaCoreThreads) {
     keys[(i / p.head_dim) * stride + i % p.head_dim] = DecodeFp8E4m3Device(w.block[i]);
   }
   __syncthreads();
-  const int s = threadIdx.x % kCacheBlockSize;
-  const int head_lane = threadIdx.x / kCacheBlockSize;
+  const int s = threadIdx.x % kBlockSize;
+  const int head_lane = threadIdx.x / kBlockSize;
   const float scale = reinterpret_cast<const float*>(w.block + key_bytes)[s];
   const Q* query = static_cast<const Q*>(p.query);
   for (int r = p.group_first_row[w.group]; r < p.group_first_row[w.group + 1]; ++r) {
@@ -96,11 +96,11 @@ __global__ void __launch_bounds__(kCudaCoreThreads) ScanCudaCoreKernel(ScanParam
       total = fmaf(p.head_weights[static_cast<int64_t>(r) * p.num_heads + h],
                    dot < 0.0f ? 0.0f : dot, total);
     }
-    partial[head_lane * kCacheBlockSize + s] = total;
+    partial[head_lane * kBlockSize + s] = total;
     __syncthreads();
     if (head_lane == 0) {
       float sum = 0.0f;
-      for (int i = 0; i < kHeadLanes; ++i) sum += partial[i * kCacheBlockSize + s];
+      for (int i = 0; i < kHeadLanes; ++i) sum += partial[i * kBlockSize + s];
       StoreScore(p, w, r, s, scale, sum);
     }
     __syncthreads();
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kCudaCoreThreads) ScanCudaCoreKernel(ScanParam
 }
 
 size_t CudaCoreSmemBytes(int head_dim) {
-  return sizeof(float) * (kCacheBlockSize * (head_dim + 1) + kHeadLanes * kCacheBlockSize);
+  return sizeof(float) * (kBlockSize * (head_dim + 1) + kHeadLanes * kBlockSize);
 }
 
 // ---- tensor-core scan: shared pieces ------------------------------------------------------
@@ -132,7 +132,7 @@ constexpr int kMaxDevices = 64;  // devices whose launch configuration is cached
 // (with their address arithmetic) a thread a block that a padded layout needed.
 template <int kHeadDim>
 __host__ __device__ constexpr int StageBytes() {
-  return kCacheBlockSize * (kHeadDim + 4);
+  return kBlockSize * (kHeadDim + 4);
 }
 
 __device__ inline uint32_t SmemAddress(const void* p) {
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         tc::Fp8x4ToF16x2x2(bottom_words[j], a[g64 * 4 + j][1], a[g64 * 4 + j][3]);
       }
     }
-    scale = reinterpret_cast<const float*>(stage + kCacheBlockSize * kHeadDim)[my_slot];
+    scale = reinterpret_cast<const float*>(stage + kBlockSize * kHeadDim)[my_slot];
   };
   // The heads in kParts parts (N = kHeads / kParts each, one commit group each), so that the
   // epilogue of the first part runs while the tensor cores work on the second.
@@ -638,9 +638,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     high += __shfl_xor_sync(0xffffffffu, high, 2);
     if (quad < 2) {
       const float total_score = quad == 0 ? low : high;
-      const int64_t slot = m.logical * kCacheBlockSize + my_slot;
+      const int64_t slot = m.logical * kBlockSize + my_slot;
       const bool visible = slot <= row_position && slot < m.num_slots;
-      p.scores[row_score_offset + m.entry_block * kCacheBlockSize + my_slot] =
+      p.scores[row_score_offset + m.entry_block * kBlockSize + my_slot] =
           visible ? m.scale * total_score : -INFINITY;
     }
   };

@@ -189,8 +189,7 @@ __global__ void AllBlocksKernel(SelectParams p, Workspace w) {
   void* base = p.workspace;
   const int g = At<int32_t>(base, w.row_group)[r];
   if (p.group_plan[g] == SelectPlan::kSpin) return;
-  const int64_t visible =
-      (p.row_position[r] + kCacheBlockSize) / kCacheBlockSize;  // ceil((t + 1) / 64)
+  const int64_t visible = (p.row_position[r] + kBlockSize) / kBlockSize;  // ceil((t + 1) / 64)
   int32_t* selected =
       At<int32_t>(base, w.selected) + static_cast<int64_t>(r) * p.max_visible_blocks;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < visible;
@@ -219,7 +218,7 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
   for (int g = first_group; g < end_group; ++g) {
     const int64_t rows = p.group_first_row[g + 1] - p.group_first_row[g];
     blocks += union_count[g];
-    scores += rows * union_count[g] * kCacheBlockSize;
+    scores += rows * union_count[g] * kBlockSize;
     updates += p.update && rows == 1 ? 1 : 0;
   }
   int64_t total_blocks = 0, total_updates = 0, unused = 0;
@@ -235,14 +234,14 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
     At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(updates);
     for (int r = first; r < end; ++r) {
       p.row_score_offset[r] = scores;
-      At<int64_t>(base, w.row_num_entries)[r] = count * kCacheBlockSize;
+      At<int64_t>(base, w.row_num_entries)[r] = count * kBlockSize;
       At<int64_t>(base, w.row_block_offset)[r] = blocks;
       if (p.update && end - first == 1) {
         At<int64_t>(base, w.update_position)[updates] = p.row_position[r];
         At<int64_t>(base, w.update_score_offset)[updates] = scores;
         ++updates;
       }
-      scores += count * kCacheBlockSize;
+      scores += count * kBlockSize;
     }
     blocks += count;
   }
@@ -395,7 +394,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
     update.vertical = p.vertical;
     update.diagonal = p.diagonal;
     update.ema_decay = p.ema_decay;
-    update.max_visible_slots = p.max_visible_blocks * kCacheBlockSize;
+    update.max_visible_slots = p.max_visible_blocks * kBlockSize;
     update.max_group_rows = 1;  // only one-row groups update here
     if (cudaError_t e = LaunchSpinUpdate(update, stream); e != cudaSuccess) return e;
   }

@@ -24,7 +24,7 @@ constexpr int kPlanBytesPerBlock = 5;  // exploration: int32 free-list entry + b
 __device__ __forceinline__ float FirstMax(float a, float b) { return a < b ? b : a; }
 
 __device__ __forceinline__ int64_t RowBlocks(int64_t position) {
-  return position < 0 ? 0 : position / kCacheBlockSize + 1;
+  return position < 0 ? 0 : position / kBlockSize + 1;
 }
 
 // Predicted slot score max(V[i], D[t - i]) (eq. (1)), unseen entries 0; -inf for a slot past t
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
     float m[kPredictUnroll];
 #pragma unroll
     for (int u = 0; u < kPredictUnroll; ++u) {
-      const int64_t first = (j0 + u) * kCacheBlockSize + 2 * lane;
+      const int64_t first = (j0 + u) * kBlockSize + 2 * lane;
       m[u] = FirstMax(SlotScore(v, v_len, d, d_len, t, first),
                       SlotScore(v, v_len, d, d_len, t, first + 1));
     }
@@ -89,8 +89,7 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
 
 // SpinState::BlockBudget with the same fp64 operations (no contraction into FMAs).
 __device__ int64_t BlockBudget(int64_t visible_blocks, int top_k, double rho) {
-  const int64_t floor_blocks =
-      (static_cast<int64_t>(top_k) + kCacheBlockSize - 1) / kCacheBlockSize;
+  const int64_t floor_blocks = (static_cast<int64_t>(top_k) + kBlockSize - 1) / kBlockSize;
   const double x = __dmul_rn(__dsub_rn(1.0, rho), static_cast<double>(visible_blocks));
   const double slack = __dmul_rn(1e-12, fmax(1.0, fabs(x)));
   const int64_t kept = static_cast<int64_t>(ceil(__dsub_rn(x, slack)));

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
     const int64_t t = row_position[first_row];
     const float* z = scores + row_score_offset[first_row];
     const int lane = threadIdx.x & 31;
-    const int64_t entries = list_count * kCacheBlockSize;
+    const int64_t entries = list_count * kBlockSize;
     const int64_t tile_stride = static_cast<int64_t>(gridDim.x) * (kUpdateThreads / 32);
     for (int64_t tile =
              static_cast<int64_t>(blockIdx.x) * (kUpdateThreads / 32) + (threadIdx.x >> 5);
@@ -66,9 +66,9 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
 #pragma unroll
       for (int u = 0; u < kUpdateItems; ++u) {
         const int64_t e = (tile * kUpdateItems + u) * 32 + lane;
-        slot[u] = e < entries ? static_cast<int64_t>(list[e / kCacheBlockSize]) * kCacheBlockSize +
-                                    e % kCacheBlockSize
-                              : t + 1;
+        slot[u] = e < entries
+                      ? static_cast<int64_t>(list[e / kBlockSize]) * kBlockSize + e % kBlockSize
+                      : t + 1;
         value[u] = slot[u] <= t ? z[e] : -INFINITY;
       }
       float old_v[kUpdateItems];
@@ -99,9 +99,9 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * kUpdateThreads + threadIdx.x; x < end_slot;
        x += stride) {
     // V[x]: slot x, the same block entry for every row.
-    const int64_t entry = FindBlock(list, list_count, x / kCacheBlockSize);
+    const int64_t entry = FindBlock(list, list_count, x / kBlockSize);
     if (entry >= 0) {
-      const int64_t at = entry * kCacheBlockSize + x % kCacheBlockSize;
+      const int64_t at = entry * kBlockSize + x % kBlockSize;
       float value = 0.0f;
       bool loaded = false;
       for (int r = first_row; r < end_row; ++r) {
@@ -123,10 +123,9 @@ __global__ void __launch_bounds__(kUpdateThreads) UpdateKernel(
       const int64_t t = row_position[r];
       if (x > t) continue;
       const int64_t slot = t - x;
-      const int64_t slot_entry = FindBlock(list, list_count, slot / kCacheBlockSize);
+      const int64_t slot_entry = FindBlock(list, list_count, slot / kBlockSize);
       if (slot_entry < 0) continue;
-      const float z =
-          scores[row_score_offset[r] + slot_entry * kCacheBlockSize + slot % kCacheBlockSize];
+      const float z = scores[row_score_offset[r] + slot_entry * kBlockSize + slot % kBlockSize];
       if (!isfinite(z)) continue;
       if (!loaded) {
         value = d[x];

@@ -32,18 +32,18 @@ TEST(MlaKvTest, KvRowIsTheKeyStreamRoundedToNearestEven) {
   for (uint64_t seed : {0ull, 7ull, 0x0123'4567'89ab'cdefull}) {
     for (int layer : {0, 1, 60}) {
       for (int64_t slot : {int64_t{0}, int64_t{63}, int64_t{1} << 20, (int64_t{1} << 32) + 5}) {
-        std::vector<uint16_t> row(kMlaLatentDim);
+        std::vector<uint16_t> row(kMlaKeyDim);
         ASSERT_TRUE(MlaKvRow(seed, layer, slot, row).ok());
-        std::vector<float> values(kMlaLatentDim);
+        std::vector<float> values(kMlaKeyDim);
         UniformRow(seed, kKvKeyStream, layer, slot, values);
-        for (int d = 0; d < kMlaLatentDim; ++d) {
+        for (int d = 0; d < kMlaKeyDim; ++d) {
           ASSERT_EQ(row[d], NearestBf16(values[d]))
               << seed << " " << layer << " " << slot << " " << d;
           ASSERT_GE(values[d], -1.0f);
           ASSERT_LT(values[d], 1.0f);
         }
         // The same values KvCacheRow's key row holds.
-        std::vector<float> key(kMlaLatentDim), value(kMlaLatentDim);
+        std::vector<float> key(kMlaKeyDim), value(kMlaKeyDim);
         KvCacheRow(seed, layer, slot, key, value);
         EXPECT_EQ(key, values);
       }
@@ -52,7 +52,7 @@ TEST(MlaKvTest, KvRowIsTheKeyStreamRoundedToNearestEven) {
 }
 
 TEST(MlaKvTest, AttentionQueryIsTheQueryStream) {
-  std::vector<uint16_t> query(static_cast<size_t>(kMlaAttentionHeads) * kMlaLatentDim);
+  std::vector<uint16_t> query(static_cast<size_t>(kMlaAttentionHeads) * kMlaKeyDim);
   std::vector<float> values(query.size());
   for (int64_t position : {int64_t{0}, int64_t{4097}, (int64_t{1} << 33) + 1}) {
     ASSERT_TRUE(MlaAttentionQuery(3, 2, position, query).ok());
@@ -60,14 +60,14 @@ TEST(MlaKvTest, AttentionQueryIsTheQueryStream) {
     for (size_t j = 0; j < query.size(); ++j) ASSERT_EQ(query[j], NearestBf16(values[j])) << j;
   }
   // Fewer heads: a prefix of the same stream.
-  std::vector<uint16_t> small(2 * kMlaLatentDim);
+  std::vector<uint16_t> small(2 * kMlaKeyDim);
   ASSERT_TRUE(MlaAttentionQuery(3, 2, 4097, small).ok());
   ASSERT_TRUE(MlaAttentionQuery(3, 2, 4097, query).ok());
   EXPECT_TRUE(std::equal(small.begin(), small.end(), query.begin()));
 }
 
 TEST(MlaKvTest, RowsDifferAcrossCoordinates) {
-  std::vector<uint16_t> a(kMlaLatentDim), b(kMlaLatentDim);
+  std::vector<uint16_t> a(kMlaKeyDim), b(kMlaKeyDim);
   ASSERT_TRUE(MlaKvRow(1, 0, 10, a).ok());
   ASSERT_TRUE(MlaKvRow(1, 0, 11, b).ok());
   EXPECT_NE(a, b);
@@ -80,7 +80,7 @@ TEST(MlaKvTest, RowsDifferAcrossCoordinates) {
 }
 
 TEST(MlaKvTest, RejectsBadArguments) {
-  std::vector<uint16_t> row(kMlaLatentDim), short_row(kMlaLatentDim - 1);
+  std::vector<uint16_t> row(kMlaKeyDim), short_row(kMlaKeyDim - 1);
   EXPECT_EQ(MlaKvRow(0, -1, 0, row).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MlaKvRow(0, 0, -1, row).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(MlaKvRow(0, 0, 0, short_row).code(), absl::StatusCode::kInvalidArgument);

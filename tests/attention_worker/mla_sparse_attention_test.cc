@@ -28,9 +28,8 @@ void DenseRow(const testing::MlaTestBatch& t, int r, std::vector<float>& out,
   for (int e = 0; e < b.top_k; ++e) {
     const int32_t slot = b.selections[r * b.top_k + e];
     if (slot < 0 || slot > b.positions[r]) continue;
-    const int64_t block = b.block_tables[r * b.max_blocks_per_row + slot / kMlaBlockSize];
-    const uint16_t* row =
-        b.kv_pool.data() + (block * kMlaBlockSize + slot % kMlaBlockSize) * kMlaQkDim;
+    const int64_t block = b.block_tables[r * b.max_blocks_per_row + slot / kBlockSize];
+    const uint16_t* row = b.kv_pool.data() + (block * kBlockSize + slot % kBlockSize) * kMlaQkDim;
     for (int d = 0; d < kMlaQkDim; ++d) keys.push_back(FromBf16(row[d]));
     for (int d = 0; d < kMlaVDim; ++d) values.push_back(FromBf16(row[d]));
     dense_selection.push_back(static_cast<int32_t>(dense_selection.size()));
@@ -98,7 +97,7 @@ TEST(MlaSparseDecodeTest, OneSlotGivesItsValueAndLogit) {
   std::vector<float> out(2 * kMlaVDim), lse(2);
   ASSERT_TRUE(MlaSparseDecode(t.batch, out, lse).ok());
   const int32_t slot = t.selections[0];
-  const uint16_t* k = t.pool.data() + (int64_t{t.tables[0]} * kMlaBlockSize + slot) * kMlaQkDim;
+  const uint16_t* k = t.pool.data() + (int64_t{t.tables[0]} * kBlockSize + slot) * kMlaQkDim;
   for (int h = 0; h < 2; ++h) {
     double dot = 0;
     for (int d = 0; d < kMlaQkDim; ++d)

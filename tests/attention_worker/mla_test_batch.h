@@ -51,11 +51,11 @@ inline MlaTestBatch MakeMlaTestBatch(const std::vector<MlaRowSpec>& rows, int he
   int max_blocks = 1;
   int64_t total_blocks = 0;
   for (const MlaRowSpec& r : rows) {
-    const int blocks = (r.num_slots + kMlaBlockSize - 1) / kMlaBlockSize;
+    const int blocks = (r.num_slots + kBlockSize - 1) / kBlockSize;
     max_blocks = std::max(max_blocks, blocks);
     total_blocks += blocks + 1;
   }
-  t.pool.assign(total_blocks * kMlaBlockSize * kMlaQkDim, ToBf16(0.0f));
+  t.pool.assign(total_blocks * kBlockSize * kMlaQkDim, ToBf16(0.0f));
   std::vector<int32_t> ids(total_blocks);
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -63,14 +63,14 @@ inline MlaTestBatch MakeMlaTestBatch(const std::vector<MlaRowSpec>& rows, int he
   t.tables.assign(rows.size() * max_blocks, -1);
   for (size_t r = 0; r < rows.size(); ++r) {
     const MlaRowSpec& spec = rows[r];
-    const int blocks = (spec.num_slots + kMlaBlockSize - 1) / kMlaBlockSize;
+    const int blocks = (spec.num_slots + kBlockSize - 1) / kBlockSize;
     for (int j = 0; j < blocks; ++j) t.tables[r * max_blocks + j] = ids[next++];
     ++next;  // a spare block between sequences
-    for (int32_t slot = 0; slot < blocks * kMlaBlockSize; ++slot) {
-      uint16_t* row = t.pool.data() +
-                      (int64_t{t.tables[r * max_blocks + slot / kMlaBlockSize]} * kMlaBlockSize +
-                       slot % kMlaBlockSize) *
-                          kMlaQkDim;
+    for (int32_t slot = 0; slot < blocks * kBlockSize; ++slot) {
+      uint16_t* row =
+          t.pool.data() +
+          (int64_t{t.tables[r * max_blocks + slot / kBlockSize]} * kBlockSize + slot % kBlockSize) *
+              kMlaQkDim;
       const bool hidden = slot > spec.position;  // past the position, or an unfilled slot
       const float magnitude = 0.5f + (slot % 5) * 0.25f;
       for (int d = 0; d < kMlaQkDim; ++d) {

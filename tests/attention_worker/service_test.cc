@@ -240,10 +240,10 @@ class AttentionServiceTest : public ::testing::Test {
     for (int64_t i = 0; i < num_slots; ++i) {
       const int64_t slot = first_slot + i;
       std::span<float> out(keys.data() + i * kD, kD);
-      if (slot < kPrefixBlockSlots * static_cast<int64_t>(prefix_ids.size())) {
+      if (slot < kPrefixBlockTokens * static_cast<int64_t>(prefix_ids.size())) {
         EXPECT_TRUE(model_
-                        ->PrefixBlockIndexKeys(full_layer, prefix_ids[slot / kPrefixBlockSlots],
-                                               static_cast<int>(slot % kPrefixBlockSlots), slot, 1,
+                        ->PrefixBlockIndexKeys(full_layer, prefix_ids[slot / kPrefixBlockTokens],
+                                               static_cast<int>(slot % kPrefixBlockTokens), slot, 1,
                                                out)
                         .ok());
       } else {

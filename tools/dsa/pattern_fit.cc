@@ -189,10 +189,10 @@ absl::StatusOr<IndexScoreStatistics> MeasureIndexScores(const IndexScoreSource& 
           ++blocks;
           last_block = i / kBlockSize;
         }
-        if (t - i < kPrefixBlockSlots) {
+        if (t - i < kPrefixBlockTokens) {
           ++recent;
         } else {
-          ++older_segments[i / kPrefixBlockSlots];
+          ++older_segments[i / kPrefixBlockTokens];
         }
         if (i < kBlockSize) ++sinks;
       }

@@ -9,7 +9,7 @@
 // fp8 key scale):
 //   block coverage     distinct 64-slot blocks holding a top-K slot / visible blocks (how much a
 //                      block-sparse scan must read to keep the top-K: score concentration)
-//   recency share      top-K slots within the newest kPrefixBlockSlots (512) slots
+//   recency share      top-K slots within the newest kPrefixBlockTokens (512) slots
 //   sink share         top-K slots in the first block
 //   segment share      top-K slots in the most-selected older 512-slot segment (topic segments)
 //   step overlap       |top-K(t) n top-K(t - 1)| / K (how often the selection shifts)

@@ -418,10 +418,10 @@ ContextTokenSource::ContextTokenSource(std::vector<int32_t> tokens) : tokens_(st
 }
 
 absl::StatusOr<ContextTokenSource> ContextTokenSource::Create(std::vector<int32_t> tokens) {
-  if (static_cast<int64_t>(tokens.size()) < kTracePrefixBlockTokens) {
+  if (static_cast<int64_t>(tokens.size()) < kPrefixBlockTokens) {
     return absl::InvalidArgumentError(absl::StrCat("the token corpus holds ", tokens.size(),
                                                    " ids; real-text contexts need at least ",
-                                                   kTracePrefixBlockTokens, " (one block)"));
+                                                   kPrefixBlockTokens, " (one block)"));
   }
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0) {
@@ -448,12 +448,12 @@ int64_t ContextTokenSource::UnsharedBlockOffset(int64_t index, int64_t block) co
 std::vector<int32_t> ContextTokenSource::Context(const TraceRequest& request, int64_t index) const {
   std::vector<int32_t> ids;
   ids.reserve(static_cast<size_t>(std::max<int64_t>(request.context_tokens, 0)));
-  for (int64_t block = 0; block * kTracePrefixBlockTokens < request.context_tokens; ++block) {
+  for (int64_t block = 0; block * kPrefixBlockTokens < request.context_tokens; ++block) {
     const int64_t offset = block < static_cast<int64_t>(request.prefix_block_ids.size())
                                ? BlockOffset(request.prefix_block_ids[static_cast<size_t>(block)])
                                : UnsharedBlockOffset(index, block);
     const int64_t length =
-        std::min(kTracePrefixBlockTokens, request.context_tokens - block * kTracePrefixBlockTokens);
+        std::min<int64_t>(kPrefixBlockTokens, request.context_tokens - block * kPrefixBlockTokens);
     ids.insert(ids.end(), tokens_.begin() + offset, tokens_.begin() + offset + length);
   }
   return ids;
@@ -466,8 +466,8 @@ int64_t FitToModelContext(std::vector<TraceRequest>& requests, int64_t max_conte
     request.output_tokens = std::min(request.output_tokens, max_context - 1);
     if (request.context_tokens + request.output_tokens <= max_context) continue;
     request.context_tokens = max_context - request.output_tokens;
-    const auto max_ids = static_cast<size_t>(
-        (request.context_tokens + kTracePrefixBlockTokens - 1) / kTracePrefixBlockTokens);
+    const auto max_ids =
+        static_cast<size_t>((request.context_tokens + kPrefixBlockTokens - 1) / kPrefixBlockTokens);
     if (request.prefix_block_ids.size() > max_ids) request.prefix_block_ids.resize(max_ids);
     ++cut;
   }
@@ -483,9 +483,8 @@ int64_t ReusablePrefixSlots(const std::vector<TraceRequest>& requests) {
       ++run;
     }
     reusable += SharedPrefixSlots(static_cast<int64_t>(run), request.context_tokens);
-    const size_t whole =
-        std::min(static_cast<size_t>(request.context_tokens / kSlotsPerPrefixBlock),
-                 request.prefix_block_ids.size());
+    const size_t whole = std::min(static_cast<size_t>(request.context_tokens / kPrefixBlockTokens),
+                                  request.prefix_block_ids.size());
     seen.insert(request.prefix_block_ids.begin(), request.prefix_block_ids.begin() + whole);
   }
   return reusable;
@@ -499,8 +498,8 @@ std::vector<TraceRequest> ApplyCaps(std::vector<TraceRequest> requests, const Re
     if (caps.max_context > 0 && request.context_tokens > caps.max_context) {
       request.context_tokens = caps.max_context;
     }
-    const auto max_ids = static_cast<size_t>(
-        (request.context_tokens + kTracePrefixBlockTokens - 1) / kTracePrefixBlockTokens);
+    const auto max_ids =
+        static_cast<size_t>((request.context_tokens + kPrefixBlockTokens - 1) / kPrefixBlockTokens);
     if (request.prefix_block_ids.size() > max_ids) request.prefix_block_ids.resize(max_ids);
     if (caps.max_output > 0 && request.output_tokens > caps.max_output) {
       request.output_tokens = caps.max_output;
@@ -730,7 +729,7 @@ nlohmann::json ReplayReportToJson(const ReplayReport& report) {
                    {"max_context", report.model_max_context}};
   if (report.real_tokens) {
     json["real_tokens"] = {{"token_file", report.token_file},
-                           {"block_tokens", kTracePrefixBlockTokens},
+                           {"block_tokens", kPrefixBlockTokens},
                            {"contexts_cut_to_model", report.contexts_cut_to_model},
                            {"temperature", report.sampling.temperature},
                            {"top_p", report.sampling.top_p},
@@ -773,7 +772,7 @@ std::string ReplayReportToMarkdown(const ReplayReport& report) {
                                  report.model_name.empty() ? std::string("?") : report.model_name,
                                  report.vocab_size, report.model_max_context));
     row("contexts",
-        absl::StrCat("real text from ", report.token_file, ", one ", kTracePrefixBlockTokens,
+        absl::StrCat("real text from ", report.token_file, ", one ", kPrefixBlockTokens,
                      "-token slice per trace hash id (context_tokens); ",
                      report.contexts_cut_to_model, " cut to fit the model's max context"));
     const ReplaySampling& sampling = report.sampling;

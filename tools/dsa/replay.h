@@ -49,7 +49,7 @@ class ContextTokenSource {
   /// slice offsets (corpora under 10^9 tokens).
   static constexpr uint64_t kOffsetMultiplier = 1000000007;
 
-  /// `tokens`: the corpus, at least kTracePrefixBlockTokens ids, each >= 0.
+  /// `tokens`: the corpus, at least kPrefixBlockTokens ids, each >= 0.
   /// INVALID_ARGUMENT when shorter or an id is negative.
   static absl::StatusOr<ContextTokenSource> Create(std::vector<int32_t> tokens);
 
@@ -67,7 +67,7 @@ class ContextTokenSource {
   int64_t UnsharedBlockOffset(int64_t index, int64_t block) const;
 
   int64_t num_offsets() const {
-    return static_cast<int64_t>(tokens_.size()) - kTracePrefixBlockTokens + 1;
+    return static_cast<int64_t>(tokens_.size()) - kPrefixBlockTokens + 1;
   }
   int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
   int32_t max_token() const { return max_token_; }

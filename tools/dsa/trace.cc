@@ -59,8 +59,7 @@ absl::StatusOr<std::vector<TraceRequest>> ReadMooncakeTrace(std::istream& in) {
         }
         request.prefix_block_ids.push_back(id.get<uint64_t>());
       }
-      const int64_t blocks =
-          (request.context_tokens + kTracePrefixBlockTokens - 1) / kTracePrefixBlockTokens;
+      const int64_t blocks = (request.context_tokens + kPrefixBlockTokens - 1) / kPrefixBlockTokens;
       if (static_cast<int64_t>(request.prefix_block_ids.size()) > blocks) {
         return LineError(line,
                          absl::StrCat(request.prefix_block_ids.size(), " hash ids for ",

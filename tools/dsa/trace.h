@@ -8,11 +8,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "contracts/layout.h"
 
 namespace dsa {
-
-/// Tokens covered by one prefix block id of the Mooncake trace (`hash_ids`: one id per 512 tokens).
-inline constexpr int64_t kTracePrefixBlockTokens = 512;
 
 /// One request of a trace.
 struct TraceRequest {
