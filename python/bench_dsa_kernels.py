@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Times dsa_kernels' scan, top-K and select next to the PyTorch peer (torch_reference_indexer.py)
+"""Times dsa_kernels' scan, top-K and select next to the PyTorch peer (torch_peer_indexer.py)
 in the same process: one row per sequence, H = 64, D = 128, all blocks, bf16 query, K = 2048.
 
 Ours: CUDA events around each launch, a 256 MiB memset before each run (L2 flushed, and the GPU
@@ -7,7 +7,7 @@ busy while the host enqueues the launch), 5 warm-ups, median of 30. "kernel" cal
 with prepared tensors (dsa_kernels._C); "call" goes through the Python layer (with a precomputed
 layout, no index checks). The peer is timed by its own run() (triton do_bench, median).
 
-usage: python bench_dsa_kernels.py --reference /path/to/torch_reference_indexer.py
+usage: python bench_dsa_kernels.py --reference /path/to/torch_peer_indexer.py
            [--shapes 1x65536,64x65536] [--json OUT]
 """
 import argparse
@@ -108,7 +108,7 @@ def run(rows, slots, flush):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reference", required=True, help="path of torch_reference_indexer.py")
+    ap.add_argument("--reference", required=True, help="path of torch_peer_indexer.py")
     ap.add_argument("--shapes", default="1x65536,64x65536")
     ap.add_argument("--json")
     a = ap.parse_args()

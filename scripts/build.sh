@@ -6,6 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${DSA_BUILD_DIR:-build}
+# Paths under the checkout hash as relative ones, so that a fresh clone elsewhere (CI's) hits the
+# cache that an earlier clone filled.
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
+# The instrumented builds (-g): their debug info then names the first clone's build folder, and
+# stack traces the sources relative to it, which is what a report needs.
+export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 jobs=${DSA_BUILD_JOBS:-$(nproc)}
 mkdir -p "$build_dir"
 # shellcheck disable=SC2086

@@ -15,7 +15,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-carry-gpu}
 build=${DSA_BUILD_DIR:-build-cuda}
-shared=${DSA_SHARED_DIR:-../shared}
 tests="device_info key_append scan topk spin_predict spin_update select scoring_device"
 benches="bench_gpu_indexer bench_gpu_select bench_gpu_spin bench_gpu_topk bench_engine_decode_step
 bench_remote_select_rtt"
@@ -28,8 +27,8 @@ rm -rf "$dir"
 mkdir -p "$dir"
 for t in $targets; do [ "$t" = dsa_layer_standin_module ] || cp "$build/bin/$t" "$dir/"; done
 cp "$build/bin/libdsa_layer_standin.so" "$dir/"  # dsa-attention --layer-standin
-cp "$shared/device/torch_reference_indexer.py" data/traces/mooncake_conversation_trace.jsonl "$dir/"
-bash "$shared/device/pack-runtime.sh" .devrt "$dir"/dsa* "$dir"/indexer_cuda_* "$dir"/bench_*
+cp bench/torch_peer_indexer.py data/traces/mooncake_conversation_trace.jsonl "$dir/"
+bash scripts/pack_runtime.sh .devrt "$dir"/dsa* "$dir"/indexer_cuda_* "$dir"/bench_*
 for ignored in "/$dir/" "/.devrt/"; do
   grep -qxF "$ignored" .git/info/exclude 2>/dev/null || echo "$ignored" >>.git/info/exclude
 done

@@ -8,7 +8,7 @@
 #
 #   prepare   (here) builds, in build-gpu/ with CUDA for sm_90a, the GPU tests, bench_llama_decode,
 #             dsa-attention and dsa; packs them with the shared libraries they need
-#             (../shared/device/pack-runtime.sh), the gguf wheel, the indexer inputs of the CUDA
+#             (scripts/pack_runtime.sh), the gguf wheel, the indexer inputs of the CUDA
 #             indexer-scores test (computed here by the CPU test) and dsa eval's held-out tokens
 #             and pass-key cases into .carry-model/run.tgz; and
 #             splits run.tgz and the GGUF over .carry-model/p1 .. pN, each call's carry plus the
@@ -74,7 +74,7 @@ prepare() {
     "$build/bin/attention_llama_indexer_scores_test" >/dev/null
   cp "$model_dir/python_docs_heldout.npy" "$carry_dir/run/eval/"
   [ -f "$model_dir/needles.json" ] && cp "$model_dir/needles.json" "$carry_dir/run/eval/"
-  bash ../shared/device/pack-runtime.sh "$carry_dir/run/devrt" "$carry_dir"/run/bin/*
+  bash scripts/pack_runtime.sh "$carry_dir/run/devrt" "$carry_dir"/run/bin/*
   # The gguf wheel: the one train_indexer_gpu.sh fetched, else pip.
   local wheel
   wheel=$(ls .carry-train/p*/gguf-*.whl 2>/dev/null | head -1 || true)

@@ -22,6 +22,7 @@ jobs=${DSA_BUILD_JOBS:-$(nproc)}
 absl_version=$(dpkg-query -W -f='${Version}' libabsl-dev)
 absl_prefix=$build/abseil
 launcher=()
+export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD} CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 if command -v ccache >/dev/null; then launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 tsan_flags="-fsanitize=thread -O1 -g -fno-omit-frame-pointer"
 
