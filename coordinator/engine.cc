@@ -11,6 +11,7 @@
 #include "common/limits.h"
 #include "common/status_macros.h"
 #include "coordinator/token_blocks.h"
+#include "coordinator/worker_pool.h"
 #include "server/server.h"
 
 namespace dsa {
@@ -40,14 +41,6 @@ uint64_t RequestSeed(uint64_t seed, const std::string& request_id) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
-}
-
-// A worker's status for a request: CANCELLED from a worker (it cancelled the call, e.g. while
-// shutting down) means the worker was lost, so UNAVAILABLE (retryable); other codes unchanged.
-absl::Status WorkerStatus(const absl::Status& status, const std::string& address) {
-  if (status.code() != absl::StatusCode::kCancelled) return status;
-  return absl::UnavailableError(
-      absl::StrCat("attention worker ", address, " cancelled the call: ", status.message()));
 }
 
 // Whether a sequence that failed with `status` may migrate: the codes of a worker's failure
@@ -82,37 +75,6 @@ bool WorkerFailure(const absl::Status& status, bool creating) {
   }
 }
 
-// A Release (or other call) that did not reach its worker: kept for a retry.
-bool Unreached(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kUnavailable ||
-         status.code() == absl::StatusCode::kDeadlineExceeded;
-}
-
-// The cancellation predicate of one call to an attention worker (CoordinatorOptions::
-// hung_worker_checks): true once the worker's consecutive lost checks reach the threshold with
-// one at least lost since the call began (a worker that just resumed, whose counter a check has
-// not reset yet, is not cut); remembers that it cut, so the CANCELLED that follows is read as
-// the worker's hang whatever the counter says by then.
-class HungCut {
- public:
-  HungCut(const std::atomic<int>& unreached_checks, int hung_worker_checks)
-      : unreached_checks_(unreached_checks),
-        threshold_(hung_worker_checks),
-        at_start_(unreached_checks.load()) {}
-  bool Poll() {
-    const int now = unreached_checks_.load();
-    if (threshold_ > 0 && now >= threshold_ && now > at_start_) cut_ = true;
-    return cut_.load();
-  }
-  bool cut() const { return cut_.load(); }
-
- private:
-  const std::atomic<int>& unreached_checks_;
-  const int threshold_;
-  const int at_start_;
-  std::atomic<bool> cut_{false};
-};
-
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 
 // The first id of `ids` outside [0, limit) (limit 0: no upper bound), as "field[i] = v" with why.
@@ -132,32 +94,6 @@ std::optional<std::string> IdOutOfRange(const google::protobuf::RepeatedField<in
 }
 
 }  // namespace
-
-std::string ServedModel::ToString() const {
-  return absl::StrCat(name, " (vocab ", vocab_size, ", eos ", eos_token_id, ", max_context ",
-                      max_context, ")");
-}
-
-absl::StatusOr<ServedModel> ModelOfAttentionWorker(const av1::GetInfoResponse& info) {
-  ServedModel model;
-  model.name = info.model().empty() && info.vocab_size() == 0 ? "pattern" : info.model();
-  model.vocab_size = info.vocab_size();
-  model.max_context = info.max_context();
-  if (model.vocab_size < 0 || model.max_context < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("it reports vocab_size ", model.vocab_size,
-                                                   " and max_context ", model.max_context,
-                                                   " (both must be >= 0)"));
-  }
-  if (model.real()) {
-    model.eos_token_id = info.eos_token_id();
-    if (model.eos_token_id < -1 || model.eos_token_id >= model.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("it reports eos_token_id ", model.eos_token_id,
-                                                     ", outside its vocabulary [0, ",
-                                                     model.vocab_size, ") and not -1"));
-    }
-  }
-  return model;
-}
 
 absl::Status ValidateGenerateRequest(const cv1::GenerateRequest& request) {
   if (request.request_id().empty() || request.request_id().size() > 128) {
@@ -377,7 +313,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   scheduler_options.colocated = options.colocated;
   // Sequence ids drawn at random below 2^62 (unique among those held; across coordinator
   // restarts with high probability), so that a caller who sees one cannot claim the next ones on
-  // a worker before the coordinator does. Drawn under mu_ (every scheduler call is).
+  // a worker before the coordinator does. Drawn under the core's mu (every scheduler call is).
   scheduler_options.draw_sequence_id = [gen = std::make_shared<absl::BitGen>()] {
     return absl::Uniform<uint64_t>(*gen, 1, uint64_t{1} << 62);
   };
@@ -385,9 +321,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   if (!scheduler.ok()) return scheduler.status();
   auto engine = std::unique_ptr<CoordinatorEngine>(new CoordinatorEngine(
       options, metrics, std::move(workers), *clock, std::move(resolve), *std::move(scheduler)));
-  engine->RefreshWorkers();
+  engine->pool_->RefreshWorkers();
   if (options.run_loops && options.worker_check_interval_ms > 0) {
-    engine->watch_ = std::thread([raw = engine.get()] { raw->WatchWorkers(); });
+    engine->watch_ = std::thread([pool = engine->pool_.get()] { pool->WatchWorkers(); });
   }
   if (options.run_loops && options.stall_timeout_ms > 0) {
     engine->stall_watch_ = std::thread([raw = engine.get()] { raw->WatchStalledWrites(); });
@@ -399,17 +335,23 @@ CoordinatorEngine::CoordinatorEngine(const CoordinatorOptions& options, Coordina
                                      std::shared_ptr<WorkerClientFactory> workers,
                                      const Clock& clock, AddressResolver resolve,
                                      Scheduler scheduler)
-    : options_(options),
-      metrics_(metrics),
-      workers_(std::move(workers)),
-      clock_(clock),
-      resolve_(std::move(resolve)),
-      attention_(kMaxWorkersPerKind),
-      indexers_(kMaxWorkersPerKind),
-      scheduler_(std::move(scheduler)) {
-  metrics_->SetMaxQueued(options_.max_queue);
-  metrics_->SetWorkers(/*attention=*/false, 0, 0);
-  metrics_->SetWorkers(/*attention=*/true, 0, 0);
+    : core_(std::make_unique<EngineCore>(options, metrics, clock, std::move(scheduler))),
+      pool_(std::make_unique<WorkerPool>(core_.get(), std::move(workers), std::move(resolve))),
+      loops_(WorkerPool::kMaxWorkersPerKind) {
+  core_->metrics->SetMaxQueued(core_->options.max_queue);
+  WorkerPool::Hooks hooks;
+  hooks.attention_added = [this](int slot) {
+    loops_[slot] = std::make_unique<DecodeSlot>();
+    if (core_->options.run_loops) {
+      loops_[slot]->loop = std::thread([this, slot] { DecodeLoop(slot); });
+    }
+  };
+  hooks.refreshed = [this](bool any_became_ready) { WorkersRefreshedLocked(any_became_ready); };
+  hooks.after_refresh = [this](const std::vector<Eviction>& evictions) {
+    CarryOutEvictions(evictions);
+    ReleaseUnreleased();
+  };
+  pool_->SetHooks(std::move(hooks));
 }
 
 CoordinatorEngine::~CoordinatorEngine() { Stop(); }
@@ -418,58 +360,63 @@ void CoordinatorEngine::Stop() {
   if (stopped_.exchange(true)) return;
   int num_attention = 0;
   {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-    num_attention = num_attention_;
-    for (int j = 0; j < num_attention; ++j) attention_[j]->wake.SignalAll();
-    watch_wake_.SignalAll();
+    absl::MutexLock lock(&core_->mu);
+    core_->stopping = true;
+    num_attention = pool_->NumAttentionLocked();
+    for (int j = 0; j < num_attention; ++j) loops_[j]->wake.SignalAll();
+    core_->watch_wake.SignalAll();
   }
   if (watch_.joinable()) watch_.join();
   if (stall_watch_.joinable()) stall_watch_.join();
-  absl::MutexLock refresh(&refresh_mu_);  // no refresh adds a worker from here on
-  {
-    absl::MutexLock lock(&mu_);
-    num_attention = num_attention_;
-  }
-  for (int j = 0; j < num_attention; ++j) {
-    if (attention_[j]->loop.joinable()) attention_[j]->loop.join();
-  }
+  pool_->WithoutRefreshes([&] {  // no refresh adds a worker from here on
+    {
+      absl::MutexLock lock(&core_->mu);
+      num_attention = pool_->NumAttentionLocked();
+    }
+    for (int j = 0; j < num_attention; ++j) {
+      if (loops_[j]->loop.joinable()) loops_[j]->loop.join();
+    }
+  });
 }
 
-void CoordinatorEngine::WatchWorkers() {
-  while (true) {
-    {
-      absl::MutexLock lock(&mu_);
-      const absl::Time until = absl::Now() + absl::Milliseconds(options_.worker_check_interval_ms);
-      while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
-      }
-      if (stopping_) return;
-    }
-    RefreshWorkers();
+void CoordinatorEngine::WorkersRefreshedLocked(bool any_became_ready) {
+  if (any_became_ready && !core_->draining) {
+    DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   }
+  const std::vector<uint64_t> unplaceable = core_->scheduler.TakeUnplaceableQueued();
+  for (uint64_t ticket : unplaceable) {
+    auto it = by_ticket_.find(ticket);
+    if (it == by_ticket_.end()) continue;
+    it->second->phase = Phase::kEnded;
+    SetFinalLocked(*it->second,
+                   absl::Status(absl::StatusCode::kUnavailable,
+                                "no ready worker can hold the request now (the workers large "
+                                "enough for it are not ready)"));
+  }
+  if (!unplaceable.empty()) UpdateGaugesLocked();
 }
 
 void CoordinatorEngine::WatchStalledWrites() {
   // A quarter of the timeout between looks (10 ms .. 1 s): a stalled write is cut within 1.25x.
-  const absl::Duration period = std::clamp(absl::Milliseconds(options_.stall_timeout_ms) / 4,
+  const absl::Duration period = std::clamp(absl::Milliseconds(core_->options.stall_timeout_ms) / 4,
                                            absl::Milliseconds(10), absl::Seconds(1));
   while (true) {
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&core_->mu);
       const absl::Time until = absl::Now() + period;
-      while (!stopping_ && !watch_wake_.WaitWithDeadline(&mu_, until)) {
+      while (!core_->stopping && !core_->watch_wake.WaitWithDeadline(&core_->mu, until)) {
       }
-      if (stopping_) return;
+      if (core_->stopping) return;
     }
     CheckStalledWrites();
   }
 }
 
 void CoordinatorEngine::CheckStalledWrites() {
-  if (options_.stall_timeout_ms <= 0) return;
-  const absl::Duration timeout = absl::Milliseconds(options_.stall_timeout_ms);
-  absl::MutexLock lock(&mu_);
-  const absl::Time now = clock_.Now();
+  if (core_->options.stall_timeout_ms <= 0) return;
+  const absl::Duration timeout = absl::Milliseconds(core_->options.stall_timeout_ms);
+  absl::MutexLock lock(&core_->mu);
+  const absl::Time now = core_->clock.Now();
   for (auto& [key, request] : by_id_) {
     if (!request->write_blocked_since.has_value() || request->stream == nullptr ||
         now - *request->write_blocked_since < timeout) {
@@ -478,484 +425,25 @@ void CoordinatorEngine::CheckStalledWrites() {
     LogJson("warn", "ending a stream whose client stopped reading",
             {{"request_id", request->id},
              {"blocked_ms", absl::ToInt64Milliseconds(now - *request->write_blocked_since)},
-             {"stall_timeout_ms", options_.stall_timeout_ms},
+             {"stall_timeout_ms", core_->options.stall_timeout_ms},
              {"finished", request->final_status.has_value()}});
     if (!request->final_status.has_value() && !request->cancel_requested) {
       request->cancel_reason =
-          absl::StrCat("the client read nothing for ", options_.stall_timeout_ms,
+          absl::StrCat("the client read nothing for ", core_->options.stall_timeout_ms,
                        " ms (--stall-timeout-ms); request ended");
       request->cancel_requested = true;
       request->changed.SignalAll();
-      if (request->admission.has_value()) attention_[request->admission->attention]->wake.Signal();
+      if (request->admission.has_value()) loops_[request->admission->attention]->wake.Signal();
     }
     request->write_blocked_since.reset();  // cancelled once
     request->stream->TryCancel();          // unblocks the Write
   }
 }
 
-void CoordinatorEngine::SetReadinessListener(std::function<void(bool ready)> listener) {
-  absl::MutexLock refresh(&refresh_mu_);
-  readiness_listener_ = std::move(listener);
-  bool ready = false;
-  {
-    absl::MutexLock lock(&mu_);
-    ready = ReadyLocked();
-  }
-  told_ready_ = ready;
-  if (readiness_listener_) readiness_listener_(ready);
-}
-
-int CoordinatorEngine::num_full_layers() const {
-  absl::MutexLock lock(&mu_);
-  return num_full_layers_;
-}
-
-std::optional<ServedModel> CoordinatorEngine::model() const {
-  absl::MutexLock lock(&mu_);
-  return model_;
-}
-
-bool CoordinatorEngine::ReadyLocked() const {
-  return scheduler_.ReadyIndexers() > 0 && scheduler_.ReadyAttentions() > 0;
-}
-
-std::vector<std::string> CoordinatorEngine::WantedAddresses(const std::vector<std::string>& fixed,
-                                                            const std::vector<std::string>& names) {
-  std::vector<std::string> wanted = fixed;
-  for (const std::string& name : names) {
-    absl::StatusOr<std::vector<std::string>> resolved = resolve_(name);
-    if (resolved.ok()) {
-      dns_answers_[name] = *resolved;
-      logged_.erase(absl::StrCat("dns ", name));
-    } else {
-      LogOnce(absl::StrCat("dns ", name), "warn", "cannot resolve workers; keeping the last answer",
-              {{"name", name}, {"status", resolved.status().ToString()}});
-    }
-    const auto& answer = dns_answers_[name];
-    wanted.insert(wanted.end(), answer.begin(), answer.end());
-  }
-  std::vector<std::string> unique;
-  for (const std::string& address : wanted) {
-    if (std::find(unique.begin(), unique.end(), address) == unique.end()) {
-      unique.push_back(address);
-    }
-  }
-  return unique;
-}
-
-CoordinatorEngine::Probe CoordinatorEngine::ProbeWorker(
-    const std::string& address, bool attention,
-    std::shared_ptr<AttentionWorkerClient> attention_client,
-    std::shared_ptr<IndexerWorkerClient> indexer_client) const {
-  const absl::Duration timeout = absl::Milliseconds(options_.worker_check_timeout_ms);
-  Probe probe;
-  probe.address = address;
-  WorkerClient* client = nullptr;
-  if (attention) {
-    probe.attention_client =
-        attention_client != nullptr ? std::move(attention_client) : workers_->Attention(address);
-    probe.status = probe.attention_client->GetInfo({timeout, "", {}}, &probe.info);
-    client = probe.attention_client.get();
-  } else {
-    probe.indexer_client =
-        indexer_client != nullptr ? std::move(indexer_client) : workers_->Indexer(address);
-    probe.status = probe.indexer_client->GetLoad({timeout, "", {}}, &probe.load);
-    client = probe.indexer_client.get();
-  }
-  if (!probe.status.ok()) {
-    probe.reason =
-        absl::StrCat(attention ? "GetInfo" : "GetLoad", " failed: ", probe.status.message());
-    return probe;
-  }
-  const WorkerReadiness readiness = client->CheckReadiness(timeout);
-  probe.healthy = readiness.ready;
-  probe.reason = readiness.reason;
-  return probe;
-}
-
-std::string CoordinatorEngine::CheckShapeLocked(const Probe& probe, bool attention) {
-  const int64_t heads = attention ? probe.info.num_heads() : probe.load.num_heads();
-  const int64_t dim = attention ? probe.info.head_dim() : probe.load.head_dim();
-  if (attention && probe.info.num_full_layers() < 1) return "it reports no full layer";
-  // The shape of the workers ready now (any one: they all agree).
-  int64_t ready_heads = 0;
-  int64_t ready_dim = 0;
-  int ready_layers = 0;
-  for (int j = 0; j < num_attention_; ++j) {
-    if (!attention_[j]->ready) continue;
-    ready_heads = attention_[j]->num_heads;
-    ready_dim = attention_[j]->head_dim;
-    ready_layers = attention_[j]->num_full_layers;
-  }
-  for (int i = 0; i < num_indexers_ && ready_heads == 0; ++i) {
-    if (!indexers_[i]->ready) continue;
-    ready_heads = indexers_[i]->num_heads;
-    ready_dim = indexers_[i]->head_dim;
-  }
-  if (ready_heads != 0 && (heads != ready_heads || dim != ready_dim)) {
-    return absl::StrCat("it has H = ", heads, ", D = ", dim,
-                        " but the ready workers have H = ", ready_heads, ", D = ", ready_dim);
-  }
-  if (!attention) return "";
-  if (ready_layers != 0 && probe.info.num_full_layers() != ready_layers) {
-    return absl::StrCat("attention workers disagree on the number of full layers: it has ",
-                        probe.info.num_full_layers(), ", the ready workers have ", ready_layers);
-  }
-  // The model: every ready attention worker runs the same (its name, vocabulary, end-of-sequence
-  // token and context), and it changes only while nothing is held or queued.
-  absl::StatusOr<ServedModel> model = ModelOfAttentionWorker(probe.info);
-  if (!model.ok()) return std::string(model.status().message());
-  for (int j = 0; j < num_attention_; ++j) {
-    if (attention_[j]->ready && attention_[j]->model != *model) {
-      return absl::StrCat("attention workers disagree on the model: it runs ", model->ToString(),
-                          ", the ready workers run ", attention_[j]->model.ToString());
-    }
-  }
-  if (model_.has_value() && *model_ != *model && !scheduler_.Idle()) {
-    return absl::StrCat("it runs ", model->ToString(), ", the sequences held or queued were made ",
-                        "for ", model_->ToString());
-  }
-  if (probe.info.num_full_layers() != num_full_layers_) {
-    if (absl::Status set = scheduler_.SetNumFullLayers(probe.info.num_full_layers()); !set.ok()) {
-      return absl::StrCat("it has ", probe.info.num_full_layers(), " full layers, the sequences ",
-                          "held have ", num_full_layers_, ": ", set.message());
-    }
-    num_full_layers_ = probe.info.num_full_layers();
-  }
-  if (!model_.has_value() || *model_ != *model) {
-    if (model_.has_value()) {
-      LogJson(
-          "warn", "the model changed",
-          {{"from", model_->ToString()}, {"to", model->ToString()}, {"address", probe.address}});
-    }
-    model_ = *model;
-  }
-  return "";
-}
-
-void CoordinatorEngine::RetireLocked(int slot, bool attention, std::vector<Eviction>* evictions) {
-  for (bool kind : {true, false}) {
-    if (kind != attention && !options_.colocated) continue;  // co-located: the pair goes together
-    if (kind) {
-      attention_[slot]->ready = false;
-      attention_[slot]->retired = true;
-      attention_[slot]->unreached_checks = 0;  // no longer checked: nothing to cut on
-      attention_by_address_.erase(attention_[slot]->address);
-      if (auto forgotten = scheduler_.RetireAttention(slot); forgotten.ok()) {
-        evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
-      }
-    } else {
-      indexers_[slot]->ready = false;
-      indexers_[slot]->retired = true;
-      indexers_[slot]->unreached_checks = 0;
-      indexer_by_address_.erase(indexers_[slot]->address);
-      if (auto forgotten = scheduler_.RetireIndexer(slot); forgotten.ok()) {
-        evictions->insert(evictions->end(), forgotten->begin(), forgotten->end());
-      }
-    }
-  }
-}
-
-void CoordinatorEngine::LogOnce(const std::string& key, const char* level, const char* message,
-                                nlohmann::json fields) {
-  const std::string text = absl::StrCat(message, " ", fields.dump());
-  if (logged_[key] == text) return;
-  logged_[key] = text;
-  LogJson(level, message, std::move(fields));
-}
-
-void CoordinatorEngine::RefreshWorkers() {
-  const uint64_t begun_before = refreshes_begun_.load();
-  ++refreshes_waiting_;
-  absl::MutexLock refresh(&refresh_mu_);
-  --refreshes_waiting_;
-  // A refresh that began after this call has ended (this one holds the lock now): nothing to add.
-  if (refreshes_begun_.load() != begun_before) return;
-  ++refreshes_begun_;
-  const std::vector<std::string> attention_wanted =
-      WantedAddresses(options_.attention_addresses, options_.attention_dns);
-  const std::vector<std::string> indexer_wanted =
-      options_.colocated ? attention_wanted
-                         : WantedAddresses(options_.indexer_addresses, options_.indexer_dns);
-  // Every wanted or known (not retired) address of each kind, with the client of a known one.
-  struct Target {
-    std::string address;
-    bool attention;
-    bool wanted;
-    int slot;  // -1: not taken in yet
-    std::shared_ptr<AttentionWorkerClient> attention_client;
-    std::shared_ptr<IndexerWorkerClient> indexer_client;
-  };
-  std::vector<Target> targets;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return;
-    for (bool attention : {true, false}) {
-      const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
-      const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
-      auto target_of = [&](const std::string& address, bool is_wanted, int slot) {
-        Target target{address, attention, is_wanted, slot, nullptr, nullptr};
-        if (slot >= 0 && attention) target.attention_client = attention_[slot]->client;
-        if (slot >= 0 && !attention) target.indexer_client = indexers_[slot]->client;
-        return target;
-      };
-      for (const std::string& address : wanted) {
-        auto it = by_address.find(address);
-        targets.push_back(target_of(address, true, it == by_address.end() ? -1 : it->second));
-      }
-      for (const auto& [address, slot] : by_address) {
-        if (std::find(wanted.begin(), wanted.end(), address) == wanted.end()) {
-          targets.push_back(target_of(address, false, slot));
-        }
-      }
-    }
-  }
-  // Check them all at once: a dead worker costs one timeout, not one each.
-  std::vector<Probe> probes(targets.size());
-  {
-    std::vector<std::thread> checks;
-    checks.reserve(targets.size());
-    for (size_t t = 0; t < targets.size(); ++t) {
-      checks.emplace_back([&, t] {
-        probes[t] = ProbeWorker(targets[t].address, targets[t].attention,
-                                targets[t].attention_client, targets[t].indexer_client);
-      });
-    }
-    for (std::thread& check : checks) check.join();
-  }
-  auto probe_of = [&](const std::string& address, bool attention) -> Probe* {
-    for (size_t t = 0; t < targets.size(); ++t) {
-      if (targets[t].address == address && targets[t].attention == attention) return &probes[t];
-    }
-    return nullptr;
-  };
-  auto instance_of = [](const Probe& p, bool attention) -> const std::string& {
-    return attention ? p.info.instance_id() : p.load.instance_id();
-  };
-
-  bool ready = false;
-  std::vector<uint64_t> unplaceable;
-  std::vector<Eviction> retire_evictions;  // what retired workers' slots held, released below
-  {
-    absl::MutexLock lock(&mu_);
-    bool any_became_ready = false;
-    // A known worker that answers with another instance id restarted: what the scheduler thinks
-    // it holds is gone. Retire its slot; the new instance is taken in below like a new worker.
-    for (size_t t = 0; t < targets.size(); ++t) {
-      Target& target = targets[t];
-      const Probe& probe = probes[t];
-      if (target.slot < 0 || !probe.status.ok()) continue;
-      const std::string& now = instance_of(probe, target.attention);
-      std::string& then = target.attention ? attention_[target.slot]->instance_id
-                                           : indexers_[target.slot]->instance_id;
-      if (then.empty()) then = now;  // a server that did not say before: nothing to compare
-      if (now.empty() || now == then) continue;
-      LogJson("warn", "worker restarted",
-              {{"kind", target.attention ? "attention" : "indexer"},
-               {"address", target.address},
-               {"reason", "its instance id changed: the sequences it held are gone"}});
-      const int slot = target.slot;
-      RetireLocked(slot, target.attention, &retire_evictions);
-      for (Target& other : targets) {  // co-located: the other half of the pair too
-        if (other.slot == slot && (other.attention == target.attention || options_.colocated)) {
-          other.slot = -1;
-        }
-      }
-    }
-    int unreached[2] = {0, 0};  // [attention]
-    for (size_t t = 0; t < targets.size(); ++t) {
-      Target& target = targets[t];
-      const Probe& probe = probes[t];
-      const char* kind = target.attention ? "attention" : "indexer";
-      const std::string key = absl::StrCat(kind, " ", target.address);
-      if (target.slot < 0) {  // not taken in yet
-        if (!target.wanted) continue;
-        if (options_.colocated && !target.attention) continue;  // taken in with its attention half
-        ++unreached[target.attention ? 1 : 0];
-        const Probe* indexer_half = options_.colocated ? probe_of(target.address, false) : nullptr;
-        const absl::Status& failed =
-            !probe.status.ok() ? probe.status
-                               : (indexer_half != nullptr ? indexer_half->status : probe.status);
-        if (!failed.ok()) {
-          LogOnce(key, "warn", "worker unreachable",
-                  {{"kind", kind},
-                   {"address", target.address},
-                   {"reason", std::string(failed.message())}});
-          continue;  // looked at again at the next refresh
-        }
-        std::string refusal = CheckShapeLocked(probe, target.attention);
-        if (refusal.empty() && indexer_half != nullptr) {
-          refusal = CheckShapeLocked(*indexer_half, /*attention=*/false);
-        }
-        if (refusal.empty() &&
-            (target.attention ? num_attention_ : num_indexers_) >= kMaxWorkersPerKind) {
-          refusal = absl::StrCat("the coordinator holds ", kMaxWorkersPerKind, " ", kind,
-                                 " workers already");
-        }
-        if (!refusal.empty()) {
-          LogOnce(key, "error", "worker refused",
-                  {{"kind", kind}, {"address", target.address}, {"reason", refusal}});
-          continue;
-        }
-        auto add_indexer = [&](const Probe& p) -> bool {
-          absl::StatusOr<int> slot = scheduler_.AddIndexer({p.address, p.load.capacity_blocks()});
-          if (!slot.ok()) {
-            LogOnce(key, "error", "worker refused",
-                    {{"kind", "indexer"},
-                     {"address", p.address},
-                     {"reason", slot.status().ToString()}});
-            return false;
-          }
-          auto worker = std::make_unique<IndexerWorker>();
-          worker->address = p.address;
-          worker->client = p.indexer_client;
-          worker->ready = p.healthy;
-          worker->instance_id = p.load.instance_id();
-          worker->num_heads = p.load.num_heads();
-          worker->head_dim = p.load.head_dim();
-          indexers_[*slot] = std::move(worker);
-          indexer_by_address_[p.address] = *slot;
-          num_indexers_ = *slot + 1;
-          (void)scheduler_.SetIndexerReady(*slot, p.healthy);
-          LogJson("info", "worker taken in",
-                  {{"kind", "indexer"},
-                   {"address", p.address},
-                   {"ready", p.healthy},
-                   {"capacity_blocks", p.load.capacity_blocks()}});
-          return true;
-        };
-        if (!target.attention) {
-          if (!add_indexer(probe)) continue;
-          --unreached[0];
-          logged_.erase(key);
-          any_became_ready |= probe.healthy;
-          continue;
-        }
-        if (indexer_half != nullptr && !add_indexer(*indexer_half)) continue;
-        absl::StatusOr<int> slot =
-            scheduler_.AddAttention({probe.address, probe.info.kv_capacity_slots()});
-        if (!slot.ok()) {
-          LogOnce(key, "error", "worker refused",
-                  {{"kind", "attention"},
-                   {"address", probe.address},
-                   {"reason", slot.status().ToString()}});
-          continue;
-        }
-        const bool healthy = probe.healthy && (indexer_half == nullptr || indexer_half->healthy);
-        auto worker = std::make_unique<AttentionWorker>();
-        worker->address = probe.address;
-        worker->client = probe.attention_client;
-        worker->ready = healthy;
-        worker->instance_id = probe.info.instance_id();
-        worker->model = *model_;  // CheckShapeLocked set it to this worker's
-        worker->num_full_layers = probe.info.num_full_layers();
-        worker->num_heads = probe.info.num_heads();
-        worker->head_dim = probe.info.head_dim();
-        attention_[*slot] = std::move(worker);
-        attention_by_address_[probe.address] = *slot;
-        num_attention_ = *slot + 1;
-        (void)scheduler_.SetAttentionReady(*slot, healthy);
-        if (indexer_half != nullptr) {
-          indexers_[*slot]->ready = healthy;
-          (void)scheduler_.SetIndexerReady(*slot, healthy);
-        }
-        if (options_.run_loops) {
-          attention_[*slot]->loop = std::thread([this, j = *slot] { DecodeLoop(j); });
-        }
-        LogJson("info", "worker taken in",
-                {{"kind", "attention"},
-                 {"address", probe.address},
-                 {"ready", healthy},
-                 {"num_full_layers", probe.info.num_full_layers()},
-                 {"kv_capacity_slots", probe.info.kv_capacity_slots()}});
-        --unreached[1];
-        logged_.erase(key);
-        any_became_ready |= healthy;
-        continue;
-      }
-      // A known worker: ready while wanted and healthy (a co-located pair: both halves).
-      std::atomic<int>& unreached_checks = target.attention
-                                               ? attention_[target.slot]->unreached_checks
-                                               : indexers_[target.slot]->unreached_checks;
-      if (Unreached(probe.status)) {
-        ++unreached_checks;
-      } else {
-        unreached_checks = 0;
-      }
-      bool healthy = target.wanted && probe.healthy;
-      std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
-      // A worker of a model the coordinator no longer serves (the model changed while it was not
-      // ready) takes no new sequence.
-      if (healthy && target.attention && model_.has_value() &&
-          attention_[target.slot]->model != *model_) {
-        healthy = false;
-        reason = absl::StrCat("it runs ", attention_[target.slot]->model.ToString(),
-                              ", the coordinator now serves ", model_->ToString());
-      }
-      if (options_.colocated) {
-        const Probe* other = probe_of(target.address, !target.attention);
-        if (other != nullptr && !other->healthy && healthy) {
-          healthy = false;
-          reason = other->reason;
-        }
-      }
-      bool& flag =
-          target.attention ? attention_[target.slot]->ready : indexers_[target.slot]->ready;
-      if (flag == healthy) continue;
-      flag = healthy;
-      if (target.attention) {
-        (void)scheduler_.SetAttentionReady(target.slot, healthy);
-      } else {
-        (void)scheduler_.SetIndexerReady(target.slot, healthy);
-      }
-      any_became_ready |= healthy;
-      if (healthy) {
-        LogJson("info", "worker ready", {{"kind", kind}, {"address", target.address}});
-      } else {
-        LogJson("warn", "worker not ready",
-                {{"kind", kind}, {"address", target.address}, {"reason", reason}});
-      }
-    }
-    // Wanted but not taken in (no answer, or refused): not ready. Co-located, a pair is one.
-    const int unreached_attention = unreached[1];
-    const int unreached_indexers = options_.colocated ? unreached[1] : unreached[0];
-    if (any_became_ready && !draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
-    unplaceable = scheduler_.TakeUnplaceableQueued();
-    for (uint64_t ticket : unplaceable) {
-      auto it = by_ticket_.find(ticket);
-      if (it == by_ticket_.end()) continue;
-      it->second->phase = Phase::kEnded;
-      SetFinalLocked(*it->second,
-                     absl::Status(absl::StatusCode::kUnavailable,
-                                  "no ready worker can hold the request now (the workers large "
-                                  "enough for it are not ready)"));
-    }
-    if (!unplaceable.empty()) UpdateGaugesLocked();
-    ready = ReadyLocked();
-    auto known = [](const auto& workers, int count) {
-      int n = 0;
-      for (int i = 0; i < count; ++i) n += workers[i]->retired ? 0 : 1;
-      return n;
-    };
-    const int indexers = known(indexers_, num_indexers_);
-    const int attention = known(attention_, num_attention_);
-    metrics_->SetWorkers(/*attention=*/false, scheduler_.ReadyIndexers(),
-                         indexers - scheduler_.ReadyIndexers() + unreached_indexers);
-    metrics_->SetWorkers(/*attention=*/true, scheduler_.ReadyAttentions(),
-                         attention - scheduler_.ReadyAttentions() + unreached_attention);
-  }
-  if (!told_ready_.has_value() || *told_ready_ != ready) {
-    told_ready_ = ready;
-    if (readiness_listener_) readiness_listener_(ready);
-  }
-  CarryOutEvictions(retire_evictions);
-  ReleaseUnreleased();  // what failed workers could not release, on those that answer again
-}
-
 void CoordinatorEngine::StartDrain() {
-  absl::MutexLock lock(&mu_);
-  draining_ = true;
-  for (uint64_t ticket : scheduler_.CancelAllQueued()) {
+  absl::MutexLock lock(&core_->mu);
+  core_->draining = true;
+  for (uint64_t ticket : core_->scheduler.CancelAllQueued()) {
     auto it = by_ticket_.find(ticket);
     if (it == by_ticket_.end()) continue;
     it->second->phase = Phase::kEnded;
@@ -963,10 +451,6 @@ void CoordinatorEngine::StartDrain() {
                                              "draining: the coordinator is shutting down"));
   }
   UpdateGaugesLocked();
-}
-
-absl::Duration CoordinatorEngine::RpcTimeout() const {
-  return absl::Milliseconds(options_.rpc_timeout_ms);
 }
 
 void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& status) {
@@ -982,14 +466,14 @@ void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& sta
       {"context_tokens", ContextLength(request.proto)},
       {"generated_tokens", request.generated},
       {"migrations", request.migrations},
-      {"duration_s", Seconds(clock_.Now() - request.arrival)}};
+      {"duration_s", Seconds(core_->clock.Now() - request.arrival)}};
   if (!status.ok()) fields["message"] = std::string(status.message());
   if (request.generated > 0) {
     fields["ttft_s"] = Seconds(request.first_token_time - request.arrival);
   }
   if (request.admission.has_value()) {
-    fields["indexer_worker"] = indexers_[request.admission->indexer]->address;
-    fields["attention_worker"] = attention_[request.admission->attention]->address;
+    fields["indexer_worker"] = pool_->indexer(request.admission->indexer).address;
+    fields["attention_worker"] = pool_->attention(request.admission->attention).address;
   }
   LogJson(status.ok() || status.code() == absl::StatusCode::kCancelled ? "info" : "warn", "request",
           std::move(fields));
@@ -999,28 +483,28 @@ void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& sta
   } else if (status.code() == absl::StatusCode::kCancelled) {
     outcome = RequestOutcome::kCancelled;
   }
-  metrics_->CountRequest(outcome);
+  core_->metrics->CountRequest(outcome);
   request.changed.SignalAll();
 }
 
 void CoordinatorEngine::UpdateGaugesLocked() {
-  const SchedulerLoad load = scheduler_.Load();
-  metrics_->SetQueued(load.queued);
-  metrics_->SetRunning(load.running);
+  const SchedulerLoad load = core_->scheduler.Load();
+  core_->metrics->SetQueued(load.queued);
+  core_->metrics->SetRunning(load.running);
 }
 
 void CoordinatorEngine::AbortLocked(Request& request) {
   if (request.final_status.has_value() || request.cancel_requested) return;
   request.cancel_requested = true;
   if (request.phase == Phase::kQueued) {
-    scheduler_.CancelQueued(request.ticket);
+    core_->scheduler.CancelQueued(request.ticket);
     request.phase = Phase::kEnded;
     SetFinalLocked(request, absl::Status(absl::StatusCode::kCancelled, "aborted while queued"));
     // The head may have left: the next ones may fit now.
-    if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+    if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
     UpdateGaugesLocked();
   } else if (request.phase == Phase::kDecoding && request.admission.has_value()) {
-    attention_[request.admission->attention]->wake.Signal();
+    loops_[request.admission->attention]->wake.Signal();
   }
   request.changed.SignalAll();
 }
@@ -1041,22 +525,23 @@ absl::Status CoordinatorEngine::ReleaseOnWorker(bool attention, int slot, uint64
                                                 bool keep_indexer_sequence, absl::Duration timeout,
                                                 const TraceContext* trace) {
   // The last checks of the worker did not reach it: a call would only wait for its deadline.
-  if (KnownUnreachable(attention ? attention_[slot]->unreached_checks
-                                 : indexers_[slot]->unreached_checks)) {
+  if (pool_->KnownUnreachable(attention ? pool_->attention(slot).unreached_checks
+                                        : pool_->indexer(slot).unreached_checks)) {
     return absl::UnavailableError(absl::StrCat(
         "not sent: the last checks of ", attention ? "attention" : "indexer", " worker ",
-        attention ? attention_[slot]->address : indexers_[slot]->address, " did not reach it"));
+        attention ? pool_->attention(slot).address : pool_->indexer(slot).address,
+        " did not reach it"));
   }
   const WorkerCall call{timeout, trace != nullptr ? trace->Child().ToTraceparent() : "", {}};
   if (attention) {
     av1::ReleaseRequest release;
     release.set_sequence_id(sequence_id);
     release.set_keep_indexer_sequence(keep_indexer_sequence);
-    return attention_[slot]->client->Release(call, release);
+    return pool_->attention(slot).client->Release(call, release);
   }
   iv1::ReleaseRequest release;
   release.set_sequence_id(sequence_id);
-  return indexers_[slot]->client->Release(call, release);
+  return pool_->indexer(slot).client->Release(call, release);
 }
 
 std::vector<CoordinatorEngine::Unreleased> CoordinatorEngine::ReleaseSequence(
@@ -1067,14 +552,14 @@ std::vector<CoordinatorEngine::Unreleased> CoordinatorEngine::ReleaseSequence(
   if (attention >= 0) {
     attention_status = ReleaseOnWorker(/*attention=*/true, attention, sequence_id,
                                        keep_indexer_sequence, timeout, trace);
-    if (Unreached(attention_status)) {
+    if (WorkerUnreached(attention_status)) {
       unreached.push_back({true, attention, sequence_id, keep_indexer_sequence});
     }
   }
   if (!keep_indexer_sequence && (indexer_too || !attention_status.ok())) {
     const absl::Status indexer_status = ReleaseOnWorker(
         /*attention=*/false, indexer, sequence_id, /*keep_indexer_sequence=*/false, timeout, trace);
-    if (Unreached(indexer_status)) unreached.push_back({false, indexer, sequence_id, false});
+    if (WorkerUnreached(indexer_status)) unreached.push_back({false, indexer, sequence_id, false});
   }
   return unreached;
 }
@@ -1090,13 +575,13 @@ void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions
     std::vector<Unreleased> more = ReleaseSequence(
         on_attention ? eviction.attention : -1, eviction.indexer, eviction.sequence_id,
         /*keep_indexer_sequence=*/false,
-        /*indexer_too=*/eviction.release_on_both || !on_attention, RpcTimeout(),
+        /*indexer_too=*/eviction.release_on_both || !on_attention, core_->RpcTimeout(),
         /*trace=*/nullptr);
     for (Unreleased& u : more) u.counted = false;
     unreached.insert(unreached.end(), more.begin(), more.end());
   }
   if (unreached.empty()) return;
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&core_->mu);
   unreleased_.insert(unreleased_.end(), unreached.begin(), unreached.end());
 }
 
@@ -1125,19 +610,21 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
     sampling->set_top_p(g.sampling().top_p());
     sampling->set_seed(g.sampling().seed());
   }
-  prefill.set_indexer_worker(indexers_[admission.indexer]->address);
+  prefill.set_indexer_worker(pool_->indexer(admission.indexer).address);
   av1::SequenceSettings* settings = prefill.mutable_settings();
-  settings->set_top_k(o.has_top_k() ? o.top_k() : options_.top_k);
+  settings->set_top_k(o.has_top_k() ? o.top_k() : core_->options.top_k);
   iv1::SpinSettings* spin = settings->mutable_spin();
-  if (o.has_all_keep() ? o.all_keep() : options_.all_keep) {
+  if (o.has_all_keep() ? o.all_keep() : core_->options.all_keep) {
     spin->set_all_keep(true);
   } else {
-    spin->set_target_block_sparsity(o.has_target_block_sparsity() ? o.target_block_sparsity()
-                                                                  : options_.target_block_sparsity);
+    spin->set_target_block_sparsity(o.has_target_block_sparsity()
+                                        ? o.target_block_sparsity()
+                                        : core_->options.target_block_sparsity);
   }
-  spin->set_exploration_fraction(o.has_exploration_fraction() ? o.exploration_fraction()
-                                                              : options_.exploration_fraction);
-  spin->set_seed(options_.seed);
+  spin->set_exploration_fraction(o.has_exploration_fraction()
+                                     ? o.exploration_fraction()
+                                     : core_->options.exploration_fraction);
+  spin->set_seed(core_->options.seed);
   if (o.has_miss_target()) spin->set_miss_target(o.miss_target());
   if (admission.prefix_source_id.has_value()) {
     prefill.set_prefix_source_id(*admission.prefix_source_id);
@@ -1147,14 +634,14 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
   // No deadline of its own (a long context takes long); cancelled with the Generate call (client
   // gone, its deadline, server shutdown) or by Abort, and cut short when the worker's checks stop
   // reaching it (a hung worker would hold it open for good).
-  const AttentionWorker& w = *attention_[admission.attention];
+  const WorkerPool::AttentionWorker& w = pool_->attention(admission.attention);
   std::atomic<bool> by_client{false};
-  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
+  HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
   const WorkerCall call{absl::InfiniteDuration(), request.trace.Child().ToTraceparent(),
                         [this, &stream, &request, &by_client, &hung] {
                           bool aborted = false;
                           {
-                            absl::MutexLock lock(&mu_);
+                            absl::MutexLock lock(&core_->mu);
                             aborted = request.cancel_requested;
                           }
                           if (aborted || stream.IsCancelled()) by_client = true;
@@ -1162,16 +649,17 @@ absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& r
                         }};
   const absl::Status status = w.client->Prefill(call, prefill, response);
   *cancelled = by_client.load() || stream.IsCancelled();
-  return *cancelled ? status : CallStatus(w, status, "prefill", hung.cut(), /*hung=*/nullptr);
+  return *cancelled ? status
+                    : pool_->CallStatus(w, status, "prefill", hung.cut(), /*hung=*/nullptr);
 }
 
 absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
                                          const std::string& caller, absl::string_view traceparent,
                                          GenerateStream& stream) {
   const cv1::GenerateRequest* proto = &generate;
-  const absl::Time arrival = clock_.Now();
+  const absl::Time arrival = core_->clock.Now();
   if (absl::Status valid = ValidateGenerateRequest(*proto); !valid.ok()) {
-    metrics_->CountRequest(RequestOutcome::kRejected);
+    core_->metrics->CountRequest(RequestOutcome::kRejected);
     return valid;
   }
   auto request = std::make_shared<Request>();
@@ -1186,9 +674,9 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   if (proto->sampling().temperature() > 0.0f && !proto->sampling().has_seed()) {
     // Without a seed two equal requests must still draw differently; the seed is fixed here,
     // once, so that a migration's re-prefill continues the same draws.
-    request->proto.mutable_sampling()->set_seed(
-        RequestSeed(options_.seed ^ sampling_seeds_drawn_.fetch_add(1, std::memory_order_relaxed),
-                    proto->request_id()));
+    request->proto.mutable_sampling()->set_seed(RequestSeed(
+        core_->options.seed ^ sampling_seeds_drawn_.fetch_add(1, std::memory_order_relaxed),
+        proto->request_id()));
   }
   request->arrival = arrival;
   request->demand.context_length = ContextLength(*proto);
@@ -1205,16 +693,17 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   request->demand.session_owner = caller;
   const double acceptance_rate = proto->overrides().has_acceptance_rate()
                                      ? proto->overrides().acceptance_rate()
-                                     : options_.acceptance_rate;
-  request->acceptance = *AcceptanceModel::Create(acceptance_rate, proto->draft_length(),
-                                                 RequestSeed(options_.seed, proto->request_id()));
+                                     : core_->options.acceptance_rate;
+  request->acceptance =
+      *AcceptanceModel::Create(acceptance_rate, proto->draft_length(),
+                               RequestSeed(core_->options.seed, proto->request_id()));
 
   // The checks that need the model, outside the lock (a long context's ids take a while); the
   // model is looked at again under it.
-  std::optional<ServedModel> model = this->model();
+  std::optional<ServedModel> model = pool_->model();
   if (model.has_value()) {
     if (absl::Status valid = ValidateGenerateRequestForModel(*proto, *model); !valid.ok()) {
-      metrics_->CountRequest(RequestOutcome::kRejected);
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return valid;
     }
     request->real = model->real();
@@ -1228,35 +717,36 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   }
 
   {
-    absl::MutexLock lock(&mu_);
-    if (draining_ || stopping_) {
-      metrics_->CountRequest(RequestOutcome::kRejected);
+    absl::MutexLock lock(&core_->mu);
+    if (core_->draining || core_->stopping) {
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return absl::UnavailableError("draining: the coordinator admits no new requests");
     }
-    if (!ReadyLocked()) {
-      metrics_->CountRequest(RequestOutcome::kRejected);
+    if (!pool_->ReadyLocked()) {
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return {absl::StatusCode::kUnavailable,
-              absl::StrCat("not ready: ", scheduler_.ReadyIndexers(), " of ", num_indexers_,
-                           " indexer and ", scheduler_.ReadyAttentions(), " of ", num_attention_,
+              absl::StrCat("not ready: ", core_->scheduler.ReadyIndexers(), " of ",
+                           pool_->NumIndexersLocked(), " indexer and ",
+                           core_->scheduler.ReadyAttentions(), " of ", pool_->NumAttentionLocked(),
                            " attention workers are ready (a worker of each kind is needed)")};
     }
-    if (!model.has_value() || model_ != model) {
+    if (!model.has_value() || pool_->ModelLocked() != model) {
       // Ready means an attention worker was taken in, so the model is known; it changed only if
       // every worker was replaced meanwhile.
-      metrics_->CountRequest(RequestOutcome::kRejected);
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return absl::UnavailableError(
           "the attention workers' model changed while the request was checked; retry");
     }
     if (by_id_.contains({caller, request->id})) {
-      metrics_->CountRequest(RequestOutcome::kRejected);
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return {absl::StatusCode::kAlreadyExists,
               absl::StrCat("request '", request->id, "' is already in flight")};
     }
     request->ticket = next_ticket_++;
-    absl::StatusOr<std::optional<Admission>> submitted =
-        scheduler_.Submit(request->ticket, request->demand, /*migrated=*/false, request->tokens);
+    absl::StatusOr<std::optional<Admission>> submitted = core_->scheduler.Submit(
+        request->ticket, request->demand, /*migrated=*/false, request->tokens);
     if (!submitted.ok()) {
-      metrics_->CountRequest(RequestOutcome::kRejected);
+      core_->metrics->CountRequest(RequestOutcome::kRejected);
       return submitted.status();
     }
     by_id_[{caller, request->id}] = request;
@@ -1274,7 +764,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     CoordinatorEngine* self;
     const std::shared_ptr<Request>& request;
     ~Unregister() {
-      absl::MutexLock lock(&self->mu_);
+      absl::MutexLock lock(&self->core_->mu);
       request->stream = nullptr;
       self->by_id_.erase({request->caller, request->id});
       self->by_ticket_.erase(request->ticket);
@@ -1285,11 +775,11 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   // WatchStalledWrites may cancel the call after the stall timeout, which unblocks it.
   auto write = [&](const cv1::GenerateEvent& event) {
     {
-      absl::MutexLock lock(&mu_);
-      request->write_blocked_since = clock_.Now();
+      absl::MutexLock lock(&core_->mu);
+      request->write_blocked_since = core_->clock.Now();
     }
     const bool written = stream.Write(event);
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     request->write_blocked_since.reset();
     return written;
   };
@@ -1300,16 +790,16 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     // Wait for admission (or the end while queued).
     Admission admission;
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&core_->mu);
       while (!request->admission.has_value() && !request->final_status.has_value()) {
-        request->changed.WaitWithTimeout(&mu_, kCancelPoll);
+        request->changed.WaitWithTimeout(&core_->mu, kCancelPoll);
         if (stream.IsCancelled()) AbortLocked(*request);
       }
       if (request->final_status.has_value()) return *request->final_status;
       admission = *request->admission;
     }
-    const absl::Time admitted_at = clock_.Now();
-    if (!admitted_sent) metrics_->ObserveQueueDuration(Seconds(admitted_at - arrival));
+    const absl::Time admitted_at = core_->clock.Now();
+    if (!admitted_sent) core_->metrics->ObserveQueueDuration(Seconds(admitted_at - arrival));
 
     CarryOutEvictions(admission.evictions);
     av1::PrefillResponse prefilled;
@@ -1330,21 +820,21 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     std::vector<Eviction> unpinned;
     bool decoding = false;
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&core_->mu);
       if (prefill_status.ok() && !ended && !request->cancel_requested && !stream.IsCancelled()) {
-        unpinned = scheduler_.PrefillDone(admission.sequence_id);
+        unpinned = core_->scheduler.PrefillDone(admission.sequence_id);
         request->phase = Phase::kDecoding;
         decoding = true;
-        attention_[admission.attention]->decoding.push_back(request);
-        attention_[admission.attention]->wake.Signal();
+        loops_[admission.attention]->decoding.push_back(request);
+        loops_[admission.attention]->wake.Signal();
         decoding_changed_.SignalAll();
       }
     }
     if (admission.prefix_source_id.has_value()) {
       // The donor is unpinned (evictable, or released now): queued requests may fit.
       CarryOutEvictions(unpinned);
-      absl::MutexLock lock(&mu_);
-      if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+      absl::MutexLock lock(&core_->mu);
+      if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
     }
     if (ended) {
       // Done at its first token (max_new_tokens 1, an end-of-sequence or stop token): Finished is
@@ -1365,14 +855,14 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       cv1::GenerateEvent admitted_event;
       cv1::Admitted* admitted = admitted_event.mutable_admitted();
       admitted->set_queue_seconds(Seconds(admitted_at - arrival));
-      admitted->set_indexer_worker(indexers_[admission.indexer]->address);
-      admitted->set_attention_worker(attention_[admission.attention]->address);
+      admitted->set_indexer_worker(pool_->indexer(admission.indexer).address);
+      admitted->set_attention_worker(pool_->attention(admission.attention).address);
       admitted->set_prefix_slots_reused(
           admission.prefix_source_id.has_value() ? admission.prefix_slots : 0);
       admitted->set_prefill_seconds(prefilled.seconds());
       admitted_sent = true;
       if (!write(admitted_event)) {
-        absl::MutexLock lock(&mu_);
+        absl::MutexLock lock(&core_->mu);
         AbortLocked(*request);
       }
     }
@@ -1382,10 +872,10 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     while (true) {
       cv1::GenerateEvent event;
       {
-        absl::MutexLock lock(&mu_);
+        absl::MutexLock lock(&core_->mu);
         while (request->events.empty() && !request->final_status.has_value() &&
                request->phase != Phase::kMigrating) {
-          request->changed.WaitWithTimeout(&mu_, kCancelPoll);
+          request->changed.WaitWithTimeout(&core_->mu, kCancelPoll);
           if (stream.IsCancelled()) AbortLocked(*request);
         }
         if (request->events.empty()) {
@@ -1395,16 +885,16 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
         }
         event = std::move(request->events.front());
         request->events.pop_front();
-        attention_[admission.attention]->wake.Signal();  // room in the queue
+        loops_[admission.attention]->wake.Signal();  // room in the queue
       }
       if (!write(event)) {
-        absl::MutexLock lock(&mu_);
+        absl::MutexLock lock(&core_->mu);
         AbortLocked(*request);
       }
     }
     if (migrate) {
       if (absl::Status placed = PlaceAgain(request); !placed.ok()) {
-        absl::MutexLock lock(&mu_);
+        absl::MutexLock lock(&core_->mu);
         SetFinalLocked(*request, placed);
         return *request->final_status;
       }
@@ -1413,7 +903,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
 }
 
 absl::Status CoordinatorEngine::Abort(const std::string& request_id, const std::string& caller) {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&core_->mu);
   // Keyed by caller too: another caller's request of this id is not found, so request ids in
   // flight cannot be probed.
   auto it = by_id_.find({caller, request_id});
@@ -1432,25 +922,25 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
   std::vector<bool> indexer_ready;
   std::vector<bool> indexer_retired;
   {
-    absl::MutexLock lock(&mu_);
-    load = scheduler_.Load();
-    if (model_.has_value()) {
+    absl::MutexLock lock(&core_->mu);
+    load = core_->scheduler.Load();
+    if (const std::optional<ServedModel> served = pool_->ModelLocked(); served.has_value()) {
       cv1::Model* model = response->mutable_model();
-      model->set_name(model_->name);
-      model->set_vocab_size(model_->vocab_size);
-      model->set_eos_token_id(model_->eos_token_id);
-      model->set_max_context(model_->max_context);
+      model->set_name(served->name);
+      model->set_vocab_size(served->vocab_size);
+      model->set_eos_token_id(served->eos_token_id);
+      model->set_max_context(served->max_context);
     }
-    for (int i = 0; i < num_indexers_; ++i) {
-      indexer_ready.push_back(indexers_[i]->ready);
-      indexer_retired.push_back(indexers_[i]->retired);
+    for (int i = 0; i < pool_->NumIndexersLocked(); ++i) {
+      indexer_ready.push_back(pool_->indexer(i).ready);
+      indexer_retired.push_back(pool_->indexer(i).retired);
     }
-    for (int j = 0; j < num_attention_; ++j) {
-      if (attention_[j]->retired) continue;  // restarted: its new instance has its own entry
+    for (int j = 0; j < pool_->NumAttentionLocked(); ++j) {
+      if (pool_->attention(j).retired) continue;  // restarted: its new instance has its own entry
       cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
-      worker->set_address(attention_[j]->address);
-      worker->set_ready(attention_[j]->ready);
-      worker->set_decoding(static_cast<int32_t>(attention_[j]->decoding.size()));
+      worker->set_address(pool_->attention(j).address);
+      worker->set_ready(pool_->attention(j).ready);
+      worker->set_decoding(static_cast<int32_t>(loops_[j]->decoding.size()));
     }
   }
   response->set_queued(load.queued);
@@ -1459,31 +949,15 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
   // Ask the ready indexers at once (a worker that is not ready reports the reservations), unless
   // the last answers are recent enough and were asked of the same ready slots.
   const size_t count = indexer_ready.size();
-  absl::MutexLock loads_lock(&load_mu_);
-  IndexerLoads& cached = indexer_loads_;
-  if (cached.ready != indexer_ready ||
-      clock_.Now() - cached.asked >= absl::Milliseconds(options_.load_cache_ms)) {
-    cached.ready = indexer_ready;
-    cached.loads.assign(count, iv1::GetLoadResponse());
-    cached.statuses.assign(count, absl::UnavailableError("not ready"));
-    const WorkerCall call{absl::Milliseconds(options_.worker_check_timeout_ms), "", {}};
-    std::vector<std::thread> asks;
-    for (size_t i = 0; i < count; ++i) {
-      if (!indexer_ready[i]) continue;
-      asks.emplace_back(
-          [&, i] { cached.statuses[i] = indexers_[i]->client->GetLoad(call, &cached.loads[i]); });
-    }
-    for (std::thread& ask : asks) ask.join();
-    cached.asked = clock_.Now();
-  }
-  const std::vector<iv1::GetLoadResponse>& loads = cached.loads;
-  const std::vector<absl::Status>& statuses = cached.statuses;
+  const WorkerPool::IndexerLoads answers = pool_->AskIndexerLoads(indexer_ready);
+  const std::vector<iv1::GetLoadResponse>& loads = answers.loads;
+  const std::vector<absl::Status>& statuses = answers.statuses;
   int64_t used = 0;
   int64_t capacity = 0;
   for (size_t i = 0; i < count; ++i) {
     if (indexer_retired[i]) continue;
     cv1::WorkerLoad* worker = response->add_indexer_workers();
-    worker->set_address(indexers_[i]->address);
+    worker->set_address(pool_->indexer(i).address);
     worker->set_ready(indexer_ready[i]);
     const iv1::GetLoadResponse& indexer_load = loads[i];
     if (statuses[i].ok()) {
@@ -1510,12 +984,12 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
   int attention = 0;
   int indexer = 0;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     const Admission& admission = *request->admission;
     sequence_id = admission.sequence_id;
     attention = admission.attention;
     indexer = admission.indexer;
-    auto& decoding = attention_[attention]->decoding;
+    auto& decoding = loops_[attention]->decoding;
     decoding.erase(std::remove(decoding.begin(), decoding.end(), request), decoding.end());
     // The sequence holds the context it was prefilled with and the tokens generated since.
     const int64_t length =
@@ -1525,27 +999,28 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
     if (completed && request->real && !request->demand.session_id.empty()) {
       history = request->tokens;
     }
-    finish = scheduler_.Finish(sequence_id, completed, length, std::move(history));
+    finish = core_->scheduler.Finish(sequence_id, completed, length, std::move(history));
     UpdateGaugesLocked();
   }
   std::vector<Eviction> evictions = std::move(finish.evictions);
   if (finish.release_attention) {
     // After a failure the worker may be gone: a short deadline, and what it could not take is
     // retried when it answers again (ReleaseUnreleased).
-    const absl::Duration timeout =
-        worker_failed ? absl::Milliseconds(options_.worker_check_timeout_ms) : RpcTimeout();
+    const absl::Duration timeout = worker_failed
+                                       ? absl::Milliseconds(core_->options.worker_check_timeout_ms)
+                                       : core_->RpcTimeout();
     // NOT_FOUND after a failed prefill (it leaves nothing behind) is expected. After a failure
     // the attention worker may have died: its indexer sequence is released directly too.
     std::vector<Unreleased> unreached =
         ReleaseSequence(attention, indexer, sequence_id, finish.keep_indexer_sequence,
                         /*indexer_too=*/worker_failed, timeout, &request->trace);
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     const int undelivered = static_cast<int>(unreached.size());
     unreleased_.insert(unreleased_.end(), unreached.begin(), unreached.end());
     if (undelivered > 0) {
       undelivered_[sequence_id] = undelivered;  // ReleaseDone once delivered (ReleaseUnreleased)
     } else {
-      std::vector<Eviction> more = scheduler_.ReleaseDone(sequence_id);
+      std::vector<Eviction> more = core_->scheduler.ReleaseDone(sequence_id);
       evictions.insert(evictions.end(), more.begin(), more.end());
     }
   }
@@ -1556,7 +1031,7 @@ void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
                                     const absl::Status& status, bool completed,
                                     bool worker_failed) {
   LeaveWorkers(request, completed, worker_failed);
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&core_->mu);
   request->phase = Phase::kEnded;
   absl::Status final_status = status;
   if (request->cancel_requested && !completed) {
@@ -1565,7 +1040,7 @@ void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
   // The stream ends only now, so that a client that saw it end finds the space accounted free
   // (or the sequence retained) in GetLoad and in its next request's placement.
   SetFinalLocked(*request, final_status);
-  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   UpdateGaugesLocked();
 }
 
@@ -1574,13 +1049,13 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
   absl::Status final_status = status;
   bool worker_failed = false;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     const Admission& admission = *request->admission;
     // Only a prefill fails a request not yet decoding; a session's next turn continues a sequence.
     const bool creating = request->phase == Phase::kPrefilling && !admission.continue_sequence;
     worker_failed = WorkerFailure(status, creating);
-    const bool can_migrate = worker_failed && !request->cancel_requested && !stopping_;
-    if (can_migrate && request->migrations >= options_.max_migrations) {
+    const bool can_migrate = worker_failed && !request->cancel_requested && !core_->stopping;
+    if (can_migrate && request->migrations >= core_->options.max_migrations) {
       final_status = absl::Status(status.code(),
                                   absl::StrCat(status.message(), " (after ", request->migrations,
                                                " migrations, --max-migrations)"));
@@ -1589,8 +1064,8 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
     } else if (creating && status.code() == absl::StatusCode::kFailedPrecondition) {
       // The workers' refusal of the request (WorkerFailure): which ones refused, and why.
       final_status = absl::FailedPreconditionError(
-          absl::StrCat("attention worker ", attention_[admission.attention]->address,
-                       " with indexer worker ", indexers_[admission.indexer]->address,
+          absl::StrCat("attention worker ", pool_->attention(admission.attention).address,
+                       " with indexer worker ", pool_->indexer(admission.indexer).address,
                        " refused the request's sequence: ", status.message()));
     }
   }
@@ -1599,11 +1074,11 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
     return;
   }
   LeaveWorkers(request, /*completed=*/false, /*worker_failed=*/true);
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&core_->mu);
   request->phase = Phase::kMigrating;
   request->migrate_reason = status;
   request->changed.SignalAll();
-  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   UpdateGaugesLocked();
 }
 
@@ -1613,15 +1088,15 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   // it: what cut its step short), when a check would only wait out its timeout again.
   bool known_unreachable = false;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     const Admission& old = *request->admission;
-    const AttentionWorker& a = *attention_[old.attention];
-    const IndexerWorker& i = *indexers_[old.indexer];
+    const WorkerPool::AttentionWorker& a = pool_->attention(old.attention);
+    const WorkerPool::IndexerWorker& i = pool_->indexer(old.indexer);
     known_unreachable =
-        KnownUnreachable(a.unreached_checks) || KnownUnreachable(i.unreached_checks);
+        pool_->KnownUnreachable(a.unreached_checks) || pool_->KnownUnreachable(i.unreached_checks);
   }
-  if (!known_unreachable) RefreshWorkers();
-  absl::MutexLock lock(&mu_);
+  if (!known_unreachable) pool_->RefreshWorkers();
+  absl::MutexLock lock(&core_->mu);
   if (request->cancel_requested) {
     request->phase = Phase::kEnded;
     return {absl::StatusCode::kCancelled, request->cancel_reason};
@@ -1629,8 +1104,8 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   const Admission& old = *request->admission;
   LogJson("warn", "migrating a request off a failed worker",
           {{"request_id", request->id},
-           {"attention_worker", attention_[old.attention]->address},
-           {"indexer_worker", indexers_[old.indexer]->address},
+           {"attention_worker", pool_->attention(old.attention).address},
+           {"indexer_worker", pool_->indexer(old.indexer).address},
            {"migration", request->migrations + 1},
            {"generated_tokens", request->generated},
            {"status", std::string(request->migrate_reason.message())}});
@@ -1642,23 +1117,23 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   request->demand.max_new_tokens = request->proto.max_new_tokens() - request->generated;
   request->generated_when_placed = request->generated;
   absl::StatusOr<std::optional<Admission>> submitted =
-      scheduler_.Submit(request->ticket, request->demand, /*migrated=*/true);
+      core_->scheduler.Submit(request->ticket, request->demand, /*migrated=*/true);
   if (!submitted.ok()) {
     request->phase = Phase::kEnded;
     return {static_cast<absl::StatusCode>(submitted.status().code()),
             absl::StrCat("migrating after ", request->migrate_reason.message(), ": ",
                          submitted.status().message())};
   }
-  if (!submitted->has_value() && draining_) {
+  if (!submitted->has_value() && core_->draining) {
     // A drain admits nothing queued: end it now, retryable, rather than at the grace's end.
-    scheduler_.CancelQueued(request->ticket);
+    core_->scheduler.CancelQueued(request->ticket);
     request->phase = Phase::kEnded;
     return {absl::StatusCode::kUnavailable,
             absl::StrCat("draining: no worker could take the request at once after ",
                          request->migrate_reason.message())};
   }
   ++request->migrations;
-  metrics_->CountMigration();
+  core_->metrics->CountMigration();
   if (submitted->has_value()) {
     request->admission = **std::move(submitted);
     request->phase = Phase::kPrefilling;
@@ -1673,39 +1148,41 @@ void CoordinatorEngine::ReleaseUnreleased() {
   std::vector<Unreleased> due;
   std::vector<Unreleased> done;  // delivered
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     std::vector<Unreleased> later;
     for (Unreleased u : unreleased_) {
-      const bool retired = u.attention ? attention_[u.slot]->retired : indexers_[u.slot]->retired;
+      const bool retired =
+          u.attention ? pool_->attention(u.slot).retired : pool_->indexer(u.slot).retired;
       if (retired) {
         // The worker restarted. Its new process holds nothing of the old one, but it may hold
         // this sequence: one placed there after the restart and before a check saw it. The
         // Release goes to the process at that address now (NOT_FOUND when it holds nothing),
         // once it is taken in and ready.
-        const auto& by_address = u.attention ? attention_by_address_ : indexer_by_address_;
         const std::string& address =
-            u.attention ? attention_[u.slot]->address : indexers_[u.slot]->address;
+            u.attention ? pool_->attention(u.slot).address : pool_->indexer(u.slot).address;
         // Its reservation is freed now, as the old process's was (counted, below).
         if (u.counted) done.push_back(u);
         u.counted = false;
-        auto now = by_address.find(address);
-        if (now == by_address.end()) {
+        const std::optional<int> now =
+            u.attention ? pool_->AttentionSlotLocked(address) : pool_->IndexerSlotLocked(address);
+        if (!now.has_value()) {
           later.push_back(u);
           continue;
         }
-        u.slot = now->second;
+        u.slot = *now;
       }
-      const bool ready = u.attention ? attention_[u.slot]->ready : indexers_[u.slot]->ready;
+      const bool ready =
+          u.attention ? pool_->attention(u.slot).ready : pool_->indexer(u.slot).ready;
       (ready ? due : later).push_back(u);
     }
     unreleased_ = std::move(later);
   }
   for (const Unreleased& u : due) {
-    const absl::Status status =
-        ReleaseOnWorker(u.attention, u.slot, u.sequence_id, u.keep_indexer_sequence,
-                        absl::Milliseconds(options_.worker_check_timeout_ms), /*trace=*/nullptr);
-    if (Unreached(status)) {
-      absl::MutexLock lock(&mu_);
+    const absl::Status status = ReleaseOnWorker(
+        u.attention, u.slot, u.sequence_id, u.keep_indexer_sequence,
+        absl::Milliseconds(core_->options.worker_check_timeout_ms), /*trace=*/nullptr);
+    if (WorkerUnreached(status)) {
+      absl::MutexLock lock(&core_->mu);
       unreleased_.push_back(u);
     } else {
       done.push_back(u);
@@ -1714,38 +1191,21 @@ void CoordinatorEngine::ReleaseUnreleased() {
   if (done.empty()) return;
   std::vector<Eviction> evictions;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     for (const Unreleased& u : done) {
       if (!u.counted) continue;
       auto it = undelivered_.find(u.sequence_id);
       if (it == undelivered_.end() || --it->second > 0) continue;
       undelivered_.erase(it);
       // Every Release of the sequence reached its worker: its space is free now.
-      std::vector<Eviction> more = scheduler_.ReleaseDone(u.sequence_id);
+      std::vector<Eviction> more = core_->scheduler.ReleaseDone(u.sequence_id);
       evictions.insert(evictions.end(), more.begin(), more.end());
     }
   }
   CarryOutEvictions(evictions);
-  absl::MutexLock lock(&mu_);
-  if (!draining_) DeliverAdmissionsLocked(scheduler_.AdmitQueued());
+  absl::MutexLock lock(&core_->mu);
+  if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   UpdateGaugesLocked();
-}
-
-bool CoordinatorEngine::KnownUnreachable(const std::atomic<int>& unreached_checks) const {
-  return options_.hung_worker_checks > 0 && unreached_checks.load() >= options_.hung_worker_checks;
-}
-
-absl::Status CoordinatorEngine::CallStatus(const AttentionWorker& w, const absl::Status& status,
-                                           const char* call, bool cut, bool* hung) const {
-  const bool cancelled_by_cut = cut && status.code() == absl::StatusCode::kCancelled;
-  if (hung != nullptr) {
-    *hung = cancelled_by_cut || status.code() == absl::StatusCode::kDeadlineExceeded;
-  }
-  if (!cancelled_by_cut) return WorkerStatus(status, w.address);
-  return absl::UnavailableError(
-      absl::StrCat("attention worker ", w.address, " did not answer ", w.unreached_checks.load(),
-                   " consecutive checks while the ", call,
-                   " ran (hung or partitioned): it was cancelled (--hung-worker-checks)"));
 }
 
 CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
@@ -1761,17 +1221,17 @@ CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
       s->mutable_tokens()->Add(batch[i]->drafts.begin(), batch[i]->drafts.begin() + (rows[i] - 1));
     }
   }
-  const AttentionWorker& w = *attention_[worker];
+  const WorkerPool::AttentionWorker& w = pool_->attention(worker);
   // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
-  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
-  const WorkerCall call{RpcTimeout(), "", [&hung] { return hung.Poll(); }};
-  const absl::Time start = clock_.Now();
+  HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
+  const WorkerCall call{core_->RpcTimeout(), "", [&hung] { return hung.Poll(); }};
+  const absl::Time start = core_->clock.Now();
   const absl::Status stepped = w.client->DecodeStep(call, step, &outcome.response);
-  outcome.seconds = Seconds(clock_.Now() - start);
-  outcome.status = CallStatus(w, stepped, "step", hung.cut(), &outcome.hung);
+  outcome.seconds = Seconds(core_->clock.Now() - start);
+  outcome.status = pool_->CallStatus(w, stepped, "step", hung.cut(), &outcome.hung);
   if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
     outcome.status = absl::InternalError(absl::StrCat(
-        "attention worker ", attention_[worker]->address, " answered ",
+        "attention worker ", pool_->attention(worker).address, " answered ",
         outcome.response.sequences_size(), " results for ", batch.size(), " sequences"));
   }
   return outcome;
@@ -1822,7 +1282,7 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
       }
       if (!wrong.empty()) {
         statuses[i] =
-            absl::InternalError(absl::StrCat("attention worker ", attention_[worker]->address,
+            absl::InternalError(absl::StrCat("attention worker ", pool_->attention(worker).address,
                                              " answered a step it cannot have taken: ", wrong));
         continue;  // no Commit: the sequence leaves the worker (FailSequence), its step with it
       }
@@ -1848,15 +1308,15 @@ void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<
       committing.push_back(i);
     }
   }
-  const AttentionWorker& w = *attention_[worker];
-  HungCut hung(w.unreached_checks, options_.hung_worker_checks);
+  const WorkerPool::AttentionWorker& w = pool_->attention(worker);
+  HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
   if (!commits.empty()) {
     std::vector<absl::Status> committed =
-        w.client->Commit(RpcTimeout(), commits, [&hung] { return hung.Poll(); });
+        w.client->Commit(core_->RpcTimeout(), commits, [&hung] { return hung.Poll(); });
     for (size_t c = 0; c < committing.size(); ++c) {
       statuses[committing[c]] = c < committed.size()
-                                    ? CallStatus(w, committed[c], "commit", hung.cut(),
-                                                 /*hung=*/nullptr)
+                                    ? pool_->CallStatus(w, committed[c], "commit", hung.cut(),
+                                                        /*hung=*/nullptr)
                                     : absl::InternalError("the worker client lost a Commit");
     }
   }
@@ -1898,7 +1358,7 @@ absl::StatusOr<CoordinatorEngine::Produced> CoordinatorEngine::FirstToken(
   if (!prefilled.has_next_token() || prefilled.next_token() < 0 ||
       prefilled.next_token() >= request.vocab_size) {
     return absl::InternalError(
-        absl::StrCat("attention worker ", attention_[request.admission->attention]->address,
+        absl::StrCat("attention worker ", pool_->attention(request.admission->attention).address,
                      " answered a real model's prefill with ",
                      prefilled.has_next_token()
                          ? absl::StrCat("next_token ", prefilled.next_token(),
@@ -1919,7 +1379,7 @@ void CoordinatorEngine::PlanDrafts(const std::vector<std::shared_ptr<Request>>& 
     const int64_t left = request.proto.max_new_tokens() - request.generated;
     const int max_draft =
         static_cast<int>(std::min<int64_t>(request.demand.draft_length, left - 1));
-    request.drafts = ProposeNgramDraft(request.tokens, max_draft, options_.ngram);
+    request.drafts = ProposeNgramDraft(request.tokens, max_draft, core_->options.ngram);
     (*rows)[i] = 1 + static_cast<int>(request.drafts.size());
   }
 }
@@ -1928,15 +1388,16 @@ bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
                                         const Produced& produced,
                                         const av1::SequenceStepResult* result,
                                         const av1::DecodeStepResponse* response) {
-  if (produced.drafted > 0) metrics_->CountSpeculativeStep(produced.drafted, produced.accepted);
+  if (produced.drafted > 0)
+    core_->metrics->CountSpeculativeStep(produced.drafted, produced.accepted);
   const int count = produced.count;
-  const absl::Time now = clock_.Now();
+  const absl::Time now = core_->clock.Now();
   if (request->generated == 0) {
     request->first_token_time = now;
     request->first_count = count;
-    metrics_->ObserveTimeToFirstToken(Seconds(now - request->arrival));
+    core_->metrics->ObserveTimeToFirstToken(Seconds(now - request->arrival));
   } else {
-    metrics_->ObserveInterTokenLatency(Seconds(now - request->last_step_time) / count);
+    core_->metrics->ObserveInterTokenLatency(Seconds(now - request->last_step_time) / count);
   }
   request->last_step_time = now;
   request->generated += count;
@@ -1944,7 +1405,7 @@ bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
     request->tokens.insert(request->tokens.end(), produced.token_ids.begin(),
                            produced.token_ids.end());
   }
-  metrics_->CountGeneratedTokens(count);
+  core_->metrics->CountGeneratedTokens(count);
 
   cv1::GenerateEvent event;
   cv1::Tokens* tokens = event.mutable_tokens();
@@ -1965,7 +1426,7 @@ bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
   tokens->mutable_token_ids()->Add(produced.token_ids.begin(), produced.token_ids.end());
   const bool done = produced.finish != cv1::FINISH_REASON_UNSPECIFIED;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&core_->mu);
     request->events.push_back(std::move(event));
     if (done) {
       cv1::GenerateEvent finished_event;
@@ -1989,10 +1450,10 @@ bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
 }
 
 CoordinatorEngine::Iteration CoordinatorEngine::CollectLocked(int worker) {
-  AttentionWorker& w = *attention_[worker];
-  const size_t room = static_cast<size_t>(options_.max_pending_events) - 2;
+  DecodeSlot& w = *loops_[worker];
+  const size_t room = static_cast<size_t>(core_->options.max_pending_events) - 2;
   Iteration it;
-  const absl::Time now = clock_.Now();
+  const absl::Time now = core_->clock.Now();
   for (const auto& request : w.decoding) {
     if (request->cancel_requested) {
       it.cancelled.push_back(request);
@@ -2002,13 +1463,13 @@ CoordinatorEngine::Iteration CoordinatorEngine::CollectLocked(int worker) {
       const int64_t left = request->proto.max_new_tokens() - request->generated;
       it.rows.push_back(
           static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
-    } else if (options_.stall_timeout_ms > 0) {
+    } else if (core_->options.stall_timeout_ms > 0) {
       // The reader has not taken its events: after the stall timeout, end the request.
       if (!request->stalled_since.has_value()) request->stalled_since = now;
-      if (now - *request->stalled_since >= absl::Milliseconds(options_.stall_timeout_ms)) {
-        request->cancel_reason =
-            absl::StrCat("the client left ", request->events.size(), " events unread for ",
-                         options_.stall_timeout_ms, " ms (--stall-timeout-ms); request ended");
+      if (now - *request->stalled_since >= absl::Milliseconds(core_->options.stall_timeout_ms)) {
+        request->cancel_reason = absl::StrCat(
+            "the client left ", request->events.size(), " events unread for ",
+            core_->options.stall_timeout_ms, " ms (--stall-timeout-ms); request ended");
         request->cancel_requested = true;
         if (request->stream != nullptr) request->stream->TryCancel();
         request->changed.SignalAll();
@@ -2050,19 +1511,19 @@ void CoordinatorEngine::RunIteration(int worker, const Iteration& it) {
 }
 
 void CoordinatorEngine::DecodeLoop(int worker) {
-  AttentionWorker& w = *attention_[worker];
+  DecodeSlot& w = *loops_[worker];
   while (true) {
     Iteration it;
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&core_->mu);
       while (true) {
-        if (stopping_) return;
+        if (core_->stopping) return;
         it = CollectLocked(worker);
         if (!it.batch.empty() || !it.cancelled.empty()) break;
         if (it.stalled) {
-          w.wake.WaitWithTimeout(&mu_, absl::Milliseconds(100));  // to see the timeout pass
+          w.wake.WaitWithTimeout(&core_->mu, absl::Milliseconds(100));  // to see the timeout pass
         } else {
-          w.wake.Wait(&mu_);
+          w.wake.Wait(&core_->mu);
         }
       }
     }
@@ -2071,18 +1532,18 @@ void CoordinatorEngine::DecodeLoop(int worker) {
 }
 
 absl::StatusOr<int> CoordinatorEngine::StepWorker(const std::string& address) {
-  if (options_.run_loops) {
+  if (core_->options.run_loops) {
     return absl::FailedPreconditionError("StepWorker drives an engine without run_loops only");
   }
   Iteration it;
   int worker = 0;
   {
-    absl::MutexLock lock(&mu_);
-    auto found = attention_by_address_.find(address);
-    if (found == attention_by_address_.end()) {
+    absl::MutexLock lock(&core_->mu);
+    std::optional<int> found = pool_->AttentionSlotLocked(address);
+    if (!found.has_value()) {
       return absl::NotFoundError(absl::StrCat("no attention worker ", address, " taken in"));
     }
-    worker = found->second;
+    worker = *found;
     it = CollectLocked(worker);
   }
   RunIteration(worker, it);
@@ -2092,15 +1553,26 @@ absl::StatusOr<int> CoordinatorEngine::StepWorker(const std::string& address) {
 bool CoordinatorEngine::AwaitDecoding(const std::string& address, int count,
                                       absl::Duration timeout) {
   const absl::Time until = absl::Now() + timeout;
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&core_->mu);
   while (true) {
-    auto found = attention_by_address_.find(address);
-    if (found != attention_by_address_.end() &&
-        static_cast<int>(attention_[found->second]->decoding.size()) >= count) {
+    std::optional<int> found = pool_->AttentionSlotLocked(address);
+    if (found.has_value() && static_cast<int>(loops_[*found]->decoding.size()) >= count) {
       return true;
     }
-    if (decoding_changed_.WaitWithDeadline(&mu_, until)) return false;
+    if (decoding_changed_.WaitWithDeadline(&core_->mu, until)) return false;
   }
 }
+
+void CoordinatorEngine::RefreshWorkers() { pool_->RefreshWorkers(); }
+
+int CoordinatorEngine::RefreshesWaiting() const { return pool_->RefreshesWaiting(); }
+
+void CoordinatorEngine::SetReadinessListener(std::function<void(bool ready)> listener) {
+  pool_->SetReadinessListener(std::move(listener));
+}
+
+int CoordinatorEngine::num_full_layers() const { return pool_->num_full_layers(); }
+
+std::optional<ServedModel> CoordinatorEngine::model() const { return pool_->model(); }
 
 }  // namespace dsa
