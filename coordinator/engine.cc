@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "common/limits.h"
 #include "common/status_macros.h"
+#include "coordinator/decode_loops.h"
 #include "coordinator/token_blocks.h"
 #include "coordinator/worker_pool.h"
 #include "server/server.h"
@@ -337,21 +338,23 @@ CoordinatorEngine::CoordinatorEngine(const CoordinatorOptions& options, Coordina
                                      Scheduler scheduler)
     : core_(std::make_unique<EngineCore>(options, metrics, clock, std::move(scheduler))),
       pool_(std::make_unique<WorkerPool>(core_.get(), std::move(workers), std::move(resolve))),
-      loops_(WorkerPool::kMaxWorkersPerKind) {
+      decode_(std::make_unique<DecodeLoops>(core_.get(), pool_.get())) {
   core_->metrics->SetMaxQueued(core_->options.max_queue);
   WorkerPool::Hooks hooks;
-  hooks.attention_added = [this](int slot) {
-    loops_[slot] = std::make_unique<DecodeSlot>();
-    if (core_->options.run_loops) {
-      loops_[slot]->loop = std::thread([this, slot] { DecodeLoop(slot); });
-    }
-  };
+  hooks.attention_added = [this](int slot) { decode_->AddWorkerLocked(slot); };
   hooks.refreshed = [this](bool any_became_ready) { WorkersRefreshedLocked(any_became_ready); };
   hooks.after_refresh = [this](const std::vector<Eviction>& evictions) {
     CarryOutEvictions(evictions);
     ReleaseUnreleased();
   };
   pool_->SetHooks(std::move(hooks));
+  DecodeLoops::Hooks decode_hooks;
+  decode_hooks.end = [this](const std::shared_ptr<InFlightRequest>& request,
+                            const absl::Status& status,
+                            bool completed) { EndSequence(request, status, completed); };
+  decode_hooks.fail = [this](const std::shared_ptr<InFlightRequest>& request,
+                             const absl::Status& status) { FailSequence(request, status); };
+  decode_->SetHooks(std::move(decode_hooks));
 }
 
 CoordinatorEngine::~CoordinatorEngine() { Stop(); }
@@ -363,7 +366,7 @@ void CoordinatorEngine::Stop() {
     absl::MutexLock lock(&core_->mu);
     core_->stopping = true;
     num_attention = pool_->NumAttentionLocked();
-    for (int j = 0; j < num_attention; ++j) loops_[j]->wake.SignalAll();
+    decode_->WakeAllLocked(num_attention);
     core_->watch_wake.SignalAll();
   }
   if (watch_.joinable()) watch_.join();
@@ -373,9 +376,7 @@ void CoordinatorEngine::Stop() {
       absl::MutexLock lock(&core_->mu);
       num_attention = pool_->NumAttentionLocked();
     }
-    for (int j = 0; j < num_attention; ++j) {
-      if (loops_[j]->loop.joinable()) loops_[j]->loop.join();
-    }
+    decode_->Join(num_attention);
   });
 }
 
@@ -387,7 +388,7 @@ void CoordinatorEngine::WorkersRefreshedLocked(bool any_became_ready) {
   for (uint64_t ticket : unplaceable) {
     auto it = by_ticket_.find(ticket);
     if (it == by_ticket_.end()) continue;
-    it->second->phase = Phase::kEnded;
+    it->second->phase = RequestPhase::kEnded;
     SetFinalLocked(*it->second,
                    absl::Status(absl::StatusCode::kUnavailable,
                                 "no ready worker can hold the request now (the workers large "
@@ -433,7 +434,7 @@ void CoordinatorEngine::CheckStalledWrites() {
                        " ms (--stall-timeout-ms); request ended");
       request->cancel_requested = true;
       request->changed.SignalAll();
-      if (request->admission.has_value()) loops_[request->admission->attention]->wake.Signal();
+      if (request->admission.has_value()) decode_->WakeLocked(request->admission->attention);
     }
     request->write_blocked_since.reset();  // cancelled once
     request->stream->TryCancel();          // unblocks the Write
@@ -446,14 +447,14 @@ void CoordinatorEngine::StartDrain() {
   for (uint64_t ticket : core_->scheduler.CancelAllQueued()) {
     auto it = by_ticket_.find(ticket);
     if (it == by_ticket_.end()) continue;
-    it->second->phase = Phase::kEnded;
+    it->second->phase = RequestPhase::kEnded;
     SetFinalLocked(*it->second, absl::Status(absl::StatusCode::kUnavailable,
                                              "draining: the coordinator is shutting down"));
   }
   UpdateGaugesLocked();
 }
 
-void CoordinatorEngine::SetFinalLocked(Request& request, const absl::Status& status) {
+void CoordinatorEngine::SetFinalLocked(InFlightRequest& request, const absl::Status& status) {
   if (request.final_status.has_value()) return;
   request.final_status = status;
   // One line per request (docs/reliability.md, "Traceability"): its ids, outcome, sizes and
@@ -493,18 +494,18 @@ void CoordinatorEngine::UpdateGaugesLocked() {
   core_->metrics->SetRunning(load.running);
 }
 
-void CoordinatorEngine::AbortLocked(Request& request) {
+void CoordinatorEngine::AbortLocked(InFlightRequest& request) {
   if (request.final_status.has_value() || request.cancel_requested) return;
   request.cancel_requested = true;
-  if (request.phase == Phase::kQueued) {
+  if (request.phase == RequestPhase::kQueued) {
     core_->scheduler.CancelQueued(request.ticket);
-    request.phase = Phase::kEnded;
+    request.phase = RequestPhase::kEnded;
     SetFinalLocked(request, absl::Status(absl::StatusCode::kCancelled, "aborted while queued"));
     // The head may have left: the next ones may fit now.
     if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
     UpdateGaugesLocked();
-  } else if (request.phase == Phase::kDecoding && request.admission.has_value()) {
-    loops_[request.admission->attention]->wake.Signal();
+  } else if (request.phase == RequestPhase::kDecoding && request.admission.has_value()) {
+    decode_->WakeLocked(request.admission->attention);
   }
   request.changed.SignalAll();
 }
@@ -513,9 +514,9 @@ void CoordinatorEngine::DeliverAdmissionsLocked(std::vector<Admission> admission
   for (Admission& admission : admissions) {
     auto it = by_ticket_.find(admission.ticket);
     if (it == by_ticket_.end()) continue;  // cannot happen: tickets leave the queue first
-    Request& request = *it->second;
+    InFlightRequest& request = *it->second;
     request.admission = std::move(admission);
-    request.phase = Phase::kPrefilling;
+    request.phase = RequestPhase::kPrefilling;
     request.changed.SignalAll();
   }
   UpdateGaugesLocked();
@@ -585,7 +586,7 @@ void CoordinatorEngine::CarryOutEvictions(const std::vector<Eviction>& evictions
   unreleased_.insert(unreleased_.end(), unreached.begin(), unreached.end());
 }
 
-absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const Request& request,
+absl::Status CoordinatorEngine::Prefill(GenerateStream& stream, const InFlightRequest& request,
                                         const Admission& admission, av1::PrefillResponse* response,
                                         bool* cancelled) {
   const cv1::GenerateRequest& g = request.proto;
@@ -662,7 +663,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     core_->metrics->CountRequest(RequestOutcome::kRejected);
     return valid;
   }
-  auto request = std::make_shared<Request>();
+  auto request = std::make_shared<InFlightRequest>();
   request->id = proto->request_id();
   request->caller = caller;
   {
@@ -754,7 +755,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     request->stream = &stream;
     if (submitted->has_value()) {
       request->admission = **std::move(submitted);
-      request->phase = Phase::kPrefilling;
+      request->phase = RequestPhase::kPrefilling;
     }
     UpdateGaugesLocked();
   }
@@ -762,7 +763,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
   // Removes the request from the in-flight maps when the handler returns.
   struct Unregister {
     CoordinatorEngine* self;
-    const std::shared_ptr<Request>& request;
+    const std::shared_ptr<InFlightRequest>& request;
     ~Unregister() {
       absl::MutexLock lock(&self->core_->mu);
       request->stream = nullptr;
@@ -810,9 +811,9 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
     // its Tokens event is queued before the sequence joins its decode loop.
     bool ended = false;  // that token ended the request
     if (prefill_status.ok() && request->real) {
-      absl::StatusOr<Produced> first = FirstToken(*request, prefilled);
+      absl::StatusOr<DecodeLoops::Produced> first = decode_->FirstToken(*request, prefilled);
       if (first.ok()) {
-        ended = AdvanceSequence(request, *first, /*result=*/nullptr, /*response=*/nullptr);
+        ended = decode_->AdvanceSequence(request, *first, /*result=*/nullptr, /*response=*/nullptr);
       } else {
         prefill_status = first.status();
       }
@@ -823,11 +824,9 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       absl::MutexLock lock(&core_->mu);
       if (prefill_status.ok() && !ended && !request->cancel_requested && !stream.IsCancelled()) {
         unpinned = core_->scheduler.PrefillDone(admission.sequence_id);
-        request->phase = Phase::kDecoding;
+        request->phase = RequestPhase::kDecoding;
         decoding = true;
-        loops_[admission.attention]->decoding.push_back(request);
-        loops_[admission.attention]->wake.Signal();
-        decoding_changed_.SignalAll();
+        decode_->StartDecodingLocked(admission.attention, request);
       }
     }
     if (admission.prefix_source_id.has_value()) {
@@ -874,7 +873,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
       {
         absl::MutexLock lock(&core_->mu);
         while (request->events.empty() && !request->final_status.has_value() &&
-               request->phase != Phase::kMigrating) {
+               request->phase != RequestPhase::kMigrating) {
           request->changed.WaitWithTimeout(&core_->mu, kCancelPoll);
           if (stream.IsCancelled()) AbortLocked(*request);
         }
@@ -885,7 +884,7 @@ absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& generate,
         }
         event = std::move(request->events.front());
         request->events.pop_front();
-        loops_[admission.attention]->wake.Signal();  // room in the queue
+        decode_->WakeLocked(admission.attention);  // room in the queue
       }
       if (!write(event)) {
         absl::MutexLock lock(&core_->mu);
@@ -940,7 +939,7 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
       cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
       worker->set_address(pool_->attention(j).address);
       worker->set_ready(pool_->attention(j).ready);
-      worker->set_decoding(static_cast<int32_t>(loops_[j]->decoding.size()));
+      worker->set_decoding(decode_->DecodingLocked(j));
     }
   }
   response->set_queued(load.queued);
@@ -977,8 +976,8 @@ cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
   return answer;
 }
 
-void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bool completed,
-                                     bool worker_failed) {
+void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<InFlightRequest>& request,
+                                     bool completed, bool worker_failed) {
   Scheduler::FinishResult finish;
   uint64_t sequence_id = 0;
   int attention = 0;
@@ -989,8 +988,7 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
     sequence_id = admission.sequence_id;
     attention = admission.attention;
     indexer = admission.indexer;
-    auto& decoding = loops_[attention]->decoding;
-    decoding.erase(std::remove(decoding.begin(), decoding.end(), request), decoding.end());
+    decode_->RemoveLocked(attention, request);
     // The sequence holds the context it was prefilled with and the tokens generated since.
     const int64_t length =
         request->demand.context_length + request->generated - request->generated_when_placed;
@@ -1027,12 +1025,12 @@ void CoordinatorEngine::LeaveWorkers(const std::shared_ptr<Request>& request, bo
   CarryOutEvictions(evictions);
 }
 
-void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
+void CoordinatorEngine::EndSequence(const std::shared_ptr<InFlightRequest>& request,
                                     const absl::Status& status, bool completed,
                                     bool worker_failed) {
   LeaveWorkers(request, completed, worker_failed);
   absl::MutexLock lock(&core_->mu);
-  request->phase = Phase::kEnded;
+  request->phase = RequestPhase::kEnded;
   absl::Status final_status = status;
   if (request->cancel_requested && !completed) {
     final_status = absl::CancelledError(request->cancel_reason);
@@ -1044,7 +1042,7 @@ void CoordinatorEngine::EndSequence(const std::shared_ptr<Request>& request,
   UpdateGaugesLocked();
 }
 
-void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
+void CoordinatorEngine::FailSequence(const std::shared_ptr<InFlightRequest>& request,
                                      const absl::Status& status) {
   absl::Status final_status = status;
   bool worker_failed = false;
@@ -1052,7 +1050,8 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
     absl::MutexLock lock(&core_->mu);
     const Admission& admission = *request->admission;
     // Only a prefill fails a request not yet decoding; a session's next turn continues a sequence.
-    const bool creating = request->phase == Phase::kPrefilling && !admission.continue_sequence;
+    const bool creating =
+        request->phase == RequestPhase::kPrefilling && !admission.continue_sequence;
     worker_failed = WorkerFailure(status, creating);
     const bool can_migrate = worker_failed && !request->cancel_requested && !core_->stopping;
     if (can_migrate && request->migrations >= core_->options.max_migrations) {
@@ -1075,14 +1074,14 @@ void CoordinatorEngine::FailSequence(const std::shared_ptr<Request>& request,
   }
   LeaveWorkers(request, /*completed=*/false, /*worker_failed=*/true);
   absl::MutexLock lock(&core_->mu);
-  request->phase = Phase::kMigrating;
+  request->phase = RequestPhase::kMigrating;
   request->migrate_reason = status;
   request->changed.SignalAll();
   if (!core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   UpdateGaugesLocked();
 }
 
-absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& request) {
+absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<InFlightRequest>& request) {
   // The worker that failed is checked first, so that the request does not go back to it, unless
   // one of its workers is known unreachable already (not ready after checks that did not reach
   // it: what cut its step short), when a check would only wait out its timeout again.
@@ -1098,7 +1097,7 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   if (!known_unreachable) pool_->RefreshWorkers();
   absl::MutexLock lock(&core_->mu);
   if (request->cancel_requested) {
-    request->phase = Phase::kEnded;
+    request->phase = RequestPhase::kEnded;
     return {absl::StatusCode::kCancelled, request->cancel_reason};
   }
   const Admission& old = *request->admission;
@@ -1119,7 +1118,7 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   absl::StatusOr<std::optional<Admission>> submitted =
       core_->scheduler.Submit(request->ticket, request->demand, /*migrated=*/true);
   if (!submitted.ok()) {
-    request->phase = Phase::kEnded;
+    request->phase = RequestPhase::kEnded;
     return {static_cast<absl::StatusCode>(submitted.status().code()),
             absl::StrCat("migrating after ", request->migrate_reason.message(), ": ",
                          submitted.status().message())};
@@ -1127,7 +1126,7 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   if (!submitted->has_value() && core_->draining) {
     // A drain admits nothing queued: end it now, retryable, rather than at the grace's end.
     core_->scheduler.CancelQueued(request->ticket);
-    request->phase = Phase::kEnded;
+    request->phase = RequestPhase::kEnded;
     return {absl::StatusCode::kUnavailable,
             absl::StrCat("draining: no worker could take the request at once after ",
                          request->migrate_reason.message())};
@@ -1136,9 +1135,9 @@ absl::Status CoordinatorEngine::PlaceAgain(const std::shared_ptr<Request>& reque
   core_->metrics->CountMigration();
   if (submitted->has_value()) {
     request->admission = **std::move(submitted);
-    request->phase = Phase::kPrefilling;
+    request->phase = RequestPhase::kPrefilling;
   } else {
-    request->phase = Phase::kQueued;
+    request->phase = RequestPhase::kQueued;
   }
   UpdateGaugesLocked();
   return absl::OkStatus();
@@ -1208,359 +1207,13 @@ void CoordinatorEngine::ReleaseUnreleased() {
   UpdateGaugesLocked();
 }
 
-CoordinatorEngine::StepOutcome CoordinatorEngine::RunStep(
-    int worker, const std::vector<std::shared_ptr<Request>>& batch, const std::vector<int>& rows) {
-  StepOutcome outcome;
-  av1::DecodeStepRequest step;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    av1::SequenceStep* s = step.add_sequences();
-    s->set_sequence_id(batch[i]->admission->sequence_id);
-    s->set_rows(rows[i]);
-    if (batch[i]->real) {  // the last token, then the drafts (PlanDrafts)
-      s->add_tokens(batch[i]->tokens.back());
-      s->mutable_tokens()->Add(batch[i]->drafts.begin(), batch[i]->drafts.begin() + (rows[i] - 1));
-    }
-  }
-  const WorkerPool::AttentionWorker& w = pool_->attention(worker);
-  // Cut short once the worker's checks stop reaching it (a hung process holds the call open).
-  HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
-  const WorkerCall call{core_->RpcTimeout(), "", [&hung] { return hung.Poll(); }};
-  const absl::Time start = core_->clock.Now();
-  const absl::Status stepped = w.client->DecodeStep(call, step, &outcome.response);
-  outcome.seconds = Seconds(core_->clock.Now() - start);
-  outcome.status = pool_->CallStatus(w, stepped, "step", hung.cut(), &outcome.hung);
-  if (outcome.status.ok() && outcome.response.sequences_size() != static_cast<int>(batch.size())) {
-    outcome.status = absl::InternalError(absl::StrCat(
-        "attention worker ", pool_->attention(worker).address, " answered ",
-        outcome.response.sequences_size(), " results for ", batch.size(), " sequences"));
-  }
-  return outcome;
-}
-
-void CoordinatorEngine::ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                                  const std::vector<int>& rows, const StepOutcome& outcome) {
-  // What each sequence produced (a real model's: checked, and cut at its end), then the Commits of
-  // the speculative ones, all at once, then the events.
-  const size_t n = batch.size();
-  std::vector<Produced> produced(n);
-  std::vector<absl::Status> statuses(n);
-  std::vector<AttentionWorkerClient::TracedCommit> commits;
-  std::vector<size_t> committing;  // batch index of each commit
-  for (size_t i = 0; i < n; ++i) {
-    Request& request = *batch[i];
-    const av1::SequenceStepResult& result = outcome.response.sequences(i);
-    Produced& p = produced[i];
-    p.drafted = rows[i] - 1;
-    p.seconds = outcome.seconds;
-    if (!request.real) {
-      if (rows[i] > 1) {
-        p.accepted =
-            std::min(request.acceptance->Accepted(request.verification_steps++), rows[i] - 1);
-      }
-      p.first_position = result.first_position();
-      p.count = p.accepted + 1;
-      if (request.generated + p.count >= request.proto.max_new_tokens()) {
-        p.finish = cv1::FINISH_REASON_LENGTH;
-      }
-    } else {
-      // Row r's input is at position t + r (t: the last token's, which the KV does not hold yet);
-      // sampled_tokens[r] is the model's token for t + r + 1.
-      const int64_t t = static_cast<int64_t>(request.tokens.size()) - 1;
-      const auto& sampled = result.sampled_tokens();
-      std::string wrong;
-      if (result.first_position() != t) {
-        wrong = absl::StrCat("first_position ", result.first_position(), ", expected ", t);
-      } else if (sampled.size() != rows[i]) {
-        wrong = absl::StrCat(sampled.size(), " sampled tokens for ", rows[i], " rows");
-      } else {
-        for (int r = 0; r < rows[i] && wrong.empty(); ++r) {
-          if (sampled[r] < 0 || sampled[r] >= request.vocab_size) {
-            wrong = absl::StrCat("sampled token ", sampled[r], " outside the vocabulary [0, ",
-                                 request.vocab_size, ")");
-          }
-        }
-      }
-      if (!wrong.empty()) {
-        statuses[i] =
-            absl::InternalError(absl::StrCat("attention worker ", pool_->attention(worker).address,
-                                             " answered a step it cannot have taken: ", wrong));
-        continue;  // no Commit: the sequence leaves the worker (FailSequence), its step with it
-      }
-      // Accept while the draft equals the model's own token at its position: exact for greedy
-      // and, for a deterministic draft, the rejection sampling of speculative decoding.
-      int a = 0;
-      while (a < rows[i] - 1 && request.drafts[a] == sampled[a]) ++a;
-      std::vector<int32_t> candidates(request.drafts.begin(), request.drafts.begin() + a);
-      candidates.push_back(sampled[a]);
-      p = CutEmission(request, candidates);
-      p.first_position = t + 1;
-      p.drafted = rows[i] - 1;
-      p.accepted = a;
-      p.seconds = outcome.seconds;
-    }
-    if (rows[i] > 1) {
-      AttentionWorkerClient::TracedCommit commit;
-      commit.request.set_sequence_id(request.admission->sequence_id);
-      // The KV keeps positions t..t + count - 1: every emitted token but the last.
-      commit.request.set_accepted(p.count - 1);
-      commit.traceparent = request.trace.Child().ToTraceparent();
-      commits.push_back(std::move(commit));
-      committing.push_back(i);
-    }
-  }
-  const WorkerPool::AttentionWorker& w = pool_->attention(worker);
-  HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
-  if (!commits.empty()) {
-    std::vector<absl::Status> committed =
-        w.client->Commit(core_->RpcTimeout(), commits, [&hung] { return hung.Poll(); });
-    for (size_t c = 0; c < committing.size(); ++c) {
-      statuses[committing[c]] = c < committed.size()
-                                    ? pool_->CallStatus(w, committed[c], "commit", hung.cut(),
-                                                        /*hung=*/nullptr)
-                                    : absl::InternalError("the worker client lost a Commit");
-    }
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (!statuses[i].ok()) {
-      FailSequence(batch[i], statuses[i]);
-      continue;
-    }
-    if (AdvanceSequence(batch[i], produced[i], &outcome.response.sequences(i), &outcome.response)) {
-      EndSequence(batch[i], absl::OkStatus(), /*completed=*/true);
-    }
-  }
-}
-
-CoordinatorEngine::Produced CoordinatorEngine::CutEmission(
-    const Request& request, const std::vector<int32_t>& candidates) const {
-  Produced p;
-  const int64_t left = request.proto.max_new_tokens() - request.generated;
-  for (int32_t token : candidates) {
-    p.token_ids.push_back(token);
-    if (token == request.eos_token_id) {  // -1 (none, or ignore_eos) never matches
-      p.finish = cv1::FINISH_REASON_EOS;
-      p.stop_token = token;
-    } else if (std::find(request.stop_token_ids.begin(), request.stop_token_ids.end(), token) !=
-               request.stop_token_ids.end()) {
-      p.finish = cv1::FINISH_REASON_STOP_TOKEN;
-      p.stop_token = token;
-    } else if (static_cast<int64_t>(p.token_ids.size()) >= left) {
-      p.finish = cv1::FINISH_REASON_LENGTH;
-    }
-    if (p.finish != cv1::FINISH_REASON_UNSPECIFIED) break;
-  }
-  p.count = static_cast<int>(p.token_ids.size());
-  return p;
-}
-
-absl::StatusOr<CoordinatorEngine::Produced> CoordinatorEngine::FirstToken(
-    const Request& request, const av1::PrefillResponse& prefilled) const {
-  if (!prefilled.has_next_token() || prefilled.next_token() < 0 ||
-      prefilled.next_token() >= request.vocab_size) {
-    return absl::InternalError(
-        absl::StrCat("attention worker ", pool_->attention(request.admission->attention).address,
-                     " answered a real model's prefill with ",
-                     prefilled.has_next_token()
-                         ? absl::StrCat("next_token ", prefilled.next_token(),
-                                        ", outside the vocabulary [0, ", request.vocab_size, ")")
-                         : std::string("no next_token")));
-  }
-  Produced p = CutEmission(request, {prefilled.next_token()});
-  p.first_position = static_cast<int64_t>(request.tokens.size());
-  p.seconds = prefilled.seconds();
-  return p;
-}
-
-void CoordinatorEngine::PlanDrafts(const std::vector<std::shared_ptr<Request>>& batch,
-                                   std::vector<int>* rows) {
-  for (size_t i = 0; i < batch.size(); ++i) {
-    Request& request = *batch[i];
-    if (!request.real) continue;
-    const int64_t left = request.proto.max_new_tokens() - request.generated;
-    const int max_draft =
-        static_cast<int>(std::min<int64_t>(request.demand.draft_length, left - 1));
-    request.drafts = ProposeNgramDraft(request.tokens, max_draft, core_->options.ngram);
-    (*rows)[i] = 1 + static_cast<int>(request.drafts.size());
-  }
-}
-
-bool CoordinatorEngine::AdvanceSequence(const std::shared_ptr<Request>& request,
-                                        const Produced& produced,
-                                        const av1::SequenceStepResult* result,
-                                        const av1::DecodeStepResponse* response) {
-  if (produced.drafted > 0)
-    core_->metrics->CountSpeculativeStep(produced.drafted, produced.accepted);
-  const int count = produced.count;
-  const absl::Time now = core_->clock.Now();
-  if (request->generated == 0) {
-    request->first_token_time = now;
-    request->first_count = count;
-    core_->metrics->ObserveTimeToFirstToken(Seconds(now - request->arrival));
-  } else {
-    core_->metrics->ObserveInterTokenLatency(Seconds(now - request->last_step_time) / count);
-  }
-  request->last_step_time = now;
-  request->generated += count;
-  if (request->real) {
-    request->tokens.insert(request->tokens.end(), produced.token_ids.begin(),
-                           produced.token_ids.end());
-  }
-  core_->metrics->CountGeneratedTokens(count);
-
-  cv1::GenerateEvent event;
-  cv1::Tokens* tokens = event.mutable_tokens();
-  tokens->set_first_position(produced.first_position);
-  tokens->set_count(count);
-  tokens->set_drafted(produced.drafted);
-  tokens->set_accepted(produced.accepted);
-  tokens->set_step_seconds(produced.seconds);
-  if (result != nullptr) {
-    tokens->set_blocks_scored(result->blocks_scored());
-    tokens->set_blocks_visible(result->blocks_visible());
-    tokens->set_audited_rows(result->audited_rows());
-    tokens->set_audit_miss_rate_sum(result->audit_miss_rate_sum());
-  }
-  if (response != nullptr) {
-    for (double wait : response->selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
-  }
-  tokens->mutable_token_ids()->Add(produced.token_ids.begin(), produced.token_ids.end());
-  const bool done = produced.finish != cv1::FINISH_REASON_UNSPECIFIED;
-  {
-    absl::MutexLock lock(&core_->mu);
-    request->events.push_back(std::move(event));
-    if (done) {
-      cv1::GenerateEvent finished_event;
-      cv1::Finished* finished = finished_event.mutable_finished();
-      finished->set_generated_tokens(request->generated);
-      finished->set_migrations(request->migrations);
-      finished->set_time_to_first_token_seconds(
-          Seconds(request->first_token_time - request->arrival));
-      const int64_t later = request->generated - request->first_count;
-      finished->set_mean_inter_token_latency_seconds(
-          later > 0 ? Seconds(request->last_step_time - request->first_token_time) /
-                          static_cast<double>(later)
-                    : 0.0);
-      finished->set_finish_reason(produced.finish);
-      if (produced.stop_token.has_value()) finished->set_stop_token_id(*produced.stop_token);
-      request->events.push_back(std::move(finished_event));
-    }
-    request->changed.SignalAll();
-  }
-  return done;
-}
-
-CoordinatorEngine::Iteration CoordinatorEngine::CollectLocked(int worker) {
-  DecodeSlot& w = *loops_[worker];
-  const size_t room = static_cast<size_t>(core_->options.max_pending_events) - 2;
-  Iteration it;
-  const absl::Time now = core_->clock.Now();
-  for (const auto& request : w.decoding) {
-    if (request->cancel_requested) {
-      it.cancelled.push_back(request);
-    } else if (request->events.size() <= room) {
-      request->stalled_since.reset();
-      it.batch.push_back(request);
-      const int64_t left = request->proto.max_new_tokens() - request->generated;
-      it.rows.push_back(
-          static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
-    } else if (core_->options.stall_timeout_ms > 0) {
-      // The reader has not taken its events: after the stall timeout, end the request.
-      if (!request->stalled_since.has_value()) request->stalled_since = now;
-      if (now - *request->stalled_since >= absl::Milliseconds(core_->options.stall_timeout_ms)) {
-        request->cancel_reason = absl::StrCat(
-            "the client left ", request->events.size(), " events unread for ",
-            core_->options.stall_timeout_ms, " ms (--stall-timeout-ms); request ended");
-        request->cancel_requested = true;
-        if (request->stream != nullptr) request->stream->TryCancel();
-        request->changed.SignalAll();
-        it.cancelled.push_back(request);
-      } else {
-        it.stalled = true;
-      }
-    }
-  }
-  return it;
-}
-
-void CoordinatorEngine::RunIteration(int worker, const Iteration& it) {
-  for (const auto& request : it.cancelled) {
-    EndSequence(request, absl::CancelledError(request->cancel_reason), false);
-  }
-  if (it.batch.empty()) return;
-  const auto& batch = it.batch;
-  std::vector<int> rows = it.rows;
-  PlanDrafts(batch, &rows);
-  StepOutcome outcome = RunStep(worker, batch, rows);
-  if (outcome.status.ok()) {
-    ApplyStep(worker, batch, rows, outcome);
-    return;
-  }
-  // The batch failed; sequences the attention worker rolled back can go on: find the failing
-  // ones by stepping each alone (a sequence it marked broken fails again, FAILED_PRECONDITION),
-  // unless the worker hung (a deadline): then retrying one by one would only multiply the wait.
-  // The failing ones migrate (FailSequence).
-  for (size_t i = 0; i < batch.size(); ++i) {
-    StepOutcome alone =
-        batch.size() == 1 || outcome.hung ? outcome : RunStep(worker, {batch[i]}, {rows[i]});
-    if (alone.status.ok()) {
-      ApplyStep(worker, {batch[i]}, {rows[i]}, alone);
-    } else {
-      FailSequence(batch[i], alone.status);
-    }
-  }
-}
-
-void CoordinatorEngine::DecodeLoop(int worker) {
-  DecodeSlot& w = *loops_[worker];
-  while (true) {
-    Iteration it;
-    {
-      absl::MutexLock lock(&core_->mu);
-      while (true) {
-        if (core_->stopping) return;
-        it = CollectLocked(worker);
-        if (!it.batch.empty() || !it.cancelled.empty()) break;
-        if (it.stalled) {
-          w.wake.WaitWithTimeout(&core_->mu, absl::Milliseconds(100));  // to see the timeout pass
-        } else {
-          w.wake.Wait(&core_->mu);
-        }
-      }
-    }
-    RunIteration(worker, it);
-  }
-}
-
 absl::StatusOr<int> CoordinatorEngine::StepWorker(const std::string& address) {
-  if (core_->options.run_loops) {
-    return absl::FailedPreconditionError("StepWorker drives an engine without run_loops only");
-  }
-  Iteration it;
-  int worker = 0;
-  {
-    absl::MutexLock lock(&core_->mu);
-    std::optional<int> found = pool_->AttentionSlotLocked(address);
-    if (!found.has_value()) {
-      return absl::NotFoundError(absl::StrCat("no attention worker ", address, " taken in"));
-    }
-    worker = *found;
-    it = CollectLocked(worker);
-  }
-  RunIteration(worker, it);
-  return static_cast<int>(it.batch.size() + it.cancelled.size());
+  return decode_->StepWorker(address);
 }
 
 bool CoordinatorEngine::AwaitDecoding(const std::string& address, int count,
                                       absl::Duration timeout) {
-  const absl::Time until = absl::Now() + timeout;
-  absl::MutexLock lock(&core_->mu);
-  while (true) {
-    std::optional<int> found = pool_->AttentionSlotLocked(address);
-    if (found.has_value() && static_cast<int>(loops_[*found]->decoding.size()) >= count) {
-      return true;
-    }
-    if (decoding_changed_.WaitWithDeadline(&core_->mu, until)) return false;
-  }
+  return decode_->AwaitDecoding(address, count, timeout);
 }
 
 void CoordinatorEngine::RefreshWorkers() { pool_->RefreshWorkers(); }

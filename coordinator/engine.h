@@ -31,6 +31,7 @@
 #include "coordinator/engine_core.h"
 #include "coordinator/metrics.h"
 #include "coordinator/options.h"
+#include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/served_model.h"
 #include "coordinator/worker_clients.h"
@@ -40,6 +41,7 @@
 
 namespace dsa {
 
+class DecodeLoops;
 class WorkerPool;
 
 /// Most stop_token_ids a request may carry.
@@ -62,21 +64,6 @@ absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest
 /// long a context"). The pattern model ignores sampling, stop_token_ids and ignore_eos.
 absl::Status ValidateGenerateRequestForModel(const dsa::coordinator::v1::GenerateRequest& request,
                                              const ServedModel& model);
-
-/// The client's side of one Generate call, as its transport gives it to the engine (the gRPC
-/// adapter wraps the ServerWriter and ServerContext; the tests give a recorder).
-class GenerateStream {
- public:
-  virtual ~GenerateStream() = default;
-  /// Sends one event, blocking while the client's flow control is full; false when the call is
-  /// gone (the client left, or the call was cancelled).
-  virtual bool Write(const dsa::coordinator::v1::GenerateEvent& event) = 0;
-  /// Whether the call was cancelled (the client cancelled, its deadline passed, the server is
-  /// shutting down, or TryCancel).
-  virtual bool IsCancelled() = 0;
-  /// Cancels the call from another thread: a Write in progress returns false.
-  virtual void TryCancel() = 0;
-};
 
 /// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, over injected
 /// worker clients (worker_clients.h) and an injected clock. Thread-safe; each Generate runs on
@@ -239,60 +226,6 @@ class CoordinatorEngine {
   void CheckStalledWrites();
 
  private:
-  // kMigrating: off its failed workers, waiting for its handler to place it again.
-  enum class Phase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
-
-  // One Generate call in flight.
-  struct Request {
-    std::string id;
-    std::string caller;  // CallerIdentity of the Generate call: it scopes the id (by_id_)
-    TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
-    uint64_t ticket = 0;
-    dsa::coordinator::v1::GenerateRequest proto;
-    SequenceDemand demand;
-    absl::Time arrival;
-    // Guarded by the core's mu.
-    Phase phase = Phase::kQueued;
-    std::optional<Admission> admission;
-    bool cancel_requested = false;
-    std::string cancel_reason = "aborted";  // the CANCELLED status's message
-    // The Generate call's stream while Generate runs (TryCancel unblocks a Write that a stalled
-    // reader holds); null once it returns.
-    GenerateStream* stream = nullptr;
-    std::optional<absl::Time> stalled_since;        // event queue full since
-    std::optional<absl::Time> write_blocked_since;  // a Write in progress since
-    std::deque<dsa::coordinator::v1::GenerateEvent> events;
-    std::optional<absl::Status> final_status;
-    absl::CondVar changed;        // admission, an event, the final status
-    int migrations = 0;           // guarded by the core's mu; moves off a failed worker so far
-    absl::Status migrate_reason;  // guarded by the core's mu; the failure that made it kMigrating
-    // A real model (ServedModel::real when validated): vocabulary, end-of-sequence token and stop
-    // ids for the checks of its tokens. Set before admission, then read-only.
-    bool real = false;
-    int32_t vocab_size = 0;
-    int32_t eos_token_id = -1;  // -1: none, or ignore_eos
-    std::vector<int32_t> stop_token_ids;
-    // Owned by the handler until the request decodes, then by the decode loop (a migration hands
-    // it back through the core's mu). A real model: the sequence's tokens (context, then every
-    // generated token); drafts of the step in flight.
-    std::vector<int32_t> tokens;
-    std::vector<int32_t> drafts;
-    int64_t generated = 0;
-    int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
-    uint64_t verification_steps = 0;
-    std::optional<AcceptanceModel> acceptance;
-    int first_count = 0;
-    absl::Time first_token_time;
-    absl::Time last_step_time;
-  };
-
-  // The decode loop of one attention worker (the slot of its WorkerPool::AttentionWorker).
-  struct DecodeSlot {
-    std::vector<std::shared_ptr<Request>> decoding;  // guarded by the core's mu
-    absl::CondVar wake;                              // new work, room in an event queue, stop
-    std::thread loop;
-  };
-
   CoordinatorEngine(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
                     std::shared_ptr<WorkerClientFactory> workers, const Clock& clock,
                     AddressResolver resolve, Scheduler scheduler);
@@ -302,87 +235,31 @@ class CoordinatorEngine {
   void WorkersRefreshedLocked(bool any_became_ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
   // The stall watch's body: CheckStalledWrites a quarter of the stall timeout apart.
   void WatchStalledWrites();
-  // The decode loop of attention worker `worker`.
-  void DecodeLoop(int worker);
-  // What one decode-loop iteration works on: the sequences to step (rows each) and to end.
-  struct Iteration {
-    std::vector<std::shared_ptr<Request>> batch;
-    std::vector<int> rows;
-    std::vector<std::shared_ptr<Request>> cancelled;
-    bool stalled = false;  // a sequence waits for its reader (look again when time has passed)
-  };
-  // Collects worker `worker`'s iteration, ending the requests whose readers have stalled past
-  // the stall timeout (by the clock).
-  Iteration CollectLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  // Runs a collected iteration: ends the cancelled, steps the batch (retries, migrations).
-  void RunIteration(int worker, const Iteration& iteration);
-  // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
-  struct StepOutcome {
-    absl::Status status;
-    // The worker hung: the step ran into its deadline, or was cancelled because the worker's
-    // checks stopped reaching it (hung_worker_checks). Its batch is not retried one by one.
-    bool hung = false;
-    dsa::attention::v1::DecodeStepResponse response;
-    double seconds = 0;
-  };
-  StepOutcome RunStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                      const std::vector<int>& rows);
-  // Applies a successful step to its batch: draws the accepted counts of speculative sequences
-  // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
-  void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                 const std::vector<int>& rows, const StepOutcome& outcome);
-  // What one decode step (or a real model's prefill) produced for a sequence.
-  struct Produced {
-    int64_t first_position = 0;      // of the first token
-    int count = 0;                   // tokens emitted
-    int drafted = 0;                 // rows - 1
-    int accepted = 0;                // drafts kept (pattern) / confirmed by the model (real)
-    std::vector<int32_t> token_ids;  // a real model's `count` ids
-    // Set when these tokens end the request: max_new_tokens reached, or a real model's
-    // end-of-sequence or stop token (`stop_token`).
-    dsa::coordinator::v1::FinishReason finish = dsa::coordinator::v1::FINISH_REASON_UNSPECIFIED;
-    std::optional<int32_t> stop_token;
-    double seconds = 0;  // the step's (or the prefill's)
-  };
-  // A real model's emission: `candidates` (accepted drafts, then the model's token) cut after
-  // the first end-of-sequence or stop token and at the request's max_new_tokens. Decode-loop (or
-  // the handler's, before decoding) data of `request` only.
-  Produced CutEmission(const Request& request, const std::vector<int32_t>& candidates) const;
-  // A real model's first token from its prefill (PrefillResponse.next_token), or INTERNAL when
-  // the worker answered none or one outside the vocabulary.
-  absl::StatusOr<Produced> FirstToken(const Request& request,
-                                      const dsa::attention::v1::PrefillResponse& prefilled) const;
-  // Before a step: a real model's drafts (Request::drafts) and rows for each request of `batch`.
-  void PlanDrafts(const std::vector<std::shared_ptr<Request>>& batch, std::vector<int>* rows);
-  // Applies `produced` to its sequence: tokens, metrics, the Tokens event, and Finished when it
-  // ends the request. Returns whether it ended it (the caller ends the sequence: EndSequence).
-  bool AdvanceSequence(const std::shared_ptr<Request>& request, const Produced& produced,
-                       const dsa::attention::v1::SequenceStepResult* result,
-                       const dsa::attention::v1::DecodeStepResponse* response);
   // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
   // already set) and queued admissions.
-  void EndSequence(const std::shared_ptr<Request>& request, const absl::Status& status,
+  void EndSequence(const std::shared_ptr<InFlightRequest>& request, const absl::Status& status,
                    bool completed, bool worker_failed = false);
   // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
   // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
   // Releases a worker could not take are kept for ReleaseUnreleased.
-  void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
+  void LeaveWorkers(const std::shared_ptr<InFlightRequest>& request, bool completed,
+                    bool worker_failed);
   // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
   // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
   // A status while the request is kPrefilling answers its Prefill, which creates the sequence
   // unless it continues a session's: a FAILED_PRECONDITION there is a refusal, not a failure.
-  void FailSequence(const std::shared_ptr<Request>& request, const absl::Status& status);
+  void FailSequence(const std::shared_ptr<InFlightRequest>& request, const absl::Status& status);
   // The handler's side of a migration: checks the workers, then places the request again (ahead
   // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
-  absl::Status PlaceAgain(const std::shared_ptr<Request>& request);
+  absl::Status PlaceAgain(const std::shared_ptr<InFlightRequest>& request);
   // Retries the releases that failed because a worker was unreachable, on workers that are ready
   // now; forgets those of retired workers (a restarted process holds nothing).
   void ReleaseUnreleased();
   // Sets the stream's status and counts the outcome (first call wins).
-  void SetFinalLocked(Request& request, const absl::Status& status)
+  void SetFinalLocked(InFlightRequest& request, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
   // Marks a request cancelled; a queued one ends at once.
-  void AbortLocked(Request& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  void AbortLocked(InFlightRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
   // Hands admissions to their waiting handlers.
   void DeliverAdmissionsLocked(std::vector<Admission> admissions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
@@ -420,20 +297,19 @@ class CoordinatorEngine {
   // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
   // CANCELLED it brings back is not read as the worker's failure. Cut short too when the
   // worker's checks stop reaching it (HungCut; then UNAVAILABLE, CallStatus).
-  absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
-                       dsa::attention::v1::PrefillResponse* response, bool* cancelled);
+  absl::Status Prefill(GenerateStream& stream, const InFlightRequest& request,
+                       const Admission& admission, dsa::attention::v1::PrefillResponse* response,
+                       bool* cancelled);
 
   const std::unique_ptr<EngineCore> core_;
   const std::unique_ptr<WorkerPool> pool_;
-  // By attention worker slot, set when the pool takes the worker in (under the core's mu).
-  std::vector<std::unique_ptr<DecodeSlot>> loops_;
+  const std::unique_ptr<DecodeLoops> decode_;
   std::atomic<uint64_t> sampling_seeds_drawn_{0};  // seeds picked for requests without one
   std::thread watch_;                              // WorkerPool::WatchWorkers
   std::thread stall_watch_;                        // WatchStalledWrites, when stall_timeout_ms > 0
 
-  absl::CondVar decoding_changed_;  // a sequence started decoding (AwaitDecoding)
   // (caller, request id) -> the request in flight: request ids are scoped per caller.
-  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<Request>> by_id_
+  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<InFlightRequest>> by_id_
       ABSL_GUARDED_BY(core_->mu);
   // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
   // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
@@ -443,7 +319,8 @@ class CoordinatorEngine {
   std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(core_->mu);
   // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
   absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(core_->mu);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(core_->mu);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<InFlightRequest>> by_ticket_
+      ABSL_GUARDED_BY(core_->mu);
   uint64_t next_ticket_ ABSL_GUARDED_BY(core_->mu) = 1;
   std::atomic<bool> stopped_{false};
 };
