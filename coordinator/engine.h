@@ -7,67 +7,44 @@
 #pragma once
 
 #include <atomic>
-#include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/host_port.h"
-#include "common/trace_context.h"
-#include "coordinator/acceptance_model.h"
-#include "coordinator/engine_core.h"
+#include "coordinator/generate.h"
 #include "coordinator/metrics.h"
 #include "coordinator/options.h"
-#include "coordinator/request.h"
+#include "coordinator/request_validation.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/served_model.h"
 #include "coordinator/worker_clients.h"
-#include "dsa/attention/v1/attention.pb.h"
 #include "dsa/coordinator/v1/coordinator.pb.h"
-#include "dsa/indexer/v1/indexer.pb.h"
 
 namespace dsa {
 
 class DecodeLoops;
+struct EngineCore;
+class RequestLifecycle;
 class WorkerPool;
-
-/// Most stop_token_ids a request may carry.
-inline constexpr int kMaxStopTokenIds = 256;
-
-/// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
-/// coordinator.proto whatever the model: request_id 1..128 bytes; a context (context_length >= 1,
-/// or context_tokens with >= 1 token, each id >= 0); prefix ids only with context_length, at most
-/// ceil(context / 512); max_new_tokens >= 1; draft_length 0..kMaxDraftLength; overrides in range
-/// (rho, gamma in [0, 1), top_k in [1, kMaxTopK], acceptance_rate in [0, 1]); sampling in range
-/// (temperature 0 or in (0, 100], top_p in [0, 1], not NaN); at most kMaxStopTokenIds stop ids,
-/// each >= 0; session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
-/// Messages name the field, and for a list the index and the value.
-absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
-
-/// The checks that need the model (after ValidateGenerateRequest): a real model needs
-/// context_tokens (INVALID_ARGUMENT naming the model), every context and stop token id below its
-/// vocab_size (INVALID_ARGUMENT naming the index and the value), and context + max_new_tokens at
-/// most its max_context (RESOURCE_EXHAUSTED with the numbers; a model limit, DESIGN.md 5's "too
-/// long a context"). The pattern model ignores sampling, stop_token_ids and ignore_eos.
-absl::Status ValidateGenerateRequestForModel(const dsa::coordinator::v1::GenerateRequest& request,
-                                             const ServedModel& model);
 
 /// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, over injected
 /// worker clients (worker_clients.h) and an injected clock. Thread-safe; each Generate runs on
 /// its caller's thread.
+///
+/// Parts, each over the ones before it, all under one lock (EngineCore, engine_core.h):
+/// WorkerPool (worker_pool.h: discovery, checks, readiness, shape and model, the indexers' loads;
+/// it knows no requests), DecodeLoops (decode_loops.h: one decode loop per attention worker) and
+/// RequestLifecycle (request_lifecycle.h: admission, placement, prefill, events, Abort, stalls,
+/// drain and migration, with SequenceReleases, releases.h). The engine makes them, wires the
+/// hooks through which a lower part calls up, and answers GetLoad from all three.
 ///
 /// Workers: RefreshWorkers (at Create, then every worker_check_interval_ms on the watch thread)
 /// takes in every fixed or resolved address that answers its first check (GetInfo of an attention
@@ -230,98 +207,13 @@ class CoordinatorEngine {
                     std::shared_ptr<WorkerClientFactory> workers, const Clock& clock,
                     AddressResolver resolve, Scheduler scheduler);
 
-  // The worker pool's `refreshed` hook: hands queued requests to workers that became ready, and
-  // fails the queued ones no ready worker could hold (UNAVAILABLE).
-  void WorkersRefreshedLocked(bool any_became_ready) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  // The stall watch's body: CheckStalledWrites a quarter of the stall timeout apart.
-  void WatchStalledWrites();
-  // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
-  // already set) and queued admissions.
-  void EndSequence(const std::shared_ptr<InFlightRequest>& request, const absl::Status& status,
-                   bool completed, bool worker_failed = false);
-  // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
-  // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
-  // Releases a worker could not take are kept for ReleaseUnreleased.
-  void LeaveWorkers(const std::shared_ptr<InFlightRequest>& request, bool completed,
-                    bool worker_failed);
-  // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
-  // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
-  // A status while the request is kPrefilling answers its Prefill, which creates the sequence
-  // unless it continues a session's: a FAILED_PRECONDITION there is a refusal, not a failure.
-  void FailSequence(const std::shared_ptr<InFlightRequest>& request, const absl::Status& status);
-  // The handler's side of a migration: checks the workers, then places the request again (ahead
-  // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
-  absl::Status PlaceAgain(const std::shared_ptr<InFlightRequest>& request);
-  // Retries the releases that failed because a worker was unreachable, on workers that are ready
-  // now; forgets those of retired workers (a restarted process holds nothing).
-  void ReleaseUnreleased();
-  // Sets the stream's status and counts the outcome (first call wins).
-  void SetFinalLocked(InFlightRequest& request, const absl::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  // Marks a request cancelled; a queued one ends at once.
-  void AbortLocked(InFlightRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  // Hands admissions to their waiting handlers.
-  void DeliverAdmissionsLocked(std::vector<Admission> admissions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased.
-  struct Unreleased {
-    bool attention = false;  // an attention worker's Release, else an indexer worker's
-    int slot = 0;
-    uint64_t sequence_id = 0;
-    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
-    // Counted in undelivered_ (the scheduler waits for it). Not for an evicted sequence (the
-    // scheduler forgot it) nor once its worker restarted (its space was freed then).
-    bool counted = true;
-  };
-  // Drops evicted sequences on their workers; a Release that did not reach its worker is retried
-  // by ReleaseUnreleased (not counted: the scheduler forgot the sequence already).
-  void CarryOutEvictions(const std::vector<Eviction>& evictions);
-  // Releases `sequence_id` on attention worker `attention` (skipped when it is -1) with its flag
-  // `keep_indexer_sequence`, and, unless that flag is set, directly on indexer worker `indexer`
-  // when `indexer_too` or the attention Release failed: an attention worker that could not reach
-  // the indexer drops its KV and answers the indexer's error, so a retry of its Release would
-  // find nothing (the direct one answers NOT_FOUND when the attention worker's already did).
-  // Each Release within `timeout`, carrying a child of `trace` (may be null). Returns the
-  // Releases that did not reach their worker (UNAVAILABLE, DEADLINE_EXCEEDED), counted; a
-  // worker's NOT_FOUND (it lost the sequence) counts as delivered.
-  std::vector<Unreleased> ReleaseSequence(int attention, int indexer, uint64_t sequence_id,
-                                          bool keep_indexer_sequence, bool indexer_too,
-                                          absl::Duration timeout, const TraceContext* trace);
-  // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, within
-  // `timeout`, carrying a child of `trace` (may be null); the worker's status.
-  absl::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
-                               bool keep_indexer_sequence, absl::Duration timeout,
-                               const TraceContext* trace);
-  // Prefill of an admitted request on its attention worker, cancelled when its stream is (the
-  // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
-  // CANCELLED it brings back is not read as the worker's failure. Cut short too when the
-  // worker's checks stop reaching it (HungCut; then UNAVAILABLE, CallStatus).
-  absl::Status Prefill(GenerateStream& stream, const InFlightRequest& request,
-                       const Admission& admission, dsa::attention::v1::PrefillResponse* response,
-                       bool* cancelled);
-
+  // The parts, each over the ones before it; they share the core's lock.
   const std::unique_ptr<EngineCore> core_;
   const std::unique_ptr<WorkerPool> pool_;
   const std::unique_ptr<DecodeLoops> decode_;
-  std::atomic<uint64_t> sampling_seeds_drawn_{0};  // seeds picked for requests without one
-  std::thread watch_;                              // WorkerPool::WatchWorkers
-  std::thread stall_watch_;                        // WatchStalledWrites, when stall_timeout_ms > 0
-
-  // (caller, request id) -> the request in flight: request ids are scoped per caller.
-  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<InFlightRequest>> by_id_
-      ABSL_GUARDED_BY(core_->mu);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
-  // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
-  // delivered or its worker retired, so nothing is placed into space a worker still holds. A
-  // restarted worker's Releases go on to its new process, which may hold what was placed there
-  // before the restart was seen.
-  std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(core_->mu);
-  // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
-  absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(core_->mu);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<InFlightRequest>> by_ticket_
-      ABSL_GUARDED_BY(core_->mu);
-  uint64_t next_ticket_ ABSL_GUARDED_BY(core_->mu) = 1;
+  const std::unique_ptr<RequestLifecycle> lifecycle_;
+  std::thread watch_;        // WorkerPool::WatchWorkers
+  std::thread stall_watch_;  // RequestLifecycle::WatchStalledWrites, when stall_timeout_ms > 0
   std::atomic<bool> stopped_{false};
 };
 

@@ -1,6 +1,5 @@
 // One Generate call in flight inside the coordinator's engine (engine.h), as its handler thread,
-// its attention worker's decode loop and the watch threads share it; and the client's side of the
-// call, GenerateStream.
+// its attention worker's decode loop and the watch threads share it.
 #pragma once
 
 #include <cstdint>
@@ -14,25 +13,11 @@
 #include "absl/time/time.h"
 #include "common/trace_context.h"
 #include "coordinator/acceptance_model.h"
+#include "coordinator/generate.h"
 #include "coordinator/scheduler.h"
 #include "dsa/coordinator/v1/coordinator.pb.h"
 
 namespace dsa {
-
-/// The client's side of one Generate call, as its transport gives it to the engine (the gRPC
-/// adapter wraps the ServerWriter and ServerContext; the tests give a recorder).
-class GenerateStream {
- public:
-  virtual ~GenerateStream() = default;
-  /// Sends one event, blocking while the client's flow control is full; false when the call is
-  /// gone (the client left, or the call was cancelled).
-  virtual bool Write(const dsa::coordinator::v1::GenerateEvent& event) = 0;
-  /// Whether the call was cancelled (the client cancelled, its deadline passed, the server is
-  /// shutting down, or TryCancel).
-  virtual bool IsCancelled() = 0;
-  /// Cancels the call from another thread: a Write in progress returns false.
-  virtual void TryCancel() = 0;
-};
 
 /// Where a request is in its life. kMigrating: off its failed workers, waiting for its handler to
 /// place it again.
