@@ -11,7 +11,6 @@
 namespace dsa {
 namespace {
 
-namespace cv1 = ::dsa::coordinator::v1;
 namespace av1 = ::dsa::attention::v1;
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
@@ -109,8 +108,8 @@ void DecodeLoops::ApplyStep(int worker, const std::vector<std::shared_ptr<InFlig
       }
       p.first_position = result.first_position();
       p.count = p.accepted + 1;
-      if (request.generated + p.count >= request.proto.max_new_tokens()) {
-        p.finish = cv1::FINISH_REASON_LENGTH;
+      if (request.generated + p.count >= request.spec.max_new_tokens) {
+        p.finish = FinishReason::kLength;
       }
     } else {
       // Row r's input is at position t + r (t: the last token's, which the KV does not hold yet);
@@ -184,20 +183,20 @@ void DecodeLoops::ApplyStep(int worker, const std::vector<std::shared_ptr<InFlig
 DecodeLoops::Produced DecodeLoops::CutEmission(const InFlightRequest& request,
                                                const std::vector<int32_t>& candidates) const {
   Produced p;
-  const int64_t left = request.proto.max_new_tokens() - request.generated;
+  const int64_t left = request.spec.max_new_tokens - request.generated;
   for (int32_t token : candidates) {
     p.token_ids.push_back(token);
     if (token == request.eos_token_id) {  // -1 (none, or ignore_eos) never matches
-      p.finish = cv1::FINISH_REASON_EOS;
+      p.finish = FinishReason::kEos;
       p.stop_token = token;
     } else if (std::find(request.stop_token_ids.begin(), request.stop_token_ids.end(), token) !=
                request.stop_token_ids.end()) {
-      p.finish = cv1::FINISH_REASON_STOP_TOKEN;
+      p.finish = FinishReason::kStopToken;
       p.stop_token = token;
     } else if (static_cast<int64_t>(p.token_ids.size()) >= left) {
-      p.finish = cv1::FINISH_REASON_LENGTH;
+      p.finish = FinishReason::kLength;
     }
-    if (p.finish != cv1::FINISH_REASON_UNSPECIFIED) break;
+    if (p.finish != FinishReason::kUnspecified) break;
   }
   p.count = static_cast<int>(p.token_ids.size());
   return p;
@@ -226,7 +225,7 @@ void DecodeLoops::PlanDrafts(const std::vector<std::shared_ptr<InFlightRequest>>
   for (size_t i = 0; i < batch.size(); ++i) {
     InFlightRequest& request = *batch[i];
     if (!request.real) continue;
-    const int64_t left = request.proto.max_new_tokens() - request.generated;
+    const int64_t left = request.spec.max_new_tokens - request.generated;
     const int max_draft =
         static_cast<int>(std::min<int64_t>(request.demand.draft_length, left - 1));
     request.drafts = ProposeNgramDraft(request.tokens, max_draft, core_->options.ngram);
@@ -256,42 +255,40 @@ bool DecodeLoops::AdvanceSequence(const std::shared_ptr<InFlightRequest>& reques
   }
   core_->metrics->CountGeneratedTokens(count);
 
-  cv1::GenerateEvent event;
-  cv1::Tokens* tokens = event.mutable_tokens();
-  tokens->set_first_position(produced.first_position);
-  tokens->set_count(count);
-  tokens->set_drafted(produced.drafted);
-  tokens->set_accepted(produced.accepted);
-  tokens->set_step_seconds(produced.seconds);
+  TokensEvent tokens;
+  tokens.first_position = produced.first_position;
+  tokens.count = count;
+  tokens.drafted = produced.drafted;
+  tokens.accepted = produced.accepted;
+  tokens.step_seconds = produced.seconds;
   if (result != nullptr) {
-    tokens->set_blocks_scored(result->blocks_scored());
-    tokens->set_blocks_visible(result->blocks_visible());
-    tokens->set_audited_rows(result->audited_rows());
-    tokens->set_audit_miss_rate_sum(result->audit_miss_rate_sum());
+    tokens.blocks_scored = result->blocks_scored();
+    tokens.blocks_visible = result->blocks_visible();
+    tokens.audited_rows = result->audited_rows();
+    tokens.audit_miss_rate_sum = result->audit_miss_rate_sum();
   }
   if (response != nullptr) {
-    for (double wait : response->selection_wait_seconds()) tokens->add_selection_wait_seconds(wait);
+    tokens.selection_wait_seconds.assign(response->selection_wait_seconds().begin(),
+                                         response->selection_wait_seconds().end());
   }
-  tokens->mutable_token_ids()->Add(produced.token_ids.begin(), produced.token_ids.end());
-  const bool done = produced.finish != cv1::FINISH_REASON_UNSPECIFIED;
+  tokens.token_ids = produced.token_ids;
+  const bool done = produced.finish != FinishReason::kUnspecified;
   {
     absl::MutexLock lock(&core_->mu);
-    request->events.push_back(std::move(event));
+    request->events.emplace_back(std::move(tokens));
     if (done) {
-      cv1::GenerateEvent finished_event;
-      cv1::Finished* finished = finished_event.mutable_finished();
-      finished->set_generated_tokens(request->generated);
-      finished->set_migrations(request->migrations);
-      finished->set_time_to_first_token_seconds(
-          Seconds(request->first_token_time - request->arrival));
+      FinishedEvent finished;
+      finished.generated_tokens = request->generated;
+      finished.migrations = request->migrations;
+      finished.time_to_first_token_seconds = Seconds(request->first_token_time - request->arrival);
       const int64_t later = request->generated - request->first_count;
-      finished->set_mean_inter_token_latency_seconds(
+      finished.mean_inter_token_latency_seconds =
           later > 0 ? Seconds(request->last_step_time - request->first_token_time) /
                           static_cast<double>(later)
-                    : 0.0);
-      finished->set_finish_reason(produced.finish);
-      if (produced.stop_token.has_value()) finished->set_stop_token_id(*produced.stop_token);
-      request->events.push_back(std::move(finished_event));
+                    : 0.0;
+      finished.finish_reason = produced.finish;
+      finished.stop_token_id = produced.stop_token;
+      request->events.emplace_back(finished);
     }
     request->changed.SignalAll();
   }
@@ -309,7 +306,7 @@ DecodeLoops::Iteration DecodeLoops::CollectLocked(int worker) {
     } else if (request->events.size() <= room) {
       request->stalled_since.reset();
       it.batch.push_back(request);
-      const int64_t left = request->proto.max_new_tokens() - request->generated;
+      const int64_t left = request->spec.max_new_tokens - request->generated;
       it.rows.push_back(
           static_cast<int>(std::min<int64_t>(request->demand.draft_length + 1, left)));
     } else if (core_->options.stall_timeout_ms > 0) {

@@ -20,10 +20,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/engine_core.h"
+#include "coordinator/generate.h"
 #include "coordinator/request.h"
 #include "coordinator/worker_pool.h"
 #include "dsa/attention/v1/attention.pb.h"
-#include "dsa/coordinator/v1/coordinator.pb.h"
 
 namespace dsa {
 
@@ -32,7 +32,7 @@ namespace dsa {
 /// The pattern model (InFlightRequest::real false): rows = min(d + 1, tokens left); the accepted
 /// count a of a speculative step is drawn from AcceptanceModel (seed mixed with the request id,
 /// step = the request's verification count), Commit(a), and a Tokens event with count = a + 1; at
-/// max_new_tokens it queues Finished (FINISH_REASON_LENGTH).
+/// max_new_tokens it queues Finished (FinishReason::kLength).
 /// A real model: a step's rows are 1 + the drafts ProposeNgramDraft finds in the sequence's tokens
 /// (at most d, and at most tokens left - 1), with tokens = [the last token, drafts...]; a = the
 /// leading drafts equal to the worker's sampled_tokens, and the step emits drafts[0, a) +
@@ -73,7 +73,7 @@ class DecodeLoops {
     std::vector<int32_t> token_ids;  // a real model's `count` ids
     // Set when these tokens end the request: max_new_tokens reached, or a real model's
     // end-of-sequence or stop token (`stop_token`).
-    dsa::coordinator::v1::FinishReason finish = dsa::coordinator::v1::FINISH_REASON_UNSPECIFIED;
+    FinishReason finish = FinishReason::kUnspecified;
     std::optional<int32_t> stop_token;
     double seconds = 0;  // the step's (or the prefill's)
   };

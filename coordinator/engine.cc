@@ -16,7 +16,6 @@
 namespace dsa {
 namespace {
 
-namespace cv1 = ::dsa::coordinator::v1;
 namespace iv1 = ::dsa::indexer::v1;
 
 }  // namespace
@@ -184,71 +183,61 @@ void CoordinatorEngine::Stop() {
   });
 }
 
-cv1::GetLoadResponse CoordinatorEngine::GetLoad() {
-  cv1::GetLoadResponse answer;
-  cv1::GetLoadResponse* response = &answer;
+CoordinatorLoad CoordinatorEngine::GetLoad() {
+  CoordinatorLoad answer;
   SchedulerLoad load;
   std::vector<bool> indexer_ready;
   std::vector<bool> indexer_retired;
   {
     absl::MutexLock lock(&core_->mu);
     load = core_->scheduler.Load();
-    if (const std::optional<ServedModel> served = pool_->ModelLocked(); served.has_value()) {
-      cv1::Model* model = response->mutable_model();
-      model->set_name(served->name);
-      model->set_vocab_size(served->vocab_size);
-      model->set_eos_token_id(served->eos_token_id);
-      model->set_max_context(served->max_context);
-    }
+    answer.model = pool_->ModelLocked();
     for (int i = 0; i < pool_->NumIndexersLocked(); ++i) {
       indexer_ready.push_back(pool_->indexer(i).ready);
       indexer_retired.push_back(pool_->indexer(i).retired);
     }
     for (int j = 0; j < pool_->NumAttentionLocked(); ++j) {
       if (pool_->attention(j).retired) continue;  // restarted: its new instance has its own entry
-      cv1::AttentionWorkerLoad* worker = response->add_attention_workers();
-      worker->set_address(pool_->attention(j).address);
-      worker->set_ready(pool_->attention(j).ready);
-      worker->set_decoding(decode_->DecodingLocked(j));
+      AttentionWorkerLoad worker;
+      worker.address = pool_->attention(j).address;
+      worker.ready = pool_->attention(j).ready;
+      worker.decoding = decode_->DecodingLocked(j);
+      answer.attention_workers.push_back(std::move(worker));
     }
   }
-  response->set_queued(load.queued);
-  response->set_running(load.running);
-  response->set_retained_sequences(load.retained);
+  answer.queued = load.queued;
+  answer.running = load.running;
+  answer.retained_sequences = load.retained;
   // Ask the ready indexers at once (a worker that is not ready reports the reservations), unless
   // the last answers are recent enough and were asked of the same ready slots.
   const size_t count = indexer_ready.size();
   const WorkerPool::IndexerLoads answers = pool_->AskIndexerLoads(indexer_ready);
   const std::vector<iv1::GetLoadResponse>& loads = answers.loads;
   const std::vector<absl::Status>& statuses = answers.statuses;
-  int64_t used = 0;
-  int64_t capacity = 0;
   for (size_t i = 0; i < count; ++i) {
     if (indexer_retired[i]) continue;
-    cv1::WorkerLoad* worker = response->add_indexer_workers();
-    worker->set_address(pool_->indexer(i).address);
-    worker->set_ready(indexer_ready[i]);
+    IndexerWorkerLoad worker;
+    worker.address = pool_->indexer(i).address;
+    worker.ready = indexer_ready[i];
     const iv1::GetLoadResponse& indexer_load = loads[i];
     if (statuses[i].ok()) {
-      worker->set_cache_blocks_used(indexer_load.used_blocks());
-      worker->set_cache_blocks_capacity(indexer_load.capacity_blocks());
-      worker->set_sequences(static_cast<int32_t>(indexer_load.sequences()));
+      worker.cache_blocks_used = indexer_load.used_blocks();
+      worker.cache_blocks_capacity = indexer_load.capacity_blocks();
+      worker.sequences = static_cast<int32_t>(indexer_load.sequences());
     } else {
-      worker->set_cache_blocks_used(load.indexers[i].used_blocks);
-      worker->set_cache_blocks_capacity(load.indexers[i].capacity_blocks);
-      worker->set_sequences(load.indexers[i].sequences);
+      worker.cache_blocks_used = load.indexers[i].used_blocks;
+      worker.cache_blocks_capacity = load.indexers[i].capacity_blocks;
+      worker.sequences = load.indexers[i].sequences;
     }
-    used += worker->cache_blocks_used();
-    capacity += worker->cache_blocks_capacity();
+    answer.cache_blocks_used += worker.cache_blocks_used;
+    answer.cache_blocks_capacity += worker.cache_blocks_capacity;
+    answer.indexer_workers.push_back(std::move(worker));
   }
-  response->set_cache_blocks_used(used);
-  response->set_cache_blocks_capacity(capacity);
   return answer;
 }
 
-absl::Status CoordinatorEngine::Generate(const cv1::GenerateRequest& request,
-                                         const std::string& caller, absl::string_view traceparent,
-                                         GenerateStream& stream) {
+absl::Status CoordinatorEngine::Generate(const GenerateSpec& request, const std::string& caller,
+                                         absl::string_view traceparent, GenerateStream& stream) {
   return lifecycle_->Generate(request, caller, traceparent, stream);
 }
 

@@ -25,19 +25,18 @@
 #include "coordinator/request_validation.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/served_model.h"
-#include "coordinator/worker_clients.h"
-#include "dsa/coordinator/v1/coordinator.pb.h"
 
 namespace dsa {
 
 class DecodeLoops;
 struct EngineCore;
+class WorkerClientFactory;
 class RequestLifecycle;
 class WorkerPool;
 
-/// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, over injected
-/// worker clients (worker_clients.h) and an injected clock. Thread-safe; each Generate runs on
-/// its caller's thread.
+/// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, in plain structs
+/// (generate.h), over injected worker clients (worker_clients.h) and an injected clock.
+/// Thread-safe; each Generate runs on its caller's thread.
 ///
 /// Parts, each over the ones before it, all under one lock (EngineCore, engine_core.h):
 /// WorkerPool (worker_pool.h: discovery, checks, readiness, shape and model, the indexers' loads;
@@ -63,7 +62,7 @@ class WorkerPool;
 /// The pattern model (ServedModel::real false): rows = min(d + 1, tokens left); the accepted count
 /// a of a speculative step is drawn from AcceptanceModel (seed mixed with the request id, step =
 /// the request's verification count), Commit(a), and a Tokens event with count = a + 1; at
-/// max_new_tokens it queues Finished (FINISH_REASON_LENGTH).
+/// max_new_tokens it queues Finished (FinishReason::kLength).
 /// A real model: the prefill's next_token is the first generated token (its own Tokens event:
 /// the time to first token). A step's rows are 1 + the drafts ProposeNgramDraft finds in the
 /// sequence's tokens (at most d, and at most tokens left - 1), with tokens = [the last token,
@@ -162,9 +161,8 @@ class CoordinatorEngine {
   /// queued or running); UNAVAILABLE
   /// (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream cancelled, a
   /// stalled reader); any other status a worker returned for this request.
-  absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
-                        const std::string& caller, absl::string_view traceparent,
-                        GenerateStream& stream);
+  absl::Status Generate(const GenerateSpec& request, const std::string& caller,
+                        absl::string_view traceparent, GenerateStream& stream);
 
   /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
   /// CANCELLED. NOT_FOUND if `caller` has no request with that id in flight (another caller's
@@ -176,7 +174,7 @@ class CoordinatorEngine {
   /// from its GetLoad (asked at once, each bounded by worker_check_timeout_ms; a worker that does
   /// not answer reports the coordinator's reservations). The indexers' answers are reused for
   /// load_cache_ms of the clock; concurrent calls wait for one round of asks and share it.
-  dsa::coordinator::v1::GetLoadResponse GetLoad();
+  CoordinatorLoad GetLoad();
 
   /// Begins a drain: new Generate calls get UNAVAILABLE, queued requests end with UNAVAILABLE,
   /// running ones go on.

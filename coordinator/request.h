@@ -15,7 +15,6 @@
 #include "coordinator/acceptance_model.h"
 #include "coordinator/generate.h"
 #include "coordinator/scheduler.h"
-#include "dsa/coordinator/v1/coordinator.pb.h"
 
 namespace dsa {
 
@@ -29,7 +28,7 @@ struct InFlightRequest {
   std::string caller;  // CallerIdentity of the Generate call: it scopes the id
   TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
   uint64_t ticket = 0;
-  dsa::coordinator::v1::GenerateRequest proto;
+  GenerateSpec spec;  // as the caller sent it, but for a sampling seed the coordinator picked
   SequenceDemand demand;
   absl::Time arrival;
   // Guarded by EngineCore::mu (engine_core.h).
@@ -42,7 +41,7 @@ struct InFlightRequest {
   GenerateStream* stream = nullptr;
   std::optional<absl::Time> stalled_since;        // event queue full since
   std::optional<absl::Time> write_blocked_since;  // a Write in progress since
-  std::deque<dsa::coordinator::v1::GenerateEvent> events;
+  std::deque<GenerateEvent> events;
   std::optional<absl::Status> final_status;
   absl::CondVar changed;        // admission, an event, the final status
   int migrations = 0;           // guarded by EngineCore::mu; moves off a failed worker so far

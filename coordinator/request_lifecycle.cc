@@ -17,7 +17,6 @@
 namespace dsa {
 namespace {
 
-namespace cv1 = ::dsa::coordinator::v1;
 namespace av1 = ::dsa::attention::v1;
 namespace iv1 = ::dsa::indexer::v1;
 
@@ -167,7 +166,7 @@ void RequestLifecycle::SetFinalLocked(InFlightRequest& request, const absl::Stat
       {"caller", request.caller},
       {"trace_id", request.trace.trace_id},
       {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(status.code()))},
-      {"context_tokens", ContextLength(request.proto)},
+      {"context_tokens", ContextLength(request.spec)},
       {"generated_tokens", request.generated},
       {"migrations", request.migrations},
       {"duration_s", Seconds(core_->clock.Now() - request.arrival)}};
@@ -228,8 +227,8 @@ void RequestLifecycle::DeliverAdmissionsLocked(std::vector<Admission> admissions
 absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightRequest& request,
                                        const Admission& admission, av1::PrefillResponse* response,
                                        bool* cancelled) {
-  const cv1::GenerateRequest& g = request.proto;
-  const cv1::Overrides& o = g.overrides();
+  const GenerateSpec& g = request.spec;
+  const GenerateOverrides& o = g.overrides;
   av1::PrefillRequest prefill;
   prefill.set_sequence_id(admission.sequence_id);
   prefill.set_context_length(request.demand.context_length);
@@ -246,26 +245,26 @@ absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightReq
     }
     prefill.mutable_tokens()->Add(request.tokens.begin() + from, request.tokens.end());
     av1::SamplingParams* sampling = prefill.mutable_sampling();
-    sampling->set_temperature(g.sampling().temperature());
-    sampling->set_top_p(g.sampling().top_p());
-    sampling->set_seed(g.sampling().seed());
+    sampling->set_temperature(g.sampling.temperature);
+    sampling->set_top_p(g.sampling.top_p);
+    sampling->set_seed(g.sampling.seed.value_or(0));
   }
   prefill.set_indexer_worker(pool_->indexer(admission.indexer).address);
   av1::SequenceSettings* settings = prefill.mutable_settings();
-  settings->set_top_k(o.has_top_k() ? o.top_k() : core_->options.top_k);
+  settings->set_top_k(o.top_k.has_value() ? *o.top_k : core_->options.top_k);
   iv1::SpinSettings* spin = settings->mutable_spin();
-  if (o.has_all_keep() ? o.all_keep() : core_->options.all_keep) {
+  if (o.all_keep.has_value() ? *o.all_keep : core_->options.all_keep) {
     spin->set_all_keep(true);
   } else {
-    spin->set_target_block_sparsity(o.has_target_block_sparsity()
-                                        ? o.target_block_sparsity()
+    spin->set_target_block_sparsity(o.target_block_sparsity.has_value()
+                                        ? *o.target_block_sparsity
                                         : core_->options.target_block_sparsity);
   }
-  spin->set_exploration_fraction(o.has_exploration_fraction()
-                                     ? o.exploration_fraction()
+  spin->set_exploration_fraction(o.exploration_fraction.has_value()
+                                     ? *o.exploration_fraction
                                      : core_->options.exploration_fraction);
   spin->set_seed(core_->options.seed);
-  if (o.has_miss_target()) spin->set_miss_target(o.miss_target());
+  if (o.miss_target.has_value()) spin->set_miss_target(*o.miss_target);
   if (admission.prefix_source_id.has_value()) {
     prefill.set_prefix_source_id(*admission.prefix_source_id);
     prefill.set_prefix_slots(admission.prefix_slots);
@@ -293,56 +292,53 @@ absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightReq
                     : pool_->CallStatus(w, status, "prefill", hung.cut(), /*hung=*/nullptr);
 }
 
-absl::Status RequestLifecycle::Generate(const cv1::GenerateRequest& generate,
-                                        const std::string& caller, absl::string_view traceparent,
-                                        GenerateStream& stream) {
-  const cv1::GenerateRequest* proto = &generate;
+absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std::string& caller,
+                                        absl::string_view traceparent, GenerateStream& stream) {
+  const GenerateSpec* spec = &generate;
   const absl::Time arrival = core_->clock.Now();
-  if (absl::Status valid = ValidateGenerateRequest(*proto); !valid.ok()) {
+  if (absl::Status valid = ValidateGenerateRequest(*spec); !valid.ok()) {
     core_->metrics->CountRequest(RequestOutcome::kRejected);
     return valid;
   }
   auto request = std::make_shared<InFlightRequest>();
-  request->id = proto->request_id();
+  request->id = spec->request_id;
   request->caller = caller;
   {
     std::optional<TraceContext> trace;
     if (!traceparent.empty()) trace = ParseTraceparent(traceparent);
     request->trace = trace.has_value() ? *trace : NewTraceContext();
   }
-  request->proto = *proto;
-  if (proto->sampling().temperature() > 0.0f && !proto->sampling().has_seed()) {
+  request->spec = *spec;
+  if (spec->sampling.temperature > 0.0f && !spec->sampling.seed.has_value()) {
     // Without a seed two equal requests must still draw differently; the seed is fixed here,
     // once, so that a migration's re-prefill continues the same draws.
-    request->proto.mutable_sampling()->set_seed(RequestSeed(
+    request->spec.sampling.seed = RequestSeed(
         core_->options.seed ^ sampling_seeds_drawn_.fetch_add(1, std::memory_order_relaxed),
-        proto->request_id()));
+        spec->request_id);
   }
   request->arrival = arrival;
-  request->demand.context_length = ContextLength(*proto);
-  request->demand.max_new_tokens = proto->max_new_tokens();
-  request->demand.draft_length = proto->draft_length();
-  if (proto->has_context_tokens()) {
+  request->demand.context_length = ContextLength(*spec);
+  request->demand.max_new_tokens = spec->max_new_tokens;
+  request->demand.draft_length = spec->draft_length;
+  if (spec->context_tokens.has_value()) {
     // Ids of the tokens themselves (equal prefixes share, different ones never do).
-    request->demand.prefix_block_ids = PrefixBlockIdsOfTokens(proto->context_tokens().tokens());
+    request->demand.prefix_block_ids = PrefixBlockIdsOfTokens(*spec->context_tokens);
   } else {
-    request->demand.prefix_block_ids.assign(proto->prefix_block_ids().begin(),
-                                            proto->prefix_block_ids().end());
+    request->demand.prefix_block_ids = spec->prefix_block_ids;
   }
-  request->demand.session_id = proto->session_id();
+  request->demand.session_id = spec->session_id;
   request->demand.session_owner = caller;
-  const double acceptance_rate = proto->overrides().has_acceptance_rate()
-                                     ? proto->overrides().acceptance_rate()
+  const double acceptance_rate = spec->overrides.acceptance_rate.has_value()
+                                     ? *spec->overrides.acceptance_rate
                                      : core_->options.acceptance_rate;
-  request->acceptance =
-      *AcceptanceModel::Create(acceptance_rate, proto->draft_length(),
-                               RequestSeed(core_->options.seed, proto->request_id()));
+  request->acceptance = *AcceptanceModel::Create(
+      acceptance_rate, spec->draft_length, RequestSeed(core_->options.seed, spec->request_id));
 
   // The checks that need the model, outside the lock (a long context's ids take a while); the
   // model is looked at again under it.
   std::optional<ServedModel> model = pool_->model();
   if (model.has_value()) {
-    if (absl::Status valid = ValidateGenerateRequestForModel(*proto, *model); !valid.ok()) {
+    if (absl::Status valid = ValidateGenerateRequestForModel(*spec, *model); !valid.ok()) {
       core_->metrics->CountRequest(RequestOutcome::kRejected);
       return valid;
     }
@@ -350,10 +346,9 @@ absl::Status RequestLifecycle::Generate(const cv1::GenerateRequest& generate,
   }
   if (request->real) {
     request->vocab_size = model->vocab_size;
-    request->eos_token_id = proto->ignore_eos() ? -1 : model->eos_token_id;
-    request->stop_token_ids.assign(proto->stop_token_ids().begin(), proto->stop_token_ids().end());
-    request->tokens.assign(proto->context_tokens().tokens().begin(),
-                           proto->context_tokens().tokens().end());
+    request->eos_token_id = spec->ignore_eos ? -1 : model->eos_token_id;
+    request->stop_token_ids = spec->stop_token_ids;
+    request->tokens = *spec->context_tokens;
   }
 
   {
@@ -413,7 +408,7 @@ absl::Status RequestLifecycle::Generate(const cv1::GenerateRequest& generate,
 
   // Writes one event; while it is blocked (the client's HTTP/2 window is full: it stopped reading)
   // WatchStalledWrites may cancel the call after the stall timeout, which unblocks it.
-  auto write = [&](const cv1::GenerateEvent& event) {
+  auto write = [&](const GenerateEvent& event) {
     {
       absl::MutexLock lock(&core_->mu);
       request->write_blocked_since = core_->clock.Now();
@@ -490,16 +485,15 @@ absl::Status RequestLifecycle::Generate(const cv1::GenerateRequest& generate,
     }
 
     if ((decoding || ended) && !admitted_sent) {
-      cv1::GenerateEvent admitted_event;
-      cv1::Admitted* admitted = admitted_event.mutable_admitted();
-      admitted->set_queue_seconds(Seconds(admitted_at - arrival));
-      admitted->set_indexer_worker(pool_->indexer(admission.indexer).address);
-      admitted->set_attention_worker(pool_->attention(admission.attention).address);
-      admitted->set_prefix_slots_reused(
-          admission.prefix_source_id.has_value() ? admission.prefix_slots : 0);
-      admitted->set_prefill_seconds(prefilled.seconds());
+      AdmittedEvent admitted;
+      admitted.queue_seconds = Seconds(admitted_at - arrival);
+      admitted.indexer_worker = pool_->indexer(admission.indexer).address;
+      admitted.attention_worker = pool_->attention(admission.attention).address;
+      admitted.prefix_slots_reused =
+          admission.prefix_source_id.has_value() ? admission.prefix_slots : 0;
+      admitted.prefill_seconds = prefilled.seconds();
       admitted_sent = true;
-      if (!write(admitted_event)) {
+      if (!write(GenerateEvent(std::move(admitted)))) {
         absl::MutexLock lock(&core_->mu);
         AbortLocked(*request);
       }
@@ -508,7 +502,7 @@ absl::Status RequestLifecycle::Generate(const cv1::GenerateRequest& generate,
     // Write the events until the end, or until the request must migrate.
     bool migrate = false;
     while (true) {
-      cv1::GenerateEvent event;
+      GenerateEvent event;
       {
         absl::MutexLock lock(&core_->mu);
         while (request->events.empty() && !request->final_status.has_value() &&
@@ -680,8 +674,8 @@ absl::Status RequestLifecycle::PlaceAgain(const std::shared_ptr<InFlightRequest>
   request->ticket = next_ticket_++;
   by_ticket_[request->ticket] = request;
   request->admission.reset();
-  request->demand.context_length = ContextLength(request->proto) + request->generated;
-  request->demand.max_new_tokens = request->proto.max_new_tokens() - request->generated;
+  request->demand.context_length = ContextLength(request->spec) + request->generated;
+  request->demand.max_new_tokens = request->spec.max_new_tokens - request->generated;
   request->generated_when_placed = request->generated;
   absl::StatusOr<std::optional<Admission>> submitted =
       core_->scheduler.Submit(request->ticket, request->demand, /*migrated=*/true);

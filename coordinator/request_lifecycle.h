@@ -18,12 +18,12 @@
 #include "absl/strings/string_view.h"
 #include "coordinator/decode_loops.h"
 #include "coordinator/engine_core.h"
+#include "coordinator/generate.h"
 #include "coordinator/releases.h"
 #include "coordinator/request.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/worker_pool.h"
 #include "dsa/attention/v1/attention.pb.h"
-#include "dsa/coordinator/v1/coordinator.pb.h"
 
 namespace dsa {
 
@@ -38,9 +38,8 @@ class RequestLifecycle {
   RequestLifecycle& operator=(const RequestLifecycle&) = delete;
 
   /// CoordinatorEngine::Generate (its doc lists what it returns).
-  absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
-                        const std::string& caller, absl::string_view traceparent,
-                        GenerateStream& stream);
+  absl::Status Generate(const GenerateSpec& request, const std::string& caller,
+                        absl::string_view traceparent, GenerateStream& stream);
 
   /// CoordinatorEngine::Abort.
   absl::Status Abort(const std::string& request_id, const std::string& caller);
