@@ -7,162 +7,43 @@
 #pragma once
 
 #include <atomic>
-#include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/host_port.h"
-#include "common/trace_context.h"
-#include "coordinator/acceptance_model.h"
+#include "coordinator/generate.h"
 #include "coordinator/metrics.h"
-#include "coordinator/ngram_drafter.h"
+#include "coordinator/options.h"
+#include "coordinator/request_validation.h"
 #include "coordinator/scheduler.h"
-#include "coordinator/worker_clients.h"
-#include "dsa/attention/v1/attention.pb.h"
-#include "dsa/coordinator/v1/coordinator.pb.h"
-#include "dsa/indexer/v1/indexer.pb.h"
-#include "nlohmann/json.hpp"
-#include "server/security.h"
+#include "coordinator/served_model.h"
 
 namespace dsa {
 
-/// Deployment settings of the coordinator (the dsa-coordinator flags).
-struct CoordinatorOptions {
-  std::vector<std::string> indexer_addresses;    // host:port of fixed indexer workers
-  std::vector<std::string> attention_addresses;  // host:port of fixed attention workers
-  /// NAME:PORT of headless Services (DNS): every address NAME resolves to is a worker, taken in
-  /// and left out as the answer changes (RefreshWorkers). Each kind needs a fixed address or a
-  /// name; co-located (below), the indexers are the attention workers and take neither.
-  std::vector<std::string> indexer_dns;
-  std::vector<std::string> attention_dns;
-  /// How every worker is dialed (TLS, the client certificate of mutual TLS); plaintext default.
-  /// Read by the gRPC adapter (GrpcWorkerClients); the engine's worker clients are injected.
-  ClientSecurity worker_security;
-  /// How often the watch thread runs RefreshWorkers; 0 = never (a test calls it).
-  int64_t worker_check_interval_ms = 2000;
-  /// Deadline of each check RefreshWorkers makes of a worker (> 0).
-  int64_t worker_check_timeout_ms = 1000;
-  /// GetLoad reuses the indexers' loads it last asked for while they are younger than this
-  /// (milliseconds, >= 0; 0 = ask on every call), and one GetLoad asks at a time: however often
-  /// clients call GetLoad, each indexer gets at most one GetLoad per this interval from it.
-  int64_t load_cache_ms = 100;
-  int max_queue = 64;                  // queued requests at most
-  int max_running_per_attention = 32;  // running sequences per attention worker
-  int top_k = 2048;                    // K of every sequence unless overridden
-  double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
-  double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)
-  bool all_keep = false;               // SPIN off
-  double acceptance_rate = 0.7;        // of the seeded acceptance model, [0, 1] (pattern model)
-  /// N-gram lengths of a real model's prompt-lookup drafts (ngram_drafter.h).
-  NgramDraftOptions ngram;
-  uint64_t seed = 0;            // acceptance draws (mixed with the request id) and SPIN
-  bool retain_finished = true;  // keep finished sequences as prefix donors
-  /// Indexer worker i is co-located in attention worker i (dsa-attention --transport inprocess,
-  /// usually the same address): sequences on indexer i run on attention worker i.
-  bool colocated = false;
-  int64_t rpc_timeout_ms = 30000;  // deadline of DecodeStep, Commit, Release and GetLoad calls
-  /// Events a request's stream may have waiting for its reader (backpressure; >= 2).
-  int max_pending_events = 16;
-  /// A request whose reader has left its event queue full this long is ended (CANCELLED, the
-  /// message says why) and its sequence released, so a client that stops reading cannot hold a
-  /// running slot, KV and index-key blocks forever; a stream whose Write has been blocked this
-  /// long (the client's window full, also after its request finished) is cancelled, so it cannot
-  /// hold a handler thread either. 0 = never.
-  int64_t stall_timeout_ms = 60000;
-  /// Times a running request may move off a failed worker (Migrate) before its failure ends it;
-  /// 0 = a worker's failure ends its requests.
-  int max_migrations = 3;
-  /// A DecodeStep, the Commits of a step and a Prefill in flight to an attention worker are
-  /// cancelled (and their sequences migrate) once this many consecutive checks of that worker
-  /// (RefreshWorkers), one at least made while the call ran, could not reach it (GetInfo
-  /// UNAVAILABLE, or no answer within worker_check_timeout_ms): a hung (SIGSTOP) or partitioned
-  /// process is left after about this x (interval + check timeout), not after rpc_timeout_ms
-  /// (a Prefill has no deadline at all). Releases are not sent to a worker (of either kind) in
-  /// that state; they wait for it to answer. A worker that answers its checks within their
-  /// timeout, however busy or draining, is never cut off. 0 = never (calls wait for their
-  /// deadlines).
-  int hung_worker_checks = 2;
-  /// false: no decode loop, watch or stall-watch thread; the caller drives the engine with
-  /// StepWorker, RefreshWorkers and CheckStalledWrites (the deterministic tests).
-  bool run_loops = true;
-};
+class DecodeLoops;
+struct EngineCore;
+class WorkerClientFactory;
+class RequestLifecycle;
+class WorkerPool;
 
-/// The model the attention workers run (their GetInfo), as the coordinator serves it.
-struct ServedModel {
-  std::string name;           // "pattern", or the real model's name
-  int32_t vocab_size = 0;     // token ids are in [0, vocab_size); 0: the pattern model
-  int32_t eos_token_id = -1;  // -1: none (always, for the pattern model)
-  int64_t max_context = 0;    // the most tokens a sequence may hold; 0: no limit
-  /// A real model: token ids in, token ids out.
-  bool real() const { return vocab_size > 0; }
-  bool operator==(const ServedModel& other) const {
-    return name == other.name && vocab_size == other.vocab_size &&
-           eos_token_id == other.eos_token_id && max_context == other.max_context;
-  }
-  bool operator!=(const ServedModel& other) const { return !(*this == other); }
-  /// "smollm2-135m (vocab 49152, eos 2, max_context 8192)", for messages.
-  std::string ToString() const;
-};
-
-/// The model of an attention worker's GetInfo (an empty name with vocab_size 0 is "pattern";
-/// the pattern model has no end-of-sequence token), or why the coordinator cannot serve it
-/// (INVALID_ARGUMENT: a negative vocab_size or max_context, an eos_token_id outside the
-/// vocabulary).
-absl::StatusOr<ServedModel> ModelOfAttentionWorker(const dsa::attention::v1::GetInfoResponse& info);
-
-/// Most stop_token_ids a request may carry.
-inline constexpr int kMaxStopTokenIds = 256;
-
-/// INVALID_ARGUMENT with a precise message when `request` breaks the contract of
-/// coordinator.proto whatever the model: request_id 1..128 bytes; a context (context_length >= 1,
-/// or context_tokens with >= 1 token, each id >= 0); prefix ids only with context_length, at most
-/// ceil(context / 512); max_new_tokens >= 1; draft_length 0..kMaxDraftLength; overrides in range
-/// (rho, gamma in [0, 1), top_k in [1, kMaxTopK], acceptance_rate in [0, 1]); sampling in range
-/// (temperature 0 or in (0, 100], top_p in [0, 1], not NaN); at most kMaxStopTokenIds stop ids,
-/// each >= 0; session_id at most 128 bytes; context + max_new_tokens + draft below 2^31 slots.
-/// Messages name the field, and for a list the index and the value.
-absl::Status ValidateGenerateRequest(const dsa::coordinator::v1::GenerateRequest& request);
-
-/// The checks that need the model (after ValidateGenerateRequest): a real model needs
-/// context_tokens (INVALID_ARGUMENT naming the model), every context and stop token id below its
-/// vocab_size (INVALID_ARGUMENT naming the index and the value), and context + max_new_tokens at
-/// most its max_context (RESOURCE_EXHAUSTED with the numbers; a model limit, DESIGN.md 5's "too
-/// long a context"). The pattern model ignores sampling, stop_token_ids and ignore_eos.
-absl::Status ValidateGenerateRequestForModel(const dsa::coordinator::v1::GenerateRequest& request,
-                                             const ServedModel& model);
-
-/// The client's side of one Generate call, as its transport gives it to the engine (the gRPC
-/// adapter wraps the ServerWriter and ServerContext; the tests give a recorder).
-class GenerateStream {
- public:
-  virtual ~GenerateStream() = default;
-  /// Sends one event, blocking while the client's flow control is full; false when the call is
-  /// gone (the client left, or the call was cancelled).
-  virtual bool Write(const dsa::coordinator::v1::GenerateEvent& event) = 0;
-  /// Whether the call was cancelled (the client cancelled, its deadline passed, the server is
-  /// shutting down, or TryCancel).
-  virtual bool IsCancelled() = 0;
-  /// Cancels the call from another thread: a Write in progress returns false.
-  virtual void TryCancel() = 0;
-};
-
-/// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, over injected
-/// worker clients (worker_clients.h) and an injected clock. Thread-safe; each Generate runs on
-/// its caller's thread.
+/// The coordinator's engine: dsa.coordinator.v1.CoordinatorService without gRPC, in plain structs
+/// (generate.h), over injected worker clients (worker_clients.h) and an injected clock.
+/// Thread-safe; each Generate runs on its caller's thread.
+///
+/// Parts, each over the ones before it, all under one lock (EngineCore, engine_core.h):
+/// WorkerPool (worker_pool.h: discovery, checks, readiness, shape and model, the indexers' loads;
+/// it knows no requests), DecodeLoops (decode_loops.h: one decode loop per attention worker) and
+/// RequestLifecycle (request_lifecycle.h: admission, placement, prefill, events, Abort, stalls,
+/// drain and migration, with SequenceReleases, releases.h). The engine makes them, wires the
+/// hooks through which a lower part calls up, and answers GetLoad from all three.
 ///
 /// Workers: RefreshWorkers (at Create, then every worker_check_interval_ms on the watch thread)
 /// takes in every fixed or resolved address that answers its first check (GetInfo of an attention
@@ -170,8 +51,9 @@ class GenerateStream {
 /// every known worker ready or not: ready while it is still listed and its grpc.health.v1
 /// "readiness" is SERVING (a server without the health service: while its GetInfo / GetLoad
 /// answers). New sequences go only to ready workers; what a worker that is not ready holds stays
-/// there (issue 13 moves it). The coordinator is ready (SetReadinessListener) while at least one
-/// worker of each kind is; Generate answers UNAVAILABLE while it is not.
+/// there (its requests move only when a call to it fails). The coordinator is ready
+/// (SetReadinessListener) while at least one worker of each kind is; Generate answers UNAVAILABLE
+/// while it is not.
 ///
 /// Generate: after validation and admission, the handler thread itself runs the request's
 /// evictions and its Prefill (so prefills never stall a decode loop), writes Admitted, then hands
@@ -180,7 +62,7 @@ class GenerateStream {
 /// The pattern model (ServedModel::real false): rows = min(d + 1, tokens left); the accepted count
 /// a of a speculative step is drawn from AcceptanceModel (seed mixed with the request id, step =
 /// the request's verification count), Commit(a), and a Tokens event with count = a + 1; at
-/// max_new_tokens it queues Finished (FINISH_REASON_LENGTH).
+/// max_new_tokens it queues Finished (FinishReason::kLength).
 /// A real model: the prefill's next_token is the first generated token (its own Tokens event:
 /// the time to first token). A step's rows are 1 + the drafts ProposeNgramDraft finds in the
 /// sequence's tokens (at most d, and at most tokens left - 1), with tokens = [the last token,
@@ -251,7 +133,7 @@ class CoordinatorEngine {
   void RefreshWorkers();
 
   /// Calls of RefreshWorkers waiting for the one in progress (tests).
-  int RefreshesWaiting() const { return refreshes_waiting_.load(); }
+  int RefreshesWaiting() const;
 
   /// `listener` is called now with whether the coordinator is ready, then on every change (from
   /// the thread that runs RefreshWorkers). Replaces any earlier listener.
@@ -279,9 +161,8 @@ class CoordinatorEngine {
   /// queued or running); UNAVAILABLE
   /// (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream cancelled, a
   /// stalled reader); any other status a worker returned for this request.
-  absl::Status Generate(const dsa::coordinator::v1::GenerateRequest& request,
-                        const std::string& caller, absl::string_view traceparent,
-                        GenerateStream& stream);
+  absl::Status Generate(const GenerateSpec& request, const std::string& caller,
+                        absl::string_view traceparent, GenerateStream& stream);
 
   /// Ends a request in flight (queued: at once; running: at its decode loop's next iteration) with
   /// CANCELLED. NOT_FOUND if `caller` has no request with that id in flight (another caller's
@@ -293,7 +174,7 @@ class CoordinatorEngine {
   /// from its GetLoad (asked at once, each bounded by worker_check_timeout_ms; a worker that does
   /// not answer reports the coordinator's reservations). The indexers' answers are reused for
   /// load_cache_ms of the clock; concurrent calls wait for one round of asks and share it.
-  dsa::coordinator::v1::GetLoadResponse GetLoad();
+  CoordinatorLoad GetLoad();
 
   /// Begins a drain: new Generate calls get UNAVAILABLE, queued requests end with UNAVAILABLE,
   /// running ones go on.
@@ -320,321 +201,17 @@ class CoordinatorEngine {
   void CheckStalledWrites();
 
  private:
-  // kMigrating: off its failed workers, waiting for its handler to place it again.
-  enum class Phase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
-
-  // One Generate call in flight.
-  struct Request {
-    std::string id;
-    std::string caller;  // CallerIdentity of the Generate call: it scopes the id (by_id_)
-    TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
-    uint64_t ticket = 0;
-    dsa::coordinator::v1::GenerateRequest proto;
-    SequenceDemand demand;
-    absl::Time arrival;
-    // Guarded by the engine's mu_.
-    Phase phase = Phase::kQueued;
-    std::optional<Admission> admission;
-    bool cancel_requested = false;
-    std::string cancel_reason = "aborted";  // the CANCELLED status's message
-    // The Generate call's stream while Generate runs (TryCancel unblocks a Write that a stalled
-    // reader holds); null once it returns.
-    GenerateStream* stream = nullptr;
-    std::optional<absl::Time> stalled_since;        // event queue full since
-    std::optional<absl::Time> write_blocked_since;  // a Write in progress since
-    std::deque<dsa::coordinator::v1::GenerateEvent> events;
-    std::optional<absl::Status> final_status;
-    absl::CondVar changed;        // admission, an event, the final status
-    int migrations = 0;           // guarded by mu_; moves off a failed worker so far
-    absl::Status migrate_reason;  // guarded by mu_; the failure that made it kMigrating
-    // A real model (ServedModel::real when validated): vocabulary, end-of-sequence token and stop
-    // ids for the checks of its tokens. Set before admission, then read-only.
-    bool real = false;
-    int32_t vocab_size = 0;
-    int32_t eos_token_id = -1;  // -1: none, or ignore_eos
-    std::vector<int32_t> stop_token_ids;
-    // Owned by the handler until the request decodes, then by the decode loop (a migration hands
-    // it back through mu_). A real model: the sequence's tokens (context, then every generated
-    // token); drafts of the step in flight.
-    std::vector<int32_t> tokens;
-    std::vector<int32_t> drafts;
-    int64_t generated = 0;
-    int64_t generated_when_placed = 0;  // `generated` at the current placement's prefill
-    uint64_t verification_steps = 0;
-    std::optional<AcceptanceModel> acceptance;
-    int first_count = 0;
-    absl::Time first_token_time;
-    absl::Time last_step_time;
-  };
-
-  // One attention worker: its client and decode loop.
-  struct AttentionWorker {
-    std::string address;
-    std::shared_ptr<AttentionWorkerClient> client;
-    std::vector<std::shared_ptr<Request>> decoding;  // guarded by mu_
-    absl::CondVar wake;                              // new work, room in an event queue, stop
-    bool ready = true;                               // guarded by mu_
-    bool retired = false;                            // guarded by mu_; restarted or gone
-    // Consecutive checks that did not reach it (UNAVAILABLE, DEADLINE_EXCEEDED); read unlocked
-    // by the calls in flight to it.
-    std::atomic<int> unreached_checks{0};
-    std::string instance_id;  // GetInfo's, when taken in
-    ServedModel model;        // GetInfo's, when taken in
-    int num_full_layers = 0;
-    int64_t num_heads = 0;
-    int64_t head_dim = 0;
-    std::thread loop;
-  };
-  struct IndexerWorker {
-    std::string address;
-    std::shared_ptr<IndexerWorkerClient> client;
-    bool ready = true;     // guarded by mu_
-    bool retired = false;  // guarded by mu_; restarted or gone
-    // Consecutive checks that did not reach it (as AttentionWorker's).
-    std::atomic<int> unreached_checks{0};
-    std::string instance_id;  // GetLoad's, when taken in
-    int64_t num_heads = 0;
-    int64_t head_dim = 0;
-  };
-  // What one check of a worker saw (RefreshWorkers).
-  struct Probe {
-    std::string address;
-    std::shared_ptr<AttentionWorkerClient> attention_client;  // the kind checked
-    std::shared_ptr<IndexerWorkerClient> indexer_client;
-    absl::Status status;  // of GetInfo / GetLoad
-    dsa::attention::v1::GetInfoResponse info;
-    dsa::indexer::v1::GetLoadResponse load;
-    bool healthy = false;  // readiness SERVING, or no health service and the call above OK
-    std::string reason;    // why not healthy
-  };
-
-  /// Worker slots of each kind: clients and decode loops live in fixed slots so that threads may
-  /// read a slot below the published count without a lock; a worker that leaves keeps its slot.
-  static constexpr int kMaxWorkersPerKind = 1024;
-
   CoordinatorEngine(const CoordinatorOptions& options, CoordinatorMetrics* metrics,
                     std::shared_ptr<WorkerClientFactory> workers, const Clock& clock,
                     AddressResolver resolve, Scheduler scheduler);
 
-  // The addresses of a kind: fixed ones, then each name's resolution (the last good answer when
-  // it fails now). Called with refresh_mu_ held.
-  std::vector<std::string> WantedAddresses(const std::vector<std::string>& fixed,
-                                           const std::vector<std::string>& names)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
-  // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness,
-  // through the client of a known worker, else a new one from the factory.
-  Probe ProbeWorker(const std::string& address, bool attention,
-                    std::shared_ptr<AttentionWorkerClient> attention_client,
-                    std::shared_ptr<IndexerWorkerClient> indexer_client) const;
-  // Whether `probe`'s worker fits the shape of the workers ready now (an empty string) or why
-  // not; with none ready any shape fits (the full layers change only while nothing is held).
-  std::string CheckShapeLocked(const Probe& probe, bool attention)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Retires a known worker's slot (a restart): not ready for good, its address free for the new
-  // instance; co-located, the pair goes together. The releases of the retained sequences the
-  // scheduler forgot are added to `evictions`, for the caller to carry out unlocked.
-  void RetireLocked(int slot, bool attention, std::vector<Eviction>* evictions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Logs `message` for `key` unless the last message logged for it was the same.
-  void LogOnce(const std::string& key, const char* level, const char* message,
-               nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
-  // The watch thread's body.
-  void WatchWorkers();
-  // The stall watch's body: CheckStalledWrites a quarter of the stall timeout apart.
-  void WatchStalledWrites();
-  // Readiness: a ready worker of each kind.
-  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // The decode loop of attention worker `worker`.
-  void DecodeLoop(int worker);
-  // What one decode-loop iteration works on: the sequences to step (rows each) and to end.
-  struct Iteration {
-    std::vector<std::shared_ptr<Request>> batch;
-    std::vector<int> rows;
-    std::vector<std::shared_ptr<Request>> cancelled;
-    bool stalled = false;  // a sequence waits for its reader (look again when time has passed)
-  };
-  // Collects worker `worker`'s iteration, ending the requests whose readers have stalled past
-  // the stall timeout (by the clock).
-  Iteration CollectLocked(int worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs a collected iteration: ends the cancelled, steps the batch (retries, migrations).
-  void RunIteration(int worker, const Iteration& iteration);
-  // Whether the last hung_worker_checks (> 0) checks of a worker whose counter is
-  // `unreached_checks` could not reach it: Releases are not sent to it, and a migration off it
-  // does not check it again.
-  bool KnownUnreachable(const std::atomic<int>& unreached_checks) const;
-  // The status for a request of a `call` ("step", "commit", "prefill") to `w` that ended with
-  // `status`: UNAVAILABLE naming the lost checks when the call was `cut` (HungCut) and ended
-  // CANCELLED (`*hung` set), else WorkerStatus's (`*hung` set for DEADLINE_EXCEEDED). `hung` may
-  // be null.
-  absl::Status CallStatus(const AttentionWorker& w, const absl::Status& status, const char* call,
-                          bool cut, bool* hung) const;
-  // One DecodeStep over `batch` (rows per request); the results per request, or the step's status.
-  struct StepOutcome {
-    absl::Status status;
-    // The worker hung: the step ran into its deadline, or was cancelled because the worker's
-    // checks stopped reaching it (hung_worker_checks). Its batch is not retried one by one.
-    bool hung = false;
-    dsa::attention::v1::DecodeStepResponse response;
-    double seconds = 0;
-  };
-  StepOutcome RunStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                      const std::vector<int>& rows);
-  // Applies a successful step to its batch: draws the accepted counts of speculative sequences
-  // and commits them concurrently, then advances each sequence (a failed Commit ends its request).
-  void ApplyStep(int worker, const std::vector<std::shared_ptr<Request>>& batch,
-                 const std::vector<int>& rows, const StepOutcome& outcome);
-  // What one decode step (or a real model's prefill) produced for a sequence.
-  struct Produced {
-    int64_t first_position = 0;      // of the first token
-    int count = 0;                   // tokens emitted
-    int drafted = 0;                 // rows - 1
-    int accepted = 0;                // drafts kept (pattern) / confirmed by the model (real)
-    std::vector<int32_t> token_ids;  // a real model's `count` ids
-    // Set when these tokens end the request: max_new_tokens reached, or a real model's
-    // end-of-sequence or stop token (`stop_token`).
-    dsa::coordinator::v1::FinishReason finish = dsa::coordinator::v1::FINISH_REASON_UNSPECIFIED;
-    std::optional<int32_t> stop_token;
-    double seconds = 0;  // the step's (or the prefill's)
-  };
-  // A real model's emission: `candidates` (accepted drafts, then the model's token) cut after
-  // the first end-of-sequence or stop token and at the request's max_new_tokens. Decode-loop (or
-  // the handler's, before decoding) data of `request` only.
-  Produced CutEmission(const Request& request, const std::vector<int32_t>& candidates) const;
-  // A real model's first token from its prefill (PrefillResponse.next_token), or INTERNAL when
-  // the worker answered none or one outside the vocabulary.
-  absl::StatusOr<Produced> FirstToken(const Request& request,
-                                      const dsa::attention::v1::PrefillResponse& prefilled) const;
-  // Before a step: a real model's drafts (Request::drafts) and rows for each request of `batch`.
-  void PlanDrafts(const std::vector<std::shared_ptr<Request>>& batch, std::vector<int>* rows);
-  // Applies `produced` to its sequence: tokens, metrics, the Tokens event, and Finished when it
-  // ends the request. Returns whether it ended it (the caller ends the sequence: EndSequence).
-  bool AdvanceSequence(const std::shared_ptr<Request>& request, const Produced& produced,
-                       const dsa::attention::v1::SequenceStepResult* result,
-                       const dsa::attention::v1::DecodeStepResponse* response);
-  // Ends an admitted request: LeaveWorkers, then the stream's status (`status` unless one is
-  // already set) and queued admissions.
-  void EndSequence(const std::shared_ptr<Request>& request, const absl::Status& status,
-                   bool completed, bool worker_failed = false);
-  // Takes an admitted request off its workers: scheduler Finish, attention Release (and, after a
-  // worker's failure, the indexer's Release too, so nothing is left orphaned there), evictions.
-  // Releases a worker could not take are kept for ReleaseUnreleased.
-  void LeaveWorkers(const std::shared_ptr<Request>& request, bool completed, bool worker_failed);
-  // A request's sequence failed with `status`: migrates it (LeaveWorkers, then kMigrating for its
-  // handler) when the status is a worker's failure and it has migrations left, else EndSequence.
-  // A status while the request is kPrefilling answers its Prefill, which creates the sequence
-  // unless it continues a session's: a FAILED_PRECONDITION there is a refusal, not a failure.
-  void FailSequence(const std::shared_ptr<Request>& request, const absl::Status& status);
-  // The handler's side of a migration: checks the workers, then places the request again (ahead
-  // of the queue) with its context plus its generated tokens. Not OK: the status to end with.
-  absl::Status PlaceAgain(const std::shared_ptr<Request>& request);
-  // Retries the releases that failed because a worker was unreachable, on workers that are ready
-  // now; forgets those of retired workers (a restarted process holds nothing).
-  void ReleaseUnreleased();
-  // Sets the stream's status and counts the outcome (first call wins).
-  void SetFinalLocked(Request& request, const absl::Status& status)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks a request cancelled; a queued one ends at once.
-  void AbortLocked(Request& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Hands admissions to their waiting handlers.
-  void DeliverAdmissionsLocked(std::vector<Admission> admissions)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased.
-  struct Unreleased {
-    bool attention = false;  // an attention worker's Release, else an indexer worker's
-    int slot = 0;
-    uint64_t sequence_id = 0;
-    bool keep_indexer_sequence = false;  // the attention Release's flag (a retained donor)
-    // Counted in undelivered_ (the scheduler waits for it). Not for an evicted sequence (the
-    // scheduler forgot it) nor once its worker restarted (its space was freed then).
-    bool counted = true;
-  };
-  // Drops evicted sequences on their workers; a Release that did not reach its worker is retried
-  // by ReleaseUnreleased (not counted: the scheduler forgot the sequence already).
-  void CarryOutEvictions(const std::vector<Eviction>& evictions);
-  // Releases `sequence_id` on attention worker `attention` (skipped when it is -1) with its flag
-  // `keep_indexer_sequence`, and, unless that flag is set, directly on indexer worker `indexer`
-  // when `indexer_too` or the attention Release failed: an attention worker that could not reach
-  // the indexer drops its KV and answers the indexer's error, so a retry of its Release would
-  // find nothing (the direct one answers NOT_FOUND when the attention worker's already did).
-  // Each Release within `timeout`, carrying a child of `trace` (may be null). Returns the
-  // Releases that did not reach their worker (UNAVAILABLE, DEADLINE_EXCEEDED), counted; a
-  // worker's NOT_FOUND (it lost the sequence) counts as delivered.
-  std::vector<Unreleased> ReleaseSequence(int attention, int indexer, uint64_t sequence_id,
-                                          bool keep_indexer_sequence, bool indexer_too,
-                                          absl::Duration timeout, const TraceContext* trace);
-  // One Release of `sequence_id` on attention (`attention`) or indexer worker `slot`, within
-  // `timeout`, carrying a child of `trace` (may be null); the worker's status.
-  absl::Status ReleaseOnWorker(bool attention, int slot, uint64_t sequence_id,
-                               bool keep_indexer_sequence, absl::Duration timeout,
-                               const TraceContext* trace);
-  // Prefill of an admitted request on its attention worker, cancelled when its stream is (the
-  // client left) or the request is aborted; `*cancelled` says whether that happened, so that the
-  // CANCELLED it brings back is not read as the worker's failure. Cut short too when the
-  // worker's checks stop reaching it (HungCut; then UNAVAILABLE, CallStatus).
-  absl::Status Prefill(GenerateStream& stream, const Request& request, const Admission& admission,
-                       dsa::attention::v1::PrefillResponse* response, bool* cancelled);
-  absl::Duration RpcTimeout() const;
-
-  const CoordinatorOptions options_;
-  CoordinatorMetrics* const metrics_;  // not owned
-  const std::shared_ptr<WorkerClientFactory> workers_;
-  const Clock& clock_;
-  const AddressResolver resolve_;
-  // kMaxWorkersPerKind slots each; [0, num_attention_) / [0, num_indexers_) are set, and a set
-  // slot never changes (its ready flag aside).
-  std::vector<std::unique_ptr<AttentionWorker>> attention_;
-  std::vector<std::unique_ptr<IndexerWorker>> indexers_;
-
-  absl::Mutex refresh_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes RefreshWorkers
-  std::atomic<uint64_t> sampling_seeds_drawn_{0};     // seeds picked for requests without one
-  std::atomic<uint64_t> refreshes_begun_{0};          // RefreshWorkers that did their checks
-  std::atomic<int> refreshes_waiting_{0};             // for refresh_mu_
-  // The indexers' last GetLoad answers (GetLoad), by slot, and when they were asked for. Held
-  // across a round of asks, so that concurrent GetLoads share one round.
-  struct IndexerLoads {
-    absl::Time asked = absl::InfinitePast();
-    std::vector<bool> ready;  // the slots' readiness when asked
-    std::vector<dsa::indexer::v1::GetLoadResponse> loads;
-    std::vector<absl::Status> statuses;
-  };
-  absl::Mutex load_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  IndexerLoads indexer_loads_ ABSL_GUARDED_BY(load_mu_);
-  absl::flat_hash_map<std::string, std::vector<std::string>> dns_answers_
-      ABSL_GUARDED_BY(refresh_mu_);  // name -> last good answer
-  // key -> the last message logged for it (LogOnce)
-  absl::flat_hash_map<std::string, std::string> logged_ ABSL_GUARDED_BY(refresh_mu_);
-  std::function<void(bool)> readiness_listener_ ABSL_GUARDED_BY(refresh_mu_);
-  std::optional<bool> told_ready_ ABSL_GUARDED_BY(refresh_mu_);
-  std::thread watch_;
-  std::thread stall_watch_;  // WatchStalledWrites, when stall_timeout_ms > 0
-
-  mutable absl::Mutex mu_;
-  int num_attention_ ABSL_GUARDED_BY(mu_) = 0;
-  int num_indexers_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<std::string, int> attention_by_address_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int> indexer_by_address_ ABSL_GUARDED_BY(mu_);
-  int num_full_layers_ ABSL_GUARDED_BY(mu_) = 0;  // the scheduler's, once an attention worker came
-  std::optional<ServedModel> model_ ABSL_GUARDED_BY(mu_);  // once an attention worker came
-  absl::CondVar watch_wake_;                               // stop
-  absl::CondVar decoding_changed_;  // a sequence started decoding (AwaitDecoding)
-  Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
-  // (caller, request id) -> the request in flight: request ids are scoped per caller.
-  absl::flat_hash_map<std::pair<std::string, std::string>, std::shared_ptr<Request>> by_id_
-      ABSL_GUARDED_BY(mu_);
-  // A Release a worker did not take (it was unreachable): retried by ReleaseUnreleased. The
-  // scheduler keeps the sequence's reservations (no ReleaseDone) until every Release of it was
-  // delivered or its worker retired, so nothing is placed into space a worker still holds. A
-  // restarted worker's Releases go on to its new process, which may hold what was placed there
-  // before the restart was seen.
-  std::vector<Unreleased> unreleased_ ABSL_GUARDED_BY(mu_);
-  // Sequence -> its Unreleased entries left; ReleaseDone when the last one is delivered.
-  absl::flat_hash_map<uint64_t, int> undelivered_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Request>> by_ticket_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The parts, each over the ones before it; they share the core's lock.
+  const std::unique_ptr<EngineCore> core_;
+  const std::unique_ptr<WorkerPool> pool_;
+  const std::unique_ptr<DecodeLoops> decode_;
+  const std::unique_ptr<RequestLifecycle> lifecycle_;
+  std::thread watch_;        // WorkerPool::WatchWorkers
+  std::thread stall_watch_;  // RequestLifecycle::WatchStalledWrites, when stall_timeout_ms > 0
   std::atomic<bool> stopped_{false};
 };
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "common/trace_context.h"
+#include "contracts/grpc_status.h"
 #include "coordinator/worker_clients.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
@@ -24,10 +25,6 @@ namespace iv1 = ::dsa::indexer::v1;
 
 // How often a call with a cancellation predicate looks at it.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(20);
-
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
 
 void Prepare(const WorkerCall& call, grpc::ClientContext& context) {
   if (call.timeout != absl::InfiniteDuration()) {
@@ -67,7 +64,7 @@ absl::Status Unary(const WorkerCall& call, Start start) {
     done.Notify();
   });
   AwaitCancellable(done, call.cancelled, [&context] { context.TryCancel(); });
-  return FromGrpc(status);
+  return FromGrpcStatus(status);
 }
 
 WorkerReadiness Readiness(grpc::Channel& channel, absl::Duration timeout) {
@@ -84,9 +81,9 @@ WorkerReadiness Readiness(grpc::Channel& channel, absl::Duration timeout) {
                      : absl::StrCat("its health check failed: ", health.call.error_message())};
 }
 
-class GrpcAttentionClient final : public AttentionWorkerClient {
+class GrpcAttentionWorkerClient final : public AttentionWorkerClient {
  public:
-  explicit GrpcAttentionClient(std::shared_ptr<grpc::Channel> channel)
+  explicit GrpcAttentionWorkerClient(std::shared_ptr<grpc::Channel> channel)
       : channel_(std::move(channel)), stub_(av1::AttentionService::NewStub(channel_)) {}
 
   WorkerReadiness CheckReadiness(absl::Duration timeout) override {
@@ -132,7 +129,7 @@ class GrpcAttentionClient final : public AttentionWorkerClient {
     });
     std::vector<absl::Status> out;
     out.reserve(n);
-    for (const grpc::Status& status : statuses) out.push_back(FromGrpc(status));
+    for (const grpc::Status& status : statuses) out.push_back(FromGrpcStatus(status));
     return out;
   }
   absl::Status Release(const WorkerCall& call, const av1::ReleaseRequest& request) override {
@@ -147,9 +144,9 @@ class GrpcAttentionClient final : public AttentionWorkerClient {
   std::unique_ptr<av1::AttentionService::Stub> stub_;
 };
 
-class GrpcIndexerClient final : public IndexerWorkerClient {
+class GrpcIndexerWorkerClient final : public IndexerWorkerClient {
  public:
-  explicit GrpcIndexerClient(std::shared_ptr<grpc::Channel> channel)
+  explicit GrpcIndexerWorkerClient(std::shared_ptr<grpc::Channel> channel)
       : channel_(std::move(channel)), stub_(iv1::IndexerService::NewStub(channel_)) {}
 
   WorkerReadiness CheckReadiness(absl::Duration timeout) override {
@@ -179,10 +176,10 @@ class GrpcFactory final : public WorkerClientFactory {
       : security_(std::move(security)), max_backoff_ms_(max_backoff_ms) {}
 
   std::shared_ptr<AttentionWorkerClient> Attention(const std::string& address) override {
-    return std::make_shared<GrpcAttentionClient>(Channel(address));
+    return std::make_shared<GrpcAttentionWorkerClient>(Channel(address));
   }
   std::shared_ptr<IndexerWorkerClient> Indexer(const std::string& address) override {
-    return std::make_shared<GrpcIndexerClient>(Channel(address));
+    return std::make_shared<GrpcIndexerWorkerClient>(Channel(address));
   }
 
  private:

@@ -223,8 +223,7 @@ int Scheduler::ReadyAttentions() const {
 }
 
 int64_t Scheduler::BlocksPerLayer(const SequenceDemand& demand) const {
-  return CeilDiv(demand.context_length + demand.max_new_tokens + demand.draft_length,
-                 kSlotsPerCacheBlock);
+  return CeilDiv(demand.context_length + demand.max_new_tokens + demand.draft_length, kBlockSize);
 }
 
 int64_t Scheduler::BlocksNeeded(const SequenceDemand& demand) const {
@@ -546,7 +545,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
 
   for (const Candidate& c : candidates) {
     if (!indexers_[c.indexer].ready) continue;
-    const int64_t shared_blocks = c.shared_slots / kSlotsPerCacheBlock;
+    const int64_t shared_blocks = c.shared_slots / kBlockSize;
     for (int j : attention_order) {
       if (options_.colocated && j != c.indexer) continue;  // its indexer lives in worker j
       if (!attentions_[j].ready) continue;
@@ -568,7 +567,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
       s.state = State::kPrefilling;
       s.draft_length = demand.draft_length;
       const int64_t whole = std::min<int64_t>(static_cast<int64_t>(demand.prefix_block_ids.size()),
-                                              demand.context_length / kSlotsPerPrefixBlock);
+                                              demand.context_length / kPrefixBlockTokens);
       s.whole_prefix_ids.assign(demand.prefix_block_ids.begin(),
                                 demand.prefix_block_ids.begin() + whole);
       s.length = 0;

@@ -16,21 +16,17 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "contracts/layout.h"
 
 namespace dsa {
-
-/// Slots of one index-key-cache block (DESIGN.md 2: b = 64).
-inline constexpr int64_t kSlotsPerCacheBlock = 64;
-/// Tokens covered by one shared-prefix block id (the Mooncake trace's hash blocks).
-inline constexpr int64_t kSlotsPerPrefixBlock = 512;
 
 /// Slots a request of `context_length` tokens shares with a donor whose prompt holds its first
 /// `matching_prefix_blocks` prefix blocks whole: 512 a block, capped at the context rounded down
 /// to a 64-slot cache block (sharing is by whole cache blocks). Both >= 0.
 inline int64_t SharedPrefixSlots(int64_t matching_prefix_blocks, int64_t context_length) {
-  const int64_t whole_cache_blocks = context_length / kSlotsPerCacheBlock * kSlotsPerCacheBlock;
-  return matching_prefix_blocks * kSlotsPerPrefixBlock < whole_cache_blocks
-             ? matching_prefix_blocks * kSlotsPerPrefixBlock
+  const int64_t whole_cache_blocks = context_length / kBlockSize * kBlockSize;
+  return matching_prefix_blocks * kPrefixBlockTokens < whole_cache_blocks
+             ? matching_prefix_blocks * kPrefixBlockTokens
              : whole_cache_blocks;
 }
 

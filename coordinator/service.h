@@ -9,15 +9,31 @@
 #include "absl/status/statusor.h"
 #include "common/host_port.h"
 #include "coordinator/engine.h"
+#include "coordinator/generate.h"
 #include "coordinator/metrics.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
 namespace dsa {
 
+/// A GenerateRequest in the engine's plain form (generate.h), field for field: the context's oneof
+/// becomes whichever of context_length / context_tokens it holds (neither when unset), and the
+/// optional overrides and sampling seed keep their presence. Checks nothing
+/// (ValidateGenerateRequest does).
+GenerateSpec ToGenerateSpec(const dsa::coordinator::v1::GenerateRequest& request);
+
+/// An event of the engine's stream as the GenerateEvent message (Finished.stop_token_id set only
+/// when the event has one).
+dsa::coordinator::v1::GenerateEvent ToGenerateEventProto(const GenerateEvent& event);
+
+/// The engine's load as the GetLoadResponse message (its model set only when known).
+dsa::coordinator::v1::GetLoadResponse ToGetLoadResponse(const CoordinatorLoad& load);
+
 /// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread. Each RPC
 /// is the engine's (CoordinatorEngine, whose class comment says what it does), with the caller
-/// the call's CallerIdentity and the router's traceparent from the call's metadata.
+/// the call's CallerIdentity and the router's traceparent from the call's metadata; the messages
+/// become the engine's plain structs and back here (ToGenerateSpec, ToGenerateEventProto,
+/// ToGetLoadResponse), and nowhere else.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:
   /// CoordinatorEngine::Create over gRPC clients dialed with options.worker_security, whose

@@ -10,7 +10,7 @@
 namespace dsa {
 namespace {
 
-constexpr size_t kBlockTokens = static_cast<size_t>(kSlotsPerPrefixBlock);
+constexpr size_t kBlockTokens = static_cast<size_t>(kPrefixBlockTokens);
 
 void PutLittleEndian(uint64_t value, int bytes, unsigned char* out) {
   for (int b = 0; b < bytes; ++b) out[b] = static_cast<unsigned char>(value >> (8 * b));

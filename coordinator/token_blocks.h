@@ -9,7 +9,7 @@
 
 namespace dsa {
 
-/// One id per whole 512-token block of `tokens` (kSlotsPerPrefixBlock; a partial last block gets
+/// One id per whole 512-token block of `tokens` (kPrefixBlockTokens; a partial last block gets
 /// none), chained as vLLM's prefix caching keys its blocks: id_j = H(id_{j-1}, tokens of block
 /// j), id_{-1} = 0, where H is the first 8 bytes (little-endian) of SHA-256 over the 8-byte
 /// little-endian parent id followed by the block's 512 token ids as 4-byte little-endian

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "coordinator/engine.h"
 #include "coordinator/metrics.h"
+#include "coordinator/service.h"
 #include "dsa/coordinator/v1/coordinator.pb.h"
 #include "fuzz/call_frames.h"
 #include "prometheus/registry.h"
@@ -59,7 +60,8 @@ const std::vector<const google::protobuf::Message*>& Prototypes() {
 class CheckingStream final : public dsa::GenerateStream {
  public:
   explicit CheckingStream(int64_t context) : next_position_(context) {}
-  bool Write(const cv1::GenerateEvent& event) override {
+  bool Write(const dsa::GenerateEvent& plain) override {
+    const cv1::GenerateEvent event = dsa::ToGenerateEventProto(plain);  // as the adapter sends it
     absl::MutexLock lock(&mu_);
     if (cancelled_) return false;
     if (events_ == 0) Check(event.has_admitted());
@@ -201,10 +203,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!call->request.ParseFromString(frame.message)) break;
         call->caller = caller;
         call->stream = std::make_unique<CheckingStream>(ContextOf(call->request));
-        const bool valid = dsa::ValidateGenerateRequest(call->request).ok();
+        const bool valid = dsa::ValidateGenerateRequest(dsa::ToGenerateSpec(call->request)).ok();
         Call* c = call.get();
         c->thread = std::thread([&engine, c, caller, valid] {
-          c->status = (*engine)->Generate(c->request, caller, "", *c->stream);
+          c->status = (*engine)->Generate(dsa::ToGenerateSpec(c->request), caller, "", *c->stream);
           if (!valid) Check(c->status.code() == absl::StatusCode::kInvalidArgument);
           c->returned = true;
         });
@@ -228,7 +230,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case kGetLoad: {
-        const cv1::GetLoadResponse load = (*engine)->GetLoad();
+        const cv1::GetLoadResponse load = dsa::ToGetLoadResponse((*engine)->GetLoad());
         Check(load.queued() >= 0 && load.running() >= 0 &&
               load.cache_blocks_used() <= load.cache_blocks_capacity());
         break;
@@ -297,7 +299,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (call->status.ok()) call->stream->CheckCompleted(call->request.max_new_tokens());
   }
   (*engine)->RefreshWorkers();  // the Releases that waited for a worker to come back
-  const cv1::GetLoadResponse load = (*engine)->GetLoad();
+  const cv1::GetLoadResponse load = dsa::ToGetLoadResponse((*engine)->GetLoad());
   Check(load.queued() == 0 && load.running() == 0);
   // What the workers hold is what the coordinator retained (sessions kept for their next turn):
   // one sequence on an attention worker and one on an indexer each.

@@ -20,7 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "coordinator/engine.h"
+#include "coordinator/generate.h"
 #include "coordinator/metrics.h"
+#include "coordinator/service.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -38,18 +40,19 @@ inline constexpr char kA2[] = "10.0.0.2:7000";
 inline constexpr char kI1[] = "10.0.1.1:7100";
 inline constexpr char kI2[] = "10.0.1.2:7100";
 
-// A Generate call's client: records every event; can hold its Writes (a reader that stopped
-// reading, its flow-control window full) until the call is cancelled.
+// A Generate call's client: records every event (as the gRPC adapter would send it); can hold its
+// Writes (a reader that stopped reading, its flow-control window full) until the call is
+// cancelled.
 class RecordingStream final : public GenerateStream {
  public:
-  bool Write(const cv1::GenerateEvent& event) override {
+  bool Write(const GenerateEvent& event) override {
     absl::MutexLock lock(&mu_);
     if (hold_writes_) {
       ++writes_held_;
       mu_.Await(absl::Condition(&cancelled_));
     }
     if (cancelled_) return false;
-    events_.push_back(event);
+    events_.push_back(ToGenerateEventProto(event));
     return true;
   }
   bool IsCancelled() override {
@@ -126,11 +129,11 @@ struct Call {
   std::vector<cv1::GenerateEvent> events_;
 };
 
-inline cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t new_tokens) {
-  cv1::GenerateRequest request;
-  request.set_request_id(id);
-  request.set_context_length(context);
-  request.set_max_new_tokens(new_tokens);
+inline GenerateSpec Request(const std::string& id, int64_t context, int64_t new_tokens) {
+  GenerateSpec request;
+  request.request_id = id;
+  request.context_length = context;
+  request.max_new_tokens = new_tokens;
   return request;
 }
 
@@ -180,7 +183,7 @@ class EngineTest : public ::testing::Test {
   // Starts a Generate on its own thread; the fixture owns the call. With `hold_writes` every
   // Write blocks from the first (Admitted) on: set before the thread starts, so that the
   // handler cannot write Admitted before the hold is in place.
-  Call* Generate(const cv1::GenerateRequest& request, const std::string& caller = "router",
+  Call* Generate(const GenerateSpec& request, const std::string& caller = "router",
                  bool hold_writes = false) {
     calls_.push_back(std::make_unique<Call>());
     Call* call = calls_.back().get();
@@ -204,7 +207,7 @@ class EngineTest : public ::testing::Test {
 
   // Starts `request`, steps the decode loop of `address` until it has finished, and checks that
   // it completed (wrap in ASSERT_NO_FATAL_FAILURE).
-  void RunToCompletion(const cv1::GenerateRequest& request, const std::string& address,
+  void RunToCompletion(const GenerateSpec& request, const std::string& address,
                        const std::string& caller = "router") {
     Call* call = Generate(request, caller);
     ASSERT_TRUE(engine_->AwaitDecoding(address, 1, kSafetyNet));
@@ -221,6 +224,9 @@ class EngineTest : public ::testing::Test {
     EXPECT_EQ(fakes_->Sequences(stalled), 0);
     EXPECT_EQ(fakes_->Sequences(kI1), 0);
   }
+
+  // The engine's GetLoad as the gRPC adapter answers it.
+  cv1::GetLoadResponse GetLoad() { return ToGetLoadResponse(engine_->GetLoad()); }
 
   int64_t Metric(const std::string& line_prefix) {
     const std::string text = prometheus::TextSerializer().Serialize(registry_.Collect());

@@ -228,8 +228,8 @@ TEST_F(EngineTest, ACommitHeldOpenByAWorkerThatHungAfterItsStepIsCancelledAtItsC
   Start({kA1, kA2}, {kI1});
   fakes_->SetNotReady(kA2, true);
   engine_->RefreshWorkers();
-  cv1::GenerateRequest speculative = Request("r1", 40, 6);
-  speculative.set_draft_length(2);
+  GenerateSpec speculative = Request("r1", 40, 6);
+  speculative.draft_length = 2;
   auto r1 = Generate(speculative);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   fakes_->SetNotReady(kA2, false);
@@ -325,8 +325,8 @@ TEST_F(EngineTest, AMissTargetTheIndexerRefusesEndsItsRequestAtOnceWithoutMigrat
   ASSERT_TRUE(r1->stream.AwaitEvents(2));
   const int checks_before = fakes_->GetLoads(kI1);
 
-  cv1::GenerateRequest refused = Request("r2", 64, 4);
-  refused.mutable_overrides()->set_miss_target(0.05);
+  GenerateSpec refused = Request("r2", 64, 4);
+  refused.overrides.miss_target = 0.05;
   auto r2 = Generate(refused);
   r2->Join();
   EXPECT_EQ(r2->status.code(), absl::StatusCode::kFailedPrecondition) << r2->status;
@@ -414,7 +414,7 @@ TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) 
   EXPECT_EQ(call->finished()->migrations(), 1);
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
   EXPECT_EQ(fakes_->Sequences(kI1), 0);
-  cv1::GetLoadResponse load = engine_->GetLoad();
+  cv1::GetLoadResponse load = GetLoad();
   ASSERT_EQ(load.attention_workers_size(), 1);  // the retired slot is not reported
   EXPECT_TRUE(load.attention_workers(0).ready());
 }
@@ -424,19 +424,19 @@ TEST_F(EngineTest, ARestartedWorkerIsRetiredAndItsRequestMovesToTheNewInstance) 
 // the restarted process before the check saw the restart, its index keys there too.
 TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
   Start({kA1}, {kI1});
-  cv1::GenerateRequest turn = Request("r1", 20, 2);
-  turn.set_session_id("chat");
+  GenerateSpec turn = Request("r1", 20, 2);
+  turn.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
   fakes_->Restart(kI1);                  // the restart is not seen yet
   engine_->RefreshWorkers();             // seen: I1's slot retired, the session forgotten
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
-  EXPECT_EQ(engine_->GetLoad().retained_sequences(), 0);
+  EXPECT_EQ(GetLoad().retained_sequences(), 0);
 
   // I1 restarts again, and a session's turn runs on its new process before a check sees that.
   fakes_->Restart(kI1);
-  turn.set_request_id("r2");
-  turn.set_session_id("chat-2");
+  turn.request_id = "r2";
+  turn.session_id = "chat-2";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);
   EXPECT_EQ(fakes_->Sequences(kI1), 1);
@@ -451,19 +451,19 @@ TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
 TEST_F(EngineTest, ASessionIdFromAnotherCallerStartsItsOwnSession) {
   options_.retain_finished = true;
   Start({kA1}, {kI1});
-  cv1::GenerateRequest turn = Request("r1", 20, 2);
-  turn.set_session_id("chat");
+  GenerateSpec turn = Request("r1", 20, 2);
+  turn.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1, "alice"));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);
   // 10 tokens: shorter than alice's 22 slots, which would be INVALID_ARGUMENT for alice.
-  cv1::GenerateRequest other = Request("r2", 10, 2);
-  other.set_session_id("chat");
+  GenerateSpec other = Request("r2", 10, 2);
+  other.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(other, kA1, "mallory"));
   EXPECT_EQ(fakes_->Sequences(kA1), 2);
-  EXPECT_EQ(engine_->GetLoad().retained_sequences(), 2);
+  EXPECT_EQ(GetLoad().retained_sequences(), 2);
   // alice's next turn still continues hers: a context shorter than her 22 slots is refused.
-  cv1::GenerateRequest shorter = Request("r3", 21, 2);
-  shorter.set_session_id("chat");
+  GenerateSpec shorter = Request("r3", 21, 2);
+  shorter.session_id = "chat";
   Call* call = Generate(shorter, "alice");
   call->Join();
   EXPECT_EQ(call->status.code(), absl::StatusCode::kInvalidArgument) << call->status;
@@ -474,8 +474,8 @@ TEST_F(EngineTest, ASessionIdFromAnotherCallerStartsItsOwnSession) {
 // session's index keys on the surviving indexer are released there directly.
 TEST_F(EngineTest, ARestartedAttentionWorkersKeptSessionIsReleasedOnItsIndexer) {
   Start({kA1}, {kI1});
-  cv1::GenerateRequest turn = Request("r1", 20, 2);
-  turn.set_session_id("chat");
+  GenerateSpec turn = Request("r1", 20, 2);
+  turn.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kI1), 1);
   fakes_->Restart(kA1);
@@ -517,8 +517,8 @@ TEST_F(EngineTest, AReleaseWaitingForARestartedWorkerGoesToItsNewProcess) {
 // moment; its KV stayed there. An eviction's Release to an unreachable worker is retried now.
 TEST_F(EngineTest, AnEvictionsReleaseToAnUnreachableWorkerIsRetriedWhenItAnswers) {
   Start({kA1}, {kI1});
-  cv1::GenerateRequest turn = Request("r1", 20, 2);
-  turn.set_session_id("chat");
+  GenerateSpec turn = Request("r1", 20, 2);
+  turn.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
   EXPECT_EQ(fakes_->Sequences(kA1), 1);  // kept for the next turn
   fakes_->Restart(kI1);
@@ -584,7 +584,7 @@ TEST_F(EngineTest, ReadinessFollowsTheLastIndexerAndGenerateSaysWhyItIsRefused) 
   const absl::Status refused = engine_->Generate(Request("r1", 10, 2), "router", "", stream);
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(refused.message(), "0 of 1 indexer")) << refused;
-  cv1::GetLoadResponse load = engine_->GetLoad();
+  cv1::GetLoadResponse load = GetLoad();
   ASSERT_EQ(load.indexer_workers_size(), 1);
   EXPECT_FALSE(load.indexer_workers(0).ready());
   fakes_->SetDown(kI1, false);
@@ -630,20 +630,20 @@ TEST_F(EngineTest, GetLoadAsksEachIndexerAtMostOncePerLoadCacheInterval) {
   options_.load_cache_ms = 100;
   Start({kA1}, {kI1, kI2});
   const int asked = fakes_->GetLoads(kI1);
-  for (int i = 0; i < 50; ++i) EXPECT_EQ(engine_->GetLoad().indexer_workers_size(), 2);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(GetLoad().indexer_workers_size(), 2);
   EXPECT_EQ(fakes_->GetLoads(kI1), asked + 1);
   EXPECT_EQ(fakes_->GetLoads(kI2), asked + 1);
   clock_.Advance(absl::Milliseconds(99));
-  (void)engine_->GetLoad();
+  (void)GetLoad();
   EXPECT_EQ(fakes_->GetLoads(kI1), asked + 1);
   clock_.Advance(absl::Milliseconds(1));
-  (void)engine_->GetLoad();
+  (void)GetLoad();
   EXPECT_EQ(fakes_->GetLoads(kI1), asked + 2);
   // I2 goes down: the next GetLoad says so at once (its readiness is not cached).
   fakes_->SetDown(kI2, true);
   engine_->RefreshWorkers();
   const int after_refresh = fakes_->GetLoads(kI1);
-  const cv1::GetLoadResponse load = engine_->GetLoad();
+  const cv1::GetLoadResponse load = GetLoad();
   ASSERT_EQ(load.indexer_workers_size(), 2);
   EXPECT_FALSE(load.indexer_workers(1).ready());
   EXPECT_EQ(fakes_->GetLoads(kI1), after_refresh + 1);

@@ -23,13 +23,13 @@ using ::dsa::testing::kTinyEos;
 using ::dsa::testing::TinyModelShape;
 using Ids = std::vector<int32_t>;
 
-cv1::GenerateRequest TokensRequest(const std::string& id, const Ids& context, int64_t new_tokens,
-                                   int draft = 0) {
-  cv1::GenerateRequest request;
-  request.set_request_id(id);
-  for (int32_t token : context) request.mutable_context_tokens()->add_tokens(token);
-  request.set_max_new_tokens(new_tokens);
-  request.set_draft_length(draft);
+GenerateSpec TokensRequest(const std::string& id, const Ids& context, int64_t new_tokens,
+                           int draft = 0) {
+  GenerateSpec request;
+  request.request_id = id;
+  request.context_tokens = context;
+  request.max_new_tokens = new_tokens;
+  request.draft_length = draft;
   return request;
 }
 
@@ -174,8 +174,8 @@ TEST_F(RealModelTest, EndOfSequenceInsideAStepEndsTheRequestAndCommitsOnlyWhatWa
   EXPECT_EQ(fakes_->Sequences(kA1), 0);
 
   // ignore_eos: the same step keeps 63, 0, 1 and the model's 2, and goes on to max_new_tokens.
-  cv1::GenerateRequest ignoring = TokensRequest("r2", context, 5, /*draft=*/4);
-  ignoring.set_ignore_eos(true);
+  GenerateSpec ignoring = TokensRequest("r2", context, 5, /*draft=*/4);
+  ignoring.ignore_eos = true;
   Call* on = Generate(ignoring);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   StepUntilFinished(kA1, *on);
@@ -189,9 +189,9 @@ TEST_F(RealModelTest, EndOfSequenceInsideAStepEndsTheRequestAndCommitsOnlyWhatWa
 TEST_F(RealModelTest, AStopTokenEndsTheRequestWithItsIdAndTheRightCommit) {
   Start({kA1}, {kI1});
   // Drafts 13..16 confirmed (and 17); the stop token 15 ends it: 13, 14, 15 kept, Commit(2).
-  cv1::GenerateRequest request = TokensRequest("r1", Ramp(), 20, /*draft=*/4);
-  request.add_stop_token_ids(40);
-  request.add_stop_token_ids(15);
+  GenerateSpec request = TokensRequest("r1", Ramp(), 20, /*draft=*/4);
+  request.stop_token_ids.push_back(40);
+  request.stop_token_ids.push_back(15);
   Call* call = Generate(request);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   const uint64_t sequence_id = fakes_->Prefills(kA1).at(0).sequence_id();
@@ -208,8 +208,8 @@ TEST_F(RealModelTest, AStopTokenEndsTheRequestWithItsIdAndTheRightCommit) {
   EXPECT_EQ(TokensEvents(*call).back().accepted(), 4);  // what the model confirmed
 
   // A stop token as the prefill's token: done without a decode step.
-  cv1::GenerateRequest at_once = TokensRequest("r2", {5, 9, 20}, 20);
-  at_once.add_stop_token_ids(21);
+  GenerateSpec at_once = TokensRequest("r2", {5, 9, 20}, 20);
+  at_once.stop_token_ids.push_back(21);
   Call* quick = Generate(at_once);
   quick->Join();
   ASSERT_TRUE(quick->status.ok()) << quick->status;
@@ -270,12 +270,12 @@ TEST_F(RealModelTest, SequencesWithAndWithoutDraftsShareOneDecodeStep) {
 TEST_F(RealModelTest, SamplingReachesTheWorkerAndASeedRepeats) {
   Start({kA1}, {kI1});
   // The tiny model steps by 1 + seed mod 3 when it samples: 3 for seed 5.
-  cv1::GenerateRequest request = TokensRequest("r1", {5}, 3);
-  request.mutable_sampling()->set_temperature(0.7f);
-  request.mutable_sampling()->set_top_p(0.9f);
-  request.mutable_sampling()->set_seed(5);
+  GenerateSpec request = TokensRequest("r1", {5}, 3);
+  request.sampling.temperature = 0.7f;
+  request.sampling.top_p = 0.9f;
+  request.sampling.seed = 5;
   for (int run = 0; run < 2; ++run) {
-    request.set_request_id(absl::StrCat("r", run));
+    request.request_id = absl::StrCat("r", run);
     Call* call = Generate(request);
     ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
     StepUntilFinished(kA1, *call);
@@ -293,8 +293,8 @@ TEST_F(RealModelTest, SamplingReachesTheWorkerAndASeedRepeats) {
 // coordinator picks a seed per request, and keeps it when the request moves to another worker.
 TEST_F(RealModelTest, AnUnseededSampledRequestGetsASeedOfItsOwnThatAMigrationKeeps) {
   Start({kA1, kA2}, {kI1});
-  cv1::GenerateRequest request = TokensRequest("same-id", {5}, 4);
-  request.mutable_sampling()->set_temperature(0.7f);
+  GenerateSpec request = TokensRequest("same-id", {5}, 4);
+  request.sampling.temperature = 0.7f;
   std::vector<uint64_t> seeds;
   for (int run = 0; run < 2; ++run) {
     Call* call = Generate(request);
@@ -334,7 +334,7 @@ TEST_F(RealModelTest, AnUnseededSampledRequestGetsASeedOfItsOwnThatAMigrationKee
 TEST_F(RealModelTest, EachBadFieldIsRefusedWithAPreciseStatus) {
   Start({kA1}, {kI1});
   struct Case {
-    cv1::GenerateRequest request;
+    GenerateSpec request;
     absl::StatusCode code;
     std::string message;
   };
@@ -349,36 +349,36 @@ TEST_F(RealModelTest, EachBadFieldIsRefusedWithAPreciseStatus) {
   cases.push_back({TokensRequest("a", {1, -5}, 1), bad,
                    "context_tokens.tokens[1] = -5: token ids must be >= 0"});
   {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    r.add_stop_token_ids(3);
-    r.add_stop_token_ids(100);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    r.stop_token_ids.push_back(3);
+    r.stop_token_ids.push_back(100);
     cases.push_back({r, bad,
                      "stop_token_ids[1] = 100 is outside the vocabulary [0, 64) of model "
                      "'tiny'"});
   }
   {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    r.add_stop_token_ids(-1);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    r.stop_token_ids.push_back(-1);
     cases.push_back({r, bad, "stop_token_ids[0] = -1: token ids must be >= 0"});
   }
   {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    for (int i = 0; i <= kMaxStopTokenIds; ++i) r.add_stop_token_ids(1);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    for (int i = 0; i <= kMaxStopTokenIds; ++i) r.stop_token_ids.push_back(1);
     cases.push_back({r, bad, "stop_token_ids holds 257 ids; at most 256"});
   }
   for (float temperature : {-1.0f, 100.5f, std::numeric_limits<float>::quiet_NaN()}) {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    r.mutable_sampling()->set_temperature(temperature);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    r.sampling.temperature = temperature;
     cases.push_back({r, bad, "sampling.temperature must be 0 (greedy) or in (0, 100], got "});
   }
   for (float top_p : {-0.1f, 1.5f, std::numeric_limits<float>::quiet_NaN()}) {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    r.mutable_sampling()->set_top_p(top_p);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    r.sampling.top_p = top_p;
     cases.push_back({r, bad, "sampling.top_p must be in (0, 1] (0 means 1), got "});
   }
   {
-    cv1::GenerateRequest r = TokensRequest("a", {1}, 1);
-    r.add_prefix_block_ids(7);
+    GenerateSpec r = TokensRequest("a", {1}, 1);
+    r.prefix_block_ids.push_back(7);
     cases.push_back({r, bad,
                      "prefix_block_ids must be empty with context_tokens: the coordinator "
                      "derives the prefix block ids from the tokens"});
@@ -470,23 +470,23 @@ TEST_F(RealModelTest, AMigratedRequestIsPrefilledWithEveryTokenSoFarAndGoesOnWhe
 
 TEST_F(RealModelTest, ASessionTurnMustStartWithTheHistoryAndPrefillsOnlyWhatIsNew) {
   Start({kA1}, {kI1});
-  cv1::GenerateRequest turn1 = TokensRequest("t1", {5, 9, 20}, 3);
-  turn1.set_session_id("chat");
+  GenerateSpec turn1 = TokensRequest("t1", {5, 9, 20}, 3);
+  turn1.session_id = "chat";
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn1, kA1));  // 21, 22, 23
   const uint64_t sequence_id = fakes_->Prefills(kA1).at(0).sequence_id();
   EXPECT_EQ(fakes_->KvTokens(kA1, sequence_id), (Ids{5, 9, 20, 21, 22}));
 
   // The history is 5, 9, 20, 21, 22, 23: a turn that changes it is refused, naming where.
-  cv1::GenerateRequest wrong = TokensRequest("t2", {5, 9, 20, 21, 33, 23, 40}, 3);
-  wrong.set_session_id("chat");
+  GenerateSpec wrong = TokensRequest("t2", {5, 9, 20, 21, 33, 23, 40}, 3);
+  wrong.session_id = "chat";
   Call* refused = Generate(wrong);
   refused->Join();
   EXPECT_EQ(refused->status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(refused->status.message(),
             "session 'chat': context_tokens must start with the session's 6 tokens (previous "
             "context + generated tokens); position 4 differs: 33, the session has 22");
-  cv1::GenerateRequest shorter = TokensRequest("t2", {5, 9, 20, 21}, 3);
-  shorter.set_session_id("chat");
+  GenerateSpec shorter = TokensRequest("t2", {5, 9, 20, 21}, 3);
+  shorter.session_id = "chat";
   Call* too_short = Generate(shorter);
   too_short->Join();
   EXPECT_EQ(too_short->status.code(), absl::StatusCode::kInvalidArgument);
@@ -494,8 +494,8 @@ TEST_F(RealModelTest, ASessionTurnMustStartWithTheHistoryAndPrefillsOnlyWhatIsNe
 
   // The next turn: only the tokens from the sequence's length (5 slots) on are prefilled: the last
   // generated token, which the KV does not hold yet, then the new ones.
-  cv1::GenerateRequest turn2 = TokensRequest("t2", {5, 9, 20, 21, 22, 23, 40, 41}, 2);
-  turn2.set_session_id("chat");
+  GenerateSpec turn2 = TokensRequest("t2", {5, 9, 20, 21, 22, 23, 40, 41}, 2);
+  turn2.session_id = "chat";
   Call* call = Generate(turn2);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   const auto prefills = fakes_->Prefills(kA1);
@@ -520,7 +520,7 @@ TEST_F(RealModelTest, WorkersOfAnotherModelAreNotTakenInTogetherAndGetLoadNamesT
   auto engine = CoordinatorEngine::Create(options_, &metrics_, fakes_, &clock_);
   ASSERT_TRUE(engine.ok()) << engine.status();
   engine_ = *std::move(engine);
-  cv1::GetLoadResponse load = engine_->GetLoad();
+  cv1::GetLoadResponse load = GetLoad();
   ASSERT_EQ(load.attention_workers_size(), 1);
   EXPECT_EQ(load.attention_workers(0).address(), kA1);
   EXPECT_EQ(load.model().name(), "tiny");
@@ -533,13 +533,13 @@ TEST_F(RealModelTest, WorkersOfAnotherModelAreNotTakenInTogetherAndGetLoadNamesT
   fakes_->SetDown(kA1, true);
   engine_->RefreshWorkers();
   engine_->RefreshWorkers();
-  load = engine_->GetLoad();
+  load = GetLoad();
   EXPECT_EQ(load.model().name(), "pattern");
   EXPECT_EQ(load.model().vocab_size(), 0);
   EXPECT_EQ(load.model().eos_token_id(), -1);
   fakes_->SetDown(kA1, false);
   engine_->RefreshWorkers();
-  load = engine_->GetLoad();
+  load = GetLoad();
   ASSERT_EQ(load.attention_workers_size(), 2);
   for (const auto& w : load.attention_workers()) EXPECT_EQ(w.ready(), w.address() == kA2);
   ASSERT_NO_FATAL_FAILURE(RunToCompletion(Request("r1", 10, 2), kA2));
@@ -569,10 +569,10 @@ TEST_F(EngineTest, ThePatternModelRefusesNegativeIdsAndIgnoresTheRealModelsField
       engine_->Generate(TokensRequest("a", {-5, 1000000000}, 1), "router", "", stream);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(refused.message(), "context_tokens.tokens[0] = -5: token ids must be >= 0");
-  cv1::GenerateRequest request = TokensRequest("r1", {5, 1000000000}, 3);
-  request.add_stop_token_ids(6);
-  request.mutable_sampling()->set_temperature(1.0f);
-  request.set_ignore_eos(true);
+  GenerateSpec request = TokensRequest("r1", {5, 1000000000}, 3);
+  request.stop_token_ids.push_back(6);
+  request.sampling.temperature = 1.0f;
+  request.ignore_eos = true;
   Call* call = Generate(request);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
   StepUntilFinished(kA1, *call);
@@ -586,7 +586,7 @@ TEST_F(EngineTest, ThePatternModelRefusesNegativeIdsAndIgnoresTheRealModelsField
   const auto prefill = fakes_->Prefills(kA1).at(0);
   EXPECT_EQ(prefill.tokens_size(), 0);
   EXPECT_FALSE(prefill.has_sampling());
-  EXPECT_EQ(engine_->GetLoad().model().name(), "pattern");
+  EXPECT_EQ(GetLoad().model().name(), "pattern");
 }
 
 }  // namespace
