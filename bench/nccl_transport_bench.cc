@@ -26,7 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
-#include "transport/nccl_link.h"
+#include "transport/nccl_comm_impl.h"
 #include "transport/nccl_server.h"
 #include "transport/nccl_transport.h"
 #include "transport/nccl_wire.h"
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   app.add_option("--json", json_path, "Write the percentiles here");
   CLI11_PARSE(app, argc, argv);
 
-  auto link = dsa::NcclLink::CreateLoopback({.cuda_device = device});
+  auto link = dsa::CreateLoopbackNcclLink({.cuda_device = device});
   if (!link.ok()) {
     std::fprintf(stderr, "loopback link: %s\n", link.status().ToString().c_str());
     return 1;

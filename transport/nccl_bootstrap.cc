@@ -25,7 +25,7 @@ absl::StatusOr<std::unique_ptr<NcclSelectionTransport>> ConnectNcclSelectionTran
   // Rank 0 starts joining first (non-blocking), so the indexer's join can complete while it
   // answers the RPC.
   absl::StatusOr<std::shared_ptr<NcclLink>> link =
-      NcclLink::StartTwoRank(unique_id, /*rank=*/0, options.link);
+      StartTwoRankNcclLink(unique_id, /*rank=*/0, options.link);
   if (!link.ok()) return link.status();
 
   v1::OpenDataPlaneRequest request;

@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
-#include "transport/nccl_link.h"
+#include "transport/nccl_comm_impl.h"
 #include "transport/nccl_transport.h"
 
 namespace dsa {

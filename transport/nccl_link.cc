@@ -1,6 +1,8 @@
-// The NCCL communicator of one attention-indexer pair (see nccl_link.h).
+// The NCCL communicator of one attention-indexer pair (see nccl_link.h): the link's logic, over
+// NcclComm.
 #include "transport/nccl_link.h"
 
+#include <chrono>
 #include <string>
 #include <thread>
 #include <utility>
@@ -9,93 +11,16 @@
 
 namespace dsa {
 
-absl::Status NcclError(const char* what, ncclResult_t result, ncclComm_t comm) {
-  const char* last = ncclGetLastError(comm);
-  return absl::UnavailableError(absl::StrCat(
-      what, ": ", ncclGetErrorString(result), (last != nullptr && last[0] != '\0') ? " (" : "",
-      last != nullptr ? last : "", (last != nullptr && last[0] != '\0') ? ")" : ""));
-}
-
-absl::Status CudaError(const char* what, cudaError_t error) {
-  return absl::UnavailableError(absl::StrCat(what, ": ", cudaGetErrorString(error)));
-}
-
-namespace {
-
-// Creates the high-priority, non-blocking stream of a link on the current device.
-absl::Status CreateStream(cudaStream_t* stream) {
-  int least = 0, greatest = 0;
-  if (cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest); e != cudaSuccess) {
-    return CudaError("cudaDeviceGetStreamPriorityRange", e);
-  }
-  if (cudaError_t e = cudaStreamCreateWithPriority(stream, cudaStreamNonBlocking, greatest);
-      e != cudaSuccess) {
-    return CudaError("cudaStreamCreateWithPriority", e);
-  }
-  return absl::OkStatus();
-}
-
-ncclConfig_t NonBlockingConfig() {
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  return config;
-}
-
-}  // namespace
-
-absl::StatusOr<std::shared_ptr<NcclLink>> NcclLink::StartTwoRank(const ncclUniqueId& unique_id,
-                                                                 int rank,
-                                                                 const NcclLinkOptions& options) {
-  if (rank != 0 && rank != 1) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of a two-rank link"));
-  }
-  if (cudaError_t e = cudaSetDevice(options.cuda_device); e != cudaSuccess) {
-    return CudaError("cudaSetDevice", e);
-  }
-  std::shared_ptr<NcclLink> link(new NcclLink(options, /*loopback=*/false));
-  link->rank_ = rank;
-  if (absl::Status s = CreateStream(&link->stream_); !s.ok()) return s;
-  ncclConfig_t config = NonBlockingConfig();
-  const ncclResult_t result = ncclCommInitRankConfig(&link->comm_, 2, unique_id, rank, &config);
-  if (result != ncclSuccess && result != ncclInProgress) {
-    if (link->comm_ != nullptr) ncclCommAbort(link->comm_);
-    link->comm_ = nullptr;
-    return NcclError("ncclCommInitRankConfig", result);
-  }
-  return link;
-}
-
-absl::StatusOr<std::shared_ptr<NcclLink>> NcclLink::CreateLoopback(const NcclLinkOptions& options) {
-  if (cudaError_t e = cudaSetDevice(options.cuda_device); e != cudaSuccess) {
-    return CudaError("cudaSetDevice", e);
-  }
-  std::shared_ptr<NcclLink> link(new NcclLink(options, /*loopback=*/true));
-  if (absl::Status s = CreateStream(&link->stream_); !s.ok()) return s;
-  ncclUniqueId unique_id;
-  if (ncclResult_t r = ncclGetUniqueId(&unique_id); r != ncclSuccess) {
-    return NcclError("ncclGetUniqueId", r);
-  }
-  ncclConfig_t config = NonBlockingConfig();
-  const ncclResult_t result = ncclCommInitRankConfig(&link->comm_, 1, unique_id, 0, &config);
-  if (result != ncclSuccess && result != ncclInProgress) {
-    if (link->comm_ != nullptr) ncclCommAbort(link->comm_);
-    link->comm_ = nullptr;
-    return NcclError("ncclCommInitRankConfig", result);
-  }
-  if (absl::Status s = link->WaitReady(absl::Now() + options.call_timeout); !s.ok()) return s;
-  return link;
+std::shared_ptr<NcclLink> NcclLink::Create(std::unique_ptr<NcclComm> comm,
+                                           const NcclLinkOptions& options, bool loopback,
+                                           int rank) {
+  return std::shared_ptr<NcclLink>(new NcclLink(std::move(comm), options, loopback, rank));
 }
 
 NcclLink::~NcclLink() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    AbortLocked(absl::UnavailableError("the NCCL link was destroyed"));
-  }
-  if (stream_ != nullptr) {
-    cudaSetDevice(options_.cuda_device);
-    cudaStreamSynchronize(stream_);  // the aborted kernels have ended; copies and events drain
-    cudaStreamDestroy(stream_);
-  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  AbortLocked(absl::UnavailableError("the NCCL link was destroyed"));
+  // Then comm_ goes: the aborted kernels have ended, its stream drains and is freed.
 }
 
 bool NcclLink::HoldsLocked(NcclEndpoint endpoint) const {
@@ -112,12 +37,12 @@ absl::Status NcclLink::PollInProgressLocked(const char* what, absl::Time deadlin
   // cost every operation its length), then back off.
   const absl::Time spin_until = absl::Now() + options_.spin;
   while (true) {
-    ncclResult_t state = ncclSuccess;
-    if (ncclResult_t r = ncclCommGetAsyncError(comm_, &state); r != ncclSuccess) {
-      return NcclError("ncclCommGetAsyncError", r, comm_);
+    int state = kNcclSuccess;
+    if (int r = comm_->GetAsyncError(&state); r != kNcclSuccess) {
+      return comm_->Error("ncclCommGetAsyncError", r);
     }
-    if (state == ncclSuccess) return absl::OkStatus();
-    if (state != ncclInProgress) return NcclError(what, state, comm_);
+    if (state == kNcclSuccess) return absl::OkStatus();
+    if (state != kNcclInProgress) return comm_->Error(what, state);
     if (absl::Now() >= deadline) {
       return absl::UnavailableError(absl::StrCat(what, " still in progress after ",
                                                  absl::FormatDuration(options_.call_timeout),
@@ -137,15 +62,15 @@ absl::Status NcclLink::WaitReady(absl::Time deadline) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!status_.ok()) return status_;
       if (ready_) return absl::OkStatus();
-      ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-      if (r != ncclSuccess) state = r;
-      if (state == ncclSuccess) {
+      int state = kNcclSuccess;
+      int r = comm_->GetAsyncError(&state);
+      if (r != kNcclSuccess) state = r;
+      if (state == kNcclSuccess) {
         ready_ = true;
         return absl::OkStatus();
       }
-      if (state != ncclInProgress) {
-        AbortLocked(NcclError("joining the NCCL communicator", state, comm_));
+      if (state != kNcclInProgress) {
+        AbortLocked(comm_->Error("joining the NCCL communicator", state));
         return status_;
       }
       if (absl::Now() >= deadline) {
@@ -159,50 +84,38 @@ absl::Status NcclLink::WaitReady(absl::Time deadline) {
 }
 
 absl::Status NcclLink::IssueLocked(Pending* a, NcclEndpoint endpoint_a, Pending* b) {
-  if (cudaError_t e = cudaSetDevice(options_.cuda_device); e != cudaSuccess) {
-    return CudaError("cudaSetDevice", e);
-  }
+  if (absl::Status s = comm_->SetDevice(); !s.ok()) return s;
   Pending* ops[2] = {a, b};
   for (Pending* p : ops) {
     if (p != nullptr && p->op.send && p->op.copy_bytes > 0) {
-      if (cudaError_t e = cudaMemcpyAsync(p->op.device, p->op.host, p->op.copy_bytes,
-                                          cudaMemcpyHostToDevice, stream_);
-          e != cudaSuccess) {
-        return CudaError("cudaMemcpyAsync (to the send buffer)", e);
+      if (absl::Status s = comm_->CopyToDevice(p->op.device, p->op.host, p->op.copy_bytes);
+          !s.ok()) {
+        return s;
       }
     }
   }
   const int peer = loopback_ ? 0 : 1 - rank_;
-  ncclResult_t result = ncclGroupStart();
-  for (Pending* p : ops) {
-    if (p == nullptr || result != ncclSuccess) continue;
-    result = p->op.send ? ncclSend(p->op.device, p->op.bytes, ncclUint8, peer, comm_, stream_)
-                        : ncclRecv(p->op.device, p->op.bytes, ncclUint8, peer, comm_, stream_);
-  }
-  const ncclResult_t ended = ncclGroupEnd();
-  if (result == ncclSuccess || result == ncclInProgress) result = ended;
-  if (result == ncclInProgress) {
+  const NcclOp* group[2] = {&a->op, b != nullptr ? &b->op : nullptr};
+  const int result =
+      comm_->SendRecv(std::span<const NcclOp* const>(group, b != nullptr ? 2 : 1), peer);
+  if (result == kNcclInProgress) {
     if (absl::Status s =
             PollInProgressLocked("ncclSend/ncclRecv", absl::Now() + options_.call_timeout);
         !s.ok()) {
       return s;
     }
-  } else if (result != ncclSuccess) {
-    return NcclError("ncclSend/ncclRecv", result, comm_);
+  } else if (result != kNcclSuccess) {
+    return comm_->Error("ncclSend/ncclRecv", result);
   }
   for (Pending* p : ops) {
     if (p == nullptr) continue;
     if (!p->op.send && p->op.copy_bytes > 0) {
-      if (cudaError_t e = cudaMemcpyAsync(p->op.host, p->op.device, p->op.copy_bytes,
-                                          cudaMemcpyDeviceToHost, stream_);
-          e != cudaSuccess) {
-        return CudaError("cudaMemcpyAsync (from the receive buffer)", e);
+      if (absl::Status s = comm_->CopyToHost(p->op.host, p->op.device, p->op.copy_bytes); !s.ok()) {
+        return s;
       }
     }
     if (p->op.done != nullptr) {
-      if (cudaError_t e = cudaEventRecord(p->op.done, stream_); e != cudaSuccess) {
-        return CudaError("cudaEventRecord", e);
-      }
+      if (absl::Status s = comm_->RecordEvent(p->op.done); !s.ok()) return s;
     }
   }
   // Ops of one endpoint issue in posting order, so the count is the next sequence number.
@@ -268,22 +181,22 @@ absl::Status NcclLink::Wait(NcclEndpoint endpoint, uint64_t seq, cudaEvent_t don
     }
     if (issued) {
       if (done == nullptr) return absl::OkStatus();
-      const cudaError_t query = cudaEventQuery(done);
-      if (query == cudaSuccess) return absl::OkStatus();
-      if (query != cudaErrorNotReady) {
-        Abort(CudaError("cudaEventQuery", query));
+      const absl::StatusOr<bool> completed = comm_->QueryEvent(done);
+      if (completed.ok() && *completed) return absl::OkStatus();
+      if (!completed.ok()) {
+        Abort(completed.status());
         return status();
       }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!status_.ok()) return status_;
-      if (comm_ != nullptr) {
-        ncclResult_t state = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-        if (r != ncclSuccess) state = r;
-        if (state != ncclSuccess && state != ncclInProgress) {
-          AbortLocked(NcclError("the NCCL communicator failed", state, comm_));
+      if (comm_open_) {
+        int state = kNcclSuccess;
+        int r = comm_->GetAsyncError(&state);
+        if (r != kNcclSuccess) state = r;
+        if (state != kNcclSuccess && state != kNcclInProgress) {
+          AbortLocked(comm_->Error("the NCCL communicator failed", state));
           return status_;
         }
       }
@@ -309,9 +222,9 @@ void NcclLink::AbortLocked(const absl::Status& reason) {
             ? reason
             : absl::UnavailableError(absl::StrCat("NCCL data plane aborted: ", reason.message()));
   }
-  if (comm_ != nullptr) {
-    ncclCommAbort(comm_);
-    comm_ = nullptr;
+  if (comm_open_) {
+    comm_->Abort();
+    comm_open_ = false;
   }
   unmatched_[0].clear();
   unmatched_[1].clear();
@@ -326,57 +239,25 @@ absl::Status NcclLink::Release(NcclEndpoint endpoint, absl::Time deadline) {
   std::lock_guard<std::mutex> lock(mutex_);
   released_[static_cast<int>(endpoint)] = true;
   const bool all_released = loopback_ ? (released_[0] && released_[1]) : true;
-  if (!all_released || comm_ == nullptr) return status_;
+  if (!all_released || !comm_open_) return status_;
   // Finalize flushes what was issued; then destroy. A finalize that does not finish aborts.
-  ncclResult_t result = ncclCommFinalize(comm_);
+  int result = comm_->Finalize();
   absl::Status finalized;
-  if (result == ncclInProgress) {
+  if (result == kNcclInProgress) {
     finalized = PollInProgressLocked("ncclCommFinalize", deadline);
-  } else if (result != ncclSuccess) {
-    finalized = NcclError("ncclCommFinalize", result, comm_);
+  } else if (result != kNcclSuccess) {
+    finalized = comm_->Error("ncclCommFinalize", result);
   }
   if (!finalized.ok()) {
     AbortLocked(finalized);
     return status_;
   }
-  result = ncclCommDestroy(comm_);
-  comm_ = nullptr;
-  if (result != ncclSuccess && result != ncclInProgress) {
-    status_ = NcclError("ncclCommDestroy", result);
+  result = comm_->Destroy();
+  comm_open_ = false;
+  if (result != kNcclSuccess && result != kNcclInProgress) {
+    status_ = comm_->Error("ncclCommDestroy", result);
   }
   if (status_.ok()) status_ = absl::UnavailableError("the NCCL link was closed");
-  return absl::OkStatus();
-}
-
-NcclStagingBuffer::~NcclStagingBuffer() {
-  Free(data_);
-  for (uint8_t* block : retired_) Free(block);
-}
-
-void NcclStagingBuffer::Free(uint8_t* block) const {
-  if (block == nullptr) return;
-  if (kind_ == Kind::kHost) {
-    cudaFreeHost(block);
-  } else {
-    cudaFree(block);
-  }
-}
-
-absl::Status NcclStagingBuffer::Reserve(int64_t bytes) {
-  if (bytes <= capacity_) return absl::OkStatus();
-  int64_t capacity = 4096;
-  while (capacity < bytes) capacity *= 2;
-  void* block = nullptr;
-  const cudaError_t e =
-      kind_ == Kind::kHost ? cudaMallocHost(&block, capacity) : cudaMalloc(&block, capacity);
-  if (e != cudaSuccess) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", capacity, " bytes of ", kind_ == Kind::kHost ? "pinned host" : "device",
-        " staging memory: ", cudaGetErrorString(e)));
-  }
-  if (data_ != nullptr) retired_.push_back(data_);
-  data_ = static_cast<uint8_t*>(block);
-  capacity_ = capacity;
   return absl::OkStatus();
 }
 

@@ -8,20 +8,26 @@
 //   self send/recv group. The transport and the server run the same code in both modes.
 // The communicator is non-blocking (ncclConfig_t.blocking = 0): no call can hang on a lost peer;
 // waits poll CUDA events and ncclCommGetAsyncError, and ncclCommAbort ends everything.
+// The link's logic (posting order, loopback pairing, deadlines, abort, release) makes its NCCL and
+// CUDA calls through NcclComm, so it builds without CUDA or NCCL; nccl_comm_impl.h has the real
+// calls and the links made on them, tests/transport/nccl_link_test.cc a CPU fake.
 #pragma once
-
-#include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include <array>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+
+// cudaStream_t and cudaEvent_t without the CUDA headers: the typedefs of CUDA's driver_types.h,
+// which a translation unit may repeat.
+typedef struct CUstream_st* cudaStream_t;
+typedef struct CUevent_st* cudaEvent_t;
 
 namespace dsa {
 
@@ -57,17 +63,62 @@ struct NcclOp {
   cudaEvent_t done = nullptr;
 };
 
+/// ncclResult_t values the link tells apart (nccl.h's; NcclCommImpl checks they agree). Any other
+/// value is an error, kept for its message (NcclComm::Error).
+inline constexpr int kNcclSuccess = 0;
+inline constexpr int kNcclInProgress = 7;
+
+/// The NCCL and CUDA calls a link makes on its communicator, device and stream, one method per
+/// call: the seam that lets the link's logic run over a CPU fake. NcclCommImpl (nccl_comm_impl.h)
+/// makes the real calls. NCCL methods return an ncclResult_t (kNcclSuccess, kNcclInProgress while
+/// a non-blocking call runs, or an error); CUDA methods an OK status or UNAVAILABLE
+/// "<what>: <cudaGetErrorString>". Not thread-safe: the link calls it under its mutex, except
+/// QueryEvent.
+class NcclComm {
+ public:
+  /// Frees the stream once its work drained (cudaSetDevice, cudaStreamSynchronize,
+  /// cudaStreamDestroy). The communicator is destroyed or aborted before (Destroy, Abort).
+  virtual ~NcclComm() = default;
+
+  /// ncclCommGetAsyncError: the call's result, and in `*state` the communicator's (kNcclSuccess
+  /// once the join and every call so far finished, kNcclInProgress while one runs, or its error).
+  virtual int GetAsyncError(int* state) = 0;
+  /// ncclGroupStart, then ncclSend or ncclRecv of each op (op.bytes of ncclUint8 from or into
+  /// op.device, with `peer`, on the stream; none after the first that fails), then ncclGroupEnd.
+  /// The first failure, else ncclGroupEnd's result.
+  virtual int SendRecv(std::span<const NcclOp* const> ops, int peer) = 0;
+  virtual int Finalize() = 0;  // ncclCommFinalize
+  /// ncclCommDestroy; the communicator is gone after, whatever it returns.
+  virtual int Destroy() = 0;
+  /// ncclCommAbort; the communicator is gone after.
+  virtual void Abort() = 0;
+  /// UNAVAILABLE "<what>: <ncclGetErrorString(result)> (<ncclGetLastError>)", the last error
+  /// of the communicator while it exists, else the library's.
+  virtual absl::Status Error(const char* what, int result) = 0;
+
+  /// cudaSetDevice(the link's device): "cudaSetDevice".
+  virtual absl::Status SetDevice() = 0;
+  /// cudaMemcpyAsync of `bytes` on the stream, host to device ("cudaMemcpyAsync (to the send
+  /// buffer)") or device to host ("cudaMemcpyAsync (from the receive buffer)").
+  virtual absl::Status CopyToDevice(void* device, const void* host, int64_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host, const void* device, int64_t bytes) = 0;
+  /// cudaEventRecord(event) on the stream: "cudaEventRecord".
+  virtual absl::Status RecordEvent(cudaEvent_t event) = 0;
+  /// cudaEventQuery: true once the event completed, false while not ready; "cudaEventQuery" on
+  /// an error. Thread-safe.
+  virtual absl::StatusOr<bool> QueryEvent(cudaEvent_t event) = 0;
+  /// The link's stream (high priority, non-blocking).
+  virtual cudaStream_t stream() const = 0;
+};
+
 /// Thread-safe: every NCCL call is made under one mutex (a communicator is not thread-safe).
 class NcclLink {
  public:
-  /// Starts joining a two-rank communicator as `rank` (0 attention, 1 indexer) on
-  /// options.cuda_device and returns at once; WaitReady tells when both ranks joined.
-  /// INVALID_ARGUMENT (rank), UNAVAILABLE (CUDA or NCCL refused).
-  static absl::StatusOr<std::shared_ptr<NcclLink>> StartTwoRank(const ncclUniqueId& unique_id,
-                                                                int rank,
-                                                                const NcclLinkOptions& options);
-  /// A one-rank communicator with both endpoints here, ready when returned. UNAVAILABLE.
-  static absl::StatusOr<std::shared_ptr<NcclLink>> CreateLoopback(const NcclLinkOptions& options);
+  /// A link over `comm`, whose communicator is joining or joined (WaitReady tells): two ranks,
+  /// this process being `rank` (0 attention, 1 indexer), or loopback (`rank` 0). The factories of
+  /// nccl_comm_impl.h (StartTwoRankNcclLink, CreateLoopbackNcclLink) make links over libnccl.
+  static std::shared_ptr<NcclLink> Create(std::unique_ptr<NcclComm> comm,
+                                          const NcclLinkOptions& options, bool loopback, int rank);
 
   /// Aborts the communicator if it is still open (bounded), then frees the stream.
   ~NcclLink();
@@ -106,15 +157,15 @@ class NcclLink {
   int cuda_device() const { return options_.cuda_device; }
   /// The link's stream (high priority, non-blocking). Work the caller enqueues on it runs in
   /// order with the operations issued so far.
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const { return comm_->stream(); }
 
  private:
   struct Pending {
     NcclOp op;
     uint64_t seq = 0;
   };
-  NcclLink(const NcclLinkOptions& options, bool loopback)
-      : options_(options), loopback_(loopback) {}
+  NcclLink(std::unique_ptr<NcclComm> comm, const NcclLinkOptions& options, bool loopback, int rank)
+      : options_(options), loopback_(loopback), rank_(rank), comm_(std::move(comm)) {}
   // Enqueues the copies, the grouped send/recv and the events of `ops` (one, or a loopback pair);
   // polls ncclInProgress. Marks the ops issued.
   absl::Status IssueLocked(Pending* a, NcclEndpoint endpoint_a, Pending* b);
@@ -125,10 +176,10 @@ class NcclLink {
 
   const NcclLinkOptions options_;
   const bool loopback_;
-  int rank_ = 0;
-  cudaStream_t stream_ = nullptr;
-  mutable std::mutex mutex_;  // guards everything below and every NCCL call
-  ncclComm_t comm_ = nullptr;
+  const int rank_;
+  const std::unique_ptr<NcclComm> comm_;  // its stream lives as long as the link
+  mutable std::mutex mutex_;              // guards everything below and every NCCL call
+  bool comm_open_ = true;                 // the communicator is neither destroyed nor aborted
   bool ready_ = false;
   absl::Status status_;  // OK, or why the link is unusable
   std::array<uint64_t, 2> posted_{0, 0};
@@ -136,34 +187,5 @@ class NcclLink {
   std::array<bool, 2> released_{false, false};
   std::array<std::deque<Pending>, 2> unmatched_;  // loopback: posted, waiting for the other side
 };
-
-/// Pinned host or device memory that grows (never shrinks). The old block of a grown buffer is
-/// kept until destruction, so a copy still in flight from it stays valid.
-class NcclStagingBuffer {
- public:
-  enum class Kind { kHost, kDevice };
-  explicit NcclStagingBuffer(Kind kind) : kind_(kind) {}
-  ~NcclStagingBuffer();
-  NcclStagingBuffer(const NcclStagingBuffer&) = delete;
-  NcclStagingBuffer& operator=(const NcclStagingBuffer&) = delete;
-
-  /// Ensures at least `bytes` bytes (rounded up to a power of two). RESOURCE_EXHAUSTED when CUDA
-  /// cannot allocate.
-  absl::Status Reserve(int64_t bytes);
-  uint8_t* data() const { return data_; }
-  int64_t capacity() const { return capacity_; }
-
- private:
-  void Free(uint8_t* block) const;
-  Kind kind_;
-  uint8_t* data_ = nullptr;
-  int64_t capacity_ = 0;
-  std::deque<uint8_t*> retired_;
-};
-
-/// "<what>: <NCCL error> (<ncclGetLastError>)" as UNAVAILABLE.
-absl::Status NcclError(const char* what, ncclResult_t result, ncclComm_t comm = nullptr);
-/// "<what>: <CUDA error>" as UNAVAILABLE.
-absl::Status CudaError(const char* what, cudaError_t error);
 
 }  // namespace dsa

@@ -283,7 +283,7 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
   if (options_.join) {
     DSA_ASSIGN_OR_RETURN(link, options_.join(unique_id));
   } else {
-    DSA_ASSIGN_OR_RETURN(link, NcclLink::StartTwoRank(unique_id, /*rank=*/1, options_.link));
+    DSA_ASSIGN_OR_RETURN(link, StartTwoRankNcclLink(unique_id, /*rank=*/1, options_.link));
     DSA_RETURN_IF_ERROR(link->WaitReady(absl::Now() + options_.connect_timeout));
   }
   DSA_ASSIGN_OR_RETURN(

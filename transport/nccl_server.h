@@ -31,7 +31,7 @@
 #include "indexer_service/data_plane.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/metrics.h"
-#include "transport/nccl_link.h"
+#include "transport/nccl_comm_impl.h"
 #include "transport/nccl_wire.h"
 
 namespace dsa {

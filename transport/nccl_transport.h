@@ -16,7 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "transport/nccl_link.h"
+#include "transport/nccl_comm_impl.h"
 #include "transport/nccl_wire.h"
 #include "transport/selection_transport.h"
 

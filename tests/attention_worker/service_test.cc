@@ -7,22 +7,28 @@
 #include "attention_worker/service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "attention_worker/sparse_attention.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
+#include "transport/grpc_indexer_client.h"
 
 namespace dsa {
 namespace {
@@ -112,6 +118,104 @@ double MetricValue(prometheus::Registry& registry, const std::string& name, cons
   return -1;
 }
 
+// A prefill held mid-way: the first IndexKeyAppend of any sequence writes its first chunk to the
+// indexer, says so (`entered`) and waits for `release`: by then the KV is reserved, the indexer
+// sequence created and keys appended, whatever the machine's speed.
+struct PrefillHold {
+  absl::Notification entered;
+  absl::Notification release;
+};
+
+class HeldAppend final : public IndexKeyAppend {
+ public:
+  HeldAppend(std::unique_ptr<IndexKeyAppend> inner, PrefillHold* hold)
+      : inner_(std::move(inner)), hold_(hold) {}
+  bool Write(int layer, int64_t first_slot, std::span<const float> keys,
+             int64_t num_keys) override {
+    const bool written = inner_->Write(layer, first_slot, keys, num_keys);
+    if (!hold_->entered.HasBeenNotified()) {
+      hold_->entered.Notify();
+      hold_->release.WaitForNotification();
+    }
+    return written;
+  }
+  absl::StatusOr<int64_t> Finish() override { return inner_->Finish(); }
+  void Cancel() override { inner_->Cancel(); }
+
+ private:
+  std::unique_ptr<IndexKeyAppend> inner_;
+  PrefillHold* hold_;
+};
+
+// A gRPC indexer client whose appends are HeldAppends; everything else goes to `inner`.
+class HeldAppendClient final : public IndexerClient {
+ public:
+  HeldAppendClient(std::shared_ptr<IndexerClient> inner, PrefillHold* hold)
+      : inner_(std::move(inner)), hold_(hold) {}
+  const std::string& address() const override { return inner_->address(); }
+  absl::StatusOr<IndexerShape> GetShape(absl::Time deadline) override {
+    return inner_->GetShape(deadline);
+  }
+  absl::Status CreateSequence(const IndexerSequenceSpec& spec, absl::Time deadline) override {
+    return inner_->CreateSequence(spec, deadline);
+  }
+  std::unique_ptr<IndexKeyAppend> BeginAppend(uint64_t sequence_id, absl::Time deadline) override {
+    return std::make_unique<HeldAppend>(inner_->BeginAppend(sequence_id, deadline), hold_);
+  }
+  absl::Status BeginTurn(uint64_t sequence_id, absl::Time deadline) override {
+    return inner_->BeginTurn(sequence_id, deadline);
+  }
+  absl::Status Commit(uint64_t sequence_id, int accepted, absl::Time deadline) override {
+    return inner_->Commit(sequence_id, accepted, deadline);
+  }
+  absl::Status Release(uint64_t sequence_id, absl::Time deadline) override {
+    return inner_->Release(sequence_id, deadline);
+  }
+  SelectionTransport& Selections() override { return inner_->Selections(); }
+  absl::Status Close() override { return inner_->Close(); }
+  bool DataPlaneEnded() const override { return inner_->DataPlaneEnded(); }
+
+ private:
+  std::shared_ptr<IndexerClient> inner_;
+  PrefillHold* hold_;
+};
+
+// The server side of the attention service's Prefill calls: the call's context (for
+// IsCancelled) once the call starts, and the status the handler returned (`answered`).
+class PrefillCalls final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (std::string(info->method()) != "/dsa.attention.v1.AttentionService/Prefill") {
+      return nullptr;
+    }
+    context_.store(info->server_context());
+    return new Recorder(this);
+  }
+
+  grpc::ServerContextBase* context() const { return context_.load(); }
+  absl::Notification answered;
+  grpc::Status status;  // set before `answered`
+
+ private:
+  class Recorder final : public grpc::experimental::Interceptor {
+   public:
+    explicit Recorder(PrefillCalls* calls) : calls_(calls) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+      if (methods->QueryInterceptionHookPoint(
+              grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+        calls_->status = methods->GetSendStatus();
+        calls_->answered.Notify();
+      }
+      methods->Proceed();
+    }
+
+   private:
+    PrefillCalls* calls_;
+  };
+  std::atomic<grpc::ServerContextBase*> context_{nullptr};
+};
+
 class AttentionServiceTest : public ::testing::Test {
  protected:
   // Starts the indexer (capacity in blocks) and the attention worker over `pattern`, lag `lag`.
@@ -144,13 +248,34 @@ class AttentionServiceTest : public ::testing::Test {
     };
     registry_ = std::make_shared<prometheus::Registry>();
     metrics_ = std::make_unique<AttentionMetrics>(*registry_, schedule->num_layers());
-    auto service = AttentionServiceImpl::Create(*schedule, *model, options, metrics_.get());
-    ASSERT_TRUE(service.ok()) << service.status();
-    service_ = std::move(*service);
+    if (hold_ == nullptr) {
+      auto service = AttentionServiceImpl::Create(*schedule, *model, options, metrics_.get());
+      ASSERT_TRUE(service.ok()) << service.status();
+      service_ = std::move(*service);
+    } else {
+      // Create's wiring, with the gRPC clients' appends held.
+      IndexerClientFactory grpc_clients = GrpcIndexerClient::Factory();
+      IndexerClientFactory held =
+          [grpc_clients, hold = hold_](
+              const std::string& address) -> absl::StatusOr<std::shared_ptr<IndexerClient>> {
+        absl::StatusOr<std::shared_ptr<IndexerClient>> client = grpc_clients(address);
+        if (!client.ok()) return client.status();
+        return std::make_shared<HeldAppendClient>(*std::move(client), hold);
+      };
+      auto engine =
+          MakeCpuAttentionEngine(*schedule, *model, options, std::move(held), metrics_.get());
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      service_ = std::make_unique<AttentionServiceImpl>(std::move(*engine));
+    }
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
+    if (prefill_calls_ != nullptr) {
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+      creators.push_back(std::move(prefill_calls_owned_));
+      builder.experimental().SetInterceptorCreators(std::move(creators));
+    }
     server_ = builder.BuildAndStart();
     ASSERT_GT(port, 0);
     stub_ = av1::AttentionService::NewStub(
@@ -344,7 +469,11 @@ class AttentionServiceTest : public ::testing::Test {
     }
   }
 
-  double audit_fraction_ = 0;  // of the indexer started by Start()
+  double audit_fraction_ = 0;    // of the indexer started by Start()
+  PrefillHold* hold_ = nullptr;  // set before Start(): the gRPC clients' appends are held
+  // Set before Start() (HoldPrefills): the attention server records its Prefill calls there.
+  std::unique_ptr<PrefillCalls> prefill_calls_owned_;
+  PrefillCalls* prefill_calls_ = nullptr;
   std::unique_ptr<IndexerServer> indexer_;
   std::unique_ptr<Indexer> twin_;
   std::unique_ptr<MliSchedule> schedule_;
@@ -761,29 +890,60 @@ TEST_F(AttentionServiceTest, PrefillOfOneSequenceRunsBesideStepsOfOthers) {
   EXPECT_EQ(Info().kv_used_slots(), 705 + 905 + 30000);
 }
 
-// A prefill whose caller gave up while it ran (here its deadline) leaves nothing behind: the
-// worker runs it to its end, then drops the sequence on itself and on the indexer, since the
-// caller's Release may have come before the sequence existed.
+// A prefill whose caller gave up while it ran leaves nothing behind: the worker runs it to its
+// end, then drops the sequence on itself and on the indexer, since the caller's Release may have
+// come before the sequence existed. The prefill is held mid-way (PrefillHold) until the worker's
+// side of the call is cancelled, so the cancellation always lands while it runs.
 TEST_F(AttentionServiceTest, APrefillItsCallerCancelledLeavesNothingBehind) {
-  Start(/*indexer_blocks=*/8192);
+  PrefillHold hold;
+  hold_ = &hold;
+  prefill_calls_owned_ = std::make_unique<PrefillCalls>();
+  prefill_calls_ = prefill_calls_owned_.get();
+  Start(/*indexer_blocks=*/512);
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(150));
-  av1::PrefillResponse response;
-  const grpc::Status status = stub_->Prefill(&context, PrefillRequest(5, 160000), &response);
-  if (status.ok()) GTEST_SKIP() << "the 160,000-slot prefill finished within 150 ms";
-  ASSERT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
-  // Once the engine finished it (its duration recorded), the sequence goes.
+  SetDeadline(&context);
+  grpc::Status status;
+  std::thread caller([&] {
+    av1::PrefillResponse response;
+    status = stub_->Prefill(&context, PrefillRequest(5, 4000), &response);
+  });
+  // Whatever fails below, the prefill ends and the caller returns.
+  struct Cleanup {
+    std::function<void()> run;
+    ~Cleanup() { run(); }
+  } cleanup{[&] {
+    context.TryCancel();
+    if (!hold.release.HasBeenNotified()) hold.release.Notify();
+    if (caller.joinable()) caller.join();
+  }};
+  ASSERT_TRUE(hold.entered.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  // Mid-way: the sequence exists on both workers, its KV is held.
+  EXPECT_EQ(Info().sequences(), 1);
+  EXPECT_EQ(Info().kv_used_slots(), 4000);
+  EXPECT_EQ(indexer_->Load().sequences(), 1);
+  context.TryCancel();
+  caller.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
+  // The worker sees the cancellation only when its transport has read it; the sync API has no
+  // event for that, so the held prefill goes on once IsCancelled() says so.
+  grpc::ServerContextBase* server_context = prefill_calls_->context();
+  ASSERT_NE(server_context, nullptr);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  auto prefilled = [&] {
-    return MetricValue(*registry_, "dsa_attention_prefill_duration_seconds", "", "") >= 1;
-  };
-  while (!(prefilled() && Info().sequences() == 0) && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  while (!server_context->IsCancelled() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  ASSERT_TRUE(prefilled()) << "the prefill never ended";
+  ASSERT_TRUE(server_context->IsCancelled());
+  hold.release.Notify();
+  ASSERT_TRUE(prefill_calls_->answered.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  // The prefill ran to its end (its duration recorded), then what it made was dropped.
+  EXPECT_EQ(prefill_calls_->status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(prefill_calls_->status.error_message(),
+            "the caller cancelled the prefill: what it made was released");
+  EXPECT_EQ(MetricValue(*registry_, "dsa_attention_prefill_duration_seconds", "", ""), 1);
   EXPECT_EQ(Info().sequences(), 0);
   EXPECT_EQ(Info().kv_used_slots(), 0);
   EXPECT_EQ(indexer_->Load().sequences(), 0);
+  EXPECT_EQ(service_->owned_sequences(), 0u);
 }
 
 TEST_F(AttentionServiceTest, IndexerGoneDuringDecodeIsUnavailable) {

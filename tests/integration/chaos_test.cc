@@ -2,15 +2,23 @@
 // Mooncake's chaos tests): a LocalCluster of two dsa-indexer and two dsa-attention processes and a
 // coordinator replays the Mooncake trace while, one after another, an indexer is killed (-9) and
 // restarted, the other indexer is stopped (SIGSTOP) and resumed, an attention worker is killed and
-// restarted, and the other attention worker is stopped and resumed. Every request completes
-// (the killed and hung workers' requests migrate), the report counts the migrations, and once the
-// replay is over no sequence is left on any worker.
+// restarted, and the other attention worker is stopped and resumed. Each fault moves requests off
+// the worker it hit (the coordinator's log, split at the faults, names them) and each of those
+// completes in full; no request is lost; the report, the requests' own counts, the log and
+// dsa_coordinator_migrations_total agree on the migrations; once the replay is over no sequence
+// is left on any worker.
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <map>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +28,8 @@
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/server_process.h"
 #include "tools/dsa/cluster.h"
 #include "tools/dsa/replay.h"
 #include "tools/dsa/trace.h"
@@ -56,7 +66,9 @@ class ChaosTest : public ::testing::Test {
     const std::filesystem::path bin = std::filesystem::path(DSA_COORDINATOR_BINARY).parent_path();
     LocalClusterOptions options;
     options.bin_dir = bin.string();
-    options.log_dir = (std::filesystem::path(::testing::TempDir()) / "chaos").string();
+    // Its own folder: the test reads the coordinator's log, which another run must not share.
+    log_dir_ = std::filesystem::path(::testing::TempDir()) / ("chaos-" + std::to_string(getpid()));
+    options.log_dir = log_dir_.string();
     options.num_indexers = 2;
     options.num_attention_workers = 2;
     options.capacity_blocks = 4096;
@@ -97,6 +109,23 @@ class ChaosTest : public ::testing::Test {
     return ready == 4;
   }
 
+  // Requests the coordinator runs on worker `name`: the sequences it placed on an indexer, those in
+  // an attention worker's decode loop; -1 when it does not answer.
+  int RunningOn(const std::string& name) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    cv1::GetLoadResponse load;
+    if (!coordinator_->GetLoad(&context, cv1::GetLoadRequest(), &load).ok()) return -1;
+    const std::string& address = ProcessNamed(name).address;
+    for (const auto& w : load.indexer_workers()) {
+      if (w.address() == address) return w.sequences();
+    }
+    for (const auto& w : load.attention_workers()) {
+      if (w.address() == address) return w.decoding();
+    }
+    return -1;
+  }
+
   // Sequences held by every worker (GetLoad of the indexers, GetInfo of the attention workers);
   // -1 when one does not answer.
   int SequencesOnWorkers() {
@@ -117,6 +146,41 @@ class ChaosTest : public ::testing::Test {
       }
     }
     return total;
+  }
+
+  const ClusterProcess& ProcessNamed(const std::string& name) const {
+    return cluster_->processes()[Find(name)];
+  }
+
+  // Bytes the coordinator has logged so far: where the log of what follows begins.
+  int64_t CoordinatorLogBytes() const {
+    std::error_code error;
+    const auto bytes = std::filesystem::file_size(ProcessNamed("dsa-coordinator").log_path, error);
+    return error ? 0 : static_cast<int64_t>(bytes);
+  }
+
+  // The coordinator's JSON log lines with the byte offset each begins at.
+  std::vector<std::pair<int64_t, nlohmann::json>> CoordinatorLog() const {
+    std::ifstream in(ProcessNamed("dsa-coordinator").log_path);
+    std::vector<std::pair<int64_t, nlohmann::json>> lines;
+    int64_t offset = 0;
+    for (std::string line; std::getline(in, line);
+         offset += static_cast<int64_t>(line.size()) + 1) {
+      nlohmann::json json = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (json.is_object() && json.contains("msg")) lines.emplace_back(offset, std::move(json));
+    }
+    return lines;
+  }
+
+  // dsa_coordinator_migrations_total from the coordinator's /metrics; -1 when absent.
+  double MigrationsTotal() const {
+    std::istringstream metrics(
+        dsa::testing::HttpGetMetrics(ProcessNamed("dsa-coordinator").metrics_address));
+    for (std::string line; std::getline(metrics, line);) {
+      const std::string name = "dsa_coordinator_migrations_total ";
+      if (line.rfind(name, 0) == 0) return std::stod(line.substr(name.size()));
+    }
+    return -1;
   }
 
   void Kill(const std::string& name) {
@@ -145,8 +209,10 @@ class ChaosTest : public ::testing::Test {
       const absl::Status stopped = cluster_->Stop();
       EXPECT_TRUE(stopped.ok()) << stopped;
     }
+    if (!HasFailure()) std::filesystem::remove_all(log_dir_);  // kept for a failure's diagnosis
   }
 
+  std::filesystem::path log_dir_;
   std::unique_ptr<LocalCluster> cluster_;
   std::unique_ptr<cv1::CoordinatorService::Stub> coordinator_;
 };
@@ -168,15 +234,41 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
   absl::StatusOr<ReplayReport> report;
   std::thread replay([&] { report = RunReplay(requests, options); });
 
+  // Each fault: the worker it hits, in which role the coordinator's log names that worker, and
+  // where the log stood when it began (what the log holds from there to the next fault's start
+  // happened during it).
+  struct Fault {
+    std::string name;
+    std::string role;  // "indexer_worker" or "attention_worker"
+    int64_t log_offset = 0;
+  };
+  std::vector<Fault> faults = {{"dsa-indexer-0", "indexer_worker"},
+                               {"dsa-indexer-1", "indexer_worker"},
+                               {"dsa-attention-0", "attention_worker"},
+                               {"dsa-attention-1", "attention_worker"}};
   const auto ready = [&] { return AllWorkersReady(); };
-  std::this_thread::sleep_for(std::chrono::seconds(2));
-  Kill("dsa-indexer-0");
+  // Each fault waits until the worker it hits runs two requests at least, so that it always hits
+  // some (a request cannot end between this look and the fault, a few milliseconds, unless it was
+  // at its last step).
+  const auto hits_requests = [&](const std::string& name) {
+    EXPECT_TRUE(WaitFor([&] { return RunningOn(name) >= 2; }, std::chrono::seconds(30)))
+        << name << " never ran two requests";
+  };
+  hits_requests(faults[0].name);
+  faults[0].log_offset = CoordinatorLogBytes();
+  Kill(faults[0].name);
   EXPECT_TRUE(WaitFor(ready, std::chrono::seconds(15))) << "after the indexer restart";
-  Stop("dsa-indexer-1");
+  hits_requests(faults[1].name);
+  faults[1].log_offset = CoordinatorLogBytes();
+  Stop(faults[1].name);
   EXPECT_TRUE(WaitFor(ready, std::chrono::seconds(15))) << "after the indexer resumed";
-  Kill("dsa-attention-0");
+  hits_requests(faults[2].name);
+  faults[2].log_offset = CoordinatorLogBytes();
+  Kill(faults[2].name);
   EXPECT_TRUE(WaitFor(ready, std::chrono::seconds(15))) << "after the attention restart";
-  Stop("dsa-attention-1");
+  hits_requests(faults[3].name);
+  faults[3].log_offset = CoordinatorLogBytes();
+  Stop(faults[3].name);
   EXPECT_TRUE(WaitFor(ready, std::chrono::seconds(15))) << "after the attention worker resumed";
   replay.join();
 
@@ -184,7 +276,64 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
   std::printf("%s", ReplayReportToMarkdown(*report).c_str());
   EXPECT_EQ(report->failed, 0) << report->first_error;
   EXPECT_EQ(report->completed, static_cast<int64_t>(requests.size()));
-  EXPECT_GE(report->migrations, 1);
+
+  // Every request's one "request" line (written before its stream ends): completed, in full.
+  const std::vector<std::pair<int64_t, nlohmann::json>> log = CoordinatorLog();
+  std::map<std::string, nlohmann::json> finals;
+  for (const auto& [offset, line] : log) {
+    if (line["msg"] != "request") continue;
+    const std::string id = line.value("request_id", "");
+    EXPECT_FALSE(finals.contains(id)) << id << " ended twice";
+    finals[id] = line;
+  }
+  ASSERT_EQ(finals.size(), requests.size());
+  int64_t migrations_of_requests = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const std::string id = "replay-" + std::to_string(i);
+    ASSERT_TRUE(finals.contains(id)) << id << " never ended";
+    const nlohmann::json& final_line = finals[id];
+    EXPECT_EQ(final_line.value("code", ""), "OK") << final_line.dump();
+    EXPECT_EQ(final_line.value("generated_tokens", int64_t{-1}), requests[i].output_tokens)
+        << final_line.dump();
+    migrations_of_requests += final_line.value("migrations", 0);
+  }
+
+  // Every move is one "migrating a request off a failed worker" line naming the workers it left;
+  // the line's offset says during which fault it happened.
+  std::map<std::string, int> moves_of;                          // request id -> migration lines
+  std::vector<std::set<std::string>> moved_off(faults.size());  // off the faulted worker
+  int64_t migration_lines = 0;
+  for (const auto& [offset, line] : log) {
+    if (line["msg"] != "migrating a request off a failed worker") continue;
+    ++migration_lines;
+    const std::string id = line.value("request_id", "");
+    EXPECT_EQ(line.value("migration", 0), ++moves_of[id]) << line.dump();
+    for (size_t f = faults.size(); f-- > 0;) {
+      if (offset < faults[f].log_offset) continue;
+      if (line.value(faults[f].role, "") == ProcessNamed(faults[f].name).address) {
+        moved_off[f].insert(id);
+      }
+      break;
+    }
+  }
+  // Per fault: requests ran on the worker it hit, moved off it, and completed (above) in full.
+  for (size_t f = 0; f < faults.size(); ++f) {
+    EXPECT_FALSE(moved_off[f].empty()) << faults[f].name << ": no request moved off it";
+    for (const std::string& id : moved_off[f]) {
+      EXPECT_GE(finals[id].value("migrations", 0), 1) << faults[f].name << ": " << id;
+    }
+    std::printf("chaos: %s moved %zu requests off it\n", faults[f].name.c_str(),
+                moved_off[f].size());
+  }
+  // The counts agree: each request's Finished.migrations is its moves in the log; the report
+  // sums them; dsa_coordinator_migrations_total counts them.
+  for (const auto& [id, moves] : moves_of) {
+    EXPECT_EQ(finals[id].value("migrations", 0), moves) << id;
+  }
+  EXPECT_EQ(migrations_of_requests, migration_lines);
+  EXPECT_EQ(report->migrations, migration_lines);
+  EXPECT_EQ(report->migrated_requests, static_cast<int64_t>(moves_of.size()));
+  EXPECT_EQ(MigrationsTotal(), static_cast<double>(migration_lines));
   // No orphans: what the dead and hung workers held is released (by the coordinator, once they
   // answer again), and nothing else is retained (--retain-finished false).
   EXPECT_TRUE(WaitFor([&] { return SequencesOnWorkers() == 0; }, std::chrono::seconds(15)))

@@ -1,12 +1,16 @@
 // Tests of the selection transports, each against its indexer: the gRPC stream (a real in-process
 // indexer server on loopback) and the in-process transport (the engine itself). Layers submitted
 // ahead and awaited later get the engine's own answers, bit-identical over both; a refused
-// request gets the indexer's status and the others go on; ids, deadlines and closing behave as
-// documented.
+// request gets the indexer's status and the others go on; a server going away fails what is
+// outstanding with the stream's final status; ids, deadlines and closing behave as documented.
 #include "transport/grpc_stream_transport.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -131,23 +135,6 @@ TEST_P(TransportTest, ARefusedRequestGetsTheIndexersStatusAndOthersGoOn) {
   EXPECT_TRUE(transport.Close().ok());
 }
 
-TEST_P(TransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
-  if (GetParam() != Kind::kGrpcStream) GTEST_SKIP() << "only a remote indexer can go away";
-  GrpcStreamTransport transport(channel_);
-  server_->Shutdown(absl::ToChronoTime(absl::Now()));
-  auto id = transport.Submit(Request(7, 0, kSlots - 1));
-  if (id.ok()) {
-    const absl::StatusCode code =
-        transport.Await(*id, absl::Now() + absl::Seconds(30)).status().code();
-    // Either the answer raced the shutdown, or the stream ended before it.
-    EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kUnavailable ||
-                code == absl::StatusCode::kCancelled)
-        << code;
-  } else {
-    EXPECT_EQ(id.status().code(), absl::StatusCode::kUnavailable);
-  }
-}
-
 // ended() tells the owner to replace a transport whose connection is gone (an indexer that
 // restarted): false while the stream serves, true once the server went away.
 TEST_P(TransportTest, EndedTurnsTrueOnceTheServerWentAway) {
@@ -265,6 +252,75 @@ TEST_P(TransportTest, AShapeThatDiffersFromTheIndexersIsRefused) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   EXPECT_NE(refused.message().find("head_weights"), absl::string_view::npos) << refused;
   EXPECT_TRUE(transport.Close().ok());
+}
+
+// An indexer that reads select requests and never answers them: the requests stay outstanding
+// until the server goes away, whatever the machine's speed.
+class SilentIndexer final : public v1::IndexerService::Service {
+ public:
+  grpc::Status SelectStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::SelectResponse, v1::SelectRequest>* stream) override {
+    v1::SelectRequest request;
+    while (stream->Read(&request)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++received_;
+      arrived_.notify_all();
+    }
+    return grpc::Status::OK;
+  }
+
+  // Blocks until `count` requests were read (or 30 s passed); whether they were.
+  bool WaitReceived(int count) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return arrived_.wait_for(lock, std::chrono::seconds(30), [&] { return received_ >= count; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  int received_ = 0;
+};
+
+// The connection's end is the answer to every request still outstanding: UNAVAILABLE, with the
+// stream's final status (what Close returns), never an answer; later Submits are UNAVAILABLE too.
+TEST(GrpcStreamTransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
+  SilentIndexer silent;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&silent);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  GrpcStreamTransport transport(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  LayerSelectRequest request;
+  request.num_heads = kH;
+  request.head_dim = kD;
+  SelectRowGroup& group = request.groups.emplace_back();
+  group.sequence_id = 7;
+  group.num_rows = 1;
+  group.first_position = kSlots - 1;
+  group.queries.assign(kH * kD, 0.5f);
+  group.head_weights.assign(kH, 1.0f);
+  auto first = transport.Submit(request);
+  auto second = transport.Submit(request);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(silent.WaitReceived(2));  // both on the server, neither answered
+  EXPECT_FALSE(transport.ended());
+  server->Shutdown(absl::ToChronoTime(absl::Now()));  // cancels the stream at once
+
+  const absl::Status awaited = transport.Await(*first, absl::InfiniteFuture()).status();
+  EXPECT_EQ(awaited.code(), absl::StatusCode::kUnavailable) << awaited;
+  EXPECT_TRUE(transport.ended());
+  const absl::Status second_awaited = transport.Await(*second, absl::InfiniteFuture()).status();
+  EXPECT_EQ(second_awaited, awaited);
+  // Each failed once: the ids are collected.
+  EXPECT_EQ(transport.Await(*first, absl::Now()).status().code(), absl::StatusCode::kNotFound);
+  const absl::Status later = transport.Submit(request).status();
+  EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
+  EXPECT_NE(later.message().find(awaited.message()), absl::string_view::npos) << later;
+  EXPECT_EQ(transport.Close(), awaited);  // the connection's final status
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransportTest,

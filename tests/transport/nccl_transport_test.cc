@@ -24,7 +24,7 @@
 #include "tests/indexer_service/cuda/cuda_test_util.h"
 #include "transport/grpc_stream_transport.h"
 #include "transport/nccl_bootstrap.h"
-#include "transport/nccl_link.h"
+#include "transport/nccl_comm_impl.h"
 #include "transport/nccl_server.h"
 
 namespace dsa {
@@ -90,7 +90,7 @@ class NcclTransportTest : public ::testing::Test {
         for (Indexer* x : All()) ASSERT_TRUE(x->AppendIndexKeys(seq, layer, keys, kSlots).ok());
       }
     }
-    auto link = NcclLink::CreateLoopback({.cuda_device = 0});
+    auto link = CreateLoopbackNcclLink({.cuda_device = 0});
     ASSERT_TRUE(link.ok()) << link.status();
     link_ = *link;
   }
@@ -418,7 +418,7 @@ TEST_F(NcclTransportTest, DataPlanesBelongToTheCallerThatOpenedThem) {
   std::vector<std::shared_ptr<NcclLink>> joined;
   NcclDataPlaneOptions options;
   options.join = [&](const ncclUniqueId&) -> absl::StatusOr<std::shared_ptr<NcclLink>> {
-    auto link = NcclLink::CreateLoopback({.cuda_device = 0});
+    auto link = CreateLoopbackNcclLink({.cuda_device = 0});
     if (link.ok()) joined.push_back(*link);
     return link;
   };
@@ -549,7 +549,7 @@ TEST_F(NcclTransportTest, OpenDataPlaneRefusesMismatchedShapesWithoutHanging) {
 TEST_F(NcclTransportTest, APeerThatNeverJoinsEndsInUnavailable) {
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
-  auto link = NcclLink::StartTwoRank(id, 0, {.cuda_device = 0});
+  auto link = StartTwoRankNcclLink(id, 0, {.cuda_device = 0});
   ASSERT_TRUE(link.ok()) << link.status();
   const absl::Time start = absl::Now();
   const absl::Status ready = (*link)->WaitReady(absl::Now() + absl::Seconds(1));
