@@ -2,7 +2,6 @@
 #include "attention_worker/engine.h"
 
 #include <algorithm>
-#include <chrono>
 #include <string>
 #include <utility>
 
@@ -18,12 +17,6 @@
 namespace dsa {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 // Slots of index keys generated and appended as one chunk during Prefill (2 MiB of fp32 keys at
 // D = 128); the client splits further where its wire needs it.
@@ -256,6 +249,7 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> AttentionEngine::Create(
         schedule.Pattern(), " has ", num_full, " full layers"));
   }
   if (!indexer_clients) return absl::InvalidArgumentError("no indexer client factory");
+  if (options.clock == nullptr) return absl::InvalidArgumentError("no clock");
   if (options.kv_capacity_slots < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_capacity_slots must be >= 0, got ", options.kv_capacity_slots));
@@ -498,10 +492,11 @@ AttentionEngineInfo AttentionEngine::GetInfo() {
 }
 
 absl::StatusOr<PrefillResult> AttentionEngine::Prefill(const PrefillSpec& spec) {
-  const Clock::time_point start = Clock::now();
+  const absl::Time start = Now();
   absl::StatusOr<PrefillResult> result =
       spec.continue_sequence ? ContinuePrefill(spec) : NewPrefill(spec);
-  if (result.ok() && metrics_ != nullptr) metrics_->RecordPrefill(SecondsSince(start));
+  if (result.ok() && metrics_ != nullptr)
+    metrics_->RecordPrefill(absl::ToDoubleSeconds(Now() - start));
   return result;
 }
 
@@ -849,7 +844,7 @@ absl::Status AttentionEngine::CollectDeviceLayer(int f, int b, StepState& step) 
   }
   SelectionTransport& transport = batch.client->Selections();
   const absl::Status enqueued =
-      transport.AwaitEnqueued(batch.request_ids[f], absl::Now() + options_.select_timeout);
+      transport.AwaitEnqueued(batch.request_ids[f], Now() + options_.select_timeout);
   if (enqueued.ok()) {
     batch.enqueued[f] = true;
     for (int i : batch.members) {
@@ -863,7 +858,7 @@ absl::Status AttentionEngine::CollectDeviceLayer(int f, int b, StepState& step) 
   if (enqueued.code() != absl::StatusCode::kUnimplemented) return absl::OkStatus();
   // Refused before anything changed: the answer is that refusal; host queries from now on. Any
   // other answer (a transport that has no AwaitEnqueued, a late success) is not resent.
-  auto refused = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+  auto refused = transport.Await(batch.request_ids[f], Now() + options_.select_timeout);
   if (refused.status().code() != absl::StatusCode::kUnimplemented) {
     batch.collected[f] = true;
     for (int i : batch.members) step.members[i].touched = true;
@@ -893,7 +888,7 @@ absl::Status AttentionEngine::CollectLayer(int f, StepState& step, bool device_a
     if (enqueued && !device_answers) continue;
     batch.collected[f] = true;
     SelectionTransport& transport = batch.client->Selections();
-    auto answer = transport.Await(batch.request_ids[f], absl::Now() + options_.select_timeout);
+    auto answer = transport.Await(batch.request_ids[f], Now() + options_.select_timeout);
     const int num_groups = static_cast<int>(batch.members.size());
     if (!answer.ok()) {
       if (answer.status().code() == absl::StatusCode::kDeadlineExceeded) {
@@ -1020,7 +1015,7 @@ absl::Status AttentionEngine::AttendLayer(int l, int fs, StepState& step) {
 }
 
 absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const StepMember> members) {
-  const Clock::time_point start = Clock::now();
+  const absl::Time start = Now();
   StepState step;
   DSA_RETURN_IF_ERROR(PlanStep(members, step));
   const int num_full = static_cast<int>(schedule_.full_layers().size());
@@ -1053,14 +1048,14 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
       if (absl::Status s = SubmitLayer(full_rank_[l], step); !s.ok()) return fail(s);
     }
     const int fs = full_rank_[schedule_.AttendedLayer(l)];
-    const Clock::time_point wait_start = Clock::now();
+    const absl::Time wait_start = Now();
     for (size_t b = 0; b < step.batches.size(); ++b) {
       if (absl::Status s = CollectDeviceLayer(fs, static_cast<int>(b), step); !s.ok()) {
         return fail(s);
       }
     }
     if (absl::Status s = CollectLayer(fs, step, /*device_answers=*/false); !s.ok()) return fail(s);
-    step.selection_wait_seconds[l] = SecondsSince(wait_start);
+    step.selection_wait_seconds[l] = absl::ToDoubleSeconds(Now() - wait_start);
     if (absl::Status s = AttendLayer(l, fs, step); !s.ok()) return fail(s);
   }
   // Selections no layer attends (the last k full layers') still have to be collected, and the
@@ -1123,7 +1118,7 @@ absl::StatusOr<DecodeStepResult> AttentionEngine::DecodeStep(std::span<const Ste
   host_selects -= result.device_selects;
   if (metrics_ != nullptr) metrics_->RecordSelects(host_selects, result.device_selects);
   if (metrics_ != nullptr) {
-    metrics_->RecordDecodeStep(SecondsSince(start));
+    metrics_->RecordDecodeStep(absl::ToDoubleSeconds(Now() - start));
     metrics_->RecordSelectionWaits(result.selection_wait_seconds);
   }
   return result;
