@@ -14,7 +14,7 @@ namespace v1 = ::dsa::indexer::v1;
 
 absl::StatusOr<std::unique_ptr<NcclSelectionTransport>> ConnectNcclSelectionTransport(
     v1::IndexerService::StubInterface& stub, const NcclConnectOptions& options) {
-  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  const absl::Time deadline = options.transport.clock->Now() + options.connect_timeout;
   if (cudaError_t e = cudaSetDevice(options.link.cuda_device); e != cudaSuccess) {
     return CudaError("cudaSetDevice", e);
   }
