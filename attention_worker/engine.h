@@ -24,8 +24,9 @@
 #include "attention_worker/model_inputs.h"
 #include "attention_worker/pattern_model.h"
 #include "attention_worker/sampler.h"
+#include "common/clock.h"
 #include "common/mli_schedule.h"
-#include "indexer_service/spin.h"
+#include "contracts/spin_config.h"
 #include "transport/indexer_client.h"
 
 namespace dsa {
@@ -62,6 +63,12 @@ struct AttentionEngineOptions {
   /// host. An indexer that cannot take the form (UNIMPLEMENTED: its SPIN settings, auditing, a
   /// dropped device) gets the layer again with host queries, and host queries from then on.
   bool device_selects = true;
+  /// The engine's time: the deadlines it gives its indexer clients (Now() plus
+  /// indexer_call_timeout or select_timeout) and the durations it reports (prefill, decode step,
+  /// selection waits). Its time base must be the clients': the system clock's for the gRPC,
+  /// in-process and NCCL clients (SystemClock, the default); a FakeClock only with fake clients
+  /// that read it too. Not owned; must outlive the engine.
+  const Clock* clock = &SystemClock();
   /// Optional: called for every attended row of every model layer during DecodeStep, on the
   /// calling thread, before the step returns (also for steps that fail later). Must be
   /// thread-safe when steps run concurrently. With an observer the backend copies its outputs out.
@@ -171,7 +178,7 @@ class AttentionEngine {
   /// `model`'s indexer layers must be the schedule's full layers (ModelShape::
   /// indexer_per_model_layer false) or its model layers (true); `metrics` may be null (otherwise
   /// it must have schedule.num_layers() layer labels and outlive the engine). Errors:
-  /// INVALID_ARGUMENT (layer counts differ, capacity, threads, no factory or model).
+  /// INVALID_ARGUMENT (layer counts differ, capacity, threads, no factory, model or clock).
   static absl::StatusOr<std::unique_ptr<AttentionEngine>> Create(
       MliSchedule schedule, std::unique_ptr<AttentionModel> model,
       IndexerClientFactory indexer_clients, AttentionEngineOptions options,
@@ -289,7 +296,9 @@ class AttentionEngine {
   absl::Status AppendKeys(IndexerClient& client, uint64_t sequence_id,
                           std::span<const uint64_t> prefix_block_ids, int64_t first_slot,
                           int64_t end_slot);
-  absl::Time IndexerDeadline() const { return absl::Now() + options_.indexer_call_timeout; }
+  absl::Time IndexerDeadline() const { return Now() + options_.indexer_call_timeout; }
+  // The engine's clock (AttentionEngineOptions::clock).
+  absl::Time Now() const { return options_.clock->Now(); }
 
   // KV capacity accounting (slots over all sequences, each sequence's rounded up to the backend's
   // slot granularity: Footprint).

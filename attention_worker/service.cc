@@ -22,10 +22,10 @@ namespace av1 = ::dsa::attention::v1;
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
+double SecondsSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
 absl::StatusOr<PrefillSpec> ToPrefillSpec(const av1::PrefillRequest& request) {
@@ -153,7 +153,7 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
 grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
                                                 const av1::PrefillRequest* request,
                                                 av1::PrefillResponse* response) {
-  const Clock::time_point start = Clock::now();
+  const SteadyClock::time_point start = SteadyClock::now();
   // The indexer calls of this prefill carry the caller's trace (common/trace_context.h).
   std::optional<TraceContext> trace;
   if (context != nullptr) {
@@ -177,7 +177,7 @@ grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
 grpc::Status AttentionServiceImpl::DecodeStep(grpc::ServerContext* context,
                                               const av1::DecodeStepRequest* request,
                                               av1::DecodeStepResponse* response) {
-  const Clock::time_point start = Clock::now();
+  const SteadyClock::time_point start = SteadyClock::now();
   const std::string caller = Caller(context);
   std::vector<StepMember> members;
   members.reserve(request->sequences_size());

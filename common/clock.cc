@@ -14,10 +14,20 @@ class SteadyClock final : public Clock {
   }
 };
 
+class AbslClock final : public Clock {
+ public:
+  absl::Time Now() const override { return absl::Now(); }
+};
+
 }  // namespace
 
 Clock& RealClock() {
   static Clock* const clock = new SteadyClock();
+  return *clock;
+}
+
+Clock& SystemClock() {
+  static Clock* const clock = new AbslClock();
   return *clock;
 }
 

@@ -21,6 +21,12 @@ class Clock {
 /// A static object: never destroyed, safe from any thread.
 Clock& RealClock();
 
+/// The system clock (absl::Now()): not monotonic, but the time base of the absolute deadlines
+/// that gRPC, absl's waits and the transports (transport/selection_transport.h,
+/// transport/indexer_client.h) take, so the clock of code that hands them deadlines. A static
+/// object: never destroyed, safe from any thread.
+Clock& SystemClock();
+
 /// A clock that stands still until Advance or Set moves it (tests). Starts at absl::UnixEpoch()
 /// plus one hour. Thread-safe.
 class FakeClock final : public Clock {

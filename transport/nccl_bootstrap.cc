@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
+#include "contracts/grpc_status.h"
 #include "grpcpp/grpcpp.h"
 
 namespace dsa {
@@ -14,7 +14,7 @@ namespace v1 = ::dsa::indexer::v1;
 
 absl::StatusOr<std::unique_ptr<NcclSelectionTransport>> ConnectNcclSelectionTransport(
     v1::IndexerService::StubInterface& stub, const NcclConnectOptions& options) {
-  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  const absl::Time deadline = options.transport.clock->Now() + options.connect_timeout;
   if (cudaError_t e = cudaSetDevice(options.link.cuda_device); e != cudaSuccess) {
     return CudaError("cudaSetDevice", e);
   }
@@ -43,8 +43,7 @@ absl::StatusOr<std::unique_ptr<NcclSelectionTransport>> ConnectNcclSelectionTran
   context.set_deadline(absl::ToChronoTime(deadline));
   const grpc::Status rpc = stub.OpenDataPlane(&context, request, &response);
   if (!rpc.ok()) {
-    const absl::Status status(static_cast<absl::StatusCode>(rpc.error_code()),
-                              absl::StrCat("OpenDataPlane: ", rpc.error_message()));
+    const absl::Status status = FromGrpcStatus(rpc, "OpenDataPlane");
     (*link)->Abort(status);
     return status;
   }

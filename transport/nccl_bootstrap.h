@@ -23,7 +23,8 @@ struct NcclConnectOptions {
   NcclTransportOptions transport{};
   int num_heads = 64;  // H of the queries this worker sends (checked by the indexer)
   int head_dim = 128;  // D
-  /// Bound on the whole bootstrap (the RPC and both ranks joining).
+  /// Bound on the whole bootstrap (the RPC and both ranks joining), on transport.clock (whose time
+  /// base must be the system clock's here: the deadline is also the RPC's).
   absl::Duration connect_timeout = absl::Seconds(30);
   std::string attention_worker;  // a name for the indexer's logs
 };

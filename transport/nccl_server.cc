@@ -80,7 +80,7 @@ bool NcclSelectionServer::serving() const {
 absl::Status NcclSelectionServer::Wait(absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!done_) {
-    if (ended_.wait_for(lock, absl::ToChronoNanoseconds(deadline - absl::Now())) ==
+    if (ended_.wait_for(lock, absl::ToChronoNanoseconds(deadline - options_.clock->Now())) ==
             std::cv_status::timeout &&
         !done_) {
       return absl::DeadlineExceededError("the NCCL selection server is still serving");
@@ -103,7 +103,7 @@ void NcclSelectionServer::Serve() {
   while (status.ok() && !closed) status = ServeOne(&closed);
   if (stop_) status = absl::CancelledError("the NCCL selection server was stopped");
   if (closed && status.ok()) {
-    status = link_->Release(NcclEndpoint::kIndexer, absl::Now() + options_.peer_timeout);
+    status = link_->Release(NcclEndpoint::kIndexer, options_.clock->Now() + options_.peer_timeout);
   } else {
     link_->Abort(status);  // the peer must not wait for answers that will not come
   }
@@ -120,8 +120,8 @@ absl::Status NcclSelectionServer::ServeOne(bool* closed) {
                                                             .copy_bytes = kWireHeaderBytes,
                                                             .done = header_done_}));
   while (true) {
-    absl::Status waited =
-        link_->Wait(NcclEndpoint::kIndexer, header_seq, header_done_, absl::Now() + kIdleCheck);
+    absl::Status waited = link_->Wait(NcclEndpoint::kIndexer, header_seq, header_done_,
+                                      options_.clock->Now() + kIdleCheck);
     if (waited.ok()) break;
     if (waited.code() != absl::StatusCode::kDeadlineExceeded) return waited;
     if (stop_) return absl::CancelledError("the NCCL selection server was stopped");
@@ -146,7 +146,7 @@ absl::Status NcclSelectionServer::ServeOne(bool* closed) {
   DSA_RETURN_IF_ERROR(host_answer_.Reserve(header->response_bytes));
   DSA_RETURN_IF_ERROR(device_answer_.Reserve(header->response_bytes));
 
-  const absl::Time deadline = absl::Now() + options_.peer_timeout;
+  const absl::Time deadline = options_.clock->Now() + options_.peer_timeout;
   auto lost = [&](const absl::Status& waited, const char* what) {
     if (waited.code() != absl::StatusCode::kDeadlineExceeded) return waited;
     return absl::UnavailableError(absl::StrCat("the attention side ", what, " request ",
@@ -177,7 +177,7 @@ absl::Status NcclSelectionServer::ServeOne(bool* closed) {
                                                             .copy_bytes = header->response_bytes,
                                                             .done = answer_done_}));
   if (absl::Status s = link_->Wait(NcclEndpoint::kIndexer, answer_seq, answer_done_,
-                                   absl::Now() + options_.peer_timeout);
+                                   options_.clock->Now() + options_.peer_timeout);
       !s.ok()) {
     return lost(s, "did not take the answer to");
   }
@@ -284,7 +284,7 @@ absl::Status NcclDataPlanes::Open(const v1::OpenDataPlaneRequest& request,
     DSA_ASSIGN_OR_RETURN(link, options_.join(unique_id));
   } else {
     DSA_ASSIGN_OR_RETURN(link, StartTwoRankNcclLink(unique_id, /*rank=*/1, options_.link));
-    DSA_RETURN_IF_ERROR(link->WaitReady(absl::Now() + options_.connect_timeout));
+    DSA_RETURN_IF_ERROR(link->WaitReady(options_.server.clock->Now() + options_.connect_timeout));
   }
   DSA_ASSIGN_OR_RETURN(
       std::unique_ptr<NcclSelectionServer> server,

@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "dsa/indexer/v1/indexer.pb.h"
 #include "indexer_service/data_plane.h"
 #include "indexer_service/indexer.h"
@@ -43,6 +44,10 @@ struct NcclServerOptions {
   /// Once a request's header has arrived, its payload must arrive and its answer be taken within
   /// this long, else the peer is lost (UNAVAILABLE, link aborted).
   absl::Duration peer_timeout = absl::Seconds(10);
+  /// The clock of peer_timeout, of the idle checks and of the deadlines Wait takes (NcclDataPlanes:
+  /// also of connect_timeout). Its time base must be the link's (NcclLink waits on the system
+  /// clock): SystemClock, the default, outside tests. Not owned; must outlive the server.
+  const Clock* clock = &SystemClock();
 };
 
 /// Thread-safe (Stop, Wait and the counters from any thread).

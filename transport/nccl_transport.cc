@@ -80,7 +80,7 @@ absl::StatusOr<uint64_t> NcclSelectionTransport::Submit(LayerSelectRequest reque
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (closing_ || closed_) return absl::UnavailableError("the NCCL transport is closed");
-  ReapLocked(absl::Now());
+  ReapLocked(options_.clock->Now());
   if (!failed_.ok()) return failed_;
   if (static_cast<int>(slots_.size()) >= options_.max_outstanding) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -117,7 +117,7 @@ absl::StatusOr<uint64_t> NcclSelectionTransport::Submit(LayerSelectRequest reque
   slot->answer_bytes = sizes->response_bytes;
   slot->rows.clear();
   for (const SelectRowGroup& group : request.groups) slot->rows.push_back(group.num_rows);
-  slot->submitted = absl::Now();
+  slot->submitted = options_.clock->Now();
   slot->answered_seen = slot->failed = slot->forgotten = false;
 
   // Header (the whole message is staged with it), payload, then the answer's receive.
@@ -235,8 +235,8 @@ absl::StatusOr<LayerSelection> NcclSelectionTransport::Await(uint64_t request_id
       FailLocked(waited);
       continue;  // reports failed_ above
     }
-    if (absl::Now() >= peer_deadline && !slot->answered_seen) {
-      ReapLocked(absl::Now());  // fails the link: the peer is lost
+    if (options_.clock->Now() >= peer_deadline && !slot->answered_seen) {
+      ReapLocked(options_.clock->Now());  // fails the link: the peer is lost
       continue;
     }
     if (!slot->answered_seen) {
@@ -256,7 +256,7 @@ void NcclSelectionTransport::Forget(uint64_t request_id) {
   auto it = slots_.find(request_id);
   if (it == slots_.end()) return;
   it->second->forgotten = true;
-  ReapLocked(absl::Now());
+  ReapLocked(options_.clock->Now());
 }
 
 absl::Status NcclSelectionTransport::Close() {
@@ -270,7 +270,7 @@ absl::Status NcclSelectionTransport::Close() {
       if (!slot->answered_seen && !slot->failed) in_flight.push_back(slot);
     }
   }
-  const absl::Time deadline = absl::Now() + options_.close_timeout;
+  const absl::Time deadline = options_.clock->Now() + options_.close_timeout;
   absl::Status status;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "transport/nccl_comm_impl.h"
 #include "transport/nccl_wire.h"
 #include "transport/selection_transport.h"
@@ -34,6 +35,10 @@ struct NcclTransportOptions {
   absl::Duration peer_timeout = absl::Seconds(10);
   /// Bound on Close: waiting for the outstanding answers, sending the close message, finalizing.
   absl::Duration close_timeout = absl::Seconds(5);
+  /// The clock of peer_timeout and close_timeout, and of the deadlines Await takes. Its time base
+  /// must be the link's (NcclLink waits on the system clock): SystemClock, the default, outside
+  /// tests. Not owned; must outlive the transport.
+  const Clock* clock = &SystemClock();
 };
 
 /// Thread-safe: any thread may Submit and Await (NCCL calls are serialized by the link).

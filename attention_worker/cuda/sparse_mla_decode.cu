@@ -667,9 +667,10 @@ __device__ inline void WaitAndIssueQk(float (&qk)[kQkChains][16], uint64_t q_des
   }
 }
 
-// Experiment switches (docs/attention_gpu.md, step 5; DSA_ATTENTION_SKIP in the launcher): leave
-// out S's wgmma, P V's wgmma, or the gathers past a split's first two tiles. Wrong results; for
-// timing differences only.
+// Experiment switches (docs/attention_gpu.md, steps 5 and 7): leave out S's wgmma, P V's wgmma, or
+// the gathers past a split's first two tiles. Wrong results; for timing differences only. The
+// library runs kSkip 0 without kPanelWait; only bench_gpu_attention's own build of this file
+// (DSA_SPARSE_MLA_DECODE_EXPERIMENTS, bench/CMakeLists.txt) picks another variant (WgmmaKernel).
 constexpr int kSkipQk = 1, kSkipPv = 2, kSkipGather = 4;
 
 template <int kSkip, bool kPanelWait>
@@ -1043,34 +1044,51 @@ bool CanImplementSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params,
   return true;
 }
 
+namespace {
+
+using WgmmaKernelFn = void (*)(SparseMlaDecodeParams, int, float*, float*);
+
+// The wgmma kernel the launcher runs. *experiment: whether it is an experiment switch's variant.
+WgmmaKernelFn WgmmaKernel(bool* experiment) {
+#ifdef DSA_SPARSE_MLA_DECODE_EXPERIMENTS
+  // bench_gpu_attention's build only (read once): DSA_ATTENTION_PANEL_WAIT=1, S waits for the
+  // gather panel by panel (step 7); else DSA_ATTENTION_SKIP=1|2|4 leaves a part out (kSkipQk ...).
+  static const int skip = [] {
+    const char* value = std::getenv("DSA_ATTENTION_SKIP");
+    return value == nullptr ? 0 : std::atoi(value);
+  }();
+  static const bool panel_wait = [] {
+    const char* value = std::getenv("DSA_ATTENTION_PANEL_WAIT");
+    return value != nullptr && std::atoi(value) != 0;
+  }();
+  *experiment = panel_wait || skip == kSkipQk || skip == kSkipPv || skip == kSkipGather;
+  return panel_wait            ? SparseMlaDecodeWgmmaKernel<0, true>
+         : skip == kSkipQk     ? SparseMlaDecodeWgmmaKernel<kSkipQk, false>
+         : skip == kSkipPv     ? SparseMlaDecodeWgmmaKernel<kSkipPv, false>
+         : skip == kSkipGather ? SparseMlaDecodeWgmmaKernel<kSkipGather, false>
+                               : SparseMlaDecodeWgmmaKernel<0, false>;
+#else
+  *experiment = false;
+  return SparseMlaDecodeWgmmaKernel<0, false>;
+#endif
+}
+
+}  // namespace
+
 cudaError_t LaunchSparseMlaDecodeTensorCores(const SparseMlaDecodeParams& params,
                                              cudaStream_t stream) {
   if (!CanImplementSparseMlaDecodeTensorCores(params)) return cudaErrorInvalidValue;
   if (params.num_rows == 0) return cudaSuccess;
   const bool wgmma = params.mma != SparseMlaMma::kMmaSync;
-  // DSA_ATTENTION_SKIP=1|2|4 (read once): an experiment switch of the wgmma kernel (kSkipQk ...).
-  static const int skip = [] {
-    const char* value = std::getenv("DSA_ATTENTION_SKIP");
-    return value == nullptr ? 0 : std::atoi(value);
-  }();
-  // DSA_ATTENTION_PANEL_WAIT=1 (read once): S waits for the gather panel by panel (step 7).
-  static const bool panel_wait = [] {
-    const char* value = std::getenv("DSA_ATTENTION_PANEL_WAIT");
-    return value != nullptr && std::atoi(value) != 0;
-  }();
-  auto* kernel = !wgmma                ? SparseMlaDecodeTensorCoreKernel
-                 : panel_wait          ? SparseMlaDecodeWgmmaKernel<0, true>
-                 : skip == kSkipQk     ? SparseMlaDecodeWgmmaKernel<kSkipQk, false>
-                 : skip == kSkipPv     ? SparseMlaDecodeWgmmaKernel<kSkipPv, false>
-                 : skip == kSkipGather ? SparseMlaDecodeWgmmaKernel<kSkipGather, false>
-                                       : SparseMlaDecodeWgmmaKernel<0, false>;
+  bool experiment = false;
+  auto* kernel = wgmma ? WgmmaKernel(&experiment) : SparseMlaDecodeTensorCoreKernel;
   const int smem_bytes = wgmma ? kWgSmemBytes : kSmemBytes;
   // The shared-memory opt-in, once a device and kernel.
   constexpr int kMaxDevices = 64;
-  static std::atomic<bool> configured[kMaxDevices][2];  // [device][wgmma]: set for skip 0 only
+  static std::atomic<bool> configured[kMaxDevices][2];  // [device][wgmma]: not for experiments
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (skip != 0 || panel_wait || device >= kMaxDevices ||
+  if (experiment || device >= kMaxDevices ||
       !configured[device][wgmma].load(std::memory_order_acquire)) {
     if (cudaError_t e =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);

@@ -19,6 +19,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "attention_worker/cpu_attention_backend.h"
+#include "common/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
@@ -56,8 +57,10 @@ class FakeTransport final : public SelectionTransport {
     requests_[id] = std::move(request);
     return id;
   }
-  absl::StatusOr<LayerSelection> Await(uint64_t id, absl::Time /*deadline*/) override {
+  absl::StatusOr<LayerSelection> Await(uint64_t id, absl::Time deadline) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    deadlines.push_back(deadline);
+    if (clock != nullptr) clock->Advance(await_takes);
     auto it = requests_.find(id);
     if (it == requests_.end()) return absl::NotFoundError("unknown id");
     const LayerSelectRequest request = std::move(it->second);
@@ -91,6 +94,9 @@ class FakeTransport final : public SelectionTransport {
 
   absl::Status submit_failure;                  // non-OK: every Submit fails with it
   std::map<int, absl::Status> answer_failures;  // full layer -> its Await's status
+  FakeClock* clock = nullptr;                   // when set, each Await advances it by await_takes
+  absl::Duration await_takes;
+  std::vector<absl::Time> deadlines;  // each Await's, in order
 
  private:
   Log* log_;
@@ -208,6 +214,7 @@ class EngineTest : public ::testing::Test {
     backend_ = backend.get();
     AttentionEngineOptions options;
     options.kv_capacity_slots = 10000;
+    options.clock = &clock_;
     options.observer = [this](const AttendedRow& row) {
       std::lock_guard<std::mutex> lock(observed_mutex_);
       observed_.push_back(row.model_layer * 1000 + row.attended_full_layer * 10 +
@@ -243,6 +250,7 @@ class EngineTest : public ::testing::Test {
     return events;
   }
 
+  FakeClock clock_;  // the engine's; moves only when a test or a fake moves it
   Log log_;
   std::map<uint64_t, int64_t> backend_slots_;
   FakeBackend* backend_ = nullptr;
@@ -359,6 +367,29 @@ TEST_F(EngineTest, ADeadlineForgetsTheRequestAndBreaksTheSequence) {
   EXPECT_NE(std::find(log.begin(), log.end(), "forget 1"), log.end());
   // The outcome on the indexer is unknown: the sequence is broken.
   EXPECT_NE(step.status().message().find("sequences 1 may have advanced"), std::string::npos);
+}
+
+// The engine's time is its clock's: a select's deadline is the clock's reading plus
+// select_timeout, and a layer's selection wait is what the clock moved while it waited (here only
+// the fake's awaits move it, 7 ms each).
+TEST_F(EngineTest, DeadlinesAndSelectionWaitsAreReadOnTheEnginesClock) {
+  // FSFS, k = 1: every layer attends rank 0 (awaited at layer 0); rank 1 is collected at the end.
+  Start("FSFS", 1);
+  MustPrefill(1, 100);
+  FakeTransport& transport = clients_[0]->transport;
+  transport.clock = &clock_;
+  transport.await_takes = absl::Milliseconds(7);
+  const absl::Time start = clock_.Now();
+  const StepMember member{1, 1};
+  auto step = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  const absl::Duration timeout = AttentionEngineOptions().select_timeout;
+  EXPECT_EQ(transport.deadlines,
+            (std::vector<absl::Time>{start + timeout, start + absl::Milliseconds(7) + timeout}));
+  ASSERT_EQ(step->selection_wait_seconds.size(), 4u);
+  EXPECT_DOUBLE_EQ(step->selection_wait_seconds[0], 0.007);
+  for (int l = 1; l < 4; ++l) EXPECT_EQ(step->selection_wait_seconds[l], 0) << l;
+  EXPECT_EQ(clock_.Now(), start + absl::Milliseconds(14));
 }
 
 TEST_F(EngineTest, ABackendOutOfMemoryFailsTheStepWithNothingChanged) {

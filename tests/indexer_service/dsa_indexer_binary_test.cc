@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
@@ -37,6 +36,7 @@ using dsa::testing::HttpGetMetrics;
 using dsa::testing::Process;
 using dsa::testing::ReflectionListServices;
 using dsa::testing::WaitExit;
+using dsa::testing::WatchHealthUntil;
 
 Process Start(const std::vector<std::string>& flags) {
   return dsa::testing::StartServer(DSA_INDEXER_BINARY, flags);
@@ -102,11 +102,7 @@ TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {
 
   // SIGTERM: readiness turns NOT_SERVING while the server still answers, then it exits cleanly.
   ASSERT_EQ(kill(process.pid, SIGTERM), 0);
-  int readiness = 1;
-  for (int i = 0; i < 100 && readiness == 1; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    readiness = HealthStatus(channel, "readiness");
-  }
+  const int readiness = WatchHealthUntil(channel, "readiness", 2, std::chrono::seconds(1));
   EXPECT_EQ(readiness, 2);
   EXPECT_EQ(HealthStatus(channel, ""), 2);  // the unnamed service follows readiness
   EXPECT_EQ(HealthStatus(channel, "liveness"), 1);

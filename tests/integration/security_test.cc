@@ -21,7 +21,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -404,11 +403,7 @@ TEST_F(SecurityTest, CoordinatorTokensAuthenticateRoutersAndGuardTheirRequests) 
   // Wait until the coordinator is ready (both workers checked over mutual TLS).
   {
     const auto channel = Dial(coordinator.address, pki_->ca(), {}, "token-of-a");
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (dsa::testing::HealthStatus(channel, "readiness") != 1 &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    (void)dsa::testing::WatchHealthUntil(channel, "readiness", 1, std::chrono::seconds(20));
     ASSERT_EQ(dsa::testing::HealthStatus(channel, "readiness"), 1);
   }
   auto generate_request = [](const std::string& id, int64_t max_new) {

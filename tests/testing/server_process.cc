@@ -9,7 +9,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <thread>
+#include <cerrno>
+#include <future>
 
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/support/sync_stream.h"
@@ -19,8 +20,6 @@
 extern char** environ;
 
 namespace dsa::testing {
-
-using Clock = std::chrono::steady_clock;
 
 Process StartServer(const std::string& binary_path, const std::vector<std::string>& flags) {
   int out[2];
@@ -80,16 +79,20 @@ Process StartServer(const std::string& binary_path, const std::vector<std::strin
 
 // Waits up to `timeout` for the process to exit; its exit code, or -1 on timeout (then killed).
 int WaitExit(pid_t pid, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
+  // The exit itself is the event: waitpid blocks on a thread of its own, and a timeout kills the
+  // process, which ends that wait.
+  std::future<int> exited = std::async(std::launch::async, [pid] {
     int status = 0;
-    if (waitpid(pid, &status, WNOHANG) == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+    pid_t waited = -1;
+    do {
+      waited = waitpid(pid, &status, 0);
+    } while (waited < 0 && errno == EINTR);
+    if (waited != pid) return -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  });
+  if (exited.wait_for(timeout) == std::future_status::ready) return exited.get();
   kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
+  exited.get();  // reaped
   return -1;
 }
 
@@ -97,6 +100,40 @@ int WaitExit(pid_t pid, std::chrono::milliseconds timeout) {
 // (service name), response field 1 (status: 1 SERVING, 2 NOT_SERVING). -1 when the call fails.
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
   return CheckHealthStatus(*channel, service, std::chrono::seconds(5), /*wait_for_ready=*/false);
+}
+
+// grpc.health.v1.Health/Watch by hand, as HealthStatus: each answer's field 1 is a status.
+int WatchHealthUntil(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                     int until, std::chrono::milliseconds timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Watch",
+                                         grpc::internal::RpcMethod::SERVER_STREAMING);
+  std::string request = {'\x0a', static_cast<char>(service.size())};
+  request += service;
+  grpc::Slice slice(request);
+  const grpc::ByteBuffer request_buffer(&slice, 1);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), method, &context,
+                                                                    request_buffer));
+  int last = -1;
+  grpc::ByteBuffer response_buffer;
+  while (last != until && stream->Read(&response_buffer)) {
+    std::vector<grpc::Slice> slices;
+    if (!response_buffer.Dump(&slices).ok()) break;
+    std::string response;
+    for (const grpc::Slice& s : slices) {
+      response.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    if (response.empty()) {
+      last = 0;  // UNKNOWN, the default value
+    } else if (response.size() == 2 && response[0] == '\x08') {
+      last = static_cast<unsigned char>(response[1]);
+    }
+  }
+  context.TryCancel();
+  (void)stream->Finish();
+  return last;
 }
 
 // The raw bytes of a grpc.reflection.v1alpha list_services answer (no generated reflection stubs

@@ -35,6 +35,13 @@ int WaitExit(pid_t pid, std::chrono::milliseconds timeout);
 /// grpc.health.v1.Health/Check of `service`: 1 SERVING, 2 NOT_SERVING, 0 UNKNOWN, -1 call failed.
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service);
 
+/// grpc.health.v1.Health/Watch of `service`: reads the statuses the server sends (the current
+/// one, then each change) until one is `until` or `timeout` passes; the last status read (1
+/// SERVING, 2 NOT_SERVING, 0 UNKNOWN, 3 SERVICE_UNKNOWN), -1 when none was. Waits for the change
+/// itself rather than polling Check.
+int WatchHealthUntil(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
+                     int until, std::chrono::milliseconds timeout);
+
 /// The raw bytes of a grpc.reflection.v1alpha list_services answer (holds the service names).
 std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel);
 

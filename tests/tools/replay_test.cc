@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -322,6 +323,11 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
     v1::GenerateEvent admitted;
     admitted.mutable_admitted()->set_prefix_slots_reused(512 * request->prefix_block_ids_size());
     writer->Write(admitted);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++admitted_;
+    }
+    admitted_cv_.notify_all();
     const bool real = model.vocab_size() > 0;
     int64_t position = request->has_context_tokens() ? request->context_tokens().tokens_size()
                                                      : request->context_length();
@@ -387,12 +393,19 @@ class FakeCoordinator final : public v1::CoordinatorService::Service {
     return arrivals_.at(id);
   }
   int load_calls() const { return load_calls_; }
+  /// Waits until `n` streams have been sent their Admitted event, or `timeout`; whether they were.
+  bool AwaitAdmitted(int n, std::chrono::seconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return admitted_cv_.wait_for(lock, timeout, [&] { return admitted_ >= n; });
+  }
 
  private:
   std::atomic<int> open_{0};
   std::atomic<int> load_calls_{0};
   std::mutex mutex_;
   int max_open_ = 0;
+  int admitted_ = 0;
+  std::condition_variable admitted_cv_;  // notified as admitted_ grows
   std::vector<v1::GenerateRequest> received_;
   std::map<std::string, Clock::time_point> arrivals_;
 };
@@ -523,8 +536,9 @@ TEST_F(FakeCoordinatorTest, StopCancelsStreamsInFlight) {
   options.stop = &stop;
   std::vector<TraceRequest> requests = Trace(6, 0);
   for (TraceRequest& request : requests) request.output_tokens = 1000;  // 25 s of 50 ms steps
-  std::thread stopper([&stop] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::thread stopper([this, &stop] {
+    // Both streams in flight (max_in_flight 2), each with 25 s of steps to go.
+    EXPECT_TRUE(fake_.AwaitAdmitted(2, std::chrono::seconds(20)));
     stop = true;
   });
   const auto started = Clock::now();

@@ -8,13 +8,11 @@
 #include "transport/nccl_transport.h"
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -235,25 +233,30 @@ TEST_F(NcclTransportTest, ARefusalKeepsItsStatusAndGroupsAppliedAndOthersGoOn) {
 }
 
 TEST_F(NcclTransportTest, DeadlinesForgetAndOrder) {
-  std::atomic<int> slow_ms{0};
+  // The first request's answer waits at the gate until the test opens it.
+  Gate first_answer;
+  std::atomic<bool> gated{true};
   auto server = NcclSelectionServer::StartWithHandler(
       [&](const LayerSelectRequest& request, int*) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms.load()));
+        if (gated.exchange(false)) first_answer.Pass();
         return absl::StatusOr<LayerSelection>(EchoSelection(request));
       },
       link_, {});
   ASSERT_TRUE(server.ok()) << server.status();
   NcclSelectionTransport nccl(link_, {.max_outstanding = 4});
-  slow_ms = 300;
+  struct OpenAtEnd {  // a failed assertion must not leave the server's thread at the gate
+    Gate& gate;
+    ~OpenAtEnd() { gate.Release(); }
+  } open_at_end{first_answer};
   auto slow = nccl.Submit(Step({7}, 0, 11, 1));
   ASSERT_TRUE(slow.ok());
   // The caller's deadline: DEADLINE_EXCEEDED, the request stays awaitable.
   auto early = nccl.Await(*slow, absl::Now() + absl::Milliseconds(20));
   EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
+  first_answer.Release();
   auto late = nccl.Await(*slow, absl::Now() + absl::Seconds(30));
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_EQ(late->groups[0].selections[0], 11);
-  slow_ms = 0;
   // Forgotten requests are still received in order; the others get their own answers.
   std::vector<uint64_t> ids;
   for (int i = 0; i < 4; ++i) {

@@ -11,12 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "attention_worker/pattern_model.h"
-#include "attention_worker/predictor_study.h"
 #include "common/status_macros.h"
 #include "coordinator/acceptance_model.h"
 #include "indexer_service/indexer.h"
 #include "indexer_service/topk.h"
 #include "tools/dsa/pattern_fit.h"
+#include "tools/dsa/predictor_study.h"
 #include "tools/dsa/replay.h"
 
 namespace dsa {

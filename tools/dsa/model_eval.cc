@@ -36,10 +36,10 @@
 namespace dsa {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
 
-double SecondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
+double SecondsSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
 // -log softmax(logits)[target], in double.
@@ -532,7 +532,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
                                              void (*progress)(const std::string&),
                                              const ModelEvalCheckpoint& checkpoint) {
   DSA_RETURN_IF_ERROR(ValidateModelEvalOptions(options));
-  const auto start = Clock::now();
+  const auto start = SteadyClock::now();
   // Everything a run could be refused for is checked before the first arm runs.
   std::vector<NeedleCase> cases;
   if (!options.needles_file.empty()) {
@@ -591,7 +591,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
       real[i].assign(heldout.begin() + offset, heldout.begin() + offset + window);
     }
     // Dense: the real continuations' NLL, and the greedy continuations (generated and scored).
-    const auto dense_start = Clock::now();
+    const auto dense_start = SteadyClock::now();
     std::vector<std::vector<int32_t>> contexts;
     contexts.reserve(real.size());
     for (const auto& r : real) contexts.emplace_back(r.begin(), r.begin() + context);
@@ -624,7 +624,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
         cell.greedy_perplexity = dense_greedy.Perplexity();
         cell.seconds = SecondsSince(dense_start);
       } else {
-        const auto arm_start = Clock::now();
+        const auto arm_start = SteadyClock::now();
         std::vector<std::vector<int32_t>> sequences = real;
         std::vector<int> kind(real.size(), 0);
         if (options.greedy_continuations) {
@@ -710,7 +710,7 @@ absl::StatusOr<ModelEvalReport> RunModelEval(const ModelEvalOptions& options,
       // A pass key is answered one row a step; a speculative arm would repeat its base arm.
       if (arm.draft_length > 0) continue;
       for (const auto& [length, group] : needles_by_length) {
-        const auto arm_start = Clock::now();
+        const auto arm_start = SteadyClock::now();
         DSA_ASSIGN_OR_RETURN(std::vector<std::vector<int32_t>> answers,
                              AnswerNeedles(runner, arm, options, group));
         int found = 0;

@@ -1,7 +1,7 @@
 // Tests of the predictor study: the evaluation arithmetic on hand-made traces, and SPIN Table 1's
 // qualitative picture (plus sinks, vertical lines, diagonals, recency, topic shifts) on the
 // pattern model's dense scores at N = 8192, T = 32, K = 512, 4 layers, H = 64, D = 128.
-#include "attention_worker/predictor_study.h"
+#include "tools/dsa/predictor_study.h"
 
 #include <algorithm>
 #include <iostream>

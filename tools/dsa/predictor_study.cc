@@ -1,6 +1,6 @@
 // SPIN Table 1 on the pattern model: dense scores through the real cache, scoring and top-K, then
 // Pearson correlation and top-K recall of the random, prev-layer and prev-iter predictors.
-#include "attention_worker/predictor_study.h"
+#include "tools/dsa/predictor_study.h"
 
 #include <algorithm>
 #include <cmath>
