@@ -26,9 +26,9 @@ struct AttentionRowRef {
   int top_k = 0;  // K of device_selection
 };
 
-/// One full layer's device-resident select of a decode step (the co-located path, issue 10
-/// section 2): the indexer's queries generated on the backend's stream, and where the co-located
-/// indexer writes the selections (transport/selection_transport.h DeviceSelectBuffers).
+/// One full layer's device-resident select of a decode step (the co-located path): the indexer's
+/// queries generated on the backend's stream, and where the co-located indexer writes the
+/// selections (contracts/layer_select.h DeviceSelectBuffers).
 struct DeviceSelectSlot {
   const float* queries = nullptr;    // device fp32 [rows, H, D]: PatternModel::IndexerQuery's
   void* queries_ready = nullptr;     // cudaEvent_t, recorded after them on the backend's stream

@@ -56,7 +56,7 @@ struct AttentionEngineOptions {
   /// Threads that generate index keys during Prefill, and a large decode step's indexer inputs
   /// (>= 1).
   int prefill_threads = 2;
-  /// The co-located, device-resident path (issue 10 section 2): where the backend and an indexer
+  /// The co-located, device-resident path: where the backend and an indexer
   /// client's transport share a GPU (both device_ordinal() the same, >= 0), that indexer's selects
   /// go in device form: the indexer queries are generated on the backend's stream, the selections
   /// stay on the GPU, and the layer that attends one waits for it on the GPU (an event), not on the

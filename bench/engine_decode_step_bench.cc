@@ -1,4 +1,4 @@
-// The decode step through the product's own paths on one GPU (issue 10 section 4): the real
+// The decode step through the product's own paths on one GPU: the real
 // AttentionEngine with the CUDA attention backend (DeepSeek-V3.2's MLA decode shape) over an
 // Indexer with the CUDA scoring device on the same GPU, the pattern model as the model, every layer
 // full (r = 1) at lag depth 1. Each arm differs only in how selections travel:
@@ -12,7 +12,7 @@
 //              path: the indexer queries generated on the GPU, the selections left there, the
 //              attention stream waiting on their event at the layer that attends them)
 //   ceiling:   a transport that answers at once with a fixed valid selection (no indexer work)
-// With --remote-indexer ADDR (issue 11: the indexer worker on its own GPU, a dsa-indexer process
+// With --remote-indexer ADDR (the indexer worker on its own GPU, a dsa-indexer process
 // started by bench/run_two_gpu.sh) the engine's indexer is that process instead, control plane and
 // data plane, and the arms are:
 //   remote:        the attention worker's own client (--remote-transport nccl: NCCL data plane

@@ -1,4 +1,4 @@
-// bench_gpu_decode_step: a model's decode step, layer by layer, on one GPU (issue 10 section 4):
+// bench_gpu_decode_step: a model's decode step, layer by layer, on one GPU:
 // per layer the whole indexer select (indexer_service/cuda/select.h: H = 64, D = 128 fp8 paged
 // index keys, K = 2048), the sparse MLA decode over the selection it attends
 // (attention_worker/cuda/sparse_mla_decode.h: 128 heads, 576-dim bf16 paged latent) and the layer

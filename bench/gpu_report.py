@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""gpu_report: the results table and plot of one H200 benchmark run (issue 4, DESIGN.md 7).
+"""gpu_report: the results table and plot of one H200 benchmark run (DESIGN.md 7).
 
 Reads the JSON of one run of
   bench_gpu_indexer   (bench/gpu_indexer_bench.cu: scan, top-K, HBM floor)   --kernels
@@ -371,7 +371,7 @@ def markdown(args, kcopy, scopy, rows, sweeps, tg, notes):
         L.append("")
         L.append("No swept shape in --select (no shape with more than one SPIN rho).")
     L.append("")
-    L.append("## Targets (DESIGN.md 7, issue 4)")
+    L.append("## Targets (DESIGN.md 7)")
     L.append("")
     L.append("| target | measured | status | by how much |")
     L.append("|---|---|---|---|")

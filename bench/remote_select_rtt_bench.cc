@@ -1,4 +1,4 @@
-// The per-layer select round trip against a running dsa-indexer in another process (issue 11: the
+// The per-layer select round trip against a running dsa-indexer in another process (the
 // indexer worker on its own GPU), through the attention worker's own IndexerClients, one per data
 // plane, interleaved per iteration so that load hits all alike:
 //   grpc: the SelectStream (GrpcIndexerClient, as dsa-attention --transport grpc)

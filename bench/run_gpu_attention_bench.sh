@@ -4,7 +4,7 @@
 # split-count study and (unless DSA_ATTENTION_NCU=0) ncu counters of the wgmma kernel; logs and
 # JSON go to OUT_DIR, a short table is printed last. DSA_ATTENTION_STUDIES=0 skips the split study
 # and the parts left out. The bench also runs with DSA_ATTENTION_PANEL_WAIT=1 (step 7 of
-# docs/attention_gpu.md). The experiment switches (DSA_ATTENTION_PANEL_WAIT, DSA_ATTENTION_SKIP)
+# docs/history/attention_gpu_steps.md). The experiment switches (DSA_ATTENTION_PANEL_WAIT, DSA_ATTENTION_SKIP)
 # are read only by bench_gpu_attention's own build of the kernel; the library and its test ignore
 # them.
 #

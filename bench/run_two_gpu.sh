@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11 on two GPUs of one host: the indexer worker on GPU 1, the attention side on GPU 0,
+# The remote indexer on two GPUs of one host: the indexer worker on GPU 1, the attention side on GPU 0,
 # selections over NCCL (NVLink; multicast off: NCCL_NVLS_ENABLE=0), against the gRPC stream and
 # the same-GPU arms. Steps (DSA_TWO_GPU_STEPS, default "rtt decode_same decode_two faults replay";
 # "decode" is both decode steps), each writing into OUT (default docs/results/two_gpu);

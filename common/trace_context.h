@@ -1,5 +1,5 @@
 // W3C Trace Context (https://www.w3.org/TR/trace-context/) for the `traceparent` gRPC metadata
-// that links one request's calls across the coordinator and the workers (issue 13,
+// that links one request's calls across the coordinator and the workers (docs/reliability.md,
 // "Traceability"). Only the traceparent header is carried; tracestate is not.
 #pragma once
 

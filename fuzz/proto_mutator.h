@@ -1,7 +1,7 @@
-// Structured mutation for libFuzzer (issue 13, "libFuzzer"): the input is a serialized protobuf
-// message; most mutations parse it, change one field through reflection (a boundary or random
-// number, a flipped bool, an enum value in or out of range, a string or bytes field mutated by
-// libFuzzer, a repeated element added, removed or changed, a sub-message cleared or recursed
+// Structured mutation for libFuzzer (docs/reliability.md, "libFuzzer"): the input is a serialized
+// protobuf message; most mutations parse it, change one field through reflection (a boundary or
+// random number, a flipped bool, an enum value in or out of range, a string or bytes field mutated
+// by libFuzzer, a repeated element added, removed or changed, a sub-message cleared or recursed
 // into) and serialize it again, so that the harness sees valid messages a field away from its
 // seeds. The rest are libFuzzer's own byte mutations, so malformed wire data is tried too.
 // (No protobuf mutator library is packaged for Debian 12; this is the part of one we need.)

@@ -45,7 +45,7 @@ struct DeviceScoreSeconds {
 };
 
 /// A batch of selects whose indexer queries are already in the scoring device's memory and whose
-/// selections stay there (the co-located, device-resident path: issue 10 section 2, the MLI
+/// selections stay there (the co-located, device-resident path: the MLI
 /// paper's deferred stream). The producer (the attention worker, same GPU) records `inputs_ready`
 /// on its stream after writing the queries; the device's stream waits on it, runs the select,
 /// writes each job's selections to DeviceSpinJob::device_selections, records `selections_ready`

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine and service test suites under AddressSanitizer + UndefinedBehaviorSanitizer (issue 13,
+# The engine and service test suites under AddressSanitizer + UndefinedBehaviorSanitizer (docs/reliability.md,
 # docs/reliability.md "Sanitizers"): built with clang-14 in build-fuzz/ (the same instrumented
 # build the libFuzzer harnesses use: -fsanitize=address,undefined, no recovery, so their libraries
 # are compiled once for both) and run with CTest. Any sanitizer report fails its test, so the

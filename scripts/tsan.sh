@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The engine suites under ThreadSanitizer (issue 13, docs/reliability.md "Sanitizers").
+# The engine suites under ThreadSanitizer (docs/reliability.md "Sanitizers").
 #
 # Every engine locks with absl::Mutex, and Debian's libabsl is built without TSan's annotations, so
 # TSan sees no happens-before through it and reports every guarded access as a race. This script

@@ -1,7 +1,7 @@
-// Requests that do not parse (issue 13, "Hostile input"): every RPC of the three services answers
-// a message that is not a valid protobuf of its request type - malformed bytes, a wrong wire type,
-// a string field that is not UTF-8 - with INVALID_ARGUMENT and a message saying so, never gRPC's
-// bare INTERNAL or a stream that ends OK as if the client had half-closed.
+// Requests that do not parse (docs/reliability.md, "Hostile input"): every RPC of the three
+// services answers a message that is not a valid protobuf of its request type - malformed bytes, a
+// wrong wire type, a string field that is not UTF-8 - with INVALID_ARGUMENT and a message saying
+// so, never gRPC's bare INTERNAL or a stream that ends OK as if the client had half-closed.
 //
 // Unary and server-streaming methods: gRPC parses the request before the handler runs and, on
 // failure, answers INTERNAL with an empty message; ParseErrorInterceptorFactory's interceptor

@@ -1,7 +1,7 @@
-// One structured log line per RPC (issue 13, "Traceability"): every dsa server logs each call it
-// served with its method, status, duration, peer and the trace id of its `traceparent` metadata
-// (common/trace_context.h), so that one request's calls can be followed across the coordinator
-// and the workers by their common trace id.
+// One structured log line per RPC (docs/reliability.md, "Traceability"): every dsa server logs each
+// call it served with its method, status, duration, peer and the trace id of its `traceparent`
+// metadata (common/trace_context.h), so that one request's calls can be followed across the
+// coordinator and the workers by their common trace id.
 #pragma once
 
 #include <memory>

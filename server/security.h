@@ -1,4 +1,4 @@
-// Transport security of every gRPC hop (issue 13, docs/deploy.md "TLS, mutual TLS and bearer
+// Transport security of every gRPC hop (docs/deploy.md "TLS, mutual TLS and bearer
 // tokens"): TLS and mutual TLS from PEM files, bearer tokens for the router-facing API (gRPC's
 // AuthMetadataProcessor), the caller identity a server sees, and which caller owns a sequence.
 #pragma once
@@ -188,8 +188,8 @@ class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
 /// TLS without client certificates).
 std::string CallerIdentity(const grpc::ServerContext& context);
 
-/// Which caller owns each sequence (or request) of a server (issue 13, "Sequences belong to the
-/// caller that created them"). Ids are claimed when created and forgotten when released;
+/// Which caller owns each sequence (or request) of a server (docs/reliability.md, "Sequences belong
+/// to the caller that created them"). Ids are claimed when created and forgotten when released;
 /// thread-safe. Anonymous callers ("") share one identity, so a plaintext deployment behaves as
 /// before.
 class OwnerTable {

@@ -1,4 +1,4 @@
-// What every dsa server binary shares (issue 3, DESIGN.md section 5): the common flags, JSON logs
+// What every dsa server binary shares (DESIGN.md section 5): the common flags, JSON logs
 // on stderr, grpc.health.v1 with the "liveness" and "readiness" names, server reflection, the
 // Prometheus /metrics endpoint and the SIGTERM drain.
 #pragma once

@@ -1,4 +1,4 @@
-// The stand-in for the rest of a decode layer on the attention GPU (issue 10, section 3): the
+// The stand-in for the rest of a decode layer on the attention GPU: the
 // feed-forward / MoE block, projections and collectives of a DeepSeek-V3.2 layer replaced by a
 // real cuBLAS GEMM that reads a configurable number of weight bytes (bf16 weights [N, M] times the
 // batch's activations [rows, M]) and an optional fixed busy time (one spinning thread on

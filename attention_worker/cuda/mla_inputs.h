@@ -1,4 +1,4 @@
-// The attention side's MLA rows generated on the GPU (issue 10, section 3): KV latent rows written
+// The attention side's MLA rows generated on the GPU: KV latent rows written
 // into the paged bf16 pool through a block table, and the absorbed attention queries, bit-identical
 // to the CPU's MlaKvRow / MlaAttentionQuery (attention_worker/mla_kv.h) through the one element
 // definition of uniform_row.h. Framework-free: raw pointers, sizes, a stream, a cudaError_t back.

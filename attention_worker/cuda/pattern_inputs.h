@@ -1,4 +1,4 @@
-// The pattern model's indexer inputs generated on the GPU (issue 10, section 3): index keys (with
+// The pattern model's indexer inputs generated on the GPU: index keys (with
 // the shared-prefix-block rule of SequenceIndexKeys) and indexer queries, bit-identical to
 // PatternModel::IndexKeys / PrefixBlockIndexKeys / IndexerQuery (attention_worker/pattern_model.h)
 // for the same seed. The per-model tables come from PatternModel::Tables() and

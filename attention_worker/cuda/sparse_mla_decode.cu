@@ -561,7 +561,8 @@ __device__ inline void WgmmaPv(float (&d)[128], uint64_t desc_a, uint64_t desc_b
 
 // Accumulator chains of S = Q K^T: k-step ks accumulates into chain ks % kQkChains, their sum is
 // S. Four chains (so that consecutive wgmma do not wait on each other's accumulators) measured no
-// faster than one on the H200 (docs/attention_gpu.md, step 5): one, for the registers.
+// faster than one on the H200 (docs/history/attention_gpu_steps.md, step 5): one, for the
+// registers.
 constexpr int kQkChains = 1;
 
 // Issues S = Q K^T for this warpgroup's 32 slots of a stage (36 wgmma, one commit group; k-step
@@ -596,7 +597,7 @@ __device__ inline const uint8_t* TileSource(const SparseMlaDecodeParams& p, int 
              : nullptr;
 }
 // A tile's gather is committed as kGatherParts cp.async groups of 3 panels each (dims
-// [192 part, +192)), so S can start on the first panels while the last still arrive (step 7).
+// [192 part, +192)), so S can start on the first panels while the last still arrive.
 constexpr int kGatherParts = 3;
 constexpr int kStepsPerPart = kMlaKeyDim / 16 / kGatherParts;  // 12 k-steps of S a part
 
@@ -1052,7 +1053,7 @@ using WgmmaKernelFn = void (*)(SparseMlaDecodeParams, int, float*, float*);
 WgmmaKernelFn WgmmaKernel(bool* experiment) {
 #ifdef DSA_SPARSE_MLA_DECODE_EXPERIMENTS
   // bench_gpu_attention's build only (read once): DSA_ATTENTION_PANEL_WAIT=1, S waits for the
-  // gather panel by panel (step 7); else DSA_ATTENTION_SKIP=1|2|4 leaves a part out (kSkipQk ...).
+  // gather panel by panel; else DSA_ATTENTION_SKIP=1|2|4 leaves a part out (kSkipQk ...).
   static const int skip = [] {
     const char* value = std::getenv("DSA_ATTENTION_SKIP");
     return value == nullptr ? 0 : std::atoi(value);

@@ -1,4 +1,4 @@
-// Sparse MLA decode on the GPU (issue 10, section 3): each decode row's 128 query heads attend the
+// Sparse MLA decode on the GPU: each decode row's 128 query heads attend the
 // K latent rows its selection names in a paged MLA KV cache, in DeepSeek-V3.2's decode shape (the
 // heads share one 576-dim latent key per slot; the value is its first 512 dims). The CPU
 // reference is dsa::MlaSparseDecode (attention_worker/mla_sparse_attention.h), on the same bytes.

@@ -4,7 +4,7 @@
 // waits in hardware (griddepcontrol.wait) for that kernel's completion and memory flush, instead of
 // being launched only after it. The select is a chain of up to ten dependent kernels (select.cu);
 // at one row most of them take a few microseconds, so the gaps between them are a large part of
-// the whole (docs/gpu_kernels.md, step 15).
+// the whole (docs/history/gpu_kernels_steps.md, step 15).
 //
 // The contract every kernel launched by LaunchDependent keeps: it calls BeginDependentKernel()
 // in every thread before its first read of memory that an earlier kernel on the stream writes,

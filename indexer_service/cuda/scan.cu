@@ -239,7 +239,7 @@ ScanQueryPrep ResolveQueryPrep(const ScanParams& p) {
 // scan of steps 2-8 had (commit 5cc5a70), but the MMA is one warpgroup's asynchronous
 // wgmma.m64nNk16 (f16 in, fp32 accumulation): A = the block's 64 keys (M = 64 slots, warp w owns
 // slots [16 w, 16 w + 16) as before), widened to f16 in registers exactly as before; B = the row's
-// f16 query (K = head_dim, N = num_heads / 2: two halves, step 12) in shared memory, read by the
+// f16 query (K = head_dim, N = num_heads / 2: two halves) in shared memory, read by the
 // tensor cores through a matrix descriptor. A block is head_dim / 16 wgmma instructions a warpgroup
 // for each half of the heads (2 x 8 at D = 128) instead of 64 mma.sync a warp, and the query no
 // longer takes 128 registers a thread, so more CTAs share an SM. docs/gpu_kernels.md steps 11-12

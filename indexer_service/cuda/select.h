@@ -1,4 +1,4 @@
-// The whole select of a batch on the GPU (DESIGN.md 4.2 steps 1-8; issue 4 item 5): per row
+// The whole select of a batch on the GPU (DESIGN.md 4.2 steps 1-8): per row
 // SPIN's block plan (prediction, budget, forced blocks, seeded exploration, block top-m), per group
 // of verifier rows the union, the scan of the chosen blocks, top-K per row and the EMA update, all
 // on one stream with no host round trip (every count the later kernels need stays on the device),

@@ -409,7 +409,7 @@ __device__ inline int32_t SlotOfRank(uint64_t rank) {
 }
 
 // The fallback of FinishRow: an exact radix select among the candidates, the winners gathered
-// into scratch and bitonic-sorted (docs/gpu_kernels.md step 9).
+// into scratch and bitonic-sorted (docs/history/gpu_kernels_steps.md, step 9).
 __device__ void SelectAndSortWinners(const uint64_t* candidates, uint32_t m, uint32_t k,
                                      uint64_t* winners, uint32_t* hists, Shared& shared,
                                      int32_t* out) {

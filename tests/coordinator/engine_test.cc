@@ -2,9 +2,9 @@
 // without its threads (run_loops false): the test steps each decode loop itself (StepWorker),
 // checks the workers itself (RefreshWorkers) and looks for stalled writes itself
 // (CheckStalledWrites), so every fault, migration and stall below happens at a chosen step and a
-// chosen clock reading (issue 13, "Engines where the tests need them"). The only waits are for
-// the Generate handler thread to reach a state (AwaitDecoding, AwaitEvents), never for time.
-// The fixture: tests/coordinator/engine_fixture.h.
+// chosen clock reading (docs/reliability.md, "Engines where the tests need them"). The only waits
+// are for the Generate handler thread to reach a state (AwaitDecoding, AwaitEvents), never for
+// time. The fixture: tests/coordinator/engine_fixture.h.
 #include "coordinator/engine.h"
 
 #include <memory>
@@ -445,9 +445,9 @@ TEST_F(EngineTest, ARetiredWorkersKeptSessionIsReleasedOnBothSides) {
   EXPECT_EQ(fakes_->Sequences(kI1), 0);
 }
 
-// Sessions belong to the caller that names them (issue 13, "Security"): another caller that sends
-// the same session id neither continues the owner's sequence (its KV and index keys) nor is held to
-// its length; it gets a session of its own, and the owner's stays whole.
+// Sessions belong to the caller that names them (docs/reliability.md, "Security"): another caller
+// that sends the same session id neither continues the owner's sequence (its KV and index keys) nor
+// is held to its length; it gets a session of its own, and the owner's stays whole.
 TEST_F(EngineTest, ASessionIdFromAnotherCallerStartsItsOwnSession) {
   options_.retain_finished = true;
   Start({kA1}, {kI1});

@@ -1,6 +1,6 @@
-// Request migration (issue 13, "Faults survived"): the coordinator in-process over two real
-// indexer servers and two real attention workers on 127.0.0.1:0. A worker is killed (its server
-// shut down at once, every call in flight cancelled, new connections refused) while requests
+// Request migration (docs/reliability.md, "Faults survived"): the coordinator in-process over two
+// real indexer servers and two real attention workers on 127.0.0.1:0. A worker is killed (its
+// server shut down at once, every call in flight cancelled, new connections refused) while requests
 // decode on it: each request moves to the surviving workers and completes with every token, its
 // positions contiguous, Finished.migrations counting the move; nothing is left on any worker.
 #include <atomic>

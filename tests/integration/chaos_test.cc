@@ -1,9 +1,9 @@
-// Chaos on loopback (issue 13, "Faults survived"; after Dynamo's fault-tolerance suite and
-// Mooncake's chaos tests): a LocalCluster of two dsa-indexer and two dsa-attention processes and a
-// coordinator replays the Mooncake trace while, one after another, an indexer is killed (-9) and
-// restarted, the other indexer is stopped (SIGSTOP) and resumed, an attention worker is killed and
-// restarted, and the other attention worker is stopped and resumed. Each fault moves requests off
-// the worker it hit (the coordinator's log, split at the faults, names them) and each of those
+// Chaos on loopback (docs/reliability.md, "Faults survived"; after Dynamo's fault-tolerance suite
+// and Mooncake's chaos tests): a LocalCluster of two dsa-indexer and two dsa-attention processes
+// and a coordinator replays the Mooncake trace while, one after another, an indexer is killed (-9)
+// and restarted, the other indexer is stopped (SIGSTOP) and resumed, an attention worker is killed
+// and restarted, and the other attention worker is stopped and resumed. Each fault moves requests
+// off the worker it hit (the coordinator's log, split at the faults, names them) and each of those
 // completes in full; no request is lost; the report, the requests' own counts, the log and
 // dsa_coordinator_migrations_total agree on the migrations; once the replay is over no sequence
 // is left on any worker.

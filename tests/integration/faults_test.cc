@@ -1,5 +1,5 @@
-// Bad input and faults against the real binaries on loopback (issue 3, "Bad input and faults"):
-// each of dsa-indexer, dsa-attention and dsa-coordinator started as a process on port 0.
+// Bad input and faults against the real binaries on loopback (docs/reliability.md, "Bad input and
+// faults"): each of dsa-indexer, dsa-attention and dsa-coordinator started as a process on port 0.
 // - malformed requests (wrong dtype or shape, NaN, unknown ids, a context beyond capacity, a
 //   message over the size limit) get their precise status and the cluster goes on serving;
 // - a client that stops reading its Generate stream is held to a bounded backlog and does not slow

@@ -1,5 +1,5 @@
 // TLS, mutual TLS, bearer tokens and sequence ownership against the real binaries on loopback
-// (issue 13, "Security"), with certificates made by openssl for the test (tests/testing/
+// (docs/reliability.md, "Security"), with certificates made by openssl for the test (tests/testing/
 // test_pki.h):
 // - a TLS port refuses plaintext, a server certificate of another CA, and (mutual TLS) clients
 //   without a certificate or with one of another CA; the plaintext --health-listen port answers;

@@ -218,7 +218,7 @@ TEST_F(CudaAttentionBackendTest, TheEngineDecodesOnItOverACoLocatedIndexer) {
   EXPECT_TRUE((*engine)->Release(5, false).ok());
 }
 
-// The co-located device-resident path on the GPU (issue 10 section 2): the engine over a CUDA
+// The co-located device-resident path on the GPU: the engine over a CUDA
 // indexer on the same GPU, with the indexer queries generated on the GPU and the selections left
 // there, gives the selections and outputs of the host path (device_selects off) for plain,
 // speculative and committed steps of three sequences, at a tensor-core and a CUDA-core scan shape.
