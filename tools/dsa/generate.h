@@ -1,8 +1,8 @@
 // `dsa generate`: one prompt through a coordinator that serves a real model, its text streamed.
 // Routers tokenize, so the tokenization and the stream stay in Python: this runs the Python
 // client's `python -m dsa_client.generate` (clients/python; the `tokenizers` package with the
-// model's tokenizer.json) against the coordinator, which main.cc starts as a local cluster when
-// none is given.
+// model's tokenizer.json) against the coordinator, which `dsa generate` starts as a local cluster
+// when none is given.
 #pragma once
 
 #include <string>
