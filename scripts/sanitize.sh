@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
 suites="common_fp8_test common_philox_test common_mli_schedule_test common_status_macros_test
   common_trace_context_test proto_tensor_codec_test block_pool_test scoring_test topk_test spin_test
-  indexer_test grpc_service_test transport_grpc_stream_test transport_nccl_wire_test
+  indexer_test indexer_edge_cases_test indexer_requests_test grpc_service_test
+  transport_grpc_stream_test transport_nccl_wire_test
   attention_engine_test attention_service_test attention_mla_kv_test
   attention_mla_sparse_attention_test coordinator_scheduler_test coordinator_engine_test
   server_security_test tools_trace_test

@@ -63,7 +63,8 @@ fi
 # CPU LlamaRunner (passes racing copies of their caches), the indexer engine and block pool, and
 # common.
 suites=(coordinator_scheduler_test coordinator_engine_test coordinator_real_model_engine_test
-  attention_engine_test attention_llama_runner_test indexer_test
+  attention_engine_test attention_llama_runner_test indexer_test indexer_edge_cases_test
+  indexer_requests_test
   block_pool_test common_mli_schedule_test common_trace_context_test)
 # tsan_mutex_canary: the check that TSan sees absl::Mutex at all (run first, below).
 CC=clang-14 CXX=clang++-14 DSA_BUILD_DIR=$build/dsa \
