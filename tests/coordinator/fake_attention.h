@@ -55,10 +55,12 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   /// Sequences prefilled with this context length fail every DecodeStep they are in with
   /// UNAVAILABLE "injected failure" (the batch fails and nothing advances, as the contract says).
   void FailDecodeOfContext(int64_t context_length);
-  /// Every DecodeStep sleeps this long first.
+  /// Every DecodeStep sleeps this long first (a worker's step time).
   void SetStepDelayMs(int delay_ms);
-  /// Every Prefill sleeps this long first.
-  void SetPrefillDelayMs(int delay_ms);
+  /// From now on each Prefill, once recorded (prefills() lists it), waits until ReleasePrefills.
+  void HoldPrefills();
+  /// Lets held and later Prefills go on. Call it before stopping the fake's server.
+  void ReleasePrefills();
   /// What GetInfo reports as instance_id from now on ("" until set): a new value plays a restart.
   void SetInstanceId(const std::string& instance_id);
   /// The next `count` Releases answer UNAVAILABLE and keep the sequence (a worker unreachable).
@@ -108,7 +110,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   std::vector<dsa::attention::v1::DecodeStepRequest> steps_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);
   int step_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  int prefill_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  bool hold_prefills_ ABSL_GUARDED_BY(mu_) = false;
   int max_batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
   std::string instance_id_ ABSL_GUARDED_BY(mu_);

@@ -579,12 +579,14 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
 
 TEST(CoordinatorServiceTest, AbortDuringPrefillReleasesTheNewSequence) {
   Cluster cluster;
-  cluster.fake().SetPrefillDelayMs(300);
+  cluster.fake().HoldPrefills();
   Stream s;
   std::thread t([&] { s = Generate(cluster.stub(), Request("slow-prefill", 500, 10)); });
   ASSERT_TRUE(WaitFor([&] { return cluster.fake().prefills().size() == 1; }));
-  ASSERT_TRUE(Abort(cluster.stub(), "slow-prefill").ok());
+  const grpc::Status aborted = Abort(cluster.stub(), "slow-prefill");
+  cluster.fake().ReleasePrefills();  // the Prefill held until the Abort is in
   t.join();
+  ASSERT_TRUE(aborted.ok());
   EXPECT_EQ(s.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(s.TokenCount(), 0);
   EXPECT_EQ(cluster.fake().decode_steps(), 0);
