@@ -297,6 +297,34 @@ void FakeAttentionService::ReleasePrefills() {
   hold_prefills_ = false;
 }
 
+bool FakeAttentionService::AwaitState(std::function<bool()> done, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](std::function<bool()>* f) { return (*f)(); }, &done),
+                              timeout);
+}
+
+bool FakeAttentionService::AwaitReleases(size_t count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return releases_.size() == count; },
+                    timeout);
+}
+
+bool FakeAttentionService::AwaitNumSequences(int count, absl::Duration timeout) {
+  return AwaitState(
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return static_cast<int>(sequences_.size()) == count; },
+      timeout);
+}
+
+bool FakeAttentionService::AwaitPrefills(size_t count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return prefills_.size() == count; },
+                    timeout);
+}
+
+bool FakeAttentionService::AwaitDecodeStepsOver(int count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return decode_steps_ > count; },
+                    timeout);
+}
+
 std::optional<int64_t> FakeAttentionService::Length(uint64_t sequence_id) {
   absl::MutexLock lock(&mu_);
   auto it = sequences_.find(sequence_id);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -81,6 +83,17 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   int max_batch_size();
   int decode_steps();
 
+  /// Each waits, on the fake's own state changes (no polling), until its condition holds; false
+  /// after `timeout` (a test's safety net, not a pacing).
+  /// releases().size() == count.
+  bool AwaitReleases(size_t count, absl::Duration timeout = absl::Seconds(5));
+  /// NumSequences() == count.
+  bool AwaitNumSequences(int count, absl::Duration timeout = absl::Seconds(5));
+  /// prefills().size() == count.
+  bool AwaitPrefills(size_t count, absl::Duration timeout = absl::Seconds(5));
+  /// decode_steps() > count.
+  bool AwaitDecodeStepsOver(int count, absl::Duration timeout = absl::Seconds(5));
+
  private:
   struct Sequence {
     int64_t context_length = 0;
@@ -93,6 +106,8 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   };
   dsa::indexer::v1::IndexerService::Stub& IndexerStub(const std::string& address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until `done` (called with mu_ held) is true, or `timeout` passes.
+  bool AwaitState(std::function<bool()> done, absl::Duration timeout);
   // Appends zero keys for slots [first, last) of every layer on the indexer.
   grpc::Status AppendKeys(dsa::indexer::v1::IndexerService::Stub& stub, uint64_t sequence_id,
                           int64_t first, int64_t last);

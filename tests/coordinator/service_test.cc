@@ -189,13 +189,14 @@ grpc::Status Abort(cv1::CoordinatorService::Stub& stub, const std::string& id) {
   return stub.Abort(&context, request, &response);
 }
 
-// Polls `done` every 5 ms for up to 5 s.
+// Polls `done` every 5 ms for up to 5 s. Only for the coordinator's state as its RPCs report it
+// (GetLoad, metrics), which no event announces; the fake's state has its Await... methods.
 template <typename F>
 bool WaitFor(F done) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   while (std::chrono::steady_clock::now() < end) {
     if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // a poll interval
   }
   return done();
 }
@@ -230,7 +231,7 @@ TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTo
   EXPECT_FALSE(prefills[0].settings().spin().has_miss_target());  // the indexer's default
   EXPECT_FALSE(prefills[0].continue_sequence());
   // Finished and retained as a donor: KV released, index keys kept.
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().releases().size() == 1; }));
+  ASSERT_TRUE(cluster.fake().AwaitReleases(1));
   EXPECT_TRUE(cluster.fake().releases()[0].keep_indexer_sequence());
   const cv1::GetLoadResponse load = Load(cluster.stub());
   EXPECT_EQ(load.running(), 0);
@@ -568,7 +569,7 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
   EXPECT_EQ(running.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_LT(running.TokenCount(), 100000);
   // Resources released: the attention worker and the indexer hold nothing.
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).cache_blocks_used() == 0; }));
   EXPECT_EQ(Load(cluster.stub()).running(), 0);
   EXPECT_THAT(cluster.Metrics(),
@@ -582,7 +583,7 @@ TEST(CoordinatorServiceTest, AbortDuringPrefillReleasesTheNewSequence) {
   cluster.fake().HoldPrefills();
   Stream s;
   std::thread t([&] { s = Generate(cluster.stub(), Request("slow-prefill", 500, 10)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().prefills().size() == 1; }));
+  ASSERT_TRUE(cluster.fake().AwaitPrefills(1));
   const grpc::Status aborted = Abort(cluster.stub(), "slow-prefill");
   cluster.fake().ReleasePrefills();  // the Prefill held until the Abort is in
   t.join();
@@ -601,7 +602,7 @@ TEST(CoordinatorServiceTest, ALostAttentionWorkerFailsItsRequestsUnavailable) {
   cluster.fake().SetStepDelayMs(2);
   Stream s;
   std::thread t([&] { s = Generate(cluster.stub(), Request("lost", 100, 100000)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 3; }));
+  ASSERT_TRUE(cluster.fake().AwaitDecodeStepsOver(3));
   cluster.StopAttention(0);
   t.join();
   EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
@@ -622,7 +623,7 @@ TEST(CoordinatorServiceTest, ClientCancellingItsStreamAbortsTheRequest) {
   EXPECT_TRUE(event.has_tokens());
   context.TryCancel();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 0; }));
   EXPECT_TRUE(WaitFor([&] {
     return cluster.Metrics().find("dsa_coordinator_requests_total{outcome=\"cancelled\"} 1") !=
@@ -645,7 +646,7 @@ TEST(CoordinatorServiceTest, AFailingSequenceEndsWithTheWorkersStatusWhileOthers
   EXPECT_THAT(bad.status.error_message(), HasSubstr("injected failure"));
   EXPECT_EQ(bad.TokenCount(), 0);
   // The failed sequence was released entirely (not kept as a donor).
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   bool released_bad = false;
   for (const auto& r : cluster.fake().releases()) {
     released_bad = released_bad || !r.keep_indexer_sequence();
@@ -680,9 +681,11 @@ TEST(CoordinatorServiceTest, ASlowReaderSlowsOnlyItselfAndIsBounded) {
   for (const auto& p : cluster.fake().prefills()) {
     if (p.context_length() == 100 && slow_id == 0) slow_id = p.sequence_id();
   }
+  // Time for the unread events to fill the window and the pending queue (no event marks that).
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const std::optional<int64_t> stalled = cluster.fake().Length(slow_id);
   ASSERT_TRUE(stalled.has_value());
+  // The span of real time over which a stalled sequence must not grow.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(cluster.fake().Length(slow_id), stalled);
   EXPECT_LT(*stalled, 100 + kSlowTokens);
@@ -710,7 +713,8 @@ TEST(CoordinatorServiceTest,
   grpc::ClientContext context;
   constexpr int64_t kTokens = 60;
   auto reader = stub->Generate(&context, Request("stops-reading", 100, kTokens));
-  // Not reading for 4 stall timeouts (the watch looks every quarter of one).
+  // Not reading for 4 stall timeouts (the watch looks every quarter of one): the client's idleness
+  // under test, on the service's real clock (engine_test covers the same on a FakeClock).
   std::this_thread::sleep_for(std::chrono::milliseconds(4 * o.stall_timeout_ms));
   cv1::GenerateEvent event;
   int64_t tokens = 0;
@@ -1138,7 +1142,7 @@ TEST(CoordinatorServiceTest, QueuedRequestsFailWhenTheirWorkersLeaveAndUnreachab
   cluster.fake().SetStepDelayMs(2);
   Stream running, queued;
   std::thread a([&] { running = Generate(*stub, Request("running", 100, 100000)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitDecodeStepsOver(0));
   std::thread b([&] { queued = Generate(*stub, Request("queued", 100, 4)); });
   ASSERT_TRUE(WaitFor([&] { return Load(*stub).queued() == 1; }));
   {
