@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -92,13 +94,16 @@ struct Stream {
   bool finished = false;
 };
 
-Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest& request) {
+// Runs one Generate call to its end; notifies `admitted` (when given) on the Admitted event.
+Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest& request,
+                absl::Notification* admitted = nullptr) {
   Stream s;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   auto reader = stub.Generate(&context, request);
   cv1::GenerateEvent event;
   while (reader->Read(&event)) {
+    if (event.has_admitted() && !s.admitted && admitted != nullptr) admitted->Notify();
     s.admitted = s.admitted || event.has_admitted();
     s.finished = s.finished || event.has_finished();
     if (event.has_tokens()) s.tokens += event.tokens().count();
@@ -131,16 +136,11 @@ int FreePort() {
   return ntohs(address.sin_port);
 }
 
-// Waits up to 20 s for `service`'s health to become `status`; returns the last status seen.
+// Waits up to 20 s for `service`'s health to become `status` (a health Watch, not a poll); returns
+// the last status seen.
 int AwaitHealth(const std::shared_ptr<grpc::Channel>& channel, const std::string& service,
                 int status) {
-  const auto deadline = Clock::now() + std::chrono::seconds(20);
-  int seen = HealthStatus(channel, service);
-  while (seen != status && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    seen = HealthStatus(channel, service);
-  }
-  return seen;
+  return dsa::testing::WatchHealthUntil(channel, service, status, std::chrono::seconds(20));
 }
 
 // Pods start in any order: a coordinator whose workers are not up yet serves, not ready (and
@@ -175,7 +175,7 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
                                          "--attention-heads", "2", "--shutdown-grace-ms", "500"});
   ASSERT_EQ(attention.address, attention_address);
   EXPECT_EQ(AwaitHealth(channel, "readiness", 1), 1);
-  EXPECT_EQ(HealthStatus(channel, ""), 1);
+  EXPECT_EQ(AwaitHealth(channel, "", 1), 1);  // set just after "readiness"
   // A request whose prefix stays on the indexer as a donor (retained).
   cv1::GenerateRequest with_prefix = Request("late", 1100, 4, 0);
   with_prefix.add_prefix_block_ids(7);
@@ -187,7 +187,7 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
   kill(indexer.pid, SIGTERM);  // its drain turns its readiness NOT_SERVING at once
   EXPECT_EQ(WaitExit(indexer.pid, std::chrono::seconds(10)), 0);
   EXPECT_EQ(AwaitHealth(channel, "readiness", 2), 2);
-  EXPECT_EQ(HealthStatus(channel, ""), 2);
+  EXPECT_EQ(AwaitHealth(channel, "", 2), 2);
   {
     grpc::ClientContext context;
     cv1::GetLoadResponse load;
@@ -262,19 +262,13 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
 
   // A long request runs while the coordinator drains.
   Stream running;
-  std::thread long_request([&] { running = Generate(*stub, Request("long", 200, 200, 0)); });
-  for (int i = 0; i < 500; ++i) {
-    grpc::ClientContext context;
-    cv1::GetLoadResponse load;
-    if (stub->GetLoad(&context, cv1::GetLoadRequest(), &load).ok() && load.running() == 1) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  absl::Notification long_admitted;
+  std::thread long_request(
+      [&] { running = Generate(*stub, Request("long", 200, 200, 0), &long_admitted); });
+  (void)long_admitted.WaitForNotificationWithTimeout(absl::Seconds(10));  // running
   ASSERT_EQ(kill(coordinator.pid, SIGTERM), 0);
-  int readiness = 1;
-  for (int i = 0; i < 100 && readiness == 1; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    readiness = HealthStatus(channel, "readiness");
-  }
+  const int readiness =
+      dsa::testing::WatchHealthUntil(channel, "readiness", 2, std::chrono::seconds(1));
   EXPECT_EQ(readiness, 2);
   const Stream late = Generate(*stub, Request("late", 100, 1, 0));
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);

@@ -72,7 +72,6 @@ grpc::Status FakeAttentionService::AppendKeys(iv1::IndexerService::Stub& stub, u
 grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
                                            const av1::PrefillRequest* request,
                                            av1::PrefillResponse* response) {
-  int delay_ms = 0;
   iv1::IndexerService::Stub* stub = nullptr;
   int64_t indexer_slots = 0;
   {
@@ -82,7 +81,8 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     prefill_traceparents_.push_back(trace == context->client_metadata().end()
                                         ? std::string()
                                         : std::string(trace->second.data(), trace->second.size()));
-    delay_ms = prefill_delay_ms_;
+    mu_.Await(absl::Condition(
+        +[](bool* hold) { return !*hold; }, &hold_prefills_));  // HoldPrefills
     auto it = sequences_.find(request->sequence_id());
     if (request->continue_sequence()) {
       if (it == sequences_.end()) {
@@ -113,7 +113,6 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     }
     stub = &IndexerStub(request->indexer_worker());
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
   int64_t first = request->prefix_slots();
   if (request->continue_sequence()) {
     first = indexer_slots;
@@ -175,6 +174,7 @@ grpc::Status FakeAttentionService::DecodeStep(grpc::ServerContext* context,
     absl::MutexLock lock(&mu_);
     delay_ms = step_delay_ms_;
   }
+  // Simulates the worker's step time (SetStepDelayMs), which keeps requests running meanwhile.
   std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
   absl::MutexLock lock(&mu_);
   ++decode_steps_;
@@ -287,9 +287,42 @@ void FakeAttentionService::SetStepDelayMs(int delay_ms) {
   step_delay_ms_ = delay_ms;
 }
 
-void FakeAttentionService::SetPrefillDelayMs(int delay_ms) {
+void FakeAttentionService::HoldPrefills() {
   absl::MutexLock lock(&mu_);
-  prefill_delay_ms_ = delay_ms;
+  hold_prefills_ = true;
+}
+
+void FakeAttentionService::ReleasePrefills() {
+  absl::MutexLock lock(&mu_);
+  hold_prefills_ = false;
+}
+
+bool FakeAttentionService::AwaitState(std::function<bool()> done, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(
+                                  +[](std::function<bool()>* f) { return (*f)(); }, &done),
+                              timeout);
+}
+
+bool FakeAttentionService::AwaitReleases(size_t count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return releases_.size() == count; },
+                    timeout);
+}
+
+bool FakeAttentionService::AwaitNumSequences(int count, absl::Duration timeout) {
+  return AwaitState(
+      [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return static_cast<int>(sequences_.size()) == count; },
+      timeout);
+}
+
+bool FakeAttentionService::AwaitPrefills(size_t count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return prefills_.size() == count; },
+                    timeout);
+}
+
+bool FakeAttentionService::AwaitDecodeStepsOver(int count, absl::Duration timeout) {
+  return AwaitState([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return decode_steps_ > count; },
+                    timeout);
 }
 
 std::optional<int64_t> FakeAttentionService::Length(uint64_t sequence_id) {

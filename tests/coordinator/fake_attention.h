@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -55,10 +57,12 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   /// Sequences prefilled with this context length fail every DecodeStep they are in with
   /// UNAVAILABLE "injected failure" (the batch fails and nothing advances, as the contract says).
   void FailDecodeOfContext(int64_t context_length);
-  /// Every DecodeStep sleeps this long first.
+  /// Every DecodeStep sleeps this long first (a worker's step time).
   void SetStepDelayMs(int delay_ms);
-  /// Every Prefill sleeps this long first.
-  void SetPrefillDelayMs(int delay_ms);
+  /// From now on each Prefill, once recorded (prefills() lists it), waits until ReleasePrefills.
+  void HoldPrefills();
+  /// Lets held and later Prefills go on. Call it before stopping the fake's server.
+  void ReleasePrefills();
   /// What GetInfo reports as instance_id from now on ("" until set): a new value plays a restart.
   void SetInstanceId(const std::string& instance_id);
   /// The next `count` Releases answer UNAVAILABLE and keep the sequence (a worker unreachable).
@@ -79,6 +83,17 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   int max_batch_size();
   int decode_steps();
 
+  /// Each waits, on the fake's own state changes (no polling), until its condition holds; false
+  /// after `timeout` (a test's safety net, not a pacing).
+  /// releases().size() == count.
+  bool AwaitReleases(size_t count, absl::Duration timeout = absl::Seconds(5));
+  /// NumSequences() == count.
+  bool AwaitNumSequences(int count, absl::Duration timeout = absl::Seconds(5));
+  /// prefills().size() == count.
+  bool AwaitPrefills(size_t count, absl::Duration timeout = absl::Seconds(5));
+  /// decode_steps() > count.
+  bool AwaitDecodeStepsOver(int count, absl::Duration timeout = absl::Seconds(5));
+
  private:
   struct Sequence {
     int64_t context_length = 0;
@@ -91,6 +106,8 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   };
   dsa::indexer::v1::IndexerService::Stub& IndexerStub(const std::string& address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits until `done` (called with mu_ held) is true, or `timeout` passes.
+  bool AwaitState(std::function<bool()> done, absl::Duration timeout);
   // Appends zero keys for slots [first, last) of every layer on the indexer.
   grpc::Status AppendKeys(dsa::indexer::v1::IndexerService::Stub& stub, uint64_t sequence_id,
                           int64_t first, int64_t last);
@@ -108,7 +125,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   std::vector<dsa::attention::v1::DecodeStepRequest> steps_ ABSL_GUARDED_BY(mu_);
   std::optional<int64_t> fail_context_ ABSL_GUARDED_BY(mu_);
   int step_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  int prefill_delay_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  bool hold_prefills_ ABSL_GUARDED_BY(mu_) = false;
   int max_batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int decode_steps_ ABSL_GUARDED_BY(mu_) = 0;
   std::string instance_id_ ABSL_GUARDED_BY(mu_);

@@ -1,204 +1,29 @@
 // Tests of the coordinator service (coordinator/service.h) in-process on 127.0.0.1:0, over fake
-// attention workers (tests/coordinator/fake_attention.h) and real in-process indexer servers:
-// event streams with exact token counts, speculative steps, the queue, refusals with precise
-// statuses, Abort and client cancel, a failing worker, a slow reader, prefix sharing, sessions,
-// GetLoad, drain, metrics and startup checks; and a fake worker running the tiny real model
-// (tiny_model.h): token ids end to end and prefix sharing by token content on a real indexer.
-#include "coordinator/service.h"
-
-#include <algorithm>
+// attention workers and real in-process indexer servers (service_fixture.h), one request's life:
+// event streams with exact token counts, speculative steps, trace context, refusals with precise
+// statuses, the queue, Abort and client cancel, a failing or lost worker and a slow reader.
 #include <chrono>
 #include <cstdint>
-#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "common/trace_context.h"
-#include "coordinator/metrics.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "indexer_service/grpc_service.h"
-#include "indexer_service/indexer.h"
-#include "prometheus/registry.h"
-#include "prometheus/text_serializer.h"
 #include "server/parse_errors.h"
-#include "tests/coordinator/fake_attention.h"
-#include "tests/coordinator/tiny_model.h"
-#include "tests/testing/loopback_server.h"
+#include "tests/coordinator/service_fixture.h"
 #include "tests/testing/raw_call.h"
 
 namespace dsa {
 namespace {
 
-namespace av1 = ::dsa::attention::v1;
-namespace cv1 = ::dsa::coordinator::v1;
-using testing::FakeAttentionService;
-using ::testing::HasSubstr;
-
-constexpr int kLayers = 2, kHeads = 4, kDim = 16;
-
-std::unique_ptr<grpc::Server> Serve(grpc::Service* service, std::string* address) {
-  return dsa::testing::ServeOnLoopback(service, address);
-}
-
-struct ClusterOptions {
-  int num_indexers = 1;
-  int num_attention = 1;
-  int64_t capacity_blocks = 4096;
-  int max_queue = 8;
-  int max_running = 32;
-  bool retain_finished = true;
-  double acceptance_rate = 0.7;
-  int max_pending_events = 16;
-  int64_t stall_timeout_ms = 60000;
-  bool tiny_model = false;  // the attention workers run the tiny real model (tiny_model.h)
-};
-
-// Real indexers, fake attention workers and the coordinator, each on its own port.
-class Cluster {
- public:
-  explicit Cluster(const ClusterOptions& o = {}) {
-    for (int i = 0; i < o.num_indexers; ++i) {
-      IndexerOptions options;
-      options.capacity_blocks = o.capacity_blocks;
-      options.num_heads = kHeads;
-      options.head_dim = kDim;
-      engines_.push_back(*Indexer::Create(options));
-      indexer_services_.push_back(std::make_unique<IndexerServiceImpl>(engines_.back().get()));
-      indexer_addresses_.emplace_back();
-      servers_.push_back(Serve(indexer_services_.back().get(), &indexer_addresses_.back()));
-    }
-    for (int j = 0; j < o.num_attention; ++j) {
-      FakeAttentionService::Shape shape{kLayers, kHeads, kDim, 0};
-      if (o.tiny_model) {
-        shape.model = "tiny";
-        shape.vocab_size = dsa::testing::kTinyVocab;
-        shape.eos_token_id = dsa::testing::kTinyEos;
-        shape.max_context = 4096;
-      }
-      fakes_.push_back(std::make_unique<FakeAttentionService>(shape));
-      attention_addresses_.emplace_back();
-      servers_.push_back(Serve(fakes_.back().get(), &attention_addresses_.back()));
-    }
-    options_.indexer_addresses = indexer_addresses_;
-    options_.attention_addresses = attention_addresses_;
-    options_.max_queue = o.max_queue;
-    options_.max_running_per_attention = o.max_running;
-    options_.retain_finished = o.retain_finished;
-    options_.acceptance_rate = o.acceptance_rate;
-    options_.top_k = 64;
-    options_.seed = 7;
-    options_.max_pending_events = o.max_pending_events;
-    options_.stall_timeout_ms = o.stall_timeout_ms;
-    options_.worker_check_interval_ms = 0;  // no watch thread: tests call RefreshWorkers
-    metrics_ = std::make_unique<CoordinatorMetrics>(registry_);
-    auto service = CoordinatorServiceImpl::Create(options_, metrics_.get());
-    EXPECT_TRUE(service.ok()) << service.status();
-    coordinator_ = *std::move(service);
-    coordinator_server_ = Serve(coordinator_.get(), &coordinator_address_);
-    stub_ = cv1::CoordinatorService::NewStub(
-        grpc::CreateChannel(coordinator_address_, grpc::InsecureChannelCredentials()));
-  }
-  ~Cluster() {
-    coordinator_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    coordinator_->Stop();
-    for (auto& server : servers_) server->Shutdown();
-  }
-
-  cv1::CoordinatorService::Stub& stub() { return *stub_; }
-  // Stops attention worker j's server (a worker lost); its fake stays for inspection.
-  void StopAttention(int j) {
-    servers_[indexer_addresses_.size() + j]->Shutdown(std::chrono::system_clock::now());
-  }
-  FakeAttentionService& fake(int j = 0) { return *fakes_[j]; }
-  Indexer& engine(int i = 0) { return *engines_[i]; }
-  CoordinatorServiceImpl& coordinator() { return *coordinator_; }
-  const std::string& coordinator_address() const { return coordinator_address_; }
-  const std::string& indexer_address(int i = 0) const { return indexer_addresses_[i]; }
-  const std::string& attention_address(int j = 0) const { return attention_addresses_[j]; }
-  std::string Metrics() { return prometheus::TextSerializer().Serialize(registry_.Collect()); }
-
- private:
-  std::vector<std::unique_ptr<Indexer>> engines_;
-  std::vector<std::unique_ptr<IndexerServiceImpl>> indexer_services_;
-  std::vector<std::unique_ptr<FakeAttentionService>> fakes_;
-  std::vector<std::unique_ptr<grpc::Server>> servers_;
-  std::vector<std::string> indexer_addresses_;
-  std::vector<std::string> attention_addresses_;
-  CoordinatorOptions options_;
-  prometheus::Registry registry_;
-  std::unique_ptr<CoordinatorMetrics> metrics_;
-  std::unique_ptr<CoordinatorServiceImpl> coordinator_;
-  std::unique_ptr<grpc::Server> coordinator_server_;
-  std::string coordinator_address_;
-  std::unique_ptr<cv1::CoordinatorService::Stub> stub_;
-};
-
-cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t max_new,
-                             int draft = 0) {
-  cv1::GenerateRequest r;
-  r.set_request_id(id);
-  r.set_context_length(context);
-  r.set_max_new_tokens(max_new);
-  r.set_draft_length(draft);
-  return r;
-}
-
-struct Stream {
-  grpc::Status status;
-  std::vector<cv1::GenerateEvent> events;
-  int64_t TokenCount() const {
-    int64_t n = 0;
-    for (const auto& e : events) n += e.has_tokens() ? e.tokens().count() : 0;
-    return n;
-  }
-  const cv1::Admitted* admitted() const {
-    return !events.empty() && events.front().has_admitted() ? &events.front().admitted() : nullptr;
-  }
-};
-
-// Runs one Generate call to its end.
-Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest& request) {
-  Stream stream;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto reader = stub.Generate(&context, request);
-  cv1::GenerateEvent event;
-  while (reader->Read(&event)) stream.events.push_back(event);
-  stream.status = reader->Finish();
-  return stream;
-}
-
-cv1::GetLoadResponse Load(cv1::CoordinatorService::Stub& stub) {
-  grpc::ClientContext context;
-  cv1::GetLoadResponse load;
-  EXPECT_TRUE(stub.GetLoad(&context, cv1::GetLoadRequest(), &load).ok());
-  return load;
-}
-
-grpc::Status Abort(cv1::CoordinatorService::Stub& stub, const std::string& id) {
-  grpc::ClientContext context;
-  cv1::AbortRequest request;
-  request.set_request_id(id);
-  cv1::AbortResponse response;
-  return stub.Abort(&context, request, &response);
-}
-
-// Polls `done` every 5 ms for up to 5 s.
-template <typename F>
-bool WaitFor(F done) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (std::chrono::steady_clock::now() < end) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return done();
-}
+using namespace ::dsa::service_testing;  // NOLINT(google-build-using-namespace)
 
 TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTokens) {
   Cluster cluster;
@@ -230,7 +55,7 @@ TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTo
   EXPECT_FALSE(prefills[0].settings().spin().has_miss_target());  // the indexer's default
   EXPECT_FALSE(prefills[0].continue_sequence());
   // Finished and retained as a donor: KV released, index keys kept.
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().releases().size() == 1; }));
+  ASSERT_TRUE(cluster.fake().AwaitReleases(1));
   EXPECT_TRUE(cluster.fake().releases()[0].keep_indexer_sequence());
   const cv1::GetLoadResponse load = Load(cluster.stub());
   EXPECT_EQ(load.running(), 0);
@@ -568,7 +393,7 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
   EXPECT_EQ(running.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_LT(running.TokenCount(), 100000);
   // Resources released: the attention worker and the indexer hold nothing.
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).cache_blocks_used() == 0; }));
   EXPECT_EQ(Load(cluster.stub()).running(), 0);
   EXPECT_THAT(cluster.Metrics(),
@@ -579,12 +404,14 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
 
 TEST(CoordinatorServiceTest, AbortDuringPrefillReleasesTheNewSequence) {
   Cluster cluster;
-  cluster.fake().SetPrefillDelayMs(300);
+  cluster.fake().HoldPrefills();
   Stream s;
   std::thread t([&] { s = Generate(cluster.stub(), Request("slow-prefill", 500, 10)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().prefills().size() == 1; }));
-  ASSERT_TRUE(Abort(cluster.stub(), "slow-prefill").ok());
+  ASSERT_TRUE(cluster.fake().AwaitPrefills(1));
+  const grpc::Status aborted = Abort(cluster.stub(), "slow-prefill");
+  cluster.fake().ReleasePrefills();  // the Prefill held until the Abort is in
   t.join();
+  ASSERT_TRUE(aborted.ok());
   EXPECT_EQ(s.status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(s.TokenCount(), 0);
   EXPECT_EQ(cluster.fake().decode_steps(), 0);
@@ -599,7 +426,7 @@ TEST(CoordinatorServiceTest, ALostAttentionWorkerFailsItsRequestsUnavailable) {
   cluster.fake().SetStepDelayMs(2);
   Stream s;
   std::thread t([&] { s = Generate(cluster.stub(), Request("lost", 100, 100000)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 3; }));
+  ASSERT_TRUE(cluster.fake().AwaitDecodeStepsOver(3));
   cluster.StopAttention(0);
   t.join();
   EXPECT_EQ(s.status.error_code(), grpc::StatusCode::UNAVAILABLE) << s.status.error_message();
@@ -620,7 +447,7 @@ TEST(CoordinatorServiceTest, ClientCancellingItsStreamAbortsTheRequest) {
   EXPECT_TRUE(event.has_tokens());
   context.TryCancel();
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 0; }));
   EXPECT_TRUE(WaitFor([&] {
     return cluster.Metrics().find("dsa_coordinator_requests_total{outcome=\"cancelled\"} 1") !=
@@ -643,7 +470,7 @@ TEST(CoordinatorServiceTest, AFailingSequenceEndsWithTheWorkersStatusWhileOthers
   EXPECT_THAT(bad.status.error_message(), HasSubstr("injected failure"));
   EXPECT_EQ(bad.TokenCount(), 0);
   // The failed sequence was released entirely (not kept as a donor).
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().NumSequences() == 0; }));
+  ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   bool released_bad = false;
   for (const auto& r : cluster.fake().releases()) {
     released_bad = released_bad || !r.keep_indexer_sequence();
@@ -678,9 +505,11 @@ TEST(CoordinatorServiceTest, ASlowReaderSlowsOnlyItselfAndIsBounded) {
   for (const auto& p : cluster.fake().prefills()) {
     if (p.context_length() == 100 && slow_id == 0) slow_id = p.sequence_id();
   }
+  // Time for the unread events to fill the window and the pending queue (no event marks that).
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const std::optional<int64_t> stalled = cluster.fake().Length(slow_id);
   ASSERT_TRUE(stalled.has_value());
+  // The span of real time over which a stalled sequence must not grow.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_EQ(cluster.fake().Length(slow_id), stalled);
   EXPECT_LT(*stalled, 100 + kSlowTokens);
@@ -708,7 +537,8 @@ TEST(CoordinatorServiceTest,
   grpc::ClientContext context;
   constexpr int64_t kTokens = 60;
   auto reader = stub->Generate(&context, Request("stops-reading", 100, kTokens));
-  // Not reading for 4 stall timeouts (the watch looks every quarter of one).
+  // Not reading for 4 stall timeouts (the watch looks every quarter of one): the client's idleness
+  // under test, on the service's real clock (engine_test covers the same on a FakeClock).
   std::this_thread::sleep_for(std::chrono::milliseconds(4 * o.stall_timeout_ms));
   cv1::GenerateEvent event;
   int64_t tokens = 0;
@@ -726,527 +556,6 @@ TEST(CoordinatorServiceTest,
   const Stream fast = Generate(cluster.stub(), Request("reads", 100, 200));
   ASSERT_TRUE(fast.status.ok()) << fast.status.error_message();
   EXPECT_EQ(fast.TokenCount(), 200);
-}
-
-TEST(CoordinatorServiceTest, SharesPrefixesOnTheIndexerWorkerHoldingThem) {
-  ClusterOptions o;
-  o.num_indexers = 2;
-  Cluster cluster(o);
-  cv1::GenerateRequest donor = Request("donor", 1100, 4);
-  for (uint64_t id : {11, 12, 13}) donor.add_prefix_block_ids(id);
-  const Stream d = Generate(cluster.stub(), donor);
-  ASSERT_TRUE(d.status.ok()) << d.status.error_message();
-  // A request with no prefix goes to the less loaded indexer worker.
-  const Stream other = Generate(cluster.stub(), Request("other", 100, 2));
-  ASSERT_TRUE(other.status.ok());
-  EXPECT_NE(other.admitted()->indexer_worker(), d.admitted()->indexer_worker());
-
-  cv1::GenerateRequest user = Request("user", 1500, 4);
-  for (uint64_t id : {11, 12, 13}) user.add_prefix_block_ids(id);
-  const Stream u = Generate(cluster.stub(), user);
-  ASSERT_TRUE(u.status.ok()) << u.status.error_message();
-  EXPECT_EQ(u.admitted()->indexer_worker(), d.admitted()->indexer_worker());
-  EXPECT_EQ(u.admitted()->prefix_slots_reused(), 1024);
-  const auto prefills = cluster.fake().prefills();
-  ASSERT_EQ(prefills.size(), 3u);
-  ASSERT_TRUE(prefills[2].has_prefix_source_id());
-  EXPECT_EQ(prefills[2].prefix_source_id(), prefills[0].sequence_id());
-  EXPECT_EQ(prefills[2].prefix_slots(), 1024);
-  // The indexer shares the 16 blocks per layer: 18 (donor, 1100 slots) + 8 (1500 - 1024 slots).
-  const cv1::GetLoadResponse load = Load(cluster.stub());
-  for (const auto& w : load.indexer_workers()) {
-    if (w.address() == d.admitted()->indexer_worker()) {
-      EXPECT_EQ(w.cache_blocks_used(), (18 + 8) * kLayers);
-      EXPECT_EQ(w.sequences(), 2);
-    }
-  }
-}
-
-TEST(CoordinatorServiceTest, EvictsRetainedDonorsAndIdleSessionsOnTheWorkersToMakeRoom) {
-  ClusterOptions o;
-  o.capacity_blocks = 40;  // 2 layers x 20 blocks; each request below takes 2 x 10
-  Cluster cluster(o);
-  ASSERT_TRUE(Generate(cluster.stub(), Request("donor", 600, 4)).status.ok());
-  cv1::GenerateRequest turn = Request("turn", 600, 4);
-  turn.set_session_id("chat");
-  ASSERT_TRUE(Generate(cluster.stub(), turn).status.ok());
-  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 2);
-  EXPECT_EQ(cluster.engine().Usage().used_blocks, 2 * 2 * 10);
-  const auto prefills = cluster.fake().prefills();
-  ASSERT_EQ(prefills.size(), 2u);
-  const uint64_t donor_id = prefills[0].sequence_id();
-  const uint64_t session_id = prefills[1].sequence_id();
-  // The next request needs 20 blocks: the least recently used (the donor) goes, through the
-  // indexer's Release (its KV is already gone).
-  ASSERT_TRUE(Generate(cluster.stub(), Request("third", 600, 4)).status.ok());
-  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 2);
-  EXPECT_TRUE(cluster.fake().Length(session_id).has_value());  // the session is still whole
-  // And the next one evicts the idle session through the attention worker (KV and index keys).
-  ASSERT_TRUE(Generate(cluster.stub(), Request("fourth", 600, 4)).status.ok());
-  EXPECT_FALSE(cluster.fake().Length(session_id).has_value());
-  bool session_released = false;
-  int donor_releases = 0;
-  for (const auto& r : cluster.fake().releases()) {
-    if (r.sequence_id() == session_id) session_released = !r.keep_indexer_sequence();
-    if (r.sequence_id() == donor_id) {
-      ++donor_releases;  // only at its finish, keeping the index keys
-      EXPECT_TRUE(r.keep_indexer_sequence());
-    }
-  }
-  EXPECT_TRUE(session_released);
-  EXPECT_EQ(donor_releases, 1);
-  const cv1::GetLoadResponse load = Load(cluster.stub());
-  EXPECT_EQ(load.retained_sequences(), 2);
-  EXPECT_EQ(load.indexer_workers(0).sequences(), 2);
-  EXPECT_EQ(load.cache_blocks_used(), 40);
-  // The session's next turn starts afresh.
-  cv1::GenerateRequest again = Request("again", 700, 4);
-  again.set_session_id("chat");
-  const Stream s = Generate(cluster.stub(), again);
-  ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-  EXPECT_FALSE(cluster.fake().prefills().back().continue_sequence());
-}
-
-TEST(CoordinatorServiceTest, SessionsContinueTheirSequenceTurnByTurn) {
-  Cluster cluster;
-  cv1::GenerateRequest turn1 = Request("t1", 200, 6);
-  turn1.set_session_id("chat");
-  const Stream s1 = Generate(cluster.stub(), turn1);
-  ASSERT_TRUE(s1.status.ok()) << s1.status.error_message();
-  EXPECT_TRUE(cluster.fake().releases().empty());  // a session keeps its KV
-
-  cv1::GenerateRequest short_turn = Request("t2", 205, 6);
-  short_turn.set_session_id("chat");
-  const Stream bad = Generate(cluster.stub(), short_turn);
-  EXPECT_EQ(bad.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(bad.status.error_message(), HasSubstr("holds 206 slots"));
-
-  cluster.fake().SetStepDelayMs(2);
-  cv1::GenerateRequest turn2 = Request("t2", 300, 50);
-  turn2.set_session_id("chat");
-  Stream s2;
-  std::thread t([&] { s2 = Generate(cluster.stub(), turn2); });
-  ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 1; }));
-  cv1::GenerateRequest busy = Request("t3", 400, 1);
-  busy.set_session_id("chat");
-  EXPECT_EQ(Generate(cluster.stub(), busy).status.error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
-  t.join();
-  ASSERT_TRUE(s2.status.ok()) << s2.status.error_message();
-  EXPECT_EQ(s2.events[1].tokens().first_position(), 300);
-  const auto prefills = cluster.fake().prefills();
-  ASSERT_EQ(prefills.size(), 2u);
-  EXPECT_TRUE(prefills[1].continue_sequence());
-  EXPECT_EQ(prefills[1].sequence_id(), prefills[0].sequence_id());
-  EXPECT_EQ(cluster.fake().Length(prefills[0].sequence_id()), 350);
-  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 1);
-}
-
-TEST(CoordinatorServiceTest, DrainRefusesNewAndQueuedRequestsAndLetsRunningOnesFinish) {
-  ClusterOptions o;
-  o.capacity_blocks = 16;
-  o.retain_finished = false;
-  Cluster cluster(o);
-  cluster.fake().SetStepDelayMs(5);
-  Stream running, queued;
-  std::thread a([&] { running = Generate(cluster.stub(), Request("run", 400, 40)); });
-  ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 1; }));
-  std::thread b([&] { queued = Generate(cluster.stub(), Request("wait", 400, 10)); });
-  ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).queued() == 1; }));
-  cluster.coordinator().StartDrain();
-  b.join();
-  EXPECT_EQ(queued.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THAT(queued.status.error_message(), HasSubstr("draining"));
-  const Stream late = Generate(cluster.stub(), Request("late", 10, 1));
-  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  a.join();
-  ASSERT_TRUE(running.status.ok()) << running.status.error_message();
-  EXPECT_EQ(running.TokenCount(), 40);
-}
-
-TEST(CoordinatorServiceTest, BatchesRunningSequencesOfAWorkerIntoOneDecodeStep) {
-  ClusterOptions o;
-  o.num_attention = 2;
-  Cluster cluster(o);
-  cluster.fake(0).SetStepDelayMs(3);
-  cluster.fake(1).SetStepDelayMs(3);
-  std::vector<Stream> streams(6);
-  std::vector<std::thread> threads;
-  threads.reserve(6);
-  for (int i = 0; i < 6; ++i) {
-    threads.emplace_back([&, i] {
-      streams[i] = Generate(cluster.stub(), Request(absl::StrCat("r", i), 100 + i, 30));
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const Stream& s : streams) {
-    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-    EXPECT_EQ(s.TokenCount(), 30);
-  }
-  // Both workers were used (fewest running), and each batched several sequences per step.
-  EXPECT_GT(cluster.fake(0).prefills().size(), 0u);
-  EXPECT_GT(cluster.fake(1).prefills().size(), 0u);
-  EXPECT_GT(cluster.fake(0).max_batch_size(), 1);
-  EXPECT_GT(cluster.fake(1).max_batch_size(), 1);
-}
-
-// Workers that do not answer or do not fit are not taken in, and the coordinator still starts:
-// it is not ready (Generate UNAVAILABLE) until a fitting worker of each kind answers.
-TEST(CoordinatorServiceTest, StartsNotReadyAndRefusesWorkersThatDoNotFit) {
-  prometheus::Registry registry;
-  CoordinatorMetrics metrics(registry);
-  Cluster cluster;
-  CoordinatorOptions options;
-  options.indexer_addresses = {cluster.indexer_address()};
-  options.attention_addresses = {"127.0.0.1:1"};  // nothing listens there
-  options.worker_check_interval_ms = 0;
-  auto unreachable = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_TRUE(unreachable.ok()) << unreachable.status();
-  std::vector<bool> told;
-  (*unreachable)->SetReadinessListener([&told](bool ready) { told.push_back(ready); });
-  EXPECT_EQ(told, std::vector<bool>{false});
-  std::string address;
-  auto server = Serve(unreachable->get(), &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  const Stream refused = Generate(*stub, Request("early", 100, 4));
-  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THAT(refused.status.error_message(),
-              HasSubstr("1 of 1 indexer and 0 of 0 attention workers are ready"));
-  EXPECT_THAT(prometheus::TextSerializer().Serialize(registry.Collect()),
-              HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} 1"));
-  server->Shutdown();
-
-  FakeAttentionService other({kLayers + 1, kHeads, kDim, 0});
-  std::string other_address;
-  auto other_server = Serve(&other, &other_address);
-  options.attention_addresses = {cluster.attention_address(), other_address};
-  auto disagree = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_TRUE(disagree.ok()) << disagree.status();
-  bool ready = false;
-  (*disagree)->SetReadinessListener([&ready](bool r) { ready = r; });
-  EXPECT_TRUE(ready);  // the first attention worker fits; the other is refused
-  std::string disagree_address;
-  auto disagree_server = Serve(disagree->get(), &disagree_address);
-  auto disagree_stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(disagree_address, grpc::InsecureChannelCredentials()));
-  const cv1::GetLoadResponse load = Load(*disagree_stub);
-  ASSERT_EQ(load.attention_workers_size(), 1);
-  EXPECT_EQ(load.attention_workers(0).address(), cluster.attention_address());
-  disagree_server->Shutdown();
-
-  FakeAttentionService wide({kLayers, kHeads * 2, kDim, 0});
-  std::string wide_address;
-  auto wide_server = Serve(&wide, &wide_address);
-  options.attention_addresses = {wide_address};
-  auto shape = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_TRUE(shape.ok()) << shape.status();
-  (*shape)->SetReadinessListener([&ready](bool r) { ready = r; });
-  EXPECT_FALSE(ready);  // H = 8 does not fit the indexer's H = 4
-  other_server->Shutdown();
-  wide_server->Shutdown();
-}
-
-TEST(CoordinatorServiceTest, RefusesOptionsWithoutWorkersOrWithBadAddresses) {
-  prometheus::Registry registry;
-  CoordinatorMetrics metrics(registry);
-  CoordinatorOptions options;
-  options.attention_addresses = {"127.0.0.1:1"};
-  auto none = CoordinatorServiceImpl::Create(options, &metrics);
-  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(none.status().message(), HasSubstr("--indexer or --indexer-dns"));
-  options.indexer_dns = {"indexers.example"};  // no port
-  auto bad = CoordinatorServiceImpl::Create(options, &metrics);
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.status().message(),
-              HasSubstr("worker address: \"indexers.example\" is not host:port"));
-}
-
-TEST(CoordinatorServiceTest, ResolvesNamesToSortedAddressesAndRefusesBadOnes) {
-  auto local = ResolveDnsAddresses("localhost:50052");
-  ASSERT_TRUE(local.ok()) << local.status();
-  ASSERT_FALSE(local->empty());
-  for (const std::string& address : *local) {
-    EXPECT_TRUE(address == "127.0.0.1:50052" || address == "[::1]:50052") << address;
-  }
-  EXPECT_TRUE(std::is_sorted(local->begin(), local->end()));
-  EXPECT_EQ(ResolveDnsAddresses("localhost").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ResolveDnsAddresses("localhost:0").status().code(), absl::StatusCode::kInvalidArgument);
-  const absl::Status unknown = ResolveDnsAddresses("no-such-host.invalid:1").status();
-  EXPECT_TRUE(unknown.code() == absl::StatusCode::kNotFound ||
-              unknown.code() == absl::StatusCode::kUnavailable)
-      << unknown;
-  EXPECT_THAT(unknown.message(), HasSubstr("no-such-host.invalid"));
-}
-
-// Workers found by name (a headless Service): taken in as they appear in the answer, placed on
-// only while listed and answering, and taken back when they return; a failed resolution keeps the
-// last answer. The resolver is a fake, so the answers are the test's.
-TEST(CoordinatorServiceTest, FollowsWorkersThatComeAndGoInTheDnsAnswer) {
-  Cluster cluster(ClusterOptions{.num_indexers = 2, .num_attention = 2});
-  absl::Mutex mu;
-  std::vector<std::string> indexer_answer, attention_answer;
-  bool resolver_fails = false;
-  AddressResolver resolve =
-      [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
-    absl::MutexLock lock(&mu);
-    if (resolver_fails) return absl::UnavailableError("resolver down");
-    return name == "indexers:1" ? indexer_answer : attention_answer;
-  };
-  prometheus::Registry registry;
-  CoordinatorMetrics metrics(registry);
-  CoordinatorOptions options;
-  options.indexer_dns = {"indexers:1"};
-  options.attention_dns = {"attention:1"};
-  options.top_k = 64;
-  options.worker_check_interval_ms = 0;
-  auto created = CoordinatorServiceImpl::Create(options, &metrics, resolve);
-  ASSERT_TRUE(created.ok()) << created.status();
-  CoordinatorServiceImpl& coordinator = **created;
-  std::vector<bool> told;
-  coordinator.SetReadinessListener([&told](bool ready) { told.push_back(ready); });
-  std::string address;
-  auto server = Serve(&coordinator, &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  EXPECT_EQ(told, std::vector<bool>{false});
-
-  {
-    absl::MutexLock lock(&mu);
-    indexer_answer = {cluster.indexer_address(0)};
-    attention_answer = {cluster.attention_address(0)};
-  }
-  coordinator.RefreshWorkers();
-  EXPECT_EQ(told, (std::vector<bool>{false, true}));
-  const Stream first = Generate(*stub, Request("first", 100, 3));
-  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
-  EXPECT_EQ(first.admitted()->indexer_worker(), cluster.indexer_address(0));
-
-  // Indexer 0 leaves the answer, indexer 1 joins: new requests go to indexer 1 only.
-  {
-    absl::MutexLock lock(&mu);
-    indexer_answer = {cluster.indexer_address(1)};
-  }
-  coordinator.RefreshWorkers();
-  EXPECT_EQ(told.back(), true);
-  cv1::GetLoadResponse load = Load(*stub);
-  ASSERT_EQ(load.indexer_workers_size(), 2);
-  EXPECT_FALSE(load.indexer_workers(0).ready());
-  EXPECT_TRUE(load.indexer_workers(1).ready());
-  for (int i = 0; i < 3; ++i) {
-    const Stream s = Generate(*stub, Request(absl::StrCat("moved", i), 100, 2));
-    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-    EXPECT_EQ(s.admitted()->indexer_worker(), cluster.indexer_address(1));
-  }
-  EXPECT_THAT(prometheus::TextSerializer().Serialize(registry.Collect()),
-              HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"not_ready\"} 1"));
-
-  // The resolver fails: the last answer stands, nothing changes.
-  {
-    absl::MutexLock lock(&mu);
-    resolver_fails = true;
-  }
-  coordinator.RefreshWorkers();
-  EXPECT_EQ(told.back(), true);
-  EXPECT_TRUE(Load(*stub).indexer_workers(1).ready());
-
-  // Every attention worker leaves: not ready, Generate UNAVAILABLE; back: ready again.
-  {
-    absl::MutexLock lock(&mu);
-    resolver_fails = false;
-    attention_answer = {};
-  }
-  coordinator.RefreshWorkers();
-  EXPECT_EQ(told.back(), false);
-  EXPECT_EQ(Generate(*stub, Request("none", 100, 2)).status.error_code(),
-            grpc::StatusCode::UNAVAILABLE);
-  {
-    absl::MutexLock lock(&mu);
-    attention_answer = {cluster.attention_address(1), cluster.attention_address(0)};
-  }
-  coordinator.RefreshWorkers();
-  EXPECT_EQ(told.back(), true);
-  load = Load(*stub);
-  ASSERT_EQ(load.attention_workers_size(), 2);
-  EXPECT_TRUE(load.attention_workers(0).ready());
-  EXPECT_TRUE(load.attention_workers(1).ready());
-  EXPECT_TRUE(Generate(*stub, Request("back", 100, 2)).status.ok());
-  server->Shutdown();
-  coordinator.Stop();
-}
-
-// A worker that answers with a new instance id restarted: its slot is retired (a session on it
-// starts afresh elsewhere, its retained donors are forgotten) and the new instance is taken in
-// as a new worker, its shape checked again.
-TEST(CoordinatorServiceTest, AWorkerThatRestartedIsTakenInAfreshAndItsOldStateForgotten) {
-  Cluster cluster(ClusterOptions{.num_indexers = 1, .num_attention = 1});
-  cluster.fake().SetInstanceId("first");
-  cluster.coordinator().RefreshWorkers();  // taken in before it said: "first" is learnt, no restart
-  EXPECT_EQ(Load(cluster.stub()).attention_workers_size(), 1);
-  cv1::GenerateRequest turn = Request("turn1", 600, 4);
-  turn.set_session_id("chat");
-  const Stream first = Generate(cluster.stub(), turn);
-  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
-  EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 1);
-
-  cluster.fake().SetInstanceId("second");
-  cluster.coordinator().RefreshWorkers();
-  EXPECT_THAT(cluster.Metrics(),
-              HasSubstr("dsa_coordinator_workers{kind=\"attention\",state=\"ready\"} 1"));
-  const cv1::GetLoadResponse load = Load(cluster.stub());
-  ASSERT_EQ(load.attention_workers_size(), 1);  // the retired slot is not listed
-  EXPECT_TRUE(load.attention_workers(0).ready());
-  EXPECT_EQ(load.retained_sequences(), 0);  // the session's sequence died with the old instance
-
-  turn.set_request_id("turn2");
-  turn.set_context_length(700);
-  const Stream second = Generate(cluster.stub(), turn);
-  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
-  const std::vector<av1::PrefillRequest> prefills = cluster.fake().prefills();
-  ASSERT_EQ(prefills.size(), 2u);
-  EXPECT_FALSE(prefills[1].continue_sequence());  // afresh, not a continuation
-  EXPECT_NE(prefills[1].sequence_id(), prefills[0].sequence_id());
-}
-
-// Queued requests that only a worker that left could hold fail with UNAVAILABLE at the next
-// refresh instead of waiting forever; a worker that never answers counts as not ready.
-TEST(CoordinatorServiceTest, QueuedRequestsFailWhenTheirWorkersLeaveAndUnreachableOnesAreCounted) {
-  Cluster cluster;
-  absl::Mutex mu;
-  std::vector<std::string> indexer_answer = {cluster.indexer_address()};
-  AddressResolver resolve =
-      [&](const std::string& name) -> absl::StatusOr<std::vector<std::string>> {
-    absl::MutexLock lock(&mu);
-    return indexer_answer;
-  };
-  prometheus::Registry dns_registry;
-  CoordinatorMetrics dns_metrics(dns_registry);
-  CoordinatorOptions dns_options;
-  dns_options.indexer_dns = {"indexers:1"};
-  dns_options.attention_addresses = {cluster.attention_address()};
-  dns_options.max_running_per_attention = 1;
-  dns_options.top_k = 64;
-  dns_options.worker_check_interval_ms = 0;
-  auto created = CoordinatorServiceImpl::Create(dns_options, &dns_metrics, resolve);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::string address;
-  auto server = Serve(created->get(), &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-  cluster.fake().SetStepDelayMs(2);
-  Stream running, queued;
-  std::thread a([&] { running = Generate(*stub, Request("running", 100, 100000)); });
-  ASSERT_TRUE(WaitFor([&] { return cluster.fake().decode_steps() > 0; }));
-  std::thread b([&] { queued = Generate(*stub, Request("queued", 100, 4)); });
-  ASSERT_TRUE(WaitFor([&] { return Load(*stub).queued() == 1; }));
-  {
-    absl::MutexLock lock(&mu);
-    indexer_answer.clear();  // the only indexer leaves (it still runs the first request)
-  }
-  (*created)->RefreshWorkers();
-  b.join();
-  EXPECT_EQ(queued.status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THAT(queued.status.error_message(), HasSubstr("no ready worker can hold the request"));
-  EXPECT_EQ(Load(*stub).running(), 1);  // what the worker holds goes on
-  EXPECT_TRUE(Abort(*stub, "running").ok());
-  a.join();
-  EXPECT_EQ(running.status.error_code(), grpc::StatusCode::CANCELLED);
-  server->Shutdown();
-  (*created)->Stop();
-
-  prometheus::Registry registry;
-  CoordinatorMetrics metrics(registry);
-  CoordinatorOptions options;
-  options.indexer_addresses = {cluster.indexer_address(), "127.0.0.1:1"};
-  options.attention_addresses = {"127.0.0.1:1"};
-  options.worker_check_interval_ms = 0;
-  auto unreachable = CoordinatorServiceImpl::Create(options, &metrics);
-  ASSERT_TRUE(unreachable.ok());
-  const std::string text = prometheus::TextSerializer().Serialize(registry.Collect());
-  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"not_ready\"} 1"));
-  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} 1"));
-  EXPECT_THAT(text, HasSubstr("dsa_coordinator_workers{kind=\"attention\",state=\"not_ready\"} 1"));
-}
-
-// A listed worker that stops answering is not placed on; the coordinator stays ready while the
-// other worker of its kind is.
-TEST(CoordinatorServiceTest, AWorkerThatStopsAnsweringIsNotPlacedOn) {
-  Cluster cluster(ClusterOptions{.num_indexers = 1, .num_attention = 2});
-  cluster.StopAttention(0);
-  cluster.coordinator().RefreshWorkers();
-  const cv1::GetLoadResponse load = Load(cluster.stub());
-  ASSERT_EQ(load.attention_workers_size(), 2);
-  EXPECT_FALSE(load.attention_workers(0).ready());
-  EXPECT_TRUE(load.attention_workers(1).ready());
-  for (int i = 0; i < 3; ++i) {
-    const Stream s = Generate(cluster.stub(), Request(absl::StrCat("r", i), 100, 2));
-    ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-    EXPECT_EQ(s.admitted()->attention_worker(), cluster.attention_address(1));
-  }
-}
-
-// A real model behind the coordinator (the fake runs the tiny model: next = last + 1 mod 64):
-// token ids through the gRPC API, n-gram drafts verified, prefix sharing on the real indexer by
-// token content, GetLoad naming the model, and a context_length request refused.
-TEST(CoordinatorServiceTest, ARealModelStreamsTokenIdsAndSharesPrefixesByTokenContent) {
-  ClusterOptions o;
-  o.tiny_model = true;
-  Cluster cluster(o);
-  const cv1::GetLoadResponse load = Load(cluster.stub());
-  EXPECT_EQ(load.model().name(), "tiny");
-  EXPECT_EQ(load.model().vocab_size(), dsa::testing::kTinyVocab);
-  EXPECT_EQ(load.model().eos_token_id(), dsa::testing::kTinyEos);
-  EXPECT_EQ(load.model().max_context(), 4096);
-
-  const Stream synthetic = Generate(cluster.stub(), Request("synthetic", 100, 2));
-  EXPECT_EQ(synthetic.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(synthetic.status.error_message(), HasSubstr("model 'tiny' generates real tokens"));
-
-  auto tokens_request = [](const std::string& id, const std::vector<int32_t>& context,
-                           int64_t max_new, int draft) {
-    cv1::GenerateRequest r;
-    r.set_request_id(id);
-    for (int32_t t : context) r.mutable_context_tokens()->add_tokens(t);
-    r.set_max_new_tokens(max_new);
-    r.set_draft_length(draft);
-    return r;
-  };
-  auto ids_of = [](const Stream& s) {
-    std::vector<int32_t> ids;
-    for (const auto& e : s.events) {
-      if (e.has_tokens())
-        ids.insert(ids.end(), e.tokens().token_ids().begin(), e.tokens().token_ids().end());
-    }
-    return ids;
-  };
-  // Drafts 13..16 confirmed, then 10, 11, 12 refused: the model's own tokens either way.
-  const Stream spec =
-      Generate(cluster.stub(), tokens_request("spec", {10, 11, 12, 13, 14, 15, 16, 17, 10, 11}, 10,
-                                              /*draft=*/4));
-  ASSERT_TRUE(spec.status.ok()) << spec.status.error_message();
-  EXPECT_EQ(ids_of(spec), (std::vector<int32_t>{12, 13, 14, 15, 16, 17, 18, 19, 20, 21}));
-  EXPECT_EQ(spec.events.back().finished().finish_reason(), cv1::FINISH_REASON_LENGTH);
-  const auto commits = cluster.fake().commits();
-  ASSERT_EQ(commits.size(), 2u);
-  EXPECT_EQ(commits[0].accepted(), 4);
-  EXPECT_EQ(commits[1].accepted(), 0);
-
-  std::vector<int32_t> prompt(1100);
-  for (int i = 0; i < 1100; ++i) prompt[i] = (i * 7) % 61;
-  const Stream donor = Generate(cluster.stub(), tokens_request("donor", prompt, 3, 0));
-  ASSERT_TRUE(donor.status.ok()) << donor.status.error_message();
-  const int32_t last = prompt.back();
-  EXPECT_EQ(ids_of(donor), (std::vector<int32_t>{last + 1, last + 2, last + 3}));
-  std::vector<int32_t> same(prompt.begin(), prompt.begin() + 1024);
-  same.resize(1500, 7);
-  const Stream user = Generate(cluster.stub(), tokens_request("user", same, 2, 0));
-  ASSERT_TRUE(user.status.ok()) << user.status.error_message();
-  EXPECT_EQ(user.admitted()->prefix_slots_reused(), 1024);
-  std::vector<int32_t> changed = same;
-  changed[0] = 60;
-  const Stream other = Generate(cluster.stub(), tokens_request("other", changed, 2, 0));
-  ASSERT_TRUE(other.status.ok()) << other.status.error_message();
-  EXPECT_EQ(other.admitted()->prefix_slots_reused(), 0);
 }
 
 }  // namespace
