@@ -55,6 +55,11 @@ CLI::Validator HostPortValidator(int min_port, bool allow_empty) {
 
 namespace {
 
+// Why a server may fail to bind: gRPC's builder reports no cause.
+constexpr char kCannotListen[] =
+    "the port is in use (by another server: reuse-port is off), or the host is not this "
+    "machine's";
+
 // --metrics-listen: "none", made "" (so that DSA_METRICS_LISTEN, which CLI11 ignores when empty,
 // can turn the endpoint off), or host:port without brackets: prometheus-cpp's civetweb here has no
 // IPv6.
@@ -204,6 +209,12 @@ void BlockTerminationSignals() {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 }
 
+void ListenExclusively(grpc::ServerBuilder& builder, const std::string& address,
+                       const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(address, credentials, port);
+}
+
 int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   grpc::EnableDefaultHealthCheckService(true);
   // The plaintext health port: a server of its own with the same statuses. It serves
@@ -213,11 +224,12 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   int health_port = 0;
   if (!flags.health_listen.empty()) {
     grpc::ServerBuilder health_builder;
-    health_builder.AddListeningPort(flags.health_listen, grpc::InsecureServerCredentials(),
-                                    &health_port);
+    ListenExclusively(health_builder, flags.health_listen, grpc::InsecureServerCredentials(),
+                      &health_port);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr || health_port == 0) {
-      LogJson("error", "cannot listen", {{"address", flags.health_listen}});
+      LogJson("error", "cannot listen",
+              {{"address", flags.health_listen}, {"reason", kCannotListen}});
       return 1;
     }
     health_server->GetHealthCheckService()->SetServingStatus("", false);  // until Readiness
@@ -271,7 +283,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   }
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(flags.listen, *credentials, &port);
+  ListenExclusively(builder, flags.listen, *credentials, &port);
   for (grpc::Service* service : spec.services) {
     builder.RegisterService(service);
   }
@@ -283,7 +295,7 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
   }
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    LogJson("error", "cannot listen", {{"address", flags.listen}});
+    LogJson("error", "cannot listen", {{"address", flags.listen}, {"reason", kCannotListen}});
     return 1;
   }
   std::vector<grpc::HealthCheckServiceInterface*> health;

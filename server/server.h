@@ -113,6 +113,13 @@ struct ServerSpec {
   std::function<void()> on_stopped;
 };
 
+/// Adds a listening port at `address` to `builder` with SO_REUSEPORT off (`*port` is set by
+/// BuildAndStart: the bound port, 0 when it could not bind). gRPC turns SO_REUSEPORT on by
+/// default, so a second server started on a port in use would share it silently and half of the
+/// new connections would reach the wrong server; with it off, that server fails to start.
+void ListenExclusively(grpc::ServerBuilder& builder, const std::string& address,
+                       const std::shared_ptr<grpc::ServerCredentials>& credentials, int* port);
+
 /// Builds and starts the gRPC server (TLS or mutual TLS as flags.tls says; with spec.auth's
 /// tokens) with health ("liveness"; "readiness" and "" as
 /// watch_readiness says) and reflection, serves /metrics (spec.registry, dsa_build_info and
