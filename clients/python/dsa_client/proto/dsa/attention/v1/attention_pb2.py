@@ -22,44 +22,49 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from dsa_client.proto.dsa.common.v1 import lease_pb2 as dsa_dot_common_dot_v1_dot_lease__pb2
 from dsa_client.proto.dsa.indexer.v1 import indexer_pb2 as dsa_dot_indexer_dot_v1_dot_indexer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dsa/attention/v1/attention.proto\x12\x10\x64sa.attention.v1\x1a\x1c\x64sa/indexer/v1/indexer.proto\"\x10\n\x0eGetInfoRequest\"\xa4\x02\n\x0fGetInfoResponse\x12\x18\n\x10num_model_layers\x18\x01 \x01(\x05\x12\x17\n\x0fnum_full_layers\x18\x02 \x01(\x05\x12\x11\n\tlag_depth\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x19\n\x11kv_capacity_slots\x18\x06 \x01(\x03\x12\x15\n\rkv_used_slots\x18\x07 \x01(\x03\x12\x11\n\tsequences\x18\x08 \x01(\x05\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x0c \x01(\x05\x12\x13\n\x0bmax_context\x18\r \x01(\x03\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"M\n\x10SequenceSettings\x12\r\n\x05top_k\x18\x01 \x01(\x05\x12*\n\x04spin\x18\x02 \x01(\x0b\x32\x1c.dsa.indexer.v1.SpinSettings\"\xce\x02\n\x0ePrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x03\x12\x18\n\x10prefix_block_ids\x18\x03 \x03(\x04\x12\x16\n\x0eindexer_worker\x18\x04 \x01(\t\x12\x34\n\x08settings\x18\x05 \x01(\x0b\x32\".dsa.attention.v1.SequenceSettings\x12\x1d\n\x10prefix_source_id\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cprefix_slots\x18\x07 \x01(\x03\x12\x19\n\x11\x63ontinue_sequence\x18\x08 \x01(\x08\x12\x0e\n\x06tokens\x18\t \x03(\x05\x12\x32\n\x08sampling\x18\n \x01(\x0b\x32 .dsa.attention.v1.SamplingParamsB\x13\n\x11_prefix_source_id\"q\n\x0fPrefillResponse\x12\r\n\x05slots\x18\x01 \x01(\x03\x12\x16\n\x0eslots_appended\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x17\n\nnext_token\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_next_token\"A\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"F\n\x11\x44\x65\x63odeStepRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.dsa.attention.v1.SequenceStep\"\xbb\x01\n\x12SequenceStepResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x03\x12\x15\n\rblocks_scored\x18\x03 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x04 \x01(\x03\x12\x14\n\x0c\x61udited_rows\x18\x05 \x01(\x05\x12\x1b\n\x13\x61udit_miss_rate_sum\x18\x06 \x01(\x01\x12\x16\n\x0esampled_tokens\x18\x07 \x03(\x05\"~\n\x12\x44\x65\x63odeStepResponse\x12\x37\n\tsequences\x18\x01 \x03(\x0b\x32$.dsa.attention.v1.SequenceStepResult\x12\x1e\n\x16selection_wait_seconds\x18\x02 \x03(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"6\n\rCommitRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\"\x10\n\x0e\x43ommitResponse\"D\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x1d\n\x15keep_indexer_sequence\x18\x02 \x01(\x08\"\x11\n\x0fReleaseResponse2\xa8\x03\n\x10\x41ttentionService\x12N\n\x07GetInfo\x12 .dsa.attention.v1.GetInfoRequest\x1a!.dsa.attention.v1.GetInfoResponse\x12N\n\x07Prefill\x12 .dsa.attention.v1.PrefillRequest\x1a!.dsa.attention.v1.PrefillResponse\x12W\n\nDecodeStep\x12#.dsa.attention.v1.DecodeStepRequest\x1a$.dsa.attention.v1.DecodeStepResponse\x12K\n\x06\x43ommit\x12\x1f.dsa.attention.v1.CommitRequest\x1a .dsa.attention.v1.CommitResponse\x12N\n\x07Release\x12 .dsa.attention.v1.ReleaseRequest\x1a!.dsa.attention.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n dsa/attention/v1/attention.proto\x12\x10\x64sa.attention.v1\x1a\x19\x64sa/common/v1/lease.proto\x1a\x1c\x64sa/indexer/v1/indexer.proto\"\x10\n\x0eGetInfoRequest\"\xa4\x02\n\x0fGetInfoResponse\x12\x18\n\x10num_model_layers\x18\x01 \x01(\x05\x12\x17\n\x0fnum_full_layers\x18\x02 \x01(\x05\x12\x11\n\tlag_depth\x18\x03 \x01(\x05\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x19\n\x11kv_capacity_slots\x18\x06 \x01(\x03\x12\x15\n\rkv_used_slots\x18\x07 \x01(\x03\x12\x11\n\tsequences\x18\x08 \x01(\x05\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nvocab_size\x18\x0b \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x0c \x01(\x05\x12\x13\n\x0bmax_context\x18\r \x01(\x03\"B\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\"M\n\x10SequenceSettings\x12\r\n\x05top_k\x18\x01 \x01(\x05\x12*\n\x04spin\x18\x02 \x01(\x0b\x32\x1c.dsa.indexer.v1.SpinSettings\"\xf3\x02\n\x0ePrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x03\x12\x18\n\x10prefix_block_ids\x18\x03 \x03(\x04\x12\x16\n\x0eindexer_worker\x18\x04 \x01(\t\x12\x34\n\x08settings\x18\x05 \x01(\x0b\x32\".dsa.attention.v1.SequenceSettings\x12\x1d\n\x10prefix_source_id\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cprefix_slots\x18\x07 \x01(\x03\x12\x19\n\x11\x63ontinue_sequence\x18\x08 \x01(\x08\x12\x0e\n\x06tokens\x18\t \x03(\x05\x12\x32\n\x08sampling\x18\n \x01(\x0b\x32 .dsa.attention.v1.SamplingParams\x12#\n\x05lease\x18\x0b \x01(\x0b\x32\x14.dsa.common.v1.LeaseB\x13\n\x11_prefix_source_id\"q\n\x0fPrefillResponse\x12\r\n\x05slots\x18\x01 \x01(\x03\x12\x16\n\x0eslots_appended\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x17\n\nnext_token\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_next_token\"A\n\x0cSequenceStep\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"F\n\x11\x44\x65\x63odeStepRequest\x12\x31\n\tsequences\x18\x01 \x03(\x0b\x32\x1e.dsa.attention.v1.SequenceStep\"\xbb\x01\n\x12SequenceStepResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x03\x12\x15\n\rblocks_scored\x18\x03 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x04 \x01(\x03\x12\x14\n\x0c\x61udited_rows\x18\x05 \x01(\x05\x12\x1b\n\x13\x61udit_miss_rate_sum\x18\x06 \x01(\x01\x12\x16\n\x0esampled_tokens\x18\x07 \x03(\x05\"~\n\x12\x44\x65\x63odeStepResponse\x12\x37\n\tsequences\x18\x01 \x03(\x0b\x32$.dsa.attention.v1.SequenceStepResult\x12\x1e\n\x16selection_wait_seconds\x18\x02 \x03(\x01\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"6\n\rCommitRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\"\x10\n\x0e\x43ommitResponse\"D\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x1d\n\x15keep_indexer_sequence\x18\x02 \x01(\x08\"\x11\n\x0fReleaseResponse\"8\n\x11RenewLeaseRequest\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.dsa.common.v1.Lease\">\n\x12RenewLeaseResponse\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x19.dsa.common.v1.LeaseState2\x81\x04\n\x10\x41ttentionService\x12N\n\x07GetInfo\x12 .dsa.attention.v1.GetInfoRequest\x1a!.dsa.attention.v1.GetInfoResponse\x12N\n\x07Prefill\x12 .dsa.attention.v1.PrefillRequest\x1a!.dsa.attention.v1.PrefillResponse\x12W\n\nDecodeStep\x12#.dsa.attention.v1.DecodeStepRequest\x1a$.dsa.attention.v1.DecodeStepResponse\x12K\n\x06\x43ommit\x12\x1f.dsa.attention.v1.CommitRequest\x1a .dsa.attention.v1.CommitResponse\x12N\n\x07Release\x12 .dsa.attention.v1.ReleaseRequest\x1a!.dsa.attention.v1.ReleaseResponse\x12W\n\nRenewLease\x12#.dsa.attention.v1.RenewLeaseRequest\x1a$.dsa.attention.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsa.attention.v1.attention_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETINFOREQUEST']._serialized_start=84
-  _globals['_GETINFOREQUEST']._serialized_end=100
-  _globals['_GETINFORESPONSE']._serialized_start=103
-  _globals['_GETINFORESPONSE']._serialized_end=395
-  _globals['_SAMPLINGPARAMS']._serialized_start=397
-  _globals['_SAMPLINGPARAMS']._serialized_end=463
-  _globals['_SEQUENCESETTINGS']._serialized_start=465
-  _globals['_SEQUENCESETTINGS']._serialized_end=542
-  _globals['_PREFILLREQUEST']._serialized_start=545
-  _globals['_PREFILLREQUEST']._serialized_end=879
-  _globals['_PREFILLRESPONSE']._serialized_start=881
-  _globals['_PREFILLRESPONSE']._serialized_end=994
-  _globals['_SEQUENCESTEP']._serialized_start=996
-  _globals['_SEQUENCESTEP']._serialized_end=1061
-  _globals['_DECODESTEPREQUEST']._serialized_start=1063
-  _globals['_DECODESTEPREQUEST']._serialized_end=1133
-  _globals['_SEQUENCESTEPRESULT']._serialized_start=1136
-  _globals['_SEQUENCESTEPRESULT']._serialized_end=1323
-  _globals['_DECODESTEPRESPONSE']._serialized_start=1325
-  _globals['_DECODESTEPRESPONSE']._serialized_end=1451
-  _globals['_COMMITREQUEST']._serialized_start=1453
-  _globals['_COMMITREQUEST']._serialized_end=1507
-  _globals['_COMMITRESPONSE']._serialized_start=1509
-  _globals['_COMMITRESPONSE']._serialized_end=1525
-  _globals['_RELEASEREQUEST']._serialized_start=1527
-  _globals['_RELEASEREQUEST']._serialized_end=1595
-  _globals['_RELEASERESPONSE']._serialized_start=1597
-  _globals['_RELEASERESPONSE']._serialized_end=1614
-  _globals['_ATTENTIONSERVICE']._serialized_start=1617
-  _globals['_ATTENTIONSERVICE']._serialized_end=2041
+  _globals['_GETINFOREQUEST']._serialized_start=111
+  _globals['_GETINFOREQUEST']._serialized_end=127
+  _globals['_GETINFORESPONSE']._serialized_start=130
+  _globals['_GETINFORESPONSE']._serialized_end=422
+  _globals['_SAMPLINGPARAMS']._serialized_start=424
+  _globals['_SAMPLINGPARAMS']._serialized_end=490
+  _globals['_SEQUENCESETTINGS']._serialized_start=492
+  _globals['_SEQUENCESETTINGS']._serialized_end=569
+  _globals['_PREFILLREQUEST']._serialized_start=572
+  _globals['_PREFILLREQUEST']._serialized_end=943
+  _globals['_PREFILLRESPONSE']._serialized_start=945
+  _globals['_PREFILLRESPONSE']._serialized_end=1058
+  _globals['_SEQUENCESTEP']._serialized_start=1060
+  _globals['_SEQUENCESTEP']._serialized_end=1125
+  _globals['_DECODESTEPREQUEST']._serialized_start=1127
+  _globals['_DECODESTEPREQUEST']._serialized_end=1197
+  _globals['_SEQUENCESTEPRESULT']._serialized_start=1200
+  _globals['_SEQUENCESTEPRESULT']._serialized_end=1387
+  _globals['_DECODESTEPRESPONSE']._serialized_start=1389
+  _globals['_DECODESTEPRESPONSE']._serialized_end=1515
+  _globals['_COMMITREQUEST']._serialized_start=1517
+  _globals['_COMMITREQUEST']._serialized_end=1571
+  _globals['_COMMITRESPONSE']._serialized_start=1573
+  _globals['_COMMITRESPONSE']._serialized_end=1589
+  _globals['_RELEASEREQUEST']._serialized_start=1591
+  _globals['_RELEASEREQUEST']._serialized_end=1659
+  _globals['_RELEASERESPONSE']._serialized_start=1661
+  _globals['_RELEASERESPONSE']._serialized_end=1678
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1680
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1736
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1738
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1800
+  _globals['_ATTENTIONSERVICE']._serialized_start=1803
+  _globals['_ATTENTIONSERVICE']._serialized_end=2316
 # @@protoc_insertion_point(module_scope)

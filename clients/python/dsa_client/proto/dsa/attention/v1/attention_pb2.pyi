@@ -1,3 +1,4 @@
+from dsa_client.proto.dsa.common.v1 import lease_pb2 as _lease_pb2
 from dsa_client.proto.dsa.indexer.v1 import indexer_pb2 as _indexer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -60,7 +61,7 @@ class SequenceSettings(_message.Message):
     def __init__(self, top_k: _Optional[int] = ..., spin: _Optional[_Union[_indexer_pb2.SpinSettings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("sequence_id", "context_length", "prefix_block_ids", "indexer_worker", "settings", "prefix_source_id", "prefix_slots", "continue_sequence", "tokens", "sampling")
+    __slots__ = ("sequence_id", "context_length", "prefix_block_ids", "indexer_worker", "settings", "prefix_source_id", "prefix_slots", "continue_sequence", "tokens", "sampling", "lease")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +72,7 @@ class PrefillRequest(_message.Message):
     CONTINUE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     context_length: int
     prefix_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +83,8 @@ class PrefillRequest(_message.Message):
     continue_sequence: bool
     tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, sequence_id: _Optional[int] = ..., context_length: _Optional[int] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., indexer_worker: _Optional[str] = ..., settings: _Optional[_Union[SequenceSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ..., continue_sequence: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    lease: _lease_pb2.Lease
+    def __init__(self, sequence_id: _Optional[int] = ..., context_length: _Optional[int] = ..., prefix_block_ids: _Optional[_Iterable[int]] = ..., indexer_worker: _Optional[str] = ..., settings: _Optional[_Union[SequenceSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ..., continue_sequence: _Optional[bool] = ..., tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("slots", "slots_appended", "seconds", "next_token")
@@ -162,3 +165,15 @@ class ReleaseRequest(_message.Message):
 class ReleaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _lease_pb2.LeaseState
+    def __init__(self, state: _Optional[_Union[_lease_pb2.LeaseState, _Mapping]] = ...) -> None: ...

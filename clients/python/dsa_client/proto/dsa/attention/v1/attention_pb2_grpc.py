@@ -59,6 +59,11 @@ class AttentionServiceStub:
                 request_serializer=dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/dsa.attention.v1.AttentionService/RenewLease',
+                request_serializer=dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -113,6 +118,17 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Renews a coordinator's lease on the sequences it prefilled here (dsa.common.v1.Lease): a
+        lease not renewed for its ttl has its sequences released (their indexer sequences too); a new
+        instance of the owner releases the earlier instances' sequences now. INVALID_ARGUMENT (no
+        owner or instance, ttl outside [1 ms, 10 min]), FAILED_PRECONDITION (a superseded instance),
+        PERMISSION_DENIED (the owner's leases belong to another caller).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +156,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseRequest.FromString,
                     response_serializer=dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +298,33 @@ class AttentionService:
             '/dsa.attention.v1.AttentionService/Release',
             dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseRequest.SerializeToString,
             dsa_dot_attention_dot_v1_dot_attention__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsa.attention.v1.AttentionService/RenewLease',
+            dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseRequest.SerializeToString,
+            dsa_dot_attention_dot_v1_dot_attention__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,66 +22,71 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from dsa_client.proto.dsa.common.v1 import lease_pb2 as dsa_dot_common_dot_v1_dot_lease__pb2
 from dsa_client.proto.dsa.common.v1 import tensor_pb2 as dsa_dot_common_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64sa/indexer/v1/indexer.proto\x12\x0e\x64sa.indexer.v1\x1a\x1a\x64sa/common/v1/tensor.proto\"\xe9\x03\n\x0cSpinSettings\x12\x12\n\x08\x61ll_keep\x18\x01 \x01(\x08H\x00\x12\x1f\n\x15target_block_sparsity\x18\x02 \x01(\x01H\x00\x12\x16\n\tema_decay\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12!\n\x14\x65xploration_fraction\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12-\n\x07pooling\x18\x05 \x01(\x0e\x32\x1c.dsa.indexer.v1.BlockPooling\x12\x31\n\treduction\x18\x06 \x01(\x0e\x32\x1e.dsa.indexer.v1.BlockReduction\x12\x36\n\x0b\x65xploration\x18\x07 \x01(\x0e\x32!.dsa.indexer.v1.ExplorationPolicy\x12\x31\n\tspec_mask\x18\x08 \x01(\x0e\x32\x1e.dsa.indexer.v1.SpecMaskPolicy\x12\x35\n\x0bspec_update\x18\t \x01(\x0e\x32 .dsa.indexer.v1.SpecUpdatePolicy\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x18\n\x0bmiss_target\x18\x0b \x01(\x01H\x03\x88\x01\x01\x42\x06\n\x04modeB\x0c\n\n_ema_decayB\x17\n\x15_exploration_fractionB\x0e\n\x0c_miss_target\"\xc5\x01\n\x15\x43reateSequenceRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12*\n\x04spin\x18\x04 \x01(\x0b\x32\x1c.dsa.indexer.v1.SpinSettings\x12\x1d\n\x10prefix_source_id\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cprefix_slots\x18\x06 \x01(\x03\x42\x13\n\x11_prefix_source_id\"\x18\n\x16\x43reateSequenceResponse\"u\n\x16\x41ppendIndexKeysRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x12\n\nfirst_slot\x18\x03 \x01(\x03\x12#\n\x04keys\x18\x04 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\"0\n\x17\x41ppendIndexKeysResponse\x12\x15\n\rkeys_appended\x18\x01 \x01(\x03\"\xca\x01\n\x08RowGroup\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x16\n\x0e\x66irst_position\x18\x03 \x01(\x03\x12&\n\x07queries\x18\x04 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12+\n\x0chead_weights\x18\x05 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12-\n\x0enew_index_keys\x18\x06 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\"M\n\rSelectRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.dsa.indexer.v1.RowGroup\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"\x98\x01\n\x0eGroupSelection\x12)\n\nselections\x18\x01 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12\x15\n\rblocks_scored\x18\x02 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x03 \x01(\x03\x12\x12\n\nall_blocks\x18\x04 \x01(\x08\x12\x18\n\x10\x61udit_miss_rates\x18\x05 \x03(\x01\"D\n\x0bSelectError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0egroups_applied\x18\x03 \x01(\x05\"\x84\x01\n\x0eSelectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x32\n\nselections\x18\x02 \x03(\x0b\x32\x1e.dsa.indexer.v1.GroupSelection\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.dsa.indexer.v1.SelectError\"6\n\rCommitRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\"\x10\n\x0e\x43ommitResponse\"\'\n\x10\x42\x65ginTurnRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\"\x13\n\x11\x42\x65ginTurnResponse\"%\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x10\n\x0eGetLoadRequest\"\xb8\x01\n\x0fGetLoadResponse\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x15\n\rshared_blocks\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x03\x12\x11\n\tsequences\x18\x05 \x01(\x03\x12\x11\n\tnum_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\"\xe3\x01\n\x14OpenDataPlaneRequest\x12\x16\n\x0enccl_unique_id\x18\x01 \x01(\x0c\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\x12\x14\n\x0cindexer_rank\x18\x03 \x01(\x05\x12\x1d\n\x15\x61ttention_cuda_device\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x11\n\tmax_top_k\x18\x07 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x03\x12\x18\n\x10\x61ttention_worker\x18\t \x01(\t\"f\n\x15OpenDataPlaneResponse\x12\x1b\n\x13indexer_cuda_device\x18\x01 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x03\x12\x15\n\rdata_plane_id\x18\x03 \x01(\x04*y\n\x0c\x42lockPooling\x12\x1d\n\x19\x42LOCK_POOLING_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LOCK_POOLING_MAX\x10\x01\x12\x1b\n\x17\x42LOCK_POOLING_TOP4_MEAN\x10\x02\x12\x16\n\x12\x42LOCK_POOLING_MEAN\x10\x03*y\n\x0e\x42lockReduction\x12\x1f\n\x1b\x42LOCK_REDUCTION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_REDUCTION_A1\x10\x01\x12\x16\n\x12\x42LOCK_REDUCTION_A0\x10\x02\x12\x16\n\x12\x42LOCK_REDUCTION_A2\x10\x03*\xa0\x01\n\x11\x45xplorationPolicy\x12\"\n\x1e\x45XPLORATION_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45XPLORATION_POLICY_RANDOM\x10\x01\x12&\n\"EXPLORATION_POLICY_STALENESS_SCORE\x10\x02\x12 \n\x1c\x45XPLORATION_POLICY_BLOCK_AGE\x10\x03*{\n\x0eSpecMaskPolicy\x12 \n\x1cSPEC_MASK_POLICY_UNSPECIFIED\x10\x00\x12$\n SPEC_MASK_POLICY_ROW_LOCAL_UNION\x10\x01\x12!\n\x1dSPEC_MASK_POLICY_ROW0_SHARING\x10\x02*x\n\x10SpecUpdatePolicy\x12\"\n\x1eSPEC_UPDATE_POLICY_UNSPECIFIED\x10\x00\x12#\n\x1fSPEC_UPDATE_POLICY_PREFIX_VALID\x10\x01\x12\x1b\n\x17SPEC_UPDATE_POLICY_ROW0\x10\x02\x32\x84\x06\n\x0eIndexerService\x12_\n\x0e\x43reateSequence\x12%.dsa.indexer.v1.CreateSequenceRequest\x1a&.dsa.indexer.v1.CreateSequenceResponse\x12\x64\n\x0f\x41ppendIndexKeys\x12&.dsa.indexer.v1.AppendIndexKeysRequest\x1a\'.dsa.indexer.v1.AppendIndexKeysResponse(\x01\x12G\n\x06Select\x12\x1d.dsa.indexer.v1.SelectRequest\x1a\x1e.dsa.indexer.v1.SelectResponse\x12Q\n\x0cSelectStream\x12\x1d.dsa.indexer.v1.SelectRequest\x1a\x1e.dsa.indexer.v1.SelectResponse(\x01\x30\x01\x12G\n\x06\x43ommit\x12\x1d.dsa.indexer.v1.CommitRequest\x1a\x1e.dsa.indexer.v1.CommitResponse\x12P\n\tBeginTurn\x12 .dsa.indexer.v1.BeginTurnRequest\x1a!.dsa.indexer.v1.BeginTurnResponse\x12J\n\x07Release\x12\x1e.dsa.indexer.v1.ReleaseRequest\x1a\x1f.dsa.indexer.v1.ReleaseResponse\x12J\n\x07GetLoad\x12\x1e.dsa.indexer.v1.GetLoadRequest\x1a\x1f.dsa.indexer.v1.GetLoadResponse\x12\\\n\rOpenDataPlane\x12$.dsa.indexer.v1.OpenDataPlaneRequest\x1a%.dsa.indexer.v1.OpenDataPlaneResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64sa/indexer/v1/indexer.proto\x12\x0e\x64sa.indexer.v1\x1a\x19\x64sa/common/v1/lease.proto\x1a\x1a\x64sa/common/v1/tensor.proto\"\xe9\x03\n\x0cSpinSettings\x12\x12\n\x08\x61ll_keep\x18\x01 \x01(\x08H\x00\x12\x1f\n\x15target_block_sparsity\x18\x02 \x01(\x01H\x00\x12\x16\n\tema_decay\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12!\n\x14\x65xploration_fraction\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12-\n\x07pooling\x18\x05 \x01(\x0e\x32\x1c.dsa.indexer.v1.BlockPooling\x12\x31\n\treduction\x18\x06 \x01(\x0e\x32\x1e.dsa.indexer.v1.BlockReduction\x12\x36\n\x0b\x65xploration\x18\x07 \x01(\x0e\x32!.dsa.indexer.v1.ExplorationPolicy\x12\x31\n\tspec_mask\x18\x08 \x01(\x0e\x32\x1e.dsa.indexer.v1.SpecMaskPolicy\x12\x35\n\x0bspec_update\x18\t \x01(\x0e\x32 .dsa.indexer.v1.SpecUpdatePolicy\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x18\n\x0bmiss_target\x18\x0b \x01(\x01H\x03\x88\x01\x01\x42\x06\n\x04modeB\x0c\n\n_ema_decayB\x17\n\x15_exploration_fractionB\x0e\n\x0c_miss_target\"\xea\x01\n\x15\x43reateSequenceRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12*\n\x04spin\x18\x04 \x01(\x0b\x32\x1c.dsa.indexer.v1.SpinSettings\x12\x1d\n\x10prefix_source_id\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0cprefix_slots\x18\x06 \x01(\x03\x12#\n\x05lease\x18\x07 \x01(\x0b\x32\x14.dsa.common.v1.LeaseB\x13\n\x11_prefix_source_id\"\x18\n\x16\x43reateSequenceResponse\"u\n\x16\x41ppendIndexKeysRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x12\n\nfirst_slot\x18\x03 \x01(\x03\x12#\n\x04keys\x18\x04 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\"0\n\x17\x41ppendIndexKeysResponse\x12\x15\n\rkeys_appended\x18\x01 \x01(\x03\"\xca\x01\n\x08RowGroup\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x16\n\x0e\x66irst_position\x18\x03 \x01(\x03\x12&\n\x07queries\x18\x04 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12+\n\x0chead_weights\x18\x05 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12-\n\x0enew_index_keys\x18\x06 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\"M\n\rSelectRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.dsa.indexer.v1.RowGroup\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"\x98\x01\n\x0eGroupSelection\x12)\n\nselections\x18\x01 \x01(\x0b\x32\x15.dsa.common.v1.Tensor\x12\x15\n\rblocks_scored\x18\x02 \x01(\x03\x12\x16\n\x0e\x62locks_visible\x18\x03 \x01(\x03\x12\x12\n\nall_blocks\x18\x04 \x01(\x08\x12\x18\n\x10\x61udit_miss_rates\x18\x05 \x03(\x01\"D\n\x0bSelectError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0egroups_applied\x18\x03 \x01(\x05\"\x84\x01\n\x0eSelectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x32\n\nselections\x18\x02 \x03(\x0b\x32\x1e.dsa.indexer.v1.GroupSelection\x12*\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1b.dsa.indexer.v1.SelectError\"6\n\rCommitRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x05\"\x10\n\x0e\x43ommitResponse\"\'\n\x10\x42\x65ginTurnRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\"\x13\n\x11\x42\x65ginTurnResponse\"%\n\x0eReleaseRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x10\n\x0eGetLoadRequest\"\xb8\x01\n\x0fGetLoadResponse\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x01 \x01(\x03\x12\x13\n\x0bused_blocks\x18\x02 \x01(\x03\x12\x15\n\rshared_blocks\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x03\x12\x11\n\tsequences\x18\x05 \x01(\x03\x12\x11\n\tnum_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\"\xe3\x01\n\x14OpenDataPlaneRequest\x12\x16\n\x0enccl_unique_id\x18\x01 \x01(\x0c\x12\x11\n\tnum_ranks\x18\x02 \x01(\x05\x12\x14\n\x0cindexer_rank\x18\x03 \x01(\x05\x12\x1d\n\x15\x61ttention_cuda_device\x18\x04 \x01(\x05\x12\x11\n\tnum_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x11\n\tmax_top_k\x18\x07 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x03\x12\x18\n\x10\x61ttention_worker\x18\t \x01(\t\"f\n\x15OpenDataPlaneResponse\x12\x1b\n\x13indexer_cuda_device\x18\x01 \x01(\x05\x12\x19\n\x11max_message_bytes\x18\x02 \x01(\x03\x12\x15\n\rdata_plane_id\x18\x03 \x01(\x04\"8\n\x11RenewLeaseRequest\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.dsa.common.v1.Lease\">\n\x12RenewLeaseResponse\x12(\n\x05state\x18\x01 \x01(\x0b\x32\x19.dsa.common.v1.LeaseState*y\n\x0c\x42lockPooling\x12\x1d\n\x19\x42LOCK_POOLING_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42LOCK_POOLING_MAX\x10\x01\x12\x1b\n\x17\x42LOCK_POOLING_TOP4_MEAN\x10\x02\x12\x16\n\x12\x42LOCK_POOLING_MEAN\x10\x03*y\n\x0e\x42lockReduction\x12\x1f\n\x1b\x42LOCK_REDUCTION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_REDUCTION_A1\x10\x01\x12\x16\n\x12\x42LOCK_REDUCTION_A0\x10\x02\x12\x16\n\x12\x42LOCK_REDUCTION_A2\x10\x03*\xa0\x01\n\x11\x45xplorationPolicy\x12\"\n\x1e\x45XPLORATION_POLICY_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x45XPLORATION_POLICY_RANDOM\x10\x01\x12&\n\"EXPLORATION_POLICY_STALENESS_SCORE\x10\x02\x12 \n\x1c\x45XPLORATION_POLICY_BLOCK_AGE\x10\x03*{\n\x0eSpecMaskPolicy\x12 \n\x1cSPEC_MASK_POLICY_UNSPECIFIED\x10\x00\x12$\n SPEC_MASK_POLICY_ROW_LOCAL_UNION\x10\x01\x12!\n\x1dSPEC_MASK_POLICY_ROW0_SHARING\x10\x02*x\n\x10SpecUpdatePolicy\x12\"\n\x1eSPEC_UPDATE_POLICY_UNSPECIFIED\x10\x00\x12#\n\x1fSPEC_UPDATE_POLICY_PREFIX_VALID\x10\x01\x12\x1b\n\x17SPEC_UPDATE_POLICY_ROW0\x10\x02\x32\xd9\x06\n\x0eIndexerService\x12_\n\x0e\x43reateSequence\x12%.dsa.indexer.v1.CreateSequenceRequest\x1a&.dsa.indexer.v1.CreateSequenceResponse\x12\x64\n\x0f\x41ppendIndexKeys\x12&.dsa.indexer.v1.AppendIndexKeysRequest\x1a\'.dsa.indexer.v1.AppendIndexKeysResponse(\x01\x12G\n\x06Select\x12\x1d.dsa.indexer.v1.SelectRequest\x1a\x1e.dsa.indexer.v1.SelectResponse\x12Q\n\x0cSelectStream\x12\x1d.dsa.indexer.v1.SelectRequest\x1a\x1e.dsa.indexer.v1.SelectResponse(\x01\x30\x01\x12G\n\x06\x43ommit\x12\x1d.dsa.indexer.v1.CommitRequest\x1a\x1e.dsa.indexer.v1.CommitResponse\x12P\n\tBeginTurn\x12 .dsa.indexer.v1.BeginTurnRequest\x1a!.dsa.indexer.v1.BeginTurnResponse\x12J\n\x07Release\x12\x1e.dsa.indexer.v1.ReleaseRequest\x1a\x1f.dsa.indexer.v1.ReleaseResponse\x12J\n\x07GetLoad\x12\x1e.dsa.indexer.v1.GetLoadRequest\x1a\x1f.dsa.indexer.v1.GetLoadResponse\x12\\\n\rOpenDataPlane\x12$.dsa.indexer.v1.OpenDataPlaneRequest\x1a%.dsa.indexer.v1.OpenDataPlaneResponse\x12S\n\nRenewLease\x12!.dsa.indexer.v1.RenewLeaseRequest\x1a\".dsa.indexer.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dsa.indexer.v1.indexer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BLOCKPOOLING']._serialized_start=2340
-  _globals['_BLOCKPOOLING']._serialized_end=2461
-  _globals['_BLOCKREDUCTION']._serialized_start=2463
-  _globals['_BLOCKREDUCTION']._serialized_end=2584
-  _globals['_EXPLORATIONPOLICY']._serialized_start=2587
-  _globals['_EXPLORATIONPOLICY']._serialized_end=2747
-  _globals['_SPECMASKPOLICY']._serialized_start=2749
-  _globals['_SPECMASKPOLICY']._serialized_end=2872
-  _globals['_SPECUPDATEPOLICY']._serialized_start=2874
-  _globals['_SPECUPDATEPOLICY']._serialized_end=2994
-  _globals['_SPINSETTINGS']._serialized_start=77
-  _globals['_SPINSETTINGS']._serialized_end=566
-  _globals['_CREATESEQUENCEREQUEST']._serialized_start=569
-  _globals['_CREATESEQUENCEREQUEST']._serialized_end=766
-  _globals['_CREATESEQUENCERESPONSE']._serialized_start=768
-  _globals['_CREATESEQUENCERESPONSE']._serialized_end=792
-  _globals['_APPENDINDEXKEYSREQUEST']._serialized_start=794
-  _globals['_APPENDINDEXKEYSREQUEST']._serialized_end=911
-  _globals['_APPENDINDEXKEYSRESPONSE']._serialized_start=913
-  _globals['_APPENDINDEXKEYSRESPONSE']._serialized_end=961
-  _globals['_ROWGROUP']._serialized_start=964
-  _globals['_ROWGROUP']._serialized_end=1166
-  _globals['_SELECTREQUEST']._serialized_start=1168
-  _globals['_SELECTREQUEST']._serialized_end=1245
-  _globals['_GROUPSELECTION']._serialized_start=1248
-  _globals['_GROUPSELECTION']._serialized_end=1400
-  _globals['_SELECTERROR']._serialized_start=1402
-  _globals['_SELECTERROR']._serialized_end=1470
-  _globals['_SELECTRESPONSE']._serialized_start=1473
-  _globals['_SELECTRESPONSE']._serialized_end=1605
-  _globals['_COMMITREQUEST']._serialized_start=1607
-  _globals['_COMMITREQUEST']._serialized_end=1661
-  _globals['_COMMITRESPONSE']._serialized_start=1663
-  _globals['_COMMITRESPONSE']._serialized_end=1679
-  _globals['_BEGINTURNREQUEST']._serialized_start=1681
-  _globals['_BEGINTURNREQUEST']._serialized_end=1720
-  _globals['_BEGINTURNRESPONSE']._serialized_start=1722
-  _globals['_BEGINTURNRESPONSE']._serialized_end=1741
-  _globals['_RELEASEREQUEST']._serialized_start=1743
-  _globals['_RELEASEREQUEST']._serialized_end=1780
-  _globals['_RELEASERESPONSE']._serialized_start=1782
-  _globals['_RELEASERESPONSE']._serialized_end=1799
-  _globals['_GETLOADREQUEST']._serialized_start=1801
-  _globals['_GETLOADREQUEST']._serialized_end=1817
-  _globals['_GETLOADRESPONSE']._serialized_start=1820
-  _globals['_GETLOADRESPONSE']._serialized_end=2004
-  _globals['_OPENDATAPLANEREQUEST']._serialized_start=2007
-  _globals['_OPENDATAPLANEREQUEST']._serialized_end=2234
-  _globals['_OPENDATAPLANERESPONSE']._serialized_start=2236
-  _globals['_OPENDATAPLANERESPONSE']._serialized_end=2338
-  _globals['_INDEXERSERVICE']._serialized_start=2997
-  _globals['_INDEXERSERVICE']._serialized_end=3769
+  _globals['_BLOCKPOOLING']._serialized_start=2526
+  _globals['_BLOCKPOOLING']._serialized_end=2647
+  _globals['_BLOCKREDUCTION']._serialized_start=2649
+  _globals['_BLOCKREDUCTION']._serialized_end=2770
+  _globals['_EXPLORATIONPOLICY']._serialized_start=2773
+  _globals['_EXPLORATIONPOLICY']._serialized_end=2933
+  _globals['_SPECMASKPOLICY']._serialized_start=2935
+  _globals['_SPECMASKPOLICY']._serialized_end=3058
+  _globals['_SPECUPDATEPOLICY']._serialized_start=3060
+  _globals['_SPECUPDATEPOLICY']._serialized_end=3180
+  _globals['_SPINSETTINGS']._serialized_start=104
+  _globals['_SPINSETTINGS']._serialized_end=593
+  _globals['_CREATESEQUENCEREQUEST']._serialized_start=596
+  _globals['_CREATESEQUENCEREQUEST']._serialized_end=830
+  _globals['_CREATESEQUENCERESPONSE']._serialized_start=832
+  _globals['_CREATESEQUENCERESPONSE']._serialized_end=856
+  _globals['_APPENDINDEXKEYSREQUEST']._serialized_start=858
+  _globals['_APPENDINDEXKEYSREQUEST']._serialized_end=975
+  _globals['_APPENDINDEXKEYSRESPONSE']._serialized_start=977
+  _globals['_APPENDINDEXKEYSRESPONSE']._serialized_end=1025
+  _globals['_ROWGROUP']._serialized_start=1028
+  _globals['_ROWGROUP']._serialized_end=1230
+  _globals['_SELECTREQUEST']._serialized_start=1232
+  _globals['_SELECTREQUEST']._serialized_end=1309
+  _globals['_GROUPSELECTION']._serialized_start=1312
+  _globals['_GROUPSELECTION']._serialized_end=1464
+  _globals['_SELECTERROR']._serialized_start=1466
+  _globals['_SELECTERROR']._serialized_end=1534
+  _globals['_SELECTRESPONSE']._serialized_start=1537
+  _globals['_SELECTRESPONSE']._serialized_end=1669
+  _globals['_COMMITREQUEST']._serialized_start=1671
+  _globals['_COMMITREQUEST']._serialized_end=1725
+  _globals['_COMMITRESPONSE']._serialized_start=1727
+  _globals['_COMMITRESPONSE']._serialized_end=1743
+  _globals['_BEGINTURNREQUEST']._serialized_start=1745
+  _globals['_BEGINTURNREQUEST']._serialized_end=1784
+  _globals['_BEGINTURNRESPONSE']._serialized_start=1786
+  _globals['_BEGINTURNRESPONSE']._serialized_end=1805
+  _globals['_RELEASEREQUEST']._serialized_start=1807
+  _globals['_RELEASEREQUEST']._serialized_end=1844
+  _globals['_RELEASERESPONSE']._serialized_start=1846
+  _globals['_RELEASERESPONSE']._serialized_end=1863
+  _globals['_GETLOADREQUEST']._serialized_start=1865
+  _globals['_GETLOADREQUEST']._serialized_end=1881
+  _globals['_GETLOADRESPONSE']._serialized_start=1884
+  _globals['_GETLOADRESPONSE']._serialized_end=2068
+  _globals['_OPENDATAPLANEREQUEST']._serialized_start=2071
+  _globals['_OPENDATAPLANEREQUEST']._serialized_end=2298
+  _globals['_OPENDATAPLANERESPONSE']._serialized_start=2300
+  _globals['_OPENDATAPLANERESPONSE']._serialized_end=2402
+  _globals['_RENEWLEASEREQUEST']._serialized_start=2404
+  _globals['_RENEWLEASEREQUEST']._serialized_end=2460
+  _globals['_RENEWLEASERESPONSE']._serialized_start=2462
+  _globals['_RENEWLEASERESPONSE']._serialized_end=2524
+  _globals['_INDEXERSERVICE']._serialized_start=3183
+  _globals['_INDEXERSERVICE']._serialized_end=4040
 # @@protoc_insertion_point(module_scope)

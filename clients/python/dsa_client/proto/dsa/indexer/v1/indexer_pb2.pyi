@@ -1,3 +1,4 @@
+from dsa_client.proto.dsa.common.v1 import lease_pb2 as _lease_pb2
 from dsa_client.proto.dsa.common.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -86,20 +87,22 @@ class SpinSettings(_message.Message):
     def __init__(self, all_keep: _Optional[bool] = ..., target_block_sparsity: _Optional[float] = ..., ema_decay: _Optional[float] = ..., exploration_fraction: _Optional[float] = ..., pooling: _Optional[_Union[BlockPooling, str]] = ..., reduction: _Optional[_Union[BlockReduction, str]] = ..., exploration: _Optional[_Union[ExplorationPolicy, str]] = ..., spec_mask: _Optional[_Union[SpecMaskPolicy, str]] = ..., spec_update: _Optional[_Union[SpecUpdatePolicy, str]] = ..., seed: _Optional[int] = ..., miss_target: _Optional[float] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
-    __slots__ = ("sequence_id", "num_layers", "top_k", "spin", "prefix_source_id", "prefix_slots")
+    __slots__ = ("sequence_id", "num_layers", "top_k", "spin", "prefix_source_id", "prefix_slots", "lease")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SPIN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     sequence_id: int
     num_layers: int
     top_k: int
     spin: SpinSettings
     prefix_source_id: int
     prefix_slots: int
-    def __init__(self, sequence_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., spin: _Optional[_Union[SpinSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ...) -> None: ...
+    lease: _lease_pb2.Lease
+    def __init__(self, sequence_id: _Optional[int] = ..., num_layers: _Optional[int] = ..., top_k: _Optional[int] = ..., spin: _Optional[_Union[SpinSettings, _Mapping]] = ..., prefix_source_id: _Optional[int] = ..., prefix_slots: _Optional[int] = ..., lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
 
 class CreateSequenceResponse(_message.Message):
     __slots__ = ()
@@ -268,3 +271,15 @@ class OpenDataPlaneResponse(_message.Message):
     max_message_bytes: int
     data_plane_id: int
     def __init__(self, indexer_cuda_device: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., data_plane_id: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: _lease_pb2.Lease
+    def __init__(self, lease: _Optional[_Union[_lease_pb2.Lease, _Mapping]] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _lease_pb2.LeaseState
+    def __init__(self, state: _Optional[_Union[_lease_pb2.LeaseState, _Mapping]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class IndexerServiceStub:
                 request_serializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneRequest.SerializeToString,
                 response_deserializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/dsa.indexer.v1.IndexerService/RenewLease',
+                request_serializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class IndexerServiceServicer:
@@ -161,6 +166,17 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Renews a coordinator's lease on the sequences created here under it (CreateSequenceRequest.
+        lease, set by the attention worker from its Prefill): a lease not renewed for its ttl has its
+        sequences released, prefix donors included; a new instance of the owner releases the earlier
+        instances' sequences now. INVALID_ARGUMENT, FAILED_PRECONDITION (a superseded instance),
+        PERMISSION_DENIED, as dsa.attention.v1's RenewLease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +224,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.OpenDataPlane,
                     request_deserializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneRequest.FromString,
                     response_serializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -453,6 +474,33 @@ class IndexerService:
             '/dsa.indexer.v1.IndexerService/OpenDataPlane',
             dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneRequest.SerializeToString,
             dsa_dot_indexer_dot_v1_dot_indexer__pb2.OpenDataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsa.indexer.v1.IndexerService/RenewLease',
+            dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseRequest.SerializeToString,
+            dsa_dot_indexer_dot_v1_dot_indexer__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
