@@ -28,4 +28,8 @@ struct SequenceLease {
 /// The longest lease a worker grants: a lost coordinator's sequences come back within this.
 inline constexpr absl::Duration kMaxLeaseTtl = absl::Minutes(10);
 
+/// How often a worker releases the sequences of expired leases: a lease's sequences are released
+/// at most this long after its ttl ran out.
+inline constexpr absl::Duration kLeaseSweepPeriod = absl::Milliseconds(250);
+
 }  // namespace dsa

@@ -12,7 +12,9 @@
 #include "indexer_service/index_key_append.h"
 #include "indexer_service/layer_select.h"
 #include "proto/indexer_codec.h"
+#include "proto/lease_codec.h"
 #include "proto/tensor_codec.h"
+#include "server/log.h"
 #include "server/parse_errors.h"
 
 namespace dsa {
@@ -70,11 +72,19 @@ std::string Caller(const grpc::ServerContext* context) {
 
 constexpr absl::string_view kSequence = "sequence";
 
+// The caller every lease is used as here: any attention worker creates under its coordinator's
+// lease, and the coordinator renews it (IndexerServiceImpl's constructor comment).
+const std::string kAnyLeaseCaller;
+
 }  // namespace
 
 IndexerServiceImpl::IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics,
-                                       std::vector<std::string> operator_identities)
-    : indexer_(indexer), metrics_(metrics), owners_(std::move(operator_identities)) {
+                                       std::vector<std::string> operator_identities,
+                                       const Clock* clock)
+    : indexer_(indexer),
+      metrics_(metrics),
+      owners_(std::move(operator_identities)),
+      leases_(clock) {
   // gRPC's synchronous handlers of bidi streams (the client-streaming AppendIndexKeys served as
   // one, which the wire cannot tell apart) over raw messages.
   MarkMethodStreamed(
@@ -123,11 +133,59 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
           absl::PermissionDeniedError(absl::StrCat("prefix_source_id: ", owned.message())));
     }
   }
+  const SequenceLease lease = DecodeLease(request->lease());
+  if (absl::Status usable = leases_.Check(lease, kAnyLeaseCaller); !usable.ok()) {
+    return ToGrpcStatus(absl::Status(usable.code(), absl::StrCat("lease: ", usable.message())));
+  }
   absl::StatusOr<OwnerTable::Claim> claim = owners_.Acquire(id, caller, kSequence);
   if (!claim.ok()) return ToGrpcStatus(claim.status());
   grpc::Status status = CreateOwnedSequence(request, response);
-  if (status.ok()) claim->Keep();  // else the claim's end forgets a new owner
+  if (!status.ok()) return status;  // the claim's end forgets a new owner
+  claim->Keep();
+  absl::StatusOr<SequenceLeases::Renewal> attached =
+      leases_.Attach(request->sequence_id(), lease, kAnyLeaseCaller);
+  if (!attached.ok()) {
+    // Superseded between the check and now: the sequence must not outlive its owner unleased.
+    (void)indexer_->Release(request->sequence_id());
+    owners_.Forget(id, caller);
+    UpdateCacheMetrics();
+    return ToGrpcStatus(absl::Status(attached.status().code(),
+                                     absl::StrCat("lease: ", attached.status().message())));
+  }
+  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
   return status;
+}
+
+grpc::Status IndexerServiceImpl::RenewLease(grpc::ServerContext* /*context*/,
+                                            const v1::RenewLeaseRequest* request,
+                                            v1::RenewLeaseResponse* response) {
+  absl::StatusOr<SequenceLeases::Renewal> renewal =
+      leases_.Renew(DecodeLease(request->lease()), kAnyLeaseCaller);
+  if (!renewal.ok()) return ToGrpcStatus(renewal.status());
+  ReleaseLeased(renewal->released, renewal->superseded > 0 ? "superseded" : "expired");
+  dsa::common::v1::LeaseState* state = response->mutable_state();
+  state->set_renewed(renewal->renewed);
+  state->set_sequences(renewal->sequences);
+  state->set_superseded_released(renewal->superseded);
+  return grpc::Status::OK;
+}
+
+int64_t IndexerServiceImpl::ReleaseExpiredLeases() {
+  const std::vector<uint64_t> expired = leases_.TakeExpired();
+  ReleaseLeased(expired, "expired");
+  return static_cast<int64_t>(expired.size());
+}
+
+void IndexerServiceImpl::ReleaseLeased(const std::vector<uint64_t>& ids, const char* reason) {
+  if (ids.empty()) return;
+  int64_t released = 0;
+  for (const uint64_t id : ids) {
+    if (indexer_->Release(id).ok()) ++released;
+    owners_.Erase(absl::StrCat(id));
+  }
+  UpdateCacheMetrics();
+  LogJson("info", "released the sequences of an ended lease",
+          {{"reason", reason}, {"sequences", released}});
 }
 
 grpc::Status IndexerServiceImpl::CreateOwnedSequence(const v1::CreateSequenceRequest* request,
@@ -283,7 +341,10 @@ grpc::Status IndexerServiceImpl::Release(grpc::ServerContext* context,
     return ToGrpcStatus(owned);
   }
   const absl::Status status = indexer_->Release(request->sequence_id());
-  if (status.ok() || absl::IsNotFound(status)) owners_.Forget(id, caller);
+  if (status.ok() || absl::IsNotFound(status)) {
+    owners_.Forget(id, caller);
+    leases_.Detach(request->sequence_id());
+  }
   UpdateCacheMetrics();
   return ToGrpcStatus(status);
 }

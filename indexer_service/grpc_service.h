@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/clock.h"
 #include "contracts/grpc_status.h"
 #include "contracts/limits.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
@@ -18,6 +19,7 @@
 #include "indexer_service/metrics.h"
 #include "proto/indexer_codec.h"
 #include "server/security.h"
+#include "server/sequence_leases.h"
 
 namespace dsa {
 
@@ -73,15 +75,24 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
   /// which releases the sequences of a dead attention worker). A prefix source is read, never
   /// changed, and must be the caller's too (cloning it would read its index keys): attention
   /// workers that share prefixes on one indexer share one identity.
+  ///
+  /// Sequences created with a coordinator's lease (CreateSequenceRequest.lease) are released when
+  /// it ends (SequenceLeases on `clock`, which must outlive the service): ReleaseExpiredLeases,
+  /// called every kLeaseSweepPeriod by the binary, releases those of leases not renewed in time,
+  /// and a create or RenewLease under a new instance of an owner releases the earlier instances'
+  /// at once. Any caller may use any owner's lease here: the callers are the attention workers,
+  /// each creating under its coordinator's lease, and the coordinator renewing it.
   explicit IndexerServiceImpl(Indexer* indexer, IndexerMetrics* metrics = nullptr,
-                              std::vector<std::string> operator_identities = {});
+                              std::vector<std::string> operator_identities = {},
+                              const Clock* clock = &RealClock());
 
   /// Registers a sequence (Indexer::CreateSequence, or CreateSequenceFromPrefix when
   /// prefix_source_id is set). SPIN settings: unset mode = SPIN on at rho 0.4; all_keep = SPIN
   /// off; unset optional fields and UNSPECIFIED enums take the paper's defaults. Errors:
   /// ALREADY_EXISTS (also while another CreateSequence of the id is in progress: a duplicate
   /// is refused rather than raced, OwnerTable::Claim); INVALID_ARGUMENT (num_layers, top_k, SPIN
-  /// values, an unknown enum value, prefix_slots without prefix_source_id, prefix length);
+  /// values, an unknown enum value, prefix_slots without prefix_source_id, prefix length, the
+  /// lease as RenewLease); FAILED_PRECONDITION (a superseded lease instance);
   /// NOT_FOUND (prefix source); PERMISSION_DENIED (the sequence id or the prefix source is another
   /// caller's); FAILED_PRECONDITION (the prefix source has a step awaiting Commit);
   /// RESOURCE_EXHAUSTED.
@@ -150,6 +161,22 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                        const dsa::indexer::v1::GetLoadRequest* request,
                        dsa::indexer::v1::GetLoadResponse* response) override;
 
+  /// Renews a coordinator's lease (SequenceLeases::Renew), releasing what it hands back (the
+  /// sequences of the owner's earlier instances; of this lease when it had already expired).
+  /// Responds with the lease's state. INVALID_ARGUMENT (no owner or instance, a name over 256
+  /// bytes, ttl outside [1 ms, 10 min]), FAILED_PRECONDITION (a superseded instance),
+  /// RESOURCE_EXHAUSTED (too many owners with live leases).
+  grpc::Status RenewLease(grpc::ServerContext* context,
+                          const dsa::indexer::v1::RenewLeaseRequest* request,
+                          dsa::indexer::v1::RenewLeaseResponse* response) override;
+
+  /// Releases the sequences of every lease not renewed for its ttl (the binary calls it every
+  /// kLeaseSweepPeriod; tests on their clock). Returns how many it released.
+  int64_t ReleaseExpiredLeases();
+
+  /// The leases of this worker's sequences.
+  const SequenceLeases& leases() const { return leases_; }
+
   /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
   size_t owned_sequences() const { return owners_.size(); }
   /// Who owns each sequence: a co-located attention worker records there the owner of the
@@ -176,10 +203,14 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
                           const std::string& caller) const;
   // Sets the cache gauges from the engine's usage (no-op without metrics).
   void UpdateCacheMetrics();
+  // Releases sequences whose lease ended (`reason`: "expired", "superseded"), with a log line
+  // naming how many; the engine's NOT_FOUND (released meanwhile) is ignored.
+  void ReleaseLeased(const std::vector<uint64_t>& ids, const char* reason);
 
   Indexer* indexer_;                   // not owned
   IndexerMetrics* metrics_;            // not owned; may be null
   OwnerTable owners_;                  // sequence id -> the caller that created it
+  SequenceLeases leases_;              // sequence id -> the coordinator lease it is held under
   DataPlaneOpener data_plane_opener_;  // may be empty
 };
 

@@ -14,6 +14,7 @@
 #include "indexer_service/indexer_flags.h"
 #include "indexer_service/metrics.h"
 #include "prometheus/registry.h"
+#include "server/periodic_task.h"
 #include "server/server.h"
 #ifdef DSA_WITH_NCCL
 #include "transport/nccl_server.h"
@@ -83,5 +84,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                         {"head_dim", options.head_dim},
                         {"audit_fraction", options.audit_fraction},
                         {"device", (*indexer)->DeviceDescription()}};
+  const dsa::PeriodicTask lease_sweep(dsa::kLeaseSweepPeriod,
+                                      [&service] { service.ReleaseExpiredLeases(); });
   return dsa::RunServer(server_flags, spec);
 }

@@ -670,6 +670,14 @@ bool OwnerTable::Forget(const std::string& id, const std::string& caller) {
   return true;
 }
 
+bool OwnerTable::Erase(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  const auto owner = owners_.find(id);
+  if (owner == owners_.end() || owner->second.pending) return false;
+  owners_.erase(owner);
+  return true;
+}
+
 size_t OwnerTable::size() const {
   absl::MutexLock lock(&mu_);
   return owners_.size();

@@ -237,6 +237,9 @@ class OwnerTable {
   /// pending, so that a Release racing a create can never erase that create's claim. Returns
   /// whether it erased.
   bool Forget(const std::string& id, const std::string& caller);
+  /// Erases `id`'s owner whoever it is, unless a claim of it is pending (the worker released it
+  /// on its own: its lease ended). Returns whether it erased.
+  bool Erase(const std::string& id);
   size_t size() const;
 
  private:

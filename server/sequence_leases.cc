@@ -70,7 +70,8 @@ absl::StatusOr<SequenceLeases::Renewal> SequenceLeases::RenewLocked(const Sequen
       }
       owners_.erase(idle);
     }
-    it = owners_.emplace(lease.owner, Owner{.caller = caller}).first;
+    it = owners_.emplace(lease.owner, Owner{}).first;
+    it->second.caller = caller;
   }
   Owner& owner = it->second;
   const absl::Time now = clock_->Now();
