@@ -17,17 +17,20 @@ build=${DSA_FUZZ_BUILD_DIR:-build-fuzz}
 suites="common_fp8_test common_philox_test common_mli_schedule_test common_status_macros_test
   common_trace_context_test proto_tensor_codec_test block_pool_test scoring_test topk_test spin_test
   indexer_test indexer_edge_cases_test indexer_requests_test grpc_service_test
+  grpc_service_errors_test
   transport_grpc_stream_test transport_nccl_wire_test
-  attention_engine_test attention_service_test attention_mla_kv_test
+  attention_engine_test attention_service_test attention_service_errors_test attention_mla_kv_test
   attention_mla_sparse_attention_test coordinator_scheduler_test coordinator_engine_test
   server_security_test tools_trace_test
   attention_pattern_model_test tools_predictor_study_test attention_rotation_cos_sin_test
   attention_sparse_attention_test coordinator_acceptance_model_test coordinator_migration_test
-  coordinator_service_test coordinator_with_attention_test indexer_device_test server_flags_test
+  coordinator_service_test coordinator_service_workers_test coordinator_with_attention_test
+  indexer_device_test server_flags_test
   tools_eval_test tools_replay_test transport_dsa_indexer_data_plane_test
   dsa_indexer_binary_test dsa_attention_binary_test dsa_coordinator_binary_test
   integration_local_cluster_test integration_faults_test integration_security_test
-  integration_chaos_test attention_llama_model_test attention_llama_engine_test attention_sampler_test
+  integration_chaos_test attention_llama_model_test attention_llama_model_loader_test
+  attention_llama_engine_test attention_sampler_test
   coordinator_real_model_engine_test coordinator_ngram_drafter_test coordinator_token_blocks_test"
 targets=$suites
 regex="^($(echo $suites | tr ' ' '|'))\\."

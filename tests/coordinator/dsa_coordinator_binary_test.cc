@@ -22,12 +22,15 @@
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/coordinator/generate_client.h"
 #include "tests/testing/server_process.h"
 
 namespace {
 
 namespace cv1 = ::dsa::coordinator::v1;
 using Clock = std::chrono::steady_clock;
+using dsa::coordinator_testing::Request;
+using dsa::coordinator_testing::Stream;
 using dsa::testing::HealthStatus;
 using dsa::testing::HttpGetMetrics;
 using dsa::testing::Process;
@@ -78,38 +81,10 @@ TEST(DsaCoordinatorBinaryTest, HelpListsTheFlags) {
   }
 }
 
-cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t max_new, int draft) {
-  cv1::GenerateRequest r;
-  r.set_request_id(id);
-  r.set_context_length(context);
-  r.set_max_new_tokens(max_new);
-  r.set_draft_length(draft);
-  return r;
-}
-
-struct Stream {
-  grpc::Status status;
-  int64_t tokens = 0;
-  bool admitted = false;
-  bool finished = false;
-};
-
-// Runs one Generate call to its end; notifies `admitted` (when given) on the Admitted event.
+// A Generate call to a real process, run to its end (60 s: the workers are real processes too).
 Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest& request,
                 absl::Notification* admitted = nullptr) {
-  Stream s;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  auto reader = stub.Generate(&context, request);
-  cv1::GenerateEvent event;
-  while (reader->Read(&event)) {
-    if (event.has_admitted() && !s.admitted && admitted != nullptr) admitted->Notify();
-    s.admitted = s.admitted || event.has_admitted();
-    s.finished = s.finished || event.has_finished();
-    if (event.has_tokens()) s.tokens += event.tokens().count();
-  }
-  s.status = reader->Finish();
-  return s;
+  return dsa::coordinator_testing::Generate(stub, request, std::chrono::seconds(60), admitted);
 }
 
 // One dsa-indexer and one dsa-attention (a small model: H = 4, D = 16, pattern FSFS), both ready.
@@ -182,7 +157,7 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
   with_prefix.add_prefix_block_ids(8);
   const Stream served = Generate(*stub, with_prefix);
   EXPECT_TRUE(served.status.ok()) << served.status.error_message();
-  EXPECT_EQ(served.tokens, 4);
+  EXPECT_EQ(served.TokenCount(), 4);
 
   kill(indexer.pid, SIGTERM);  // its drain turns its readiness NOT_SERVING at once
   EXPECT_EQ(WaitExit(indexer.pid, std::chrono::seconds(10)), 0);
@@ -216,7 +191,7 @@ TEST(DsaCoordinatorBinaryTest, StartsNotReadyAndFollowsItsWorkers) {
   with_prefix.set_request_id("after-restart");
   const Stream again = Generate(*stub, with_prefix);
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
-  EXPECT_EQ(again.tokens, 4);
+  EXPECT_EQ(again.TokenCount(), 4);
   kill(restarted.pid, SIGTERM);
   EXPECT_EQ(WaitExit(restarted.pid, std::chrono::seconds(10)), 0);
   kill(attention.pid, SIGTERM);
@@ -242,9 +217,9 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
 
   const Stream first = Generate(*stub, Request("first", 300, 9, 2));
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
-  EXPECT_TRUE(first.admitted);
-  EXPECT_TRUE(first.finished);
-  EXPECT_EQ(first.tokens, 9);
+  EXPECT_TRUE(first.Any(&cv1::GenerateEvent::has_admitted));
+  EXPECT_TRUE(first.Any(&cv1::GenerateEvent::has_finished));
+  EXPECT_EQ(first.TokenCount(), 9);
   {
     grpc::ClientContext context;
     cv1::GetLoadResponse load;
@@ -275,7 +250,7 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
   EXPECT_NE(late.status.error_message().find("draining"), std::string::npos);
   long_request.join();
   EXPECT_TRUE(running.status.ok()) << running.status.error_message();
-  EXPECT_EQ(running.tokens, 200);
+  EXPECT_EQ(running.TokenCount(), 200);
   EXPECT_EQ(WaitExit(coordinator.pid, std::chrono::seconds(20)), 0);
 
   kill(attention.pid, SIGTERM);

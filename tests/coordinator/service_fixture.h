@@ -21,6 +21,7 @@
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "tests/coordinator/fake_attention.h"
+#include "tests/coordinator/generate_client.h"
 #include "tests/coordinator/tiny_model.h"
 #include "tests/testing/loopback_server.h"
 
@@ -29,6 +30,9 @@ namespace service_testing {
 
 namespace av1 = ::dsa::attention::v1;
 namespace cv1 = ::dsa::coordinator::v1;
+using coordinator_testing::Generate;
+using coordinator_testing::Request;
+using coordinator_testing::Stream;
 using testing::FakeAttentionService;
 using ::testing::HasSubstr;
 
@@ -130,41 +134,6 @@ class Cluster {
   std::string coordinator_address_;
   std::unique_ptr<cv1::CoordinatorService::Stub> stub_;
 };
-
-inline cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t max_new,
-                                    int draft = 0) {
-  cv1::GenerateRequest r;
-  r.set_request_id(id);
-  r.set_context_length(context);
-  r.set_max_new_tokens(max_new);
-  r.set_draft_length(draft);
-  return r;
-}
-
-struct Stream {
-  grpc::Status status;
-  std::vector<cv1::GenerateEvent> events;
-  int64_t TokenCount() const {
-    int64_t n = 0;
-    for (const auto& e : events) n += e.has_tokens() ? e.tokens().count() : 0;
-    return n;
-  }
-  const cv1::Admitted* admitted() const {
-    return !events.empty() && events.front().has_admitted() ? &events.front().admitted() : nullptr;
-  }
-};
-
-// Runs one Generate call to its end.
-inline Stream Generate(cv1::CoordinatorService::Stub& stub, const cv1::GenerateRequest& request) {
-  Stream stream;
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  auto reader = stub.Generate(&context, request);
-  cv1::GenerateEvent event;
-  while (reader->Read(&event)) stream.events.push_back(event);
-  stream.status = reader->Finish();
-  return stream;
-}
 
 inline cv1::GetLoadResponse Load(cv1::CoordinatorService::Stub& stub) {
   grpc::ClientContext context;

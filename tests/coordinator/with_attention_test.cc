@@ -21,12 +21,16 @@
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
+#include "tests/coordinator/generate_client.h"
 #include "tests/testing/loopback_server.h"
 
 namespace dsa {
 namespace {
 
 namespace cv1 = ::dsa::coordinator::v1;
+
+using coordinator_testing::Request;
+using coordinator_testing::Stream;
 
 constexpr int kH = 4, kD = 16;
 
@@ -85,32 +89,9 @@ class CoordinatorWithAttentionTest : public ::testing::Test {
     if (indexer_server_) indexer_server_->Shutdown();
   }
 
-  struct Stream {
-    grpc::Status status;
-    std::vector<cv1::GenerateEvent> events;
-    int64_t tokens = 0;
-  };
+  // The real worker attends on the CPU: a deadline of 60 s, not the in-process fixture's 30 s.
   Stream Generate(const cv1::GenerateRequest& request) {
-    Stream s;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    auto reader = stub_->Generate(&context, request);
-    cv1::GenerateEvent event;
-    while (reader->Read(&event)) {
-      if (event.has_tokens()) s.tokens += event.tokens().count();
-      s.events.push_back(event);
-    }
-    s.status = reader->Finish();
-    return s;
-  }
-  static cv1::GenerateRequest Request(const std::string& id, int64_t context, int64_t max_new,
-                                      int draft = 0) {
-    cv1::GenerateRequest r;
-    r.set_request_id(id);
-    r.set_context_length(context);
-    r.set_max_new_tokens(max_new);
-    r.set_draft_length(draft);
-    return r;
+    return coordinator_testing::Generate(*stub_, request, std::chrono::seconds(60));
   }
 
   std::unique_ptr<Indexer> indexer_;
@@ -132,7 +113,7 @@ TEST_F(CoordinatorWithAttentionTest, SpeculativeStreamHasExactCountsAndTheIndexe
   EXPECT_EQ(coordinator_->num_full_layers(), 2);
   const Stream s = Generate(Request("spec", 400, 13, 3));
   ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-  EXPECT_EQ(s.tokens, 13);
+  EXPECT_EQ(s.TokenCount(), 13);
   ASSERT_TRUE(s.events.back().has_finished());
   EXPECT_EQ(s.events.back().finished().generated_tokens(), 13);
   int64_t position = 400;
@@ -159,7 +140,7 @@ TEST_F(CoordinatorWithAttentionTest, PrefixSharingAndSessionTurnsOverTheRealWork
   const Stream u = Generate(user);
   ASSERT_TRUE(u.status.ok()) << u.status.error_message();
   EXPECT_EQ(u.events.front().admitted().prefix_slots_reused(), 1024);
-  EXPECT_EQ(u.tokens, 3);
+  EXPECT_EQ(u.TokenCount(), 3);
 
   cv1::GenerateRequest turn1 = Request("turn1", 200, 5, 1);
   turn1.set_session_id("s");
@@ -168,7 +149,7 @@ TEST_F(CoordinatorWithAttentionTest, PrefixSharingAndSessionTurnsOverTheRealWork
   turn2.set_session_id("s");
   const Stream t2 = Generate(turn2);
   ASSERT_TRUE(t2.status.ok()) << t2.status.error_message();
-  EXPECT_EQ(t2.tokens, 5);
+  EXPECT_EQ(t2.TokenCount(), 5);
   EXPECT_EQ(t2.events[1].tokens().first_position(), 260);
 }
 
@@ -184,7 +165,7 @@ TEST_F(CoordinatorWithAttentionTest, ConcurrentRequestsAllCompleteExactly) {
   for (auto& t : threads) t.join();
   for (const Stream& s : streams) {
     ASSERT_TRUE(s.status.ok()) << s.status.error_message();
-    EXPECT_EQ(s.tokens, 20);
+    EXPECT_EQ(s.TokenCount(), 20);
   }
 }
 
