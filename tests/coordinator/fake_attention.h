@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -36,7 +37,7 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
     int32_t eos_token_id = -1;
     int64_t max_context = 0;
   };
-  explicit FakeAttentionService(Shape shape) : shape_(shape) {}
+  explicit FakeAttentionService(Shape shape) : shape_(std::move(shape)) {}
 
   grpc::Status GetInfo(grpc::ServerContext* context,
                        const dsa::attention::v1::GetInfoRequest* request,
