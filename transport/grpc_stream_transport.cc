@@ -2,6 +2,7 @@
 // request id; writers take turns on the stream.
 #include "transport/grpc_stream_transport.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -17,8 +18,10 @@ namespace v1 = dsa::indexer::v1;
 
 }  // namespace
 
-GrpcStreamTransport::GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel)
-    : stub_(v1::IndexerService::NewStub(std::move(channel))) {
+GrpcStreamTransport::GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel,
+                                         absl::Duration close_grace)
+    : close_grace_(std::max(close_grace, absl::ZeroDuration())),
+      stub_(v1::IndexerService::NewStub(std::move(channel))) {
   stream_ = stub_->SelectStream(&context_);
   reader_ = std::thread([this] { ReadLoop(); });
 }
@@ -122,9 +125,10 @@ absl::Status GrpcStreamTransport::Close() {
     }
   }
   {
-    // Give the indexer a moment to finish, then cancel, so Close never hangs on a dead peer.
+    // Give the indexer close_grace_ to finish, then cancel, so Close never hangs on a dead peer.
     std::unique_lock<std::mutex> lock(mutex_);
-    if (!arrived_.wait_for(lock, std::chrono::seconds(5), [this] { return ended_; })) {
+    if (!arrived_.wait_for(lock, absl::ToChronoNanoseconds(close_grace_),
+                           [this] { return ended_; })) {
       context_.TryCancel();
     }
   }

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/time.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "transport/selection_transport.h"
@@ -18,8 +19,16 @@ namespace dsa {
 
 class GrpcStreamTransport final : public SelectionTransport {
  public:
+  /// How long Close() waits, by default, for the indexer to end the stream after WritesDone. A
+  /// live indexer answers what is outstanding and ends it within a round trip; the grace is only
+  /// spent in full on a peer that is hung or unreachable, and bounds how long Close blocks then.
+  static constexpr absl::Duration kDefaultCloseGrace = absl::Seconds(5);
+
   /// Opens the stream on `channel` (not yet connected is fine: the first write connects).
-  explicit GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel);
+  /// `close_grace` (wall-clock time, >= 0): how long Close() waits for the indexer to end the
+  /// stream before it cancels the stream (see kDefaultCloseGrace).
+  explicit GrpcStreamTransport(std::shared_ptr<grpc::Channel> channel,
+                               absl::Duration close_grace = kDefaultCloseGrace);
   ~GrpcStreamTransport() override;  // Close()s
 
   /// Encodes the layer as one SelectRequest (fp32 tensors) and writes it on the stream.
@@ -34,6 +43,7 @@ class GrpcStreamTransport final : public SelectionTransport {
  private:
   void ReadLoop();
 
+  const absl::Duration close_grace_;
   std::unique_ptr<dsa::indexer::v1::IndexerService::Stub> stub_;
   grpc::ClientContext context_;
   std::unique_ptr<

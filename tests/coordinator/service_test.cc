@@ -496,23 +496,36 @@ TEST(CoordinatorServiceTest, ASlowReaderSlowsOnlyItselfAndIsBounded) {
   cv1::GenerateEvent event;
   ASSERT_TRUE(reader->Read(&event));
   ASSERT_TRUE(event.has_admitted());
-  // Not reading: others are served meanwhile.
-  const Stream fast = Generate(cluster.stub(), Request("fast", 100, 50));
+  // Not reading: others are served meanwhile. Their run is also what lets the unread events fill
+  // the window and the pending queue: the slow sequence steps with them until it stalls.
+  const Stream fast = Generate(cluster.stub(), Request("fast", 100, 200));
   ASSERT_TRUE(fast.status.ok()) << fast.status.error_message();
-  EXPECT_EQ(fast.TokenCount(), 50);
+  EXPECT_EQ(fast.TokenCount(), 200);
   // The slow request stalls well before its end (its sequence stops growing).
   uint64_t slow_id = 0;
   for (const auto& p : cluster.fake().prefills()) {
     if (p.context_length() == 100 && slow_id == 0) slow_id = p.sequence_id();
   }
-  // Time for the unread events to fill the window and the pending queue (no event marks that).
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const std::optional<int64_t> stalled = cluster.fake().Length(slow_id);
   ASSERT_TRUE(stalled.has_value());
-  // The span of real time over which a stalled sequence must not grow.
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  EXPECT_EQ(cluster.fake().Length(slow_id), stalled);
   EXPECT_LT(*stalled, 100 + kSlowTokens);
+  // Over a whole later request, one token a step on the same worker, each step was a chance for
+  // the slow sequence to advance: it is left out of every one, and does not grow.
+  const size_t steps_before = cluster.fake().steps().size();
+  constexpr int64_t kWitnessTokens = 100;
+  const Stream witness = Generate(cluster.stub(), Request("witness", 100, kWitnessTokens));
+  ASSERT_TRUE(witness.status.ok()) << witness.status.error_message();
+  EXPECT_EQ(witness.TokenCount(), kWitnessTokens);
+  const std::vector<av1::DecodeStepRequest> steps = cluster.fake().steps();
+  ASSERT_GE(steps.size(), steps_before + kWitnessTokens);
+  int slow_steps = 0;
+  for (size_t i = steps_before; i < steps.size(); ++i) {
+    for (const av1::SequenceStep& step : steps[i].sequences()) {
+      slow_steps += step.sequence_id() == slow_id ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(slow_steps, 0) << "of " << steps.size() - steps_before << " steps";
+  EXPECT_EQ(cluster.fake().Length(slow_id), stalled);
   // Reading again, it completes with every token.
   int64_t tokens = 0;
   while (reader->Read(&event)) tokens += event.has_tokens() ? event.tokens().count() : 0;

@@ -427,6 +427,7 @@ class FakeCoordinatorTest : public ::testing::Test {
   // tokens (capped to 4), arriving every `gap_ms`.
   static std::vector<TraceRequest> Trace(int n, int64_t gap_ms) {
     std::vector<TraceRequest> requests;
+    requests.reserve(n);
     for (int i = 0; i < n; ++i) {
       requests.push_back({i * gap_ms, 3000, 9, {0, 1, 2, 3, 4, 5}});
     }
@@ -559,12 +560,32 @@ TEST_F(FakeCoordinatorTest, AStopBeforeTheLastArrivalCountsTheUnsentRequestsAsFa
   options.time_scale = 1;
   options.stop = &stop;
   const std::vector<TraceRequest> requests = Trace(4, 600000);  // one every 10 minutes
-  std::thread stopper([&stop] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    stop = true;
+  // The stop comes once the replay itself says the first request is done (its progress lines on a
+  // pipe), so it falls between the first arrival and the second whatever the timing.
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  FILE* progress = fdopen(fds[1], "w");
+  ASSERT_NE(progress, nullptr);
+  options.progress = progress;
+  options.progress_period_ms = 1;
+  bool saw_first_done = false;
+  std::thread stopper([&stop, &saw_first_done, read_fd = fds[0]] {
+    std::string lines;
+    char buffer[4096];
+    // Reads to the end, so that the replay never blocks on a full pipe.
+    for (ssize_t n; (n = read(read_fd, buffer, sizeof(buffer))) > 0;) {
+      lines.append(buffer, static_cast<size_t>(n));
+      if (!saw_first_done && lines.find(" 1/4 done") != std::string::npos) {
+        saw_first_done = true;
+        stop = true;
+      }
+    }
+    close(read_fd);
   });
   auto report = RunReplay(requests, options);
+  std::fclose(progress);  // the stopper's end of file
   stopper.join();
+  EXPECT_TRUE(saw_first_done);
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_TRUE(report->stopped);
   EXPECT_EQ(report->completed, 1);  // the first arrives at once and finishes in 9 steps

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "indexer_service/grpc_service.h"
 #include "transport/in_process_transport.h"
@@ -223,6 +225,7 @@ TEST_P(TransportTest, NewIndexKeysAndVerifierRowsRoundTripAsTheEngineAnswers) {
   for (float& v : group.new_index_keys) v = normal(rng);
   ASSERT_TRUE(twin_->AppendIndexKeys(7, 1, group.new_index_keys, 3).ok());
   std::vector<IndexerRow> rows;
+  rows.reserve(3);
   for (int r = 0; r < 3; ++r) {
     rows.push_back({std::span<const float>(group.queries).subspan(r * kH * kD, kH * kD),
                     std::span<const float>(group.head_weights).subspan(r * kH, kH), kSlots + r});
@@ -321,6 +324,61 @@ TEST(GrpcStreamTransportTest, AServerGoingAwayFailsTheOutstandingRequests) {
   EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
   EXPECT_NE(later.message().find(awaited.message()), absl::string_view::npos) << later;
   EXPECT_EQ(transport.Close(), awaited);  // the connection's final status
+}
+
+// An indexer that hangs: it takes the stream and reads it to the client's WritesDone, but never
+// ends it until the test lets it go (a peer alive on the network, stuck in its handler).
+class HangingIndexer final : public v1::IndexerService::Service {
+ public:
+  grpc::Status SelectStream(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::SelectResponse, v1::SelectRequest>* stream) override {
+    opened_.Notify();
+    v1::SelectRequest request;
+    while (stream->Read(&request)) {
+    }
+    writes_done_.Notify();
+    release_.WaitForNotification();
+    return grpc::Status::OK;
+  }
+
+  absl::Notification& opened() { return opened_; }
+  absl::Notification& writes_done() { return writes_done_; }
+  // Lets the handler return (once); the server's shutdown waits for it.
+  void Release() { release_.Notify(); }
+
+ private:
+  absl::Notification opened_, writes_done_, release_;
+};
+
+// Against a peer that never ends the stream, Close waits out its grace and then cancels: it
+// returns CANCELLED, the grace (not the default one) after it began.
+TEST(GrpcStreamTransportTest, CloseCancelsAStreamThePeerDoesNotEndWithinTheGrace) {
+  HangingIndexer hanging;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&hanging);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  // Runs before the server's destructor (which waits for the handler), however the test ends.
+  const absl::Cleanup release = [&hanging] { hanging.Release(); };
+  ASSERT_NE(port, 0);
+  constexpr absl::Duration kGrace = absl::Milliseconds(50);
+  static_assert(kGrace < GrpcStreamTransport::kDefaultCloseGrace);
+  GrpcStreamTransport transport(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()),
+      kGrace);
+  ASSERT_TRUE(hanging.opened().WaitForNotificationWithTimeout(absl::Seconds(30)));
+  const absl::Time begun = absl::Now();
+  const absl::Status closed = transport.Close();
+  const absl::Duration took = absl::Now() - begun;
+  EXPECT_EQ(closed.code(), absl::StatusCode::kCancelled) << closed;
+  EXPECT_TRUE(transport.ended());
+  // The peer got the WritesDone and still held the stream: the grace ran out, nothing else.
+  EXPECT_TRUE(hanging.writes_done().WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_GE(took, kGrace);
+  EXPECT_LT(took, GrpcStreamTransport::kDefaultCloseGrace);
+  EXPECT_EQ(transport.Close(), closed);  // idempotent
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransportTest,
