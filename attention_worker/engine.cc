@@ -431,6 +431,7 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
     create.options.spin = spec.spin;
     create.prefix_source_id = spec.prefix_source_id;
     create.prefix_slots = spec.prefix_source_id.has_value() ? spec.prefix_slots : 0;
+    create.lease = spec.lease;
     if (absl::Status created = client->CreateSequence(create, IndexerDeadline()); !created.ok()) {
       // A lost answer (deadline, connection) may hide a sequence the indexer did create: release
       // it too (NOT_FOUND there is fine). A refusal created nothing.

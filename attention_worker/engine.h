@@ -26,6 +26,7 @@
 #include "attention_worker/sampler.h"
 #include "common/clock.h"
 #include "common/mli_schedule.h"
+#include "contracts/lease.h"
 #include "contracts/spin_config.h"
 #include "transport/indexer_client.h"
 
@@ -94,6 +95,9 @@ struct PrefillSpec {
   std::vector<int32_t> tokens;
   /// How a real model draws the sequence's tokens (kept for its decode steps).
   SamplingParams sampling;
+  /// The coordinator's lease, passed to the indexer with a new sequence (empty: none). The
+  /// engine keeps no lease itself: its service does (AttentionServiceImpl).
+  SequenceLease lease;
 };
 
 struct PrefillResult {

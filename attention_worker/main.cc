@@ -18,8 +18,10 @@
 #include "attention_worker/pattern_attention_model.h"
 #include "attention_worker/service.h"
 #include "attention_worker/worker_flags.h"
+#include "contracts/lease.h"
 #include "contracts/limits.h"
 #include "prometheus/registry.h"
+#include "server/periodic_task.h"
 #include "server/server.h"
 
 namespace {
@@ -161,7 +163,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   spec.component = dsa::ServerComponent::kAttention;
   spec.services = {service.get()};
   if (colocated != nullptr) {
-    service->ShareOwnersWith(&colocated->service().owners());
+    service->ShareIndexerWith(&colocated->service());
     spec.services.push_back(&colocated->service());
     spec.on_serving = [&colocated](const std::string& address) {
       colocated->SetOwnAddress(address);
@@ -173,5 +175,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       BannerFields(flags, service->engine(), llama.get(), colocated.get(), security->tls());
   spec.on_stopped = [&service] { service->CloseTransports(); };
   spec.before_serving = before_serving;
+  const dsa::PeriodicTask lease_sweep(dsa::kLeaseSweepPeriod, [&service, &colocated] {
+    service->ReleaseExpiredLeases();
+    if (colocated != nullptr) colocated->service().ReleaseExpiredLeases();
+  });
   return dsa::RunServer(server_flags, spec);
 }

@@ -14,6 +14,8 @@
 #include "common/trace_context.h"
 #include "contracts/grpc_status.h"
 #include "proto/indexer_codec.h"
+#include "proto/lease_codec.h"
+#include "server/log.h"
 #include "transport/grpc_indexer_client.h"
 
 namespace dsa {
@@ -64,8 +66,9 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(
                                  std::move(indexer_clients), options.engine, metrics);
 }
 
-AttentionServiceImpl::AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine)
-    : engine_(std::move(engine)) {}
+AttentionServiceImpl::AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine,
+                                           const Clock* clock)
+    : engine_(std::move(engine)), leases_(clock) {}
 
 absl::StatusOr<std::unique_ptr<AttentionServiceImpl>> AttentionServiceImpl::Create(
     MliSchedule schedule, PatternModel model, const AttentionWorkerOptions& options,
@@ -112,6 +115,10 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
                                            av1::PrefillResponse* response) {
   const std::string id = absl::StrCat(request->sequence_id());
   const std::string caller = Caller(context);
+  const SequenceLease lease = DecodeLease(request->lease());
+  if (absl::Status usable = leases_.Check(lease, caller); !usable.ok()) {
+    return ToGrpcStatus(absl::Status(usable.code(), absl::StrCat("lease: ", usable.message())));
+  }
   // Each claim's end forgets a new owner unless the prefill succeeded (OwnerTable::Claim).
   absl::StatusOr<OwnerTable::Claim> claim = owners_.Acquire(id, caller, kSequence);
   if (!claim.ok()) return ToGrpcStatus(claim.status());
@@ -143,11 +150,62 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::CANCELLED,
                         "the caller cancelled the prefill: what it made was released");
   }
-  if (status.ok()) {
-    claim->Keep();
-    indexer_claim.Keep();
+  if (!status.ok()) return status;
+  claim->Keep();
+  indexer_claim.Keep();
+  absl::Status attached = AttachLease(request->sequence_id(), lease, caller);
+  if (!attached.ok()) {
+    // Superseded while it ran: the sequence must not outlive its owner unleased.
+    ReleaseLeased({request->sequence_id()}, "superseded");
+    return ToGrpcStatus(absl::Status(attached.code(), absl::StrCat("lease: ", attached.message())));
   }
   return status;
+}
+
+absl::Status AttentionServiceImpl::AttachLease(uint64_t id, const SequenceLease& lease,
+                                               const std::string& caller) {
+  absl::StatusOr<SequenceLeases::Renewal> attached = leases_.Attach(id, lease, caller);
+  if (!attached.ok()) return attached.status();
+  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
+  if (colocated_indexer_ != nullptr) return colocated_indexer_->AttachLease(id, lease);
+  return absl::OkStatus();
+}
+
+grpc::Status AttentionServiceImpl::RenewLease(grpc::ServerContext* context,
+                                              const av1::RenewLeaseRequest* request,
+                                              av1::RenewLeaseResponse* response) {
+  absl::StatusOr<SequenceLeases::Renewal> renewal =
+      leases_.Renew(DecodeLease(request->lease()), Caller(context));
+  if (!renewal.ok()) return ToGrpcStatus(renewal.status());
+  ReleaseLeased(renewal->released, renewal->superseded > 0 ? "superseded" : "expired");
+  dsa::common::v1::LeaseState* state = response->mutable_state();
+  state->set_renewed(renewal->renewed);
+  state->set_sequences(renewal->sequences);
+  state->set_superseded_released(renewal->superseded);
+  return grpc::Status::OK;
+}
+
+int64_t AttentionServiceImpl::ReleaseExpiredLeases() {
+  const std::vector<uint64_t> expired = leases_.TakeExpired();
+  ReleaseLeased(expired, "expired");
+  return static_cast<int64_t>(expired.size());
+}
+
+void AttentionServiceImpl::ReleaseLeased(const std::vector<uint64_t>& ids, const char* reason) {
+  if (ids.empty()) return;
+  int64_t released = 0;
+  for (const uint64_t id : ids) {
+    leases_.Detach(id);
+    if (engine_->Release(id, /*keep_indexer_sequence=*/false).ok()) ++released;
+    const std::string key = absl::StrCat(id);
+    owners_.Erase(key);
+    if (colocated_indexer_ != nullptr) {
+      colocated_indexer_owners_->Erase(key);
+      colocated_indexer_->DetachLease(id);
+    }
+  }
+  LogJson("info", "released the sequences of an ended lease",
+          {{"reason", reason}, {"sequences", released}});
 }
 
 grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
@@ -165,6 +223,7 @@ grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
   const ScopedTraceContext scoped(std::move(trace));
   absl::StatusOr<PrefillSpec> spec = ToPrefillSpec(*request);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
+  spec->lease = DecodeLease(request->lease());
   absl::StatusOr<PrefillResult> result = engine_->Prefill(*spec);
   if (!result.ok()) return ToGrpcStatus(result.status());
   response->set_slots(result->slots);
@@ -231,11 +290,13 @@ grpc::Status AttentionServiceImpl::Release(grpc::ServerContext* context,
   // Whatever the status, the sequence is gone here: NOT_FOUND, or its KV dropped before the
   // indexer was told (an error then is the indexer's, which the coordinator releases directly).
   owners_.Forget(id, caller);
+  leases_.Detach(request->sequence_id());
   // Released on the indexer too: its owner goes. Kept (a prefix donor), or an error or NOT_FOUND
   // (the indexer sequence may live on, a donor kept earlier, say): it stays the caller's until it
   // is released at the indexer port, which forgets it.
   if (colocated_indexer_owners_ != nullptr && status.ok() && !request->keep_indexer_sequence()) {
     colocated_indexer_owners_->Forget(id, caller);
+    colocated_indexer_->DetachLease(request->sequence_id());
   }
   return ToGrpcStatus(status);
 }

@@ -12,10 +12,13 @@
 #include "attention_worker/engine.h"
 #include "attention_worker/metrics.h"
 #include "attention_worker/pattern_model.h"
+#include "common/clock.h"
 #include "common/mli_schedule.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "indexer_service/grpc_service.h"
 #include "server/security.h"
+#include "server/sequence_leases.h"
 #include "transport/indexer_client.h"
 
 namespace dsa {
@@ -48,7 +51,15 @@ absl::StatusOr<std::unique_ptr<AttentionEngine>> MakeCpuAttentionEngine(
 /// "sequence N belongs to another caller" before the engine is called.
 class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::Service {
  public:
-  explicit AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine);
+  ///
+  /// Sequences prefilled with a coordinator's lease (PrefillRequest.lease) are released, with
+  /// their indexer sequences, when it ends (SequenceLeases on `clock`, which must outlive the
+  /// service): ReleaseExpiredLeases, called every kLeaseSweepPeriod by the binary, releases those
+  /// of leases not renewed in time, and a Prefill or RenewLease under a new instance of an owner
+  /// releases the earlier instances' at once. An owner's leases belong to the caller that first
+  /// used them (a coordinator's identity; anyone's on plaintext).
+  explicit AttentionServiceImpl(std::unique_ptr<AttentionEngine> engine,
+                                const Clock* clock = &RealClock());
 
   /// The default wiring: the CPU backend and gRPC indexer clients (MakeCpuAttentionEngine with
   /// GrpcIndexerClient::Factory()).
@@ -63,7 +74,9 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
                        dsa::attention::v1::GetInfoResponse* response) override;
   /// AttentionEngine::Prefill; also INVALID_ARGUMENT for an unknown SPIN enum value, and
   /// ALREADY_EXISTS "sequence N is being created by another call" while another Prefill of the
-  /// id is in progress (OwnerTable::Claim).
+  /// id is in progress (OwnerTable::Claim). The lease is checked first (INVALID_ARGUMENT,
+  /// FAILED_PRECONDITION, PERMISSION_DENIED as RenewLease, the message starting "lease: "), so a
+  /// refused one prefills nothing; a continue moves the sequence to the request's lease.
   grpc::Status Prefill(grpc::ServerContext* context,
                        const dsa::attention::v1::PrefillRequest* request,
                        dsa::attention::v1::PrefillResponse* response) override;
@@ -77,17 +90,38 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
                        const dsa::attention::v1::ReleaseRequest* request,
                        dsa::attention::v1::ReleaseResponse* response) override;
 
+  /// Renews a coordinator's lease (SequenceLeases::Renew), releasing what it hands back (the
+  /// sequences of the owner's earlier instances; of this lease when it had already expired), and
+  /// answers with the lease's state. INVALID_ARGUMENT (no owner or instance, a name over 256
+  /// bytes, ttl outside [1 ms, 10 min]), FAILED_PRECONDITION (a superseded instance),
+  /// PERMISSION_DENIED (the owner is another caller's), RESOURCE_EXHAUSTED (too many owners).
+  grpc::Status RenewLease(grpc::ServerContext* context,
+                          const dsa::attention::v1::RenewLeaseRequest* request,
+                          dsa::attention::v1::RenewLeaseResponse* response) override;
+
+  /// Releases the sequences (and their indexer sequences) of every lease not renewed for its
+  /// ttl; the binary calls it every kLeaseSweepPeriod, tests on their clock. Returns how many.
+  int64_t ReleaseExpiredLeases();
+
+  /// The leases of this worker's sequences.
+  const SequenceLeases& leases() const { return leases_; }
+
   /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
   size_t owned_sequences() const { return owners_.size(); }
 
-  /// Co-located (--transport inprocess): the owner table of the indexer service this worker
-  /// serves at its port, whose sequences the engine creates in process, past that service's
-  /// checks. A Prefill's caller then owns the indexer sequence too (claimed before it is
-  /// created, forgotten when it fails or is released, kept with keep_indexer_sequence), so that
-  /// only that caller (the coordinator, which releases prefix donors' index keys there) or an
-  /// operator may use it through the port. Call before the server starts; `owners` outlives
-  /// the service.
-  void ShareOwnersWith(OwnerTable* owners) { colocated_indexer_owners_ = owners; }
+  /// Co-located (--transport inprocess): the indexer service this worker serves at its port,
+  /// whose sequences the engine creates in process, past that service's checks. A Prefill's
+  /// caller then owns the indexer sequence too (claimed before it is created, forgotten when it
+  /// fails or is released, kept with keep_indexer_sequence), so that only that caller (the
+  /// coordinator, which releases prefix donors' index keys there) or an operator may use it
+  /// through the port; and the indexer sequence is held there under the Prefill's lease
+  /// (attached by Prefill, detached by Release unless kept), so that the indexer's sweep
+  /// releases a kept prefix donor whose coordinator is gone. Call before the server starts;
+  /// `indexer_service` outlives this service.
+  void ShareIndexerWith(IndexerServiceImpl* indexer_service) {
+    colocated_indexer_owners_ = &indexer_service->owners();
+    colocated_indexer_ = indexer_service;
+  }
 
   /// Closes every indexer client's data plane (after the server stopped). Idempotent.
   void CloseTransports() { engine_->CloseIndexerClients(); }
@@ -97,9 +131,18 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   grpc::Status OwnedPrefill(grpc::ServerContext* context,
                             const dsa::attention::v1::PrefillRequest* request,
                             dsa::attention::v1::PrefillResponse* response);
+  // Puts sequence `id` under `lease` for `caller`, and its co-located indexer sequence too,
+  // releasing what that hands back. Errors as RenewLease.
+  absl::Status AttachLease(uint64_t id, const SequenceLease& lease, const std::string& caller);
+  // Releases sequences whose lease ended (`reason`: "expired", "superseded"), on the indexer too,
+  // with a log line naming how many; NOT_FOUND (released meanwhile) is ignored.
+  void ReleaseLeased(const std::vector<uint64_t>& ids, const char* reason);
+
   std::unique_ptr<AttentionEngine> engine_;
-  OwnerTable owners_;  // sequence id -> the caller whose Prefill created it
-  OwnerTable* colocated_indexer_owners_ = nullptr;  // ShareOwnersWith
+  OwnerTable owners_;      // sequence id -> the caller whose Prefill created it
+  SequenceLeases leases_;  // sequence id -> the coordinator lease it is held under
+  OwnerTable* colocated_indexer_owners_ = nullptr;   // ShareIndexerWith
+  IndexerServiceImpl* colocated_indexer_ = nullptr;  // ShareIndexerWith
 };
 
 }  // namespace dsa

@@ -170,6 +170,13 @@ grpc::Status IndexerServiceImpl::RenewLease(grpc::ServerContext* /*context*/,
   return grpc::Status::OK;
 }
 
+absl::Status IndexerServiceImpl::AttachLease(uint64_t id, const SequenceLease& lease) {
+  absl::StatusOr<SequenceLeases::Renewal> attached = leases_.Attach(id, lease, kAnyLeaseCaller);
+  if (!attached.ok()) return attached.status();
+  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
+  return absl::OkStatus();
+}
+
 int64_t IndexerServiceImpl::ReleaseExpiredLeases() {
   const std::vector<uint64_t> expired = leases_.TakeExpired();
   ReleaseLeased(expired, "expired");

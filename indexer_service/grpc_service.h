@@ -176,6 +176,11 @@ class IndexerServiceImpl final : public dsa::indexer::v1::IndexerService::Servic
 
   /// The leases of this worker's sequences.
   const SequenceLeases& leases() const { return leases_; }
+  /// Puts sequence `id`, created in process past this service (a co-located attention worker),
+  /// under `lease` as CreateSequence would, releasing what that hands back; DetachLease takes it
+  /// out (released in process). Errors as RenewLease.
+  absl::Status AttachLease(uint64_t id, const SequenceLease& lease);
+  void DetachLease(uint64_t id) { leases_.Detach(id); }
 
   /// Sequences with a recorded owner (a fuzz harness checks none is left behind).
   size_t owned_sequences() const { return owners_.size(); }

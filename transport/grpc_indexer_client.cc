@@ -13,6 +13,7 @@
 #include "contracts/grpc_status.h"
 #include "contracts/limits.h"
 #include "proto/indexer_codec.h"
+#include "proto/lease_codec.h"
 #include "proto/tensor_codec.h"
 
 namespace dsa {
@@ -146,6 +147,7 @@ absl::Status GrpcIndexerClient::CreateSequence(const IndexerSequenceSpec& spec,
     create.set_prefix_source_id(*spec.prefix_source_id);
     create.set_prefix_slots(spec.prefix_slots);
   }
+  EncodeLease(spec.lease, create.mutable_lease());
   return Unary(&iv1::IndexerService::Stub::CreateSequence, create, "CreateSequence", deadline);
 }
 

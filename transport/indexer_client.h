@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "contracts/lease.h"
 #include "contracts/sequence.h"
 #include "transport/selection_transport.h"
 
@@ -27,6 +28,10 @@ struct IndexerSequenceSpec {
   /// With a value: share the first prefix_slots slots (a multiple of 64) of that sequence.
   std::optional<uint64_t> prefix_source_id;
   int64_t prefix_slots = 0;
+  /// The coordinator's lease the sequence is held under on the indexer (empty: none). An
+  /// in-process indexer has no lease table of its own: the co-located service attaches there
+  /// (AttentionServiceImpl::ShareIndexerWith).
+  SequenceLease lease;
 };
 
 /// One append call to one sequence: chunks of index keys in order, all or nothing (a failed or

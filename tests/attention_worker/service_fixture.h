@@ -78,13 +78,16 @@ struct IndexerServer {
   }
 };
 
+// `clock` is its leases' (IndexerServiceImpl).
 inline std::unique_ptr<IndexerServer> StartIndexer(int64_t capacity_blocks, int num_heads = kH,
-                                                   int head_dim = kD, double audit_fraction = 0) {
+                                                   int head_dim = kD, double audit_fraction = 0,
+                                                   const Clock* clock = &RealClock()) {
   auto server = std::make_unique<IndexerServer>();
   auto indexer = Indexer::Create({capacity_blocks, num_heads, head_dim, audit_fraction});
   EXPECT_TRUE(indexer.ok()) << indexer.status();
   server->indexer = std::move(*indexer);
-  server->service = std::make_unique<IndexerServiceImpl>(server->indexer.get());
+  server->service = std::make_unique<IndexerServiceImpl>(server->indexer.get(), nullptr,
+                                                         std::vector<std::string>{}, clock);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
