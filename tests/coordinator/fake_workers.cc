@@ -99,6 +99,7 @@ absl::Status FakeWorkers::RenewLocked(const std::string& address, bool attention
   Worker* w = Find(address, attention);
   if (w != nullptr) ++w->renew_lease_calls;
   if (absl::Status gone = Gone(w, address); !gone.ok()) return gone;
+  if (!w->renewal_failure.ok()) return w->renewal_failure;
   absl::StatusOr<SequenceLeases::Renewal> renewal = w->leases->Renew(DecodeLease(lease), "");
   if (!renewal.ok()) return renewal.status();
   DropLocked(w, renewal->released);
@@ -585,6 +586,13 @@ std::vector<av1::CommitRequest> FakeWorkers::Commits(const std::string& address)
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
   return w == nullptr ? std::vector<av1::CommitRequest>{} : w->commits;
+}
+
+void FakeWorkers::FailRenewals(const std::string& address, const absl::Status& failure) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->renewal_failure = failure;
+  }
 }
 
 std::vector<cmv1::Lease> FakeWorkers::Renewals(const std::string& address) {

@@ -117,6 +117,9 @@ class FakeWorkers final : public WorkerClientFactory,
   std::vector<dsa::attention::v1::DecodeStepRequest> Steps(const std::string& address);
   /// Commits the attention worker at `address` answered OK, in order.
   std::vector<dsa::attention::v1::CommitRequest> Commits(const std::string& address);
+  /// While `failure` is not OK, RenewLease of the worker(s) at `address` answers it and renews
+  /// nothing (a renewal lost on the way while the worker's other calls work).
+  void FailRenewals(const std::string& address, const absl::Status& failure);
   /// The leases the worker(s) at `address` renewed (RenewLease answered OK), in order.
   std::vector<dsa::common::v1::Lease> Renewals(const std::string& address);
   /// RenewLease calls the worker(s) at `address` received (answered or not).
@@ -168,6 +171,7 @@ class FakeWorkers final : public WorkerClientFactory,
     std::unique_ptr<SequenceLeases> leases;  // a fresh table per instance
     std::vector<dsa::common::v1::Lease> renewals;
     int renew_lease_calls = 0;
+    absl::Status renewal_failure;  // FailRenewals
   };
   // The worker at `address` of a kind, or null (an address no fake listens on); first drops the
   // sequences of its leases that expired by the clock (the worker's sweep).

@@ -192,6 +192,26 @@ TEST_F(LeaseTest, ANewerInstanceOfTheSameNameTakesTheWorkersOverAndTheOldOneIsNo
   EXPECT_TRUE(second->GetLoad().attention_workers.at(0).ready);
 }
 
+// A renewal that does not reach the worker is a lost check (not ready until one gets through);
+// once one does within the ttl, the lease is still live there and nothing was lost.
+TEST_F(LeaseTest, ARenewalThatDoesNotReachTheWorkerIsALostCheck) {
+  Start({kA1}, {kI1});
+  GenerateSpec turn = Request("r1", 20, 2);
+  turn.session_id = "chat";
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(turn, kA1));
+  fakes_->FailRenewals(kA1, absl::UnavailableError("connection reset (fake)"));
+  engine_->RefreshWorkers();
+  EXPECT_FALSE(GetLoad().attention_workers(0).ready());
+  fakes_->FailRenewals(kA1, absl::OkStatus());
+  clock_.Advance(absl::Milliseconds(options_.lease_ttl_ms - 1));
+  engine_->RefreshWorkers();
+  cv1::GetLoadResponse load = GetLoad();
+  ASSERT_EQ(load.attention_workers_size(), 1);
+  EXPECT_TRUE(load.attention_workers(0).ready());
+  EXPECT_EQ(load.retained_sequences(), 1);  // the same slot: not retired
+  EXPECT_EQ(fakes_->Sequences(kA1), 1);
+}
+
 TEST(LeaseOptionsTest, TheNameAndTheTtlAreChecked) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);
