@@ -139,7 +139,7 @@ grpc::Status AttentionServiceImpl::Prefill(grpc::ServerContext* context,
     if (!on_indexer.ok()) return ToGrpcStatus(on_indexer.status());
     indexer_claim = *std::move(on_indexer);
   }
-  grpc::Status status = OwnedPrefill(context, request, response);
+  grpc::Status status = OwnedPrefill(context, request, lease, response);
   if (status.ok() && context != nullptr && context->IsCancelled()) {
     // The caller gave up while it ran (its client left, an Abort, its deadline): it will not use
     // the sequence, and its Release may have come before the sequence existed (NOT_FOUND). Drop
@@ -166,7 +166,7 @@ absl::Status AttentionServiceImpl::AttachLease(uint64_t id, const SequenceLease&
                                                const std::string& caller) {
   absl::StatusOr<SequenceLeases::Renewal> attached = leases_.Attach(id, lease, caller);
   if (!attached.ok()) return attached.status();
-  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
+  ReleaseLeased(attached->released, attached->reason());
   if (colocated_indexer_ != nullptr) return colocated_indexer_->AttachLease(id, lease);
   return absl::OkStatus();
 }
@@ -177,7 +177,7 @@ grpc::Status AttentionServiceImpl::RenewLease(grpc::ServerContext* context,
   absl::StatusOr<SequenceLeases::Renewal> renewal =
       leases_.Renew(DecodeLease(request->lease()), Caller(context));
   if (!renewal.ok()) return ToGrpcStatus(renewal.status());
-  ReleaseLeased(renewal->released, renewal->superseded > 0 ? "superseded" : "expired");
+  ReleaseLeased(renewal->released, renewal->reason());
   dsa::common::v1::LeaseState* state = response->mutable_state();
   state->set_renewed(renewal->renewed);
   state->set_sequences(renewal->sequences);
@@ -210,6 +210,7 @@ void AttentionServiceImpl::ReleaseLeased(const std::vector<uint64_t>& ids, const
 
 grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
                                                 const av1::PrefillRequest* request,
+                                                const SequenceLease& lease,
                                                 av1::PrefillResponse* response) {
   const SteadyClock::time_point start = SteadyClock::now();
   // The indexer calls of this prefill carry the caller's trace (common/trace_context.h).
@@ -223,7 +224,7 @@ grpc::Status AttentionServiceImpl::OwnedPrefill(grpc::ServerContext* context,
   const ScopedTraceContext scoped(std::move(trace));
   absl::StatusOr<PrefillSpec> spec = ToPrefillSpec(*request);
   if (!spec.ok()) return ToGrpcStatus(spec.status());
-  spec->lease = DecodeLease(request->lease());
+  spec->lease = lease;
   absl::StatusOr<PrefillResult> result = engine_->Prefill(*spec);
   if (!result.ok()) return ToGrpcStatus(result.status());
   response->set_slots(result->slots);

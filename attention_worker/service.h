@@ -127,9 +127,10 @@ class AttentionServiceImpl final : public dsa::attention::v1::AttentionService::
   void CloseTransports() { engine_->CloseIndexerClients(); }
 
  private:
-  // Prefill once the sequence id is the caller's.
+  // Prefill once the sequence id is the caller's, under `lease` (decoded and checked).
   grpc::Status OwnedPrefill(grpc::ServerContext* context,
                             const dsa::attention::v1::PrefillRequest* request,
+                            const SequenceLease& lease,
                             dsa::attention::v1::PrefillResponse* response);
   // Puts sequence `id` under `lease` for `caller`, and its co-located indexer sequence too,
   // releasing what that hands back. Errors as RenewLease.

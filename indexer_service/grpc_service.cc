@@ -142,17 +142,13 @@ grpc::Status IndexerServiceImpl::CreateSequence(grpc::ServerContext* context,
   grpc::Status status = CreateOwnedSequence(request, response);
   if (!status.ok()) return status;  // the claim's end forgets a new owner
   claim->Keep();
-  absl::StatusOr<SequenceLeases::Renewal> attached =
-      leases_.Attach(request->sequence_id(), lease, kAnyLeaseCaller);
-  if (!attached.ok()) {
+  if (absl::Status attached = AttachLease(request->sequence_id(), lease); !attached.ok()) {
     // Superseded between the check and now: the sequence must not outlive its owner unleased.
     (void)indexer_->Release(request->sequence_id());
     owners_.Forget(id, caller);
     UpdateCacheMetrics();
-    return ToGrpcStatus(absl::Status(attached.status().code(),
-                                     absl::StrCat("lease: ", attached.status().message())));
+    return ToGrpcStatus(absl::Status(attached.code(), absl::StrCat("lease: ", attached.message())));
   }
-  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
   return status;
 }
 
@@ -162,7 +158,7 @@ grpc::Status IndexerServiceImpl::RenewLease(grpc::ServerContext* /*context*/,
   absl::StatusOr<SequenceLeases::Renewal> renewal =
       leases_.Renew(DecodeLease(request->lease()), kAnyLeaseCaller);
   if (!renewal.ok()) return ToGrpcStatus(renewal.status());
-  ReleaseLeased(renewal->released, renewal->superseded > 0 ? "superseded" : "expired");
+  ReleaseLeased(renewal->released, renewal->reason());
   dsa::common::v1::LeaseState* state = response->mutable_state();
   state->set_renewed(renewal->renewed);
   state->set_sequences(renewal->sequences);
@@ -173,7 +169,7 @@ grpc::Status IndexerServiceImpl::RenewLease(grpc::ServerContext* /*context*/,
 absl::Status IndexerServiceImpl::AttachLease(uint64_t id, const SequenceLease& lease) {
   absl::StatusOr<SequenceLeases::Renewal> attached = leases_.Attach(id, lease, kAnyLeaseCaller);
   if (!attached.ok()) return attached.status();
-  ReleaseLeased(attached->released, attached->superseded > 0 ? "superseded" : "expired");
+  ReleaseLeased(attached->released, attached->reason());
   return absl::OkStatus();
 }
 

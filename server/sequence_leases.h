@@ -50,6 +50,8 @@ class SequenceLeases {
     int64_t sequences = 0;           // sequences the lease holds after the call
     int64_t superseded = 0;          // of `released`, those of the owner's earlier instances
     std::vector<uint64_t> released;  // to release now, in no particular order
+    /// Why `released` ended, for logs: "superseded" when an earlier instance's were among them.
+    const char* reason() const { return superseded > 0 ? "superseded" : "expired"; }
   };
 
   /// `clock` is not owned and must outlive the table.

@@ -52,12 +52,7 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
 
 // Polls `done` every 50 ms for up to `timeout`; whether it became true.
 bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return done();
+  return dsa::testing::WaitFor(done, timeout, std::chrono::milliseconds(50));
 }
 
 class ChaosTest : public ::testing::Test {

@@ -28,6 +28,7 @@
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/testing/server_process.h"
 #include "tools/dsa/cluster.h"
 
 namespace dsa {
@@ -47,12 +48,7 @@ std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
 
 // Polls `done` every 10 ms for up to `timeout`; whether it became true.
 bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return done();
+  return ::dsa::testing::WaitFor(done, timeout, std::chrono::milliseconds(10));
 }
 
 int64_t MillisecondsSince(Clock::time_point start) {

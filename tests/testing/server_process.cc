@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <future>
+#include <thread>
 
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/support/sync_stream.h"
@@ -98,6 +99,16 @@ int WaitExit(pid_t pid, std::chrono::milliseconds timeout) {
 
 // grpc.health.v1.Health/Check by hand (no generated health stubs are installed): request field 1
 // (service name), response field 1 (status: 1 SERVING, 2 NOT_SERVING). -1 when the call fails.
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout,
+             std::chrono::milliseconds poll) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(poll);
+  }
+  return done();
+}
+
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service) {
   return CheckHealthStatus(*channel, service, std::chrono::seconds(5), /*wait_for_ready=*/false);
 }

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +32,11 @@ Process StartServer(const std::string& binary, const std::vector<std::string>& f
 /// Waits up to `timeout` for the process to exit; its exit code (128 + signal if killed by one),
 /// or -1 on timeout (then it is killed).
 int WaitExit(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Calls `done` every `poll` of real time for up to `timeout` (for a state of real processes that
+/// nothing announces); whether it became true.
+bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout,
+             std::chrono::milliseconds poll);
 
 /// grpc.health.v1.Health/Check of `service`: 1 SERVING, 2 NOT_SERVING, 0 UNKNOWN, -1 call failed.
 int HealthStatus(const std::shared_ptr<grpc::Channel>& channel, const std::string& service);
