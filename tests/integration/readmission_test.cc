@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -111,7 +112,7 @@ TEST(IndexerRestartTest, AnIndexerRestartedUnderLoadLosesNoRequest) {
         grpc::ClientContext context;
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
         cv1::GenerateRequest request;
-        request.set_request_id("c" + std::to_string(c) + "-" + std::to_string(n));
+        request.set_request_id(absl::StrCat("c", c, "-", n));
         request.set_context_length(600 + 64 * c);
         request.set_max_new_tokens(60);
         auto reader = stub->Generate(&context, request);
@@ -131,8 +132,9 @@ TEST(IndexerRestartTest, AnIndexerRestartedUnderLoadLosesNoRequest) {
           on_restarted += sent_after_restart && indexer == indexer0_address ? 1 : 0;
         } else {
           absl::MutexLock lock(&mu);
-          failures.push_back(request.request_id() + ": " + std::to_string(status.error_code()) +
-                             " " + status.error_message());
+          failures.push_back(absl::StrCat(request.request_id(), ": ",
+                                          static_cast<int>(status.error_code()), " ",
+                                          status.error_message()));
         }
       }
     });
