@@ -51,8 +51,9 @@ class ReadmissionTest : public EngineTest {
 TEST_F(ReadmissionTest, RequestsWhosePrefillCannotReachARestartedIndexerMoveForFree) {
   options_.max_migrations = 1;
   ASSERT_NO_FATAL_FAILURE(StartWithARestartedIndexer(/*attention_can_reach=*/false));
-  std::vector<Call*> calls;
-  for (int i = 0; i < 3; ++i) calls.push_back(Generate(Request(absl::StrCat("r", i), 100, 4)));
+  const std::vector<Call*> calls = {Generate(Request("r0", 100, 4)),
+                                    Generate(Request("r1", 100, 4)),
+                                    Generate(Request("r2", 100, 4))};
   // Each is placed on the restarted indexer at most once or twice before its hold, then on the
   // kept one; none spends its one migration.
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 4, kSafetyNet));

@@ -104,6 +104,7 @@ TEST(IndexerRestartTest, AnIndexerRestartedUnderLoadLosesNoRequest) {
   absl::Mutex mu;
   std::vector<std::string> failures;
   std::vector<std::thread> clients;
+  clients.reserve(kStreams);
   for (int c = 0; c < kStreams; ++c) {
     clients.emplace_back([&, c] {
       auto stub = cv1::CoordinatorService::NewStub(Channel(cluster->coordinator_address()));
