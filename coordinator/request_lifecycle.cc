@@ -282,13 +282,14 @@ absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightReq
     prefill.set_prefix_slots(admission.prefix_slots);
   }
   prefill.set_continue_sequence(admission.continue_sequence);
-  // No deadline of its own (a long context takes long); cancelled with the Generate call (client
-  // gone, its deadline, server shutdown) or by Abort, and cut short when the worker's checks stop
-  // reaching it (a hung worker would hold it open for good).
   {
+    // The probe of an indexer taken in again after a restart (WorkerPool::BeginPrefillLocked).
     absl::MutexLock lock(&core_->mu);
     pool_->BeginPrefillLocked(admission.indexer);
   }
+  // No deadline of its own (a long context takes long); cancelled with the Generate call (client
+  // gone, its deadline, server shutdown) or by Abort, and cut short when the worker's checks stop
+  // reaching it (a hung worker would hold it open for good).
   const WorkerPool::AttentionWorker& w = pool_->attention(admission.attention);
   std::atomic<bool> by_client{false};
   HungCut hung(w.unreached_checks, core_->options.hung_worker_checks);
