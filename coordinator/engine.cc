@@ -296,6 +296,10 @@ bool CoordinatorEngine::AwaitDecoding(const std::string& address, int count,
   return decode_->AwaitDecoding(address, count, timeout);
 }
 
+bool CoordinatorEngine::AwaitPlacementWaits(int count, absl::Duration timeout) {
+  return lifecycle_->AwaitPlacementWaits(count, timeout);
+}
+
 void CoordinatorEngine::RefreshWorkers() { pool_->RefreshWorkers(); }
 
 int CoordinatorEngine::RefreshesWaiting() const { return pool_->RefreshesWaiting(); }

@@ -196,6 +196,11 @@ class CoordinatorEngine {
   /// prefills done); false after `timeout` (a test's safety net, not a pacing).
   bool AwaitDecoding(const std::string& address, int count, absl::Duration timeout);
 
+  /// Waits until, since the engine started, requests whose Prefill could not reach their indexer
+  /// began to wait out its hold before they are placed again (until the engine's clock passes
+  /// it) at least `count` times; false after `timeout` (a test's safety net, not a pacing).
+  bool AwaitPlacementWaits(int count, absl::Duration timeout);
+
   /// Ends every Generate whose Write has been blocked for stall_timeout_ms by the clock (its
   /// client stopped reading and its flow-control window is full): the request ends with CANCELLED
   /// saying why, and its stream is cancelled (TryCancel), so no call waits on a client forever.
