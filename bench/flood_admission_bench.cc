@@ -12,8 +12,10 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -113,7 +115,7 @@ int main(int argc, char** argv) {
         request.request_id = "flood-" + std::to_string(ids.fetch_add(1));
         request.context_length = 256;
         request.max_new_tokens = max_new_tokens;
-        ClientStream stream(std::chrono::milliseconds(read_delay_ms));
+        ClientStream stream{std::chrono::milliseconds(read_delay_ms)};
         const absl::Status status = (*engine)->Generate(request, "peer:flood", "", stream);
         if (status.ok()) {
           ++flood_completed;
@@ -136,7 +138,7 @@ int main(int argc, char** argv) {
     request.request_id = "neighbour-" + std::to_string(n);
     request.context_length = 256;
     request.max_new_tokens = 8;
-    ClientStream stream(std::chrono::milliseconds(0));
+    ClientStream stream{std::chrono::milliseconds(0)};
     const Clock::time_point sent = Clock::now();
     const absl::Status status = (*engine)->Generate(request, "peer:neighbour", "", stream);
     if (stream.admitted_at().has_value()) {

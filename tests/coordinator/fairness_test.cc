@@ -95,13 +95,18 @@ TEST_F(FairnessTest, WeightsShareAdmissionsInTheirRatio) {
     running->Join();
     ASSERT_TRUE(running->status.ok()) << running->status;
     ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+    // Decoding before its handler has written Admitted: wait for that write.
     running = nullptr;
-    for (auto& [who, call] : waiting) {
-      if (call != nullptr && Admitted(*call)) {
-        order.push_back(who);
-        running = call;
-        call = nullptr;
+    for (const absl::Time until = absl::Now() + kSafetyNet;
+         running == nullptr && absl::Now() < until;) {
+      for (auto& [who, call] : waiting) {
+        if (call != nullptr && Admitted(*call)) {
+          order.push_back(who);
+          running = call;
+          call = nullptr;
+        }
       }
+      std::this_thread::yield();
     }
     ASSERT_NE(running, nullptr) << order;
   }
