@@ -120,9 +120,7 @@ TEST_F(FairnessTest, WeightsShareAdmissionsInTheirRatio) {
 TEST_F(FairnessTest, TheDefaultRunningShareLeavesASlotToOthers) {
   options_.max_running_per_attention = 4;
   Start({kA1}, {kI1});
-  std::vector<Call*> alice;
-  for (int i = 0; i < 4; ++i)
-    alice.push_back(Generate(Request("a" + std::to_string(i), 10, 50), kAlice));
+  for (int i = 0; i < 4; ++i) Generate(Request("a" + std::to_string(i), 10, 50), kAlice);
   ASSERT_TRUE(engine_->AwaitDecoding(kA1, 3, kSafetyNet));
   ASSERT_TRUE(AwaitQueued(1));
   Call* bob = Generate(Request("b0", 10, 50), kBob);
