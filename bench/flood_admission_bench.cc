@@ -62,7 +62,8 @@ double Percentile(std::vector<double> values, double q) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 and json errors end
+                                   // the run.
   CLI::App app{"bench_flood_admission: a neighbour's admission wait under one caller's flood"};
   int streams = 2000;
   double seconds = 10.0;
