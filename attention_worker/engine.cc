@@ -102,6 +102,11 @@ absl::Status ValidatePrefill(const PrefillSpec& spec, const ModelShape& shape) {
   if (spec.indexer_worker.empty() && !spec.continue_sequence) {
     return absl::InvalidArgumentError("indexer_worker (host:port) is required");
   }
+  if (spec.indexer_worker.size() > kMaxAddressBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("indexer_worker is ", spec.indexer_worker.size(),
+                                                   " bytes, over the ", kMaxAddressBytes,
+                                                   "-byte limit (kMaxAddressBytes)"));
+  }
   if (!spec.continue_sequence && (spec.top_k < 1 || spec.top_k > kMaxTopK)) {
     return absl::InvalidArgumentError(
         absl::StrCat("settings.top_k must be in [1, ", kMaxTopK, "] (kMaxTopK), got ", spec.top_k));

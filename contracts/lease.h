@@ -3,6 +3,7 @@
 // dsa.common.v1.Lease that the coordinator, the attention worker and the indexer share.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "absl/time/time.h"
@@ -27,6 +28,9 @@ struct SequenceLease {
 
 /// The longest lease a worker grants: a lost coordinator's sequences come back within this.
 inline constexpr absl::Duration kMaxLeaseTtl = absl::Minutes(10);
+
+/// The longest owner name or instance id a worker accepts, in bytes.
+inline constexpr size_t kMaxLeaseNameBytes = 256;
 
 /// How often a worker releases the sequences of expired leases: a lease's sequences are released
 /// at most this long after its ttl ran out.

@@ -2,6 +2,7 @@
 // name each.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace dsa {
@@ -42,5 +43,14 @@ inline constexpr int64_t kSelectResponseFramingBytes = 16;
 /// default. A larger one is refused with RESOURCE_EXHAUSTED by the handler, which undoes the call's
 /// earlier chunks before the status is sent.
 inline constexpr int kMaxAppendChunkBytes = 4 << 20;
+
+/// Longest worker address (host:port, a DNS name and port, or a unix: socket path) a request may
+/// name: DNS names are at most 253 bytes and unix socket paths 107, so this leaves room to spare
+/// while keeping every error message that quotes an address far below gRPC's 8 KiB metadata limit.
+inline constexpr size_t kMaxAddressBytes = 1024;
+
+/// Longest status message a server sends: a longer one is cut (ToGrpcStatus), since a message
+/// over gRPC's 8 KiB metadata limit reaches the client as a metadata-size error in its place.
+inline constexpr size_t kMaxStatusMessageBytes = 4096;
 
 }  // namespace dsa

@@ -6,12 +6,14 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "contracts/lease.h"
 #include "contracts/limits.h"
 #include "coordinator/decode_loops.h"
 #include "coordinator/engine_core.h"
 #include "coordinator/request_lifecycle.h"
 #include "coordinator/worker_pool.h"
 #include "dsa/indexer/v1/indexer.pb.h"
+#include "server/log.h"
 
 namespace dsa {
 namespace {
@@ -50,6 +52,30 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   if (options.worker_check_interval_ms < 0 || options.worker_check_timeout_ms < 1) {
     return absl::InvalidArgumentError(
         "worker_check_interval_ms must be >= 0 and worker_check_timeout_ms >= 1");
+  }
+  if (options.name.empty() || options.name.size() > kMaxLeaseNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("name (the lease owner, --name) must have 1 to ",
+                                                   kMaxLeaseNameBytes, " bytes, got ",
+                                                   options.name.size()));
+  }
+  if (options.instance_id.size() > kMaxLeaseNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("instance_id must have at most ", kMaxLeaseNameBytes, " bytes"));
+  }
+  if (options.lease_ttl_ms < 1 || options.lease_ttl_ms > absl::ToInt64Milliseconds(kMaxLeaseTtl)) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ttl_ms (--lease-ttl-ms) must be in [1, ",
+                                                   absl::ToInt64Milliseconds(kMaxLeaseTtl),
+                                                   "], got ", options.lease_ttl_ms));
+  }
+  // Every check renews: a ttl of three intervals lets two checks fail (a slow or lost one)
+  // before the workers let go of this coordinator's sequences.
+  if (options.lease_ttl_ms < 3 * options.worker_check_interval_ms) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease_ttl_ms (--lease-ttl-ms) must be >= 3 x worker_check_interval_ms "
+                     "(--worker-check-interval-ms): every check renews the lease, so a ttl of ",
+                     options.lease_ttl_ms, " ms lets it run out between checks every ",
+                     options.worker_check_interval_ms, " ms; raise the ttl to ",
+                     3 * options.worker_check_interval_ms, " or check more often"));
   }
   if (options.max_migrations < 0) {
     return absl::InvalidArgumentError(
@@ -121,8 +147,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   };
   auto scheduler = Scheduler::Create(scheduler_options, {}, {});
   if (!scheduler.ok()) return scheduler.status();
+  CoordinatorOptions started = options;
+  if (started.instance_id.empty()) {
+    // Random per engine start: the workers tell this start's lease from an earlier one's.
+    absl::BitGen gen;
+    started.instance_id = absl::StrCat(absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16),
+                                       absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16));
+  }
+  LogJson("info", "coordinator lease",
+          {{"name", started.name},
+           {"instance_id", started.instance_id},
+           {"lease_ttl_ms", started.lease_ttl_ms},
+           {"held_under_lease", !started.run_loops || started.worker_check_interval_ms > 0}});
   auto engine = std::unique_ptr<CoordinatorEngine>(new CoordinatorEngine(
-      options, metrics, std::move(workers), *clock, std::move(resolve), *std::move(scheduler)));
+      started, metrics, std::move(workers), *clock, std::move(resolve), *std::move(scheduler)));
   engine->pool_->RefreshWorkers();
   if (options.run_loops && options.worker_check_interval_ms > 0) {
     engine->watch_ = std::thread([pool = engine->pool_.get()] { pool->WatchWorkers(); });

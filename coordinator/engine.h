@@ -107,8 +107,10 @@ class CoordinatorEngine {
   /// the coordinator starts, not ready, when none does) and, with run_loops, starts the watch
   /// threads. `metrics` is caller-owned and outlives the engine; `workers` makes the client of
   /// each worker address; `clock` (outlives the engine) times stalls, latencies and durations;
-  /// `resolve` resolves the *_dns names. Errors: INVALID_ARGUMENT (no source of workers of a
-  /// kind, a bad address or option, a missing collaborator).
+  /// `resolve` resolves the *_dns names. Draws the lease's instance id unless options.instance_id
+  /// gives one. Errors: INVALID_ARGUMENT (no source of workers of a kind, a bad address or
+  /// option, among them a name empty or over 256 bytes and a lease_ttl_ms outside [1, 600000] or
+  /// below 3 x worker_check_interval_ms, a missing collaborator).
   static absl::StatusOr<std::unique_ptr<CoordinatorEngine>> Create(
       const CoordinatorOptions& options, CoordinatorMetrics* metrics,
       std::shared_ptr<WorkerClientFactory> workers, const Clock* clock = &RealClock(),

@@ -12,6 +12,7 @@
 #include "coordinator/metrics.h"
 #include "coordinator/options.h"
 #include "coordinator/scheduler.h"
+#include "dsa/common/v1/lease.pb.h"
 
 namespace dsa {
 
@@ -21,7 +22,11 @@ namespace dsa {
 struct EngineCore {
   EngineCore(const CoordinatorOptions& options, CoordinatorMetrics* metrics, const Clock& clock,
              Scheduler scheduler)
-      : options(options), metrics(metrics), clock(clock), scheduler(std::move(scheduler)) {}
+      : options(options), metrics(metrics), clock(clock), scheduler(std::move(scheduler)) {
+    lease.set_owner(options.name);
+    lease.set_instance_id(options.instance_id);
+    lease.set_ttl_ms(options.lease_ttl_ms);
+  }
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
 
@@ -29,9 +34,17 @@ struct EngineCore {
   /// rpc_timeout_ms).
   absl::Duration RpcTimeout() const { return absl::Milliseconds(options.rpc_timeout_ms); }
 
+  /// Whether this coordinator holds its workers' sequences under a lease: only when something
+  /// renews it, i.e. the watch thread checks the workers (worker_check_interval_ms > 0) or the
+  /// caller does (run_loops false). With neither, the sequences are held until released.
+  bool LeasesOn() const { return !options.run_loops || options.worker_check_interval_ms > 0; }
+
   const CoordinatorOptions options;
   CoordinatorMetrics* const metrics;  // not owned
   const Clock& clock;                 // times stalls, latencies and durations
+  /// This start's lease (owner = options.name, instance_id, ttl_ms = options.lease_ttl_ms), sent
+  /// with every Prefill and renewed at every check while LeasesOn().
+  dsa::common::v1::Lease lease;
 
   mutable absl::Mutex mu;
   Scheduler scheduler ABSL_GUARDED_BY(mu);

@@ -138,6 +138,17 @@ class GrpcAttentionWorkerClient final : public AttentionWorkerClient {
       stub_->async()->Release(c, &request, &response, std::move(done));
     });
   }
+  absl::Status RenewLease(const WorkerCall& call, const dsa::common::v1::Lease& lease,
+                          dsa::common::v1::LeaseState* state) override {
+    av1::RenewLeaseRequest request;
+    *request.mutable_lease() = lease;
+    av1::RenewLeaseResponse response;
+    absl::Status status = Unary(call, [&](grpc::ClientContext* c, auto done) {
+      stub_->async()->RenewLease(c, &request, &response, std::move(done));
+    });
+    if (status.ok()) *state = response.state();
+    return status;
+  }
 
  private:
   std::shared_ptr<grpc::Channel> channel_;
@@ -163,6 +174,17 @@ class GrpcIndexerWorkerClient final : public IndexerWorkerClient {
     return Unary(call, [&](grpc::ClientContext* c, auto done) {
       stub_->async()->Release(c, &request, &response, std::move(done));
     });
+  }
+  absl::Status RenewLease(const WorkerCall& call, const dsa::common::v1::Lease& lease,
+                          dsa::common::v1::LeaseState* state) override {
+    iv1::RenewLeaseRequest request;
+    *request.mutable_lease() = lease;
+    iv1::RenewLeaseResponse response;
+    absl::Status status = Unary(call, [&](grpc::ClientContext* c, auto done) {
+      stub_->async()->RenewLease(c, &request, &response, std::move(done));
+    });
+    if (status.ok()) *state = response.state();
+    return status;
   }
 
  private:

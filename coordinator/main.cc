@@ -4,6 +4,9 @@
 // "readiness": ready while a worker of each kind is), server reflection, Prometheus /metrics and
 // the SIGTERM drain (new requests UNAVAILABLE, queued ones failed, running ones finish within
 // --shutdown-grace-ms). See docs/services.md "Coordinator".
+#include <unistd.h>
+
+#include <array>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -12,12 +15,30 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "contracts/limits.h"
 #include "coordinator/metrics.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/service.h"
 #include "prometheus/registry.h"
 #include "server/server.h"
+
+namespace {
+
+// "<hostname>:<port of --listen>": the same for every start of this coordinator on this host (or
+// pod), distinct for two coordinators on one host. With port 0 (a free one, a new one each
+// start) the pid stands in for it: each start is a new owner.
+std::string DefaultName(const std::string& listen) {
+  std::array<char, 256> host{};
+  if (gethostname(host.data(), host.size() - 1) != 0) host = {};
+  absl::StatusOr<dsa::HostPort> parsed = dsa::ParseHostPort(listen, /*min_port=*/0);
+  const int port = parsed.ok() ? parsed->port : 0;
+  if (port == 0) return absl::StrCat(host.data(), ":0-pid", getpid());
+  return absl::StrCat(host.data(), ":", port);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
                                    // are caught by CLI11_PARSE; others end the process.
@@ -45,6 +66,17 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "How often the workers are resolved and their readiness checked; 0 = only at "
                  "start")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  std::string name;
+  app.add_option("--name", name,
+                 "Owner of this coordinator's leases on its workers' sequences: keep it the same "
+                 "across restarts (a restart then frees what the last run held at once) and "
+                 "distinct between coordinators sharing workers; default "
+                 "\"<hostname>:<port of --listen>\"");
+  app.add_option("--lease-ttl-ms", options.lease_ttl_ms,
+                 "Workers release this coordinator's sequences when it has not renewed its lease "
+                 "(every worker check) for this long; in [1, 600000], >= 3 x "
+                 "--worker-check-interval-ms")
       ->capture_default_str();
   app.add_option("--worker-check-timeout-ms", options.worker_check_timeout_ms,
                  "Deadline of each check of a worker")
@@ -176,6 +208,7 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
     return 2;
   }
   options.worker_security = *worker_security;
+  options.name = name.empty() ? DefaultName(server_flags.listen) : name;
   std::shared_ptr<dsa::BearerTokenAuthenticator> tokens;
   if (!auth_tokens_file.empty()) {
     auto loaded = dsa::BearerTokenAuthenticator::Load(auth_tokens_file);
@@ -208,6 +241,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                         {"max_queued_per_caller", options.max_queued_per_caller},
                         {"max_running_per_caller", options.max_running_per_caller},
                         {"colocated", options.colocated},
+                        {"name", options.name},
+                        {"lease_ttl_ms", options.lease_ttl_ms},
                         {"dials_with_tls", options.worker_security.tls()},
                         {"bearer_token_clients", tokens != nullptr ? tokens->size() : 0}};
   spec.watch_readiness = [&service](std::function<void(bool)> set_ready) {

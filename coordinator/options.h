@@ -76,6 +76,19 @@ struct CoordinatorOptions {
   /// timeout, however busy or draining, is never cut off. 0 = never (calls wait for their
   /// deadlines).
   int hung_worker_checks = 2;
+  /// The owner of this coordinator's leases on its workers' sequences (contracts/lease.h): the
+  /// same across its restarts, so that a restarted coordinator's first renewal releases what its
+  /// earlier instance held at once, and distinct between coordinators that share workers.
+  /// dsa-coordinator defaults it to "<hostname>:<port of --listen>". Not empty, at most 256 bytes.
+  std::string name = "dsa-coordinator";
+  /// How long a worker holds this coordinator's sequences without a renewal, in milliseconds, in
+  /// [1, 600000] and >= 3 x worker_check_interval_ms (every check renews, so two checks may fail
+  /// before the lease runs out). A coordinator that dies, hangs or is partitioned has its
+  /// sequences released by the workers about this long after its last check.
+  int64_t lease_ttl_ms = 10000;
+  /// This start's lease instance, random per engine when empty (tests inject one). A worker that
+  /// sees a new instance of `name` releases what the earlier ones held and refuses them.
+  std::string instance_id;
   /// false: no decode loop, watch or stall-watch thread; the caller drives the engine with
   /// StepWorker, RefreshWorkers and CheckStalledWrites (the deterministic tests).
   bool run_loops = true;

@@ -250,6 +250,9 @@ absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightReq
     sampling->set_seed(g.sampling.seed.value_or(0));
   }
   prefill.set_indexer_worker(pool_->indexer(admission.indexer).address);
+  // Held under this coordinator's lease, on the attention worker and its indexer, so that the
+  // workers let go of it if this coordinator dies or is cut off past the ttl.
+  if (core_->LeasesOn()) *prefill.mutable_lease() = core_->lease;
   av1::SequenceSettings* settings = prefill.mutable_settings();
   settings->set_top_k(o.top_k.has_value() ? *o.top_k : core_->options.top_k);
   iv1::SpinSettings* spin = settings->mutable_spin();

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "dsa/attention/v1/attention.pb.h"
+#include "dsa/common/v1/lease.pb.h"
 #include "dsa/indexer/v1/indexer.pb.h"
 #include "server/security.h"
 
@@ -67,6 +68,13 @@ class AttentionWorkerClient : public WorkerClient {
                                            const std::function<bool()>& cancelled) = 0;
   virtual absl::Status Release(const WorkerCall& call,
                                const dsa::attention::v1::ReleaseRequest& request) = 0;
+  /// Renews this coordinator's `lease` on the sequences it prefilled here; `*state` says what the
+  /// worker held under it (renewed false: new here, or it had expired and everything it held was
+  /// released). FAILED_PRECONDITION: the instance was superseded by a newer one of the same owner;
+  /// INVALID_ARGUMENT, PERMISSION_DENIED as the worker's RenewLease; UNIMPLEMENTED from a worker
+  /// that holds no leases.
+  virtual absl::Status RenewLease(const WorkerCall& call, const dsa::common::v1::Lease& lease,
+                                  dsa::common::v1::LeaseState* state) = 0;
 };
 
 /// One indexer worker (dsa.indexer.v1.IndexerService).
@@ -76,6 +84,10 @@ class IndexerWorkerClient : public WorkerClient {
                                dsa::indexer::v1::GetLoadResponse* response) = 0;
   virtual absl::Status Release(const WorkerCall& call,
                                const dsa::indexer::v1::ReleaseRequest& request) = 0;
+  /// Renews this coordinator's `lease` on the sequences created here under it (by its attention
+  /// workers' Prefills); as AttentionWorkerClient::RenewLease.
+  virtual absl::Status RenewLease(const WorkerCall& call, const dsa::common::v1::Lease& lease,
+                                  dsa::common::v1::LeaseState* state) = 0;
 };
 
 /// Makes the client of a worker from its host:port. Thread-safe. The engine keeps one client per

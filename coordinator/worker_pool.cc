@@ -152,10 +152,38 @@ WorkerPool::Probe WorkerPool::ProbeWorker(
         absl::StrCat(attention ? "GetInfo" : "GetLoad", " failed: ", probe.status.message());
     return probe;
   }
+  if (core_->LeasesOn()) {
+    RenewLease(probe, attention, timeout);
+    if (!probe.status.ok() || probe.lease_refused) return probe;
+  }
   const WorkerReadiness readiness = client->CheckReadiness(timeout);
   probe.healthy = readiness.ready;
   probe.reason = readiness.reason;
   return probe;
+}
+
+void WorkerPool::RenewLease(Probe& probe, bool attention, absl::Duration timeout) const {
+  const WorkerCall call{timeout, "", {}};
+  probe.lease_status =
+      attention ? probe.attention_client->RenewLease(call, core_->lease, &probe.lease_state)
+                : probe.indexer_client->RenewLease(call, core_->lease, &probe.lease_state);
+  const absl::Status& renewal = probe.lease_status;
+  if (renewal.ok()) {
+    probe.leased = true;
+    return;
+  }
+  if (renewal.code() == absl::StatusCode::kUnimplemented) return;  // it holds no leases
+  if (WorkerUnreached(renewal)) {
+    probe.status = absl::Status(renewal.code(), absl::StrCat("RenewLease: ", renewal.message()));
+    probe.reason = absl::StrCat("RenewLease failed: ", renewal.message());
+    return;
+  }
+  probe.lease_refused = true;
+  probe.reason =
+      renewal.code() == absl::StatusCode::kFailedPrecondition
+          ? absl::StrCat("a newer instance of this coordinator (name ", core_->options.name,
+                         ") owns its sequences now: ", renewal.message())
+          : absl::StrCat("RenewLease failed: ", renewal.ToString());
 }
 
 std::string WorkerPool::CheckShapeLocked(const Probe& probe, bool attention) {
@@ -311,6 +339,22 @@ void WorkerPool::RefreshWorkers() {
     }
     for (std::thread& check : checks) check.join();
   }
+  for (size_t t = 0; t < targets.size(); ++t) {
+    const Probe& probe = probes[t];
+    const char* kind = targets[t].attention ? "attention" : "indexer";
+    if (probe.leased && probe.lease_state.superseded_released() > 0) {
+      LogJson("info",
+              absl::StrCat("released ", probe.lease_state.superseded_released(),
+                           " sequences of this coordinator's earlier instance")
+                  .c_str(),
+              {{"kind", kind}, {"address", probe.address}, {"name", core_->options.name}});
+    }
+    if (probe.lease_status.code() == absl::StatusCode::kUnimplemented) {
+      LogOnce(absl::StrCat("lease ", kind, " ", probe.address), "warn",
+              "worker holds no leases: its sequences outlive this coordinator",
+              {{"kind", kind}, {"address", probe.address}});
+    }
+  }
   auto probe_of = [&](const std::string& address, bool attention) -> Probe* {
     for (size_t t = 0; t < targets.size(); ++t) {
       if (targets[t].address == address && targets[t].attention == attention) return &probes[t];
@@ -336,11 +380,24 @@ void WorkerPool::RefreshWorkers() {
       std::string& then = target.attention ? attention_[target.slot]->instance_id
                                            : indexers_[target.slot]->instance_id;
       if (then.empty()) then = now;  // a server that did not say before: nothing to compare
-      if (now.empty() || now == then) continue;
-      LogJson("warn", "worker restarted",
-              {{"kind", target.attention ? "attention" : "indexer"},
-               {"address", target.address},
-               {"reason", "its instance id changed: the sequences it held are gone"}});
+      // The same process, but this coordinator's lease there had run out (it was paused or cut
+      // off past the ttl): the worker released everything the lease held, as a restart would.
+      const bool lease_expired = probe.leased && !probe.lease_state.renewed();
+      if (!lease_expired && (now.empty() || now == then)) continue;
+      if (lease_expired && (now.empty() || now == then)) {
+        LogJson("warn", "worker's lease expired",
+                {{"kind", target.attention ? "attention" : "indexer"},
+                 {"address", target.address},
+                 {"lease_ttl_ms", core_->options.lease_ttl_ms},
+                 {"reason",
+                  "this coordinator's lease there was not renewed within its ttl: the worker "
+                  "released the sequences it held for it; handled as a restart"}});
+      } else {
+        LogJson("warn", "worker restarted",
+                {{"kind", target.attention ? "attention" : "indexer"},
+                 {"address", target.address},
+                 {"reason", "its instance id changed: the sequences it held are gone"}});
+      }
       const int slot = target.slot;
       RetireLocked(slot, target.attention, &retire_evictions);
       for (Target& other : targets) {  // co-located: the other half of the pair too
@@ -373,7 +430,13 @@ void WorkerPool::RefreshWorkers() {
                    {"reason", std::string(failed.message())}});
           continue;  // looked at again at the next refresh
         }
-        std::string refusal = CheckShapeLocked(probe, target.attention);
+        // Taken in only under a lease renewed there, so that no sequence is placed where this
+        // coordinator cannot hold it.
+        std::string refusal = probe.lease_refused ? probe.reason : "";
+        if (refusal.empty() && indexer_half != nullptr && indexer_half->lease_refused) {
+          refusal = indexer_half->reason;
+        }
+        if (refusal.empty()) refusal = CheckShapeLocked(probe, target.attention);
         if (refusal.empty() && indexer_half != nullptr) {
           refusal = CheckShapeLocked(*indexer_half, /*attention=*/false);
         }

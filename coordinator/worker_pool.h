@@ -25,6 +25,7 @@
 #include "coordinator/served_model.h"
 #include "coordinator/worker_clients.h"
 #include "dsa/attention/v1/attention.pb.h"
+#include "dsa/common/v1/lease.pb.h"
 #include "dsa/indexer/v1/indexer.pb.h"
 #include "nlohmann/json.hpp"
 
@@ -76,6 +77,15 @@ class HungCut {
 /// answers). New sequences go only to ready workers; what a worker that is not ready holds stays
 /// there (its requests move only when a call to it fails). The coordinator is ready
 /// (SetReadinessListener) while at least one worker of each kind is.
+///
+/// Leases (EngineCore::LeasesOn, contracts/lease.h): each check renews the coordinator's lease on
+/// the worker after its GetInfo / GetLoad, and a worker is taken in only once a renewal succeeded.
+/// A renewal that did not reach the worker counts as an unreached check; one refused
+/// FAILED_PRECONDITION (a newer instance of this coordinator's name owns the worker now) or
+/// otherwise keeps the worker out, or not ready, with the reason; one that says the lease was not
+/// live (renewed false) on a worker already taken in means the worker released everything this
+/// coordinator held there (the lease expired while it was paused or cut off), which is handled as
+/// a restart. A worker that does not implement RenewLease holds no leases: it is taken as renewed.
 ///
 /// Slots: a slot below the published count (NumAttentionLocked, NumIndexersLocked) never changes
 /// but for its flags, so threads read its address and client without a lock; its `ready` and
@@ -227,7 +237,16 @@ class WorkerPool {
     std::string address;
     std::shared_ptr<AttentionWorkerClient> attention_client;  // the kind checked
     std::shared_ptr<IndexerWorkerClient> indexer_client;
-    absl::Status status;  // of GetInfo / GetLoad
+    // Of GetInfo / GetLoad, or of RenewLease when that did not reach the worker (an unreached
+    // check either way).
+    absl::Status status;
+    // The lease renewal after an OK GetInfo / GetLoad (EngineCore::LeasesOn): OK with
+    // `lease_state`; UNIMPLEMENTED from a worker that holds no leases (taken as renewed); other
+    // errors refuse the worker (`lease_refused`, `reason` says why).
+    absl::Status lease_status = absl::OkStatus();
+    dsa::common::v1::LeaseState lease_state;
+    bool leased = false;         // renewed OK (not UNIMPLEMENTED)
+    bool lease_refused = false;  // FAILED_PRECONDITION (superseded), INVALID_ARGUMENT, ...
     dsa::attention::v1::GetInfoResponse info;
     dsa::indexer::v1::GetLoadResponse load;
     bool healthy = false;  // readiness SERVING, or no health service and the call above OK
@@ -251,6 +270,10 @@ class WorkerPool {
   Probe ProbeWorker(const std::string& address, bool attention,
                     std::shared_ptr<AttentionWorkerClient> attention_client,
                     std::shared_ptr<IndexerWorkerClient> indexer_client) const;
+  // Renews the core's lease on `probe`'s worker through `client` after its GetInfo / GetLoad
+  // answered, setting the probe's lease fields (and its status, when the renewal did not reach
+  // the worker).
+  void RenewLease(Probe& probe, bool attention, absl::Duration timeout) const;
   // Whether `probe`'s worker fits the shape of the workers ready now (an empty string) or why
   // not; with none ready any shape fits (the full layers change only while nothing is held).
   std::string CheckShapeLocked(const Probe& probe, bool attention)

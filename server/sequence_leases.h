@@ -38,7 +38,7 @@ class SequenceLeases {
   /// Superseded instances remembered per owner.
   static constexpr int kSupersededKept = 16;
   /// Longest owner name or instance id accepted, in bytes.
-  static constexpr size_t kMaxNameBytes = 256;
+  static constexpr size_t kMaxNameBytes = kMaxLeaseNameBytes;
   /// Owners remembered at most; a new owner past it evicts one without a live lease (its
   /// superseded instances forgotten), or is refused when every one has a live lease.
   static constexpr size_t kMaxOwners = 4096;

@@ -105,6 +105,15 @@ TEST_F(AttentionServiceTest, IndexerShapeMismatchAndUnreachableIndexerCreateNoth
   EXPECT_NE(unreachable.error_message().find(gone_address), std::string::npos)
       << unreachable.error_message();
 
+  // An address past kMaxAddressBytes is refused by its size, the message the server's own (a
+  // message quoting it would pass gRPC's metadata limit and reach the client as another error).
+  request.set_indexer_worker("unix:/" + std::string(20000, 'a'));
+  const grpc::Status too_long = Prefill(request, &prefilled);
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << too_long.error_message();
+  EXPECT_NE(too_long.error_message().find("20006 bytes, over the 1024-byte limit"),
+            std::string::npos)
+      << too_long.error_message();
+
   EXPECT_EQ(Info().sequences(), 0);
   EXPECT_EQ(Info().kv_used_slots(), 0);
   // The id is free again.

@@ -72,6 +72,8 @@ TEST(DsaCoordinatorBinaryTest, HelpListsTheFlags) {
                            "--indexer-dns",
                            "--attention-dns",
                            "--worker-check-interval-ms",
+                           "--name",
+                           "--lease-ttl-ms",
                            "--ttft-buckets",
                            "--itl-buckets",
                            "--log-level",
@@ -79,6 +81,19 @@ TEST(DsaCoordinatorBinaryTest, HelpListsTheFlags) {
                            "--version"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
+}
+
+// A lease ttl that the checks could not keep up is refused at start, naming both flags.
+TEST(DsaCoordinatorBinaryTest, ALeaseTtlShorterThanThreeChecksIsRefused) {
+  int exit_code = -1;
+  const std::string text = RunForOutput(
+      std::string(DSA_COORDINATOR_BINARY) +
+          " --listen 127.0.0.1:0 --metrics-listen none --indexer 127.0.0.1:1 --attention "
+          "127.0.0.1:2 --worker-check-interval-ms 2000 --lease-ttl-ms 5000 2>&1",
+      &exit_code);
+  EXPECT_NE(exit_code, 0) << text;
+  EXPECT_NE(text.find("--lease-ttl-ms"), std::string::npos) << text;
+  EXPECT_NE(text.find("--worker-check-interval-ms"), std::string::npos) << text;
 }
 
 // A Generate call to a real process, run to its end (60 s: the workers are real processes too).

@@ -243,7 +243,7 @@ class EngineTest : public ::testing::Test {
   prometheus::Registry registry_;
   CoordinatorMetrics metrics_{registry_};
   FakeClock clock_;
-  std::shared_ptr<FakeWorkers> fakes_ = std::make_shared<FakeWorkers>();
+  std::shared_ptr<FakeWorkers> fakes_ = std::make_shared<FakeWorkers>(&clock_);
   std::unique_ptr<CoordinatorEngine> engine_;
   std::vector<std::unique_ptr<Call>> calls_;
 };

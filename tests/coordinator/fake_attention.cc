@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "proto/lease_codec.h"
 #include "proto/tensor_codec.h"
 #include "tests/coordinator/tiny_model.h"
 
@@ -98,6 +99,9 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     } else if (it != sequences_.end()) {
       return {grpc::StatusCode::ALREADY_EXISTS, "sequence exists"};
     }
+    if (absl::Status refused = leases_.Check(DecodeLease(request->lease()), ""); !refused.ok()) {
+      return {static_cast<grpc::StatusCode>(refused.code()), std::string(refused.message())};
+    }
     if (shape_.vocab_size > 0) {  // the tiny real model: the new slots' tokens
       const int64_t held = request->continue_sequence() ? it->second.length : 0;
       if (request->tokens_size() != request->context_length() - held) {
@@ -131,6 +135,7 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     create.set_sequence_id(request->sequence_id());
     create.set_num_layers(shape_.num_full_layers);
     create.set_top_k(request->settings().top_k());
+    if (request->has_lease()) *create.mutable_lease() = request->lease();
     *create.mutable_spin() = request->settings().spin();
     if (request->has_prefix_source_id()) {
       create.set_prefix_source_id(request->prefix_source_id());
@@ -150,6 +155,10 @@ grpc::Status FakeAttentionService::Prefill(grpc::ServerContext* context,
     }
   }
   absl::MutexLock lock(&mu_);
+  if (auto held = leases_.Attach(request->sequence_id(), DecodeLease(request->lease()), "");
+      held.ok()) {
+    DropLocked(held->released);
+  }
   Sequence& s = sequences_[request->sequence_id()];
   s.context_length = request->context_length();
   s.length = request->context_length();
@@ -266,6 +275,7 @@ grpc::Status FakeAttentionService::Release(grpc::ServerContext* context,
     if (it == sequences_.end()) return {grpc::StatusCode::NOT_FOUND, "unknown sequence"};
     if (!request->keep_indexer_sequence()) stub = &IndexerStub(it->second.indexer);
     sequences_.erase(it);
+    leases_.Detach(request->sequence_id());
   }
   if (stub != nullptr) {
     grpc::ClientContext release_context;
@@ -275,6 +285,28 @@ grpc::Status FakeAttentionService::Release(grpc::ServerContext* context,
     return stub->Release(&release_context, release, &released);
   }
   return grpc::Status::OK;
+}
+
+grpc::Status FakeAttentionService::RenewLease(grpc::ServerContext* /*context*/,
+                                              const av1::RenewLeaseRequest* request,
+                                              av1::RenewLeaseResponse* response) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<SequenceLeases::Renewal> renewal =
+      leases_.Renew(DecodeLease(request->lease()), "");
+  if (!renewal.ok()) {
+    return {static_cast<grpc::StatusCode>(renewal.status().code()),
+            std::string(renewal.status().message())};
+  }
+  DropLocked(renewal->released);
+  response->mutable_state()->set_renewed(renewal->renewed);
+  response->mutable_state()->set_sequences(renewal->sequences);
+  response->mutable_state()->set_superseded_released(renewal->superseded);
+  return grpc::Status::OK;
+}
+
+void FakeAttentionService::DropLocked(const std::vector<uint64_t>& ids) {
+  for (const uint64_t id : ids) sequences_.erase(id);
+  for (const uint64_t id : leases_.TakeExpired()) sequences_.erase(id);
 }
 
 void FakeAttentionService::FailDecodeOfContext(int64_t context_length) {

@@ -4,7 +4,10 @@
 // and prefix sharing are the indexer's own), records every call, and fails or slows on demand.
 // With a vocab_size it runs the tiny real model (tiny_model.h): Prefill takes the new slots'
 // tokens and answers next_token, DecodeStep takes the rows' tokens and answers sampled_tokens,
-// and the KV holds the tokens of the sequence's slots.
+// and the KV holds the tokens of the sequence's slots. Leases as the real worker's: a Prefill's
+// lease holds the sequence here (a real lease table on the real clock) and goes with a new
+// sequence to the indexer; RenewLease renews it; what an expired or superseded lease held is
+// dropped here at the next Prefill or RenewLease (the indexer releases its own).
 #pragma once
 
 #include <cstdint>
@@ -18,9 +21,11 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "dsa/attention/v1/attention.grpc.pb.h"
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/sequence_leases.h"
 
 namespace dsa::testing {
 
@@ -54,6 +59,9 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   grpc::Status Release(grpc::ServerContext* context,
                        const dsa::attention::v1::ReleaseRequest* request,
                        dsa::attention::v1::ReleaseResponse* response) override;
+  grpc::Status RenewLease(grpc::ServerContext* context,
+                          const dsa::attention::v1::RenewLeaseRequest* request,
+                          dsa::attention::v1::RenewLeaseResponse* response) override;
 
   /// Sequences prefilled with this context length fail every DecodeStep they are in with
   /// UNAVAILABLE "injected failure" (the batch fails and nothing advances, as the contract says).
@@ -113,7 +121,11 @@ class FakeAttentionService final : public dsa::attention::v1::AttentionService::
   grpc::Status AppendKeys(dsa::indexer::v1::IndexerService::Stub& stub, uint64_t sequence_id,
                           int64_t first, int64_t last);
 
+  // Drops the sequences whose lease ended (`ids`) and those of leases expired by now.
+  void DropLocked(const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const Shape shape_;
+  SequenceLeases leases_{&RealClock()};
   absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Sequence> sequences_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<dsa::indexer::v1::IndexerService::Stub>> stubs_

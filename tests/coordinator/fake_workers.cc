@@ -4,12 +4,14 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "proto/lease_codec.h"
 #include "tests/coordinator/tiny_model.h"
 
 namespace dsa::testing {
 
 namespace av1 = ::dsa::attention::v1;
 namespace iv1 = ::dsa::indexer::v1;
+namespace cmv1 = ::dsa::common::v1;
 
 namespace {
 
@@ -73,7 +75,40 @@ absl::Status FakeWorkers::WaitWhileStalled(const std::string& address, const Wor
   return status;
 }
 
-namespace {}  // namespace
+// Drops the sequences `ids` of `w` whose lease ended, as the worker's sweep releases them; an
+// attention worker's go on its indexer too (the real one releases them there).
+void FakeWorkers::DropLocked(Worker* w, const std::vector<uint64_t>& ids) {
+  for (const uint64_t id : ids) {
+    auto it = w->sequences.find(id);
+    if (it == w->sequences.end()) continue;
+    if (w->attention) {
+      auto found = indexers_.find(it->second.indexer);
+      if (found != indexers_.end() && !found->second.down) {
+        found->second.sequences.erase(id);
+        found->second.leases->Detach(id);
+      }
+    }
+    w->sequences.erase(it);
+  }
+}
+
+// What a worker's RenewLease answers: the renewal by its lease table, the sequences of the lease
+// that ended dropped.
+absl::Status FakeWorkers::RenewLocked(const std::string& address, bool attention,
+                                      const cmv1::Lease& lease, cmv1::LeaseState* state) {
+  Worker* w = Find(address, attention);
+  if (w != nullptr) ++w->renew_lease_calls;
+  if (absl::Status gone = Gone(w, address); !gone.ok()) return gone;
+  if (!w->renewal_failure.ok()) return w->renewal_failure;
+  absl::StatusOr<SequenceLeases::Renewal> renewal = w->leases->Renew(DecodeLease(lease), "");
+  if (!renewal.ok()) return renewal.status();
+  DropLocked(w, renewal->released);
+  state->set_renewed(renewal->renewed);
+  state->set_sequences(renewal->sequences);
+  state->set_superseded_released(renewal->superseded);
+  w->renewals.push_back(lease);
+  return absl::OkStatus();
+}
 
 class FakeAttentionClient final : public AttentionWorkerClient {
  public:
@@ -121,6 +156,12 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     if (!request.continue_sequence() && w->sequences.contains(request.sequence_id())) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", request.sequence_id()));
     }
+    // The lease first, so that a refused one creates nothing (here or on the indexer).
+    const SequenceLease lease = DecodeLease(request.lease());
+    if (absl::Status refused = w->leases->Check(lease, ""); !refused.ok()) return refused;
+    if (!request.continue_sequence()) {
+      if (absl::Status refused = indexer->leases->Check(lease, ""); !refused.ok()) return refused;
+    }
     // The indexer's CreateSequence refusal (indexer_service/indexer.cc), answered unchanged.
     const iv1::SpinSettings& spin = request.settings().spin();
     if (!request.continue_sequence() && indexer->without_audits && !spin.all_keep() &&
@@ -152,6 +193,14 @@ class FakeAttentionClient final : public AttentionWorkerClient {
       response->set_next_token(TinyModelNext(s.kv, vocab, s.sampling));
     }
     indexer->sequences[request.sequence_id()].length = request.context_length();
+    if (auto held = w->leases->Attach(request.sequence_id(), lease, ""); held.ok()) {
+      fakes_->DropLocked(w, held->released);
+    }
+    if (!request.continue_sequence()) {
+      if (auto held = indexer->leases->Attach(request.sequence_id(), lease, ""); held.ok()) {
+        fakes_->DropLocked(indexer, held->released);
+      }
+    }
     w->prefills.push_back(request);
     response->set_seconds(0.001);
     return absl::OkStatus();
@@ -273,6 +322,7 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     }
     const std::string indexer_address = it->second.indexer;
     w->sequences.erase(it);
+    w->leases->Detach(request.sequence_id());
     w->released.push_back(request.sequence_id());
     if (request.keep_indexer_sequence()) return absl::OkStatus();
     FakeWorkers::Worker* indexer = fakes_->Find(indexer_address, false);
@@ -281,9 +331,16 @@ class FakeAttentionClient final : public AttentionWorkerClient {
           absl::StrCat("indexer worker ", indexer_address, " unreachable: its sequence is kept"));
     }
     if (indexer->sequences.erase(request.sequence_id()) > 0) {
+      indexer->leases->Detach(request.sequence_id());
       indexer->released.push_back(request.sequence_id());
     }
     return absl::OkStatus();
+  }
+
+  absl::Status RenewLease(const WorkerCall& /*call*/, const cmv1::Lease& lease,
+                          cmv1::LeaseState* state) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    return fakes_->RenewLocked(address_, /*attention=*/true, lease, state);
   }
 
  private:
@@ -334,8 +391,15 @@ class FakeIndexerClient final : public IndexerWorkerClient {
     if (w->sequences.erase(request.sequence_id()) == 0) {
       return absl::NotFoundError(absl::StrCat("no sequence ", request.sequence_id()));
     }
+    w->leases->Detach(request.sequence_id());
     w->released.push_back(request.sequence_id());
     return absl::OkStatus();
+  }
+
+  absl::Status RenewLease(const WorkerCall& /*call*/, const cmv1::Lease& lease,
+                          cmv1::LeaseState* state) override {
+    absl::MutexLock lock(&fakes_->mu_);
+    return fakes_->RenewLocked(address_, /*attention=*/false, lease, state);
   }
 
  private:
@@ -346,7 +410,11 @@ class FakeIndexerClient final : public IndexerWorkerClient {
 FakeWorkers::Worker* FakeWorkers::Find(const std::string& address, bool attention) {
   auto& workers = attention ? attention_ : indexers_;
   auto it = workers.find(address);
-  return it == workers.end() ? nullptr : &it->second;
+  if (it == workers.end()) return nullptr;
+  Worker* w = &it->second;
+  // A down worker's sweep is not seen until it answers again (then it has run).
+  if (!w->down) DropLocked(w, w->leases->TakeExpired());
+  return w;
 }
 
 void FakeWorkers::AddAttention(const std::string& address, AttentionShape shape) {
@@ -354,6 +422,7 @@ void FakeWorkers::AddAttention(const std::string& address, AttentionShape shape)
   Worker& w = attention_[address];
   w.attention = true;
   w.shape = std::move(shape);
+  w.leases = std::make_unique<SequenceLeases>(clock_);
 }
 
 void FakeWorkers::AddIndexer(const std::string& address, int64_t capacity_blocks, int64_t num_heads,
@@ -361,6 +430,7 @@ void FakeWorkers::AddIndexer(const std::string& address, int64_t capacity_blocks
   absl::MutexLock lock(&mu_);
   Worker& w = indexers_[address];
   w.capacity_blocks = capacity_blocks;
+  w.leases = std::make_unique<SequenceLeases>(clock_);
   w.shape.num_heads = num_heads;
   w.shape.head_dim = head_dim;
 }
@@ -432,6 +502,7 @@ void FakeWorkers::Restart(const std::string& address) {
     if (Worker* w = Find(address, kind)) {
       ++w->instance;
       w->sequences.clear();
+      w->leases = std::make_unique<SequenceLeases>(clock_);
       w->down = false;
       w->hung = false;
       w->stalled = false;
@@ -515,6 +586,32 @@ std::vector<av1::CommitRequest> FakeWorkers::Commits(const std::string& address)
   absl::MutexLock lock(&mu_);
   Worker* w = Find(address, true);
   return w == nullptr ? std::vector<av1::CommitRequest>{} : w->commits;
+}
+
+void FakeWorkers::FailRenewals(const std::string& address, const absl::Status& failure) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->renewal_failure = failure;
+  }
+}
+
+std::vector<cmv1::Lease> FakeWorkers::Renewals(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  std::vector<cmv1::Lease> out;
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind))
+      out.insert(out.end(), w->renewals.begin(), w->renewals.end());
+  }
+  return out;
+}
+
+int FakeWorkers::RenewLeaseCalls(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  int n = 0;
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) n += w->renew_lease_calls;
+  }
+  return n;
 }
 
 std::vector<int32_t> FakeWorkers::KvTokens(const std::string& address, uint64_t sequence_id) {

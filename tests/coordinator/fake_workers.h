@@ -12,6 +12,11 @@
 // (UNAVAILABLE), advancing nothing, as the attention worker's contract says. An indexer without
 // audits refuses a new sequence's miss target, and its attention worker's Prefill answers that
 // refusal unchanged, as the real ones do.
+// Leases: each worker keeps a real lease table (server/sequence_leases.h) on the clock it is given:
+// a Prefill's lease holds the sequence on the attention worker and, for a new sequence, on its
+// indexer; RenewLease renews it; a lease not renewed for its ttl by that clock has its sequences
+// dropped at the worker's next call (the real sweep runs every 250 ms); a new instance of the same
+// owner drops the earlier one's at once and refuses it from then on (FAILED_PRECONDITION).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +27,10 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "common/clock.h"
 #include "coordinator/worker_clients.h"
+#include "dsa/common/v1/lease.pb.h"
+#include "server/sequence_leases.h"
 
 namespace dsa::testing {
 
@@ -46,6 +54,8 @@ class FakeWorkers final : public WorkerClientFactory,
                           public std::enable_shared_from_this<FakeWorkers> {
  public:
   using AttentionShape = FakeAttentionShape;
+  /// `clock` (not owned, outlives the fakes) times the workers' leases.
+  explicit FakeWorkers(const Clock* clock = &RealClock()) : clock_(clock) {}
   /// Adds a worker at `address` (a host:port the engine is told); it answers at once.
   void AddAttention(const std::string& address, AttentionShape shape = {});
   void AddIndexer(const std::string& address, int64_t capacity_blocks = int64_t{1} << 20,
@@ -107,6 +117,13 @@ class FakeWorkers final : public WorkerClientFactory,
   std::vector<dsa::attention::v1::DecodeStepRequest> Steps(const std::string& address);
   /// Commits the attention worker at `address` answered OK, in order.
   std::vector<dsa::attention::v1::CommitRequest> Commits(const std::string& address);
+  /// While `failure` is not OK, RenewLease of the worker(s) at `address` answers it and renews
+  /// nothing (a renewal lost on the way while the worker's other calls work).
+  void FailRenewals(const std::string& address, const absl::Status& failure);
+  /// The leases the worker(s) at `address` renewed (RenewLease answered OK), in order.
+  std::vector<dsa::common::v1::Lease> Renewals(const std::string& address);
+  /// RenewLease calls the worker(s) at `address` received (answered or not).
+  int RenewLeaseCalls(const std::string& address);
   /// The tiny real model's KV of a sequence: the token ids of its slots (empty if unknown).
   std::vector<int32_t> KvTokens(const std::string& address, uint64_t sequence_id);
 
@@ -151,16 +168,26 @@ class FakeWorkers final : public WorkerClientFactory,
     int get_loads = 0;
     bool hold_get_loads = false;
     int held_get_loads = 0;
+    std::unique_ptr<SequenceLeases> leases;  // a fresh table per instance
+    std::vector<dsa::common::v1::Lease> renewals;
+    int renew_lease_calls = 0;
+    absl::Status renewal_failure;  // FailRenewals
   };
-  // The worker at `address` of a kind, or null (an address no fake listens on).
+  // The worker at `address` of a kind, or null (an address no fake listens on); first drops the
+  // sequences of its leases that expired by the clock (the worker's sweep).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Gone(const Worker* w, const std::string& address);
+  void DropLocked(Worker* w, const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status RenewLocked(const std::string& address, bool attention,
+                           const dsa::common::v1::Lease& lease, dsa::common::v1::LeaseState* state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Holds a Prefill or DecodeStep of the attention worker at `address` while it is stalled
   // (SetStalled); OK once let go (look `w` up again: mu_ was released), CANCELLED when the call
   // was cancelled.
   absl::Status WaitWhileStalled(const std::string& address, const WorkerCall& call)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const Clock* const clock_;
   absl::Mutex mu_;
   absl::CondVar stall_changed_;  // a worker let go
   std::map<std::string, Worker> attention_ ABSL_GUARDED_BY(mu_);

@@ -2,11 +2,13 @@
 // ~20 Mooncake requests replayed through the real coordinator, attention worker and indexer, every
 // request completed, the figures plausible, /metrics of every server free of request labels, and
 // a clean stop. Also the startup errors (a missing binary, a process that exits at once), and the
-// `dsa up` command from start to SIGINT.
+// `dsa up` command from start to SIGINT, and with --restart after its coordinator was killed.
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +17,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
@@ -354,6 +357,7 @@ TEST(DsaUpTest, ServesUntilSigintThenStopsTheCluster) {
                                    "--log-dir",  log_dir, "--num-heads", "8",
                                    "--head-dim", "32",    "--top-k",     "256"};
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (std::string& arg : args) argv.push_back(arg.data());
   argv.push_back(nullptr);
   int out[2];
@@ -392,6 +396,82 @@ TEST(DsaUpTest, ServesUntilSigintThenStopsTheCluster) {
     const std::string log = FileTail(log_dir + "/" + name + ".log", 100000);
     EXPECT_NE(log.find("\"msg\":\"stopped\""), std::string::npos) << name << ":\n" << log;
   }
+}
+
+// `dsa up --restart` restarts a coordinator that died like any worker: at its address, under its
+// --name, and the cluster goes on serving there.
+TEST(DsaUpTest, RestartStartsAKilledCoordinatorAgainAtItsAddress) {
+  const std::string log_dir =
+      (std::filesystem::path(::testing::TempDir()) / "dsa_up_restart").string();
+  const std::string stderr_path = log_dir + ".stderr";
+  std::vector<std::string> args = {DSA_BINARY,
+                                   "up",
+                                   "--bin-dir",
+                                   BinDir(),
+                                   "--log-dir",
+                                   log_dir,
+                                   "--num-heads",
+                                   "8",
+                                   "--head-dim",
+                                   "32",
+                                   "--top-k",
+                                   "256",
+                                   "--restart",
+                                   "--restart-delay-ms",
+                                   "0"};
+  std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, stderr_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = -1;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  close(out[1]);
+  std::string line;
+  char c = 0;
+  while (read(out[0], &c, 1) == 1 && c != '\n') line.push_back(c);
+  const std::string marker = "dsa up: coordinator listening on ";
+  ASSERT_EQ(line.rfind(marker, 0), 0u) << line;
+  const std::string coordinator = line.substr(marker.size());
+  // The cluster listing (stderr): "  dsa-coordinator    pid N  grpc ...".
+  const std::string listing = FileTail(stderr_path, 100000);
+  const size_t at = listing.find("dsa-coordinator");
+  ASSERT_NE(at, std::string::npos) << listing;
+  const size_t pid_at = listing.find("pid ", at);
+  ASSERT_NE(pid_at, std::string::npos) << listing;
+  const pid_t coordinator_pid = std::atoi(listing.c_str() + pid_at + 4);
+  ASSERT_GT(coordinator_pid, 0) << listing;
+
+  ASSERT_EQ(kill(coordinator_pid, SIGKILL), 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (FileTail(stderr_path, 100000).find("dsa-coordinator restarted") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_NE(FileTail(stderr_path, 100000).find("dsa-coordinator restarted"), std::string::npos)
+      << FileTail(stderr_path, 100000);
+  EXPECT_EQ(CheckHealth(coordinator, "readiness", std::chrono::seconds(10)), 1);
+  ReplayOptions options;
+  options.coordinator = coordinator;
+  options.time_scale = 0;
+  auto report = RunReplay({{0, 700, 2, {7}}}, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->completed, 1) << report->first_error;
+
+  ASSERT_EQ(kill(pid, SIGINT), 0);
+  EXPECT_EQ(dsa::testing::WaitExit(pid, std::chrono::seconds(60)), 0)
+      << FileTail(stderr_path, 100000);
+  close(out[0]);
+  const std::string log = FileTail(log_dir + "/dsa-coordinator.restart1.log", 100000);
+  EXPECT_NE(log.find("\"msg\":\"stopped\""), std::string::npos) << log;
 }
 
 }  // namespace

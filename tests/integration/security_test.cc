@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -155,6 +156,20 @@ TEST_F(SecurityTest, MutualTlsRefusesPlaintextOtherCasAndMissingCertificates) {
             grpc::StatusCode::UNAVAILABLE);
   // The right CA and a certificate it signed.
   EXPECT_TRUE(IndexerGetLoad(DialAs(indexer.address, "attention")).ok());
+  // `dsa health` in plaintext against the TLS port says why the connection fails, not only that
+  // its deadline passed.
+  {
+    const std::string command = std::string(DSA_BINARY) + " health --target " + indexer.address +
+                                " --service liveness --timeout-ms 1000 2>&1";
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string output;
+    char buffer[512];
+    while (fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+    EXPECT_NE(pclose(pipe), 0);
+    EXPECT_NE(output.find("the connection kept failing"), std::string::npos) << output;
+    EXPECT_NE(output.find("pass --tls-ca"), std::string::npos) << output;
+  }
 
   // The plaintext health port answers the probes (kubelet speaks no TLS) and nothing else.
   const auto health = Dial(indexer.health_address, "");

@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -314,6 +316,17 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(
   add(args, "--target-block-sparsity", options.target_block_sparsity);
   add(args, "--acceptance-rate", options.acceptance_rate);
   add(args, "--seed", options.seed);
+  // One lease owner across the coordinator's restarts (Restart keeps its flags), and distinct
+  // from every other cluster's: a restarted coordinator's first check frees at once what the dead
+  // one held on the workers. A --name among coordinator_args wins.
+  const bool named = std::any_of(
+      options.coordinator_args.begin(), options.coordinator_args.end(),
+      [](const std::string& arg) { return arg == "--name" || arg.rfind("--name=", 0) == 0; });
+  if (!named) {
+    static std::atomic<int> clusters{0};
+    args.insert(args.end(),
+                {"--name", absl::StrCat("dsa-local-", getpid(), "-", clusters.fetch_add(1))});
+  }
   args.insert(args.end(), options.coordinator_args.begin(), options.coordinator_args.end());
   if (absl::Status started = cluster->StartProcess(
           make("dsa-coordinator", coordinator_binary, std::move(args)), options.startup_timeout);
@@ -458,10 +471,8 @@ absl::Status LocalCluster::Restart(size_t index) {
   if (process.pid >= 0 && !Reaped(processes_[index])) {
     return absl::FailedPreconditionError(absl::StrCat(process.name, " still runs"));
   }
-  if (process.name == "dsa-coordinator") {
-    return absl::FailedPreconditionError("the coordinator is not restarted: its clients hold it");
-  }
-  // The same flags, at the addresses it had.
+  // The same flags, at the addresses it had (the coordinator's clients find it where it was, and
+  // under the same --name it takes its workers over from its dead instance at once).
   // (After a failed restart the flags already hold them and the addresses are empty.)
   for (size_t a = 0; a + 1 < process.args.size(); ++a) {
     if (process.args[a] == "--listen" && !process.address.empty()) {

@@ -133,11 +133,12 @@ class LocalCluster {
   std::vector<size_t> ReapExited();
 
   /// Starts processes()[index], which must have exited, again with its flags and at the addresses
-  /// it had (so the coordinator finds it where it was, and sees the restart by its new instance
-  /// id), its output in `<name>.restart<N>.stdout` / `.log`; waits for its readiness as Start
-  /// does. Errors: FAILED_PRECONDITION (it still runs, or it is the coordinator, whose clients
-  /// hold its address), OUT_OF_RANGE (index), and Start's for the process (a process that is not
-  /// ready in time is killed; Restart may be called again).
+  /// it had (so the coordinator finds a worker where it was, and sees the restart by its new
+  /// instance id; a restarted coordinator is where its clients knew it, under the same --name, so
+  /// its first check frees what its dead instance held on the workers), its output in
+  /// `<name>.restart<N>.stdout` / `.log`; waits for its readiness as Start does. Errors:
+  /// FAILED_PRECONDITION (it still runs), OUT_OF_RANGE (index), and Start's for the process (a
+  /// process that is not ready in time is killed; Restart may be called again).
   absl::Status Restart(size_t index);
 
   /// The coordinator's gRPC address (host:port).

@@ -8,12 +8,41 @@
 #include <optional>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "server/health_check.h"
 #include "server/server.h"
 #include "tools/dsa/commands/dial_flags.h"
 
 namespace dsa::commands {
 namespace {
+
+// Why a check that waited for the server timed out, when the connection itself kept failing: the
+// last connection error (a call that does not wait for the connection reports it), and what a
+// connection that ends during the handshake usually means. "" when that is not the case.
+std::string WhyNotConnected(grpc::Channel& channel, const std::string& service,
+                            const grpc::Status& call, const dsa::ClientSecurity& security) {
+  if (call.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED ||
+      channel.GetState(/*try_to_connect=*/false) != GRPC_CHANNEL_TRANSIENT_FAILURE) {
+    return "";
+  }
+  const dsa::HealthCheckResult now =
+      dsa::CheckHealth(channel, service, std::chrono::seconds(1), /*wait_for_ready=*/false);
+  if (now.call.ok() || now.call.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+  const std::string& error = now.call.error_message();
+  std::string hint;
+  if (absl::StrContains(error, "Connection refused")) {
+    hint = " (nothing listens at that port)";
+  } else if (security.tls() && absl::StrContains(error, "andshake")) {
+    hint = " (is the port plaintext, or its certificate not signed by --tls-ca for this name?)";
+  } else if (!security.tls() &&
+             (absl::StrContains(error, "Socket closed") || absl::StrContains(error, "reset"))) {
+    hint =
+        " (dialed in plaintext: a TLS port ends such a connection in its handshake; pass "
+        "--tls-ca)";
+  }
+  return absl::StrCat("; the connection kept failing: ", error, hint);
+}
 
 // `dsa health`: prints the status ("SERVING", "NOT_SERVING", "UNKNOWN", or why the call failed)
 // and returns 0 only for SERVING.
@@ -27,8 +56,9 @@ int RunHealth(const std::string& target, const std::string& service, int64_t tim
   const dsa::HealthCheckResult result = dsa::CheckHealth(
       *channel, service, std::chrono::milliseconds(timeout_ms), /*wait_for_ready=*/true);
   if (!result.call.ok()) {
-    std::printf("%s \"%s\": check failed: %s (%d)\n", target.c_str(), service.c_str(),
-                result.call.error_message().c_str(), static_cast<int>(result.call.error_code()));
+    std::printf("%s \"%s\": check failed: %s (%d)%s\n", target.c_str(), service.c_str(),
+                result.call.error_message().c_str(), static_cast<int>(result.call.error_code()),
+                WhyNotConnected(*channel, service, result.call, security).c_str());
     return 1;
   }
   const char* names[] = {"UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN"};

@@ -20,8 +20,10 @@ namespace {
 
 // `dsa up`: starts the cluster, prints the coordinator address, waits for SIGINT/SIGTERM, stops
 // the cluster. A worker that exits is reported and the cluster goes on (the coordinator moves its
-// requests); with `restart`, it is started again at its address after `restart_delay_ms`. The
-// coordinator exiting stops the cluster (exit 1).
+// requests); with `restart`, it is started again at its address after `restart_delay_ms`. So is
+// the coordinator, at its address and under its --name (its requests in flight end with it; the
+// workers free what it held at its new instance's first check); without `restart` the coordinator
+// exiting stops the cluster (exit 1).
 int RunUp(const dsa::LocalClusterOptions& options, bool restart, int64_t restart_delay_ms) {
   const sigset_t signals = BlockStopSignals();
   auto cluster = dsa::LocalCluster::Start(options);
@@ -47,7 +49,7 @@ int RunUp(const dsa::LocalClusterOptions& options, bool restart, int64_t restart
     }
     for (size_t index : (*cluster)->ReapExited()) {
       const dsa::ClusterProcess& process = (*cluster)->processes()[index];
-      if (process.name == "dsa-coordinator") {
+      if (process.name == "dsa-coordinator" && !restart) {
         std::fprintf(stderr, "dsa up: dsa-coordinator exited with %d (log %s), stopping\n",
                      process.exit_code, process.log_path.c_str());
         exit_code = 1;
@@ -106,14 +108,16 @@ Subcommand AddUpCommand(CLI::App& app) {
   CLI::App* up_cmd = app.add_subcommand(
       "up",
       "Start dsa-indexer(s), dsa-attention(s) and dsa-coordinator on loopback; stop on SIGINT. A "
-      "worker that exits is reported and the cluster goes on (--restart starts it again)");
+      "worker that exits is reported and the cluster goes on (--restart starts it, or the "
+      "coordinator, again)");
   AddClusterFlags(up_cmd, flags->options, flags->cluster);
   up_cmd->add_flag("--restart", flags->restart,
-                   "Start a worker that exits again, at its address (the coordinator moves its "
-                   "requests meanwhile and takes the new process in)");
+                   "Start a process that exits again, at its address: a worker (the coordinator "
+                   "moves its requests meanwhile and takes the new process in) or the coordinator "
+                   "(same --name: the workers free what the dead one held at once)");
   up_cmd
       ->add_option("--restart-delay-ms", flags->restart_delay_ms,
-                   "How long after a worker exits --restart starts it again")
+                   "How long after a process exits --restart starts it again")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
 
