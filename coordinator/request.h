@@ -25,7 +25,7 @@ enum class RequestPhase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
 /// One Generate call in flight: what its handler, its decode loop and the watch threads share.
 struct InFlightRequest {
   std::string id;
-  std::string caller;  // CallerIdentity of the Generate call: it scopes the id
+  std::string caller;  // TenantIdentity of the Generate call: it scopes the id
   TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
   uint64_t ticket = 0;
   GenerateSpec spec;  // as the caller sent it, but for a sampling seed the coordinator picked

@@ -344,7 +344,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
     request->demand.prefix_block_ids = spec->prefix_block_ids;
   }
   request->demand.session_id = spec->session_id;
-  request->demand.session_owner = caller;
+  request->demand.caller = caller;
   const double acceptance_rate = spec->overrides.acceptance_rate.has_value()
                                      ? *spec->overrides.acceptance_rate
                                      : core_->options.acceptance_rate;
