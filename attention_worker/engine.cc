@@ -424,7 +424,15 @@ absl::StatusOr<PrefillResult> AttentionEngine::NewPrefill(const PrefillSpec& spe
     DSA_RETURN_IF_ERROR(ReserveKv(Footprint(context)));
     kv_reserved = true;
     DSA_ASSIGN_OR_RETURN(client, GetClient(spec.indexer_worker));
-    DSA_RETURN_IF_ERROR(CheckIndexerShape(*client));
+    absl::Status shape = CheckIndexerShape(*client);
+    if (shape.code() == absl::StatusCode::kUnavailable) {
+      // A client made before the indexer restarted may still wait out its connection's backoff
+      // while the new process listens: a fresh one dials at once. Nothing is on the indexer yet.
+      DropClient(client);
+      DSA_ASSIGN_OR_RETURN(client, GetClient(spec.indexer_worker));
+      shape = CheckIndexerShape(*client);
+    }
+    DSA_RETURN_IF_ERROR(shape);
     // The KV first (a real model's forward, which also makes the index keys): a model out of
     // memory or refusing the tokens must fail before the indexer holds anything.
     DSA_ASSIGN_OR_RETURN(next_token, model_->Extend(id, 0, context, spec.tokens, spec.sampling));

@@ -292,7 +292,8 @@ class AttentionEngine {
   static absl::Status CheckUsable(const Sequence& sequence, bool check_pending);
   // The client of the indexer at `address` (made on first use).
   absl::StatusOr<std::shared_ptr<IndexerClient>> GetClient(const std::string& address);
-  // Forgets `client` if it is still the one for its address (its data plane ended).
+  // Forgets `client` if it is still the one for its address (its data plane ended, or its calls
+  // do not reach the indexer): the next GetClient makes a new one.
   void DropClient(const std::shared_ptr<IndexerClient>& client);
   // Fails unless the indexer has the model's H and D.
   absl::Status CheckIndexerShape(IndexerClient& client);

@@ -134,6 +134,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
   scheduler_options.num_full_layers = 1;  // set from the first attention worker's GetInfo
   scheduler_options.max_queue = options.max_queue;
   scheduler_options.max_running_per_attention = options.max_running_per_attention;
+  scheduler_options.max_queued_per_caller = options.max_queued_per_caller;
+  scheduler_options.max_running_per_caller = options.max_running_per_caller;
+  scheduler_options.caller_weights = options.caller_weights;
   scheduler_options.retain_finished = options.retain_finished;
   scheduler_options.colocated = options.colocated;
   // Sequence ids drawn at random below 2^62 (unique among those held; across coordinator
@@ -294,6 +297,10 @@ absl::StatusOr<int> CoordinatorEngine::StepWorker(const std::string& address) {
 bool CoordinatorEngine::AwaitDecoding(const std::string& address, int count,
                                       absl::Duration timeout) {
   return decode_->AwaitDecoding(address, count, timeout);
+}
+
+bool CoordinatorEngine::AwaitPlacementWaits(int count, absl::Duration timeout) {
+  return lifecycle_->AwaitPlacementWaits(count, timeout);
 }
 
 void CoordinatorEngine::RefreshWorkers() { pool_->RefreshWorkers(); }

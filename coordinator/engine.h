@@ -152,14 +152,16 @@ class CoordinatorEngine {
 
   /// Validates, admits (or queues), places, prefills and writes Admitted, Tokens per decode step
   /// and Finished to `stream`; returns when the request has ended. `caller` is the call's
-  /// CallerIdentity: it scopes the request id (only it may Abort the request; another caller may
-  /// use the same id) and the session (another caller's session of the same id is another
-  /// session). `traceparent` is the router's W3C traceparent ("" or malformed: a new trace).
-  /// Returns OK after Finished; INVALID_ARGUMENT (ValidateGenerateRequest,
+  /// TenantIdentity (server/security.h): it scopes the request id (only it may Abort the request;
+  /// another caller may use the same id), the session (another caller's session of the same id is
+  /// another session) and prefix sharing (only its own donors), and it is what the per-caller
+  /// limits and the fair queuing count. `traceparent` is the router's W3C traceparent ("" or
+  /// malformed: a new trace). Returns OK after Finished; INVALID_ARGUMENT (ValidateGenerateRequest,
   /// ValidateGenerateRequestForModel, a session context shorter than its sequence or, with a real
   /// model, not starting with its tokens); ALREADY_EXISTS (this caller has a request of that id in
-  /// flight); RESOURCE_EXHAUSTED (queue full, larger than any worker's whole capacity, or beyond
-  /// the model's max_context, with the numbers); FAILED_PRECONDITION (the session has a turn
+  /// flight); RESOURCE_EXHAUSTED (queue full, the caller's queued requests at
+  /// max_queued_per_caller, larger than any worker's whole capacity, or beyond the model's
+  /// max_context, with the numbers); FAILED_PRECONDITION (the session has a turn
   /// queued or running); UNAVAILABLE
   /// (draining, not ready, or a worker's UNAVAILABLE); CANCELLED (Abort, the stream cancelled, a
   /// stalled reader); any other status a worker returned for this request.
@@ -195,6 +197,11 @@ class CoordinatorEngine {
   /// Waits until the attention worker at `address` has at least `count` sequences decoding (their
   /// prefills done); false after `timeout` (a test's safety net, not a pacing).
   bool AwaitDecoding(const std::string& address, int count, absl::Duration timeout);
+
+  /// Waits until, since the engine started, requests whose Prefill could not reach their indexer
+  /// began to wait out its hold before they are placed again (until the engine's clock passes
+  /// it) at least `count` times; false after `timeout` (a test's safety net, not a pacing).
+  bool AwaitPlacementWaits(int count, absl::Duration timeout);
 
   /// Ends every Generate whose Write has been blocked for stall_timeout_ms by the clock (its
   /// client stopped reading and its flow-control window is full): the request ends with CANCELLED

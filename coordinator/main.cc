@@ -19,6 +19,7 @@
 #include "common/host_port.h"
 #include "contracts/limits.h"
 #include "coordinator/metrics.h"
+#include "coordinator/scheduler.h"
 #include "coordinator/service.h"
 #include "prometheus/registry.h"
 #include "server/server.h"
@@ -109,6 +110,23 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Running sequences per attention worker at most")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--max-queued-per-caller", options.max_queued_per_caller,
+                 "Requests of one caller (its token or certificate name, else its peer host) "
+                 "waiting for admission at most; more are refused with RESOURCE_EXHAUSTED naming "
+                 "this limit; -1 = a quarter of --max-queue (at least 1), 0 = no limit")
+      ->check(CLI::Range(-1, 1000000))
+      ->capture_default_str();
+  app.add_option("--max-running-per-caller", options.max_running_per_caller,
+                 "Running requests of one caller at most (its further ones wait, other callers' "
+                 "go first); -1 = the ready attention workers' slots (--max-running each) less a "
+                 "quarter, 0 = no limit")
+      ->check(CLI::Range(-1, 1000000))
+      ->capture_default_str();
+  std::vector<std::string> caller_weights;
+  app.add_option("--caller-weight", caller_weights,
+                 "NAME=W: the caller's weight in the fair queuing between callers (default 1; a "
+                 "caller of weight 2 is admitted twice as often as one of 1 while both wait); "
+                 "repeat for several");
   app.add_option("--max-migrations", options.max_migrations,
                  "Times a running request may move off a failed worker to a surviving one "
                  "(re-prefill of its context and generated tokens) before the failure ends it; 0 "
@@ -178,6 +196,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
       return 2;
     }
   }
+  if (auto weights = dsa::ParseCallerWeights(caller_weights); weights.ok()) {
+    options.caller_weights = *std::move(weights);
+  } else {
+    std::fprintf(stderr, "--caller-weight: %s\n", std::string(weights.status().message()).c_str());
+    return 2;
+  }
   absl::StatusOr<dsa::ClientSecurity> worker_security = dsa::ClientSecurityFrom(server_flags.tls);
   if (!worker_security.ok()) {
     std::fprintf(stderr, "%s\n", std::string(worker_security.status().message()).c_str());
@@ -214,6 +238,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                         {"attention_dns", options.attention_dns},
                         {"max_queue", options.max_queue},
                         {"max_running", options.max_running_per_attention},
+                        {"max_queued_per_caller", options.max_queued_per_caller},
+                        {"max_running_per_caller", options.max_running_per_caller},
                         {"colocated", options.colocated},
                         {"name", options.name},
                         {"lease_ttl_ms", options.lease_ttl_ms},

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "coordinator/ngram_drafter.h"
 #include "server/security.h"
 
@@ -33,6 +34,14 @@ struct CoordinatorOptions {
   int64_t load_cache_ms = 100;
   int max_queue = 64;                  // queued requests at most
   int max_running_per_attention = 32;  // running sequences per attention worker
+  /// Per-caller shares (callers: TenantIdentity, server/security.h), SchedulerOptions' fields of
+  /// these names: queued requests of one caller at most (-1 = a quarter of max_queue, at least
+  /// 1; 0 = no limit), running requests of one caller at most (-1 = the ready attention workers'
+  /// running slots less a quarter; 0 = no limit), and each caller's weight in the fair queuing
+  /// between callers (absent: 1).
+  int max_queued_per_caller = -1;
+  int max_running_per_caller = -1;
+  absl::flat_hash_map<std::string, int> caller_weights;
   int top_k = 2048;                    // K of every sequence unless overridden
   double target_block_sparsity = 0.4;  // SPIN rho in [0, 1)
   double exploration_fraction = 0.05;  // SPIN gamma in [0, 1)

@@ -25,7 +25,7 @@ enum class RequestPhase { kQueued, kPrefilling, kDecoding, kMigrating, kEnded };
 /// One Generate call in flight: what its handler, its decode loop and the watch threads share.
 struct InFlightRequest {
   std::string id;
-  std::string caller;  // CallerIdentity of the Generate call: it scopes the id
+  std::string caller;  // TenantIdentity of the Generate call: it scopes the id
   TraceContext trace;  // the router's traceparent, or a new trace; its calls carry a child
   uint64_t ticket = 0;
   GenerateSpec spec;  // as the caller sent it, but for a sampling seed the coordinator picked
@@ -46,6 +46,11 @@ struct InFlightRequest {
   absl::CondVar changed;        // admission, an event, the final status
   int migrations = 0;           // guarded by EngineCore::mu; moves off a failed worker so far
   absl::Status migrate_reason;  // guarded by EngineCore::mu; the failure that made it kMigrating
+  // Guarded by EngineCore::mu. Set: the request is kMigrating because its Prefill could not reach
+  // its indexer, which is no migration (nothing was lost): it is placed again no earlier than
+  // this, by the engine's clock. `unreached_placements` counts those placements (bounded).
+  std::optional<absl::Time> place_after;
+  int unreached_placements = 0;
   // A real model (ServedModel::real when validated): vocabulary, end-of-sequence token and stop
   // ids for the checks of its tokens. Set before admission, then read-only.
   bool real = false;

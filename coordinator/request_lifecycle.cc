@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -69,6 +70,14 @@ bool WorkerFailure(const absl::Status& status, bool creating) {
 }
 
 double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
+
+// Whether a Prefill's `status` says its attention worker could not reach the indexer at
+// `indexer` (UNAVAILABLE or DEADLINE_EXCEEDED naming it), as opposed to the attention worker
+// itself failing: the attention worker's indexer calls name their indexer.
+bool IndexerUnreachedByPrefill(const absl::Status& status, const std::string& indexer) {
+  return WorkerUnreached(status) &&
+         absl::StrContains(status.message(), absl::StrCat("indexer worker ", indexer));
+}
 
 }  // namespace
 
@@ -273,6 +282,11 @@ absl::Status RequestLifecycle::Prefill(GenerateStream& stream, const InFlightReq
     prefill.set_prefix_slots(admission.prefix_slots);
   }
   prefill.set_continue_sequence(admission.continue_sequence);
+  {
+    // The probe of an indexer taken in again after a restart (WorkerPool::BeginPrefillLocked).
+    absl::MutexLock lock(&core_->mu);
+    pool_->BeginPrefillLocked(admission.indexer);
+  }
   // No deadline of its own (a long context takes long); cancelled with the Generate call (client
   // gone, its deadline, server shutdown) or by Abort, and cut short when the worker's checks stop
   // reaching it (a hung worker would hold it open for good).
@@ -330,7 +344,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
     request->demand.prefix_block_ids = spec->prefix_block_ids;
   }
   request->demand.session_id = spec->session_id;
-  request->demand.session_owner = caller;
+  request->demand.caller = caller;
   const double acceptance_rate = spec->overrides.acceptance_rate.has_value()
                                      ? *spec->overrides.acceptance_rate
                                      : core_->options.acceptance_rate;
@@ -381,6 +395,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
               absl::StrCat("request '", request->id, "' is already in flight")};
     }
     request->ticket = next_ticket_++;
+    (void)pool_->ReleaseExpiredHoldsLocked();  // an indexer whose hold ran out takes it
     absl::StatusOr<std::optional<Admission>> submitted = core_->scheduler.Submit(
         request->ticket, request->demand, /*migrated=*/false, request->tokens);
     if (!submitted.ok()) {
@@ -444,6 +459,18 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
     bool prefill_cancelled = false;
     absl::Status prefill_status =
         Prefill(stream, *request, admission, &prefilled, &prefill_cancelled);
+    {
+      // A Prefill that could not reach its indexer holds it (FailSequence); any other outcome
+      // ends a probe, and a success ends the indexer's hold.
+      absl::MutexLock lock(&core_->mu);
+      const bool unreached =
+          !prefill_status.ok() && !prefill_cancelled &&
+          IndexerUnreachedByPrefill(prefill_status, pool_->indexer(admission.indexer).address);
+      if (!unreached && pool_->EndPrefillLocked(admission.indexer, prefill_status.ok()) &&
+          !core_->draining) {
+        DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
+      }
+    }
     // A real model's first token (or, after a migration, its next one) comes from the prefill:
     // its Tokens event is queued before the sequence joins its decode loop.
     bool ended = false;  // that token ended the request
@@ -619,7 +646,19 @@ void RequestLifecycle::FailSequence(const std::shared_ptr<InFlightRequest>& requ
         request->phase == RequestPhase::kPrefilling && !admission.continue_sequence;
     worker_failed = WorkerFailure(status, creating);
     const bool can_migrate = worker_failed && !request->cancel_requested && !core_->stopping;
-    if (can_migrate && request->migrations >= core_->options.max_migrations) {
+    // A new sequence's Prefill that could not reach its indexer lost nothing: placing it again is
+    // no migration (bounded by kMaxUnreachedPlacements), after the indexer's hold when no other
+    // indexer can take it.
+    bool unreached_indexer =
+        creating && IndexerUnreachedByPrefill(status, pool_->indexer(admission.indexer).address);
+    std::optional<WorkerPool::IndexerHold> hold;
+    if (unreached_indexer) hold = pool_->HoldIndexerLocked(admission.indexer, status);
+    unreached_indexer = unreached_indexer && can_migrate && core_->options.max_migrations > 0 &&
+                        request->unreached_placements < kMaxUnreachedPlacements;
+    if (unreached_indexer) {
+      request->place_after = hold->placeable ? hold->until : core_->clock.Now();
+      final_status = absl::OkStatus();
+    } else if (can_migrate && request->migrations >= core_->options.max_migrations) {
       final_status = absl::Status(status.code(),
                                   absl::StrCat(status.message(), " (after ", request->migrations,
                                                " migrations, --max-migrations)"));
@@ -661,18 +700,44 @@ absl::Status RequestLifecycle::PlaceAgain(const std::shared_ptr<InFlightRequest>
   }
   if (!known_unreachable) pool_->RefreshWorkers();
   absl::MutexLock lock(&core_->mu);
+  // A Prefill that could not reach its indexer: wait out the indexer's hold (when it is the only
+  // one that can take the request), then place again without counting a migration.
+  const bool unreached_retry = request->place_after.has_value();
+  if (unreached_retry) {
+    if (core_->clock.Now() < *request->place_after) {
+      ++placement_waits_;
+      placement_waits_changed_.SignalAll();
+    }
+    while (core_->clock.Now() < *request->place_after && !request->cancel_requested &&
+           !core_->stopping) {
+      request->changed.WaitWithTimeout(&core_->mu, kCancelPoll);
+      if (request->stream != nullptr && request->stream->IsCancelled()) AbortLocked(*request);
+    }
+    request->place_after.reset();
+  }
+  const bool released = pool_->ReleaseExpiredHoldsLocked();
   if (request->cancel_requested) {
     request->phase = RequestPhase::kEnded;
     return {absl::StatusCode::kCancelled, request->cancel_reason};
   }
   const Admission& old = *request->admission;
-  LogJson("warn", "migrating a request off a failed worker",
-          {{"request_id", request->id},
-           {"attention_worker", pool_->attention(old.attention).address},
-           {"indexer_worker", pool_->indexer(old.indexer).address},
-           {"migration", request->migrations + 1},
-           {"generated_tokens", request->generated},
-           {"status", std::string(request->migrate_reason.message())}});
+  if (unreached_retry) {
+    LogJson("info", "placing a request again: its Prefill could not reach its indexer",
+            {{"request_id", request->id},
+             {"attention_worker", pool_->attention(old.attention).address},
+             {"indexer_worker", pool_->indexer(old.indexer).address},
+             {"placement", request->unreached_placements + 1},
+             {"generated_tokens", request->generated},
+             {"status", std::string(request->migrate_reason.message())}});
+  } else {
+    LogJson("warn", "migrating a request off a failed worker",
+            {{"request_id", request->id},
+             {"attention_worker", pool_->attention(old.attention).address},
+             {"indexer_worker", pool_->indexer(old.indexer).address},
+             {"migration", request->migrations + 1},
+             {"generated_tokens", request->generated},
+             {"status", std::string(request->migrate_reason.message())}});
+  }
   by_ticket_.erase(request->ticket);
   request->ticket = next_ticket_++;
   by_ticket_[request->ticket] = request;
@@ -696,16 +761,30 @@ absl::Status RequestLifecycle::PlaceAgain(const std::shared_ptr<InFlightRequest>
             absl::StrCat("draining: no worker could take the request at once after ",
                          request->migrate_reason.message())};
   }
-  ++request->migrations;
-  core_->metrics->CountMigration();
+  if (unreached_retry) {
+    ++request->unreached_placements;
+  } else {
+    ++request->migrations;
+    core_->metrics->CountMigration();
+  }
   if (submitted->has_value()) {
     request->admission = **std::move(submitted);
     request->phase = RequestPhase::kPrefilling;
   } else {
     request->phase = RequestPhase::kQueued;
   }
+  if (released && !core_->draining) DeliverAdmissionsLocked(core_->scheduler.AdmitQueued());
   UpdateGaugesLocked();
   return absl::OkStatus();
+}
+
+bool RequestLifecycle::AwaitPlacementWaits(int count, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  absl::MutexLock lock(&core_->mu);
+  while (placement_waits_ < count) {
+    if (placement_waits_changed_.WaitWithDeadline(&core_->mu, until)) return false;
+  }
+  return true;
 }
 
 void RequestLifecycle::ReleaseUnreleased() {

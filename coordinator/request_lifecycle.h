@@ -50,6 +50,14 @@ class RequestLifecycle {
   /// CoordinatorEngine::CheckStalledWrites.
   void CheckStalledWrites();
 
+  /// CoordinatorEngine::AwaitPlacementWaits.
+  bool AwaitPlacementWaits(int count, absl::Duration timeout);
+
+  /// Placements again of one request whose Prefill could not reach its indexer that count as no
+  /// migration (WorkerPool::HoldIndexerLocked); later ones are migrations. With the holds'
+  /// backoff they span about 9 s.
+  static constexpr int kMaxUnreachedPlacements = 8;
+
   /// The stall watch's body: CheckStalledWrites a quarter of the stall timeout apart, until the
   /// core is stopping.
   void WatchStalledWrites();
@@ -116,6 +124,9 @@ class RequestLifecycle {
   absl::flat_hash_map<uint64_t, std::shared_ptr<InFlightRequest>> by_ticket_
       ABSL_GUARDED_BY(core_->mu);
   uint64_t next_ticket_ ABSL_GUARDED_BY(core_->mu) = 1;
+  // Waits for a request's place_after begun so far (AwaitPlacementWaits), and their signal.
+  int placement_waits_ ABSL_GUARDED_BY(core_->mu) = 0;
+  absl::CondVar placement_waits_changed_;
 };
 
 }  // namespace dsa

@@ -7,7 +7,9 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace dsa {
 namespace {
@@ -16,9 +18,29 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+absl::StatusOr<absl::flat_hash_map<std::string, int>> ParseCallerWeights(
+    absl::Span<const std::string> entries) {
+  absl::flat_hash_map<std::string, int> weights;
+  for (const std::string& entry : entries) {
+    const size_t eq = entry.rfind('=');
+    int weight = 0;
+    if (eq == std::string::npos || eq == 0 ||
+        !absl::SimpleAtoi(absl::string_view(entry).substr(eq + 1), &weight) || weight < 1 ||
+        weight > 1000000) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "caller weight '", entry, "' is not NAME=W with W an integer in [1, 1000000]"));
+    }
+    if (!weights.emplace(entry.substr(0, eq), weight).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("caller '", entry.substr(0, eq), "' is given a weight twice"));
+    }
+  }
+  return weights;
+}
+
 std::string SessionKey(const SequenceDemand& demand) {
   if (demand.session_id.empty()) return "";
-  return absl::StrCat(demand.session_owner.size(), ":", demand.session_owner, demand.session_id);
+  return absl::StrCat(demand.caller.size(), ":", demand.caller, demand.session_id);
 }
 
 absl::StatusOr<Scheduler> Scheduler::Create(const SchedulerOptions& options,
@@ -35,6 +57,17 @@ absl::StatusOr<Scheduler> Scheduler::Create(const SchedulerOptions& options,
   if (options.max_running_per_attention < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_running_per_attention must be >= 1, got ",
                                                    options.max_running_per_attention));
+  }
+  if (options.max_queued_per_caller < -1 || options.max_running_per_caller < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_queued_per_caller and max_running_per_caller must be >= -1, got ",
+                     options.max_queued_per_caller, " and ", options.max_running_per_caller));
+  }
+  for (const auto& [caller, weight] : options.caller_weights) {
+    if (weight < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("caller '", caller, "' has weight ", weight, "; weights must be >= 1"));
+    }
   }
   if (options.first_sequence_id == 0) {
     return absl::InvalidArgumentError("first_sequence_id must be >= 1");
@@ -193,10 +226,83 @@ std::vector<uint64_t> Scheduler::TakeUnplaceableQueued() {
       continue;
     }
     taken.push_back(it->ticket);
-    if (!it->demand.session_id.empty()) busy_sessions_.erase(SessionKey(it->demand));
-    it = queue_.erase(it);
+    it = EraseQueued(it);
   }
   return taken;
+}
+
+int Scheduler::QueuedLimitPerCaller() const {
+  if (options_.max_queued_per_caller >= 0) return options_.max_queued_per_caller;
+  return std::max(1, options_.max_queue / 4);
+}
+
+int Scheduler::RunningLimitPerCaller() const {
+  if (options_.max_running_per_caller >= 0) return options_.max_running_per_caller;
+  const int slots = ReadyAttentions() * options_.max_running_per_attention;
+  if (slots < 2) return 1;
+  return slots - std::max(1, slots / 4);
+}
+
+bool Scheduler::BelowRunningLimit(const std::string& caller) const {
+  const int limit = RunningLimitPerCaller();
+  if (limit == 0) return true;
+  auto it = callers_.find(caller);
+  return it == callers_.end() || it->second.running < limit;
+}
+
+std::deque<Scheduler::Pending>::iterator Scheduler::NextEligible() {
+  auto best = queue_.end();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    if (it->migrated) return it;  // migrated requests are at the head, in their order
+    if (!BelowRunningLimit(it->demand.caller)) continue;
+    if (best == queue_.end() ||
+        std::tie(it->start_tag, it->arrival) < std::tie(best->start_tag, best->arrival)) {
+      best = it;
+    }
+  }
+  return best;
+}
+
+void Scheduler::TagArrival(Pending& pending) {
+  auto weight = options_.caller_weights.find(pending.demand.caller);
+  CallerState& caller = callers_[pending.demand.caller];
+  pending.start_tag = std::max(virtual_time_, caller.last_finish);
+  caller.last_finish =
+      pending.start_tag +
+      1.0 / (weight == options_.caller_weights.end() ? 1.0 : static_cast<double>(weight->second));
+  pending.arrival = ++arrivals_;
+}
+
+void Scheduler::CountAdmitted(const std::string& caller, double start_tag) {
+  ++callers_[caller].running;
+  virtual_time_ = std::max(virtual_time_, start_tag);
+}
+
+void Scheduler::CountFinished(const std::string& caller) {
+  auto it = callers_.find(caller);
+  if (it == callers_.end()) return;
+  --it->second.running;
+  ForgetIdleCaller(caller);
+}
+
+void Scheduler::ForgetIdleCaller(const std::string& caller) {
+  // A caller with nothing queued or running starts afresh at the virtual time when it comes back
+  // (its start tag is max(virtual time, last finish) anyway once others were served), so idle
+  // callers (one a peer on plaintext) cost no memory.
+  auto it = callers_.find(caller);
+  if (it != callers_.end() && it->second.queued == 0 && it->second.running == 0) {
+    callers_.erase(it);
+  }
+}
+
+std::deque<Scheduler::Pending>::iterator Scheduler::EraseQueued(std::deque<Pending>::iterator it) {
+  if (!it->demand.session_id.empty()) busy_sessions_.erase(SessionKey(it->demand));
+  const std::string caller = it->demand.caller;
+  auto state = callers_.find(caller);
+  if (state != callers_.end()) --state->second.queued;
+  it = queue_.erase(it);
+  ForgetIdleCaller(caller);
+  return it;
 }
 
 absl::Status Scheduler::SetNumFullLayers(int num_full_layers) {
@@ -332,33 +438,75 @@ absl::StatusOr<std::optional<Admission>> Scheduler::Submit(
                        " holds (", attention.kv_capacity_slots, " slots)"));
     }
   }
-  if (queue_.empty() || migrated) {
+  if (migrated) {
     std::optional<Admission> admission = TryPlace(ticket, demand);
     if (admission.has_value()) {
       if (!session.empty()) busy_sessions_.insert(session);
+      ++callers_[demand.caller].running;
       return admission;
     }
-  }
-  if (migrated) {
-    queue_.push_front(Pending{ticket, demand});
+    Pending pending{ticket, demand};
+    pending.migrated = true;
+    queue_.push_front(std::move(pending));
+    ++callers_[demand.caller].queued;
     if (!session.empty()) busy_sessions_.insert(session);
     return std::nullopt;
+  }
+  // The start tag it would get (TagArrival), not yet committed: a refused request leaves no trace.
+  double start_tag = virtual_time_;
+  if (auto it = callers_.find(demand.caller); it != callers_.end()) {
+    start_tag = std::max(start_tag, it->second.last_finish);
+  }
+  auto next = NextEligible();
+  if (BelowRunningLimit(demand.caller) &&
+      (next == queue_.end() || (!next->migrated && start_tag < next->start_tag))) {
+    std::optional<Admission> admission = TryPlace(ticket, demand);
+    if (admission.has_value()) {
+      if (!session.empty()) busy_sessions_.insert(session);
+      Pending pending{ticket, demand};
+      TagArrival(pending);
+      CountAdmitted(demand.caller, pending.start_tag);
+      return admission;
+    }
   }
   if (static_cast<int64_t>(queue_.size()) >= options_.max_queue) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "queue full: ", queue_.size(), " requests waiting (max_queue ", options_.max_queue, ")"));
   }
-  queue_.push_back(Pending{ticket, demand});
+  const int queued_limit = QueuedLimitPerCaller();
+  if (auto it = callers_.find(demand.caller);
+      queued_limit > 0 && it != callers_.end() && it->second.queued >= queued_limit) {
+    // Only this caller's own count and limit: nothing of what other callers have queued.
+    return absl::ResourceExhaustedError(
+        absl::StrCat("caller '", demand.caller, "' has ", it->second.queued,
+                     " requests queued, its limit (--max-queued-per-caller ", queued_limit,
+                     "); retry when one of them is admitted"));
+  }
+  Pending pending{ticket, demand};
+  TagArrival(pending);
+  ++callers_[demand.caller].queued;
+  queue_.push_back(std::move(pending));
   if (!session.empty()) busy_sessions_.insert(session);
   return std::nullopt;
 }
 
 std::vector<Admission> Scheduler::AdmitQueued() {
   std::vector<Admission> admitted;
-  while (!queue_.empty()) {
-    std::optional<Admission> admission = TryPlace(queue_.front().ticket, queue_.front().demand);
+  while (true) {
+    auto next = NextEligible();
+    // The next in the fair order waits for room (as the head of a FIFO would), so that a large
+    // request is not passed over forever by smaller ones.
+    if (next == queue_.end()) break;
+    std::optional<Admission> admission = TryPlace(next->ticket, next->demand);
     if (!admission.has_value()) break;
-    queue_.pop_front();
+    CallerState& caller = callers_[next->demand.caller];
+    --caller.queued;
+    if (next->migrated) {
+      ++caller.running;
+    } else {
+      CountAdmitted(next->demand.caller, next->start_tag);
+    }
+    queue_.erase(next);
     admitted.push_back(*std::move(admission));
   }
   return admitted;
@@ -368,18 +516,16 @@ bool Scheduler::CancelQueued(uint64_t ticket) {
   auto it = std::find_if(queue_.begin(), queue_.end(),
                          [ticket](const Pending& p) { return p.ticket == ticket; });
   if (it == queue_.end()) return false;
-  if (!it->demand.session_id.empty()) busy_sessions_.erase(SessionKey(it->demand));
-  queue_.erase(it);
+  EraseQueued(it);
   return true;
 }
 
 std::vector<uint64_t> Scheduler::CancelAllQueued() {
   std::vector<uint64_t> tickets;
-  for (const Pending& p : queue_) {
-    tickets.push_back(p.ticket);
-    if (!p.demand.session_id.empty()) busy_sessions_.erase(SessionKey(p.demand));
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    tickets.push_back(it->ticket);
+    it = EraseQueued(it);
   }
-  queue_.clear();
   return tickets;
 }
 
@@ -519,7 +665,9 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
       const bool eligible = s.state == State::kRetained ||
                             (s.state == State::kReleasing && s.retain_after_release) ||
                             (s.state == State::kRunning && s.draft_length == 0);
-      if (!eligible) continue;
+      // Only the caller's own donors: a shared prefix tells the caller (prefix_slots_reused) that
+      // a donor held those blocks, i.e. what its sender sent.
+      if (!eligible || s.caller != demand.caller) continue;
       size_t run = 0;
       while (run < s.whole_prefix_ids.size() && run < demand.prefix_block_ids.size() &&
              s.whole_prefix_ids[run] == demand.prefix_block_ids[run]) {
@@ -592,6 +740,7 @@ std::optional<Admission> Scheduler::TryPlace(uint64_t ticket, const SequenceDema
       attentions_[j].kv_reserved_slots += kv;
       ++attentions_[j].running;
       s.session_key = SessionKey(demand);
+      s.caller = demand.caller;
       s.last_used = ++tick_;
       if (!s.session_key.empty()) session_sequences_[s.session_key] = id;
       sequences_.emplace(id, std::move(s));
@@ -633,7 +782,10 @@ Scheduler::FinishResult Scheduler::Finish(uint64_t sequence_id, bool completed, 
   if (it == sequences_.end()) return result;
   Sequence& s = it->second;
   if (s.state == State::kReleasing) return result;
-  if (s.state != State::kRetained) --attentions_[s.attention].running;
+  if (s.state != State::kRetained) {
+    --attentions_[s.attention].running;
+    CountFinished(s.caller);
+  }
   if (s.donor.has_value()) {
     const uint64_t donor = *s.donor;
     s.donor.reset();

@@ -1,7 +1,8 @@
 // The coordinator's admission and placement logic without gRPC (docs/services.md "Coordinator"):
 // index-key-cache accounting per indexer worker, KV and running-slot accounting per attention
-// worker, the bounded FIFO queue, prefix-aware placement, retained donors and multi-turn sessions
-// with least-recently-used eviction.
+// worker, the bounded queue with per-caller limits and weighted fair queuing between callers,
+// prefix-aware placement (a caller's own donors only), retained donors and multi-turn sessions with
+// least-recently-used eviction.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +36,21 @@ struct SchedulerOptions {
   int num_full_layers = 1;             // indexer layers per sequence (attention GetInfo), >= 1
   int max_queue = 64;                  // queued requests at most; a full queue refuses at once
   int max_running_per_attention = 32;  // running (prefilling or decoding) sequences per worker
-  bool retain_finished = true;         // keep finished sequences' index keys as prefix donors
-  uint64_t first_sequence_id = 1;      // sequence ids are handed out from here upwards
+  /// Queued requests of one caller at most (a caller at it is refused at once, so that one
+  /// caller cannot fill the queue alone). 0 = no limit of its own (max_queue only); -1 = a
+  /// quarter of max_queue, at least 1.
+  int max_queued_per_caller = 0;
+  /// Running (prefilling or decoding) requests of one caller at most: its further requests wait
+  /// in the queue, which serves other callers meanwhile, so that one caller (say one whose
+  /// streams read slowly and hold their slots for their whole max_new_tokens) cannot hold every
+  /// running slot. 0 = no limit; -1 = the ready attention workers' running slots less a quarter
+  /// of them (at least one slot left to others where there are two or more).
+  int max_running_per_caller = 0;
+  /// Weight of each caller in the fair queuing between callers (absent: 1): while callers wait
+  /// with queued requests, one of weight 2 is admitted twice as often as one of weight 1. >= 1.
+  absl::flat_hash_map<std::string, int> caller_weights;
+  bool retain_finished = true;     // keep finished sequences' index keys as prefix donors
+  uint64_t first_sequence_id = 1;  // sequence ids are handed out from here upwards
   /// When set, each new sequence's id is drawn from it instead (a draw of 0, or of an id the
   /// scheduler still holds, is drawn again): the coordinator draws them at random, so that a
   /// caller who sees one id cannot claim the next ones on a worker first.
@@ -59,6 +73,13 @@ struct AttentionWorkerInfo {
   int64_t kv_capacity_slots = 0;  // KV slots over its sequences; <= 0 = unlimited
 };
 
+/// Parses caller weights given as "NAME=W" (dsa-coordinator --caller-weight; the name is what
+/// TenantIdentity says: a token's client, a certificate's name, or "peer:HOST"; split at the last
+/// '='). INVALID_ARGUMENT (naming the entry) for a missing '=' or name, a weight that is not an
+/// integer in [1, 1000000], or a name given twice.
+absl::StatusOr<absl::flat_hash_map<std::string, int>> ParseCallerWeights(
+    absl::Span<const std::string> entries);
+
 /// What a request needs (validated by the caller: context_length >= 1, max_new_tokens >= 1,
 /// draft_length 0..4, at most ceil(context_length / 512) prefix ids).
 struct SequenceDemand {
@@ -67,14 +88,17 @@ struct SequenceDemand {
   int draft_length = 0;                    // d
   std::vector<uint64_t> prefix_block_ids;  // one per 512 tokens
   std::string session_id;                  // empty = a one-off request
-  /// The caller that names the session (CallerIdentity of its Generate calls): sessions are
-  /// scoped per caller, so two callers' sessions of the same id are two sessions, and no caller
-  /// can continue (or block with a queued turn) another caller's session.
-  std::string session_owner;
+  /// The caller (TenantIdentity of its Generate call: a token or certificate name, else its
+  /// peer's host). Sessions are scoped per caller, so two callers' sessions of the same id are two
+  /// sessions, and no caller can continue (or block with a queued turn) another caller's session;
+  /// a request shares a prefix only with a donor of the same caller (what another sent is not
+  /// its to learn from prefix_slots_reused); the per-caller limits and the fair queuing count
+  /// requests by it.
+  std::string caller;
 };
 
-/// The key of `demand`'s session in the scheduler: (session_owner, session_id), unambiguous
-/// (length-prefixed owner); empty when it names no session.
+/// The key of `demand`'s session in the scheduler: (caller, session_id), unambiguous
+/// (length-prefixed caller); empty when it names no session.
 std::string SessionKey(const SequenceDemand& demand);
 
 /// A retained sequence to drop on the workers (the scheduler has already forgotten it).
@@ -124,7 +148,13 @@ struct SchedulerLoad {
   std::vector<IndexerLoad> indexers;
 };
 
-/// Admission and placement (docs/services.md "Coordinator"). A request needs
+/// Admission and placement (docs/services.md "Coordinator"). Queued requests are admitted by
+/// weighted fair queuing between callers (start-time fair queuing: each request gets a virtual
+/// start tag, max(the virtual time, its caller's last finish tag), and a finish tag 1 / weight
+/// later; the queued request with the least start tag among callers below their running limit is
+/// admitted next, ties in arrival order), so a caller that queued many requests does not delay
+/// another's request behind all of them; a caller's own requests keep their order. A request
+/// needs
 /// `full_layers * ceil((context + max_new_tokens + d) / 64)` index-key-cache blocks on its indexer
 /// worker, less the blocks it shares with its prefix donor (blocks are reference counted, so a
 /// block shared by several sequences is counted once and freed with its last holder), and
@@ -140,7 +170,8 @@ class Scheduler {
  public:
   /// Starts with `indexers` and `attentions` (either may be empty: AddIndexer and AddAttention add
   /// workers later), all ready. INVALID_ARGUMENT when num_full_layers < 1, max_queue < 0,
-  /// max_running_per_attention < 1, a capacity is negative, or co-located lists differ.
+  /// max_running_per_attention < 1, a per-caller limit < -1, a caller weight < 1, a capacity is
+  /// negative, or co-located lists differ.
   static absl::StatusOr<Scheduler> Create(const SchedulerOptions& options,
                                           std::vector<IndexerWorkerInfo> indexers,
                                           std::vector<AttentionWorkerInfo> attentions);
@@ -181,24 +212,29 @@ class Scheduler {
   /// Blocks (over all layers) that `demand` reserves without sharing.
   int64_t BlocksNeeded(const SequenceDemand& demand) const;
 
-  /// Admits `ticket` at once when the queue is empty and it fits (returns the admission), else
-  /// queues it (returns nullopt; AdmitQueued places it later). Errors, with nothing changed:
-  /// RESOURCE_EXHAUSTED when it is larger than any worker's whole capacity (the message gives the
-  /// blocks or slots needed and the largest capacity), a session's turn is larger than its own
-  /// workers' capacity, or the queue is full; FAILED_PRECONDITION
+  /// Admits `ticket` at once when it would be the next admitted (no queued request of a caller
+  /// below its running limit comes before it in the fair order), its caller is below its running
+  /// limit and it fits (returns the admission), else queues it (returns nullopt; AdmitQueued places
+  /// it later). Errors, with nothing changed: RESOURCE_EXHAUSTED when it is larger than any
+  /// worker's whole capacity (the message gives the blocks or slots needed and the largest
+  /// capacity), a session's turn is larger than its own workers' capacity, the queue is full, or
+  /// its caller has max_queued_per_caller requests queued (the message names the caller and its
+  /// limit, nothing of other callers); FAILED_PRECONDITION
   /// when its session has a turn queued or running; INVALID_ARGUMENT when its session's sequence
   /// is longer than the new context (previous context + generated tokens), or, when the session
   /// kept its token history (Finish's `history`: a real model), when `context_tokens` does not
   /// start with that history (the message names the first position that differs).
   /// `migrated`: the request is moving off a worker that failed (its context now includes the
   /// tokens it generated): it is placed ahead of every queued request and, when it must wait,
-  /// queued at the head even when the queue is full. `context_tokens`: the request's token ids
-  /// (a real model's), only read here.
+  /// queued at the head even when the queue (or its caller's share) is full; the per-caller
+  /// running limit does not hold it back (it was admitted already). `context_tokens`: the request's
+  /// token ids (a real model's), only read here.
   absl::StatusOr<std::optional<Admission>> Submit(uint64_t ticket, const SequenceDemand& demand,
                                                   bool migrated = false,
                                                   absl::Span<const int32_t> context_tokens = {});
 
-  /// Places queued requests in FIFO order while the head fits; call after anything freed room.
+  /// Places queued requests in the fair order (migrated ones first, then by start tag, skipping
+  /// callers at their running limit) while the next one fits; call after anything freed room.
   std::vector<Admission> AdmitQueued();
 
   /// Removes a queued ticket; false if it is not queued.
@@ -258,6 +294,7 @@ class Scheduler {
     std::vector<uint64_t> blocks;            // reserved block ids, one per 64 slots
     int64_t kv_slots = 0;                    // reserved KV slots on the attention worker
     std::string session_key;                 // SessionKey of its session; empty = not a session's
+    std::string caller;                      // SequenceDemand::caller: only its requests share it
     int pins = 0;                            // prefills in progress that share its prefix
     std::optional<uint64_t> donor;           // pinned while this sequence prefills
     bool release_when_unpinned = false;
@@ -267,6 +304,15 @@ class Scheduler {
   struct Pending {
     uint64_t ticket;
     SequenceDemand demand;
+    bool migrated = false;   // admitted before: ahead of the fair order, no running limit
+    double start_tag = 0.0;  // virtual start tag (class comment)
+    uint64_t arrival = 0;    // ties between equal start tags
+  };
+  // A caller's share: its queued and running requests and its last virtual finish tag.
+  struct CallerState {
+    int queued = 0;
+    int running = 0;
+    double last_finish = 0.0;
   };
   struct IndexerState {
     absl::flat_hash_map<uint64_t, int> block_refs;  // block id -> holders
@@ -299,6 +345,23 @@ class Scheduler {
   std::vector<Eviction> ForgetRetainedOn(int indexer, int attention);
   // Whether `demand` fits some ready worker of each kind when it is empty.
   bool FitsAReadyWorker(const SequenceDemand& demand) const;
+  // The per-caller limits in force (max_*_per_caller resolved; 0 = none).
+  int QueuedLimitPerCaller() const;
+  int RunningLimitPerCaller() const;
+  // Whether `caller` may have one more running request.
+  bool BelowRunningLimit(const std::string& caller) const;
+  // The queued request to admit next (fair order), or queue_.end() when none may be.
+  std::deque<Pending>::iterator NextEligible();
+  // Gives `pending` its start tag and advances its caller's finish tag.
+  void TagArrival(Pending& pending);
+  // Counts an admission of `caller`: the virtual time moves to `start_tag`.
+  void CountAdmitted(const std::string& caller, double start_tag);
+  // Counts a running request of `caller` that ended; forgets idle callers.
+  void CountFinished(const std::string& caller);
+  // Removes a queued request (its caller's count, its session's busy mark).
+  std::deque<Pending>::iterator EraseQueued(std::deque<Pending>::iterator it);
+  // Forgets `caller` when it has nothing queued or running and its tags are behind.
+  void ForgetIdleCaller(const std::string& caller);
   void DropBlocks(Sequence& sequence);
   // Unpins `donor`; appends its eviction when it was kept only for the pin.
   void Unpin(uint64_t donor, std::vector<Eviction>& evictions);
@@ -313,6 +376,9 @@ class Scheduler {
   absl::flat_hash_map<std::string, uint64_t> session_sequences_;
   absl::flat_hash_set<std::string> busy_sessions_;
   std::deque<Pending> queue_;
+  absl::flat_hash_map<std::string, CallerState> callers_;
+  double virtual_time_ = 0.0;  // start tag of the last admitted request
+  uint64_t arrivals_ = 0;
   uint64_t next_sequence_id_;
   uint64_t next_block_id_ = 1;
   uint64_t tick_ = 0;

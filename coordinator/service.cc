@@ -167,13 +167,13 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
   }
   GrpcGenerateStream stream(*context, *writer);
   return ToGrpcStatus(
-      engine_->Generate(ToGenerateSpec(*request), CallerIdentity(*context), traceparent, stream));
+      engine_->Generate(ToGenerateSpec(*request), TenantIdentity(*context), traceparent, stream));
 }
 
 grpc::Status CoordinatorServiceImpl::Abort(grpc::ServerContext* context,
                                            const cv1::AbortRequest* request,
                                            cv1::AbortResponse* /*response*/) {
-  return ToGrpcStatus(engine_->Abort(request->request_id(), CallerIdentity(*context)));
+  return ToGrpcStatus(engine_->Abort(request->request_id(), TenantIdentity(*context)));
 }
 
 grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* /*context*/,

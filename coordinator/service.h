@@ -31,8 +31,9 @@ dsa::coordinator::v1::GetLoadResponse ToGetLoadResponse(const CoordinatorLoad& l
 
 /// dsa.coordinator.v1.CoordinatorService. Thread-safe; every RPC runs on a gRPC thread. Each RPC
 /// is the engine's (CoordinatorEngine, whose class comment says what it does), with the caller
-/// the call's CallerIdentity and the router's traceparent from the call's metadata; the messages
-/// become the engine's plain structs and back here (ToGenerateSpec, ToGenerateEventProto,
+/// the call's TenantIdentity (its token or certificate name, else its peer host, so that callers
+/// on plaintext are told apart too) and the router's traceparent from the call's metadata; the
+/// messages become the engine's plain structs and back here (ToGenerateSpec, ToGenerateEventProto,
 /// ToGetLoadResponse), and nowhere else.
 class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorService::Service {
  public:

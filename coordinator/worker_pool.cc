@@ -367,6 +367,8 @@ void WorkerPool::RefreshWorkers() {
 
   bool ready = false;
   std::vector<Eviction> retire_evictions;  // what retired workers' slots held, released below
+  // Indexers retired as restarted in this refresh: their new instance is taken in on probation.
+  std::vector<std::string> restarted_indexers;
   {
     absl::MutexLock lock(&core_->mu);
     bool any_became_ready = false;
@@ -399,6 +401,9 @@ void WorkerPool::RefreshWorkers() {
                  {"reason", "its instance id changed: the sequences it held are gone"}});
       }
       const int slot = target.slot;
+      if (!target.attention && !core_->options.colocated) {
+        restarted_indexers.push_back(target.address);
+      }
       RetireLocked(slot, target.attention, &retire_evictions);
       for (Target& other : targets) {  // co-located: the other half of the pair too
         if (other.slot == slot &&
@@ -467,6 +472,9 @@ void WorkerPool::RefreshWorkers() {
           worker->instance_id = p.load.instance_id();
           worker->num_heads = p.load.num_heads();
           worker->head_dim = p.load.head_dim();
+          // The attention workers' connections to the earlier process may not work yet.
+          worker->probation = std::find(restarted_indexers.begin(), restarted_indexers.end(),
+                                        p.address) != restarted_indexers.end();
           indexers_[*slot] = std::move(worker);
           indexer_by_address_[p.address] = *slot;
           num_indexers_ = *slot + 1;
@@ -475,6 +483,7 @@ void WorkerPool::RefreshWorkers() {
                   {{"kind", "indexer"},
                    {"address", p.address},
                    {"ready", p.healthy},
+                   {"probation", indexers_[*slot]->probation},
                    {"capacity_blocks", p.load.capacity_blocks()}});
           return true;
         };
@@ -558,7 +567,8 @@ void WorkerPool::RefreshWorkers() {
       if (target.attention) {
         (void)core_->scheduler.SetAttentionReady(target.slot, healthy);
       } else {
-        (void)core_->scheduler.SetIndexerReady(target.slot, healthy);
+        (void)core_->scheduler.SetIndexerReady(target.slot,
+                                               healthy && !indexers_[target.slot]->held_back);
       }
       any_became_ready |= healthy;
       if (healthy) {
@@ -571,6 +581,7 @@ void WorkerPool::RefreshWorkers() {
     // Wanted but not taken in (no answer, or refused): not ready. Co-located, a pair is one.
     const int unreached_attention = unreached[1];
     const int unreached_indexers = core_->options.colocated ? unreached[1] : unreached[0];
+    any_became_ready |= ReleaseExpiredHoldsLocked();
     if (hooks_.refreshed) hooks_.refreshed(any_became_ready);
     ready = ReadyLocked();
     auto known = [](const auto& workers, int count) {
@@ -593,6 +604,92 @@ void WorkerPool::RefreshWorkers() {
   // What retired workers held, then what failed workers could not release, on those that answer
   // again.
   if (hooks_.after_refresh) hooks_.after_refresh(retire_evictions);
+}
+
+void WorkerPool::SetHeldBackLocked(int slot, bool held) {
+  IndexerWorker& w = *indexers_[slot];
+  if (w.held_back == held) return;
+  w.held_back = held;
+  if (w.ready && !w.retired) (void)core_->scheduler.SetIndexerReady(slot, !held);
+}
+
+bool WorkerPool::OtherIndexerPlaceableLocked(int slot) const {
+  for (int i = 0; i < num_indexers_; ++i) {
+    const IndexerWorker& w = *indexers_[i];
+    if (i != slot && w.ready && !w.retired && !w.held_back) return true;
+  }
+  return false;
+}
+
+WorkerPool::IndexerHold WorkerPool::HoldIndexerLocked(int slot, const absl::Status& why) {
+  IndexerWorker& w = *indexers_[slot];
+  const absl::Time now = core_->clock.Now();
+  const bool was_probing = w.probing;
+  w.probing = false;
+  if (w.retired) return {now, false};
+  if (!was_probing && now < w.held_until) return {w.held_until, !w.held_back};  // in force
+  const absl::Duration hold =
+      std::min(kMinIndexerHold * (int64_t{1} << std::min(w.holds, 10)), kMaxIndexerHold);
+  ++w.holds;
+  w.held_until = now + hold;
+  SetHeldBackLocked(slot, OtherIndexerPlaceableLocked(slot));
+  LogJson("warn", "indexer held back from placements",
+          {{"address", w.address},
+           {"hold_ms", absl::ToInt64Milliseconds(hold)},
+           {"holds", w.holds},
+           {"placeable", !w.held_back},
+           {"reason",
+            absl::StrCat("an attention worker's Prefill could not reach it (its connection to a "
+                         "restarted indexer may not work yet): ",
+                         why.message())}});
+  return {w.held_until, !w.held_back};
+}
+
+void WorkerPool::BeginPrefillLocked(int slot) {
+  IndexerWorker& w = *indexers_[slot];
+  if (!w.probation || w.probing || w.retired) return;
+  w.probing = true;
+  w.held_until = absl::InfiniteFuture();  // until the probe ends
+  SetHeldBackLocked(slot, OtherIndexerPlaceableLocked(slot));
+}
+
+bool WorkerPool::EndPrefillLocked(int slot, bool reached) {
+  IndexerWorker& w = *indexers_[slot];
+  if (!reached && !w.probing) return false;
+  const bool was_held = w.held_back;
+  w.probing = false;
+  w.held_until = absl::InfinitePast();
+  if (reached) {
+    if (w.holds > 0 || w.probation) {
+      LogJson("info", "indexer reached by a Prefill: placements on it resume",
+              {{"address", w.address}, {"holds", w.holds}});
+    }
+    w.holds = 0;
+    w.probation = false;
+  }
+  SetHeldBackLocked(slot, false);
+  return was_held && w.ready && !w.retired;
+}
+
+bool WorkerPool::ReleaseExpiredHoldsLocked() {
+  const absl::Time now = core_->clock.Now();
+  bool released = false;
+  for (int i = 0; i < num_indexers_; ++i) {
+    IndexerWorker& w = *indexers_[i];
+    if (!w.held_back || w.probing || now < w.held_until) continue;
+    SetHeldBackLocked(i, false);
+    released |= w.ready && !w.retired;
+  }
+  // Nor does a hold outlast the other indexers' readiness: with none left to place on, the held
+  // ones take placements again (their requests then wait out the hold instead).
+  if (!OtherIndexerPlaceableLocked(-1)) {
+    for (int i = 0; i < num_indexers_; ++i) {
+      if (!indexers_[i]->held_back) continue;
+      SetHeldBackLocked(i, false);
+      released |= indexers_[i]->ready && !indexers_[i]->retired;
+    }
+  }
+  return released;
 }
 
 bool WorkerPool::KnownUnreachable(const std::atomic<int>& unreached_checks) const {

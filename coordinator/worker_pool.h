@@ -123,6 +123,13 @@ class WorkerPool {
     std::string instance_id;  // GetLoad's, when taken in
     int64_t num_heads = 0;
     int64_t head_dim = 0;
+    // Placement holds (HoldIndexerLocked, BeginPrefillLocked), guarded by the core's mu. While
+    // `held_back` the scheduler does not place on it, whatever its checks say.
+    absl::Time held_until = absl::InfinitePast();
+    int holds = 0;           // consecutive holds, with no Prefill through it succeeding between
+    bool held_back = false;  // the scheduler's readiness taken away by a hold or a probe
+    bool probation = false;  // taken in again after a restart; no Prefill through it succeeded
+    bool probing = false;    // the probe Prefill of its probation runs
   };
 
   /// What the parts above the pool do at points of a refresh. Set once (SetHooks) before the first
@@ -137,6 +144,19 @@ class WorkerPool {
     /// Unlocked, last: `evictions` are the releases of what the workers retired in this refresh
     /// held (the scheduler forgot them); then the Releases that waited for a worker to answer.
     std::function<void(const std::vector<Eviction>& evictions)> after_refresh;
+  };
+
+  /// Shortest and longest hold of an indexer that a Prefill could not reach (HoldIndexerLocked):
+  /// the first hold is the shortest, each later one without a Prefill through it succeeding in
+  /// between doubles, up to the longest.
+  static constexpr absl::Duration kMinIndexerHold = absl::Milliseconds(100);
+  static constexpr absl::Duration kMaxIndexerHold = absl::Seconds(2);
+
+  /// When a request whose Prefill could not reach its indexer may be placed again
+  /// (HoldIndexerLocked).
+  struct IndexerHold {
+    absl::Time until;        // the hold's end, by the core's clock
+    bool placeable = false;  // the scheduler may still place on the indexer (see below)
   };
 
   /// The indexers' GetLoad answers by slot (AskIndexerLoads): `statuses[i]` is OK where
@@ -212,6 +232,35 @@ class WorkerPool {
   std::optional<int> IndexerSlotLocked(const std::string& address) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
 
+  /// Readmission that waits for the data plane. The coordinator's checks reach an indexer that
+  /// restarted before the attention workers' connections to it work again (theirs may still be
+  /// waiting out a reconnection backoff), so a placement there can fail at once, before anything
+  /// is held: the attention worker's Prefill answers UNAVAILABLE or DEADLINE_EXCEEDED naming the
+  /// indexer. Such a failure holds the indexer back from new placements (HoldIndexerLocked), and
+  /// an indexer taken in again after a restart takes one placement at a time, a probe, until a
+  /// Prefill through it succeeds (BeginPrefillLocked). An indexer is never held back while it is
+  /// the last ready one, so that a hold never makes the coordinator unready or fails what is
+  /// queued: its requests wait out the hold instead.
+  ///
+  /// A Prefill through indexer `slot` could not reach it (`why`): holds it back from new
+  /// placements until the returned time (kMinIndexerHold, doubling with each hold while no
+  /// Prefill through it succeeds, up to kMaxIndexerHold); a hold in force is kept as it is. Logs
+  /// each new hold. `placeable`: the indexer was the last ready one, so the scheduler may still
+  /// place on it, and the caller should wait until the hold's end before placing again.
+  IndexerHold HoldIndexerLocked(int slot, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  /// A Prefill begins through indexer `slot`: on probation (taken in again after a restart) its
+  /// first one is a probe, and while it runs the indexer takes no other placement (unless it is
+  /// the last ready one).
+  void BeginPrefillLocked(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  /// A Prefill through indexer `slot` ended other than by not reaching it: `reached` (it
+  /// succeeded) ends the indexer's hold and probation at once; otherwise only a probe's hold
+  /// ends. Returns whether the indexer became placeable again.
+  bool EndPrefillLocked(int slot, bool reached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  /// Ends the holds whose time has passed by the core's clock; returns whether an indexer
+  /// became placeable again. RefreshWorkers calls it too.
+  bool ReleaseExpiredHoldsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+
   /// Whether the last hung_worker_checks (> 0) checks of a worker whose counter is
   /// `unreached_checks` could not reach it: Releases are not sent to it, and a migration off it
   /// does not check it again.
@@ -283,6 +332,10 @@ class WorkerPool {
   // scheduler forgot are added to `evictions`, for the caller to carry out unlocked.
   void RetireLocked(int slot, bool attention, std::vector<Eviction>* evictions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  // Sets indexer `slot`'s held_back, and the scheduler's readiness of it (ready and not held).
+  void SetHeldBackLocked(int slot, bool held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
+  // Whether an indexer other than `slot` is ready and not held back.
+  bool OtherIndexerPlaceableLocked(int slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);
   // Logs `message` for `key` unless the last message logged for it was the same.
   void LogOnce(const std::string& key, const char* level, const char* message,
                nlohmann::json fields) ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);

@@ -19,6 +19,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "grpc/grpc_security_constants.h"
@@ -598,6 +599,27 @@ std::string CallerIdentity(const grpc::ServerContext& context) {
     return std::string(name.data(), name.size());
   }
   return "";
+}
+
+std::string PeerHost(absl::string_view peer) {
+  absl::string_view rest = peer;
+  if (absl::ConsumePrefix(&rest, "ipv4:")) {
+    const size_t colon = rest.rfind(':');
+    return std::string(colon == absl::string_view::npos ? rest : rest.substr(0, colon));
+  }
+  if (absl::ConsumePrefix(&rest, "ipv6:")) {
+    std::string host = absl::StrReplaceAll(rest, {{"%5B", "["}, {"%5D", "]"}, {"%25", "%"}});
+    const size_t close = host.rfind(']');
+    if (absl::StartsWith(host, "[") && close != std::string::npos) return host.substr(0, close + 1);
+    return host;
+  }
+  return std::string(peer);
+}
+
+std::string TenantIdentity(const grpc::ServerContext& context) {
+  std::string identity = CallerIdentity(context);
+  if (!identity.empty()) return identity;
+  return absl::StrCat("peer:", PeerHost(context.peer()));
 }
 
 OwnerTable::OwnerTable(std::vector<std::string> operators) : operators_(std::move(operators)) {}

@@ -188,6 +188,20 @@ class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
 /// TLS without client certificates).
 std::string CallerIdentity(const grpc::ServerContext& context);
 
+/// The host of a gRPC peer string (ServerContext::peer()) without its port: "ipv4:1.2.3.4:5" ->
+/// "1.2.3.4", "ipv6:[::1]:5" (or its URI-escaped form "ipv6:%5B::1%5D:5") -> "[::1]"; a peer
+/// of another form (e.g. "unix:/path", "unix-abstract:name") is returned whole, and "" for "".
+std::string PeerHost(absl::string_view peer);
+
+/// The tenant a request belongs to, for what callers must not share (sessions, prefix donors,
+/// request ids) and for per-caller fairness: CallerIdentity when it is not empty, else
+/// "peer:" + PeerHost(context.peer()), so that on plaintext (or TLS without client
+/// certificates) each client host is its own tenant, and a client's reconnections (a new port
+/// each) stay one. Clients behind one address (a proxy, a NAT, processes on one host) share one
+/// tenant; give them tokens to tell them apart. A token or certificate name that itself starts
+/// with "peer:" would stand for that host: do not issue such names.
+std::string TenantIdentity(const grpc::ServerContext& context);
+
 /// Which caller owns each sequence (or request) of a server (docs/reliability.md, "Sequences belong
 /// to the caller that created them"). Ids are claimed when created and forgotten when released;
 /// thread-safe. Anonymous callers ("") share one identity, so a plaintext deployment behaves as

@@ -112,6 +112,16 @@ std::shared_ptr<grpc::Channel> GrpcIndexerClient::MakeChannel(const std::string&
                                                               const ClientSecurity& security) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(kMaxReceiveMessageBytes);
+  // An indexer that restarts is back within seconds, but gRPC's default backoff (1 s growing to
+  // 2 min) would keep failing the calls to it long after the coordinator, whose checks use a
+  // short backoff, has placed requests there again: retry the connection within a second.
+  arguments.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kIndexerMinReconnectBackoffMs);
+  arguments.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kIndexerMinReconnectBackoffMs);
+  arguments.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kIndexerMaxReconnectBackoffMs);
+  // A channel of its own: gRPC shares connections between channels of equal arguments, so a
+  // client remade after a failure (AttentionEngine drops it) would otherwise inherit the old
+  // connection's backoff instead of dialing at once.
+  arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return NewChannel(address, security, arguments);
 }
 

@@ -46,8 +46,12 @@ class GrpcIndexerClient final : public IndexerClient {
   GrpcIndexerClient(std::string address, std::shared_ptr<grpc::Channel> channel,
                     DataPlaneMaker make_data_plane);
 
-  /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes), with
-  /// `security`.
+  /// Bounds of the channel's reconnection backoff (milliseconds): a restarted indexer is dialed
+  /// again within kIndexerMaxReconnectBackoffMs of listening.
+  static constexpr int kIndexerMinReconnectBackoffMs = 100;
+  static constexpr int kIndexerMaxReconnectBackoffMs = 1000;
+  /// The channel a client of `address` uses (a receive limit of kMaxReceiveMessageBytes, the
+  /// reconnection backoff above, connections not shared with other channels), with `security`.
   static std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                                     const ClientSecurity& security = {});
   ~GrpcIndexerClient() override;  // Close()s

@@ -128,7 +128,10 @@ class FakeIndexerClient final : public IndexerClient {
  public:
   FakeIndexerClient(std::string address, Log* log) : address_(std::move(address)), transport(log) {}
   const std::string& address() const override { return address_; }
-  absl::StatusOr<IndexerShape> GetShape(absl::Time) override { return shape; }
+  absl::StatusOr<IndexerShape> GetShape(absl::Time) override {
+    if (!shape_failure.ok()) return shape_failure;
+    return shape;
+  }
   absl::Status CreateSequence(const IndexerSequenceSpec& spec, absl::Time) override {
     std::lock_guard<std::mutex> lock(mutex);
     created.push_back(spec.sequence_id);
@@ -153,6 +156,7 @@ class FakeIndexerClient final : public IndexerClient {
   std::string address_;
   FakeTransport transport;
   IndexerShape shape{kH, kD};
+  absl::Status shape_failure;  // not OK: GetShape answers it (a connection that cannot be made)
   absl::Status append_status;
   std::mutex mutex;
   std::vector<uint64_t> created, released;
@@ -353,6 +357,27 @@ TEST_F(EngineTest, AnUnavailableIndexerIsDroppedAndMadeAgainOnTheNextCall) {
   // Nothing reached the indexer: the sequence is intact, and the next step dials again.
   auto again = engine_->DecodeStep(std::span<const StepMember>(&member, 1));
   ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(factory_calls_, 2);
+}
+
+TEST_F(EngineTest, APrefillWhoseIndexerClientCannotConnectRemakesItOnceAndSucceeds) {
+  Start("FS", 1);
+  MustPrefill(9, 10);
+  // The indexer restarted: the old client's connection still fails while a new one would dial.
+  clients_[0]->shape_failure = absl::UnavailableError("failed to connect to all addresses");
+  MustPrefill(1, 10);
+  EXPECT_EQ(factory_calls_, 2);
+  ASSERT_EQ(clients_.size(), 2u);
+  EXPECT_TRUE(clients_[0]->created == std::vector<uint64_t>{9});
+  EXPECT_TRUE(clients_[1]->created == std::vector<uint64_t>{1});
+  // A refusal is no connection failure: the client is kept.
+  clients_[1]->shape = IndexerShape{kH, kD * 2};
+  PrefillSpec spec;
+  spec.sequence_id = 2;
+  spec.context_length = 10;
+  spec.indexer_worker = "indexer-a";
+  spec.top_k = kK;
+  EXPECT_EQ(engine_->Prefill(spec).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(factory_calls_, 2);
 }
 

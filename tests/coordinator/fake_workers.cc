@@ -153,6 +153,12 @@ class FakeAttentionClient final : public AttentionWorkerClient {
       return absl::UnavailableError(
           absl::StrCat("indexer worker ", request.indexer_worker(), " unreachable"));
     }
+    if (indexer->attention_cannot_reach && !request.continue_sequence()) {
+      // What the attention worker answers when its connection to a restarted indexer is still
+      // in its reconnection backoff.
+      return absl::UnavailableError(absl::StrCat("indexer worker ", request.indexer_worker(),
+                                                 ": GetLoad: failed to connect to all addresses"));
+    }
     if (!request.continue_sequence() && w->sequences.contains(request.sequence_id())) {
       return absl::AlreadyExistsError(absl::StrCat("sequence ", request.sequence_id()));
     }
@@ -517,6 +523,11 @@ void FakeWorkers::SetBroken(const std::string& address, uint64_t sequence_id) {
   if (w == nullptr) return;
   auto it = w->sequences.find(sequence_id);
   if (it != w->sequences.end()) it->second.broken = true;
+}
+
+void FakeWorkers::SetUnreachableFromAttention(const std::string& address, bool unreachable) {
+  absl::MutexLock lock(&mu_);
+  if (Worker* w = Find(address, false)) w->attention_cannot_reach = unreachable;
 }
 
 void FakeWorkers::SetWithoutAudits(const std::string& address, bool without_audits) {

@@ -94,6 +94,10 @@ class FakeWorkers final : public WorkerClientFactory,
   /// on another sequence): every DecodeStep with it fails whole, FAILED_PRECONDITION, until it is
   /// released.
   void SetBroken(const std::string& address, uint64_t sequence_id);
+  /// Unreachable from the attention workers: the indexer at `address` answers the coordinator's
+  /// calls, but the attention workers' Prefills of new sequences on it answer UNAVAILABLE naming
+  /// it, creating nothing (their connections to a restarted indexer still in backoff).
+  void SetUnreachableFromAttention(const std::string& address, bool unreachable);
   /// Without audits (dsa-indexer --audit-fraction 0): the indexer at `address` refuses to create
   /// a sequence whose SPIN settings carry a miss target > 0 (FAILED_PRECONDITION, the real
   /// indexer's message), and the Prefill that asked for it answers that refusal, creating nothing.
@@ -153,9 +157,10 @@ class FakeWorkers final : public WorkerClientFactory,
     bool not_ready = false;
     bool stalled = false;
     bool stall_after_step = false;
-    bool without_audits = false;  // indexer: refuses miss targets (SetWithoutAudits)
-    int stalled_calls = 0;        // waiting in the stall now
-    int cancelled_calls = 0;      // ended by their cancellation while stalled
+    bool without_audits = false;          // indexer: refuses miss targets (SetWithoutAudits)
+    bool attention_cannot_reach = false;  // indexer: SetUnreachableFromAttention
+    int stalled_calls = 0;                // waiting in the stall now
+    int cancelled_calls = 0;              // ended by their cancellation while stalled
     int instance = 1;
     std::map<uint64_t, Sequence> sequences;
     std::vector<uint64_t> released;

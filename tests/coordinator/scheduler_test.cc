@@ -507,9 +507,9 @@ TEST(SchedulerTest, ASessionTurnLargerThanItsOwnWorkerIsRefusedAtOnce) {
 TEST(SchedulerTest, SessionsOfTheSameIdFromTwoCallersAreTwoSessions) {
   Scheduler s = Make(1, {100});
   SequenceDemand alice = Demand(100, 20, 0, {}, "chat");
-  alice.session_owner = "alice";
+  alice.caller = "alice";
   SequenceDemand mallory = Demand(200, 20, 0, {}, "chat");
-  mallory.session_owner = "mallory";
+  mallory.caller = "mallory";
   const Admission a1 = Admit(s, 1, alice);
   // alice's turn is running: the same id from mallory is not FAILED_PRECONDITION but its own.
   const Admission m1 = Admit(s, 2, mallory);
@@ -537,9 +537,9 @@ TEST(SchedulerTest, SessionsOfTheSameIdFromTwoCallersAreTwoSessions) {
 // The key is unambiguous: an owner that ends where another's session id begins is not that owner.
 TEST(SchedulerTest, SessionKeySeparatesOwnerFromId) {
   SequenceDemand one = Demand(1, 1, 0, {}, "bc");
-  one.session_owner = "a";
+  one.caller = "a";
   SequenceDemand two = Demand(1, 1, 0, {}, "c");
-  two.session_owner = "ab";
+  two.caller = "ab";
   EXPECT_NE(SessionKey(one), SessionKey(two));
   EXPECT_EQ(SessionKey(Demand(1, 1)), "");
 }
@@ -590,6 +590,60 @@ TEST(SchedulerColocatedTest, ASequenceRunsOnTheAttentionWorkerThatHoldsItsIndexe
       Scheduler::Create(options, {{"a1", 400}, {"a0", 400}}, {{"a0", 0}, {"a1", 0}}).status();
   EXPECT_EQ(misordered.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(misordered.message()), HasSubstr("indexer 0 is a1"));
+}
+
+TEST(CallerWeightsTest, ParsesNameEqualsWeightAndRefusesBadEntries) {
+  auto weights = ParseCallerWeights({"alice=2", "peer:10.0.0.1=3", "a=b=4"});
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  EXPECT_EQ(weights->at("alice"), 2);
+  EXPECT_EQ(weights->at("peer:10.0.0.1"), 3);
+  EXPECT_EQ(weights->at("a=b"), 4);  // split at the last '='
+  for (const char* bad : {"alice", "=2", "alice=0", "alice=x", "alice=2000000"}) {
+    EXPECT_EQ(ParseCallerWeights({bad}).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_THAT(ParseCallerWeights({"a=1", "a=2"}).status().message(), HasSubstr("twice"));
+}
+
+// A caller at its queued share is refused with its own count and limit; another caller's request
+// is queued and, in the fair order, admitted before the first caller's later ones.
+TEST(SchedulerFairnessTest, ACallersQueuedShareAndTheFairOrder) {
+  SchedulerOptions options;
+  options.max_queue = 8;
+  options.max_running_per_attention = 1;
+  options.max_queued_per_caller = -1;  // 8 / 4 = 2
+  Scheduler s = *Scheduler::Create(options, {{"i0", 1000}}, {{"a0", 0}});
+  SequenceDemand a = Demand(10, 1);
+  a.caller = "alice";
+  SequenceDemand b = a;
+  b.caller = "bob";
+  auto running = s.Submit(1, a);
+  ASSERT_TRUE(running.ok() && running->has_value());
+  ASSERT_TRUE(s.Submit(2, a).ok());
+  ASSERT_TRUE(s.Submit(3, a).ok());
+  auto refused = s.Submit(4, a);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "caller 'alice' has 2 requests queued, its limit (--max-queued-per-caller 2); retry "
+            "when one of them is admitted");
+  auto queued = s.Submit(5, b);
+  ASSERT_TRUE(queued.ok()) << queued.status();
+  EXPECT_FALSE(queued->has_value());
+  s.Finish((*running)->sequence_id, /*completed=*/true, 11);
+  s.ReleaseDone((*running)->sequence_id);
+  std::vector<Admission> next = s.AdmitQueued();
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next[0].ticket, 5u);  // bob's, before alice's tickets 2 and 3
+  EXPECT_EQ(s.Load().queued, 2);
+  EXPECT_EQ(Scheduler::Create(
+                [] {
+                  SchedulerOptions o;
+                  o.caller_weights = {{"x", 0}};
+                  return o;
+                }(),
+                {}, {})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

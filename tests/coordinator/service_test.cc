@@ -368,6 +368,33 @@ TEST(CoordinatorServiceTest, FullQueueIsRefusedWhileOthersAreServed) {
   EXPECT_GT(second.admitted()->queue_seconds(), 0.0);
 }
 
+// On plaintext the caller is its peer's host (TenantIdentity): a client's requests share one
+// queued share (8 / 4 = 2 by default), and the refusal names that caller and its limit.
+TEST(CoordinatorServiceTest, APlaintextPeersQueuedShareIsRefusedNamingItsHost) {
+  ClusterOptions o;
+  o.capacity_blocks = 16;  // one request of ~8 blocks per layer at a time
+  o.retain_finished = false;
+  Cluster cluster(o);
+  cluster.fake().SetStepDelayMs(5);
+  Stream first, second, third;
+  std::thread a([&] { first = Generate(cluster.stub(), Request("a", 400, 60)); });
+  ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 1; }));
+  std::thread b([&] { second = Generate(cluster.stub(), Request("b", 400, 10)); });
+  std::thread c([&] { third = Generate(cluster.stub(), Request("c", 400, 10)); });
+  ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).queued() == 2; }));
+  const Stream refused = Generate(cluster.stub(), Request("d", 400, 10));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(refused.status.error_message(),
+            "caller 'peer:127.0.0.1' has 2 requests queued, its limit (--max-queued-per-caller 2); "
+            "retry when one of them is admitted");
+  a.join();
+  b.join();
+  c.join();
+  EXPECT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_TRUE(third.status.ok()) << third.status.error_message();
+}
+
 TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsRequests) {
   ClusterOptions o;
   o.capacity_blocks = 3200;  // "run" takes 2 x ceil(100400 / 64) = 3138 blocks

@@ -68,6 +68,20 @@ grpc::Status Authenticate(BearerTokenAuthenticator& tokens, const char* header,
   return tokens.Process(metadata, context, &consumed, &response);
 }
 
+// A plaintext caller's tenant is its peer's host: the port (a new one per connection) is left out,
+// so a client's reconnections stay one tenant.
+TEST(PeerHostTest, DropsThePortOfIpPeersAndKeepsOtherPeersWhole) {
+  EXPECT_EQ(PeerHost("ipv4:1.2.3.4:5"), "1.2.3.4");
+  EXPECT_EQ(PeerHost("ipv4:10.0.0.7:54321"), "10.0.0.7");
+  EXPECT_EQ(PeerHost("ipv6:[::1]:5"), "[::1]");
+  EXPECT_EQ(PeerHost("ipv6:%5B::1%5D:5"), "[::1]");
+  EXPECT_EQ(PeerHost("ipv6:%5Bfe80::1%25eth0%5D:443"), "[fe80::1%eth0]");
+  EXPECT_EQ(PeerHost("unix:/tmp/dsa.sock"), "unix:/tmp/dsa.sock");
+  EXPECT_EQ(PeerHost("unix-abstract:dsa"), "unix-abstract:dsa");
+  EXPECT_EQ(PeerHost("ipv4:1.2.3.4"), "1.2.3.4");
+  EXPECT_EQ(PeerHost(""), "");
+}
+
 TEST(BearerTokenAuthenticatorTest, ParsesClientTokenLinesAndRefusesBadFiles) {
   auto tokens = BearerTokenAuthenticator::Parse("# routers\n\nrouter-a aaaa\n  router-b\tbbbb  \n");
   ASSERT_TRUE(tokens.ok()) << tokens.status();
