@@ -29,6 +29,7 @@
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "tests/testing/server_process.h"
 #include "tools/dsa/cluster.h"
 
 namespace dsa {
@@ -45,15 +46,6 @@ constexpr auto kLoadAfterRestart = std::chrono::milliseconds(6000);
 
 std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
   return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-}
-
-bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  while (Clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return done();
 }
 
 // Lines of `path` that contain `text`.
@@ -141,13 +133,14 @@ TEST(IndexerRestartTest, AnIndexerRestartedUnderLoadLosesNoRequest) {
     });
   }
 
-  ASSERT_TRUE(WaitFor([&] { return completed.load() >= 2 * kStreams; }, std::chrono::seconds(60)));
+  ASSERT_TRUE(testing::WaitFor([&] { return completed.load() >= 2 * kStreams; },
+                               std::chrono::seconds(60), std::chrono::milliseconds(20)));
   const pid_t pid = cluster->processes()[indexer0].pid;
   std::printf("readmission: kill -9 dsa-indexer-0 after %d requests\n", completed.load());
   ASSERT_EQ(kill(pid, SIGKILL), 0);
-  ASSERT_TRUE(WaitFor(
+  ASSERT_TRUE(testing::WaitFor(
       [&] { return cluster->processes()[indexer0].pid < 0 || !cluster->ReapExited().empty(); },
-      std::chrono::seconds(10)));
+      std::chrono::seconds(10), std::chrono::milliseconds(20)));
   std::this_thread::sleep_for(kDead);
   const absl::Status restarted = cluster->Restart(indexer0);
   ASSERT_TRUE(restarted.ok()) << restarted;
