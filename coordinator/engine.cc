@@ -1,6 +1,8 @@
 // The coordinator's engine (see engine.h).
 #include "coordinator/engine.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -229,30 +231,47 @@ CoordinatorLoad CoordinatorEngine::GetLoad() {
   SchedulerLoad load;
   std::vector<bool> indexer_ready;
   std::vector<bool> indexer_retired;
+  // Since when no check has reached each indexer (0 where the last one did).
+  std::vector<int64_t> indexer_unreached_ms;
   {
     absl::MutexLock lock(&core_->mu);
+    const absl::Time now = core_->clock.Now();
+    const auto unreached_for_ms = [now](int unreached_checks, absl::Time last_reached) {
+      return unreached_checks == 0
+                 ? int64_t{0}
+                 : std::max<int64_t>(absl::ToInt64Milliseconds(now - last_reached), 1);
+    };
     load = core_->scheduler.Load();
     answer.model = pool_->ModelLocked();
     for (int i = 0; i < pool_->NumIndexersLocked(); ++i) {
-      indexer_ready.push_back(pool_->indexer(i).ready);
-      indexer_retired.push_back(pool_->indexer(i).retired);
+      const WorkerPool::IndexerWorker& w = pool_->indexer(i);
+      indexer_ready.push_back(w.ready);
+      indexer_retired.push_back(w.retired);
+      indexer_unreached_ms.push_back(unreached_for_ms(w.unreached_checks.load(), w.last_reached));
     }
     for (int j = 0; j < pool_->NumAttentionLocked(); ++j) {
-      if (pool_->attention(j).retired) continue;  // restarted: its new instance has its own entry
+      const WorkerPool::AttentionWorker& w = pool_->attention(j);
+      if (w.retired) continue;  // restarted: its new instance has its own entry
       AttentionWorkerLoad worker;
-      worker.address = pool_->attention(j).address;
-      worker.ready = pool_->attention(j).ready;
+      worker.address = w.address;
+      worker.ready = w.ready;
       worker.decoding = decode_->DecodingLocked(j);
+      worker.unreached_for_ms = unreached_for_ms(w.unreached_checks.load(), w.last_reached);
+      worker.reachable = worker.unreached_for_ms == 0;
       answer.attention_workers.push_back(std::move(worker));
     }
   }
   answer.queued = load.queued;
   answer.running = load.running;
   answer.retained_sequences = load.retained;
-  // Ask the ready indexers at once (a worker that is not ready reports the reservations), unless
-  // the last answers are recent enough and were asked of the same ready slots.
+  // Ask every indexer the last check reached, ready or not (a draining one still holds what it
+  // held), at once, unless the last answers are recent enough and were asked of the same slots.
+  // One that did not answer is reported with the coordinator's reservations on it; one the checks
+  // do not reach any more with nothing, so that its last load is not shown as if it were current.
   const size_t count = indexer_ready.size();
-  const WorkerPool::IndexerLoads answers = pool_->AskIndexerLoads(indexer_ready);
+  std::vector<bool> ask(count);
+  for (size_t i = 0; i < count; ++i) ask[i] = !indexer_retired[i] && indexer_unreached_ms[i] == 0;
+  const WorkerPool::IndexerLoads answers = pool_->AskIndexerLoads(ask);
   const std::vector<iv1::GetLoadResponse>& loads = answers.loads;
   const std::vector<absl::Status>& statuses = answers.statuses;
   for (size_t i = 0; i < count; ++i) {
@@ -260,8 +279,12 @@ CoordinatorLoad CoordinatorEngine::GetLoad() {
     IndexerWorkerLoad worker;
     worker.address = pool_->indexer(i).address;
     worker.ready = indexer_ready[i];
+    worker.unreached_for_ms = indexer_unreached_ms[i];
+    worker.reachable = worker.unreached_for_ms == 0;
     const iv1::GetLoadResponse& indexer_load = loads[i];
-    if (statuses[i].ok()) {
+    if (!worker.reachable) {
+      // Nothing known: its figures stay 0 and it adds nothing to the totals.
+    } else if (statuses[i].ok()) {
       worker.cache_blocks_used = indexer_load.used_blocks();
       worker.cache_blocks_capacity = indexer_load.capacity_blocks();
       worker.sequences = static_cast<int32_t>(indexer_load.sequences());

@@ -117,21 +117,27 @@ struct IndexerWorkerLoad {
   int64_t cache_blocks_capacity = 0;  // 64-slot blocks over all layers
   int32_t sequences = 0;
   bool ready = false;  // new sequences are placed here
+  // The coordinator's last check reached it. When not, the figures above are 0 (what it held is
+  // unknown) and `unreached_for_ms` says since when no check has reached it.
+  bool reachable = true;
+  int64_t unreached_for_ms = 0;
 };
 
 /// One attention worker in GetLoad's answer (AttentionWorkerLoad).
 struct AttentionWorkerLoad {
   std::string address;
-  bool ready = false;    // new sequences are placed here
-  int32_t decoding = 0;  // sequences in its decode loop
+  bool ready = false;     // new sequences are placed here
+  int32_t decoding = 0;   // sequences in its decode loop
+  bool reachable = true;  // as IndexerWorkerLoad's
+  int64_t unreached_for_ms = 0;
 };
 
 /// GetLoad's answer (GetLoadResponse).
 struct CoordinatorLoad {
   int32_t queued = 0;
   int32_t running = 0;                // prefilling or decoding
-  int64_t cache_blocks_used = 0;      // over all indexer workers
-  int64_t cache_blocks_capacity = 0;  // over all indexer workers
+  int64_t cache_blocks_used = 0;      // over the reachable indexer workers
+  int64_t cache_blocks_capacity = 0;  // over the reachable indexer workers
   int64_t retained_sequences = 0;     // finished sequences kept as prefix donors or sessions
   std::vector<IndexerWorkerLoad> indexer_workers;
   std::vector<AttentionWorkerLoad> attention_workers;  // not retired

@@ -220,7 +220,8 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   }
   auto registry = std::make_shared<prometheus::Registry>();
   dsa::CoordinatorMetrics metrics(*registry, buckets);
-  auto service = dsa::CoordinatorServiceImpl::Create(options, &metrics);
+  auto service =
+      dsa::CoordinatorServiceImpl::Create(options, &metrics, dsa::ResolveDnsAddresses, tokens);
   if (!service.ok()) {
     dsa::LogJson("error", "cannot start the coordinator",
                  {{"status", service.status().ToString()}});

@@ -128,12 +128,16 @@ cv1::GetLoadResponse ToGetLoadResponse(const CoordinatorLoad& load) {
     worker->set_cache_blocks_capacity(w.cache_blocks_capacity);
     worker->set_sequences(w.sequences);
     worker->set_ready(w.ready);
+    worker->set_reachable(w.reachable);
+    worker->set_unreached_for_ms(w.unreached_for_ms);
   }
   for (const AttentionWorkerLoad& w : load.attention_workers) {
     cv1::AttentionWorkerLoad* worker = response.add_attention_workers();
     worker->set_address(w.address);
     worker->set_ready(w.ready);
     worker->set_decoding(w.decoding);
+    worker->set_reachable(w.reachable);
+    worker->set_unreached_for_ms(w.unreached_for_ms);
   }
   if (load.model.has_value()) {
     cv1::Model* model = response.mutable_model();
@@ -146,7 +150,8 @@ cv1::GetLoadResponse ToGetLoadResponse(const CoordinatorLoad& load) {
 }
 
 absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::Create(
-    const CoordinatorOptions& options, CoordinatorMetrics* metrics, AddressResolver resolve) {
+    const CoordinatorOptions& options, CoordinatorMetrics* metrics, AddressResolver resolve,
+    std::shared_ptr<const BearerTokenAuthenticator> tokens) {
   const int max_backoff_ms = static_cast<int>(
       std::clamp<int64_t>(options.worker_check_interval_ms,
                           std::max<int64_t>(options.worker_check_timeout_ms, 1), int64_t{60000}));
@@ -154,7 +159,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> CoordinatorServiceImpl::
       options, metrics, GrpcWorkerClients(options.worker_security, max_backoff_ms), &RealClock(),
       std::move(resolve));
   if (!engine.ok()) return engine.status();
-  return std::unique_ptr<CoordinatorServiceImpl>(new CoordinatorServiceImpl(*std::move(engine)));
+  return std::unique_ptr<CoordinatorServiceImpl>(
+      new CoordinatorServiceImpl(*std::move(engine), std::move(tokens)));
 }
 
 grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
@@ -166,14 +172,15 @@ grpc::Status CoordinatorServiceImpl::Generate(grpc::ServerContext* context,
     traceparent.assign(it->second.data(), it->second.size());
   }
   GrpcGenerateStream stream(*context, *writer);
-  return ToGrpcStatus(
-      engine_->Generate(ToGenerateSpec(*request), TenantIdentity(*context), traceparent, stream));
+  return ToGrpcStatus(engine_->Generate(
+      ToGenerateSpec(*request), TenantIdentity(*context, tokens_.get()), traceparent, stream));
 }
 
 grpc::Status CoordinatorServiceImpl::Abort(grpc::ServerContext* context,
                                            const cv1::AbortRequest* request,
                                            cv1::AbortResponse* /*response*/) {
-  return ToGrpcStatus(engine_->Abort(request->request_id(), TenantIdentity(*context)));
+  return ToGrpcStatus(
+      engine_->Abort(request->request_id(), TenantIdentity(*context, tokens_.get())));
 }
 
 grpc::Status CoordinatorServiceImpl::GetLoad(grpc::ServerContext* /*context*/,

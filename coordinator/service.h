@@ -13,6 +13,7 @@
 #include "coordinator/metrics.h"
 #include "dsa/coordinator/v1/coordinator.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/security.h"
 
 namespace dsa {
 
@@ -39,10 +40,13 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
  public:
   /// CoordinatorEngine::Create over gRPC clients dialed with options.worker_security, whose
   /// reconnection backoff is bounded by the worker check interval (so a worker that comes back
-  /// is seen at the next check). Errors: as CoordinatorEngine::Create.
+  /// is seen at the next check). `tokens`: the server's bearer tokens (ServerSpec::auth), which
+  /// name the callers of calls that carry one; null when it has none. Errors: as
+  /// CoordinatorEngine::Create.
   static absl::StatusOr<std::unique_ptr<CoordinatorServiceImpl>> Create(
       const CoordinatorOptions& options, CoordinatorMetrics* metrics,
-      AddressResolver resolve = ResolveDnsAddresses);
+      AddressResolver resolve = ResolveDnsAddresses,
+      std::shared_ptr<const BearerTokenAuthenticator> tokens = nullptr);
 
   /// CoordinatorEngine::Generate over the call's writer: the stream's status is the engine's.
   grpc::Status Generate(grpc::ServerContext* context,
@@ -70,10 +74,12 @@ class CoordinatorServiceImpl final : public dsa::coordinator::v1::CoordinatorSer
   CoordinatorEngine& engine() { return *engine_; }
 
  private:
-  explicit CoordinatorServiceImpl(std::unique_ptr<CoordinatorEngine> engine)
-      : engine_(std::move(engine)) {}
+  CoordinatorServiceImpl(std::unique_ptr<CoordinatorEngine> engine,
+                         std::shared_ptr<const BearerTokenAuthenticator> tokens)
+      : engine_(std::move(engine)), tokens_(std::move(tokens)) {}
 
   std::unique_ptr<CoordinatorEngine> engine_;
+  const std::shared_ptr<const BearerTokenAuthenticator> tokens_;
 };
 
 }  // namespace dsa

@@ -470,6 +470,7 @@ void WorkerPool::RefreshWorkers() {
           worker->client = p.indexer_client;
           worker->ready = p.healthy;
           worker->instance_id = p.load.instance_id();
+          worker->last_reached = core_->clock.Now();
           worker->num_heads = p.load.num_heads();
           worker->head_dim = p.load.head_dim();
           // The attention workers' connections to the earlier process may not work yet.
@@ -510,6 +511,7 @@ void WorkerPool::RefreshWorkers() {
         worker->client = probe.attention_client;
         worker->ready = healthy;
         worker->instance_id = probe.info.instance_id();
+        worker->last_reached = core_->clock.Now();
         worker->model = *model_;  // CheckShapeLocked set it to this worker's
         worker->num_full_layers = probe.info.num_full_layers();
         worker->num_heads = probe.info.num_heads();
@@ -542,6 +544,8 @@ void WorkerPool::RefreshWorkers() {
         ++unreached_checks;
       } else {
         unreached_checks = 0;
+        (target.attention ? attention_[target.slot]->last_reached
+                          : indexers_[target.slot]->last_reached) = core_->clock.Now();
       }
       bool healthy = target.wanted && probe.healthy;
       std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
@@ -727,19 +731,19 @@ std::optional<int> WorkerPool::IndexerSlotLocked(const std::string& address) con
   return found->second;
 }
 
-WorkerPool::IndexerLoads WorkerPool::AskIndexerLoads(const std::vector<bool>& ready) {
-  const size_t count = ready.size();
+WorkerPool::IndexerLoads WorkerPool::AskIndexerLoads(const std::vector<bool>& ask) {
+  const size_t count = ask.size();
   absl::MutexLock loads_lock(&load_mu_);
   CachedLoads& cached = indexer_loads_;
-  if (cached.ready != ready ||
+  if (cached.asked_slots != ask ||
       core_->clock.Now() - cached.asked >= absl::Milliseconds(core_->options.load_cache_ms)) {
-    cached.ready = ready;
+    cached.asked_slots = ask;
     cached.answers.loads.assign(count, iv1::GetLoadResponse());
-    cached.answers.statuses.assign(count, absl::UnavailableError("not ready"));
+    cached.answers.statuses.assign(count, absl::UnavailableError("not asked"));
     const WorkerCall call{absl::Milliseconds(core_->options.worker_check_timeout_ms), "", {}};
     std::vector<std::thread> asks;
     for (size_t i = 0; i < count; ++i) {
-      if (!ready[i]) continue;
+      if (!ask[i]) continue;
       asks.emplace_back([&, i] {
         cached.answers.statuses[i] = indexers_[i]->client->GetLoad(call, &cached.answers.loads[i]);
       });

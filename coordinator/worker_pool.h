@@ -106,6 +106,9 @@ class WorkerPool {
     // Consecutive checks that did not reach it (UNAVAILABLE, DEADLINE_EXCEEDED); read unlocked
     // by the calls in flight to it.
     std::atomic<int> unreached_checks{0};
+    // The last check that reached it (or its taking in), by the core's clock; guarded by the
+    // core's mu. GetLoad says how long a worker has not answered from it.
+    absl::Time last_reached = absl::InfinitePast();
     std::string instance_id;  // GetInfo's, when taken in
     ServedModel model;        // GetInfo's, when taken in
     int num_full_layers = 0;
@@ -118,8 +121,9 @@ class WorkerPool {
     std::shared_ptr<IndexerWorkerClient> client;
     bool ready = true;     // guarded by the core's mu
     bool retired = false;  // guarded by the core's mu; restarted or gone
-    // Consecutive checks that did not reach it (as AttentionWorker's).
+    // Consecutive checks that did not reach it, and the last one that did (as AttentionWorker's).
     std::atomic<int> unreached_checks{0};
+    absl::Time last_reached = absl::InfinitePast();
     std::string instance_id;  // GetLoad's, when taken in
     int64_t num_heads = 0;
     int64_t head_dim = 0;
@@ -274,11 +278,11 @@ class WorkerPool {
   absl::Status CallStatus(const AttentionWorker& w, const absl::Status& status, const char* call,
                           bool cut, bool* hung) const;
 
-  /// The GetLoad answers of the indexers in slots [0, ready.size()) whose `ready` is set (asked at
-  /// once, each bounded by worker_check_timeout_ms; the others' statuses say "not ready"). The
-  /// answers are reused for load_cache_ms of the clock while asked of the same ready slots;
-  /// concurrent calls wait for one round of asks and share it.
-  IndexerLoads AskIndexerLoads(const std::vector<bool>& ready);
+  /// The GetLoad answers of the indexers in slots [0, ask.size()) whose `ask` is set (asked at
+  /// once, each bounded by worker_check_timeout_ms; the others' statuses say "not asked"). The
+  /// answers are reused for load_cache_ms of the clock while asked of the same slots; concurrent
+  /// calls wait for one round of asks and share it.
+  IndexerLoads AskIndexerLoads(const std::vector<bool>& ask);
 
  private:
   // What one check of a worker saw (RefreshWorkers).
@@ -305,7 +309,7 @@ class WorkerPool {
   // Held across a round of asks, so that concurrent calls share one round.
   struct CachedLoads {
     absl::Time asked = absl::InfinitePast();
-    std::vector<bool> ready;  // the slots' readiness when asked
+    std::vector<bool> asked_slots;  // the slots asked
     IndexerLoads answers;
   };
 

@@ -556,42 +556,64 @@ absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> BearerTokenAuthenticat
   return parsed;
 }
 
+absl::StatusOr<std::string> BearerTokenAuthenticator::ClientOf(
+    absl::string_view authorization) const {
+  // The scheme is case-insensitive (RFC 7235 section 2.1).
+  if (!absl::StartsWithIgnoreCase(authorization, kBearerPrefix)) {
+    return absl::UnauthenticatedError("the authorization header is not \"Bearer TOKEN\"");
+  }
+  authorization.remove_prefix(kBearerPrefix.size());
+  const std::string* client = nullptr;
+  for (const auto& [token, name] : clients_by_token_) {
+    if (SameBytes(token, authorization) && client == nullptr)
+      client = &name;  // every token compared
+  }
+  if (client == nullptr) return absl::UnauthenticatedError("unknown bearer token");
+  return *client;
+}
+
+namespace {
+
+constexpr absl::string_view kMissingBearerToken =
+    "missing bearer token (authorization: Bearer TOKEN)";
+
+}  // namespace
+
+absl::StatusOr<std::string> BearerTokenAuthenticator::ClientOf(
+    const grpc::ServerContext& context) const {
+  const auto header = context.client_metadata().find("authorization");
+  if (header == context.client_metadata().end()) {
+    return absl::UnauthenticatedError(kMissingBearerToken);
+  }
+  return ClientOf(absl::string_view(header->second.data(), header->second.size()));
+}
+
 grpc::Status BearerTokenAuthenticator::Process(const InputMetadata& auth_metadata,
-                                               grpc::AuthContext* context,
-                                               OutputMetadata* consumed_auth_metadata,
+                                               grpc::AuthContext* /*context*/,
+                                               OutputMetadata* /*consumed_auth_metadata*/,
                                                OutputMetadata* /*response_metadata*/) {
   const auto header = auth_metadata.find("authorization");
   if (header == auth_metadata.end()) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "missing bearer token (authorization: Bearer TOKEN)");
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(kMissingBearerToken));
   }
-  absl::string_view value(header->second.data(), header->second.size());
-  // The scheme is case-insensitive (RFC 7235 section 2.1).
-  if (!absl::StartsWithIgnoreCase(value, kBearerPrefix)) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                        "the authorization header is not \"Bearer TOKEN\"");
+  const absl::StatusOr<std::string> client =
+      ClientOf(absl::string_view(header->second.data(), header->second.size()));
+  if (!client.ok()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(client.status().message()));
   }
-  value.remove_prefix(kBearerPrefix.size());
-  const std::string* client = nullptr;
-  for (const auto& [token, name] : clients_by_token_) {
-    if (SameBytes(token, value) && client == nullptr) client = &name;  // every token compared
-  }
-  if (client == nullptr) {
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown bearer token");
-  }
-  context->AddProperty(kTokenClientProperty, *client);
-  consumed_auth_metadata->insert(
-      {"authorization", std::string(header->second.data(), header->second.size())});
   return grpc::Status::OK;
 }
 
-std::string CallerIdentity(const grpc::ServerContext& context) {
-  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth == nullptr) return "";
-  for (const grpc::string_ref& client : auth->FindPropertyValues(kTokenClientProperty)) {
-    return std::string(client.data(), client.size());
+std::string CallerIdentity(const grpc::ServerContext& context,
+                           const BearerTokenAuthenticator* tokens) {
+  if (tokens != nullptr) {
+    // Process accepted the call's token before the handler ran; an error here means a call that
+    // did not pass through it (none on a server with tokens).
+    absl::StatusOr<std::string> client = tokens->ClientOf(context);
+    return client.ok() ? *std::move(client) : std::string();
   }
-  if (!auth->IsPeerAuthenticated()) return "";
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
   for (const grpc::string_ref& name : auth->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME)) {
     return std::string(name.data(), name.size());
   }
@@ -616,8 +638,9 @@ std::string PeerHost(absl::string_view peer) {
   return std::string(peer);
 }
 
-std::string TenantIdentity(const grpc::ServerContext& context) {
-  std::string identity = CallerIdentity(context);
+std::string TenantIdentity(const grpc::ServerContext& context,
+                           const BearerTokenAuthenticator* tokens) {
+  std::string identity = CallerIdentity(context, tokens);
   if (!identity.empty()) return identity;
   return absl::StrCat("peer:", PeerHost(context.peer()));
 }

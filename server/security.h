@@ -155,14 +155,15 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address,
 /// ServerCredentialsFrom's, and INVALID_ARGUMENT for an empty file.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
-/// The auth-context property naming a caller whose bearer token was accepted.
-inline constexpr char kTokenClientProperty[] = "dsa_token_client";
-
 /// Bearer tokens of the router-facing API: every call must carry "authorization: Bearer T" with
-/// T one of the tokens; the call's auth context then has kTokenClientProperty = the token's
-/// client name. A call without one is refused with UNAUTHENTICATED "missing bearer token"; a
-/// wrong one with UNAUTHENTICATED "unknown bearer token". Tokens are compared in constant time.
-/// gRPC calls Process only on a secure port: RunServer refuses tokens without TLS.
+/// T one of the tokens. A call without one is refused with UNAUTHENTICATED "missing bearer
+/// token"; a wrong one with UNAUTHENTICATED "unknown bearer token". Tokens are compared in
+/// constant time. gRPC calls Process only on a secure port: RunServer refuses tokens without TLS.
+/// Process leaves the auth context alone and the header in the call's metadata: gRPC's auth
+/// context belongs to the connection, not the call, so a property added there would name every
+/// later call on the connection by the first one's client (calls of several tokens share a
+/// router's connection), grow with every call, and be reallocated under concurrent readers. A
+/// handler names the call's client with ClientOf (CallerIdentity and TenantIdentity do).
 class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
  public:
   /// Parses `text`: one "CLIENT TOKEN" per line (blank lines and "#" comments skipped).
@@ -173,9 +174,18 @@ class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
   static absl::StatusOr<std::shared_ptr<BearerTokenAuthenticator>> Load(const std::string& path);
 
   bool IsBlocking() const override { return false; }  // a map lookup: run inline
+  /// OK when the call's metadata has an "authorization" header that ClientOf accepts; its error
+  /// otherwise. Touches neither `context` nor the metadata.
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,
                        OutputMetadata* consumed_auth_metadata,
                        OutputMetadata* response_metadata) override;
+  /// The client whose token an "authorization" header value carries ("Bearer T", the scheme's
+  /// case free); UNAUTHENTICATED "the authorization header is not \"Bearer TOKEN\"" or "unknown
+  /// bearer token". Every token is compared, in constant time.
+  absl::StatusOr<std::string> ClientOf(absl::string_view authorization) const;
+  /// ClientOf the call's "authorization" header; UNAUTHENTICATED "missing bearer token ..."
+  /// without one.
+  absl::StatusOr<std::string> ClientOf(const grpc::ServerContext& context) const;
   size_t size() const { return clients_by_token_.size(); }
 
  private:
@@ -183,10 +193,11 @@ class BearerTokenAuthenticator final : public grpc::AuthMetadataProcessor {
   std::vector<std::pair<std::string, std::string>> clients_by_token_;  // (token, client)
 };
 
-/// Who is calling, as a server sees it: the client name of an accepted bearer token, else the
-/// common name of a verified client certificate (mutual TLS), else "" (anonymous: plaintext or
-/// TLS without client certificates).
-std::string CallerIdentity(const grpc::ServerContext& context);
+/// Who is calling, as a server sees it: with `tokens`, the client of the call's bearer token
+/// (BearerTokenAuthenticator::ClientOf); else the common name of a verified client certificate
+/// (mutual TLS), else "" (anonymous: plaintext or TLS without client certificates).
+std::string CallerIdentity(const grpc::ServerContext& context,
+                           const BearerTokenAuthenticator* tokens = nullptr);
 
 /// The host of a gRPC peer string (ServerContext::peer()) without its port: "ipv4:1.2.3.4:5" ->
 /// "1.2.3.4", "ipv6:[::1]:5" (or its URI-escaped form "ipv6:%5B::1%5D:5") -> "[::1]"; a peer
@@ -194,13 +205,15 @@ std::string CallerIdentity(const grpc::ServerContext& context);
 std::string PeerHost(absl::string_view peer);
 
 /// The tenant a request belongs to, for what callers must not share (sessions, prefix donors,
-/// request ids) and for per-caller fairness: CallerIdentity when it is not empty, else
+/// request ids) and for per-caller fairness: CallerIdentity (with `tokens`, the server's bearer
+/// tokens when it has them) when it is not empty, else
 /// "peer:" + PeerHost(context.peer()), so that on plaintext (or TLS without client
 /// certificates) each client host is its own tenant, and a client's reconnections (a new port
 /// each) stay one. Clients behind one address (a proxy, a NAT, processes on one host) share one
 /// tenant; give them tokens to tell them apart. A token or certificate name that itself starts
 /// with "peer:" would stand for that host: do not issue such names.
-std::string TenantIdentity(const grpc::ServerContext& context);
+std::string TenantIdentity(const grpc::ServerContext& context,
+                           const BearerTokenAuthenticator* tokens = nullptr);
 
 /// Which caller owns each sequence (or request) of a server (docs/reliability.md, "Sequences belong
 /// to the caller that created them"). Ids are claimed when created and forgotten when released;

@@ -71,7 +71,9 @@ KNOWN_FLAGS = {
         "worker-check-timeout-ms", "load-cache-ms",
         "max-queue", "colocated", "max-running", "top-k", "target-block-sparsity",
         "exploration-fraction", "all-keep", "acceptance-rate", "seed", "retain-finished",
-        "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets", "auth-tokens-file"},
+        "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets", "auth-tokens-file",
+        "hung-worker-checks", "max-migrations", "ngram-min", "ngram-max", "name", "lease-ttl-ms",
+        "max-queued-per-caller", "max-running-per-caller", "caller-weight"},
     "indexer": SERVER_FLAGS | INDEXER_ENGINE_FLAGS | {"num-heads", "head-dim", "operator-identities"},
     "attention": SERVER_FLAGS | {"indexer-" + f for f in INDEXER_ENGINE_FLAGS} | {
         "layer-pattern", "retention", "num-model-layers", "lag-depth", "num-heads", "head-dim",
@@ -375,6 +377,14 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
     coordinator = pods.get("coordinator")
     if f.check(coordinator is not None, f"{scenario}", "no coordinator rendered"):
         args = coordinator["spec"]["containers"][0]["args"]
+        # Its lease owner is its pod's name: the same across a container's restarts, distinct
+        # between replicas (two replicas of one name would supersede each other's leases).
+        env = {e["name"]: e for e in coordinator["spec"]["containers"][0].get("env", [])}
+        f.check(flag_values(args, "name") == ["$(DSA_POD_NAME)"] and
+                env.get("DSA_POD_NAME", {}).get("valueFrom") == {"fieldRef": {"fieldPath": "metadata.name"}},
+                f"{scenario}: coordinator",
+                f"--name must be the pod's name (downward API), is {flag_values(args, 'name')} with env "
+                f"{env.get('DSA_POD_NAME')}")
         suffix = f".{NAMESPACE}.svc.cluster.local"
         for kind in ("indexer", "attention"):
             addresses = flag_values(args, f"{kind}-dns") + flag_values(args, kind)

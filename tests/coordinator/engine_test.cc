@@ -649,6 +649,71 @@ TEST_F(EngineTest, GetLoadAsksEachIndexerAtMostOncePerLoadCacheInterval) {
   EXPECT_EQ(fakes_->GetLoads(kI1), after_refresh + 1);
 }
 
+// A worker the checks no longer reach is not reported with its last load: GetLoad says it is
+// unreachable and since when, gives it no figures and leaves it out of the totals; once a check
+// reaches it again it is reported as before.
+TEST_F(EngineTest, GetLoadReportsAnUnreachableWorkerWithoutItsLastLoad) {
+  Start({kA1, kA2}, {kI1, kI2});
+  GenerateSpec turn = Request("r1", 200, 2);
+  turn.session_id = "chat";  // kept: its index-key blocks stay on the indexer
+  Call* call = Generate(turn);
+  ASSERT_TRUE(call->stream.AwaitEvents(1));  // Admitted
+  const std::string indexer = call->admitted().indexer_worker();
+  const std::string attention = call->admitted().attention_worker();
+  ASSERT_TRUE(engine_->AwaitDecoding(attention, 1, kSafetyNet));
+  StepUntilFinished(attention, *call);
+  call->Join();
+  ASSERT_TRUE(call->status.ok()) << call->status;
+  cv1::GetLoadResponse load = GetLoad();
+  int64_t held = 0;
+  for (const auto& w : load.indexer_workers()) {
+    EXPECT_TRUE(w.reachable());
+    EXPECT_EQ(w.unreached_for_ms(), 0);
+    if (w.address() == indexer) held = w.cache_blocks_used();
+  }
+  ASSERT_GT(held, 0);
+  const int64_t capacity = load.cache_blocks_capacity();
+
+  fakes_->SetDown(indexer, true);
+  fakes_->SetDown(attention, true);
+  clock_.Advance(absl::Milliseconds(1500));
+  engine_->RefreshWorkers();
+  clock_.Advance(absl::Milliseconds(500));
+  load = GetLoad();
+  ASSERT_EQ(load.indexer_workers_size(), 2);
+  for (const auto& w : load.indexer_workers()) {
+    const bool down = w.address() == indexer;
+    EXPECT_EQ(w.reachable(), !down) << w.address();
+    EXPECT_EQ(w.ready(), !down) << w.address();
+    EXPECT_EQ(w.unreached_for_ms(), down ? 2000 : 0) << w.address();
+    if (down) {
+      EXPECT_EQ(w.cache_blocks_used(), 0);
+      EXPECT_EQ(w.cache_blocks_capacity(), 0);
+      EXPECT_EQ(w.sequences(), 0);
+    }
+  }
+  EXPECT_EQ(load.cache_blocks_used(), 0);
+  EXPECT_EQ(load.cache_blocks_capacity(), capacity / 2);
+  ASSERT_EQ(load.attention_workers_size(), 2);
+  for (const auto& w : load.attention_workers()) {
+    const bool down = w.address() == attention;
+    EXPECT_EQ(w.reachable(), !down) << w.address();
+    EXPECT_EQ(w.unreached_for_ms(), down ? 2000 : 0) << w.address();
+  }
+
+  fakes_->SetDown(indexer, false);
+  fakes_->SetDown(attention, false);
+  engine_->RefreshWorkers();
+  clock_.Advance(absl::Milliseconds(100));  // past load_cache_ms
+  load = GetLoad();
+  for (const auto& w : load.indexer_workers()) {
+    EXPECT_TRUE(w.reachable());
+    EXPECT_EQ(w.unreached_for_ms(), 0);
+  }
+  for (const auto& w : load.attention_workers()) EXPECT_TRUE(w.reachable());
+  EXPECT_EQ(load.cache_blocks_capacity(), capacity);
+}
+
 // Every handler of a failed worker's requests refreshes before it migrates: calls that waited
 // behind a refresh in progress share the next one, so three calls make two rounds of checks, not
 // three (with a hung worker each round costs a check timeout).

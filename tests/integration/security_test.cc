@@ -463,6 +463,40 @@ TEST_F(SecurityTest, CoordinatorTokensAuthenticateRoutersAndGuardTheirRequests) 
   while (reader->Read(&event)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+
+  // A router that carries several tokens over one connection (per-call credentials): each call is
+  // its own token's client. gRPC's auth context belongs to the connection, and the coordinator
+  // once named every call on it by the first token seen there, so that here router-b could abort
+  // router-a's request.
+  const auto shared = Dial(coordinator.address, pki_->ca());
+  auto shared_stub = cv1::CoordinatorService::NewStub(shared);
+  auto as = [](grpc::ClientContext& call_context, const std::string& token) {
+    call_context.set_credentials(grpc::AccessTokenCredentials(token));
+  };
+  {
+    grpc::ClientContext first;
+    as(first, "token-of-a");
+    cv1::GetLoadResponse load;
+    ASSERT_TRUE(shared_stub->GetLoad(&first, cv1::GetLoadRequest(), &load).ok());
+  }
+  grpc::ClientContext b_context;
+  as(b_context, "token-of-b");
+  b_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto b_reader = shared_stub->Generate(&b_context, generate_request("b-long", 15000));
+  ASSERT_TRUE(b_reader->Read(&event)) << b_reader->Finish().error_message();  // admitted
+  auto abort_on_shared = [&](const std::string& token) {
+    grpc::ClientContext abort_context;
+    as(abort_context, token);
+    cv1::AbortRequest request;
+    request.set_request_id("b-long");
+    cv1::AbortResponse response;
+    return shared_stub->Abort(&abort_context, request, &response);
+  };
+  EXPECT_EQ(abort_on_shared("token-of-a").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(abort_on_shared("token-of-b").ok());
+  while (b_reader->Read(&event)) {
+  }
+  EXPECT_EQ(b_reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
 }
 
 // Runs `command` (stderr to `log`), its exit code.

@@ -261,6 +261,10 @@ is also a TOML one.
 {{- if $root.Values.auth.tokensSecret }}
 - --auth-tokens-file={{ include "dsa.authDir" $root }}/tokens
 {{- end }}
+{{- /* The owner of its leases on the workers: the pod's name, kept across the container's restarts
+(which then free what the last run held at once) and distinct between replicas. A pod replaced by
+another frees it when the lease expires. */}}
+- --name=$(DSA_POD_NAME)
 {{- else if eq .component "indexer" }}
 {{- range $c.operatorIdentities }}
 - {{ printf "--operator-identities=%s" . | quote }}
@@ -416,6 +420,9 @@ spec:
       {{- range $name := keys $root.Values.nccl.env | sortAlpha }}
       {{- $env = append $env (dict "name" $name "value" (toString (index $root.Values.nccl.env $name))) }}
       {{- end }}
+      {{- end }}
+      {{- if eq .component "coordinator" }}
+      {{- $env = append $env (dict "name" "DSA_POD_NAME" "valueFrom" (dict "fieldRef" (dict "fieldPath" "metadata.name"))) }}
       {{- end }}
       {{- $env = concat $env $c.extraEnv }}
       {{- with $env }}

@@ -157,28 +157,36 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("address", "cache_blocks_used", "cache_blocks_capacity", "sequences", "ready")
+    __slots__ = ("address", "cache_blocks_used", "cache_blocks_capacity", "sequences", "ready", "reachable", "unreached_for_ms")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     CACHE_BLOCKS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    UNREACHED_FOR_MS_FIELD_NUMBER: _ClassVar[int]
     address: str
     cache_blocks_used: int
     cache_blocks_capacity: int
     sequences: int
     ready: bool
-    def __init__(self, address: _Optional[str] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_capacity: _Optional[int] = ..., sequences: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    reachable: bool
+    unreached_for_ms: int
+    def __init__(self, address: _Optional[str] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_capacity: _Optional[int] = ..., sequences: _Optional[int] = ..., ready: _Optional[bool] = ..., reachable: _Optional[bool] = ..., unreached_for_ms: _Optional[int] = ...) -> None: ...
 
 class AttentionWorkerLoad(_message.Message):
-    __slots__ = ("address", "ready", "decoding")
+    __slots__ = ("address", "ready", "decoding", "reachable", "unreached_for_ms")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DECODING_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    UNREACHED_FOR_MS_FIELD_NUMBER: _ClassVar[int]
     address: str
     ready: bool
     decoding: int
-    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., decoding: _Optional[int] = ...) -> None: ...
+    reachable: bool
+    unreached_for_ms: int
+    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., decoding: _Optional[int] = ..., reachable: _Optional[bool] = ..., unreached_for_ms: _Optional[int] = ...) -> None: ...
 
 class GetLoadResponse(_message.Message):
     __slots__ = ("queued", "running", "cache_blocks_used", "cache_blocks_capacity", "retained_sequences", "indexer_workers", "attention_workers", "model")

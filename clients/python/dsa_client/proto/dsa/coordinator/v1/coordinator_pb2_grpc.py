@@ -65,8 +65,10 @@ class CoordinatorServiceServicer:
         (vocab_size 0: context_length or context_tokens, counts only, a seeded acceptance model for
         speculative steps) and a real model (vocab_size > 0: context_tokens required, Tokens carry
         the generated token ids, n-gram drafts verified by the model).
-        Errors (the stream's status): RESOURCE_EXHAUSTED (queue full, a context no worker can ever
-        hold, or context + max_new_tokens beyond the real model's max_context; never a hang),
+        Errors (the stream's status): RESOURCE_EXHAUSTED (queue full; the caller's own queued share
+        full, --max-queued-per-caller, named with its count and limit and nothing of other callers';
+        a context no worker can ever hold; context + max_new_tokens beyond the real model's
+        max_context; never a hang),
         INVALID_ARGUMENT (a field out of its range, named with its value; a session turn whose
         context_tokens do not start with the session's history), ALREADY_EXISTS (request id in
         flight), FAILED_PRECONDITION (session busy), UNAVAILABLE (draining, no ready worker, a worker
@@ -78,8 +80,9 @@ class CoordinatorServiceServicer:
 
     def Abort(self, request, context):
         """Stops a request in flight (queued or running); its Generate stream ends with CANCELLED.
-        NOT_FOUND if this caller (bearer token's client, or client certificate) has no request of that
-        id in flight: ids are scoped per caller, so another caller's request is not found either.
+        NOT_FOUND if this caller (bearer token's client, client certificate, else on plaintext its
+        peer host) has no request of that id in flight: ids are scoped per caller, so another caller's
+        request is not found either.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
