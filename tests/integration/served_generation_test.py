@@ -239,6 +239,51 @@ class ServedGenerationTest(unittest.TestCase):
         for sample in report["samples"]:
             self.assertTrue(all(0 <= i < VOCAB_SIZE for i in sample["token_ids"]))
 
+    def test_the_openai_front_serves_the_reference_text(self):
+        """python -m dsa_openai in front of the cluster, driven by the openai package: a chat
+        answer and a streamed completion, greedy, are the reference's text, and the chat prompt
+        is the model's ChatML (its usage counts the same prompt tokens)."""
+        import openai
+
+        front = subprocess.Popen(
+            [sys.executable, "-m", "dsa_openai", "--coordinator", self.address, "--model-dir",
+             str(ARGS.model_dir), "--listen", "127.0.0.1:0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'clients' / 'python'}"})
+        try:
+            line = front.stdout.readline()
+            match = re.search(r"listening on (http://\S+)", line)
+            self.assertIsNotNone(match, line + (front.stdout.read() if front.poll() else ""))
+            client = openai.OpenAI(base_url=match.group(1) + "/v1", api_key="none",
+                                   max_retries=0, timeout=REQUEST_TIMEOUT_S)
+            (model,) = [m.id for m in client.models.list().data]
+            chat_ids = chat_prompt(self.tokenizer, CHAT_QUESTION)
+            answer = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": CHAT_QUESTION}],
+                temperature=0, max_tokens=NEW_TOKENS)
+            expected = self.greedy(chat_ids)
+            self.assertEqual(answer.usage.prompt_tokens, len(chat_ids))
+            self.assertEqual(answer.usage.completion_tokens, len(expected))
+            self.assertEqual(answer.choices[0].message.content,
+                             decode(self.tokenizer, expected, skip_special_tokens=True))
+            self.assertEqual(answer.choices[0].finish_reason,
+                             "stop" if expected[-1] == EOS else "length")
+            pieces = [c.choices[0].text for c in client.completions.create(
+                model=model, prompt=PROMPT, temperature=0, max_tokens=NEW_TOKENS, stream=True)]
+            text = "".join(pieces)
+            self.assertEqual(text, decode(self.tokenizer, self.greedy(PROMPT_IDS),
+                                          skip_special_tokens=True))
+            self.assertIn("Paris", text)
+            self.assertGreater(len([p for p in pieces if p]), 1)
+        finally:
+            front.send_signal(signal.SIGTERM)
+            try:
+                front.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                front.kill()
+                front.wait()
+            front.stdout.close()
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
