@@ -775,9 +775,21 @@ TEST_F(FakeCoordinatorTest, BinaryExitStatusIsNonZeroOnlyWhenARequestFailed) {
     EXPECT_EQ(report["requests"]["failed"], 1);
     EXPECT_EQ(report["requests"]["failures_by_code"]["RESOURCE_EXHAUSTED"], 1);
   }
-  // Usage errors: neither --coordinator nor --local; both.
+  // Usage errors: neither --coordinator nor --local; both; a running coordinator with the flags
+  // of a --local cluster, which would be ignored.
   EXPECT_NE(RunDsa({"replay", "--trace", trace}), 0);
   EXPECT_NE(RunDsa({"replay", "--trace", trace, "--local", "--coordinator", address_}), 0);
+  const size_t replays = fake_.received().size();
+  for (const std::vector<std::string>& local_only : {std::vector<std::string>{"--indexers", "7"},
+                                                     {"--indexer-device", "cuda"},
+                                                     {"--audit-fraction", "0.5"},
+                                                     {"--coordinator-arg", "--top-k=8"}}) {
+    std::vector<std::string> args = {"replay", "--trace",      trace, "--coordinator",
+                                     address_, "--time-scale", "0"};
+    args.insert(args.end(), local_only.begin(), local_only.end());
+    EXPECT_EQ(RunDsa(args), 2) << local_only[0];
+  }
+  EXPECT_EQ(fake_.received().size(), replays);  // refused before any request
 }
 
 }  // namespace

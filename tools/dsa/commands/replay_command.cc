@@ -163,6 +163,9 @@ struct ReplayFlags {
   std::string trace_path, json, markdown, token_file;
   bool local = false;
   DialFlags dial;
+  // The flags that configure the --local cluster only (AddClusterFlags' but --model, which also
+  // picks the replay's request kind against a running coordinator).
+  std::vector<const CLI::Option*> local_only;
 };
 
 }  // namespace
@@ -243,13 +246,33 @@ Subcommand AddReplayCommand(CLI::App& app) {
   replay_cmd->add_option("--json", flags->json, "Write the report as JSON to this file");
   replay_cmd->add_option("--markdown", flags->markdown,
                          "Write the report as a markdown table to this file");
+  const size_t before_cluster_flags = replay_cmd->get_options().size();
   AddClusterFlags(replay_cmd, flags->cluster, flags->cluster_flags);
+  const std::vector<CLI::Option*> all = replay_cmd->get_options();
+  for (size_t i = before_cluster_flags; i < all.size(); ++i) {
+    if (all[i]->get_name() != "--model") flags->local_only.push_back(all[i]);
+  }
   AddDialFlags(replay_cmd, flags->dial);
   return {replay_cmd, [flags] {
             dsa::ReplayOptions& replay = flags->replay;
             if (!flags->local && replay.coordinator.empty()) {
               std::fprintf(stderr, "dsa replay: give --coordinator ADDR or --local\n");
               return 2;
+            }
+            if (!flags->local) {
+              // Against a running coordinator these would change nothing: say so instead of
+              // replaying as if they had.
+              std::string given;
+              for (const CLI::Option* option : flags->local_only) {
+                if (option->count() > 0) given += (given.empty() ? "" : ", ") + option->get_name();
+              }
+              if (!given.empty()) {
+                std::fprintf(stderr,
+                             "dsa replay: %s configure the cluster of --local; with --coordinator "
+                             "the running cluster's own settings apply: drop them or use --local\n",
+                             given.c_str());
+                return 2;
+              }
             }
             ResolveClusterFlags(flags->cluster_flags, flags->cluster);
             const std::optional<dsa::ClientSecurity> security =
