@@ -53,4 +53,7 @@ inline constexpr size_t kMaxAddressBytes = 1024;
 /// over gRPC's 8 KiB metadata limit reaches the client as a metadata-size error in its place.
 inline constexpr size_t kMaxStatusMessageBytes = 4096;
 
+/// The longest Generate request id and session id (coordinator.proto: 1..128 bytes).
+inline constexpr size_t kMaxRequestIdBytes = 128;
+
 }  // namespace dsa

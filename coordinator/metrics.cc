@@ -43,10 +43,10 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
                        .Name("dsa_coordinator_requests_total")
                        .Help("Generate requests by how they ended")
                        .Register(registry);
-  completed_ = &requests.Add({{"outcome", "completed"}});
-  failed_ = &requests.Add({{"outcome", "failed"}});
-  rejected_ = &requests.Add({{"outcome", "rejected"}});
-  cancelled_ = &requests.Add({{"outcome", "cancelled"}});
+  requests_ = &requests;
+  // The usual ends exist from the start, so that a rate over them is 0 rather than absent.
+  requests.Add({{"outcome", "completed"}, {"code", "OK"}});
+  requests.Add({{"outcome", "cancelled"}, {"code", "CANCELLED"}});
   drafted_ = &prometheus::BuildCounter()
                   .Name("dsa_coordinator_spec_decode_draft_tokens_total")
                   .Help("Draft tokens verified by speculative decode steps")
@@ -94,21 +94,22 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
                   .Add({});
 }
 
-void CoordinatorMetrics::CountRequest(RequestOutcome outcome) {
+void CoordinatorMetrics::CountRequest(RequestOutcome outcome, absl::StatusCode code) {
+  const char* name = "completed";
   switch (outcome) {
     case RequestOutcome::kCompleted:
-      completed_->Increment();
       break;
     case RequestOutcome::kFailed:
-      failed_->Increment();
+      name = "failed";
       break;
     case RequestOutcome::kRejected:
-      rejected_->Increment();
+      name = "rejected";
       break;
     case RequestOutcome::kCancelled:
-      cancelled_->Increment();
+      name = "cancelled";
       break;
   }
+  requests_->Add({{"outcome", name}, {"code", absl::StatusCodeToString(code)}}).Increment();
 }
 
 void CoordinatorMetrics::SetWorkers(bool attention, int ready, int not_ready) {

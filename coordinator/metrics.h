@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "prometheus/counter.h"
+#include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -41,7 +42,9 @@ absl::Status ValidateBuckets(const std::vector<double>& bounds, const std::strin
 /// - dsa_coordinator_inter_token_latency_seconds (histogram): per decode step after the first,
 ///   the time since the previous step of the request divided by the step's tokens
 /// - dsa_coordinator_queue_duration_seconds (histogram): Generate arrival to admission
-/// - dsa_coordinator_requests_total{outcome="completed"|"failed"|"rejected"|"cancelled"}
+/// - dsa_coordinator_requests_total{outcome="completed"|"failed"|"rejected"|"cancelled",code}:
+///   code is the request's final status code's name ("OK", "RESOURCE_EXHAUSTED", ...), so that
+///   refusals and failures are told apart by why
 /// - dsa_coordinator_spec_decode_draft_tokens_total, ..._accepted_tokens_total (counters)
 /// - dsa_coordinator_generated_tokens_total (counter): tokens sent to clients in Tokens events
 /// - dsa_coordinator_migrations_total (counter): running requests moved off a failed worker
@@ -59,7 +62,8 @@ class CoordinatorMetrics {
   void ObserveTimeToFirstToken(double seconds) { ttft_->Observe(seconds); }
   void ObserveInterTokenLatency(double seconds) { itl_->Observe(seconds); }
   void ObserveQueueDuration(double seconds) { queue_->Observe(seconds); }
-  void CountRequest(RequestOutcome outcome);
+  /// One request ended with `outcome` and the status `code` its Generate returned.
+  void CountRequest(RequestOutcome outcome, absl::StatusCode code);
   /// One verification step: `drafted` draft tokens verified, `accepted` of them accepted.
   void CountSpeculativeStep(int drafted, int accepted);
   void SetQueued(int queued) { queued_->Set(queued); }
@@ -74,10 +78,7 @@ class CoordinatorMetrics {
   prometheus::Histogram* ttft_;
   prometheus::Histogram* itl_;
   prometheus::Histogram* queue_;
-  prometheus::Counter* completed_;
-  prometheus::Counter* failed_;
-  prometheus::Counter* rejected_;
-  prometheus::Counter* cancelled_;
+  prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Counter* drafted_;
   prometheus::Counter* accepted_;
   prometheus::Counter* generated_;

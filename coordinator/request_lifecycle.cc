@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "contracts/limits.h"
 #include "coordinator/acceptance_model.h"
 #include "coordinator/request_validation.h"
 #include "coordinator/token_blocks.h"
@@ -179,7 +180,7 @@ void RequestLifecycle::SetFinalLocked(InFlightRequest& request, const absl::Stat
       {"generated_tokens", request.generated},
       {"migrations", request.migrations},
       {"duration_s", Seconds(core_->clock.Now() - request.arrival)}};
-  if (!status.ok()) fields["message"] = std::string(status.message());
+  if (!status.ok()) fields["reason"] = std::string(status.message());
   if (request.generated > 0) {
     fields["ttft_s"] = Seconds(request.first_token_time - request.arrival);
   }
@@ -195,8 +196,26 @@ void RequestLifecycle::SetFinalLocked(InFlightRequest& request, const absl::Stat
   } else if (status.code() == absl::StatusCode::kCancelled) {
     outcome = RequestOutcome::kCancelled;
   }
-  core_->metrics->CountRequest(outcome);
+  core_->metrics->CountRequest(outcome, status.code());
   request.changed.SignalAll();
+}
+
+absl::Status RequestLifecycle::Rejected(const GenerateSpec& spec, const std::string& caller,
+                                        absl::string_view traceparent, absl::Status status) {
+  std::optional<TraceContext> trace;
+  if (!traceparent.empty()) trace = ParseTraceparent(traceparent);
+  // An id over the limit (one of the refusals) is logged cut to it.
+  const bool long_id = spec.request_id.size() > kMaxRequestIdBytes;
+  nlohmann::json fields = {
+      {"request_id",
+       long_id ? spec.request_id.substr(0, kMaxRequestIdBytes) + "..." : spec.request_id},
+      {"caller", caller},
+      {"code", absl::StatusCodeToString(status.code())},
+      {"reason", std::string(status.message())}};
+  if (trace.has_value()) fields["trace_id"] = trace->trace_id;
+  LogJson("warn", "request rejected", std::move(fields));
+  core_->metrics->CountRequest(RequestOutcome::kRejected, status.code());
+  return status;
 }
 
 void RequestLifecycle::UpdateGaugesLocked() {
@@ -314,8 +333,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
   const GenerateSpec* spec = &generate;
   const absl::Time arrival = core_->clock.Now();
   if (absl::Status valid = ValidateGenerateRequest(*spec); !valid.ok()) {
-    core_->metrics->CountRequest(RequestOutcome::kRejected);
-    return valid;
+    return Rejected(*spec, caller, traceparent, std::move(valid));
   }
   auto request = std::make_shared<InFlightRequest>();
   request->id = spec->request_id;
@@ -356,8 +374,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
   std::optional<ServedModel> model = pool_->model();
   if (model.has_value()) {
     if (absl::Status valid = ValidateGenerateRequestForModel(*spec, *model); !valid.ok()) {
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return valid;
+      return Rejected(*spec, caller, traceparent, std::move(valid));
     }
     request->real = model->real();
   }
@@ -371,37 +388,35 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
   {
     absl::MutexLock lock(&core_->mu);
     if (core_->draining || core_->stopping) {
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return absl::UnavailableError("draining: the coordinator admits no new requests");
+      return Rejected(*spec, caller, traceparent,
+                      absl::UnavailableError("draining: the coordinator admits no new requests"));
     }
     if (!pool_->ReadyLocked()) {
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return {absl::StatusCode::kUnavailable,
-              absl::StrCat("not ready: ", core_->scheduler.ReadyIndexers(), " of ",
-                           pool_->NumIndexersLocked(), " indexer and ",
-                           core_->scheduler.ReadyAttentions(), " of ", pool_->NumAttentionLocked(),
-                           " attention workers are ready (a worker of each kind is needed)")};
+      return Rejected(
+          *spec, caller, traceparent,
+          {absl::StatusCode::kUnavailable,
+           absl::StrCat("not ready: ", core_->scheduler.ReadyIndexers(), " of ",
+                        pool_->NumIndexersLocked(), " indexer and ",
+                        core_->scheduler.ReadyAttentions(), " of ", pool_->NumAttentionLocked(),
+                        " attention workers are ready (a worker of each kind is needed)")});
     }
     if (!model.has_value() || pool_->ModelLocked() != model) {
       // Ready means an attention worker was taken in, so the model is known; it changed only if
       // every worker was replaced meanwhile.
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return absl::UnavailableError(
-          "the attention workers' model changed while the request was checked; retry");
+      return Rejected(*spec, caller, traceparent,
+                      absl::UnavailableError("the attention workers' model changed while the "
+                                             "request was checked; retry"));
     }
     if (by_id_.contains({caller, request->id})) {
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return {absl::StatusCode::kAlreadyExists,
-              absl::StrCat("request '", request->id, "' is already in flight")};
+      return Rejected(*spec, caller, traceparent,
+                      {absl::StatusCode::kAlreadyExists,
+                       absl::StrCat("request '", request->id, "' is already in flight")});
     }
     request->ticket = next_ticket_++;
     (void)pool_->ReleaseExpiredHoldsLocked();  // an indexer whose hold ran out takes it
     absl::StatusOr<std::optional<Admission>> submitted = core_->scheduler.Submit(
         request->ticket, request->demand, /*migrated=*/false, request->tokens);
-    if (!submitted.ok()) {
-      core_->metrics->CountRequest(RequestOutcome::kRejected);
-      return submitted.status();
-    }
+    if (!submitted.ok()) return Rejected(*spec, caller, traceparent, submitted.status());
     by_id_[{caller, request->id}] = request;
     by_ticket_[request->ticket] = request;
     request->stream = &stream;
@@ -570,8 +585,14 @@ absl::Status RequestLifecycle::Abort(const std::string& request_id, const std::s
   // flight cannot be probed.
   auto it = by_id_.find({caller, request_id});
   if (it == by_id_.end() || it->second->final_status.has_value()) {
-    return absl::NotFoundError(
-        absl::StrCat("no request '", request_id, "' of this caller in flight"));
+    absl::Status status =
+        absl::NotFoundError(absl::StrCat("no request '", request_id, "' of this caller in flight"));
+    LogJson("info", "abort refused",
+            {{"request_id", request_id},
+             {"caller", caller},
+             {"code", absl::StatusCodeToString(status.code())},
+             {"reason", std::string(status.message())}});
+    return status;
   }
   AbortLocked(*it->second);
   return absl::OkStatus();

@@ -96,6 +96,10 @@ class RequestLifecycle {
   // now; forgets those of retired workers (a restarted process holds nothing). Then queued
   // requests may fit.
   void ReleaseUnreleased();
+  // A request refused before it was queued: counts it (outcome "rejected", its code), logs one
+  // "request rejected" line (its id, caller, trace id, code and reason) and returns `status`.
+  absl::Status Rejected(const GenerateSpec& spec, const std::string& caller,
+                        absl::string_view traceparent, absl::Status status);
   // Sets the stream's status and counts the outcome (first call wins).
   void SetFinalLocked(InFlightRequest& request, const absl::Status& status)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(core_->mu);

@@ -40,13 +40,14 @@ int64_t ContextLength(const GenerateSpec& request) {
 }
 
 absl::Status ValidateGenerateRequest(const GenerateSpec& request) {
-  if (request.request_id.empty() || request.request_id.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("request_id must be 1..128 bytes, got ", request.request_id.size()));
+  if (request.request_id.empty() || request.request_id.size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("request_id must be 1..", kMaxRequestIdBytes,
+                                                   " bytes, got ", request.request_id.size()));
   }
-  if (request.session_id.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session_id must be at most 128 bytes, got ", request.session_id.size()));
+  if (request.session_id.size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("session_id must be at most ",
+                                                   kMaxRequestIdBytes, " bytes, got ",
+                                                   request.session_id.size()));
   }
   int64_t context = 0;
   if (request.context_tokens.has_value()) {

@@ -244,7 +244,7 @@ TEST(DsaCoordinatorBinaryTest, ServesGenerateOverRealWorkersThenDrainsOnSigterm)
     EXPECT_GT(load.cache_blocks_used(), 0);
   }
   const std::string metrics = HttpGetMetrics(coordinator.metrics_address);
-  EXPECT_NE(metrics.find("dsa_coordinator_requests_total{outcome=\"completed\"} 1"),
+  EXPECT_NE(metrics.find("dsa_coordinator_requests_total{code=\"OK\",outcome=\"completed\"} 1"),
             std::string::npos)
       << metrics;
   EXPECT_NE(metrics.find("dsa_coordinator_time_to_first_token_seconds_count 1"), std::string::npos);

@@ -27,6 +27,7 @@
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "tests/coordinator/fake_workers.h"
+#include "tests/coordinator/requests_metric.h"
 
 namespace dsa {
 namespace engine_testing {
@@ -236,6 +237,12 @@ class EngineTest : public ::testing::Test {
       }
     }
     return -1;
+  }
+
+  // dsa_coordinator_requests_total of `outcome` (and `code`, when given), over its codes.
+  int64_t Requests(const std::string& outcome, const std::string& code = "") {
+    return testing::RequestsWithOutcome(prometheus::TextSerializer().Serialize(registry_.Collect()),
+                                        outcome, code);
   }
 
   CoordinatorOptions options_;

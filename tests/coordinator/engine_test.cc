@@ -341,7 +341,7 @@ TEST_F(EngineTest, AMissTargetTheIndexerRefusesEndsItsRequestAtOnceWithoutMigrat
   EXPECT_EQ(fakes_->PrefillCalls(kA1), 2);   // r1's, and r2's only one
   EXPECT_EQ(Metric("dsa_coordinator_migrations_total "), 0);
   EXPECT_EQ(fakes_->GetLoads(kI1), checks_before);  // no worker was suspected
-  EXPECT_EQ(Metric("dsa_coordinator_requests_total{outcome=\"failed\"} "), 1);
+  EXPECT_EQ(Requests("failed"), 1);
 
   // The workers stay ready: the next request is placed there and decodes in r1's batch.
   auto r3 = Generate(Request("r3", 64, 4));
@@ -647,6 +647,26 @@ TEST_F(EngineTest, GetLoadAsksEachIndexerAtMostOncePerLoadCacheInterval) {
   ASSERT_EQ(load.indexer_workers_size(), 2);
   EXPECT_FALSE(load.indexer_workers(1).ready());
   EXPECT_EQ(fakes_->GetLoads(kI1), after_refresh + 1);
+}
+
+// Every refused request and every refused Abort leaves one log line naming the request, its
+// caller, the code and the reason, and a refusal is counted under its code.
+TEST_F(EngineTest, RefusalsAreLoggedAndCountedByCode) {
+  Start({kA1}, {kI1});
+  RecordingStream stream;
+  ::testing::internal::CaptureStderr();
+  const absl::Status bad = engine_->Generate(Request("", 10, 2), "router-a", "", stream);
+  const absl::Status unknown = engine_->Abort("nope", "router-b");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(log, R"("caller":"router-a","code":"INVALID_ARGUMENT")")) << log;
+  EXPECT_TRUE(absl::StrContains(log, R"("msg":"request rejected","reason":"request_id must be)"))
+      << log;
+  EXPECT_TRUE(absl::StrContains(log, R"("msg":"abort refused","reason":"no request 'nope')"))
+      << log;
+  EXPECT_EQ(Requests("rejected", "INVALID_ARGUMENT"), 1);
+  EXPECT_EQ(Requests("rejected"), 1);
 }
 
 // A worker the checks no longer reach is not reported with its last load: GetLoad says it is

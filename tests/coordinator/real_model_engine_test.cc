@@ -393,8 +393,7 @@ TEST_F(RealModelTest, EachBadFieldIsRefusedWithAPreciseStatus) {
     EXPECT_TRUE(absl::StrContains(status.message(), c.message)) << status;
     EXPECT_TRUE(stream.events().empty());
   }
-  EXPECT_EQ(Metric("dsa_coordinator_requests_total{outcome=\"rejected\"} "),
-            static_cast<int64_t>(cases.size()));
+  EXPECT_EQ(Requests("rejected"), static_cast<int64_t>(cases.size()));
   EXPECT_TRUE(fakes_->Prefills(kA1).empty());
   // At the limit: 3 + 4093 = 4096 tokens fit.
   Call* call = Generate(TokensRequest("fits", {1, 2, 3}, 4093));

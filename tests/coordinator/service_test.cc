@@ -17,6 +17,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "server/parse_errors.h"
+#include "tests/coordinator/requests_metric.h"
 #include "tests/coordinator/service_fixture.h"
 #include "tests/testing/raw_call.h"
 
@@ -67,7 +68,8 @@ TEST(CoordinatorServiceTest, StreamsAdmittedTokensAndFinishedWithExactlyMaxNewTo
   ASSERT_EQ(load.indexer_workers_size(), 1);
   EXPECT_EQ(load.indexer_workers(0).sequences(), 1);
   const std::string metrics = cluster.Metrics();
-  EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_requests_total{outcome=\"completed\"} 1"));
+  EXPECT_THAT(metrics,
+              HasSubstr("dsa_coordinator_requests_total{code=\"OK\",outcome=\"completed\"} 1"));
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_time_to_first_token_seconds_count 1"));
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_inter_token_latency_seconds_count 6"));
   EXPECT_THAT(metrics, HasSubstr("dsa_coordinator_queue_duration_seconds_count 1"));
@@ -325,9 +327,10 @@ TEST(CoordinatorServiceTest, RefusesBadInputWithPreciseStatuses) {
   ASSERT_TRUE(ok.status.ok()) << ok.status.error_message();
   EXPECT_EQ(ok.events[1].tokens().first_position(), 70);
   EXPECT_EQ(cluster.fake().prefills().size(), 1u);  // only the good one reached a worker
-  EXPECT_THAT(cluster.Metrics(),
-              HasSubstr(absl::StrCat("dsa_coordinator_requests_total{outcome=\"rejected\"} ",
-                                     cases.size())));
+  EXPECT_EQ(testing::RequestsWithOutcome(cluster.Metrics(), "rejected"),
+            static_cast<int64_t>(cases.size()));
+  // Each refusal is counted under its own code.
+  EXPECT_GT(testing::RequestsWithOutcome(cluster.Metrics(), "rejected", "INVALID_ARGUMENT"), 0);
 }
 
 TEST(CoordinatorServiceTest, TooLargeIsRefusedAtOnceWithTheNumbers) {
@@ -423,8 +426,9 @@ TEST(CoordinatorServiceTest, DuplicateInFlightIdIsAlreadyExistsAndAbortEndsReque
   ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).cache_blocks_used() == 0; }));
   EXPECT_EQ(Load(cluster.stub()).running(), 0);
-  EXPECT_THAT(cluster.Metrics(),
-              HasSubstr("dsa_coordinator_requests_total{outcome=\"cancelled\"} 2"));
+  EXPECT_THAT(
+      cluster.Metrics(),
+      HasSubstr("dsa_coordinator_requests_total{code=\"CANCELLED\",outcome=\"cancelled\"} 2"));
   // The id is free again.
   EXPECT_TRUE(Generate(cluster.stub(), Request("run", 10, 1)).status.ok());
 }
@@ -460,7 +464,9 @@ TEST(CoordinatorServiceTest, ALostAttentionWorkerFailsItsRequestsUnavailable) {
   EXPECT_GT(s.TokenCount(), 0);
   EXPECT_EQ(Load(cluster.stub()).running(), 0);
   // The failure is counted; the coordinator itself goes on answering.
-  EXPECT_THAT(cluster.Metrics(), HasSubstr("dsa_coordinator_requests_total{outcome=\"failed\"} 1"));
+  EXPECT_THAT(
+      cluster.Metrics(),
+      HasSubstr("dsa_coordinator_requests_total{code=\"UNAVAILABLE\",outcome=\"failed\"} 1"));
 }
 
 TEST(CoordinatorServiceTest, ClientCancellingItsStreamAbortsTheRequest) {
@@ -477,7 +483,8 @@ TEST(CoordinatorServiceTest, ClientCancellingItsStreamAbortsTheRequest) {
   ASSERT_TRUE(cluster.fake().AwaitNumSequences(0));
   ASSERT_TRUE(WaitFor([&] { return Load(cluster.stub()).running() == 0; }));
   EXPECT_TRUE(WaitFor([&] {
-    return cluster.Metrics().find("dsa_coordinator_requests_total{outcome=\"cancelled\"} 1") !=
+    return cluster.Metrics().find(
+               "dsa_coordinator_requests_total{code=\"CANCELLED\",outcome=\"cancelled\"} 1") !=
            std::string::npos;
   }));
 }
@@ -504,7 +511,9 @@ TEST(CoordinatorServiceTest, AFailingSequenceEndsWithTheWorkersStatusWhileOthers
   }
   EXPECT_TRUE(released_bad);
   EXPECT_EQ(Load(cluster.stub()).retained_sequences(), 1);
-  EXPECT_THAT(cluster.Metrics(), HasSubstr("dsa_coordinator_requests_total{outcome=\"failed\"} 1"));
+  EXPECT_THAT(
+      cluster.Metrics(),
+      HasSubstr("dsa_coordinator_requests_total{code=\"UNAVAILABLE\",outcome=\"failed\"} 1"));
 }
 
 TEST(CoordinatorServiceTest, ASlowReaderSlowsOnlyItselfAndIsBounded) {
