@@ -498,6 +498,22 @@ def promises_cpu_only(r: dict[str, Any]) -> list[tuple[bool, str]]:
     ]
 
 
+def rules_with_runbooks(runbook_url: str) -> list[dict[str, Any]]:
+    """files/prometheus-rules.yaml's groups as the chart renders them: each alert's runbook_url
+    (docs/deploy.md#anchor in the file) is runbook_url + "#anchor", or gone when it is empty."""
+    groups = load_yaml(os.path.join(CHART, "files", "prometheus-rules.yaml"))["groups"]
+    for group in groups:
+        for rule in group["rules"]:
+            annotations = rule.get("annotations", {})
+            if "runbook_url" in annotations:
+                anchor = annotations["runbook_url"][annotations["runbook_url"].index("#"):]
+                if runbook_url:
+                    annotations["runbook_url"] = runbook_url + anchor
+                else:
+                    del annotations["runbook_url"]
+    return groups
+
+
 def promises_gpu(r: dict[str, Any]) -> list[tuple[bool, str]]:
     pods, tomls, kinds = r["pods"], r["tomls"], r["by_kind"]
     dashboards = [c for n, c in kinds.get("ConfigMap", {}).items() if n.endswith("-dashboards")]
@@ -514,8 +530,10 @@ def promises_gpu(r: dict[str, Any]) -> list[tuple[bool, str]]:
         (all(pods[c]["spec"].get("runtimeClassName") == "nvidia" for c in ("indexer", "attention")),
          "GPU workers must run with runtimeClassName nvidia"),
         ("PrometheusRule" in kinds and list(kinds["PrometheusRule"].values())[0]["spec"]["groups"]
-         == load_yaml(os.path.join(CHART, "files", "prometheus-rules.yaml"))["groups"],
-         "the GPU example's PrometheusRule must hold files/prometheus-rules.yaml's groups"),
+         == rules_with_runbooks(load_yaml(os.path.join(
+             CHART, "examples", "gpu-one-per-worker.yaml"))["monitoring"]["prometheusRule"]["runbookUrl"]),
+         "the GPU example's PrometheusRule must hold files/prometheus-rules.yaml's groups, each "
+         "runbook_url the example's runbookUrl plus the alert's anchor"),
         (len(dashboards) == 1 and dashboards[0]["metadata"]["labels"].get("grafana_dashboard") == "1",
          "the GPU example renders one dashboards ConfigMap labelled grafana_dashboard: \"1\""),
     ] + scrape_checks(r, "PodMonitor")
@@ -717,6 +735,9 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("no margin above the drain", {"terminationGraceMarginSeconds": 0},
      "at '/terminationGraceMarginSeconds': minimum: got 0, want 1"),
     ("a bad image pull policy", {"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
+    ("a relative runbook URL", {"monitoring": {"prometheusRule": {"enabled": True,
+                                                                  "runbookUrl": "docs/deploy.md"}}},
+     "at '/monitoring/prometheusRule/runbookUrl'"),
     ("device cuda without a GPU", {"image": {"variant": "cuda"}, "indexer": {"device": "cuda"}},
      "indexer.device is cuda but indexer.gpu is 0: set indexer.gpu to at least 1"),
     ("device cuda on the cpu image", {"attention": {"device": "cuda", "gpu": 1}},

@@ -195,7 +195,12 @@ top = {
       "scrape": obj({"enabled": b(), "kind": {"type": "string", "enum": ["PodMonitor", "ServiceMonitor"]},
                      "interval": ref("duration"), "scrapeTimeout": ref("duration"), "labels": ref("stringMap")},
                     required=["enabled", "kind", "interval", "scrapeTimeout"]),
-      "prometheusRule": obj({"enabled": b(), "labels": ref("stringMap")}, required=["enabled"]),
+      "prometheusRule": obj({"enabled": b(), "labels": ref("stringMap"),
+                             "runbookUrl": s("Where your team reads docs/deploy.md (an http(s) URL, "
+                                             "no '#'): each alert's runbook_url is it plus the "
+                                             "alert's anchor. Empty: the alerts carry no runbook_url.",
+                                             pattern="^(https?://[^#\\s]+)?$")},
+                            required=["enabled"]),
       "dashboards": obj({"enabled": b(), "labels": ref("stringMap"), "annotations": ref("stringMap"),
                          "namespace": ref("k8sName")}, required=["enabled"]),
   }),
