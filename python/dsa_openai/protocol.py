@@ -61,6 +61,7 @@ class Plan:
     prompt_ids: the prompt's token ids (chat: the chat template applied). max_tokens: tokens to
     generate at most (None: up to the model's context). stop: stop strings (the text ends before
     the first). stop_token_ids: token ids that end the request (chat: the end-of-turn token).
+    ignore_eos: generate max_tokens tokens whatever the model's end of sequence (vLLM's field).
     stream / include_usage: SSE chunks, and a last chunk with usage."""
     kind: str  # "completion" or "chat"
     model: str
@@ -72,6 +73,7 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     user: Optional[str] = None
+    ignore_eos: bool = False
 
 
 def _number(body: Dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -147,6 +149,10 @@ def _common(body: Dict[str, Any], model: str) -> Dict[str, Any]:
     if not isinstance(include_usage, bool):
         raise invalid("stream_options", "stream_options.include_usage must be a boolean")
     seed = _integer(body, "seed", 0, 2**64 - 1)
+    # vLLM's extension, which benchmark clients send to get exactly max_tokens tokens.
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise invalid("ignore_eos", f"ignore_eos must be a boolean, got {ignore_eos!r}")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user.encode()) > MAX_USER_BYTES):
         raise invalid("user", f"user must be a string of at most {MAX_USER_BYTES} bytes")
@@ -157,6 +163,7 @@ def _common(body: Dict[str, Any], model: str) -> Dict[str, Any]:
         "stream": stream,
         "include_usage": include_usage,
         "user": user,
+        "ignore_eos": ignore_eos,
     }
 
 
@@ -243,8 +250,11 @@ def chat_plan(body: Dict[str, Any], model: str, render_chat, end_of_turn_id: int
     max_tokens = _integer(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
+    # With ignore_eos the answer runs to max_tokens past the end of its turn too (the turn's end
+    # is the model's end of sequence).
+    stop_token_ids = [] if common["ignore_eos"] else [end_of_turn_id]
     return Plan(kind="chat", model=model, prompt_ids=list(render_chat(messages)),
-                max_tokens=max_tokens, stop_token_ids=[end_of_turn_id], **common)
+                max_tokens=max_tokens, stop_token_ids=stop_token_ids, **common)
 
 
 class StopMatcher:

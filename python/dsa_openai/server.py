@@ -199,7 +199,7 @@ class OpenAiFront:
         return coordinator_pb2.GenerateRequest(
             request_id=request_id, context_tokens=coordinator_pb2.ContextTokens(
                 tokens=plan.prompt_ids), max_new_tokens=max_tokens, sampling=sampling,
-            stop_token_ids=plan.stop_token_ids)
+            stop_token_ids=plan.stop_token_ids, ignore_eos=plan.ignore_eos)
 
     async def _serve(self, request: web.Request, plan: Plan,
                      request_id: str) -> web.StreamResponse:

@@ -201,6 +201,20 @@ def test_a_chat_uses_the_template_and_ends_at_the_end_of_turn(client, stack):
     assert answer.usage.completion_tokens == len(encode("Hi there")) + 1
 
 
+def test_ignore_eos_runs_to_max_tokens_past_the_end_of_turn(client, stack):
+    stack.coordinator.reply = encode("Hi") + [END_OF_TURN] + encode(" more text here")
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        extra_body={"ignore_eos": True})
+    sent = stack.coordinator.requests[-1]
+    assert sent.ignore_eos and list(sent.stop_token_ids) == []
+    assert answer.choices[0].message.content == "Hi mo"  # 6 tokens, the end of turn one of them
+    assert answer.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"ignore_eos": "yes"})
+    assert e.value.body["param"] == "ignore_eos"
+
+
 def test_a_streamed_chat_sends_the_role_then_the_content_then_usage(client, stack):
     stack.coordinator.reply = encode("Hi there") + [END_OF_TURN]
     chunks = list(client.chat.completions.create(
