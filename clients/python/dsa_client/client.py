@@ -32,43 +32,21 @@ Thread-safety: one client may be used from many threads (a gRPC channel is threa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-__all__ = ["CoordinatorClient", "Overrides", "Sampling", "Generation", "HEALTH_SERVICE_NAMES",
+__all__ = ["CoordinatorClient", "AsyncCoordinatorClient", "Overrides", "Sampling", "Generation",
+           "AsyncGeneration", "HEALTH_SERVICE_NAMES", "DEFAULT_GENERATE_TIMEOUT_S",
            "tls_credentials"]
 
 #: The health names every dsa server answers (docs/deploy.md, "Health").
 HEALTH_SERVICE_NAMES = ("liveness", "readiness", "")
-
-
-def _health_messages():
-    """The request and response classes of grpc.health.v1.Health/Check, described here (two
-    fields) instead of depending on another package for them. Wire-compatible with the standard
-    health.proto: HealthCheckRequest {string service = 1}, HealthCheckResponse {ServingStatus
-    status = 1} with UNKNOWN 0, SERVING 1, NOT_SERVING 2, SERVICE_UNKNOWN 3."""
-    pool = descriptor_pool.DescriptorPool()
-    file = descriptor_pb2.FileDescriptorProto(
-        name="dsa_client/grpc_health_v1.proto", package="grpc.health.v1", syntax="proto3")
-    request = file.message_type.add(name="HealthCheckRequest")
-    field = descriptor_pb2.FieldDescriptorProto
-    request.field.add(name="service", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    response = file.message_type.add(name="HealthCheckResponse")
-    status = response.enum_type.add(name="ServingStatus")
-    for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
-        status.value.add(name=name, number=number)
-    response.field.add(name="status", number=1, type=field.TYPE_ENUM, label=field.LABEL_OPTIONAL,
-                       type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus")
-    pool.Add(file)
-    return tuple(
-        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.health.v1.{name}"))
-        for name in ("HealthCheckRequest", "HealthCheckResponse"))
 
 
 def _read_pem(path: str, what: str) -> bytes:
@@ -94,9 +72,14 @@ def tls_credentials(ca_file: Optional[str] = None, cert_file: Optional[str] = No
         certificate_chain=None if cert_file is None else _read_pem(cert_file, "cert_file"))
 
 
-#: grpc.health.v1 messages: HealthCheckRequest(service=...), HealthCheckResponse(status=...).
-HealthCheckRequest, HealthCheckResponse = _health_messages()
+#: grpc.health.v1 messages (grpcio-health-checking's): HealthCheckRequest(service=...),
+#: HealthCheckResponse(status=...).
+HealthCheckRequest, HealthCheckResponse = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
 HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+
+#: The deadline of a Generate stream when the caller gives none (seconds): a long generation on
+#: a CPU cluster takes minutes; pass timeout_s=None for no deadline.
+DEFAULT_GENERATE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -139,6 +122,51 @@ class Sampling:
         if self.seed is not None:
             proto.seed = self.seed
         return proto
+
+
+def _channel_settings(credentials, root_certificates, private_key, certificate_chain, token,
+                      server_name, options):
+    """The credentials and channel arguments of connect() (CoordinatorClient's and
+    AsyncCoordinatorClient's): its rules and errors."""
+    if credentials is None and (root_certificates or private_key or certificate_chain):
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=root_certificates, private_key=private_key,
+            certificate_chain=certificate_chain)
+    options = list(options)
+    if token is not None:
+        if credentials is None:
+            raise ValueError("a bearer token needs TLS credentials (credentials= or "
+                             "root_certificates=): tokens must not cross plaintext")
+        if not token or any(c.isspace() for c in token):
+            raise ValueError("a bearer token is one word: not empty, no white space")
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(token))
+    if server_name is not None:
+        if credentials is None:
+            raise ValueError("server_name needs TLS credentials (it names the certificate "
+                             "to expect)")
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return credentials, options
+
+
+def _generate_request(request_id, max_new_tokens, context_length, context_tokens,
+                      prefix_block_ids, draft_length, session_id, overrides, sampling,
+                      stop_token_ids, ignore_eos) -> coordinator_pb2.GenerateRequest:
+    if (context_length is None) == (context_tokens is None):
+        raise ValueError("give exactly one of context_length and context_tokens")
+    request = coordinator_pb2.GenerateRequest(
+        request_id=request_id, max_new_tokens=max_new_tokens,
+        prefix_block_ids=list(prefix_block_ids), draft_length=draft_length,
+        session_id=session_id, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if context_length is not None:
+        request.context_length = context_length
+    else:
+        request.context_tokens.tokens.extend(context_tokens)
+    if overrides is not None:
+        request.overrides.CopyFrom(overrides.to_proto())
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling.to_proto())
+    return request
 
 
 class Generation:
@@ -210,24 +238,8 @@ class CoordinatorClient:
         server_name: the name checked in the server's certificate instead of target's host (e.g.
         the Service's name when target is a port-forward's 127.0.0.1); needs TLS credentials.
         options: gRPC channel arguments, e.g. [("grpc.max_receive_message_length", 8 << 20)]."""
-        if credentials is None and (root_certificates or private_key or certificate_chain):
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=root_certificates, private_key=private_key,
-                certificate_chain=certificate_chain)
-        options = list(options)
-        if token is not None:
-            if credentials is None:
-                raise ValueError("a bearer token needs TLS credentials (credentials= or "
-                                 "root_certificates=): tokens must not cross plaintext")
-            if not token or any(c.isspace() for c in token):
-                raise ValueError("a bearer token is one word: not empty, no white space")
-            credentials = grpc.composite_channel_credentials(
-                credentials, grpc.access_token_call_credentials(token))
-        if server_name is not None:
-            if credentials is None:
-                raise ValueError("server_name needs TLS credentials (it names the certificate "
-                                 "to expect)")
-            options.append(("grpc.ssl_target_name_override", server_name))
+        credentials, options = _channel_settings(credentials, root_certificates, private_key,
+                                                 certificate_chain, token, server_name, options)
         if credentials is not None:
             channel = grpc.secure_channel(target, credentials, options=options)
         else:
@@ -250,7 +262,8 @@ class CoordinatorClient:
                  prefix_block_ids: Iterable[int] = (), draft_length: int = 0,
                  session_id: str = "", overrides: Optional[Overrides] = None,
                  sampling: Optional[Sampling] = None, stop_token_ids: Iterable[int] = (),
-                 ignore_eos: bool = False, timeout_s: Optional[float] = None,
+                 ignore_eos: bool = False,
+                 timeout_s: Optional[float] = DEFAULT_GENERATE_TIMEOUT_S,
                  wait_for_ready: Optional[bool] = None) -> Generation:
         """Starts a Generate and returns it; iterate the result for its events, or its
         token_ids() for a real model's generated ids.
@@ -264,25 +277,15 @@ class CoordinatorClient:
         where its own tokens confirm them). session_id: continue a multi-turn sequence (empty = a
         one-off request). sampling: a real model's draws (None = greedy). stop_token_ids: a real
         model ends after any of these ids (at most 256). ignore_eos: a real model goes on past its
-        end-of-sequence token. timeout_s: deadline of the whole stream (None = none).
+        end-of-sequence token. timeout_s: deadline of the whole stream (default
+        DEFAULT_GENERATE_TIMEOUT_S; None = none).
         wait_for_ready: gRPC's wait-for-ready (queue the call while the channel connects).
         Raises ValueError when both or neither context form is given; the coordinator answers
         INVALID_ARGUMENT for an id out of range (the stream raises grpc.RpcError).
         """
-        if (context_length is None) == (context_tokens is None):
-            raise ValueError("give exactly one of context_length and context_tokens")
-        request = coordinator_pb2.GenerateRequest(
-            request_id=request_id, max_new_tokens=max_new_tokens,
-            prefix_block_ids=list(prefix_block_ids), draft_length=draft_length,
-            session_id=session_id, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
-        if context_length is not None:
-            request.context_length = context_length
-        else:
-            request.context_tokens.tokens.extend(context_tokens)
-        if overrides is not None:
-            request.overrides.CopyFrom(overrides.to_proto())
-        if sampling is not None:
-            request.sampling.CopyFrom(sampling.to_proto())
+        request = _generate_request(request_id, max_new_tokens, context_length, context_tokens,
+                                    prefix_block_ids, draft_length, session_id, overrides,
+                                    sampling, stop_token_ids, ignore_eos)
         call = self._stub.Generate(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
         return Generation(request_id, call)
 
@@ -304,5 +307,104 @@ class CoordinatorClient:
         grpc.RpcError when the server cannot be reached (UNAVAILABLE, DEADLINE_EXCEEDED) or does
         not know the name (NOT_FOUND)."""
         response = self._health_check(HealthCheckRequest(service=service), timeout=timeout_s)
-        return HealthCheckResponse.DESCRIPTOR.enum_types_by_name["ServingStatus"].values_by_number[
-            response.status].name
+        return HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class AsyncGeneration:
+    """One Generate call in flight on an AsyncCoordinatorClient: `async for` it for its
+    GenerateEvents, or `async for` its token_ids(); both raise grpc.aio.AioRpcError when the
+    stream ends with an error. cancel() drops the stream from this side."""
+
+    def __init__(self, request_id: str, call):
+        self.request_id = request_id
+        self._call = call
+        self.admitted: Optional[coordinator_pb2.Admitted] = None
+        self.finished: Optional[coordinator_pb2.Finished] = None
+
+    def __aiter__(self) -> AsyncIterator[coordinator_pb2.GenerateEvent]:
+        return self._call.__aiter__()
+
+    async def token_ids(self) -> AsyncIterator[int]:
+        """As Generation.token_ids: each generated id as its Tokens event arrives, keeping
+        .admitted and .finished. Consumes the stream."""
+        async for event in self._call:
+            kind = event.WhichOneof("event")
+            if kind == "tokens":
+                for token in event.tokens.token_ids:
+                    yield token
+            elif kind == "admitted":
+                self.admitted = event.admitted
+            elif kind == "finished":
+                self.finished = event.finished
+
+    def cancel(self) -> None:
+        """Cancels the call on the client side."""
+        self._call.cancel()
+
+    async def code(self) -> grpc.StatusCode:
+        """The stream's final status code (waits until the stream has ended)."""
+        return await self._call.code()
+
+
+class AsyncCoordinatorClient:
+    """CoordinatorClient for asyncio (grpc.aio): the same methods, each a coroutine (generate
+    returns an AsyncGeneration at once), the same arguments, defaults and errors. Build it with
+    connect() inside a running event loop; `await close()` (or `async with`) closes the channel."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._channel = channel
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    @classmethod
+    def connect(cls, target: str, *, credentials: Optional[grpc.ChannelCredentials] = None,
+                root_certificates: Optional[bytes] = None, private_key: Optional[bytes] = None,
+                certificate_chain: Optional[bytes] = None, token: Optional[str] = None,
+                server_name: Optional[str] = None,
+                options: Sequence[tuple[str, object]] = ()) -> "AsyncCoordinatorClient":
+        """As CoordinatorClient.connect (the same rules: a token needs TLS, ...)."""
+        credentials, options = _channel_settings(credentials, root_certificates, private_key,
+                                                 certificate_chain, token, server_name, options)
+        if credentials is not None:
+            return cls(grpc.aio.secure_channel(target, credentials, options=options))
+        return cls(grpc.aio.insecure_channel(target, options=options))
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight end with CANCELLED."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncCoordinatorClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def generate(self, request_id: str, *, max_new_tokens: int,
+                 context_length: Optional[int] = None,
+                 context_tokens: Optional[Iterable[int]] = None,
+                 prefix_block_ids: Iterable[int] = (), draft_length: int = 0,
+                 session_id: str = "", overrides: Optional[Overrides] = None,
+                 sampling: Optional[Sampling] = None, stop_token_ids: Iterable[int] = (),
+                 ignore_eos: bool = False,
+                 timeout_s: Optional[float] = DEFAULT_GENERATE_TIMEOUT_S,
+                 wait_for_ready: Optional[bool] = None) -> AsyncGeneration:
+        """As CoordinatorClient.generate; `async for` the result."""
+        request = _generate_request(request_id, max_new_tokens, context_length, context_tokens,
+                                    prefix_block_ids, draft_length, session_id, overrides,
+                                    sampling, stop_token_ids, ignore_eos)
+        call = self._stub.Generate(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        return AsyncGeneration(request_id, call)
+
+    async def abort(self, request_id: str, *, timeout_s: float = 5.0) -> None:
+        """As CoordinatorClient.abort."""
+        await self._stub.Abort(coordinator_pb2.AbortRequest(request_id=request_id),
+                               timeout=timeout_s)
+
+    async def get_load(self, *, timeout_s: float = 5.0) -> coordinator_pb2.GetLoadResponse:
+        """As CoordinatorClient.get_load."""
+        return await self._stub.GetLoad(coordinator_pb2.GetLoadRequest(), timeout=timeout_s)
+
+    async def health(self, service: str = "readiness", *, timeout_s: float = 2.0) -> str:
+        """As CoordinatorClient.health."""
+        response = await self._health.Check(HealthCheckRequest(service=service), timeout=timeout_s)
+        return HealthCheckResponse.ServingStatus.Name(response.status)

@@ -2,6 +2,7 @@
 on a free loopback port): the requests it builds, the events it streams, abort, GetLoad, health,
 and TLS credentials passed through."""
 
+import asyncio
 import os
 import sys
 import threading
@@ -12,7 +13,8 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsa_client import CoordinatorClient, Overrides, Sampling  # noqa: E402
+from dsa_client import (DEFAULT_GENERATE_TIMEOUT_S, AsyncCoordinatorClient,  # noqa: E402
+                        CoordinatorClient, Overrides, Sampling)
 from dsa_client.client import (HEALTH_CHECK_METHOD, HealthCheckRequest,  # noqa: E402
                                HealthCheckResponse)
 from dsa_client.proto.dsa.coordinator.v1 import coordinator_pb2, coordinator_pb2_grpc  # noqa: E402
@@ -26,11 +28,13 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def __init__(self):
         self.requests = []
+        self.time_remaining = None  # the last Generate's deadline, seconds from its start
         self.aborts = {}  # request id -> threading.Event
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
         self.requests.append(request)
+        self.time_remaining = context.time_remaining()
         aborted = threading.Event()
         with self.lock:
             self.aborts[request.request_id] = aborted
@@ -75,7 +79,9 @@ def _health_handler(statuses):
     return grpc.method_handlers_generic_handler(service, {method: handler})
 
 
-class CoordinatorClientTest(unittest.TestCase):
+class FakeServerCase(unittest.TestCase):
+    """A FakeCoordinator with the health service on a free loopback port, and a client of it."""
+
     def setUp(self):
         self.fake = FakeCoordinator()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
@@ -83,12 +89,16 @@ class CoordinatorClientTest(unittest.TestCase):
         self.server.add_generic_rpc_handlers(
             [_health_handler({"liveness": 1, "readiness": 2, "": 2})])
         port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = port
         self.server.start()
         self.client = CoordinatorClient.connect(f"127.0.0.1:{port}")
 
     def tearDown(self):
         self.client.close()
         self.server.stop(grace=None)
+
+
+class CoordinatorClientTest(FakeServerCase):
 
     def test_generate_streams_admitted_tokens_finished(self):
         events = list(self.client.generate("r1", context_length=4096, max_new_tokens=3))
@@ -196,6 +206,61 @@ class CoordinatorClientTest(unittest.TestCase):
             self.client.health("liveness", timeout_s=0.5)
         self.assertIn(raised.exception.code(),
                       (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+
+
+class DeadlineTest(FakeServerCase):
+    def test_generate_has_a_default_deadline_and_none_on_request(self):
+        list(self.client.generate("d1", context_length=16, max_new_tokens=1))
+        self.assertGreater(self.fake.time_remaining, DEFAULT_GENERATE_TIMEOUT_S - 60)
+        self.assertLessEqual(self.fake.time_remaining, DEFAULT_GENERATE_TIMEOUT_S)
+        list(self.client.generate("d2", context_length=16, max_new_tokens=1, timeout_s=None))
+        self.assertGreater(self.fake.time_remaining, 1e9)  # gRPC's "no deadline"
+
+
+class AsyncCoordinatorClientTest(FakeServerCase):
+    """AsyncCoordinatorClient (grpc.aio) against the same fake: the same events, abort, GetLoad
+    and health, each awaited."""
+
+    def run_async(self, body):
+        async def run():
+            async with AsyncCoordinatorClient.connect(self.target) as client:
+                return await body(client)
+        return asyncio.run(run())
+
+    def setUp(self):
+        super().setUp()
+        self.target = f"127.0.0.1:{self.port}"
+
+    def test_async_generate_streams_and_token_ids_keep_finished(self):
+        async def body(client):
+            kinds = [e.WhichOneof("event") async for e in client.generate(
+                "a1", context_length=64, max_new_tokens=2)]
+            generation = client.generate("a2", context_tokens=[1, 2], max_new_tokens=3)
+            ids = [t async for t in generation.token_ids()]
+            return kinds, ids, generation.finished
+        kinds, ids, finished = self.run_async(body)
+        self.assertEqual(kinds, ["admitted", "tokens", "tokens", "finished"])
+        self.assertEqual(ids, [100, 101, 102])
+        self.assertEqual(finished.finish_reason, coordinator_pb2.FINISH_REASON_LENGTH)
+
+    def test_async_abort_get_load_and_health(self):
+        async def body(client):
+            generation = client.generate("long", context_length=16, max_new_tokens=5000)
+            events = generation.__aiter__()
+            first = await events.__anext__()
+            await events.__anext__()
+            await client.abort("long")
+            with self.assertRaises(grpc.aio.AioRpcError) as raised:
+                async for _ in events:
+                    pass
+            with self.assertRaises(grpc.aio.AioRpcError) as unknown:
+                await client.abort("nobody")
+            return (first.WhichOneof("event"), raised.exception.code(), unknown.exception.code(),
+                    (await client.get_load()).queued, await client.health("liveness"),
+                    await client.health("readiness"))
+        self.assertEqual(self.run_async(body),
+                         ("admitted", grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND, 2,
+                          "SERVING", "NOT_SERVING"))
 
 
 class ConnectTest(unittest.TestCase):
