@@ -459,11 +459,27 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
                 "no helm test pod checks the coordinator Service")
         f.check("attention-0." in targets, scenario, "no helm test pod checks attention worker 0")
 
-    # Every PodDisruptionBudget selects a rendered component.
+    # Every PodDisruptionBudget selects a rendered component and protects it: its workload keeps a
+    # pod through an eviction the budget allows, and still allows one.
+    workloads = {**by_kind.get("Deployment", {}), **by_kind.get("StatefulSet", {})}
     for name, pdb in by_kind.get("PodDisruptionBudget", {}).items():
         sel = pdb["spec"]["selector"]["matchLabels"]
         f.check(any(all(t["metadata"]["labels"].get(k) == v for k, v in sel.items()) for t in pods.values()),
                 f"{scenario}: PodDisruptionBudget/{name}", "selects no rendered pods")
+        owners = [w for w in workloads.values()
+                  if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+        for owner in owners:
+            replicas = owner["spec"].get("replicas", 1)
+            spec = pdb["spec"]
+            allowed = spec.get("maxUnavailable")
+            if isinstance(allowed, int):
+                protects = 1 <= allowed < replicas
+            elif isinstance(spec.get("minAvailable"), int):
+                protects = 1 <= spec["minAvailable"] < replicas
+            else:  # a percentage: at least two pods to keep one and evict one
+                protects = replicas > 1
+            f.check(protects, f"{scenario}: PodDisruptionBudget/{name}",
+                    f"over {replicas} replica(s) with {spec} it protects nothing or blocks every drain")
     return {"pods": pods, "tomls": tomls, "by_kind": by_kind}
 
 
@@ -603,6 +619,49 @@ def promises_host_network(r: dict[str, Any]) -> list[tuple[bool, str]]:
             (not pods["coordinator"]["spec"].get("hostNetwork"), "the coordinator stays off the host network")]
 
 
+ROUTERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
+MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+
+
+def promises_network_policy(r: dict[str, Any], nccl: bool) -> list[tuple[bool, str]]:
+    """One NetworkPolicy per component: gRPC from the parts that call it (routers for the
+    coordinator), metrics from `monitoring`, NCCL between the workers only with that transport."""
+    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]
+                for p in r["by_kind"].get("NetworkPolicy", {}).values()}
+    checks = [(set(policies) == {"coordinator", "indexer", "attention"},
+               f"a NetworkPolicy per component, has {sorted(policies)}")]
+    if not checks[0][0]:
+        return checks
+
+    def sources(spec, port):
+        rules = [rule for rule in spec["ingress"] if [p.get("port") for p in rule.get("ports", [])] == [port]]
+        return rules[0].get("from") if len(rules) == 1 else "missing"
+
+    def components(peers):
+        return sorted(p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component", "?")
+                      for p in peers)
+
+    checks += [
+        (sources(policies["coordinator"], "grpc")[:len(ROUTERS)] == ROUTERS and
+         components(sources(policies["coordinator"], "grpc")[len(ROUTERS):]) == ["test"],
+         f"the coordinator's gRPC must admit the routers and the test pods only: "
+         f"{sources(policies['coordinator'], 'grpc')}"),
+        (components(sources(policies["indexer"], "grpc")) == ["attention", "coordinator", "test"],
+         f"the indexers' gRPC must admit the coordinator, the attention workers and the test pods: "
+         f"{sources(policies['indexer'], 'grpc')}"),
+        (components(sources(policies["attention"], "grpc")) == ["coordinator", "test"],
+         "the attention workers' gRPC must admit the coordinator and the test pods"),
+    ]
+    for component, spec in policies.items():
+        checks.append((sources(spec, "metrics") == MONITORING, f"{component}'s metrics must admit `monitoring` only"))
+        all_ports = [rule for rule in spec["ingress"] if "ports" not in rule]
+        other = {"indexer": "attention", "attention": "indexer"}.get(component)
+        want = [[other]] if nccl and other else []
+        checks.append(([components(rule["from"]) for rule in all_ports] == want,
+                       f"{component}: every-port ingress must be {want} (NCCL between the workers)"))
+    return checks
+
+
 def promises_static(r: dict[str, Any]) -> list[tuple[bool, str]]:
     args = r["pods"]["coordinator"]["spec"]["containers"][0]["args"]
     return [(len(flag_values(args, "indexer")) == 3 and len(flag_values(args, "attention")) == 2,
@@ -699,6 +758,14 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
               "indexer": {"device": "cuda", "gpu": 1, "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
               "attention": {"device": "cuda", "gpu": 2, "transport": "nccl"}},
      promises_host_network),
+    ("network policies",
+     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING}},
+     lambda r: promises_network_policy(r, nccl=False)),
+    ("network policies with NCCL between the workers",
+     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING},
+              "image": {"variant": "cuda"}, "indexer": {"device": "cuda", "gpu": 1},
+              "attention": {"device": "cuda", "gpu": 1, "transport": "nccl"}},
+     lambda r: promises_network_policy(r, nccl=True)),
     ("static discovery",
      lambda: {"coordinator": {"discovery": {"mode": "static", "workerCheckIntervalMs": 1000}},
               "indexer": {"replicas": 3}, "tests": {"enabled": False},
@@ -794,6 +861,13 @@ def main() -> int:
             f.check(generated == committed.read(), "values.schema.json",
                     "differs from helm/tests/values_schema.py's output: run python3 helm/tests/values_schema.py "
                     "> helm/dsa-indexer/values.schema.json")
+        # The image tag (appVersion by default) is the release the binaries report: VERSION.
+        with open(os.path.join(CHART, "..", "..", "VERSION"), encoding="utf-8") as version_file:
+            release = version_file.read().strip()
+        app_version = str(load_yaml(os.path.join(CHART, "Chart.yaml"))["appVersion"])
+        f.check(app_version == release, "Chart.yaml",
+                f"appVersion {app_version} is not the release in VERSION ({release}), which "
+                "--version and dsa_build_info report")
         examples = sorted(glob.glob(os.path.join(CHART, "examples", "*.yaml")))
         covered = {s for s, _, _ in GOOD}
         for path in examples:
