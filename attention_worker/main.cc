@@ -21,6 +21,7 @@
 #include "contracts/lease.h"
 #include "contracts/limits.h"
 #include "prometheus/registry.h"
+#include "server/flag_file.h"
 #include "server/periodic_task.h"
 #include "server/server.h"
 
@@ -102,7 +103,7 @@ nlohmann::json BannerFields(const dsa::AttentionWorkerFlags& flags,
 }  // namespace
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
-                                   // are caught by CLI11_PARSE; others end the process.
+                                   // are caught by ParseServerFlags; others end the process.
   CLI::App app{
       "dsa-attention: the DSA attention worker (pattern model, KV cache, MLI schedule, sparse "
       "attention over the indexer workers' selections) over gRPC"};
@@ -111,7 +112,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
   dsa::AttentionWorkerFlags flags;
   dsa::AddAttentionWorkerFlags(app, flags);
   dsa::AddFlagSources(app, "dsa-attention");
-  CLI11_PARSE(app, argc, argv);
+  if (const int exit_code = dsa::ParseServerFlags(app, argc, argv); exit_code >= 0) {
+    return exit_code;
+  }
   if (absl::Status checked = dsa::CheckAttentionWorkerFlags(flags); !checked.ok()) {
     return Fail("bad config", checked, /*whole_status=*/false);
   }

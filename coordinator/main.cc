@@ -22,6 +22,7 @@
 #include "coordinator/scheduler.h"
 #include "coordinator/service.h"
 #include "prometheus/registry.h"
+#include "server/flag_file.h"
 #include "server/server.h"
 
 namespace {
@@ -41,7 +42,7 @@ std::string DefaultName(const std::string& listen) {
 }  // namespace
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
-                                   // are caught by CLI11_PARSE; others end the process.
+                                   // are caught by ParseServerFlags; others end the process.
   dsa::BlockTerminationSignals();
   CLI::App app{
       "dsa-coordinator: the DSA serving front door (admission, prefix-aware placement, continuous "
@@ -187,7 +188,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "call must carry \"authorization: Bearer TOKEN\" (needs --tls-cert)")
       ->check(CLI::ExistingFile);
   dsa::AddFlagSources(app, "dsa-coordinator");
-  CLI11_PARSE(app, argc, argv);
+  if (const int exit_code = dsa::ParseServerFlags(app, argc, argv); exit_code >= 0) {
+    return exit_code;
+  }
 
   for (const auto& [bounds, flag] : {std::pair{&buckets.time_to_first_token, "--ttft-buckets"},
                                      std::pair{&buckets.inter_token_latency, "--itl-buckets"}}) {

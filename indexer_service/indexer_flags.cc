@@ -1,6 +1,8 @@
 // The indexer's flags and the engine they describe (see indexer_flags.h).
 #include "indexer_service/indexer_flags.h"
 
+#include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -17,6 +19,15 @@ void AddIndexerFlags(CLI::App& app, IndexerFlags& flags, const std::string& pref
   flags.prefix = prefix;
   app.add_option(prefix + "capacity-blocks", flags.options.capacity_blocks,
                  "Index-key cache size in 64-slot blocks, shared by all sequences and layers")
+      ->check(CLI::Validator(
+          [](const std::string& value) {
+            // CLI11's PositiveNumber would print its range as a 300-digit number.
+            std::int64_t blocks = 0;
+            return CLI::detail::lexical_cast(value, blocks) && blocks >= 1
+                       ? std::string()
+                       : "must be a whole number of blocks, at least 1; got " + value;
+          },
+          "BLOCKS >= 1"))
       ->capture_default_str();
   if (with_shape_flags) {
     app.add_option("--num-heads", flags.options.num_heads, "Indexer query heads H")

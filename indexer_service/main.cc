@@ -14,6 +14,7 @@
 #include "indexer_service/indexer_flags.h"
 #include "indexer_service/metrics.h"
 #include "prometheus/registry.h"
+#include "server/flag_file.h"
 #include "server/periodic_task.h"
 #include "server/server.h"
 #ifdef DSA_WITH_NCCL
@@ -21,7 +22,7 @@
 #endif
 
 int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 parse errors
-                                   // are caught by CLI11_PARSE; others end the process.
+                                   // are caught by ParseServerFlags; others end the process.
   CLI::App app{
       "dsa-indexer: the DSA lightning-indexer worker (paged index-key cache, SPIN, top-K) over "
       "gRPC"};
@@ -42,7 +43,9 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
           },
           "NAME"));
   dsa::AddFlagSources(app, "dsa-indexer");
-  CLI11_PARSE(app, argc, argv);
+  if (const int exit_code = dsa::ParseServerFlags(app, argc, argv); exit_code >= 0) {
+    return exit_code;
+  }
   dsa::BlockTerminationSignals();
   const dsa::IndexerOptions& options = flags.options;
   auto indexer = dsa::CreateIndexerFromFlags(flags);

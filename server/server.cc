@@ -21,6 +21,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "prometheus/gauge.h"
+#include "server/flag_file.h"
 #include "server/parse_errors.h"
 #include "server/process_metrics.h"
 #include "server/request_log.h"
@@ -119,10 +120,11 @@ void AddFlagSources(CLI::App& app, const std::string& binary) {
   const char* config_from_env = std::getenv("DSA_CONFIG");
   const bool env_config = config_from_env != nullptr && config_from_env[0] != '\0';
   app.set_config("--config", env_config ? config_from_env : "",
-                 "A TOML file of flags (name = value, one a line; lists as [\"a\", \"b\"]); "
-                 "the command line overrides it (env: DSA_CONFIG)",
+                 "A TOML file of flags (name = value, one a line, '-' or '_' in names; lists as "
+                 "[\"a\", \"b\"]); the command line overrides it (env: DSA_CONFIG)",
                  /*config_required=*/env_config);
   app.allow_config_extras(false);  // a misspelt key in the file is an error, not ignored
+  app.config_formatter(std::make_shared<TomlFlagFile>(&app));
   app.set_version_flag("--version", absl::StrCat(binary, " ", BuildVersion()));
   for (CLI::Option* option : app.get_options()) {
     const std::vector<std::string>& names = option->get_lnames();
@@ -240,8 +242,13 @@ int RunServer(const ServerFlags& flags, const ServerSpec& spec) {
     try {  // prometheus-cpp reports a bind failure by throwing
       exposer = std::make_unique<prometheus::Exposer>(flags.metrics_listen, 1);
     } catch (const std::exception& e) {
-      LogJson("error", "cannot serve metrics",
-              {{"address", flags.metrics_listen}, {"error", e.what()}});
+      // prometheus-cpp's civetweb says "null context when constructing CivetServer" for any
+      // failure to bind: name the likely causes as --listen's failure does.
+      LogJson("error", "cannot listen",
+              {{"address", flags.metrics_listen},
+               {"flag", "--metrics-listen"},
+               {"reason", kCannotListen},
+               {"error", e.what()}});
       return 1;
     }
     if (spec.registry != nullptr) {

@@ -14,8 +14,10 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsa/indexer/v1/indexer.grpc.pb.h"
@@ -53,6 +55,49 @@ TEST(DsaIndexerBinaryTest, HelpListsTheFlags) {
                            "--shutdown-grace-ms", "--drain-delay-ms", "--metrics-listen"}) {
     EXPECT_NE(text.find(flag), std::string::npos) << flag;
   }
+}
+
+// Stderr and exit status of the binary with `args` (a shell word list).
+std::pair<std::string, int> RunWith(const std::string& args) {
+  FILE* pipe = popen((std::string(DSA_INDEXER_BINARY) + " " + args + " 2>&1").c_str(), "r");
+  std::string text;
+  char buffer[512];
+  while (pipe != nullptr && fgets(buffer, sizeof(buffer), pipe) != nullptr) text += buffer;
+  const int status = pipe != nullptr ? pclose(pipe) : -1;
+  return {text, WIFEXITED(status) ? WEXITSTATUS(status) : -1};
+}
+
+// Start-up refusals say what is wrong and what was meant: an empty cache, a misspelt flag (on the
+// command line and in the TOML file), a metrics port in use.
+TEST(DsaIndexerBinaryTest, StartupRefusalsNameTheProblem) {
+  auto [zero, zero_code] = RunWith("--capacity-blocks 0");
+  EXPECT_NE(zero_code, 0);
+  EXPECT_NE(zero.find("--capacity-blocks: must be a whole number of blocks, at least 1; got 0"),
+            std::string::npos)
+      << zero;
+  auto [typo, typo_code] = RunWith("--capacity-blok 10");
+  EXPECT_NE(typo_code, 0);
+  EXPECT_NE(typo.find("--capacity-blok: did you mean --capacity-blocks?"), std::string::npos)
+      << typo;
+  const std::string file = ::testing::TempDir() + "/indexer_flags.toml";
+  std::ofstream(file) << "num_heads = 8\ncapacity_blok = 10\n";
+  auto [config, config_code] = RunWith("--config " + file);
+  EXPECT_NE(config_code, 0);
+  EXPECT_NE(config.find(file + ":2:1: 'capacity_blok' is not a flag of this server; did you mean "
+                               "capacity-blocks?"),
+            std::string::npos)
+      << config;
+  // The metrics port of a running indexer, taken again.
+  const Process first = Start({"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_FALSE(first.metrics_address.empty());
+  auto [taken, taken_code] =
+      RunWith("--listen 127.0.0.1:0 --metrics-listen " + first.metrics_address);
+  EXPECT_EQ(taken_code, 1);
+  EXPECT_NE(taken.find(R"("flag":"--metrics-listen","level":"error","msg":"cannot listen")"),
+            std::string::npos)
+      << taken;
+  kill(first.pid, SIGKILL);
+  WaitExit(first.pid, std::chrono::seconds(10));
 }
 
 TEST(DsaIndexerBinaryTest, ServesHealthAndTheApiThenDrainsOnSigterm) {

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "CLI/CLI.hpp"
 #include "gtest/gtest.h"
 #include "prometheus/metric_family.h"
+#include "server/flag_file.h"
 #include "server/process_metrics.h"
 #include "server/server.h"
 #include "server/version.h"
@@ -47,7 +49,7 @@ std::string Parse(Flags& flags, const std::string& command_line) {
 }
 
 std::string WriteFile(const std::string& name, const std::string& text) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  std::string path = ::testing::TempDir() + "/" + name;
   std::ofstream(path) << text;
   return path;
 }
@@ -148,6 +150,65 @@ TEST(ServerFlagsTest, AConfigFileSetsFlagsUnderTheCommandLineAndOverTheEnvironme
   SetLogLevel("info");
 }
 
+// The file is TOML read by a TOML parser: '_' and '-' alike, and every refusal names the file,
+// line and column; a misspelt name is answered with the flag meant.
+TEST(ServerFlagsTest, TheConfigFileIsTomlWithPositionedErrorsAndSuggestions) {
+  const std::string underscores =
+      WriteFile("underscores.toml",
+                "# a comment\ncapacity_blocks = 100\ndrain_delay_ms = 250\nworker = [\"a:1\"]\n");
+  Flags flags;
+  EXPECT_EQ(Parse(flags, "--config " + underscores), "");
+  EXPECT_EQ(flags.capacity_blocks, 100);
+  EXPECT_EQ(flags.server.drain_delay_ms, 250);
+  EXPECT_EQ(flags.workers, std::vector<std::string>{"a:1"});
+
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"capacity-blocks = [1\n", "bad.toml:1:22: not TOML: Error while parsing array"},
+      {"\n\ncapacity_blok = 1\n",
+       "bad.toml:3:1: 'capacity_blok' is not a flag of this server; "
+       "did you mean capacity-blocks?"},
+      {"[server]\nlisten = \"a:1\"\n", "bad.toml:1:2: [server] is a table"},
+      {"worker = [[\"a\"]]\n", "worker: a list holds strings, numbers or booleans only"},
+      {"capacity-blocks = 1979-05-27\n", "a date or time is not a flag value"},
+      {"zzzzzzzzzz = 1\n", "'zzzzzzzzzz' is not a flag of this server (--help lists them)"},
+  };
+  for (const auto& [text, message] : refused) {
+    const std::string path = WriteFile("bad.toml", text);
+    Flags bad;
+    const std::string error = Parse(bad, "--config " + path);
+    EXPECT_NE(error.find(message), std::string::npos) << text << " -> " << error;
+  }
+  // A value of the right TOML type is still checked by the flag's own validator.
+  const std::string range = WriteFile("range.toml", "drain-delay-ms = -5\n");
+  Flags negative;
+  EXPECT_NE(Parse(negative, "--config " + range).find("drain-delay-ms"), std::string::npos);
+}
+
+TEST(ServerFlagsTest, AMisspeltFlagIsAnsweredWithTheFlagMeant) {
+  CLI::App app{"test"};
+  Flags flags;
+  Add(app, flags);
+  EXPECT_EQ(SuggestFlags(app, "--capacity-blok"), std::vector<std::string>{"capacity-blocks"});
+  EXPECT_EQ(SuggestFlags(app, "metrics_listen"), std::vector<std::string>{"metrics-listen"});
+  EXPECT_TRUE(SuggestFlags(app, "--qqqqqqqqqqqq").empty());
+  EXPECT_TRUE(SuggestFlags(app, "--helq").empty());  // --help is never suggested
+
+  std::vector<std::string> args = {"test", "--capacity-blok", "3"};
+  std::vector<char*> argv;
+  argv.reserve(args.size());
+  for (std::string& arg : args) argv.push_back(arg.data());
+  CLI::App parsed{"test"};
+  Flags more;
+  Add(parsed, more);
+  ::testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStdout();
+  const int code = ParseServerFlags(parsed, static_cast<int>(argv.size()), argv.data());
+  (void)::testing::internal::GetCapturedStdout();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_GT(code, 0);
+  EXPECT_NE(err.find("--capacity-blok: did you mean --capacity-blocks?"), std::string::npos) << err;
+}
+
 TEST(ServerFlagsTest, VersionPrintsTheBinaryAndTheBuildsVersion) {
   CLI::App app{"test"};
   Flags flags;
@@ -158,7 +219,10 @@ TEST(ServerFlagsTest, VersionPrintsTheBinaryAndTheBuildsVersion) {
   } catch (const CLI::CallForVersion& e) {
     EXPECT_EQ(app.exit(e), 0);
   }
-  EXPECT_NE(std::string(BuildVersion()), "");
+  // The release (VERSION, the chart's appVersion) leads, the tree's git state follows.
+  const std::string release = ReleaseVersion();
+  EXPECT_EQ(std::string(BuildVersion()).rfind(release, 0), 0u) << BuildVersion();
+  EXPECT_EQ(std::count(release.begin(), release.end(), '.'), 2) << release;
 }
 
 TEST(ServerFlagsTest, LogLevelsAreTheFourNames) {
