@@ -39,14 +39,15 @@ from helm_python import _native
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 CHART = os.path.join(REPO, "helm", "dsa-indexer")
-CRD_SCHEMAS = os.path.join(REPO, "deploy", "schemas", "prometheus-operator")
+CRD_SCHEMAS = os.path.join(REPO, "deploy", "schemas")
 KUBE_VERSION = "1.30.0"  # the oldest version the chart is validated against (Chart.yaml annotation)
 RELEASE, NAMESPACE = "dsa", "serving"
 # Kinds kubernetes-validate does not know, and the vendored schema of each.
 CRD_KINDS = {
-    "ServiceMonitor": "servicemonitor_v1.json",
-    "PodMonitor": "podmonitor_v1.json",
-    "PrometheusRule": "prometheusrule_v1.json",
+    "ServiceMonitor": "prometheus-operator/servicemonitor_v1.json",
+    "PodMonitor": "prometheus-operator/podmonitor_v1.json",
+    "PrometheusRule": "prometheus-operator/prometheusrule_v1.json",
+    "ScaledObject": "keda/scaledobject_v1alpha1.json",
 }
 BINARIES = {
     "coordinator": "/usr/local/bin/dsa-coordinator",
@@ -134,7 +135,8 @@ def name_of(obj: dict[str, Any]) -> str:
 
 
 def validate_objects(scenario: str, objs: list[tuple[str, dict[str, Any]]], f: Failures) -> None:
-    """kubernetes-validate (strict) for Kubernetes kinds, check-jsonschema for the CRD kinds."""
+    """kubernetes-validate (strict) for Kubernetes kinds, check-jsonschema for the CRD kinds
+    (deploy/schemas: the Prometheus Operator's and KEDA's)."""
     crd_docs: dict[str, list[dict[str, Any]]] = {}
     for template, obj in objs:
         where = f"{scenario}: {template}: {name_of(obj)}"
@@ -162,7 +164,7 @@ def validate_objects(scenario: str, objs: list[tuple[str, dict[str, Any]]], f: F
                                   os.path.join(CRD_SCHEMAS, CRD_KINDS[kind]), *paths],
                                  capture_output=True, text=True, check=False)
             f.check(run.returncode == 0, f"{scenario}: {kind}",
-                    "check-jsonschema against the Prometheus Operator CRD schema:\n"
+                    f"check-jsonschema against the vendored CRD schema {CRD_KINDS[kind]}:\n"
                     + (run.stdout + run.stderr).strip())
 
 
@@ -468,8 +470,14 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
                 f"{scenario}: PodDisruptionBudget/{name}", "selects no rendered pods")
         owners = [w for w in workloads.values()
                   if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+        scaled_min = {}
+        for so in by_kind.get("ScaledObject", {}).values():
+            scaled_min[so["spec"]["scaleTargetRef"]["name"]] = so["spec"].get("minReplicaCount", 1)
+        for hpa in by_kind.get("HorizontalPodAutoscaler", {}).values():
+            scaled_min[hpa["spec"]["scaleTargetRef"]["name"]] = hpa["spec"].get("minReplicas", 1)
         for owner in owners:
-            replicas = owner["spec"].get("replicas", 1)
+            # An autoscaled workload sets no replicas: the fewest it runs is its scaler's minimum.
+            replicas = owner["spec"].get("replicas", scaled_min.get(owner["metadata"]["name"], 1))
             spec = pdb["spec"]
             allowed = spec.get("maxUnavailable")
             if isinstance(allowed, int):
@@ -619,6 +627,30 @@ def promises_host_network(r: dict[str, Any]) -> list[tuple[bool, str]]:
             (not pods["coordinator"]["spec"].get("hostNetwork"), "the coordinator stays off the host network")]
 
 
+def promises_autoscaling(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]:
+    """An autoscaler per component on its own workload and series, and workloads without replicas."""
+    scalers = r["by_kind"].get(kind, {})
+    workloads = {**r["by_kind"].get("Deployment", {}), **r["by_kind"].get("StatefulSet", {})}
+    checks = [(len(scalers) == 3, f"three {kind}s, has {sorted(scalers)}")]
+    series = {"coordinator": "dsa_coordinator_queued_requests", "indexer": "dsa_indexer_cache_blocks",
+              "attention": "dsa_attention_kv_slots"}
+    for name, scaler in scalers.items():
+        target = scaler["spec"]["scaleTargetRef"]["name"]
+        component = target.rsplit("-", 1)[-1]
+        checks.append((target in workloads and "replicas" not in workloads[target]["spec"],
+                       f"{name} must scale a rendered workload that sets no replicas: {target}"))
+        if kind == "ScaledObject":
+            query = scaler["spec"]["triggers"][0]["metadata"]["query"]
+            low, high = scaler["spec"]["minReplicaCount"], scaler["spec"]["maxReplicaCount"]
+        else:
+            query = scaler["metadata"]["annotations"]["dsa-indexer/metric-query"]
+            low, high = scaler["spec"]["minReplicas"], scaler["spec"]["maxReplicas"]
+        checks.append((series.get(component, "?") in query and f'job="{RELEASE}-dsa-indexer-{component}"' in query,
+                       f"{name} must query its own component's series: {query}"))
+        checks.append((1 <= low <= high, f"{name}: replicas {low}..{high}"))
+    return checks
+
+
 ROUTERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
 MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
 
@@ -758,6 +790,16 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
               "indexer": {"device": "cuda", "gpu": 1, "podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}},
               "attention": {"device": "cuda", "gpu": 2, "transport": "nccl"}},
      promises_host_network),
+    ("examples/autoscaling-keda.yaml",
+     lambda: load_yaml(os.path.join(CHART, "examples", "autoscaling-keda.yaml")),
+     lambda r: promises_autoscaling(r, "ScaledObject") + promises_network_policy(r, nccl=False)
+     + scrape_checks(r, "PodMonitor")),
+    ("autoscaling with KEDA",
+     lambda: {"autoscaling": {"enabled": True}},
+     lambda r: promises_autoscaling(r, "ScaledObject")),
+    ("autoscaling with HPAs (prometheus-adapter)",
+     lambda: {"autoscaling": {"enabled": True, "kind": "hpa"}},
+     lambda r: promises_autoscaling(r, "HorizontalPodAutoscaler")),
     ("network policies",
      lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING}},
      lambda r: promises_network_policy(r, nccl=False)),
@@ -802,6 +844,13 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("no margin above the drain", {"terminationGraceMarginSeconds": 0},
      "at '/terminationGraceMarginSeconds': minimum: got 0, want 1"),
     ("a bad image pull policy", {"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
+    ("autoscaled workers with static discovery",
+     {"autoscaling": {"enabled": True}, "coordinator": {"discovery": {"mode": "static"}}},
+     "autoscaling.indexer needs coordinator.discovery.mode dns"),
+    ("an autoscaling minimum over its maximum",
+     {"autoscaling": {"enabled": True, "coordinator": {"enabled": True, "minReplicas": 5, "maxReplicas": 2,
+                                                        "queuedPerReplica": 16}}},
+     "autoscaling.coordinator.minReplicas (5) is over its maxReplicas (2)"),
     ("a relative runbook URL", {"monitoring": {"prometheusRule": {"enabled": True,
                                                                   "runbookUrl": "docs/deploy.md"}}},
      "at '/monitoring/prometheusRule/runbookUrl'"),

@@ -528,6 +528,17 @@ to change. Included once, from the ConfigMap.
 {{- if and (include "dsa.colocated" $) (lt (int $v.attention.replicas) 1) -}}
 {{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
 {{- end -}}
+{{- if $v.autoscaling.enabled -}}
+{{- range $component := list "coordinator" "indexer" "attention" -}}
+{{- $s := index $v.autoscaling $component -}}
+{{- if and $s.enabled (gt (int $s.minReplicas) (int $s.maxReplicas)) -}}
+{{- fail (printf "autoscaling.%s.minReplicas (%d) is over its maxReplicas (%d)" $component (int $s.minReplicas) (int $s.maxReplicas)) -}}
+{{- end -}}
+{{- if and $s.enabled (ne $component "coordinator") (eq $v.coordinator.discovery.mode "static") -}}
+{{- fail (printf "autoscaling.%s needs coordinator.discovery.mode dns: static discovery lists the workers of %s.replicas only" $component $component) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if $v.tls.enabled -}}
 {{- if not $v.tls.secretName -}}
 {{- fail "tls.enabled needs tls.secretName: a Secret of type kubernetes.io/tls with the keys tls.crt, tls.key and ca.crt (cert-manager's layout)" -}}
@@ -564,5 +575,21 @@ to change. Included once, from the ConfigMap.
 {{- if ne (include "dsa.tlsSecretName" (dict "root" $ "component" "coordinator")) (include "dsa.tlsSecretName" (dict "root" $ "component" "attention")) -}}
 {{- fail "the coordinator and the attention workers have certificates of their own (coordinator.tlsSecretName or attention.tlsSecretName) but indexer.operatorIdentities is empty: put the coordinator's common name there, or the indexers refuse its Releases (prefix donors, and the sequences of attention workers that died) and their blocks leak" -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" when the component's replicas belong to an autoscaler (its workload then sets none, so
+that an upgrade does not reset them). Call with (dict "root" $ "component" NAME). */}}
+{{- define "dsa.autoscaled" -}}
+{{- $a := .root.Values.autoscaling -}}
+{{- if and $a.enabled (index $a .component).enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The fewest replicas a component runs: autoscaling's minReplicas, else replicas. */}}
+{{- define "dsa.minReplicas" -}}
+{{- if include "dsa.autoscaled" . -}}
+{{- (index .root.Values.autoscaling .component).minReplicas -}}
+{{- else -}}
+{{- (index .root.Values .component).replicas -}}
 {{- end -}}
 {{- end -}}
