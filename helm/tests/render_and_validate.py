@@ -48,6 +48,7 @@ CRD_KINDS = {
     "PodMonitor": "prometheus-operator/podmonitor_v1.json",
     "PrometheusRule": "prometheus-operator/prometheusrule_v1.json",
     "ScaledObject": "keda/scaledobject_v1alpha1.json",
+    "GRPCRoute": "gateway-api/grpcroute_v1.json",
 }
 BINARIES = {
     "coordinator": "/usr/local/bin/dsa-coordinator",
@@ -627,6 +628,32 @@ def promises_host_network(r: dict[str, Any]) -> list[tuple[bool, str]]:
             (not pods["coordinator"]["spec"].get("hostNetwork"), "the coordinator stays off the host network")]
 
 
+def promises_routes(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    """The GRPCRoute and the Ingress send the coordinator's services, and only those, to its Service's
+    gRPC port."""
+    kinds = r["by_kind"]
+    service = f"{RELEASE}-dsa-indexer-coordinator"
+    routes = list(kinds.get("GRPCRoute", {}).values())
+    ingresses = list(kinds.get("Ingress", {}).values())
+    checks = [(len(routes) == 1 and len(ingresses) == 1, "one GRPCRoute and one Ingress")]
+    if not checks[0][0]:
+        return checks
+    (rule,) = routes[0]["spec"]["rules"]
+    ports = [s["spec"]["ports"] for n, s in kinds["Service"].items() if n == service]
+    grpc_port = [p["port"] for p in ports[0] if p["name"] == "grpc"] if ports else []
+    checks += [
+        (sorted(m["method"]["service"] for m in rule["matches"]) ==
+         ["dsa.coordinator.v1.CoordinatorService", "grpc.health.v1.Health"],
+         "the GRPCRoute matches CoordinatorService and grpc.health.v1 only"),
+        ([(b["name"], b["port"]) for b in rule["backendRefs"]] == [(service, grpc_port[0] if grpc_port else None)],
+         f"the GRPCRoute's backend is {service}'s grpc port"),
+        (all(p["backend"]["service"]["name"] == service and p["backend"]["service"]["port"] == {"name": "grpc"}
+             for rule in ingresses[0]["spec"]["rules"] for p in rule["http"]["paths"]),
+         "every Ingress path goes to the coordinator's grpc port"),
+    ]
+    return checks
+
+
 def promises_autoscaling(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]:
     """An autoscaler per component on its own workload and series, and workloads without replicas."""
     scalers = r["by_kind"].get(kind, {})
@@ -794,6 +821,13 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
      lambda: load_yaml(os.path.join(CHART, "examples", "autoscaling-keda.yaml")),
      lambda r: promises_autoscaling(r, "ScaledObject") + promises_network_policy(r, nccl=False)
      + scrape_checks(r, "PodMonitor")),
+    ("routes: a GRPCRoute and an Ingress",
+     lambda: {"routes": {"grpcRoute": {"enabled": True, "hostnames": ["dsa.example.com"],
+                                       "parentRefs": [{"name": "edge", "namespace": "gateway"}]},
+                         "ingress": {"enabled": True, "className": "nginx", "host": "dsa.example.com",
+                                     "annotations": {"nginx.ingress.kubernetes.io/backend-protocol": "GRPC"},
+                                     "tls": [{"hosts": ["dsa.example.com"], "secretName": "dsa-ingress-tls"}]}}},
+     promises_routes),
     ("autoscaling with KEDA",
      lambda: {"autoscaling": {"enabled": True}},
      lambda r: promises_autoscaling(r, "ScaledObject")),
@@ -844,6 +878,10 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("no margin above the drain", {"terminationGraceMarginSeconds": 0},
      "at '/terminationGraceMarginSeconds': minimum: got 0, want 1"),
     ("a bad image pull policy", {"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy'"),
+    ("a GRPCRoute without a Gateway", {"routes": {"grpcRoute": {"enabled": True}}},
+     "routes.grpcRoute.enabled needs routes.grpcRoute.parentRefs"),
+    ("an Ingress without a host", {"routes": {"ingress": {"enabled": True}}},
+     "routes.ingress.enabled needs routes.ingress.host"),
     ("autoscaled workers with static discovery",
      {"autoscaling": {"enabled": True}, "coordinator": {"discovery": {"mode": "static"}}},
      "autoscaling.indexer needs coordinator.discovery.mode dns"),

@@ -528,6 +528,12 @@ to change. Included once, from the ConfigMap.
 {{- if and (include "dsa.colocated" $) (lt (int $v.attention.replicas) 1) -}}
 {{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
 {{- end -}}
+{{- if and $v.routes.grpcRoute.enabled (not $v.routes.grpcRoute.parentRefs) -}}
+{{- fail "routes.grpcRoute.enabled needs routes.grpcRoute.parentRefs: the Gateway(s) the route attaches to" -}}
+{{- end -}}
+{{- if and $v.routes.ingress.enabled (not $v.routes.ingress.host) -}}
+{{- fail "routes.ingress.enabled needs routes.ingress.host" -}}
+{{- end -}}
 {{- if $v.autoscaling.enabled -}}
 {{- range $component := list "coordinator" "indexer" "attention" -}}
 {{- $s := index $v.autoscaling $component -}}
