@@ -39,6 +39,16 @@ CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
                 .Help("Generate arrival to admission (placement on the workers)")
                 .Register(registry)
                 .Add({}, buckets.queue);
+  duration_ = &prometheus::BuildHistogram()
+                   .Name("dsa_coordinator_request_duration_seconds")
+                   .Help("Generate arrival to the request's end, every outcome (end to end)")
+                   .Register(registry)
+                   .Add({}, buckets.time_to_first_token);
+  prompt_tokens_ = &prometheus::BuildCounter()
+                        .Name("dsa_coordinator_prompt_tokens_total")
+                        .Help("Context tokens of the requests admitted (once a request)")
+                        .Register(registry)
+                        .Add({});
   auto& requests = prometheus::BuildCounter()
                        .Name("dsa_coordinator_requests_total")
                        .Help("Generate requests by how they ended")

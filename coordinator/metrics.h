@@ -2,6 +2,7 @@
 // units; no request-scoped labels.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,10 @@ absl::Status ValidateBuckets(const std::vector<double>& bounds, const std::strin
 /// - dsa_coordinator_inter_token_latency_seconds (histogram): per decode step after the first,
 ///   the time since the previous step of the request divided by the step's tokens
 /// - dsa_coordinator_queue_duration_seconds (histogram): Generate arrival to admission
+/// - dsa_coordinator_request_duration_seconds (histogram): Generate arrival to the request's end,
+///   every outcome of a request that was queued (the end-to-end latency a client sees)
+/// - dsa_coordinator_prompt_tokens_total (counter): context tokens of the requests admitted
+///   (once a request; a migration's re-prefill is not counted again)
 /// - dsa_coordinator_requests_total{outcome="completed"|"failed"|"rejected"|"cancelled",code}:
 ///   code is the request's final status code's name ("OK", "RESOURCE_EXHAUSTED", ...), so that
 ///   refusals and failures are told apart by why
@@ -62,6 +67,8 @@ class CoordinatorMetrics {
   void ObserveTimeToFirstToken(double seconds) { ttft_->Observe(seconds); }
   void ObserveInterTokenLatency(double seconds) { itl_->Observe(seconds); }
   void ObserveQueueDuration(double seconds) { queue_->Observe(seconds); }
+  void ObserveRequestDuration(double seconds) { duration_->Observe(seconds); }
+  void CountPromptTokens(int64_t tokens) { prompt_tokens_->Increment(static_cast<double>(tokens)); }
   /// One request ended with `outcome` and the status `code` its Generate returned.
   void CountRequest(RequestOutcome outcome, absl::StatusCode code);
   /// One verification step: `drafted` draft tokens verified, `accepted` of them accepted.
@@ -78,6 +85,8 @@ class CoordinatorMetrics {
   prometheus::Histogram* ttft_;
   prometheus::Histogram* itl_;
   prometheus::Histogram* queue_;
+  prometheus::Histogram* duration_;
+  prometheus::Counter* prompt_tokens_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Counter* drafted_;
   prometheus::Counter* accepted_;

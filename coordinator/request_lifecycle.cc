@@ -197,6 +197,7 @@ void RequestLifecycle::SetFinalLocked(InFlightRequest& request, const absl::Stat
     outcome = RequestOutcome::kCancelled;
   }
   core_->metrics->CountRequest(outcome, status.code());
+  core_->metrics->ObserveRequestDuration(Seconds(core_->clock.Now() - request.arrival));
   request.changed.SignalAll();
 }
 
@@ -454,6 +455,7 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
 
   // Placed, prefilled and decoded once, and again after each migration (FailSequence).
   bool admitted_sent = false;
+  bool prompt_counted = false;
   while (true) {
     // Wait for admission (or the end while queued).
     Admission admission;
@@ -468,6 +470,10 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
     }
     const absl::Time admitted_at = core_->clock.Now();
     if (!admitted_sent) core_->metrics->ObserveQueueDuration(Seconds(admitted_at - arrival));
+    if (!prompt_counted) {  // once, whatever placements follow (a failed one, a migration)
+      core_->metrics->CountPromptTokens(ContextLength(request->spec));
+      prompt_counted = true;
+    }
 
     releases_.CarryOutEvictions(admission.evictions);
     av1::PrefillResponse prefilled;

@@ -39,10 +39,10 @@ GRAFANA_VARIABLES = {
     "$__range": "1h",
 }
 
-# A selected series: a name of ours (or `up`), then optionally its matchers. Not a label value
-# (a preceding quote) nor part of a longer name.
+# A selected series: a name of ours, `up`, or an external exporter's (DCGM_), then optionally its
+# matchers. Not a label value (a preceding quote) nor part of a longer name.
 SELECTOR = re.compile(
-    r'(?<![\w:"])((?:dsa_|process_|dsa:)[A-Za-z0-9_:]*|up)(?![\w:])(\s*\{[^}]*\})?')
+    r'(?<![\w:"])((?:dsa_|process_|dsa:|DCGM_)[A-Za-z0-9_:]*|up)(?![\w:])(\s*\{[^}]*\})?')
 MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 RATE_BEFORE = re.compile(r"\b(rate|irate|increase)\s*\(\s*$")
 BY_CLAUSE = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
@@ -121,7 +121,7 @@ def plain_promql(expr: str) -> str:
 
 
 def check_contract(families, contract, problems):
-    ours = {n: f for n, f in families.items() if f.kind != "scrape"}
+    ours = {n: f for n, f in families.items() if f.kind not in ("scrape", "external")}
     for name in sorted(set(contract) - set(ours)):
         problems.append(f"metrics.txt: {name} is in the contract (docs/deploy.md) but not here")
     for name in sorted(set(ours) - set(contract)):

@@ -669,6 +669,24 @@ TEST_F(EngineTest, RefusalsAreLoggedAndCountedByCode) {
   EXPECT_EQ(Requests("rejected"), 1);
 }
 
+// The end-to-end histogram takes every request that was queued, whatever its end; the prompt
+// counter takes each admitted request's context once.
+TEST_F(EngineTest, RequestDurationsAndPromptTokensAreCounted) {
+  Start({kA1}, {kI1});
+  ASSERT_NO_FATAL_FAILURE(RunToCompletion(Request("r1", 300, 2), kA1));
+  Call* aborted = Generate(Request("r2", 200, 50));
+  ASSERT_TRUE(engine_->AwaitDecoding(kA1, 1, kSafetyNet));
+  clock_.Advance(absl::Seconds(3));
+  ASSERT_TRUE(engine_->Abort("r2", "router").ok());
+  StepUntilFinished(kA1, *aborted);
+  aborted->Join();
+  RecordingStream refused;
+  ASSERT_FALSE(engine_->Generate(Request("", 10, 2), "router", "", refused).ok());  // not queued
+  EXPECT_EQ(Metric("dsa_coordinator_prompt_tokens_total "), 300 + 200);
+  EXPECT_EQ(Metric("dsa_coordinator_request_duration_seconds_count "), 2);
+  EXPECT_EQ(Metric("dsa_coordinator_request_duration_seconds_sum "), 3);  // r2's 3 s of clock
+}
+
 // A worker the checks no longer reach is not reported with its last load: GetLoad says it is
 // unreachable and since when, gives it no figures and leaves it out of the totals; once a check
 // reaches it again it is reported as before.

@@ -176,15 +176,35 @@ def router() -> dashboard_builders.Dashboard:
              f"max(dsa:coordinator_ttft_seconds:p99_5m{{{SEL}}})"))
          .with_panel(stat(
              "Generated tokens/s", "Tokens sent to clients per second (5 m).", "suffix: tok/s",
-             f"sum(dsa:coordinator_generated_tokens:rate5m{{{SEL}}})")))
+             f"sum(dsa:coordinator_generated_tokens:rate5m{{{SEL}}})"))
+         .with_panel(stat(
+             "Prompt tokens/s", "Context tokens of the requests admitted per second (5 m).",
+             "suffix: tok/s", f"sum(dsa:coordinator_prompt_tokens:rate5m{{{SEL}}})"))
+         .with_panel(stat(
+             "End-to-end p99", "Generate arrival to the request's end, p99 over 5 m (every "
+             "outcome of a queued request).", "s",
+             f"max(dsa:coordinator_request_duration_seconds:p99_5m{{{SEL}}})")))
     d = d.with_row(dashboard_builders.Row("Requests and latency"))
     d = (d.with_panel(timeseries(
         "Requests by outcome", "Requests ended per second by outcome (5 m): completed, failed, "
         "rejected (queue full, RESOURCE_EXHAUSTED), cancelled.", "reqps",
         [(f"dsa:coordinator_requests:rate5m{{{SEL}}}", "{{outcome}}")], stacked=True))
          .with_panel(timeseries(
-             "Generated tokens/s", "Tokens sent to clients per second (5 m).", "suffix: tok/s",
-             [(f"dsa:coordinator_generated_tokens:rate5m{{{SEL}}}", "{{job}}")]))
+             "Requests by outcome and code", "Requests ended per second by outcome and final "
+             "status code (5 m): why requests were rejected or failed (RESOURCE_EXHAUSTED: the "
+             "queue or the caller's share full; INVALID_ARGUMENT; UNAVAILABLE ...).", "reqps",
+             [(f"sum by (outcome, code) (rate(dsa_coordinator_requests_total{{{SEL}}}"
+               "[$__rate_interval]))", "{{outcome}} {{code}}")], stacked=True))
+         .with_panel(timeseries(
+             "Tokens/s", "Prompt tokens admitted and tokens generated per second (5 m).",
+             "suffix: tok/s",
+             [(f"sum(dsa:coordinator_prompt_tokens:rate5m{{{SEL}}})", "prompt"),
+              (f"sum(dsa:coordinator_generated_tokens:rate5m{{{SEL}}})", "generated")]))
+         .with_panel(timeseries(
+             "End-to-end latency", "Generate arrival to the request's end (every outcome of a "
+             "queued request): p50 and p99 over 5 m.", "s",
+             [(f"dsa:coordinator_request_duration_seconds:p50_5m{{{SEL}}}", "p50"),
+              (f"dsa:coordinator_request_duration_seconds:p99_5m{{{SEL}}}", "p99")]))
          .with_panel(timeseries(
              "Migrations/s", "Running requests moved off a failed worker per second (5 m): each "
              "re-prefills its context and generated tokens on a surviving worker "
@@ -371,7 +391,7 @@ def processes() -> dashboard_builders.Dashboard:
     d = new_dashboard(
         "dsa-processes", "DSA / Build and processes",
         "Every server process: the version it runs (dsa_build_info), whether Prometheus reaches "
-        "it, uptime, CPU, memory and file descriptors.",
+        "it, uptime, CPU, memory and file descriptors; the workers' GPUs (DCGM exporter).",
         "dsa_build_info")
     build_info = (table_builders.Panel().title("Build info")
                   .description("dsa_build_info{component, version} = 1 per process.")
@@ -411,6 +431,21 @@ def processes() -> dashboard_builders.Dashboard:
              "Open file descriptors", "Open / maximum file descriptors.", "percentunit",
              [(f"process_open_fds{{{SEL}}} / process_max_fds{{{SEL}}}", "{{instance}}")],
              span=8, max_value=1)))
+    # NVIDIA's DCGM exporter, where it runs and maps GPUs to pods: the GPUs of this release's
+    # worker pods (their names start with the job's), empty elsewhere.
+    gpu_pods = 'namespace=~"$namespace", pod=~"($job)-.*"'
+    d = d.with_row(dashboard_builders.Row("GPUs (DCGM exporter)"))
+    d = (d.with_panel(timeseries(
+        "GPU utilization", "DCGM_FI_DEV_GPU_UTIL of the GPUs the workers' pods hold (percent of "
+        "time a kernel ran); empty without NVIDIA's DCGM exporter.", "percent",
+        [(f"DCGM_FI_DEV_GPU_UTIL{{{gpu_pods}}}", "{{pod}} gpu {{gpu}}")], span=12,
+        max_value=100))
+         .with_panel(timeseries(
+             "GPU memory used", "DCGM_FI_DEV_FB_USED / (used + free) of the same GPUs.",
+             "percentunit",
+             [(f"DCGM_FI_DEV_FB_USED{{{gpu_pods}}} / (DCGM_FI_DEV_FB_USED{{{gpu_pods}}} + "
+               f"DCGM_FI_DEV_FB_FREE{{{gpu_pods}}})", "{{pod}} gpu {{gpu}}")], span=12,
+             max_value=1)))
     return d
 
 
