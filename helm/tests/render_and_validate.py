@@ -523,12 +523,18 @@ def promises_cpu_only(r: dict[str, Any]) -> list[tuple[bool, str]]:
     ]
 
 
-def rules_with_runbooks(runbook_url: str) -> list[dict[str, Any]]:
+def rules_with_runbooks(runbook_url: str, thresholds: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """files/prometheus-rules.yaml's groups as the chart renders them: each alert's runbook_url
-    (docs/deploy.md#anchor in the file) is runbook_url + "#anchor", or gone when it is empty."""
+    (docs/deploy.md#anchor in the file) is runbook_url + "#anchor", or gone when it is empty; the
+    two thresholds the values set replace the file's 0.25 and 0.005."""
     groups = load_yaml(os.path.join(CHART, "files", "prometheus-rules.yaml"))["groups"]
+    thresholds = thresholds or {"auditedMissRatio": 0.25, "selectionWaitSeconds": 0.005}
     for group in groups:
         for rule in group["rules"]:
+            if rule.get("record") == "dsa:indexer_miss_target_ratio:effective":
+                rule["expr"] = rule["expr"].replace("+ 0.25", f"+ {thresholds['auditedMissRatio']}")
+            if rule.get("alert") == "DsaAttentionSelectionWaitOverBudget":
+                rule["expr"] = rule["expr"].replace("> 0.005", f"> {thresholds['selectionWaitSeconds']}")
             annotations = rule.get("annotations", {})
             if "runbook_url" in annotations:
                 anchor = annotations["runbook_url"][annotations["runbook_url"].index("#"):]
@@ -555,8 +561,9 @@ def promises_gpu(r: dict[str, Any]) -> list[tuple[bool, str]]:
         (all(pods[c]["spec"].get("runtimeClassName") == "nvidia" for c in ("indexer", "attention")),
          "GPU workers must run with runtimeClassName nvidia"),
         ("PrometheusRule" in kinds and list(kinds["PrometheusRule"].values())[0]["spec"]["groups"]
-         == rules_with_runbooks(load_yaml(os.path.join(
-             CHART, "examples", "gpu-one-per-worker.yaml"))["monitoring"]["prometheusRule"]["runbookUrl"]),
+         == rules_with_runbooks(*[load_yaml(os.path.join(
+             CHART, "examples", "gpu-one-per-worker.yaml"))["monitoring"]["prometheusRule"][k]
+             for k in ("runbookUrl", "thresholds")]),
          "the GPU example's PrometheusRule must hold files/prometheus-rules.yaml's groups, each "
          "runbook_url the example's runbookUrl plus the alert's anchor"),
         (len(dashboards) == 1 and dashboards[0]["metadata"]["labels"].get("grafana_dashboard") == "1",

@@ -199,7 +199,13 @@ top = {
                              "runbookUrl": s("Where your team reads docs/deploy.md (an http(s) URL, "
                                              "no '#'): each alert's runbook_url is it plus the "
                                              "alert's anchor. Empty: the alerts carry no runbook_url.",
-                                             pattern="^(https?://[^#\\s]+)?$")},
+                                             pattern="^(https?://[^#\\s]+)?$"),
+                             "thresholds": obj({
+                                 "auditedMissRatio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                                                      "description": "DsaIndexerAuditedMissRatioHigh's threshold without --miss-target."},
+                                 "selectionWaitSeconds": {"type": "number", "exclusiveMinimum": 0,
+                                                          "description": "DsaAttentionSelectionWaitOverBudget's budget (seconds)."}},
+                                 required=["auditedMissRatio", "selectionWaitSeconds"])},
                             required=["enabled"]),
       "dashboards": obj({"enabled": b(), "labels": ref("stringMap"), "annotations": ref("stringMap"),
                          "namespace": ref("k8sName")}, required=["enabled"]),
