@@ -387,37 +387,40 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
   }
 
   {
-    absl::MutexLock lock(&core_->mu);
+    // A refusal is worked out under the lock and logged after it (Rejected writes a log line: no
+    // I/O under the lock every admission takes).
+    absl::ReleasableMutexLock lock(&core_->mu);
+    absl::Status refusal;
     if (core_->draining || core_->stopping) {
-      return Rejected(*spec, caller, traceparent,
-                      absl::UnavailableError("draining: the coordinator admits no new requests"));
-    }
-    if (!pool_->ReadyLocked()) {
-      return Rejected(
-          *spec, caller, traceparent,
-          {absl::StatusCode::kUnavailable,
-           absl::StrCat("not ready: ", core_->scheduler.ReadyIndexers(), " of ",
-                        pool_->NumIndexersLocked(), " indexer and ",
-                        core_->scheduler.ReadyAttentions(), " of ", pool_->NumAttentionLocked(),
-                        " attention workers are ready (a worker of each kind is needed)")});
-    }
-    if (!model.has_value() || pool_->ModelLocked() != model) {
+      refusal = absl::UnavailableError("draining: the coordinator admits no new requests");
+    } else if (!pool_->ReadyLocked()) {
+      refusal = {
+          absl::StatusCode::kUnavailable,
+          absl::StrCat("not ready: ", core_->scheduler.ReadyIndexers(), " of ",
+                       pool_->NumIndexersLocked(), " indexer and ",
+                       core_->scheduler.ReadyAttentions(), " of ", pool_->NumAttentionLocked(),
+                       " attention workers are ready (a worker of each kind is needed)")};
+    } else if (!model.has_value() || pool_->ModelLocked() != model) {
       // Ready means an attention worker was taken in, so the model is known; it changed only if
       // every worker was replaced meanwhile.
-      return Rejected(*spec, caller, traceparent,
-                      absl::UnavailableError("the attention workers' model changed while the "
-                                             "request was checked; retry"));
+      refusal = absl::UnavailableError(
+          "the attention workers' model changed while the request was checked; retry");
+    } else if (by_id_.contains({caller, request->id})) {
+      refusal = {absl::StatusCode::kAlreadyExists,
+                 absl::StrCat("request '", request->id, "' is already in flight")};
     }
-    if (by_id_.contains({caller, request->id})) {
-      return Rejected(*spec, caller, traceparent,
-                      {absl::StatusCode::kAlreadyExists,
-                       absl::StrCat("request '", request->id, "' is already in flight")});
+    if (!refusal.ok()) {
+      lock.Release();
+      return Rejected(*spec, caller, traceparent, std::move(refusal));
     }
     request->ticket = next_ticket_++;
     (void)pool_->ReleaseExpiredHoldsLocked();  // an indexer whose hold ran out takes it
     absl::StatusOr<std::optional<Admission>> submitted = core_->scheduler.Submit(
         request->ticket, request->demand, /*migrated=*/false, request->tokens);
-    if (!submitted.ok()) return Rejected(*spec, caller, traceparent, submitted.status());
+    if (!submitted.ok()) {
+      lock.Release();
+      return Rejected(*spec, caller, traceparent, submitted.status());
+    }
     by_id_[{caller, request->id}] = request;
     by_ticket_[request->ticket] = request;
     request->stream = &stream;
@@ -586,22 +589,28 @@ absl::Status RequestLifecycle::Generate(const GenerateSpec& generate, const std:
 }
 
 absl::Status RequestLifecycle::Abort(const std::string& request_id, const std::string& caller) {
-  absl::MutexLock lock(&core_->mu);
-  // Keyed by caller too: another caller's request of this id is not found, so request ids in
-  // flight cannot be probed.
-  auto it = by_id_.find({caller, request_id});
-  if (it == by_id_.end() || it->second->final_status.has_value()) {
-    absl::Status status =
-        absl::NotFoundError(absl::StrCat("no request '", request_id, "' of this caller in flight"));
-    LogJson("info", "abort refused",
-            {{"request_id", request_id},
-             {"caller", caller},
-             {"code", absl::StatusCodeToString(status.code())},
-             {"reason", std::string(status.message())}});
-    return status;
+  {
+    absl::MutexLock lock(&core_->mu);
+    // Keyed by caller too: another caller's request of this id is not found, so request ids in
+    // flight cannot be probed.
+    auto it = by_id_.find({caller, request_id});
+    if (it != by_id_.end() && !it->second->final_status.has_value()) {
+      AbortLocked(*it->second);
+      return absl::OkStatus();
+    }
   }
-  AbortLocked(*it->second);
-  return absl::OkStatus();
+  // Logged outside the lock; an id over the limit is cut (it is the caller's to choose).
+  const std::string id = request_id.size() > kMaxRequestIdBytes
+                             ? request_id.substr(0, kMaxRequestIdBytes) + "..."
+                             : request_id;
+  absl::Status status =
+      absl::NotFoundError(absl::StrCat("no request '", id, "' of this caller in flight"));
+  LogJson("info", "abort refused",
+          {{"request_id", id},
+           {"caller", caller},
+           {"code", absl::StatusCodeToString(status.code())},
+           {"reason", std::string(status.message())}});
+  return status;
 }
 
 void RequestLifecycle::LeaveWorkers(const std::shared_ptr<InFlightRequest>& request, bool completed,

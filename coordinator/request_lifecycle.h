@@ -98,6 +98,7 @@ class RequestLifecycle {
   void ReleaseUnreleased();
   // A request refused before it was queued: counts it (outcome "rejected", its code), logs one
   // "request rejected" line (its id, caller, trace id, code and reason) and returns `status`.
+  // Called without the core's lock (it writes to the log).
   absl::Status Rejected(const GenerateSpec& spec, const std::string& caller,
                         absl::string_view traceparent, absl::Status status);
   // Sets the stream's status and counts the outcome (first call wins).

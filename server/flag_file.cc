@@ -108,9 +108,16 @@ std::vector<CLI::ConfigItem> TomlFlagFile::from_config(std::istream& input) cons
         absl::StrCat(At(app_, error.source()), ": not TOML: ", std::string(error.description())));
   }
   std::vector<CLI::ConfigItem> items;
+  std::vector<std::string> names;
   for (auto&& [key, node] : table) {
     const std::string name = Hyphenated(std::string(key.str()));
     const std::string where = At(app_, key.source());
+    if (std::find(names.begin(), names.end(), name) != names.end()) {
+      // "a_b" and "a-b" are one flag: the second would be dropped silently.
+      throw CLI::ConfigError(absl::StrCat(where, ": '", std::string(key.str()), "' sets --", name,
+                                          ", which an earlier line sets too"));
+    }
+    names.push_back(name);
     if (node.is_table() || node.is_array_of_tables()) {
       throw CLI::ConfigError(
           absl::StrCat(where, ": [", std::string(key.str()),

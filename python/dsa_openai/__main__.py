@@ -110,9 +110,11 @@ async def _run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"dsa-openai: {e}", file=sys.stderr)
         return 2
-    front = OpenAiFront(channel, info, FrontOptions(timeout_s=args.timeout_s,
-                                                    created=int(time.time())))
-    runner = web.AppRunner(front.app(), access_log=None)
+    front = OpenAiFront(channel, info, FrontOptions(
+        timeout_s=args.timeout_s, created=int(time.time()),
+        forward_authorization=args.coordinator_ca is not None, health_token=args.startup_token))
+    # handler_cancellation: a client that disconnects cancels its handler, and so its Generate.
+    runner = web.AppRunner(front.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     host, _, port = args.listen.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=ssl_context,
@@ -149,8 +151,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--coordinator-ca", help="CA bundle to dial the coordinator over TLS")
     parser.add_argument("--coordinator-server-name",
                         help="the name checked in the coordinator's certificate")
-    parser.add_argument("--startup-token", help="bearer token for the startup GetLoad (a "
-                        "coordinator with --auth-tokens-file); clients send their own")
+    parser.add_argument("--startup-token", help="bearer token for the startup GetLoad and /health's "
+                        "(a coordinator with --auth-tokens-file); clients send their own")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="deadline of each request's Generate call")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0,

@@ -293,25 +293,30 @@ class StopMatcher:
 class IncrementalText:
     """The text of a growing list of generated token ids, a piece at a time. add(ids) returns the
     new text; a piece that ends in the middle of a UTF-8 character (the decoder gives U+FFFD) is
-    held until the next ids complete it. decode: ids -> text (special tokens skipped)."""
+    held until the next ids complete it. decode: ids -> text (special tokens skipped).
+
+    Each add decodes only the ids since the last piece sent plus those of the piece before (the
+    prefix and read offsets of vLLM's detokenizer), not the whole answer: a long answer costs the
+    event loop no more per token than a short one."""
 
     def __init__(self, decode):
         self._decode = decode
         self._ids: List[int] = []
-        self._sent = 0  # characters of decode(ids) already returned
+        self._prefix = 0  # ids before this one were sent in earlier pieces, before the last
+        self._read = 0    # ids before this one were sent
 
     def add(self, ids: Sequence[int]) -> str:
         self._ids.extend(ids)
-        text = self._decode(self._ids)
-        end = len(text)
-        while end > self._sent and text[end - 1] == "\ufffd":
-            end -= 1
-        out = text[self._sent:end]
-        self._sent = end
-        return out
+        sent = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(sent) or text.endswith("\ufffd"):
+            return ""  # nothing yet, or a character still incomplete: wait for more ids
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(sent):]
 
     def finish(self) -> str:
-        text = self._decode(self._ids)
-        out = text[self._sent:]
-        self._sent = len(text)
-        return out
+        """What add held back (an incomplete character comes out as U+FFFD)."""
+        sent = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(sent):]

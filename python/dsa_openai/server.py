@@ -8,9 +8,10 @@
 Each request is one Generate call on the coordinator's gRPC API (grpc.aio): the prompt's token ids
 in, token ids out, turned into text as they stream (`IncrementalText`), cut at the first stop
 string (`StopMatcher`, which then cancels the call). A client's "Authorization: Bearer T" header
-is sent on as the call's "authorization" metadata: the coordinator's --auth-tokens-file checks it,
-and its tenant scopes the request (fair queuing, sessions, request ids). A client that goes away
-cancels its call. gRPC errors become OpenAI's error JSON: INVALID_ARGUMENT 400, UNAUTHENTICATED
+is sent on as the call's "authorization" metadata when the front dials the coordinator over TLS:
+the coordinator's --auth-tokens-file checks it, and its tenant scopes the request (fair queuing,
+sessions, request ids). A client that goes away cancels its call (aiohttp's handler
+cancellation). gRPC errors become OpenAI's error JSON: INVALID_ARGUMENT 400, UNAUTHENTICATED
 401, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
 DEADLINE_EXCEEDED 504, others 500."""
 from __future__ import annotations
@@ -78,9 +79,15 @@ class ModelInfo:
 
 @dataclass
 class FrontOptions:
-    """timeout_s: each Generate call's deadline. created: /v1/models' `created` (Unix seconds)."""
+    """timeout_s: each Generate call's deadline. created: /v1/models' `created` (Unix seconds).
+    forward_authorization: send a client's Authorization header on to the coordinator (only over
+    TLS: the coordinator checks tokens on a TLS port alone, and a token must not cross
+    plaintext). health_token: the bearer token /health's GetLoad sends when its caller sent none
+    (probes send none), for a coordinator with --auth-tokens-file."""
     timeout_s: float = 600.0
     created: int = 0
+    forward_authorization: bool = False
+    health_token: Optional[str] = None
 
 
 def _json(data: Dict[str, Any], status: int = 200) -> web.Response:
@@ -111,10 +118,11 @@ class OpenAiFront:
         ])
         return app
 
-    @staticmethod
-    def _metadata(request: web.Request) -> Optional[Sequence[tuple]]:
+    def _metadata(self, request: web.Request) -> Optional[Sequence[tuple]]:
         header = request.headers.get("Authorization")
-        return (("authorization", header),) if header else None
+        if not header or not self._options.forward_authorization:
+            return None
+        return (("authorization", header),)
 
     async def check_model(self, metadata=None) -> None:
         """Raises ApiError 503 unless the coordinator answers GetLoad and serves this model."""
@@ -128,8 +136,11 @@ class OpenAiFront:
                            f"this front {self._model.name!r}", "server_error")
 
     async def health(self, request: web.Request) -> web.Response:
+        metadata = self._metadata(request)
+        if metadata is None and self._options.health_token:
+            metadata = (("authorization", f"Bearer {self._options.health_token}"),)
         try:
-            await self.check_model(self._metadata(request))
+            await self.check_model(metadata)
         except ApiError as e:
             return _error_response(e if e.status >= 500 else ApiError(503, e.message, e.kind))
         return _json({"status": "ok", "model": self._model.name})
@@ -259,6 +270,8 @@ class OpenAiFront:
         if not stop.stopped:
             await send(stop.feed(text.finish()))
             await send(stop.finish())
+            if stop.stopped:  # the stop string was in the last piece
+                finish_reason = "stop"
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": completion_tokens,
                  "total_tokens": len(plan.prompt_ids) + completion_tokens}
         if not plan.stream:

@@ -171,6 +171,8 @@ TEST(ServerFlagsTest, TheConfigFileIsTomlWithPositionedErrorsAndSuggestions) {
       {"worker = [[\"a\"]]\n", "worker: a list holds strings, numbers or booleans only"},
       {"capacity-blocks = 1979-05-27\n", "a date or time is not a flag value"},
       {"zzzzzzzzzz = 1\n", "'zzzzzzzzzz' is not a flag of this server (--help lists them)"},
+      {"capacity-blocks = 1\ncapacity_blocks = 2\n",
+       "bad.toml:2:1: 'capacity_blocks' sets --capacity-blocks, which an earlier line sets too"},
   };
   for (const auto& [text, message] : refused) {
     const std::string path = WriteFile("bad.toml", text);

@@ -113,8 +113,10 @@ class Stack:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         model = ModelInfo(name=MODEL, vocab_size=VOCAB, max_context=MAX_CONTEXT, encode=encode,
                           decode=decode, render_chat=render_chat, end_of_turn_id=END_OF_TURN)
-        self.front = OpenAiFront(self.channel, model, FrontOptions(timeout_s=30, created=1))
-        self.runner = web.AppRunner(self.front.app())
+        # forward_authorization: the scripted coordinator stands for one behind TLS.
+        self.front = OpenAiFront(self.channel, model, FrontOptions(
+            timeout_s=30, created=1, forward_authorization=True))
+        self.runner = web.AppRunner(self.front.app(), handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -238,6 +240,45 @@ def test_a_stop_string_cuts_the_text_and_cancels_the_call(client, stack):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="count", max_tokens=100, stop="four", stream=True))
     assert streamed == "one, two, three, "
+
+
+def test_a_long_answer_streams_the_same_text_a_window_at_a_time():
+    """IncrementalText decodes a window, not the whole answer: its pieces still join to the text,
+    multi-byte characters included, and each decode sees few ids."""
+    from dsa_openai import IncrementalText
+
+    text = "h\u00e9llo w\u00f6rld \u4e16\u754c! " * 200
+    ids = encode(text)
+    widths = []
+
+    def counting_decode(window):
+        widths.append(len(window))
+        return decode(window)
+
+    incremental = IncrementalText(counting_decode)
+    pieces = [incremental.add([i]) for i in ids] + [incremental.finish()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert max(widths) <= 8  # a window of a few ids, never the whole answer (len(ids) > 3000)
+
+
+def test_a_client_that_disconnects_cancels_its_request(stack):
+    """A non-streamed request whose client goes away is cancelled on the coordinator."""
+    import socket
+    import time
+
+    stack.coordinator.reply = encode("x" * 400)
+    cancelled = stack.coordinator.cancelled
+    host, port = stack.base_url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.1)  # the request reaches the coordinator
+    deadline = time.monotonic() + 10
+    while stack.coordinator.cancelled == cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stack.coordinator.cancelled == cancelled + 1
 
 
 def test_a_character_split_across_tokens_is_sent_whole(client, stack):
