@@ -131,7 +131,8 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
           "dsa_coordinator_requests_total", "dsa_coordinator_spec_decode_draft_tokens_total",
           "dsa_coordinator_spec_decode_accepted_tokens_total",
           "dsa_coordinator_generated_tokens_total", "dsa_coordinator_workers",
-          "dsa_coordinator_max_queued_requests"}}};
+          "dsa_coordinator_max_queued_requests", "dsa_coordinator_request_duration_seconds",
+          "dsa_coordinator_prompt_tokens_total"}}};
     std::vector<std::string> every = named.at(family);
     for (const char* common :
          {"dsa_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes",
@@ -143,10 +144,11 @@ TEST(LocalClusterTest, ReplaysMooncakeRequestsAndStopsCleanly) {
           << process.name << " lacks " << name;
       EXPECT_NE(metrics.find("\n" + name), std::string::npos) << process.name << " lacks " << name;
     }
-    // Every label of every dsa_ sample is one of the bounded, non-request labels.
+    // Every label of every dsa_ sample is one of the bounded, non-request labels ("code": one of
+    // gRPC's 17 status codes).
     const std::set<std::string> allowed = {"phase",     "state",     "outcome", "layer",
                                            "scored_on", "form",      "kind",    "le",
-                                           "quantile",  "component", "version"};
+                                           "quantile",  "component", "version", "code"};
     std::istringstream lines(metrics);
     std::string line;
     int dsa_samples = 0;
