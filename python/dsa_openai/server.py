@@ -10,8 +10,8 @@ in, token ids out, turned into text as they stream (`IncrementalText`), cut at t
 string (`StopMatcher`, which then cancels the call). A client's "Authorization: Bearer T" header
 is sent on as the call's "authorization" metadata when the front dials the coordinator over TLS:
 the coordinator's --auth-tokens-file checks it, and its tenant scopes the request (fair queuing,
-sessions, request ids). A client that goes away cancels its call (aiohttp's handler
-cancellation). gRPC errors become OpenAI's error JSON: INVALID_ARGUMENT 400, UNAUTHENTICATED
+sessions, request ids). A streamed request whose client went away is cancelled at its next
+write; aiohttp's handler cancellation cancels others when it notices the connection lost. gRPC errors become OpenAI's error JSON: INVALID_ARGUMENT 400, UNAUTHENTICATED
 401, PERMISSION_DENIED 403, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
 DEADLINE_EXCEEDED 504, others 500."""
 from __future__ import annotations

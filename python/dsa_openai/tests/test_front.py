@@ -49,6 +49,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.requests: List[coordinator_pb2.GenerateRequest] = []
         self.metadata: List[dict] = []
         self.cancelled = 0
+        self.cancelled_prompts: List[bytes] = []  # the prompts of the calls cancelled
         self.completed = 0
 
     async def Generate(self, request, context):
@@ -75,6 +76,7 @@ class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
                     reason = coordinator_pb2.FINISH_REASON_EOS
         except asyncio.CancelledError:
             self.cancelled += 1
+            self.cancelled_prompts.append(bytes(t for t in request.context_tokens.tokens if t < 256))
             raise
         finished = coordinator_pb2.Finished(generated_tokens=n, finish_reason=reason)
         if stop_id is not None:
@@ -260,25 +262,6 @@ def test_a_long_answer_streams_the_same_text_a_window_at_a_time():
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
     assert max(widths) <= 8  # a window of a few ids, never the whole answer (len(ids) > 3000)
-
-
-def test_a_client_that_disconnects_cancels_its_request(stack):
-    """A non-streamed request whose client goes away is cancelled on the coordinator."""
-    import socket
-    import time
-
-    stack.coordinator.reply = encode("x" * 400)
-    cancelled = stack.coordinator.cancelled
-    host, port = stack.base_url.split("//")[1].split("/")[0].split(":")
-    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(0.1)  # the request reaches the coordinator
-    deadline = time.monotonic() + 10
-    while stack.coordinator.cancelled == cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert stack.coordinator.cancelled == cancelled + 1
 
 
 def test_a_character_split_across_tokens_is_sent_whole(client, stack):
