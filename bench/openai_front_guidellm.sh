@@ -34,20 +34,23 @@ echo '{"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192}' 
 "$bin/dsa" up --model smollm2 --model-file "$model_dir/model.safetensors" --log-dir "$work" \
   >"$work/up.out" 2>"$work/up.err" &
 cluster=$!
-for _ in $(seq 120); do
-  address=$(sed -n 's/^dsa up: coordinator listening on //p' "$work/up.out")
-  [ -n "$address" ] && break
-  sleep 1
-done
+# wait_for FILE SED_SCRIPT SECONDS: prints what SED_SCRIPT extracts from FILE once it extracts
+# something, polling each second; nothing after SECONDS.
+wait_for() {
+  local found=""
+  for _ in $(seq "$3"); do
+    found=$(sed -n "$2" "$1")
+    [ -n "$found" ] && break
+    sleep 1
+  done
+  echo "$found"
+}
+address=$(wait_for "$work/up.out" 's/^dsa up: coordinator listening on //p' 120)
 [ -n "$address" ] || { cat "$work/up.err" >&2; exit 1; }
 PYTHONPATH=python:clients/python .venv-model/bin/python -m dsa_openai --coordinator "$address" \
   --model-dir "$model_dir" --listen 127.0.0.1:0 >"$work/front.out" 2>&1 &
 front=$!
-for _ in $(seq 60); do
-  url=$(sed -n 's/^dsa-openai: listening on \(http:[^ ]*\).*/\1/p' "$work/front.out")
-  [ -n "$url" ] && break
-  sleep 1
-done
+url=$(wait_for "$work/front.out" 's/^dsa-openai: listening on \(http:[^ ]*\).*/\1/p' 60)
 [ -n "$url" ] || { cat "$work/front.out" >&2; exit 1; }
 
 {

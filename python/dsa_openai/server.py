@@ -169,20 +169,22 @@ class OpenAiFront:
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            plan = completion_plan(await self._body(request), self._model.name,
-                                   self._model.encode, self._model.vocab_size)
-        except ApiError as e:
-            return _error_response(e)
-        return await self._serve(request, plan, f"cmpl-{uuid.uuid4().hex}")
+        return await self._plan_and_serve(request, "cmpl", lambda body: completion_plan(
+            body, self._model.name, self._model.encode, self._model.vocab_size))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._plan_and_serve(request, "chatcmpl", lambda body: chat_plan(
+            body, self._model.name, self._model.render_chat, self._model.end_of_turn_id))
+
+    async def _plan_and_serve(self, request: web.Request, id_prefix: str,
+                              plan_of: Callable[[Dict[str, Any]], Plan]) -> web.StreamResponse:
+        """The request's body through `plan_of` (its ApiError answered as such), then served
+        under the id "<id_prefix>-<uuid>"."""
         try:
-            plan = chat_plan(await self._body(request), self._model.name,
-                             self._model.render_chat, self._model.end_of_turn_id)
+            plan = plan_of(await self._body(request))
         except ApiError as e:
             return _error_response(e)
-        return await self._serve(request, plan, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._serve(request, plan, f"{id_prefix}-{uuid.uuid4().hex}")
 
     def _generate_request(self, plan: Plan, request_id: str) -> coordinator_pb2.GenerateRequest:
         max_tokens = plan.max_tokens
