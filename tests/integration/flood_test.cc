@@ -127,6 +127,7 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
     flood_channels.push_back(Dial(coordinator.address, pki.ca(), "token-of-flood", c));
   }
   std::atomic<bool> stop{false};
+  std::atomic<int> flood_admitted{0};  // the flood's requests admitted (its running share used)
   absl::Mutex mu;
   std::map<std::string, int> flood_outcomes;  // status code name -> count, guarded by mu
   std::vector<std::string> unexpected;  // flood errors other than its own limit, guarded by mu
@@ -146,7 +147,10 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
         }
         auto reader = stub->Generate(&context, Request(absl::StrCat("f", i, "-", n), 600, 200));
         cv1::GenerateEvent event;
-        while (reader->Read(&event)) std::this_thread::sleep_for(kFloodReadDelay);
+        while (reader->Read(&event)) {
+          if (event.has_admitted()) ++flood_admitted;
+          std::this_thread::sleep_for(kFloodReadDelay);
+        }
         const grpc::Status status = reader->Finish();
         const bool refused = status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
         {
@@ -238,8 +242,9 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
   ASSERT_FALSE(waits_ms.empty());
   EXPECT_LE(sorted.back(), Ms(kAdmissionBound));
   EXPECT_TRUE(unexpected.empty());
-  // The flood was one: it was refused its share at some point and still ran requests.
-  EXPECT_GT(flood_outcomes["OK"], 0);
+  // The flood was one: it was refused its share at some point and still had requests admitted
+  // (whether any of its slow readers finished inside the window depends on the machine's speed).
+  EXPECT_GT(flood_admitted.load(), 0);
   if (!fifo) {
     EXPECT_GT(flood_outcomes[absl::StrCat("code ", grpc::StatusCode::RESOURCE_EXHAUSTED)], 0);
   }
