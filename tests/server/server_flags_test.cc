@@ -48,8 +48,10 @@ std::string Parse(Flags& flags, const std::string& command_line) {
   return "";
 }
 
+// Each test runs as its own process beside others (ctest -j): the pid keeps their files apart.
 std::string WriteFile(const std::string& name, const std::string& text) {
-  std::string path = ::testing::TempDir() + "/" + name;
+  std::string path =
+      ::testing::TempDir() + "/server_flags_test_" + std::to_string(getpid()) + "_" + name;
   std::ofstream(path) << text;
   return path;
 }
