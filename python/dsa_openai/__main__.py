@@ -70,7 +70,10 @@ def model_info(model_dir: Path, served: coordinator_pb2.Model) -> ModelInfo:
 def _channel(args) -> grpc.aio.Channel:
     if args.coordinator_ca is None:
         return grpc.aio.insecure_channel(args.coordinator)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(args.coordinator_ca).read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(args.coordinator_ca).read_bytes(),
+        private_key=Path(args.coordinator_key).read_bytes() if args.coordinator_key else None,
+        certificate_chain=Path(args.coordinator_cert).read_bytes() if args.coordinator_cert else None)
     options = []
     if args.coordinator_server_name:
         options.append(("grpc.ssl_target_name_override", args.coordinator_server_name))
@@ -97,10 +100,26 @@ async def _served_model(channel: grpc.aio.Channel, token: Optional[str],
     raise ApiError(503, f"the coordinator at {timeout_s:g} s: {last}", "server_error")
 
 
+def _startup_token(path: Optional[str]) -> Optional[str]:
+    """The token in the file at path (one token, surrounding whitespace dropped), or None.
+    Raises ValueError for an empty file or one holding more than a token."""
+    if path is None:
+        return None
+    words = Path(path).read_text(encoding="utf-8").split()
+    if len(words) != 1:
+        raise ValueError(f"{path}: a token file holds one token, found {len(words)} words")
+    return words[0]
+
+
 async def _run(args) -> int:
-    channel = _channel(args)
     try:
-        served = await _served_model(channel, args.startup_token, args.startup_timeout_s)
+        channel = _channel(args)
+        token = _startup_token(args.startup_token_file)
+    except (ValueError, OSError) as e:
+        print(f"dsa-openai: {e}", file=sys.stderr)
+        return 2
+    try:
+        served = await _served_model(channel, token, args.startup_timeout_s)
     except ApiError as e:
         print(f"dsa-openai: {e.message}", file=sys.stderr)
         return 1
@@ -112,9 +131,12 @@ async def _run(args) -> int:
         return 2
     front = OpenAiFront(channel, info, FrontOptions(
         timeout_s=args.timeout_s, created=int(time.time()),
-        forward_authorization=args.coordinator_ca is not None, health_token=args.startup_token))
+        forward_authorization=args.coordinator_ca is not None, health_token=token))
     # handler_cancellation: a client that disconnects cancels its handler, and so its Generate.
-    runner = web.AppRunner(front.app(), access_log=None, handler_cancellation=True)
+    # shutdown_timeout: on SIGTERM the port closes at once and requests in flight get this long to
+    # end before they are cancelled (and so their Generate calls).
+    runner = web.AppRunner(front.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=args.shutdown_grace_s)
     await runner.setup()
     host, _, port = args.listen.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=ssl_context,
@@ -151,17 +173,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--coordinator-ca", help="CA bundle to dial the coordinator over TLS")
     parser.add_argument("--coordinator-server-name",
                         help="the name checked in the coordinator's certificate")
-    parser.add_argument("--startup-token", help="bearer token for the startup GetLoad and /health's "
-                        "(a coordinator with --auth-tokens-file); clients send their own")
+    parser.add_argument("--coordinator-cert", help="PEM client certificate shown to the coordinator "
+                        "(a coordinator with --tls-client-ca: mutual TLS)")
+    parser.add_argument("--coordinator-key", help="PEM private key of --coordinator-cert")
+    parser.add_argument("--startup-token-file", help="file holding the bearer token of the startup "
+                        "GetLoad and /health's (a coordinator with --auth-tokens-file); clients send "
+                        "their own")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="deadline of each request's Generate call")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0,
                         help="how long to wait for the coordinator to serve a model")
+    parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                        help="on SIGTERM / SIGINT, how long requests in flight may run on")
     args = parser.parse_args(argv)
     if args.timeout_s <= 0 or args.startup_timeout_s <= 0:
         parser.error("--timeout-s and --startup-timeout-s must be > 0")
-    if args.startup_token and args.coordinator_ca is None:
-        parser.error("--startup-token needs --coordinator-ca: tokens must not cross plaintext")
+    if args.shutdown_grace_s < 0:
+        parser.error("--shutdown-grace-s must be >= 0")
+    if args.startup_token_file and args.coordinator_ca is None:
+        parser.error("--startup-token-file needs --coordinator-ca: tokens must not cross plaintext")
+    if (args.coordinator_cert is None) != (args.coordinator_key is None):
+        parser.error("--coordinator-cert and --coordinator-key go together")
+    if args.coordinator_cert and args.coordinator_ca is None:
+        parser.error("--coordinator-cert needs --coordinator-ca (it is shown over TLS only)")
     logging.basicConfig(level=logging.WARNING)
     return asyncio.run(_run(args))
 

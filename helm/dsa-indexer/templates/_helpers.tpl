@@ -84,6 +84,12 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- printf "%s:%s" $image.repository $tag -}}
 {{- end -}}
 
+{{/* repository:tag of the OpenAI front's image: the tag plus image.openaiTagSuffix. */}}
+{{- define "dsa.openaiImage" -}}
+{{- $image := .Values.image -}}
+{{- printf "%s:%s%s" $image.repository (default .Chart.AppVersion $image.tag) $image.openaiTagSuffix -}}
+{{- end -}}
+
 {{/* The binary of a component, under /usr/local/bin. */}}
 {{- define "dsa.binary" -}}
 {{- printf "/usr/local/bin/dsa-%s" .component -}}
@@ -193,6 +199,29 @@ before the server's own exit.
 {{- end -}}
 
 {{/*
+The flags model.name sets in a component's TOML file, as JSON. smollm2: every indexer serves the
+trained indexers' shape (H 16, D 64: the metadata of model.indexerWeights, which the chart check
+compares), the coordinator selects the model's top-K (512, dsa up's --model smollm2 default) and
+the attention workers load the model's files. pattern: none (each component's config says).
+Call with (dict "root" $ "component" NAME).
+*/}}
+{{- define "dsa.modelFlags" -}}
+{{- $m := .root.Values.model -}}
+{{- $flags := dict -}}
+{{- if eq $m.name "smollm2" -}}
+{{- $indexerShape := dict "num-heads" 16 "head-dim" 64 -}}
+{{- if eq .component "coordinator" -}}
+{{- $_ := set $flags "top-k" 512 -}}
+{{- else if eq .component "indexer" -}}
+{{- $flags = $indexerShape -}}
+{{- else if eq .component "attention" -}}
+{{- $flags = dict "model" "smollm2" "model-file" (printf "%s/model.safetensors" $m.dir) "indexer-weights" $m.indexerWeights -}}
+{{- end -}}
+{{- end -}}
+{{- $flags | toJson -}}
+{{- end -}}
+
+{{/*
 The flags of a component's TOML file (/etc/dsa/<component>.toml): the chart's own (log-level, the
 device and transport keys, the coordinator's check interval and --colocated) and then the
 component's `config` map. Values go through toJson: a JSON string, number, boolean or array of them
@@ -201,7 +230,8 @@ is also a TOML one.
 {{- define "dsa.configToml" -}}
 {{- $root := .root -}}
 {{- $c := index $root.Values .component -}}
-{{- $flags := dict "log-level" (default $root.Values.logLevel $c.logLevel) -}}
+{{- $flags := include "dsa.modelFlags" . | fromJson -}}
+{{- $_ := set $flags "log-level" (default $root.Values.logLevel $c.logLevel) -}}
 {{- if eq .component "coordinator" -}}
 {{- $_ := set $flags "worker-check-interval-ms" $c.discovery.workerCheckIntervalMs -}}
 {{- if include "dsa.colocated" $root -}}
@@ -528,6 +558,20 @@ to change. Included once, from the ConfigMap.
 {{- if and (include "dsa.colocated" $) (lt (int $v.attention.replicas) 1) -}}
 {{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
 {{- end -}}
+{{- if eq $v.model.name "smollm2" -}}
+{{- range $component := list "coordinator" "indexer" "attention" -}}
+{{- $set := include "dsa.modelFlags" (dict "root" $ "component" $component) | fromJson -}}
+{{- if eq $component "attention" -}}
+{{- /* and the pattern model's shape flags, which dsa-attention refuses with --model smollm2 */ -}}
+{{- $set = merge $set (dict "num-heads" 0 "head-dim" 0 "kv-dim" 0 "attention-heads" 0 "seed" 0 "layer-standin" 0) -}}
+{{- end -}}
+{{- range $key := keys $set | sortAlpha -}}
+{{- if hasKey (index $v $component).config $key -}}
+{{- fail (printf "%s.config sets %s, which model.name smollm2 sets from the model: remove it (or set model.name pattern)" $component $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.routes.grpcRoute.enabled (not $v.routes.grpcRoute.parentRefs) -}}
 {{- fail "routes.grpcRoute.enabled needs routes.grpcRoute.parentRefs: the Gateway(s) the route attaches to" -}}
 {{- end -}}
@@ -582,13 +626,33 @@ to change. Included once, from the ConfigMap.
 {{- fail "the coordinator and the attention workers have certificates of their own (coordinator.tlsSecretName or attention.tlsSecretName) but indexer.operatorIdentities is empty: put the coordinator's common name there, or the indexers refuse its Releases (prefix donors, and the sequences of attention workers that died) and their blocks leak" -}}
 {{- end -}}
 {{- end -}}
+{{- if $v.openai.enabled -}}
+{{- if ne $v.model.name "smollm2" -}}
+{{- fail "openai.enabled needs model.name smollm2: the pattern model generates no tokens (set openai.enabled false)" -}}
+{{- end -}}
+{{- if and $v.auth.tokensSecret (not $v.openai.healthTokenKey) -}}
+{{- fail "auth.tokensSecret with openai.enabled needs openai.healthTokenKey: the key of that Secret holding the token (one of its tokens, alone) the front presents at start and for /health" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.openai.healthTokenKey (not $v.auth.tokensSecret) -}}
+{{- fail "openai.healthTokenKey needs auth.tokensSecret (the Secret that key is in)" -}}
+{{- end -}}
+{{- if and (or $v.routes.httpRoute.enabled $v.routes.openaiIngress.enabled) (not $v.openai.enabled) -}}
+{{- fail "routes.httpRoute and routes.openaiIngress route to the OpenAI front: they need openai.enabled" -}}
+{{- end -}}
+{{- if and $v.routes.httpRoute.enabled (not $v.routes.httpRoute.parentRefs) -}}
+{{- fail "routes.httpRoute.enabled needs routes.httpRoute.parentRefs: the Gateway(s) the route attaches to" -}}
+{{- end -}}
+{{- if and $v.routes.openaiIngress.enabled (not $v.routes.openaiIngress.host) -}}
+{{- fail "routes.openaiIngress.enabled needs routes.openaiIngress.host" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* "true" when the component's replicas belong to an autoscaler (its workload then sets none, so
 that an upgrade does not reset them). Call with (dict "root" $ "component" NAME). */}}
 {{- define "dsa.autoscaled" -}}
 {{- $a := .root.Values.autoscaling -}}
-{{- if and $a.enabled (index $a .component).enabled -}}true{{- end -}}
+{{- if and $a.enabled (hasKey $a .component) (index $a .component).enabled -}}true{{- end -}}
 {{- end -}}
 
 {{/* The fewest replicas a component runs: autoscaling's minReplicas, else replicas. */}}
