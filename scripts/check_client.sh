@@ -33,4 +33,6 @@ if [ -n "$written" ]; then
   echo "$written" >&2
   exit 1
 fi
-echo "check_client: $wheel"
+# CI's artifact: the wheel and its checksum, in build/dist/ (test.sh names them at its end).
+(cd "$dist" && sha256sum dsa_client-*.whl > SHA256SUMS)
+echo "check_client: $wheel ($(cut -d' ' -f1 "$dist/SHA256SUMS"))"

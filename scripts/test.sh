@@ -6,7 +6,7 @@
 # binaries' too) under ASan + UBSan in the same instrumented build (scripts/sanitize.sh) and the
 # engine suites under TSan (scripts/tsan.sh), then check the deployment: the Helm chart, the
 # Prometheus rules and Grafana dashboards, the Dockerfiles, the protos (buf lint) and the Python
-# client.
+# client, whose wheel (build/dist/) is the run's artifact.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Each step's duration goes to stderr as it ends, so that CI's log shows where its time goes.
@@ -38,3 +38,5 @@ step bash scripts/check_observability.sh
 step bash scripts/check_images.sh
 step bash scripts/check_protos.sh
 step bash scripts/check_client.sh
+# What a CI run publishes: the Python client's wheel (PEP 517, built out of tree) and its checksum.
+echo "test.sh: artifacts: $(ls build/dist/dsa_client-*.whl) build/dist/SHA256SUMS"
