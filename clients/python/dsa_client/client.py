@@ -190,15 +190,30 @@ class Generation:
         real model: Tokens.token_ids; the pattern model yields none), keeping the Admitted and
         Finished events in .admitted and .finished (Finished.finish_reason says why it ended:
         LENGTH, EOS or STOP_TOKEN, with stop_token_id). Raises grpc.RpcError as iterating does.
-        Consumes the stream: iterate the Generation or call this, not both."""
-        for event in self._call:
-            kind = event.WhichOneof("event")
-            if kind == "tokens":
-                yield from event.tokens.token_ids
-            elif kind == "admitted":
-                self.admitted = event.admitted
-            elif kind == "finished":
-                self.finished = event.finished
+        Consumes the stream: iterate the Generation or call this, not both. Leaving the loop
+        early (break, an exception) cancels the call once the iterator is closed, so the
+        coordinator frees the request's slot."""
+        ended = False
+        try:
+            for event in self._call:
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    yield from event.tokens.token_ids
+                elif kind == "admitted":
+                    self.admitted = event.admitted
+                elif kind == "finished":
+                    self.finished = event.finished
+            ended = True
+        finally:
+            if not ended:
+                self._call.cancel()
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving a with block cancels the call unless the stream has ended."""
+        self._call.cancel()
 
     def cancel(self) -> None:
         """Cancels the call on the client side (the iteration then raises CANCELLED)."""
@@ -326,16 +341,30 @@ class AsyncGeneration:
 
     async def token_ids(self) -> AsyncIterator[int]:
         """As Generation.token_ids: each generated id as its Tokens event arrives, keeping
-        .admitted and .finished. Consumes the stream."""
-        async for event in self._call:
-            kind = event.WhichOneof("event")
-            if kind == "tokens":
-                for token in event.tokens.token_ids:
-                    yield token
-            elif kind == "admitted":
-                self.admitted = event.admitted
-            elif kind == "finished":
-                self.finished = event.finished
+        .admitted and .finished. Consumes the stream. Leaving the loop early cancels the call when
+        the generator is closed (at once with `async with`, else when asyncio finalizes it)."""
+        ended = False
+        try:
+            async for event in self._call:
+                kind = event.WhichOneof("event")
+                if kind == "tokens":
+                    for token in event.tokens.token_ids:
+                        yield token
+                elif kind == "admitted":
+                    self.admitted = event.admitted
+                elif kind == "finished":
+                    self.finished = event.finished
+            ended = True
+        finally:
+            if not ended:
+                self._call.cancel()
+
+    async def __aenter__(self) -> "AsyncGeneration":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        """Leaving an async with block cancels the call unless the stream has ended."""
+        self._call.cancel()
 
     def cancel(self) -> None:
         """Cancels the call on the client side."""

@@ -30,21 +30,25 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.requests = []
         self.time_remaining = None  # the last Generate's deadline, seconds from its start
         self.aborts = {}  # request id -> threading.Event
+        self.ended = {}  # request id -> threading.Event, set when its call ends (cancel included)
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
         self.requests.append(request)
         self.time_remaining = context.time_remaining()
-        aborted = threading.Event()
+        aborted, ended = threading.Event(), threading.Event()
+        context.add_callback(ended.set)
         with self.lock:
             self.aborts[request.request_id] = aborted
+            self.ended[request.request_id] = ended
         yield coordinator_pb2.GenerateEvent(admitted=coordinator_pb2.Admitted(
             indexer_worker="indexer-0", attention_worker="attention-0"))
+        real = request.WhichOneof("context") == "context_tokens"
         if request.max_new_tokens > 1000:
-            yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(count=1))
+            yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(
+                count=1, token_ids=[100] if real else []))
             aborted.wait(timeout=10)
             context.abort(grpc.StatusCode.CANCELLED, "aborted")
-        real = request.WhichOneof("context") == "context_tokens"
         for position in range(request.max_new_tokens):
             yield coordinator_pb2.GenerateEvent(tokens=coordinator_pb2.Tokens(
                 first_position=position, count=1, token_ids=[100 + position] if real else []))
@@ -164,6 +168,19 @@ class CoordinatorClientTest(FakeServerCase):
         self.assertEqual(list(generation.token_ids()), [])
         self.assertEqual(generation.finished.generated_tokens, 3)
 
+    def test_leaving_token_ids_early_cancels_the_call(self):
+        # The fake holds these calls 10 s unless cancelled: each must end within 5.
+        generation = self.client.generate("early", context_tokens=[1], max_new_tokens=5000)
+        for _ in generation.token_ids():
+            break
+        self.assertTrue(self.fake.ended["early"].wait(5))
+        self.assertEqual(generation.code(), grpc.StatusCode.CANCELLED)
+        with self.client.generate("block", context_tokens=[1], max_new_tokens=5000) as g:
+            next(g.token_ids())
+        self.assertTrue(self.fake.ended["block"].wait(5))
+        self.assertEqual(g.code(), grpc.StatusCode.CANCELLED)
+        self.assertFalse(self.fake.aborts["early"].is_set() or self.fake.aborts["block"].is_set())
+
     def test_generate_needs_exactly_one_context(self):
         with self.assertRaises(ValueError):
             self.client.generate("r3", max_new_tokens=1)
@@ -243,6 +260,24 @@ class AsyncCoordinatorClientTest(FakeServerCase):
         self.assertEqual(kinds, ["admitted", "tokens", "tokens", "finished"])
         self.assertEqual(ids, [100, 101, 102])
         self.assertEqual(finished.finish_reason, coordinator_pb2.FINISH_REASON_LENGTH)
+
+    def test_leaving_token_ids_early_cancels_the_call(self):
+        # The fake holds these calls 10 s unless cancelled: each must end within 5.
+        async def body(client):
+            results = []
+            generation = client.generate("early", context_tokens=[1], max_new_tokens=5000)
+            async for _ in generation.token_ids():
+                break
+            # asyncio finalizes the dropped generator, which cancels the call.
+            results.append(await asyncio.to_thread(self.fake.ended["early"].wait, 5))
+            results.append(await generation.code())
+            async with client.generate("block", context_tokens=[1], max_new_tokens=5000) as g:
+                await g.token_ids().__anext__()
+            results.append(await asyncio.to_thread(self.fake.ended["block"].wait, 5))
+            results.append(await g.code())
+            return results
+        self.assertEqual(self.run_async(body), [True, grpc.StatusCode.CANCELLED] * 2)
+        self.assertFalse(self.fake.aborts["early"].is_set() or self.fake.aborts["block"].is_set())
 
     def test_async_abort_get_load_and_health(self):
         async def body(client):
