@@ -6,9 +6,11 @@
 // slots for their whole max_new_tokens) and starting another as soon as one ends or is refused;
 // caller "neighbour", once the flood is being refused, sends a short request every
 // kNeighbourInterval for kFloodFor and reads at once. Every
-// neighbour request must be admitted (its Admitted event read) within kAdmissionBound (fair
-// admission's target), and complete; the flood's refusals must name its own limit. The test prints
-// the neighbour's admission waits and the flood's outcomes. DSA_FLOOD_FIFO=1 runs the coordinator
+// neighbour request must be admitted (its Admitted event read), within kAdmissionBound, and
+// complete; the flood's refusals must name its own limit. The bound is a correctness bound (a
+// FIFO queue refuses the neighbour or holds it for tens of seconds), not the 1 s target, which
+// bench_flood_admission measures: wall time on a loaded 2-core machine is no speed figure. The
+// test prints the neighbour's admission waits and the flood's outcomes. DSA_FLOOD_FIFO=1 runs the coordinator
 // without per-caller limits (the queue's order alone), to see the fault the test guards against.
 #include <signal.h>
 
@@ -43,7 +45,7 @@ constexpr int kFloodChannels = 8;  // connections the flood spreads its streams 
 constexpr auto kFloodFor = std::chrono::seconds(20);
 constexpr auto kFloodReadDelay = std::chrono::milliseconds(20);
 constexpr auto kNeighbourInterval = std::chrono::milliseconds(500);
-constexpr auto kAdmissionBound = std::chrono::milliseconds(1000);
+constexpr auto kAdmissionBound = std::chrono::milliseconds(5000);
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
