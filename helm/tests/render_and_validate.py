@@ -545,9 +545,16 @@ def check_front(where: str, v: dict[str, Any], template: dict[str, Any], service
                 where, f"{probe} must GET /health on port http over {scheme}, is {container.get(probe)}")
     f.check(container.get("livenessProbe", {}).get("tcpSocket") == {"port": "http"}, where,
             "livenessProbe must be the port's TCP check (a coordinator that is down must not restart the front)")
-    grace = flag_values(args, "shutdown-grace-s")
-    f.check(len(grace) == 1 and spec.get("terminationGracePeriodSeconds", 30) >= float(grace[0]) + 1, where,
-            f"terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} must cover --shutdown-grace-s {grace} plus a second")
+    grace, drain = flag_values(args, "shutdown-grace-s"), flag_values(args, "drain-delay-s")
+    f.check(len(grace) == 1 and len(drain) == 1 and
+            spec.get("terminationGracePeriodSeconds", 30) >= float(drain[0]) + float(grace[0]) + 1, where,
+            f"terminationGracePeriodSeconds {spec.get('terminationGracePeriodSeconds')} must cover "
+            f"--drain-delay-s {drain} and --shutdown-grace-s {grace} plus a second")
+    startup = container.get("startupProbe", {})
+    f.check(flag_values(args, "startup-timeout-s") ==
+            [str(startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3))], where,
+            f"--startup-timeout-s {flag_values(args, 'startup-timeout-s')} must be the startup probe's "
+            "whole budget (periodSeconds x failureThreshold)")
     psc, csc = spec.get("securityContext", {}), container.get("securityContext", {})
     f.check(psc.get("runAsNonRoot") is True and psc.get("runAsUser") == 10001 and spec.get("enableServiceLinks") is False,
             where, "the front's pod must be non-root uid 10001 without service links")
@@ -566,7 +573,7 @@ def check_front(where: str, v: dict[str, Any], template: dict[str, Any], service
         for path in flag_values(args, flag):
             source = mounted_file(spec, container, path)
             expected = ((auth["tokensSecret"], o["healthTokenKey"]) if flag == "startup-token-file"
-                        else (tls["secretName"], {"coordinator-ca": "ca.crt", "coordinator-cert": "tls.crt",
+                        else (o["tlsSecretName"] or tls["secretName"], {"coordinator-ca": "ca.crt", "coordinator-cert": "tls.crt",
                                                   "coordinator-key": "tls.key"}.get(flag, os.path.basename(path))))
             f.check(source == ("secret", *expected), where,
                     f"--{flag}={path} must be the key {expected[1]} of the Secret {expected[0]}, is {source}")
@@ -588,8 +595,10 @@ def check_model(scenario: str, v: dict[str, Any], tomls: dict[str, dict[str, Any
         f.check((tomls["indexer"].get("num-heads"), tomls["indexer"].get("head-dim")) == INDEXER_SHAPE, where,
                 f"the indexers' H, D are {tomls['indexer'].get('num-heads')}, {tomls['indexer'].get('head-dim')}; "
                 f"the weights' are {INDEXER_SHAPE}")
-    f.check(tomls.get("coordinator", {}).get("top-k") == SMOLLM2_TOP_K, where,
-            f"the coordinator's top-k is {tomls.get('coordinator', {}).get('top-k')}, dsa up's {SMOLLM2_TOP_K}")
+    top_k = v["coordinator"]["config"].get("top-k", SMOLLM2_TOP_K)
+    f.check(tomls.get("coordinator", {}).get("top-k") == top_k, where,
+            f"the coordinator's top-k is {tomls.get('coordinator', {}).get('top-k')}: its config's, else dsa "
+            f"up's {SMOLLM2_TOP_K}")
     attention = tomls.get("attention", {})
     f.check(attention.get("model") == "smollm2" and
             attention.get("model-file") == v["model"]["dir"] + "/model.safetensors" and
@@ -608,12 +617,23 @@ def model_constants() -> tuple[tuple[int, int], int, list[str]]:
     with open(os.path.join(CHART, "values.yaml"), encoding="utf-8") as values:
         model = yaml.safe_load(values)["model"]
     disagree = []
+    root = os.path.dirname(model["indexerWeights"])
+    if os.path.dirname(model["dir"]) != root:
+        disagree.append(f"model.dir {model['dir']} and model.indexerWeights {model['indexerWeights']} "
+                        "are not in one folder, as the images put them")
     for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
         with open(os.path.join(REPO, "deploy", "docker", dockerfile), encoding="utf-8") as d:
             text = d.read()
-        root = os.path.dirname(model["indexerWeights"])
-        if f"COPY --from=model /out/ {root}/" not in text or "DSA_MODEL_DIR=/out/" + os.path.basename(model["dir"]) not in text:
-            disagree.append(f"{dockerfile} does not put the model where model.dir and model.indexerWeights say")
+        wants = [f"COPY --from=model /out/ {root}/",  # the model stage's /out, whole
+                 "DSA_MODEL_DIR=/out/" + os.path.basename(model["dir"]),  # model.dir's folder
+                 f"COPY data/models/{os.path.basename(model['indexerWeights'])} /out/"]
+        if dockerfile == "Dockerfile":  # the front's tokenizer.json, in model.dir
+            wants.append(f"COPY --from=model /out/{os.path.basename(model['dir'])}/tokenizer.json "
+                         f"{model['dir']}/")
+        for want in wants:
+            if want not in text:
+                disagree.append(f"{dockerfile} lacks `{want}`: the image's model is not where "
+                                "model.dir and model.indexerWeights say")
     return (int(metadata["num_heads"]), int(metadata["head_dim"])), top_k, disagree
 
 
@@ -812,8 +832,10 @@ def promises_front_tokens(r: dict[str, Any]) -> list[tuple[bool, str]]:
     args = args_of(r["front"])
     return [(flag_values(args, "startup-token-file") == ["/etc/dsa-auth/token"] and
              flag_values(args, "coordinator-cert") == ["/etc/dsa-tls/tls.crt"] and
-             flag_values(args, "tls-cert") == ["/etc/dsa-tls/tls.crt"],
-             f"the front: HTTPS, a client certificate and its own token: {args}")]
+             flag_values(args, "tls-cert") == ["/etc/dsa-tls/tls.crt"] and
+             tls_secret_of(r["front"]) == "dsa-openai-tls",
+             f"the front: HTTPS with its own certificate dsa-openai-tls, as the coordinator's client "
+             f"too, and its own token: {args}, {tls_secret_of(r['front'])}")]
 
 
 def promises_autoscaling(r: dict[str, Any], kind: str) -> list[tuple[bool, str]]:
@@ -1007,6 +1029,10 @@ GOOD: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, A
               "attention": {"config": {"num-heads": 8, "head-dim": 32}}},
      lambda r: [(r["front"] is None and "top-k" not in r["tomls"]["coordinator"] and
                  r["tomls"]["indexer"].get("num-heads") == 8, "the pattern model: its own shapes, no front")]),
+    ("the real model at the coordinator's own top-K, retention 3",
+     lambda: {"coordinator": {"config": {"top-k": 1024}},
+              "attention": {"config": {"retention": 3, "num-model-layers": 30}}},
+     lambda r: [(r["tomls"]["coordinator"].get("top-k") == 1024, "the coordinator's config sets its top-k")]),
     ("the front over two replicas",
      lambda: {"openai": {"replicas": 2}},
      lambda r: [(any(p["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == "openai"
@@ -1115,6 +1141,10 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("a TLS flag in config", {"coordinator": {"config": {"tls-cert": "/x.pem"}}}, "invalid propertyName 'tls-cert'"),
     ("an unknown tls key", {"tls": {"enable": True}}, "additional properties 'enable' not allowed"),
     ("an unknown model", {"model": {"name": "llama"}}, "at '/model/name': value must be one of"),
+    ("a layer pattern of another model", {"attention": {"config": {"layer-pattern": "FSFSFSFS"}}},
+     "attention.config.layer-pattern has 8 layers; model.name smollm2 has 30"),
+    ("another model's layer count", {"attention": {"config": {"retention": 2, "num-model-layers": 16}}},
+     "attention.config.num-model-layers is 16; model.name smollm2 has 30"),
     ("the front on the pattern model", {"model": {"name": "pattern"}},
      "openai.enabled needs model.name smollm2: the pattern model generates no tokens"),
     ("the real model with the indexers' shape in config", {"indexer": {"config": {"num-heads": 64}}},

@@ -419,8 +419,8 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
                              ": arguments 'logical_blocks' and 'row_block_offset' go together: "
                              "give both or neither"));
   }
-  if (k < 1 || k > cuda::kMaxTopK) {
-    return ArgumentError(Cat(op, ": argument 'k' must be in [1, ", cuda::kMaxTopK, "], got ", k));
+  if (k < 1 || k > kMaxTopK) {
+    return ArgumentError(Cat(op, ": argument 'k' must be in [1, ", kMaxTopK, "], got ", k));
   }
   DSA_RETURN_IF_ERROR(CheckTensor(op, "selection", selection, device, at::kInt, 2));
   if (selection.size(0) != num_rows || selection.size(1) != k) {
@@ -596,6 +596,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("selected"), py::arg("selected_count"), py::arg("top_k"),
         py::arg("target_block_sparsity"), py::arg("exploration_fraction"));
   m.def("device_info", &DeviceInfo, py::arg("ordinal"));
-  m.attr("MAX_TOPK") = dsa::cuda::kMaxTopK;
+  m.attr("MAX_TOPK") = dsa::kMaxTopK;
   m.attr("BLOCK_SLOTS") = 64;
 }

@@ -133,10 +133,10 @@ async def _run(args) -> int:
         timeout_s=args.timeout_s, created=int(time.time()),
         forward_authorization=args.coordinator_ca is not None, health_token=token))
     # handler_cancellation: a client that disconnects cancels its handler, and so its Generate.
-    # shutdown_timeout: on SIGTERM the port closes at once and requests in flight get this long to
-    # end before they are cancelled (and so their Generate calls).
+    # The drain on SIGTERM is the front's own (close()); the runner's cleanup then finds no
+    # request left to wait for.
     runner = web.AppRunner(front.app(), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=args.shutdown_grace_s)
+                           shutdown_timeout=0.1)
     await runner.setup()
     host, _, port = args.listen.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), ssl_context=ssl_context,
@@ -147,15 +147,26 @@ async def _run(args) -> int:
         print(f"dsa-openai: cannot listen on {args.listen}: {e.strerror or e}", file=sys.stderr)
         await runner.cleanup()
         return 2
-    bound = runner.addresses[0]
-    scheme = "https" if ssl_context else "http"
-    print(f"dsa-openai: listening on {scheme}://{bound[0]}:{bound[1]} (model {info.name})",
-          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    bound = runner.addresses[0]
+    scheme = "https" if ssl_context else "http"
+    print(f"dsa-openai: listening on {scheme}://{bound[0]}:{bound[1]} (model {info.name})",
+          flush=True)
     await stop.wait()
+    # SIGTERM: /health turns 503 while requests are still taken for --drain-delay-s (endpoints
+    # and load balancers drop the front meanwhile), then the port closes and the requests in
+    # flight get --shutdown-grace-s.
+    front.start_drain()
+    if args.drain_delay_s > 0:
+        await asyncio.sleep(args.drain_delay_s)
+    await site.stop()
+    cancelled = await front.close(args.shutdown_grace_s)
+    if cancelled:
+        print(f"dsa-openai: cancelled {cancelled} request(s) still running after "
+              f"{args.shutdown_grace_s:g} s", file=sys.stderr)
     await runner.cleanup()
     await channel.close()
     return 0
@@ -183,13 +194,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="deadline of each request's Generate call")
     parser.add_argument("--startup-timeout-s", type=float, default=60.0,
                         help="how long to wait for the coordinator to serve a model")
+    parser.add_argument("--drain-delay-s", type=float, default=0.0,
+                        help="on SIGTERM / SIGINT, how long /health answers 503 while requests "
+                        "are still taken, before the port closes")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
-                        help="on SIGTERM / SIGINT, how long requests in flight may run on")
+                        help="then how long requests in flight may run on before they are "
+                        "cancelled (0: at once)")
     args = parser.parse_args(argv)
     if args.timeout_s <= 0 or args.startup_timeout_s <= 0:
         parser.error("--timeout-s and --startup-timeout-s must be > 0")
-    if args.shutdown_grace_s < 0:
-        parser.error("--shutdown-grace-s must be >= 0")
+    if args.shutdown_grace_s < 0 or args.drain_delay_s < 0:
+        parser.error("--shutdown-grace-s and --drain-delay-s must be >= 0")
     if args.startup_token_file and args.coordinator_ca is None:
         parser.error("--startup-token-file needs --coordinator-ca: tokens must not cross plaintext")
     if (args.coordinator_cert is None) != (args.coordinator_key is None):

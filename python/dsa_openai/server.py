@@ -3,7 +3,7 @@
     POST /v1/completions        prompt (text or token ids) -> text; SSE with "stream": true
     POST /v1/chat/completions   messages -> the model's chat template -> text; SSE likewise
     GET  /v1/models             the model the coordinator serves (its GetLoad's model)
-    GET  /health                200 when the coordinator answers GetLoad with a model, else 503
+    GET  /health                200 when the coordinator answers GetLoad with a model, else 503 (and once draining)
 
 Each request is one Generate call on the coordinator's gRPC API (grpc.aio): the prompt's token ids
 in, token ids out, turned into text as they stream (`IncrementalText`), cut at the first stop
@@ -106,9 +106,43 @@ class OpenAiFront:
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         self._model = model
         self._options = options
+        self._draining = False  # /health answers 503: load balancers take the front out
+        self._closing = False  # new requests are refused 503; those in flight run on
+        self._in_flight: set = set()  # the tasks of the requests being served
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler) -> web.StreamResponse:
+        if self._closing:
+            return _error_response(ApiError(503, "the front is shutting down: retry on another",
+                                            "server_error"))
+        task = asyncio.current_task()
+        self._in_flight.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._in_flight.discard(task)
+
+    def start_drain(self) -> None:
+        """From now /health answers 503 ("draining"); requests are still served."""
+        self._draining = True
+
+    async def close(self, grace_s: float) -> int:
+        """Refuses new requests (503) and gives those in flight grace_s seconds to end, then
+        cancels the rest (and so their Generate calls). Returns how many were cancelled."""
+        self._draining = self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._in_flight and loop.time() < deadline:
+            await asyncio.wait(set(self._in_flight), timeout=deadline - loop.time())
+        left = set(self._in_flight)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.wait(left, timeout=5)
+        return len(left)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=8 << 20, middlewares=[self._track])
         app.add_routes([
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}", self.model),
@@ -136,6 +170,8 @@ class OpenAiFront:
                            f"this front {self._model.name!r}", "server_error")
 
     async def health(self, request: web.Request) -> web.Response:
+        if self._draining:
+            return _error_response(ApiError(503, "the front is draining", "server_error"))
         metadata = self._metadata(request)
         if metadata is None and self._options.health_token:
             metadata = (("authorization", f"Bearer {self._options.health_token}"),)

@@ -231,6 +231,9 @@ is also a TOML one.
 {{- $root := .root -}}
 {{- $c := index $root.Values .component -}}
 {{- $flags := include "dsa.modelFlags" . | fromJson -}}
+{{- range $key := keys $c.config -}}
+{{- $_ := unset $flags $key -}}
+{{- end -}}
 {{- $_ := set $flags "log-level" (default $root.Values.logLevel $c.logLevel) -}}
 {{- if eq .component "coordinator" -}}
 {{- $_ := set $flags "worker-check-interval-ms" $c.discovery.workerCheckIntervalMs -}}
@@ -559,7 +562,8 @@ to change. Included once, from the ConfigMap.
 {{- fail "attention.transport inprocess needs attention.replicas of at least 1 (each attention worker is also the coordinator's indexer)" -}}
 {{- end -}}
 {{- if eq $v.model.name "smollm2" -}}
-{{- range $component := list "coordinator" "indexer" "attention" -}}
+{{- /* The coordinator's top-k may be set in its config; the shapes and files may not. */ -}}
+{{- range $component := list "indexer" "attention" -}}
 {{- $set := include "dsa.modelFlags" (dict "root" $ "component" $component) | fromJson -}}
 {{- if eq $component "attention" -}}
 {{- /* and the pattern model's shape flags, which dsa-attention refuses with --model smollm2 */ -}}
@@ -624,6 +628,15 @@ to change. Included once, from the ConfigMap.
 {{- if and $v.tls.enabled $v.tls.mutual (not (include "dsa.colocated" $)) (not $v.indexer.operatorIdentities) -}}
 {{- if ne (include "dsa.tlsSecretName" (dict "root" $ "component" "coordinator")) (include "dsa.tlsSecretName" (dict "root" $ "component" "attention")) -}}
 {{- fail "the coordinator and the attention workers have certificates of their own (coordinator.tlsSecretName or attention.tlsSecretName) but indexer.operatorIdentities is empty: put the coordinator's common name there, or the indexers refuse its Releases (prefix donors, and the sequences of attention workers that died) and their blocks leak" -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $v.model.name "smollm2" -}}
+{{- $a := $v.attention.config -}}
+{{- if and (hasKey $a "layer-pattern") (ne (len (toString (index $a "layer-pattern"))) 30) -}}
+{{- fail (printf "attention.config.layer-pattern has %d layers; model.name smollm2 has 30 (one F or S each)" (len (toString (index $a "layer-pattern")))) -}}
+{{- end -}}
+{{- if and (hasKey $a "num-model-layers") (ne (int (index $a "num-model-layers")) 30) -}}
+{{- fail (printf "attention.config.num-model-layers is %d; model.name smollm2 has 30" (int (index $a "num-model-layers"))) -}}
 {{- end -}}
 {{- end -}}
 {{- if $v.openai.enabled -}}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import List, Optional
@@ -143,27 +144,49 @@ def front_args(folder: Path, server: Server, port: int, *extra: str) -> List[str
             "--startup-token-file", str(folder / "token"), "--startup-timeout-s", "20", *extra]
 
 
-def start_front(args: List[str]) -> subprocess.Popen:
-    front = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = front.stdout.readline()
-    assert "listening on http://127.0.0.1:" in line, (line, front.stderr.read() if front.poll() else "")
-    return front
+@pytest.fixture
+def fronts(tmp_path):
+    """Starts fronts (stderr to a file, shown when one fails to start) and kills what is left."""
+    started: List[subprocess.Popen] = []
+
+    def start(args: List[str]) -> subprocess.Popen:
+        log = open(tmp_path / f"front{len(started)}.err", "w+")
+        front = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
+        started.append(front)
+        line = front.stdout.readline()
+        if "listening on http://127.0.0.1:" not in line:
+            front.kill()
+            front.wait(10)
+            log.seek(0)
+            pytest.fail(f"the front did not start: {line!r} {log.read()}")
+        return front
+
+    yield start
+    for front in started:
+        if front.poll() is None:
+            front.kill()
+            front.wait(10)
 
 
-def test_it_dials_over_mutual_tls_with_its_token_and_serves_health(setup):
+def stop(front: subprocess.Popen, timeout_s: float) -> float:
+    """SIGTERM, then the seconds until the process exited 0 (fails past timeout_s)."""
+    start = time.monotonic()
+    front.send_signal(signal.SIGTERM)
+    assert front.wait(timeout_s) == 0
+    return time.monotonic() - start
+
+
+def test_it_dials_over_mutual_tls_with_its_token_and_serves_health(setup, fronts):
     folder, server = setup
     port = free_port()
-    front = start_front(front_args(folder, server, port))
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            assert r.status == 200
-        # The start-up GetLoad and /health's both carry the token from the file.
-        assert len(server.coordinator.get_load_metadata) >= 2
-        assert all(m.get("authorization") == f"Bearer {TOKEN}"
-                   for m in server.coordinator.get_load_metadata)
-    finally:
-        front.send_signal(signal.SIGTERM)
-        assert front.wait(30) == 0
+    front = fronts(front_args(folder, server, port))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+        assert r.status == 200
+    # The start-up GetLoad and /health's both carry the token from the file.
+    assert len(server.coordinator.get_load_metadata) >= 2
+    assert all(m.get("authorization") == f"Bearer {TOKEN}"
+               for m in server.coordinator.get_load_metadata)
+    assert stop(front, 10) < 5
 
 
 def _without(args: List[str], *flags: str) -> List[str]:
@@ -183,7 +206,9 @@ def _without(args: List[str], *flags: str) -> List[str]:
     (lambda a: _without(a, "--coordinator-key"), "--coordinator-cert and --coordinator-key go together"),
     (lambda a: _without(a, "--coordinator-ca", "--coordinator-cert", "--coordinator-key"),
      "--startup-token-file needs --coordinator-ca"),
-    (lambda a: a + ["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
+    (lambda a: a + ["--shutdown-grace-s", "-1"], "--shutdown-grace-s and --drain-delay-s must be >= 0"),
+    (lambda a: _without(a, "--coordinator-ca", "--startup-token-file"),
+     "--coordinator-cert needs --coordinator-ca"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(setup, change, message):
     folder, server = setup
@@ -222,33 +247,60 @@ def stream_completion(port: int, max_tokens: int, result: dict) -> None:
         result["error"] = repr(e)
 
 
-@pytest.mark.parametrize("grace_s, completes", [(30, True), (0.5, False)])
-def test_sigterm_lets_requests_in_flight_run_for_the_grace(setup, grace_s, completes):
+def wait_for(predicate, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+# A 20-token stream takes 2 s (a token each 0.1 s); SIGTERM comes after its first chunk. With 30 s
+# of grace it ends whole and the process exits as it ends; with 0.5 s (or 0) it is cut and its
+# Generate call cancelled, and the process exits that soon.
+@pytest.mark.parametrize("grace_s, completes, exit_within_s",
+                         [(30, True, 4.0), (0.5, False, 2.0), (0, False, 1.5)])
+def test_sigterm_lets_requests_in_flight_run_for_the_grace(setup, fronts, grace_s, completes,
+                                                           exit_within_s):
     folder, server = setup
-    server.coordinator.step_s = 0.1  # 20 tokens: 2 s
+    server.coordinator.step_s = 0.1
     port = free_port()
-    front = start_front(front_args(folder, server, port, "--shutdown-grace-s", str(grace_s)))
+    front = fronts(front_args(folder, server, port, "--shutdown-grace-s", str(grace_s)))
     cancelled_before = server.coordinator.cancelled
     result: dict = {}
     client = threading.Thread(target=stream_completion, args=(port, 20, result))
     try:
         client.start()
-        deadline = time.monotonic() + 20
-        while "first" not in result and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert "first" in result, result
-        front.send_signal(signal.SIGTERM)
-        client.join(60)
-        assert front.wait(60) == 0
+        assert wait_for(lambda: "first" in result), result
+        took = stop(front, 30)
+        client.join(30)
     finally:
         server.coordinator.step_s = 0.0
-        if front.poll() is None:
-            front.kill()
+    assert took < exit_within_s, took
     assert result["done"] is completes, result
     if completes:
         assert result["chunks"] == 21  # 20 tokens and the finish chunk
     else:
-        deadline = time.monotonic() + 10
-        while server.coordinator.cancelled == cancelled_before and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert server.coordinator.cancelled == cancelled_before + 1
+        assert wait_for(lambda: server.coordinator.cancelled == cancelled_before + 1, 10)
+
+
+def test_during_the_drain_delay_health_is_503_and_requests_are_still_served(setup, fronts):
+    folder, server = setup
+    port = free_port()
+    front = fronts(front_args(folder, server, port, "--drain-delay-s", "2"))
+    base = f"http://127.0.0.1:{port}"
+    assert status_of(base + "/health") == 200
+    start = time.monotonic()
+    front.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: status_of(base + "/health") == 503, 5)
+    assert status_of(base + "/v1/models") == 200
+    assert time.monotonic() - start < 2  # still inside the delay
+    assert front.wait(10) == 0
+    assert time.monotonic() - start >= 2
