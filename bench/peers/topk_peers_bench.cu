@@ -209,8 +209,8 @@ int main(int argc, char** argv) {
          }},
     };
     std::vector<float> host_scores(n);
-    DSA_BENCH_CUDA(cudaMemcpy(host_scores.data(), scores, sizeof(float) * n,
-                              cudaMemcpyDeviceToHost));
+    DSA_BENCH_CUDA(
+        cudaMemcpy(host_scores.data(), scores, sizeof(float) * n, cudaMemcpyDeviceToHost));
     std::vector<int32_t> reference(static_cast<size_t>(rows) * kTopK);
     double dsa_us = 0;
     for (const Method& method : methods) {
