@@ -10,8 +10,9 @@
 // complete; the flood's refusals must name its own limit. The bound is a correctness bound (a
 // FIFO queue refuses the neighbour or holds it for tens of seconds), not the 1 s target, which
 // bench_flood_admission measures: wall time on a loaded 2-core machine is no speed figure. The
-// test prints the neighbour's admission waits and the flood's outcomes. DSA_FLOOD_FIFO=1 runs the coordinator
-// without per-caller limits (the queue's order alone), to see the fault the test guards against.
+// test prints the neighbour's admission waits and the flood's outcomes. DSA_FLOOD_FIFO=1 runs the
+// coordinator without per-caller limits (the queue's order alone), to see the fault the test guards
+// against.
 #include <signal.h>
 
 #include <algorithm>
