@@ -215,7 +215,7 @@ int main(int argc, char** argv) {
     double dsa_us = 0;
     for (const Method& method : methods) {
       const cudaError_t first = method.launch();
-      Result result{shape, method.name, rows, slots};
+      Result result{shape, method.name, rows, slots, 0, {}};
       if (first != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
         std::printf("%-10s %-18s %9s (%s)\n", shape.c_str(), method.name, "refused",
                     cudaGetErrorString(first != cudaSuccess ? first : cudaGetLastError()));
