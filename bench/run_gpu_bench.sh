@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU host: runs the GPU tests of indexer_service/cuda, compute-sanitizer memcheck and
-# racecheck on them, then bench_gpu_indexer, bench_gpu_select and the PyTorch peer
-# (torch_peer_indexer.py) in the same run. Logs and JSON go to OUT_DIR; a short table is
+# racecheck on them, then bench_gpu_indexer, bench_gpu_select, the PyTorch peer
+# (torch_peer_indexer.py) and bench/peers/ (FlashInfer's top-K) in the same run. Logs and JSON go to OUT_DIR; a short table is
 # printed last. The report (tables and plot) is made from the JSON by bench/gpu_report.py.
 #
 # usage (from the repo root, binaries and torch_peer_indexer.py copied into BIN_DIR):
@@ -61,5 +61,7 @@ if [[ $what == bench || $what == all ]]; then
   "$bin/bench_gpu_select" --json "$out/select.json" | tee "$out/select.txt" || status=1
   python3 "$bin/torch_peer_indexer.py" --shapes 1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536 \
     --json "$out/torch_reference.json" | tee "$out/torch_reference.txt" || status=1
+  # Our top-K against FlashInfer's modes, in one process (bench/peers/).
+  bash "$(dirname "$0")/peers/run_peers.sh" "$bin" "$out" || status=1
 fi
 exit $status

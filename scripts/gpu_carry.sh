@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares one folder for the GPU host (which can neither install nor build): builds, here, with
-# CUDA for sm_90a, every GPU test, the GPU benchmarks and the four binaries of the main job, and
+# CUDA for sm_90a, every GPU test, the GPU benchmarks (bench_topk_peers with the peers' headers of
+# bench/peers/fetch_peers.sh) and the four binaries of the main job, and
 # copies them with the PyTorch peer and the Mooncake trace into DIR; packs the shared libraries
 # they need into .devrt/. Both are ignored by git and travel with a device run.
 #
@@ -17,11 +18,13 @@ dir=${1:-carry-gpu}
 build=${DSA_BUILD_DIR:-build-cuda}
 tests="device_info key_append scan topk spin_predict spin_update select scoring_device"
 benches="bench_gpu_indexer bench_gpu_select bench_gpu_spin bench_gpu_topk bench_engine_decode_step
-bench_remote_select_rtt"
+bench_remote_select_rtt bench_topk_peers"
+# The public peers compiled beside our kernels (bench/peers/): their headers, fetched once.
+peers_flag=$(bash bench/peers/fetch_peers.sh)
 servers="dsa dsa-indexer dsa-attention dsa-coordinator"
 targets="$servers $benches dsa_layer_standin_module"
 for t in $tests; do targets="$targets indexer_cuda_${t}_test"; done
-DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON ${DSA_CMAKE_ARGS:-}" \
+DSA_BUILD_DIR=$build DSA_CMAKE_ARGS="-DDSA_ENABLE_CUDA=ON $peers_flag ${DSA_CMAKE_ARGS:-}" \
   DSA_BUILD_TARGETS=$targets bash scripts/build.sh
 rm -rf "$dir"
 mkdir -p "$dir"
