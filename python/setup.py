@@ -37,7 +37,8 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="dsa_kernels._C",
-            sources=[os.path.join(HERE, "csrc", "bindings.cpp")] +
+            sources=[os.path.join(HERE, "csrc", "bindings.cpp"),
+                     os.path.join(HERE, "csrc", "kernel_calls.cc")] +
             [os.path.join(KERNEL_DIR, k) for k in KERNELS],
             include_dirs=[ROOT],
             extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},

@@ -38,5 +38,7 @@ step bash scripts/check_observability.sh
 step bash scripts/check_images.sh
 step bash scripts/check_protos.sh
 step bash scripts/check_client.sh
+# python/ (the dsa_kernels extension): its torch-free half compiled against the kernels' headers.
+step bash scripts/check_python_kernels.sh
 # What a CI run publishes: the Python client's wheel (PEP 517, built out of tree) and its checksum.
 echo "test.sh: artifacts: $(ls build/dist/dsa_client-*.whl) build/dist/SHA256SUMS"

@@ -1,7 +1,8 @@
 // Python bindings (a PyTorch extension, pybind11) of the framework-free indexer kernels under
 // indexer_service/cuda/: tensors in, tensors out, on the current torch CUDA stream. Bindings only:
-// every tensor is checked here (device, dtype, contiguity, shape) and CanImplement*'s reason is
-// passed on; the batch bookkeeping (offsets, layouts, output allocation) lives in
+// every tensor is checked here (device, dtype, contiguity, shape); the kernels' Params, their
+// CanImplement* (whose reason is passed on) and the launches are kernel_calls.h's, which CI
+// compiles without torch; the batch bookkeeping (offsets, layouts, output allocation) lives in
 // dsa_kernels/__init__.py.
 //
 // Every entry point returns a Result, (kind, message): kind 0 and "" when it launched, else the
@@ -21,40 +22,10 @@
 #include <utility>
 #include <vector>
 
-#include "indexer_service/cuda/device_info.h"
-#include "indexer_service/cuda/key_append.h"
-#include "indexer_service/cuda/scan.h"
-#include "indexer_service/cuda/spin_predict.h"
-#include "indexer_service/cuda/topk.h"
+#include "python/csrc/kernel_calls.h"
 
 namespace dsa::python {
 namespace {
-
-constexpr int64_t kBlockSlots = 64;  // kBlockSize of indexer_service/block_pool.h
-
-enum ResultKind : int { kOk = 0, kValueError = 1, kRuntimeError = 2 };
-/// (kind, message): see the file comment.
-using Result = std::pair<int, std::string>;
-
-Result Ok() { return {kOk, std::string()}; }
-
-// ---- messages, without streams ----------------------------------------------------------------
-
-void AppendPiece(std::string& out, const char* s) { out += s; }
-void AppendPiece(std::string& out, const std::string& s) { out += s; }
-void AppendPiece(std::string& out, int v) { out += std::to_string(v); }
-void AppendPiece(std::string& out, long v) { out += std::to_string(v); }
-void AppendPiece(std::string& out, long long v) { out += std::to_string(v); }
-void AppendPiece(std::string& out, unsigned long v) { out += std::to_string(v); }
-void AppendPiece(std::string& out, unsigned long long v) { out += std::to_string(v); }
-
-// The concatenation of strings and integers.
-template <typename... Args>
-std::string Cat(const Args&... args) {
-  std::string out;
-  (AppendPiece(out, args), ...);
-  return out;
-}
 
 // "[2, 3]": a shape or strides.
 std::string Dims(c10::IntArrayRef dims) {
@@ -98,15 +69,6 @@ std::string DtypeName(at::ScalarType t) {
       return "another dtype";
   }
 }
-
-// Returns the Result of `expr` when it is an error.
-#define DSA_RETURN_IF_ERROR(expr)                     \
-  do {                                                \
-    Result dsa_result_ = (expr);                      \
-    if (dsa_result_.first != kOk) return dsa_result_; \
-  } while (false)
-
-Result ArgumentError(std::string message) { return {kValueError, std::move(message)}; }
 
 // ---- argument checks --------------------------------------------------------------------------
 
@@ -172,27 +134,17 @@ Result MainDevice(const char* op, const char* name, const at::Tensor& t, const c
 Result CheckPool(const char* op, const at::Tensor& pool, const at::Device& device,
                  int64_t head_dim) {
   DSA_RETURN_IF_ERROR(CheckTensor(op, "pool", pool, device, at::kByte, 2));
-  if (pool.size(1) != kBlockSlots * (head_dim + 4)) {
+  if (pool.size(1) != kBlockSize * (head_dim + 4)) {
     return ArgumentError(Cat(op,
                              ": argument 'pool' must be uint8 [num_blocks, 64 * (head_dim + 4)] "
                              "= [*, ",
-                             kBlockSlots * (head_dim + 4), "] for head_dim ", head_dim,
+                             kBlockSize * (head_dim + 4), "] for head_dim ", head_dim,
                              ", got shape ", Dims(pool.sizes())));
   }
   if (reinterpret_cast<uintptr_t>(pool.data_ptr()) % 16 != 0) {
     return ArgumentError(Cat(op, ": argument 'pool' must start at a 16-byte aligned address"));
   }
   return Ok();
-}
-
-Result Refused(const char* check, const char* why) {
-  return ArgumentError(Cat(check, " refused the launch: ", why != nullptr ? why : "(no reason)"));
-}
-
-Result LaunchResult(cudaError_t e, const char* launch) {
-  if (e == cudaSuccess) return Ok();
-  return {kRuntimeError,
-          Cat(launch, " failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e))};
 }
 
 cudaStream_t CurrentStream(const at::Device& device) {
@@ -209,63 +161,26 @@ Result Append(const at::Tensor& pool, const at::Tensor& block_table, const at::T
   DSA_RETURN_IF_ERROR(CheckFloatTensor(op, "keys", keys, device, 2));
   const int64_t num_keys = keys.size(0);
   const int64_t head_dim = keys.size(1);
-  if (head_dim < 1 || head_dim > 1024) {
-    return ArgumentError(Cat(op, ": argument 'keys' must have head_dim in [1, 1024], got shape ",
-                             Dims(keys.sizes())));
+  if (head_dim < 1 || head_dim > kMaxAppendHeadDim) {
+    return ArgumentError(Cat(op, ": argument 'keys' must have head_dim in [1, ", kMaxAppendHeadDim,
+                             "], got shape ", Dims(keys.sizes())));
   }
   DSA_RETURN_IF_ERROR(CheckPool(op, pool, device, head_dim));
   DSA_RETURN_IF_ERROR(CheckTensor(op, "block_table", block_table, device, at::kInt, 1));
-  if (first_slot < 0) {
-    return ArgumentError(Cat(op, ": argument 'first_slot' must be >= 0, got ", first_slot));
-  }
-  const int64_t blocks_needed = (first_slot + num_keys + kBlockSlots - 1) / kBlockSlots;
-  if (num_keys > 0 && block_table.numel() < blocks_needed) {
-    return ArgumentError(Cat(op,
-                             ": argument 'block_table' must have at least ceil((first_slot + "
-                             "num_keys) / 64) = ",
-                             blocks_needed, " entries, got ", block_table.numel()));
-  }
-  cuda::AppendParams p;
-  p.keys = keys.data_ptr();
-  p.keys_dtype =
-      keys.scalar_type() == at::kFloat ? cuda::KeyDtype::kFloat32 : cuda::KeyDtype::kBFloat16;
-  p.num_keys = num_keys;
-  p.head_dim = static_cast<int>(head_dim);
-  p.block_table = block_table.data_ptr<int32_t>();
-  p.first_slot = first_slot;
-  p.pool = pool.data_ptr<uint8_t>();
-  const char* why = nullptr;
-  if (!cuda::CanImplementAppend(p, &why)) return Refused("CanImplementAppend", why);
+  AppendArgs a;
+  a.keys = keys.data_ptr();
+  a.keys_bf16 = keys.scalar_type() == at::kBFloat16;
+  a.num_keys = num_keys;
+  a.head_dim = head_dim;
+  a.block_table = block_table.data_ptr<int32_t>();
+  a.block_table_entries = block_table.numel();
+  a.first_slot = first_slot;
+  a.pool = pool.data_ptr<uint8_t>();
   const c10::cuda::CUDAGuard guard(device);
-  return LaunchResult(cuda::LaunchAppend(p, CurrentStream(device)), "LaunchAppend");
+  return CallAppend(a, CurrentStream(device));
 }
 
 // ---- scan -------------------------------------------------------------------------------------
-
-Result ParseQueryPrep(const std::string& s, cuda::ScanQueryPrep* prep) {
-  if (s == "auto") {
-    *prep = cuda::ScanQueryPrep::kAuto;
-  } else if (s == "workspace") {
-    *prep = cuda::ScanQueryPrep::kWorkspace;
-  } else if (s == "in_kernel") {
-    *prep = cuda::ScanQueryPrep::kInKernel;
-  } else {
-    return ArgumentError(
-        Cat("scan: argument 'query_prep' must be \"auto\", \"workspace\" or \"in_kernel\", got \"",
-            s, "\""));
-  }
-  return Ok();
-}
-
-Result ParseKernel(const std::string& kernel, bool* tensor_cores) {
-  if (kernel != "tensor_cores" && kernel != "cuda_cores") {
-    return ArgumentError(
-        Cat("scan: argument 'kernel' must be \"tensor_cores\" or \"cuda_cores\", got \"", kernel,
-            "\""));
-  }
-  *tensor_cores = kernel == "tensor_cores";
-  return Ok();
-}
 
 // Scores into `scores` (fp32, the scan layout; see scan.h ScanParams). total_blocks is the host
 // copy of group_block_offset[num_groups]. The tensor-core scan's workspace is allocated here with
@@ -280,10 +195,7 @@ Result ScanInto(const at::Tensor& pool, const at::Tensor& group_first_row,
                 const at::Tensor& scores, const std::string& kernel,
                 const std::string& query_prep) {
   constexpr const char* op = "scan";
-  bool tensor_cores = false;
-  DSA_RETURN_IF_ERROR(ParseKernel(kernel, &tensor_cores));
-  cuda::ScanQueryPrep prep = cuda::ScanQueryPrep::kAuto;
-  DSA_RETURN_IF_ERROR(ParseQueryPrep(query_prep, &prep));
+  DSA_RETURN_IF_ERROR(CheckScanOptions(kernel, query_prep));
   at::Device device(at::kCUDA);
   DSA_RETURN_IF_ERROR(MainDevice(op, "query", query, "[num_rows, num_heads, head_dim]", &device));
   DSA_RETURN_IF_ERROR(CheckFloatTensor(op, "query", query, device, 3));
@@ -335,65 +247,37 @@ Result ScanInto(const at::Tensor& pool, const at::Tensor& group_first_row,
   DSA_RETURN_IF_ERROR(CheckLength(op, "row_score_offset", row_score_offset, num_rows, "num_rows"));
   DSA_RETURN_IF_ERROR(CheckTensor(op, "scores", scores, device, at::kFloat, -1));
 
-  cuda::ScanParams p;
-  p.pool = pool.data_ptr<uint8_t>();
-  p.head_dim = static_cast<int>(head_dim);
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_groups = static_cast<int>(num_groups);
-  p.num_rows = static_cast<int>(num_rows);
-  p.group_first_row = group_first_row.data_ptr<int32_t>();
-  p.group_block_offset = group_block_offset.data_ptr<int64_t>();
-  p.total_blocks = total_blocks;
-  p.logical_blocks = logical_blocks.data_ptr<int32_t>();
-  p.group_table_offset = group_table_offset.data_ptr<int64_t>();
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.group_num_slots = group_num_slots.data_ptr<int64_t>();
-  p.query = query.data_ptr();
-  p.query_dtype =
-      query.scalar_type() == at::kFloat ? cuda::QueryDtype::kFloat32 : cuda::QueryDtype::kBFloat16;
-  p.head_weights = head_weights.data_ptr<float>();
-  p.row_position = row_position.data_ptr<int64_t>();
-  p.row_score_offset = row_score_offset.data_ptr<int64_t>();
-  p.scores = scores.data_ptr<float>();
-  p.query_prep = prep;
-
-  const char* why = nullptr;
-  if (!tensor_cores) {
-    if (!cuda::CanImplementScanCudaCores(p, &why)) return Refused("CanImplementScanCudaCores", why);
-    const c10::cuda::CUDAGuard guard(device);
-    return LaunchResult(cuda::LaunchScanCudaCores(p, CurrentStream(device)), "LaunchScanCudaCores");
-  }
-  const size_t workspace_bytes = cuda::ScanTensorCoresScratchBytes(p);
+  ScanArgs a;
+  a.pool = pool.data_ptr<uint8_t>();
+  a.head_dim = head_dim;
+  a.num_heads = num_heads;
+  a.num_groups = num_groups;
+  a.num_rows = num_rows;
+  a.group_first_row = group_first_row.data_ptr<int32_t>();
+  a.group_block_offset = group_block_offset.data_ptr<int64_t>();
+  a.total_blocks = total_blocks;
+  a.logical_blocks = logical_blocks.data_ptr<int32_t>();
+  a.group_table_offset = group_table_offset.data_ptr<int64_t>();
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.group_num_slots = group_num_slots.data_ptr<int64_t>();
+  a.query = query.data_ptr();
+  a.query_bf16 = query.scalar_type() == at::kBFloat16;
+  a.head_weights = head_weights.data_ptr<float>();
+  a.row_position = row_position.data_ptr<int64_t>();
+  a.row_score_offset = row_score_offset.data_ptr<int64_t>();
+  a.scores = scores.data_ptr<float>();
+  a.kernel = kernel;
+  a.query_prep = query_prep;
+  // The tensor-core scan's workspace, from torch's caching allocator on the current stream: it may
+  // be freed on return, as the allocator reuses it only in stream order.
   at::Tensor workspace;
-  if (workspace_bytes > 0 && total_blocks > 0) {
-    workspace = at::empty({static_cast<int64_t>(workspace_bytes)},
+  const auto allocate = [&](size_t bytes) {
+    workspace = at::empty({static_cast<int64_t>(bytes)},
                           at::TensorOptions().dtype(at::kByte).device(device));
-    p.workspace = workspace.data_ptr();
-    p.workspace_bytes = workspace_bytes;
-  }
-  if (!cuda::CanImplementScanTensorCores(p, &why)) {
-    return Refused("CanImplementScanTensorCores", why);
-  }
+    return workspace.data_ptr();
+  };
   const c10::cuda::CUDAGuard guard(device);
-  return LaunchResult(cuda::LaunchScanTensorCores(p, CurrentStream(device)),
-                      "LaunchScanTensorCores");
-}
-
-// Bytes of the tensor-core scan's workspace for such a launch (what ScanInto allocates); -1 for
-// an unknown kernel or query_prep.
-int64_t ScanWorkspaceBytes(int64_t num_rows, int64_t num_heads, int64_t head_dim,
-                           const std::string& kernel, const std::string& query_prep) {
-  cuda::ScanParams p;
-  bool tensor_cores = false;
-  if (ParseKernel(kernel, &tensor_cores).first != kOk ||
-      ParseQueryPrep(query_prep, &p.query_prep).first != kOk) {
-    return -1;
-  }
-  p.num_rows = static_cast<int>(num_rows);
-  p.num_heads = static_cast<int>(num_heads);
-  p.head_dim = static_cast<int>(head_dim);
-  return tensor_cores ? static_cast<int64_t>(cuda::ScanTensorCoresScratchBytes(p))
-                      : static_cast<int64_t>(cuda::ScanCudaCoresScratchBytes(p));
+  return CallScan(a, allocate, CurrentStream(device));
 }
 
 // ---- top-K ------------------------------------------------------------------------------------
@@ -419,15 +303,13 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
                              ": arguments 'logical_blocks' and 'row_block_offset' go together: "
                              "give both or neither"));
   }
-  if (k < 1 || k > kMaxTopK) {
-    return ArgumentError(Cat(op, ": argument 'k' must be in [1, ", kMaxTopK, "], got ", k));
-  }
+  DSA_RETURN_IF_ERROR(CheckTopKK(k));
   DSA_RETURN_IF_ERROR(CheckTensor(op, "selection", selection, device, at::kInt, 2));
   if (selection.size(0) != num_rows || selection.size(1) != k) {
     return ArgumentError(Cat(op, ": argument 'selection' must be int32 [num_rows, k] = [", num_rows,
                              ", ", k, "], got shape ", Dims(selection.sizes())));
   }
-  cuda::TopKParams p;
+  TopKArgs a;
   at::Tensor blocks_or_stub;
   if (logical_blocks.has_value()) {
     DSA_RETURN_IF_ERROR(CheckTensor(op, "logical_blocks", *logical_blocks, device, at::kInt, 1));
@@ -438,24 +320,22 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
     // An empty tensor may have a null data pointer (no row has entries then): a stand-in.
     blocks_or_stub =
         logical_blocks->numel() > 0 ? *logical_blocks : at::empty({1}, logical_blocks->options());
-    p.logical_blocks = blocks_or_stub.data_ptr<int32_t>();
-    p.row_block_offset = row_block_offset->data_ptr<int64_t>();
+    a.logical_blocks = blocks_or_stub.data_ptr<int32_t>();
+    a.row_block_offset = row_block_offset->data_ptr<int64_t>();
   }
   if (num_rows == 0) return Ok();
   // Rows of 0 entries read no score, but the kernel wants a pointer: an empty `scores` gets a
   // one-entry stand-in.
   at::Tensor scores_or_stub = scores.numel() > 0 ? scores : at::empty({1}, scores.options());
-  p.scores = scores_or_stub.data_ptr<float>();
-  p.num_rows = static_cast<int>(num_rows);
-  p.row_score_offset = row_score_offset.data_ptr<int64_t>();
-  p.row_num_entries = row_num_entries.data_ptr<int64_t>();
-  p.row_max_slot = row_max_slot.data_ptr<int64_t>();
-  p.k = static_cast<int>(k);
-  p.selection = selection.data_ptr<int32_t>();
-  const char* why = nullptr;
-  if (!cuda::CanImplementTopK(p, &why)) return Refused("CanImplementTopK", why);
+  a.scores = scores_or_stub.data_ptr<float>();
+  a.num_rows = num_rows;
+  a.row_score_offset = row_score_offset.data_ptr<int64_t>();
+  a.row_num_entries = row_num_entries.data_ptr<int64_t>();
+  a.row_max_slot = row_max_slot.data_ptr<int64_t>();
+  a.k = k;
+  a.selection = selection.data_ptr<int32_t>();
   const c10::cuda::CUDAGuard guard(device);
-  return LaunchResult(cuda::LaunchTopK(p, CurrentStream(device)), "LaunchTopK");
+  return CallTopK(a, CurrentStream(device));
 }
 
 // ---- SPIN block prediction --------------------------------------------------------------------
@@ -495,9 +375,7 @@ Result SpinPredict(const at::Tensor& positions, const std::vector<at::Tensor>& v
     DSA_RETURN_IF_ERROR(CheckTensor(op, "selected_count", *selected_count, device, at::kInt, 1));
     DSA_RETURN_IF_ERROR(CheckLength(op, "selected_count", *selected_count, num_rows, "num_rows"));
   }
-  if (top_k < 0 || top_k > INT32_MAX) {
-    return ArgumentError(Cat(op, ": argument 'top_k' out of range: ", top_k));
-  }
+  DSA_RETURN_IF_ERROR(CheckSpinTopK(top_k));
   // The per-row pointer and length tables, built on the host and copied to the device.
   at::Tensor pointers = at::empty({2, num_rows}, at::TensorOptions().dtype(at::kLong));
   at::Tensor lengths = at::empty({2, num_rows}, at::TensorOptions().dtype(at::kLong));
@@ -512,41 +390,40 @@ Result SpinPredict(const at::Tensor& positions, const std::vector<at::Tensor>& v
     len[r] = vertical[r].numel();
     len[num_rows + r] = diagonal[r].numel();
   }
-  cuda::SpinPredictParams p;
-  p.num_rows = static_cast<int>(num_rows);
-  p.top_k = static_cast<int>(top_k);
-  p.target_block_sparsity = target_block_sparsity;
-  p.exploration_fraction = exploration_fraction;
+  SpinArgs a;
+  a.num_rows = num_rows;
+  a.top_k = top_k;
+  a.target_block_sparsity = target_block_sparsity;
+  a.exploration_fraction = exploration_fraction;
   // The device arrays and outputs (stand-ins for empty outputs: no entry is written then).
-  p.positions = positions.data_ptr<int64_t>();
-  p.row_block_offset = row_block_offset.data_ptr<int64_t>();
+  a.positions = positions.data_ptr<int64_t>();
+  a.row_block_offset = row_block_offset.data_ptr<int64_t>();
   const at::Tensor scores_or_stub =
       block_scores.numel() > 0 ? block_scores : at::empty({1}, block_scores.options());
-  p.scores = scores_or_stub.data_ptr<float>();
+  a.block_scores = scores_or_stub.data_ptr<float>();
   at::Tensor selected_or_stub;
   if (selected.has_value()) {
     selected_or_stub = selected->numel() > 0 ? *selected : at::empty({1}, selected->options());
-    p.selected = selected_or_stub.data_ptr<int32_t>();
-    p.selected_count = selected_count->data_ptr<int32_t>();
+    a.selected = selected_or_stub.data_ptr<int32_t>();
+    a.selected_count = selected_count->data_ptr<int32_t>();
   }
   // CanImplement only tests the tables for null: check with the host tables, before any copy.
-  p.vertical = reinterpret_cast<const float* const*>(ptr);
-  p.diagonal = p.vertical + num_rows;
-  p.vertical_len = len;
-  p.diagonal_len = len + num_rows;
-  const char* why = nullptr;
-  if (!cuda::CanImplementSpinPredict(p, &why)) return Refused("CanImplementSpinPredict", why);
+  a.vertical = reinterpret_cast<const float* const*>(ptr);
+  a.diagonal = a.vertical + num_rows;
+  a.vertical_len = len;
+  a.diagonal_len = len + num_rows;
+  DSA_RETURN_IF_ERROR(CheckSpin(a));
   const c10::cuda::CUDAGuard guard(device);
   // Blocking copies from pageable memory, allocated on the current stream: the caching allocator
   // reuses their memory only after the kernels below, in stream order.
   const at::Tensor pointers_device = pointers.to(device);
   const at::Tensor lengths_device = lengths.to(device);
   const auto* table = reinterpret_cast<const float* const*>(pointers_device.data_ptr<int64_t>());
-  p.vertical = table;
-  p.diagonal = table + num_rows;
-  p.vertical_len = lengths_device.data_ptr<int64_t>();
-  p.diagonal_len = lengths_device.data_ptr<int64_t>() + num_rows;
-  return LaunchResult(cuda::LaunchSpinPredict(p, CurrentStream(device)), "LaunchSpinPredict");
+  a.vertical = table;
+  a.diagonal = table + num_rows;
+  a.vertical_len = lengths_device.data_ptr<int64_t>();
+  a.diagonal_len = lengths_device.data_ptr<int64_t>() + num_rows;
+  return CallSpin(a, CurrentStream(device));
 }
 
 // ---- device info ------------------------------------------------------------------------------
@@ -554,19 +431,18 @@ Result SpinPredict(const at::Tensor& positions, const std::vector<at::Tensor>& v
 // Properties of GPU `ordinal`; a dict with "error" when they cannot be read.
 pybind11::dict DeviceInfo(int64_t ordinal) {
   pybind11::dict d;
-  cuda::DeviceInfo info;
-  const cudaError_t e = cuda::GetDeviceInfo(static_cast<int>(ordinal), &info);
-  if (e != cudaSuccess) {
-    d["error"] = Cat("GetDeviceInfo failed: ", cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+  const DeviceFacts facts = GetDeviceFacts(static_cast<int>(ordinal));
+  if (!facts.error.empty()) {
+    d["error"] = facts.error;
     return d;
   }
-  d["ordinal"] = info.ordinal;
-  d["name"] = std::string(info.name);
-  d["sm_major"] = info.sm_major;
-  d["sm_minor"] = info.sm_minor;
-  d["num_sms"] = info.num_sms;
-  d["global_memory_bytes"] = info.global_memory_bytes;
-  d["can_run_indexer_kernels"] = cuda::CanRunIndexerKernels(info);
+  d["ordinal"] = facts.ordinal;
+  d["name"] = facts.name;
+  d["sm_major"] = facts.sm_major;
+  d["sm_minor"] = facts.sm_minor;
+  d["num_sms"] = facts.num_sms;
+  d["global_memory_bytes"] = facts.global_memory_bytes;
+  d["can_run_indexer_kernels"] = facts.can_run_indexer_kernels;
   return d;
 }
 
@@ -597,5 +473,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("target_block_sparsity"), py::arg("exploration_fraction"));
   m.def("device_info", &DeviceInfo, py::arg("ordinal"));
   m.attr("MAX_TOPK") = dsa::kMaxTopK;
-  m.attr("BLOCK_SLOTS") = 64;
+  m.attr("BLOCK_SLOTS") = dsa::kBlockSize;
 }
