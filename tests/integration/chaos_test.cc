@@ -45,6 +45,11 @@ using Clock = std::chrono::steady_clock;
 // How long a stopped worker stays stopped: past the attention worker's select timeout and the
 // coordinator's DecodeStep deadline below, so that the requests on it must move.
 constexpr auto kStopped = std::chrono::milliseconds(5000);
+// The coordinator's log lines of a request leaving a failed worker
+// (coordinator/request_lifecycle.cc).
+constexpr const char* kMigrationLine = "migrating a request off a failed worker";
+constexpr const char* kPlacedAgainLine =
+    "placing a request again: its Prefill could not reach its indexer";
 
 std::shared_ptr<grpc::Channel> Channel(const std::string& address) {
   return grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
@@ -250,6 +255,14 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
     EXPECT_TRUE(WaitFor([&] { return RunningOn(name) >= 2; }, std::chrono::seconds(30)))
         << name << " never ran two requests";
   };
+  // A request leaves a failed worker in one of two ways, each one log line naming the workers it
+  // left: a migration (it had started decoding: counted in Finished.migrations), or, when its
+  // Prefill could not reach its indexer, a placement again (not counted). Which one a fault finds
+  // depends on the machine's speed (under the sanitizers the requests on a killed indexer were all
+  // still in Prefill).
+  const auto is_move = [](const nlohmann::json& line) {
+    return line["msg"] == kMigrationLine || line["msg"] == kPlacedAgainLine;
+  };
   // A fault's moves are logged when the coordinator sees the failure, which on a loaded machine
   // can be after the next fault began: the next fault waits for the first move off this one's
   // worker, so that the log splits at the faults.
@@ -257,8 +270,7 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
     EXPECT_TRUE(WaitFor(
         [&] {
           for (const auto& [offset, line] : CoordinatorLog()) {
-            if (offset >= fault.log_offset &&
-                line["msg"] == "migrating a request off a failed worker" &&
+            if (offset >= fault.log_offset && is_move(line) &&
                 line.value(fault.role, "") == ProcessNamed(fault.name).address) {
               return true;
             }
@@ -307,20 +319,25 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
     migrations_of_requests += final_line.value("migrations", 0);
   }
 
-  // Every move is one "migrating a request off a failed worker" line naming the workers it left;
-  // the line's offset says during which fault it happened.
+  // Every move is one line naming the workers it left; the line's offset says during which fault
+  // it happened.
   std::map<std::string, int> moves_of;                          // request id -> migration lines
-  std::vector<std::set<std::string>> moved_off(faults.size());  // off the faulted worker
+  std::vector<std::set<std::string>> migrated(faults.size());   // migrated off the faulted worker
+  std::vector<std::set<std::string>> moved_off(faults.size());  // migrated or placed again
   int64_t migration_lines = 0;
   for (const auto& [offset, line] : log) {
-    if (line["msg"] != "migrating a request off a failed worker") continue;
-    ++migration_lines;
+    if (!is_move(line)) continue;
+    const bool migration = line["msg"] == kMigrationLine;
     const std::string id = line.value("request_id", "");
-    EXPECT_EQ(line.value("migration", 0), ++moves_of[id]) << line.dump();
+    if (migration) {
+      ++migration_lines;
+      EXPECT_EQ(line.value("migration", 0), ++moves_of[id]) << line.dump();
+    }
     for (size_t f = faults.size(); f-- > 0;) {
       if (offset < faults[f].log_offset) continue;
       if (line.value(faults[f].role, "") == ProcessNamed(faults[f].name).address) {
         moved_off[f].insert(id);
+        if (migration) migrated[f].insert(id);
       }
       break;
     }
@@ -328,11 +345,11 @@ TEST_F(ChaosTest, KilledAndStoppedWorkersLoseNoRequestAndLeaveNoSequence) {
   // Per fault: requests ran on the worker it hit, moved off it, and completed (above) in full.
   for (size_t f = 0; f < faults.size(); ++f) {
     EXPECT_FALSE(moved_off[f].empty()) << faults[f].name << ": no request moved off it";
-    for (const std::string& id : moved_off[f]) {
+    for (const std::string& id : migrated[f]) {
       EXPECT_GE(finals[id].value("migrations", 0), 1) << faults[f].name << ": " << id;
     }
-    std::printf("chaos: %s moved %zu requests off it\n", faults[f].name.c_str(),
-                moved_off[f].size());
+    std::printf("chaos: %s moved %zu requests off it (%zu migrated, the rest placed again)\n",
+                faults[f].name.c_str(), moved_off[f].size(), migrated[f].size());
   }
   // The counts agree: each request's Finished.migrations is its moves in the log; the report
   // sums them; dsa_coordinator_migrations_total counts them.
