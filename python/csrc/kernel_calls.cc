@@ -43,13 +43,13 @@ Result ParseQueryPrep(const std::string& s, cuda::ScanQueryPrep* prep) {
 }  // namespace
 
 Result CallAppend(const AppendArgs& a, cudaStream_t stream) {
-  constexpr const char* op = "append";
+  constexpr const char* kOp = "append";
   if (a.first_slot < 0) {
-    return ArgumentError(Cat(op, ": argument 'first_slot' must be >= 0, got ", a.first_slot));
+    return ArgumentError(Cat(kOp, ": argument 'first_slot' must be >= 0, got ", a.first_slot));
   }
   const int64_t blocks_needed = (a.first_slot + a.num_keys + kBlockSize - 1) / kBlockSize;
   if (a.num_keys > 0 && a.block_table_entries < blocks_needed) {
-    return ArgumentError(Cat(op,
+    return ArgumentError(Cat(kOp,
                              ": argument 'block_table' must have at least ceil((first_slot + "
                              "num_keys) / 64) = ",
                              blocks_needed, " entries, got ", a.block_table_entries));
