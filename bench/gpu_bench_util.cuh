@@ -101,6 +101,21 @@ T* DeviceZeros(size_t count) {
   return p;
 }
 
+/// scores[i], i in [0, n): fp32, bell-shaped (the sum of four 16-bit uniforms from a hash of i,
+/// in [0, 4), about 2^18 distinct values), or 1.0 everywhere when `equal` (the top-K's worst case).
+static __global__ void FillBellScores(float* scores, int64_t n, bool equal) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    float s = 0;
+    for (int j = 0; j < 4; ++j) s += static_cast<float>((h >> (16 * j)) & 0xffff) / 65536.0f;
+    scores[i] = equal ? 1.0f : s;
+  }
+}
+
 /// A 256 MiB buffer written before each timed run, so no run finds its data in the 60 MiB L2.
 struct L2Flush {
   size_t bytes = size_t{256} << 20;

@@ -20,20 +20,6 @@ namespace {
 
 using dsa::bench::DeviceCopy;
 
-__global__ void FillScores(float* scores, int64_t n, bool equal) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint64_t h = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-    h *= 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 32;
-    // Sum of four uniforms: a bell-shaped score.
-    float s = 0;
-    for (int j = 0; j < 4; ++j) s += static_cast<float>((h >> (16 * j)) & 0xffff) / 65536.0f;
-    scores[i] = equal ? 1.0f : s;
-  }
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -61,7 +47,7 @@ int main(int argc, char** argv) {
     int32_t* selection = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * rows * blocks_per_row * 64));
     DSA_BENCH_CUDA(cudaMalloc(&selection, sizeof(int32_t) * rows * 2048));
-    FillScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64, equal);
+    dsa::bench::FillBellScores<<<1024, 256>>>(scores, rows * blocks_per_row * 64, equal);
     dsa::cuda::TopKParams p;
     p.scores = scores;
     p.num_rows = rows;

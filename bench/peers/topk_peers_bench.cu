@@ -48,19 +48,6 @@ constexpr int kTopK = 2048;
 // RadixRowState's histograms and counters (flashinfer/topk.py: _ROW_STATES_NBYTES).
 constexpr size_t kRowStatesBytes = size_t{1} << 20;
 
-__global__ void FillScores(float* scores, int64_t n, bool equal) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint64_t h = static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-    h *= 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 32;
-    float s = 0;
-    for (int j = 0; j < 4; ++j) s += static_cast<float>((h >> (16 * j)) & 0xffff) / 65536.0f;
-    scores[i] = equal ? 1.0f : s;
-  }
-}
-
 // flashinfer.topk.get_fast_topk_clusters and topk_clusters_exact's choice.
 int FlashInferClusters(int rows, int64_t slots) {
   if (slots < 8192) return 1;
@@ -155,7 +142,7 @@ int main(int argc, char** argv) {
     const int64_t n = rows * slots;
     float* scores = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&scores, sizeof(float) * n));
-    FillScores<<<1024, 256>>>(scores, n, score_kind == "equal");
+    dsa::bench::FillBellScores<<<1024, 256>>>(scores, n, score_kind == "equal");
     DSA_BENCH_CUDA(cudaGetLastError());
     std::vector<int64_t> offset(rows), entries(rows, slots), max_slot(rows, slots - 1);
     for (int r = 0; r < rows; ++r) offset[r] = r * slots;

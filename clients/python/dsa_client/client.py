@@ -169,6 +169,17 @@ def _generate_request(request_id, max_new_tokens, context_length, context_tokens
     return request
 
 
+def _token_ids_of(generation, event) -> Sequence[int]:
+    """A Tokens event's generated ids; an Admitted or Finished event is kept on `generation`
+    (.admitted, .finished) and has none."""
+    kind = event.WhichOneof("event")
+    if kind == "admitted":
+        generation.admitted = event.admitted
+    elif kind == "finished":
+        generation.finished = event.finished
+    return event.tokens.token_ids if kind == "tokens" else ()
+
+
 class Generation:
     """One Generate call in flight: iterate it for its GenerateEvents (admitted once, then one
     tokens per decode step, then finished), or token_ids() for a real model's generated ids; the
@@ -196,13 +207,7 @@ class Generation:
         ended = False
         try:
             for event in self._call:
-                kind = event.WhichOneof("event")
-                if kind == "tokens":
-                    yield from event.tokens.token_ids
-                elif kind == "admitted":
-                    self.admitted = event.admitted
-                elif kind == "finished":
-                    self.finished = event.finished
+                yield from _token_ids_of(self, event)
             ended = True
         finally:
             if not ended:
@@ -346,14 +351,8 @@ class AsyncGeneration:
         ended = False
         try:
             async for event in self._call:
-                kind = event.WhichOneof("event")
-                if kind == "tokens":
-                    for token in event.tokens.token_ids:
-                        yield token
-                elif kind == "admitted":
-                    self.admitted = event.admitted
-                elif kind == "finished":
-                    self.finished = event.finished
+                for token in _token_ids_of(self, event):
+                    yield token
             ended = True
         finally:
             if not ended:
