@@ -83,6 +83,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorEngine>> CoordinatorEngine::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_migrations must be >= 0, got ", options.max_migrations));
   }
+  if (options.unready_after_timed_out_checks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unready_after_timed_out_checks must be >= 1, got ",
+                     options.unready_after_timed_out_checks));
+  }
   if (options.hung_worker_checks < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("hung_worker_checks must be >= 0, got ", options.hung_worker_checks));

@@ -83,6 +83,12 @@ int main(int argc, char** argv) {  // NOLINT(bugprone-exception-escape): CLI11 p
                  "Deadline of each check of a worker")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--unready-after-timed-out-checks", options.unready_after_timed_out_checks,
+                 "A ready worker leaves placements once this many consecutive checks got no "
+                 "answer within --worker-check-timeout-ms (1 = the first); one that refuses the "
+                 "connection or answers not ready leaves at once")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--load-cache-ms", options.load_cache_ms,
                  "GetLoad reuses the indexers' loads for this long, and one GetLoad asks them at "
                  "a time (each indexer gets at most one GetLoad per interval); 0 = ask every call")

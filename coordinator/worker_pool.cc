@@ -412,6 +412,39 @@ void WorkerPool::RefreshWorkers() {
         }
       }
     }
+    // Consecutive lost checks of each known worker; a check that timed out keeps a ready worker
+    // ready until unready_after_timed_out_checks of them in a row.
+    std::vector<bool> timed_out_tolerated(targets.size(), false);
+    for (size_t t = 0; t < targets.size(); ++t) {
+      const Target& target = targets[t];
+      if (target.slot < 0) continue;
+      const Probe& probe = probes[t];
+      std::atomic<int>& unreached_checks = target.attention
+                                               ? attention_[target.slot]->unreached_checks
+                                               : indexers_[target.slot]->unreached_checks;
+      bool& call_failed = target.attention ? attention_[target.slot]->call_failed
+                                           : indexers_[target.slot]->call_failed;
+      if (WorkerUnreached(probe.status)) {
+        ++unreached_checks;
+      } else {
+        unreached_checks = 0;
+        (target.attention ? attention_[target.slot]->last_reached
+                          : indexers_[target.slot]->last_reached) = core_->clock.Now();
+      }
+      // A slow answer alone is tolerated; one after a call to the worker failed is not.
+      timed_out_tolerated[t] =
+          probe.status.code() == absl::StatusCode::kDeadlineExceeded && !call_failed &&
+          unreached_checks.load() < core_->options.unready_after_timed_out_checks;
+      if (probe.status.ok()) call_failed = false;
+    }
+    auto tolerated_of = [&](const std::string& address, bool attention) {
+      for (size_t t = 0; t < targets.size(); ++t) {
+        if (targets[t].address == address && targets[t].attention == attention) {
+          return static_cast<bool>(timed_out_tolerated[t]);
+        }
+      }
+      return false;
+    };
     int unreached[2] = {0, 0};  // [attention]
     for (size_t t = 0; t < targets.size(); ++t) {
       Target& target = targets[t];
@@ -536,18 +569,22 @@ void WorkerPool::RefreshWorkers() {
         any_became_ready |= healthy;
         continue;
       }
-      // A known worker: ready while wanted and healthy (a co-located pair: both halves).
-      std::atomic<int>& unreached_checks = target.attention
-                                               ? attention_[target.slot]->unreached_checks
-                                               : indexers_[target.slot]->unreached_checks;
-      if (WorkerUnreached(probe.status)) {
-        ++unreached_checks;
-      } else {
-        unreached_checks = 0;
-        (target.attention ? attention_[target.slot]->last_reached
-                          : indexers_[target.slot]->last_reached) = core_->clock.Now();
+      // A known worker: ready while wanted and healthy (a co-located pair: both halves); a check
+      // that timed out, short of unready_after_timed_out_checks in a row, leaves it as it was.
+      bool& flag =
+          target.attention ? attention_[target.slot]->ready : indexers_[target.slot]->ready;
+      const bool tolerated = timed_out_tolerated[t];
+      if (tolerated && flag) {
+        LogJson("warn", "worker check timed out: still placed on",
+                {{"kind", kind},
+                 {"address", target.address},
+                 {"timed_out_checks", (target.attention ? attention_[target.slot]->unreached_checks
+                                                        : indexers_[target.slot]->unreached_checks)
+                                          .load()},
+                 {"unready_after", core_->options.unready_after_timed_out_checks},
+                 {"reason", probe.reason}});
       }
-      bool healthy = target.wanted && probe.healthy;
+      bool healthy = target.wanted && (tolerated ? flag : probe.healthy);
       std::string reason = target.wanted ? probe.reason : "it left the DNS answer";
       // A worker of a model the coordinator no longer serves (the model changed while it was not
       // ready) takes no new sequence.
@@ -559,13 +596,12 @@ void WorkerPool::RefreshWorkers() {
       }
       if (core_->options.colocated) {
         const Probe* other = probe_of(target.address, !target.attention);
-        if (other != nullptr && !other->healthy && healthy) {
+        if (other != nullptr && !other->healthy &&
+            !tolerated_of(target.address, !target.attention) && healthy) {
           healthy = false;
           reason = other->reason;
         }
       }
-      bool& flag =
-          target.attention ? attention_[target.slot]->ready : indexers_[target.slot]->ready;
       if (flag == healthy) continue;
       flag = healthy;
       if (target.attention) {

@@ -106,6 +106,9 @@ class WorkerPool {
     // Consecutive checks that did not reach it (UNAVAILABLE, DEADLINE_EXCEEDED); read unlocked
     // by the calls in flight to it.
     std::atomic<int> unreached_checks{0};
+    // A call to it failed as a worker's failure since the last check that reached it (guarded by
+    // the core's mu): a check that then times out takes it out of placements at once.
+    bool call_failed = false;
     // The last check that reached it (or its taking in), by the core's clock; guarded by the
     // core's mu. GetLoad says how long a worker has not answered from it.
     absl::Time last_reached = absl::InfinitePast();
@@ -121,8 +124,10 @@ class WorkerPool {
     std::shared_ptr<IndexerWorkerClient> client;
     bool ready = true;     // guarded by the core's mu
     bool retired = false;  // guarded by the core's mu; restarted or gone
-    // Consecutive checks that did not reach it, and the last one that did (as AttentionWorker's).
+    // Consecutive checks that did not reach it, a call's failure since, and the last check that
+    // did reach it (as AttentionWorker's).
     std::atomic<int> unreached_checks{0};
+    bool call_failed = false;
     absl::Time last_reached = absl::InfinitePast();
     std::string instance_id;  // GetLoad's, when taken in
     int64_t num_heads = 0;

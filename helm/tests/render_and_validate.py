@@ -61,10 +61,11 @@ BINARIES = {
 # The flags of each binary (without "--"): server/server.cc, coordinator/main.cc,
 # indexer_service/indexer_flags.cc + main.cc, attention_worker/main.cc, plus the ones
 # docs/deploy.md's contract adds (--config, --log-level, --indexer-dns, --attention-dns,
-# --worker-check-interval-ms, --ttft-buckets, --itl-buckets; --worker-check-timeout-ms and
-# --load-cache-ms are the coordinator's own; --health-listen, the --tls-* flags, --auth-tokens-file,
-# --operator-identities, --indexer-workers: "TLS, mutual TLS and bearer tokens"). A flag the chart
-# renders (on the command line or in a TOML file) must be one of these.
+# --worker-check-interval-ms, --ttft-buckets, --itl-buckets; --worker-check-timeout-ms,
+# --unready-after-timed-out-checks and --load-cache-ms are the coordinator's own; --health-listen,
+# the --tls-* flags, --auth-tokens-file, --operator-identities, --indexer-workers: "TLS, mutual TLS
+# and bearer tokens"). A flag the chart renders (on the command line or in a TOML file) must be
+# one of these.
 TLS_FLAGS = {"tls-cert", "tls-key", "tls-client-ca", "tls-ca", "tls-server-name", "tls-reload-interval-s"}
 SERVER_FLAGS = {"listen", "metrics-listen", "shutdown-grace-ms", "drain-delay-ms", "log-level", "config",
                 "health-listen"} | TLS_FLAGS
@@ -73,7 +74,7 @@ INDEXER_ENGINE_FLAGS = {"capacity-blocks", "audit-fraction", "audit-seed", "devi
 KNOWN_FLAGS = {
     "coordinator": SERVER_FLAGS | {
         "indexer", "attention", "indexer-dns", "attention-dns", "worker-check-interval-ms",
-        "worker-check-timeout-ms", "load-cache-ms",
+        "worker-check-timeout-ms", "unready-after-timed-out-checks", "load-cache-ms",
         "max-queue", "colocated", "max-running", "top-k", "target-block-sparsity",
         "exploration-fraction", "all-keep", "acceptance-rate", "seed", "retain-finished",
         "stall-timeout-ms", "rpc-timeout-ms", "ttft-buckets", "itl-buckets", "auth-tokens-file",

@@ -152,5 +152,74 @@ TEST_F(ReadmissionTest, ARestartedIndexersFirstPlacementIsAProbeThatOthersDoNotJ
   }
 }
 
+// A check that gets no answer in time (the coordinator's host loaded, the worker busy) is not
+// the worker's loss: a ready worker stays in placements until unready_after_timed_out_checks of
+// them in a row; one answer in between starts the count again.
+TEST_F(EngineTest, AReadyWorkerLeavesPlacementsOnlyAfterConsecutiveTimedOutChecks) {
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.unready_after_timed_out_checks = 2;
+  Start({kA1}, {kI1, kI2});
+  ASSERT_EQ(Metric(ready_indexers), 2);
+  fakes_->SetHung(kI1, true);
+  engine_->RefreshWorkers();  // one timed out: still placed on
+  EXPECT_EQ(Metric(ready_indexers), 2);
+  fakes_->SetHung(kI1, false);
+  engine_->RefreshWorkers();  // answered: the count starts again
+  fakes_->SetHung(kI1, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 2);
+  engine_->RefreshWorkers();  // two in a row: out of placements
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  auto call = Generate(Request("r1", 64, 2));
+  ASSERT_TRUE(call->stream.AwaitEvents(1));
+  EXPECT_EQ(call->admitted().indexer_worker(), kI2);
+  StepUntilFinished(kA1, *call);
+  call->Join();
+  EXPECT_TRUE(call->status.ok()) << call->status;
+  fakes_->SetHung(kI1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 2);
+}
+
+// What is not a slow answer takes a worker out at the first check: nothing listening
+// (UNAVAILABLE), or a worker that says it is not ready; and with the threshold at 1, a timeout.
+TEST_F(EngineTest, AWorkerThatIsDownOrNotReadyLeavesPlacementsAtTheFirstCheck) {
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.unready_after_timed_out_checks = 2;
+  Start({kA1}, {kI1, kI2});
+  fakes_->SetDown(kI1, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetDown(kI1, false);
+  engine_->RefreshWorkers();
+  ASSERT_EQ(Metric(ready_indexers), 2);
+  fakes_->SetNotReady(kI2, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 1);
+}
+
+TEST_F(EngineTest, WithTheThresholdAtOneTheFirstTimedOutCheckTakesAWorkerOut) {
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.unready_after_timed_out_checks = 1;
+  Start({kA1}, {kI1, kI2});
+  fakes_->SetHung(kI1, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetHung(kI1, false);
+}
+
+TEST(EngineCreateTest, UnreadyAfterTimedOutChecksBelowOneIsRefused) {
+  prometheus::Registry registry;
+  CoordinatorMetrics metrics(registry);
+  CoordinatorOptions options;
+  options.attention_addresses = {kA1};
+  options.indexer_addresses = {kI1};
+  options.run_loops = false;
+  options.unready_after_timed_out_checks = 0;
+  auto engine = CoordinatorEngine::Create(options, &metrics, std::make_shared<FakeWorkers>());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine.status().message(), "unready_after_timed_out_checks must be >= 1, got 0");
+}
+
 }  // namespace
 }  // namespace dsa
