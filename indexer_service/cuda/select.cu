@@ -1,4 +1,5 @@
 // The whole select of a batch on the GPU (see select.h).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
@@ -252,6 +253,67 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
   }
 }
 
+// Every group keeps all its visible blocks (host_all_blocks, at most kLayoutThreads groups): what
+// setup, fill, union, layout and compact do in five launches, in one. A group's union of its
+// rows' prefixes 0 .. ceil((t + 1) / 64) - 1 is the longest, so each group's list is 0 .. count - 1
+// with count its rows' most visible blocks. Every CTA sums the counts itself (a thread a group,
+// one block scan); CTA 0 writes the offsets, score offsets, entry counts and update rows as
+// LayoutKernel does, and all CTAs write the lists, one grid-stride pass over the flat entries.
+__global__ void __launch_bounds__(kLayoutThreads) KeepAllLayoutKernel(SelectParams p, Workspace w) {
+  BeginDependentKernel();
+  using BlockScan = cub::BlockScan<int64_t, kLayoutThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int64_t group_start[kLayoutThreads + 1];  // block offsets; [num_groups] the total
+  void* base = p.workspace;
+  const int g = static_cast<int>(threadIdx.x);
+  const bool has_group = g < p.num_groups;
+  const int first = has_group ? p.group_first_row[g] : 0;
+  const int end = has_group ? p.group_first_row[g + 1] : 0;
+  int64_t count = 0;
+  for (int r = first; r < end; ++r) {
+    count = max(count, (p.row_position[r] + kBlockSize) / kBlockSize);  // ceil((t + 1) / 64)
+  }
+  const int64_t rows = end - first;
+  int64_t blocks = count, scores = rows * count * kBlockSize;
+  int64_t updates = p.update && rows == 1 ? 1 : 0;
+  int64_t total_blocks = 0, total_updates = 0, unused = 0;
+  BlockScan(scan_storage).ExclusiveSum(blocks, blocks, total_blocks);
+  __syncthreads();
+  BlockScan(scan_storage).ExclusiveSum(scores, scores, unused);
+  __syncthreads();
+  BlockScan(scan_storage).ExclusiveSum(updates, updates, total_updates);
+  if (has_group) group_start[g] = blocks;
+  if (threadIdx.x == 0) group_start[p.num_groups] = total_blocks;
+  __syncthreads();
+  if (blockIdx.x == 0 && has_group) {
+    p.group_block_offset[g] = blocks;
+    At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(updates);
+    for (int r = first; r < end; ++r) {
+      p.row_score_offset[r] = scores;
+      At<int64_t>(base, w.row_num_entries)[r] = count * kBlockSize;
+      At<int64_t>(base, w.row_block_offset)[r] = blocks;
+      if (p.update && rows == 1) {
+        At<int64_t>(base, w.update_position)[updates] = p.row_position[r];
+        At<int64_t>(base, w.update_score_offset)[updates] = scores;
+        ++updates;
+      }
+      scores += count * kBlockSize;
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.group_block_offset[p.num_groups] = total_blocks;
+    At<int32_t>(base, w.update_first_row)[p.num_groups] = static_cast<int32_t>(total_updates);
+    *At<int64_t>(base, w.device_total) = total_blocks;
+  }
+  // Entry e of the flat lists belongs to the last group that starts at or before it.
+  int group = 0;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total_blocks;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    while (group_start[group + 1] <= e) ++group;  // e only grows: a forward walk
+    p.group_blocks[e] = static_cast<int32_t>(e - group_start[group]);
+  }
+}
+
 // Copies each group's union into the compacted list (grid: block chunks x groups).
 __global__ void CompactKernel(SelectParams p, Workspace w) {
   BeginDependentKernel();
@@ -270,6 +332,48 @@ __global__ void CompactKernel(SelectParams p, Workspace w) {
 unsigned ChunksOf(int64_t items) {
   const int64_t chunks = (items + kThreads - 1) / kThreads;
   return static_cast<unsigned>(chunks < 1 ? 1 : (chunks > 1024 ? 1024 : chunks));
+}
+
+// The chain's last kernels once the block lists and offsets are on the device: the scan, top-K and,
+// with `update`, the EMA update of the one-row groups.
+cudaError_t LaunchScanTopKAndUpdate(const SelectParams& p, const Workspace& w,
+                                    cudaStream_t stream) {
+  void* base = p.workspace;
+  const ScanParams scan = ScanLaunch(p, w);
+  if (cudaError_t e = p.scan == SelectScan::kTensorCores ? LaunchScanTensorCores(scan, stream)
+                                                         : LaunchScanCudaCores(scan, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  TopKParams topk;
+  topk.scores = p.scores;
+  topk.num_rows = p.num_rows;
+  topk.row_score_offset = p.row_score_offset;
+  topk.row_num_entries = At<int64_t>(base, w.row_num_entries);
+  topk.logical_blocks = p.group_blocks;
+  topk.row_block_offset = At<int64_t>(base, w.row_block_offset);
+  topk.row_max_slot = p.row_position;
+  topk.k = p.top_k;
+  topk.selection = p.selection;
+  if (cudaError_t e = LaunchTopK(topk, stream); e != cudaSuccess) return e;
+  if (p.update) {
+    SpinUpdateParams update;
+    update.num_groups = p.num_groups;
+    update.num_rows = p.num_rows;
+    update.group_first_row = At<int32_t>(base, w.update_first_row);
+    update.group_block_offset = p.group_block_offset;
+    update.logical_blocks = p.group_blocks;
+    update.row_position = At<int64_t>(base, w.update_position);
+    update.row_score_offset = At<int64_t>(base, w.update_score_offset);
+    update.scores = p.scores;
+    update.vertical = p.vertical;
+    update.diagonal = p.diagonal;
+    update.ema_decay = p.ema_decay;
+    update.max_visible_slots = p.max_visible_blocks * kBlockSize;
+    update.max_group_rows = 1;  // only one-row groups update here
+    if (cudaError_t e = LaunchSpinUpdate(update, stream); e != cudaSuccess) return e;
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -323,6 +427,19 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (p.num_rows == 0) return cudaSuccess;
   const Workspace w = Layout(p);
   void* base = p.workspace;
+  if (p.host_all_blocks && p.num_groups <= kLayoutThreads) {
+    // Lists of 0 .. count - 1 at most max_visible_blocks a group: one CTA a kLayoutThreads
+    // entries of the largest total, at most 64 CTAs.
+    const int64_t most = static_cast<int64_t>(p.num_groups) * p.max_visible_blocks;
+    const unsigned ctas = static_cast<unsigned>(
+        std::min<int64_t>(64, std::max<int64_t>(1, (most + kLayoutThreads - 1) / kLayoutThreads)));
+    if (cudaError_t e = LaunchDependent("keep_all_layout", KeepAllLayoutKernel, dim3(ctas),
+                                        dim3(kLayoutThreads), 0, stream, p, w);
+        e != cudaSuccess) {
+      return e;
+    }
+    return LaunchScanTopKAndUpdate(p, w, stream);
+  }
   if (cudaError_t e = LaunchDependent("setup", SetupKernel, dim3(ChunksOf(p.num_groups)),
                                       dim3(kThreads), 0, stream, p, w);
       e != cudaSuccess) {
@@ -364,41 +481,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  const ScanParams scan = ScanLaunch(p, w);
-  if (cudaError_t e = p.scan == SelectScan::kTensorCores ? LaunchScanTensorCores(scan, stream)
-                                                         : LaunchScanCudaCores(scan, stream);
-      e != cudaSuccess) {
-    return e;
-  }
-  TopKParams topk;
-  topk.scores = p.scores;
-  topk.num_rows = p.num_rows;
-  topk.row_score_offset = p.row_score_offset;
-  topk.row_num_entries = At<int64_t>(base, w.row_num_entries);
-  topk.logical_blocks = p.group_blocks;
-  topk.row_block_offset = At<int64_t>(base, w.row_block_offset);
-  topk.row_max_slot = p.row_position;
-  topk.k = p.top_k;
-  topk.selection = p.selection;
-  if (cudaError_t e = LaunchTopK(topk, stream); e != cudaSuccess) return e;
-  if (p.update) {
-    SpinUpdateParams update;
-    update.num_groups = p.num_groups;
-    update.num_rows = p.num_rows;
-    update.group_first_row = At<int32_t>(base, w.update_first_row);
-    update.group_block_offset = p.group_block_offset;
-    update.logical_blocks = p.group_blocks;
-    update.row_position = At<int64_t>(base, w.update_position);
-    update.row_score_offset = At<int64_t>(base, w.update_score_offset);
-    update.scores = p.scores;
-    update.vertical = p.vertical;
-    update.diagonal = p.diagonal;
-    update.ema_decay = p.ema_decay;
-    update.max_visible_slots = p.max_visible_blocks * kBlockSize;
-    update.max_group_rows = 1;  // only one-row groups update here
-    if (cudaError_t e = LaunchSpinUpdate(update, stream); e != cudaSuccess) return e;
-  }
-  return cudaGetLastError();
+  return LaunchScanTopKAndUpdate(p, w, stream);
 }
 
 }  // namespace dsa::cuda

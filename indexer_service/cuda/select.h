@@ -125,9 +125,11 @@ size_t SelectScratchBytes(const SelectParams& params);
 /// block for those rows, LaunchSpinUnion (not when every group has one row: the plans are the
 /// unions), a layout kernel (compacted block lists and score offsets, the block total on
 /// the device), the scan with device_total_blocks, LaunchTopK and, with `update`,
-/// LaunchSpinUpdate over the groups of one row. No host synchronisation, allocation or copy:
-/// capturable in a CUDA graph. cudaErrorInvalidValue when CanImplementSelect fails, else the first
-/// launch error.
+/// LaunchSpinUpdate over the groups of one row. With host_all_blocks and at most 1,024 groups, one
+/// kernel replaces setup, fill, union, layout and compact (each group's list is 0 .. its rows' most
+/// visible blocks - 1), so the chain is that kernel, the scan, top-K and the update. No host
+/// synchronisation, allocation or copy: capturable in a CUDA graph. cudaErrorInvalidValue when
+/// CanImplementSelect fails, else the first launch error.
 cudaError_t LaunchSelect(const SelectParams& params, cudaStream_t stream);
 
 }  // namespace dsa::cuda
