@@ -440,13 +440,28 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
     }
     return LaunchScanTopKAndUpdate(p, w, stream);
   }
-  if (cudaError_t e = LaunchDependent("setup", SetupKernel, dim3(ChunksOf(p.num_groups)),
-                                      dim3(kThreads), 0, stream, p, w);
-      e != cudaSuccess) {
-    return e;
+  // Every group one row, every one planned by SPIN: the plan reads the groups' arrays as the rows'
+  // (a row's plan at row x max_visible_blocks), and nothing needs the setup's per-row arrays.
+  const bool rows_are_groups = p.num_rows == p.num_groups && p.host_no_all_blocks;
+  if (!rows_are_groups) {
+    if (cudaError_t e = LaunchDependent("setup", SetupKernel, dim3(ChunksOf(p.num_groups)),
+                                        dim3(kThreads), 0, stream, p, w);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   // The plan of every SPIN row (rows of kAllBlocks groups have position -1: nothing done).
-  const SpinPredictParams predict = PredictLaunch(p, w);
+  SpinPredictParams predict = PredictLaunch(p, w);
+  if (rows_are_groups) {
+    predict.positions = p.row_position;
+    predict.vertical = p.vertical;
+    predict.vertical_len = p.spin_capacity;
+    predict.diagonal = p.diagonal;
+    predict.diagonal_len = p.spin_capacity;
+    predict.row_seed = p.group_seed;
+    predict.row_block_offset = nullptr;
+    predict.row_block_stride = p.max_visible_blocks;
+  }
   if (!p.host_all_blocks) {
     if (cudaError_t e = LaunchSpinPredict(predict, stream); e != cudaSuccess) return e;
   }

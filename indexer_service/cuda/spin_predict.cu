@@ -11,6 +11,16 @@
 namespace dsa::cuda {
 namespace {
 
+// Where each row's entries start in `scores` and `selected`: the caller's array, or, without one,
+// row x stride (SpinPredictParams::row_block_stride).
+struct RowOffsets {
+  const int64_t* offset;
+  int64_t stride;
+  __device__ __forceinline__ int64_t operator[](int row) const {
+    return offset != nullptr ? offset[row] : static_cast<int64_t>(row) * stride;
+  }
+};
+
 constexpr int kPredictWarps = 8;       // warps a CTA of the prediction kernel
 constexpr int kPredictUnroll = 1;      // consecutive blocks a warp an iteration (1 measured best)
 constexpr int kPredictChunks = 64;     // CTAs a row (grid.y) without max_visible_blocks
@@ -42,8 +52,8 @@ __global__ void __launch_bounds__(kPredictWarps * 32)
     PredictKernel(const int64_t* __restrict__ positions, const float* const* __restrict__ vertical,
                   const int64_t* __restrict__ vertical_len,
                   const float* const* __restrict__ diagonal,
-                  const int64_t* __restrict__ diagonal_len,
-                  const int64_t* __restrict__ row_block_offset, float* __restrict__ scores) {
+                  const int64_t* __restrict__ diagonal_len, RowOffsets row_block_offset,
+                  float* __restrict__ scores) {
   BeginDependentKernel();
   const int row = blockIdx.x;
   // The row's arguments all at once (valid entries for every row), then the early exit: one
@@ -116,7 +126,7 @@ __device__ int64_t ExploreCount(int64_t budget, int64_t capacity, double gamma) 
 // The plan of one row with S read from global memory (one CTA): the path of rows past 2^20 slots
 // (the free list in the workspace) and of launches without max_visible_blocks.
 __device__ __forceinline__ void PlanRowGlobal(
-    int row, const int64_t* __restrict__ positions, const int64_t* __restrict__ row_block_offset,
+    int row, const int64_t* __restrict__ positions, RowOffsets row_block_offset,
     const float* __restrict__ scores, int top_k, double rho, double gamma, uint64_t seed,
     const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
     unsigned char* __restrict__ workspace, int64_t workspace_blocks, int32_t* __restrict__ selected,
@@ -297,12 +307,12 @@ __device__ __forceinline__ void PlanRowGlobal(
 }
 
 __global__ void __launch_bounds__(kSelectThreads)
-    SelectKernel(const int64_t* __restrict__ positions,
-                 const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
-                 int top_k, double rho, double gamma, uint64_t seed,
-                 const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
-                 unsigned char* __restrict__ workspace, int64_t workspace_blocks,
-                 int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+    SelectKernel(const int64_t* __restrict__ positions, RowOffsets row_block_offset,
+                 const float* __restrict__ scores, int top_k, double rho, double gamma,
+                 uint64_t seed, const uint64_t* __restrict__ row_seed, int layer,
+                 int64_t max_blocks, unsigned char* __restrict__ workspace,
+                 int64_t workspace_blocks, int32_t* __restrict__ selected,
+                 int32_t* __restrict__ selected_count) {
   BeginDependentKernel();
   PlanRowGlobal(blockIdx.x, positions, row_block_offset, scores, top_k, rho, gamma, seed, row_seed,
                 layer, max_blocks, workspace, workspace_blocks, selected, selected_count);
@@ -328,11 +338,11 @@ __device__ __forceinline__ int LatestPick(const int32_t* picks, int k, int32_t t
 }
 
 __global__ void __launch_bounds__(kSelectThreads)
-    PlanSharedKernel(const int64_t* __restrict__ positions,
-                     const int64_t* __restrict__ row_block_offset, const float* __restrict__ scores,
-                     int top_k, double rho, double gamma, uint64_t seed,
-                     const uint64_t* __restrict__ row_seed, int layer, int64_t max_blocks,
-                     int32_t* __restrict__ selected, int32_t* __restrict__ selected_count) {
+    PlanSharedKernel(const int64_t* __restrict__ positions, RowOffsets row_block_offset,
+                     const float* __restrict__ scores, int top_k, double rho, double gamma,
+                     uint64_t seed, const uint64_t* __restrict__ row_seed, int layer,
+                     int64_t max_blocks, int32_t* __restrict__ selected,
+                     int32_t* __restrict__ selected_count) {
   BeginDependentKernel();
   using Scan = cub::BlockScan<uint32_t, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
@@ -637,6 +647,9 @@ bool Explores(const SpinPredictParams& p) {
 bool PlanInWorkspace(const SpinPredictParams& p) {
   return Explores(p) && p.max_visible_blocks > kSpinSharedPlanBlocks;
 }
+RowOffsets RowOffsetsOf(const SpinPredictParams& p) {
+  return RowOffsets{p.row_block_offset, p.row_block_stride};
+}
 
 }  // namespace
 
@@ -654,11 +667,11 @@ bool CanImplementSpinPredict(const SpinPredictParams& p, const char** why) {
   }
   if (p.num_rows == 0) return true;
   if (p.positions == nullptr || p.vertical == nullptr || p.vertical_len == nullptr ||
-      p.diagonal == nullptr || p.diagonal_len == nullptr || p.row_block_offset == nullptr ||
-      p.scores == nullptr) {
-    return fail(
-        "positions, vertical, diagonal, their lengths, row_block_offset and scores must "
-        "be set");
+      p.diagonal == nullptr || p.diagonal_len == nullptr || p.scores == nullptr) {
+    return fail("positions, vertical, diagonal, their lengths and scores must be set");
+  }
+  if (p.row_block_offset == nullptr && p.row_block_stride < 1) {
+    return fail("row_block_offset must be set, or row_block_stride >= 1 without it");
   }
   if (p.selected != nullptr) {
     if (p.selected_count == nullptr) return fail("selected needs selected_count");
@@ -712,7 +725,7 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (cudaError_t e =
           LaunchDependent("predict", PredictKernel, dim3(p.num_rows, static_cast<unsigned>(chunks)),
                           dim3(kPredictWarps * 32), 0, stream, p.positions, p.vertical,
-                          p.vertical_len, p.diagonal, p.diagonal_len, p.row_block_offset, p.scores);
+                          p.vertical_len, p.diagonal, p.diagonal_len, RowOffsetsOf(p), p.scores);
       e != cudaSuccess) {
     return e;
   }
@@ -735,7 +748,7 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
       }
     }
     return LaunchDependent("plan", PlanSharedKernel, dim3(p.num_rows), dim3(kSelectThreads),
-                           shared_bytes, stream, p.positions, p.row_block_offset, p.scores, p.top_k,
+                           shared_bytes, stream, p.positions, RowOffsetsOf(p), p.scores, p.top_k,
                            p.target_block_sparsity, explores ? p.exploration_fraction : 0.0, p.seed,
                            p.row_seed, p.layer, p.max_visible_blocks, p.selected, p.selected_count);
   }
@@ -752,7 +765,7 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
     }
   }
   return LaunchDependent("plan", SelectKernel, dim3(p.num_rows), dim3(kSelectThreads), shared_bytes,
-                         stream, p.positions, p.row_block_offset, p.scores, p.top_k,
+                         stream, p.positions, RowOffsetsOf(p), p.scores, p.top_k,
                          p.target_block_sparsity, explores ? p.exploration_fraction : 0.0, p.seed,
                          p.row_seed, p.layer, explores ? p.max_visible_blocks : 0,
                          in_workspace ? static_cast<unsigned char*>(p.workspace) : nullptr,

@@ -41,8 +41,10 @@ struct SpinPredictParams {
   const int64_t* vertical_len = nullptr;
   const float* const* diagonal = nullptr;
   const int64_t* diagonal_len = nullptr;
-  /// int64 [num_rows]: where row r's B entries start in `scores` (and in `selected`).
+  /// int64 [num_rows]: where row r's B entries start in `scores` (and in `selected`); when null,
+  /// row r starts at r x row_block_stride (>= 1), which needs no array on the device.
   const int64_t* row_block_offset = nullptr;
+  int64_t row_block_stride = 0;
   /// Pooling and reduction of the row's SPIN config (only kMax / kA1; see CanImplement).
   SpinPooling pooling = SpinPooling::kMax;
   SpinReduction reduction = SpinReduction::kA1;
