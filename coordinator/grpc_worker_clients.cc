@@ -76,9 +76,10 @@ WorkerReadiness Readiness(grpc::Channel& channel, absl::Duration timeout) {
       code == grpc::StatusCode::NOT_FOUND) {
     return {true, ""};
   }
-  return {false, health.call.ok()
-                     ? "its readiness is not SERVING (draining?)"
-                     : absl::StrCat("its health check failed: ", health.call.error_message())};
+  return {false,
+          health.call.ok() ? "its readiness is not SERVING (draining?)"
+                           : absl::StrCat("its health check failed: ", health.call.error_message()),
+          code == grpc::StatusCode::DEADLINE_EXCEEDED};
 }
 
 class GrpcAttentionWorkerClient final : public AttentionWorkerClient {

@@ -682,8 +682,11 @@ void RequestLifecycle::FailSequence(const std::shared_ptr<InFlightRequest>& requ
         request->phase == RequestPhase::kPrefilling && !admission.continue_sequence;
     worker_failed = WorkerFailure(status, creating);
     if (worker_failed) {  // the next check that times out takes them out at once
-      pool_->attention(admission.attention).call_failed = true;
-      pool_->indexer(admission.indexer).call_failed = true;
+      WorkerPool::AttentionWorker& attention = pool_->attention(admission.attention);
+      WorkerPool::IndexerWorker& indexer = pool_->indexer(admission.indexer);
+      attention.call_failed = indexer.call_failed = true;
+      ++attention.call_failures;
+      ++indexer.call_failures;
     }
     const bool can_migrate = worker_failed && !request->cancel_requested && !core_->stopping;
     // A new sequence's Prefill that could not reach its indexer lost nothing: placing it again is

@@ -31,7 +31,8 @@ struct WorkerCall {
 /// What a readiness check of a worker saw.
 struct WorkerReadiness {
   bool ready = false;
-  std::string reason;  // why not ready ("" when ready)
+  std::string reason;      // why not ready ("" when ready)
+  bool timed_out = false;  // no answer within the timeout (DEADLINE_EXCEEDED): a lost check
 };
 
 /// Calls every worker answers. Thread-safe: the engine calls from many threads at once. A call's

@@ -159,6 +159,8 @@ WorkerPool::Probe WorkerPool::ProbeWorker(
   const WorkerReadiness readiness = client->CheckReadiness(timeout);
   probe.healthy = readiness.ready;
   probe.reason = readiness.reason;
+  // A health check that got no answer in time is a lost check, as a GetInfo / GetLoad would be.
+  if (readiness.timed_out) probe.status = absl::DeadlineExceededError(readiness.reason);
   return probe;
 }
 
@@ -299,6 +301,9 @@ void WorkerPool::RefreshWorkers() {
     bool attention;
     bool wanted;
     int slot;  // -1: not taken in yet
+    // The worker's count of failed calls when its check began: a check that answers clears
+    // call_failed only if no call failed while it ran.
+    uint64_t call_failures_before;
     std::shared_ptr<AttentionWorkerClient> attention_client;
     std::shared_ptr<IndexerWorkerClient> indexer_client;
   };
@@ -310,9 +315,15 @@ void WorkerPool::RefreshWorkers() {
       const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
       const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
       auto target_of = [&](const std::string& address, bool is_wanted, int slot) {
-        Target target{address, attention, is_wanted, slot, nullptr, nullptr};
-        if (slot >= 0 && attention) target.attention_client = attention_[slot]->client;
-        if (slot >= 0 && !attention) target.indexer_client = indexers_[slot]->client;
+        Target target{address, attention, is_wanted, slot, 0, nullptr, nullptr};
+        if (slot >= 0 && attention) {
+          target.attention_client = attention_[slot]->client;
+          target.call_failures_before = attention_[slot]->call_failures;
+        }
+        if (slot >= 0 && !attention) {
+          target.indexer_client = indexers_[slot]->client;
+          target.call_failures_before = indexers_[slot]->call_failures;
+        }
         return target;
       };
       for (const std::string& address : wanted) {
@@ -424,6 +435,8 @@ void WorkerPool::RefreshWorkers() {
                                                : indexers_[target.slot]->unreached_checks;
       bool& call_failed = target.attention ? attention_[target.slot]->call_failed
                                            : indexers_[target.slot]->call_failed;
+      const uint64_t call_failures = target.attention ? attention_[target.slot]->call_failures
+                                                      : indexers_[target.slot]->call_failures;
       if (WorkerUnreached(probe.status)) {
         ++unreached_checks;
       } else {
@@ -431,11 +444,15 @@ void WorkerPool::RefreshWorkers() {
         (target.attention ? attention_[target.slot]->last_reached
                           : indexers_[target.slot]->last_reached) = core_->clock.Now();
       }
-      // A slow answer alone is tolerated; one after a call to the worker failed is not.
+      // A slow answer alone is tolerated; one after a call to the worker failed is not, nor one
+      // that has its calls cut (hung_worker_checks), which a migration off it does not check
+      // again.
+      const int lost = unreached_checks.load();
+      const int hung = core_->options.hung_worker_checks;
       timed_out_tolerated[t] =
           probe.status.code() == absl::StatusCode::kDeadlineExceeded && !call_failed &&
-          unreached_checks.load() < core_->options.unready_after_timed_out_checks;
-      if (probe.status.ok()) call_failed = false;
+          lost < core_->options.unready_after_timed_out_checks && (hung == 0 || lost < hung);
+      if (probe.status.ok() && call_failures == target.call_failures_before) call_failed = false;
     }
     auto tolerated_of = [&](const std::string& address, bool attention) {
       for (size_t t = 0; t < targets.size(); ++t) {
@@ -596,10 +613,15 @@ void WorkerPool::RefreshWorkers() {
       }
       if (core_->options.colocated) {
         const Probe* other = probe_of(target.address, !target.attention);
-        if (other != nullptr && !other->healthy &&
-            !tolerated_of(target.address, !target.attention) && healthy) {
+        // The other half's timed-out check leaves it as it was, so the pair follows its flag.
+        const bool other_tolerated = tolerated_of(target.address, !target.attention);
+        const bool other_ready = other_tolerated
+                                     ? (target.attention ? indexers_[target.slot]->ready
+                                                         : attention_[target.slot]->ready)
+                                     : other == nullptr || other->healthy;
+        if (!other_ready && healthy) {
           healthy = false;
-          reason = other->reason;
+          reason = other_tolerated ? "its other half is not ready" : other->reason;
         }
       }
       if (flag == healthy) continue;

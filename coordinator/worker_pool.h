@@ -106,9 +106,11 @@ class WorkerPool {
     // Consecutive checks that did not reach it (UNAVAILABLE, DEADLINE_EXCEEDED); read unlocked
     // by the calls in flight to it.
     std::atomic<int> unreached_checks{0};
-    // A call to it failed as a worker's failure since the last check that reached it (guarded by
-    // the core's mu): a check that then times out takes it out of placements at once.
+    // A call to it failed as a worker's failure since the last check that reached it, and how
+    // many have (guarded by the core's mu): a check that then times out takes it out of
+    // placements at once.
     bool call_failed = false;
+    uint64_t call_failures = 0;
     // The last check that reached it (or its taking in), by the core's clock; guarded by the
     // core's mu. GetLoad says how long a worker has not answered from it.
     absl::Time last_reached = absl::InfinitePast();
@@ -128,6 +130,7 @@ class WorkerPool {
     // did reach it (as AttentionWorker's).
     std::atomic<int> unreached_checks{0};
     bool call_failed = false;
+    uint64_t call_failures = 0;
     absl::Time last_reached = absl::InfinitePast();
     std::string instance_id;  // GetLoad's, when taken in
     int64_t num_heads = 0;

@@ -119,7 +119,11 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) {
-      return {false, absl::StrCat("its health check failed: ", gone.message())};
+      return {false, absl::StrCat("its health check failed: ", gone.message()),
+              gone.code() == absl::StatusCode::kDeadlineExceeded};
+    }
+    if (w->health_hung) {
+      return {false, "its health check failed: Deadline Exceeded (fake: health hung)", true};
     }
     if (w->not_ready) return {false, "its readiness is not SERVING (draining?)"};
     return {true, ""};
@@ -363,7 +367,11 @@ class FakeIndexerClient final : public IndexerWorkerClient {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) {
-      return {false, absl::StrCat("its health check failed: ", gone.message())};
+      return {false, absl::StrCat("its health check failed: ", gone.message()),
+              gone.code() == absl::StatusCode::kDeadlineExceeded};
+    }
+    if (w->health_hung) {
+      return {false, "its health check failed: Deadline Exceeded (fake: health hung)", true};
     }
     if (w->not_ready) return {false, "its readiness is not SERVING (draining?)"};
     return {true, ""};
@@ -499,6 +507,13 @@ void FakeWorkers::SetNotReady(const std::string& address, bool not_ready) {
   absl::MutexLock lock(&mu_);
   for (bool kind : {true, false}) {
     if (Worker* w = Find(address, kind)) w->not_ready = not_ready;
+  }
+}
+
+void FakeWorkers::SetHealthHung(const std::string& address, bool hung) {
+  absl::MutexLock lock(&mu_);
+  for (bool kind : {true, false}) {
+    if (Worker* w = Find(address, kind)) w->health_hung = hung;
   }
 }
 

@@ -83,6 +83,9 @@ class FakeWorkers final : public WorkerClientFactory,
   int CancelledCalls(const std::string& address);
   /// Its readiness answers NOT_SERVING (draining) while its calls still work.
   void SetNotReady(const std::string& address, bool not_ready);
+  /// Its health check alone gets no answer in time (timed_out readiness); every other call
+  /// answers.
+  void SetHealthHung(const std::string& address, bool hung);
   /// Held: the indexer's GetLoad calls wait (as a slow check does) until it is let go.
   void HoldGetLoads(const std::string& address, bool hold);
   /// Waits until `count` GetLoad calls of the indexer at `address` are held; false after
@@ -155,6 +158,7 @@ class FakeWorkers final : public WorkerClientFactory,
     bool down = false;
     bool hung = false;
     bool not_ready = false;
+    bool health_hung = false;
     bool stalled = false;
     bool stall_after_step = false;
     bool without_audits = false;          // indexer: refuses miss targets (SetWithoutAudits)

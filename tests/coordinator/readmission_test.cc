@@ -208,6 +208,35 @@ TEST_F(EngineTest, WithTheThresholdAtOneTheFirstTimedOutCheckTakesAWorkerOut) {
   fakes_->SetHung(kI1, false);
 }
 
+// A health check that times out after the worker's GetLoad answered is a lost check like any
+// other, not an answer of not ready.
+TEST_F(EngineTest, AHealthCheckThatTimesOutIsALostCheckNotANotReadyAnswer) {
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.unready_after_timed_out_checks = 2;
+  Start({kA1}, {kI1, kI2});
+  fakes_->SetHealthHung(kI1, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 2);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetHealthHung(kI1, false);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 2);
+}
+
+// A worker whose calls are cut (hung_worker_checks below the threshold) leaves placements with
+// them: a migration off it does not check it again, so it must not still be placed on.
+TEST_F(EngineTest, AWorkerWhoseCallsAreCutLeavesPlacementsWithThem) {
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.unready_after_timed_out_checks = 3;
+  options_.hung_worker_checks = 1;
+  Start({kA1}, {kI1, kI2});
+  fakes_->SetHung(kI1, true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetHung(kI1, false);
+}
+
 TEST(EngineCreateTest, UnreadyAfterTimedOutChecksBelowOneIsRefused) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);
