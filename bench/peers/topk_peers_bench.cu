@@ -148,8 +148,12 @@ int main(int argc, char** argv) {
     for (int r = 0; r < rows; ++r) offset[r] = r * slots;
     int32_t* dsa_out = nullptr;
     int32_t* peer_out = nullptr;
+    // FlashInfer's kernels write the values beside the slots (its deterministic finalize reads
+    // and writes them unconditionally: a null buffer faults), as its Python API always asks.
+    float* peer_values = nullptr;
     DSA_BENCH_CUDA(cudaMalloc(&dsa_out, sizeof(int32_t) * rows * kTopK));
     DSA_BENCH_CUDA(cudaMalloc(&peer_out, sizeof(int32_t) * rows * kTopK));
+    DSA_BENCH_CUDA(cudaMalloc(&peer_values, sizeof(float) * rows * kTopK));
     dsa::cuda::TopKParams p;
     p.scores = scores;
     p.num_rows = rows;
@@ -172,7 +176,7 @@ int main(int argc, char** argv) {
         {"fi_exact",
          [&] {
            return fis::TopKDispatch<float, int32_t>(
-               scores, peer_out, static_cast<float*>(nullptr), rows, kTopK,
+               scores, peer_out, peer_values, rows, kTopK,
                static_cast<uint32_t>(slots), static_cast<fis::RadixRowState*>(row_states),
                /*sorted_output=*/false, /*deterministic=*/true, fis::TopKTieBreak::Small, nullptr,
                /*dsa_graph_safe=*/false);
@@ -180,7 +184,7 @@ int main(int argc, char** argv) {
         {"fi_fast",
          [&] {
            return fis::TopKDispatch<float, int32_t>(
-               scores, peer_out, static_cast<float*>(nullptr), rows, kTopK,
+               scores, peer_out, peer_values, rows, kTopK,
                static_cast<uint32_t>(slots), static_cast<fis::RadixRowState*>(row_states),
                /*sorted_output=*/false, /*deterministic=*/false, fis::TopKTieBreak::None, nullptr,
                /*dsa_graph_safe=*/false);
@@ -188,7 +192,7 @@ int main(int argc, char** argv) {
         {"fi_clusters_exact",
          [&] {
            fis::launch_fast_topk_clusters_exact<float, int>(
-               scores, peer_out, static_cast<float*>(nullptr), static_cast<int>(slots),
+               scores, peer_out, peer_values, static_cast<int>(slots),
                /*histogram=*/nullptr, overflow, static_cast<int>(slots / clusters), rows,
                static_cast<int>(slots), kTopK, num_cached, clusters, /*pdl_enabled=*/false, kTopK,
                nullptr);
@@ -225,6 +229,7 @@ int main(int argc, char** argv) {
       results.push_back(result);
     }
     for (const void* q : {(const void*)scores, (const void*)dsa_out, (const void*)peer_out,
+                          (const void*)peer_values,
                           (const void*)overflow, (const void*)p.row_score_offset,
                           (const void*)p.row_num_entries, (const void*)p.row_max_slot}) {
       DSA_BENCH_CUDA(cudaFree(const_cast<void*>(q)));
