@@ -176,16 +176,16 @@ int main(int argc, char** argv) {
         {"fi_exact",
          [&] {
            return fis::TopKDispatch<float, int32_t>(
-               scores, peer_out, peer_values, rows, kTopK,
-               static_cast<uint32_t>(slots), static_cast<fis::RadixRowState*>(row_states),
+               scores, peer_out, peer_values, rows, kTopK, static_cast<uint32_t>(slots),
+               static_cast<fis::RadixRowState*>(row_states),
                /*sorted_output=*/false, /*deterministic=*/true, fis::TopKTieBreak::Small, nullptr,
                /*dsa_graph_safe=*/false);
          }},
         {"fi_fast",
          [&] {
            return fis::TopKDispatch<float, int32_t>(
-               scores, peer_out, peer_values, rows, kTopK,
-               static_cast<uint32_t>(slots), static_cast<fis::RadixRowState*>(row_states),
+               scores, peer_out, peer_values, rows, kTopK, static_cast<uint32_t>(slots),
+               static_cast<fis::RadixRowState*>(row_states),
                /*sorted_output=*/false, /*deterministic=*/false, fis::TopKTieBreak::None, nullptr,
                /*dsa_graph_safe=*/false);
          }},
@@ -228,10 +228,10 @@ int main(int argc, char** argv) {
                   result.check.rows_top_k, rows);
       results.push_back(result);
     }
-    for (const void* q : {(const void*)scores, (const void*)dsa_out, (const void*)peer_out,
-                          (const void*)peer_values,
-                          (const void*)overflow, (const void*)p.row_score_offset,
-                          (const void*)p.row_num_entries, (const void*)p.row_max_slot}) {
+    for (const void* q :
+         {(const void*)scores, (const void*)dsa_out, (const void*)peer_out,
+          (const void*)peer_values, (const void*)overflow, (const void*)p.row_score_offset,
+          (const void*)p.row_num_entries, (const void*)p.row_max_slot}) {
       DSA_BENCH_CUDA(cudaFree(const_cast<void*>(q)));
     }
   }
