@@ -326,7 +326,8 @@ def markdown(args, kcopy, scopy, rows, sweeps, tg, notes):
              "from a CUDA graph (bench_gpu_select); SPIN / all-keep = the two selects' times. "
              "PyTorch (torch_peer_indexer.py, same GPU): scan = fp8 -> bf16 of dense "
              "[rows, slots, 128] keys, bmm, ReLU, head weights and scale; top-K = `torch.topk` "
-             "of the fp32 scores; each a median of triton `do_bench`; scan+top-K is the sum of "
+             "of the fp32 scores; each the median torch_peer_indexer.py reports (CUDA events, the "
+             "L2 overwritten before each launch); scan+top-K is the sum of "
              "the two medians and `select vs PyTorch` divides it by the all-keep select.")
     warm = [r for r in rows if any(r[k] is not None for k in
                                    ("scan_cw", "topk_cw", "allkeep_cw", "spin_cw"))]
