@@ -510,9 +510,10 @@ void FakeWorkers::SetNotReady(const std::string& address, bool not_ready) {
   }
 }
 
-void FakeWorkers::SetHealthHung(const std::string& address, bool hung) {
+void FakeWorkers::SetHealthHung(const std::string& address, bool hung, bool indexer_only) {
   absl::MutexLock lock(&mu_);
   for (bool kind : {true, false}) {
+    if (kind && indexer_only) continue;
     if (Worker* w = Find(address, kind)) w->health_hung = hung;
   }
 }

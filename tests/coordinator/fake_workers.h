@@ -84,8 +84,8 @@ class FakeWorkers final : public WorkerClientFactory,
   /// Its readiness answers NOT_SERVING (draining) while its calls still work.
   void SetNotReady(const std::string& address, bool not_ready);
   /// Its health check alone gets no answer in time (timed_out readiness); every other call
-  /// answers.
-  void SetHealthHung(const std::string& address, bool hung);
+  /// answers. `indexer_only`: only the indexer at `address` (a co-located pair's indexer half).
+  void SetHealthHung(const std::string& address, bool hung, bool indexer_only = false);
   /// Held: the indexer's GetLoad calls wait (as a slow check does) until it is let go.
   void HoldGetLoads(const std::string& address, bool hold);
   /// Waits until `count` GetLoad calls of the indexer at `address` are held; false after

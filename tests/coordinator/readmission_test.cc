@@ -237,6 +237,43 @@ TEST_F(EngineTest, AWorkerWhoseCallsAreCutLeavesPlacementsWithThem) {
   fakes_->SetHung(kI1, false);
 }
 
+// Co-located, a pair is one worker: a half whose check timed out keeps its state, and the other
+// half follows it, so the pair never splits (one half ready, the other not).
+TEST_F(EngineTest, ACoLocatedPairStaysOneWhenOneHalfsCheckTimesOut) {
+  const std::string ready_attention =
+      "dsa_coordinator_workers{kind=\"attention\",state=\"ready\"} ";
+  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+  options_.colocated = true;
+  options_.unready_after_timed_out_checks = 2;
+  Start({kA1, kA2}, {kA1, kA2});
+  ASSERT_EQ(Metric(ready_attention), 2);
+  ASSERT_EQ(Metric(ready_indexers), 2);
+  fakes_->SetNotReady(kA1, true);
+  engine_->RefreshWorkers();
+  ASSERT_EQ(Metric(ready_attention), 1);
+  ASSERT_EQ(Metric(ready_indexers), 1);
+  // Not ready; its attention half answers ready again while its indexer half's check times out:
+  // the pair stays not ready.
+  fakes_->SetNotReady(kA1, false);
+  fakes_->SetHealthHung(kA1, true, /*indexer_only=*/true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_attention), 1);
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetHealthHung(kA1, false, /*indexer_only=*/true);
+  engine_->RefreshWorkers();
+  ASSERT_EQ(Metric(ready_attention), 2);
+  ASSERT_EQ(Metric(ready_indexers), 2);
+  // Ready; one timed-out check of its indexer half keeps the pair ready, two take it out whole.
+  fakes_->SetHealthHung(kA1, true, /*indexer_only=*/true);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_attention), 2);
+  EXPECT_EQ(Metric(ready_indexers), 2);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(ready_attention), 1);
+  EXPECT_EQ(Metric(ready_indexers), 1);
+  fakes_->SetHealthHung(kA1, false, /*indexer_only=*/true);
+}
+
 TEST(EngineCreateTest, UnreadyAfterTimedOutChecksBelowOneIsRefused) {
   prometheus::Registry registry;
   CoordinatorMetrics metrics(registry);
