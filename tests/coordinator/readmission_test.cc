@@ -20,6 +20,10 @@ namespace {
 // The fixture's names: EngineTest, Call, Request, kA1.., cv1, FakeWorkers.
 using namespace ::dsa::engine_testing;  // NOLINT(google-build-using-namespace)
 
+// The ready workers of each kind, as the coordinator's metrics line starts.
+constexpr char kReadyIndexers[] = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
+constexpr char kReadyAttention[] = "dsa_coordinator_workers{kind=\"attention\",state=\"ready\"} ";
+
 // The indexers named by the Prefills the attention worker at `address` answered OK, in order.
 std::vector<std::string> PrefilledIndexers(FakeWorkers& fakes, const std::string& address) {
   std::vector<std::string> indexers;
@@ -156,20 +160,19 @@ TEST_F(ReadmissionTest, ARestartedIndexersFirstPlacementIsAProbeThatOthersDoNotJ
 // the worker's loss: a ready worker stays in placements until unready_after_timed_out_checks of
 // them in a row; one answer in between starts the count again.
 TEST_F(EngineTest, AReadyWorkerLeavesPlacementsOnlyAfterConsecutiveTimedOutChecks) {
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.unready_after_timed_out_checks = 2;
   Start({kA1}, {kI1, kI2});
-  ASSERT_EQ(Metric(ready_indexers), 2);
+  ASSERT_EQ(Metric(kReadyIndexers), 2);
   fakes_->SetHung(kI1, true);
   engine_->RefreshWorkers();  // one timed out: still placed on
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
   fakes_->SetHung(kI1, false);
   engine_->RefreshWorkers();  // answered: the count starts again
   fakes_->SetHung(kI1, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
   engine_->RefreshWorkers();  // two in a row: out of placements
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   auto call = Generate(Request("r1", 64, 2));
   ASSERT_TRUE(call->stream.AwaitEvents(1));
   EXPECT_EQ(call->admitted().indexer_worker(), kI2);
@@ -178,99 +181,92 @@ TEST_F(EngineTest, AReadyWorkerLeavesPlacementsOnlyAfterConsecutiveTimedOutCheck
   EXPECT_TRUE(call->status.ok()) << call->status;
   fakes_->SetHung(kI1, false);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
 }
 
 // What is not a slow answer takes a worker out at the first check: nothing listening
 // (UNAVAILABLE), or a worker that says it is not ready; and with the threshold at 1, a timeout.
 TEST_F(EngineTest, AWorkerThatIsDownOrNotReadyLeavesPlacementsAtTheFirstCheck) {
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.unready_after_timed_out_checks = 2;
   Start({kA1}, {kI1, kI2});
   fakes_->SetDown(kI1, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetDown(kI1, false);
   engine_->RefreshWorkers();
-  ASSERT_EQ(Metric(ready_indexers), 2);
+  ASSERT_EQ(Metric(kReadyIndexers), 2);
   fakes_->SetNotReady(kI2, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
 }
 
 TEST_F(EngineTest, WithTheThresholdAtOneTheFirstTimedOutCheckTakesAWorkerOut) {
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.unready_after_timed_out_checks = 1;
   Start({kA1}, {kI1, kI2});
   fakes_->SetHung(kI1, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetHung(kI1, false);
 }
 
 // A health check that times out after the worker's GetLoad answered is a lost check like any
 // other, not an answer of not ready.
 TEST_F(EngineTest, AHealthCheckThatTimesOutIsALostCheckNotANotReadyAnswer) {
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.unready_after_timed_out_checks = 2;
   Start({kA1}, {kI1, kI2});
   fakes_->SetHealthHung(kI1, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetHealthHung(kI1, false);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
 }
 
 // A worker whose calls are cut (hung_worker_checks below the threshold) leaves placements with
 // them: a migration off it does not check it again, so it must not still be placed on.
 TEST_F(EngineTest, AWorkerWhoseCallsAreCutLeavesPlacementsWithThem) {
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.unready_after_timed_out_checks = 3;
   options_.hung_worker_checks = 1;
   Start({kA1}, {kI1, kI2});
   fakes_->SetHung(kI1, true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetHung(kI1, false);
 }
 
 // Co-located, a pair is one worker: a half whose check timed out keeps its state, and the other
 // half follows it, so the pair never splits (one half ready, the other not).
 TEST_F(EngineTest, ACoLocatedPairStaysOneWhenOneHalfsCheckTimesOut) {
-  const std::string ready_attention =
-      "dsa_coordinator_workers{kind=\"attention\",state=\"ready\"} ";
-  const std::string ready_indexers = "dsa_coordinator_workers{kind=\"indexer\",state=\"ready\"} ";
   options_.colocated = true;
   options_.unready_after_timed_out_checks = 2;
   Start({kA1, kA2}, {kA1, kA2});
-  ASSERT_EQ(Metric(ready_attention), 2);
-  ASSERT_EQ(Metric(ready_indexers), 2);
+  ASSERT_EQ(Metric(kReadyAttention), 2);
+  ASSERT_EQ(Metric(kReadyIndexers), 2);
   fakes_->SetNotReady(kA1, true);
   engine_->RefreshWorkers();
-  ASSERT_EQ(Metric(ready_attention), 1);
-  ASSERT_EQ(Metric(ready_indexers), 1);
+  ASSERT_EQ(Metric(kReadyAttention), 1);
+  ASSERT_EQ(Metric(kReadyIndexers), 1);
   // Not ready; its attention half answers ready again while its indexer half's check times out:
   // the pair stays not ready.
   fakes_->SetNotReady(kA1, false);
   fakes_->SetHealthHung(kA1, true, /*indexer_only=*/true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_attention), 1);
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyAttention), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetHealthHung(kA1, false, /*indexer_only=*/true);
   engine_->RefreshWorkers();
-  ASSERT_EQ(Metric(ready_attention), 2);
-  ASSERT_EQ(Metric(ready_indexers), 2);
+  ASSERT_EQ(Metric(kReadyAttention), 2);
+  ASSERT_EQ(Metric(kReadyIndexers), 2);
   // Ready; one timed-out check of its indexer half keeps the pair ready, two take it out whole.
   fakes_->SetHealthHung(kA1, true, /*indexer_only=*/true);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_attention), 2);
-  EXPECT_EQ(Metric(ready_indexers), 2);
+  EXPECT_EQ(Metric(kReadyAttention), 2);
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
   engine_->RefreshWorkers();
-  EXPECT_EQ(Metric(ready_attention), 1);
-  EXPECT_EQ(Metric(ready_indexers), 1);
+  EXPECT_EQ(Metric(kReadyAttention), 1);
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
   fakes_->SetHealthHung(kA1, false, /*indexer_only=*/true);
 }
 
