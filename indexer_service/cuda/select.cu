@@ -202,14 +202,64 @@ __global__ void AllBlocksKernel(SelectParams p, Workspace w) {
   }
 }
 
+constexpr int kLayoutThreads = 1024;
+using LayoutScan = cub::BlockScan<int64_t, kLayoutThreads>;
+
+// Where a thread's groups start in the flat layout, and the totals: three block prefix sums of
+// each thread's blocks, score entries and update rows (exclusive, in place).
+struct LayoutStarts {
+  int64_t blocks, scores, updates;
+  int64_t total_blocks, total_updates;
+};
+__device__ LayoutStarts ScanLayout(int64_t blocks, int64_t scores, int64_t updates,
+                                   LayoutScan::TempStorage& storage) {
+  LayoutStarts s{};
+  int64_t unused = 0;
+  LayoutScan(storage).ExclusiveSum(blocks, s.blocks, s.total_blocks);
+  __syncthreads();
+  LayoutScan(storage).ExclusiveSum(scores, s.scores, unused);
+  __syncthreads();
+  LayoutScan(storage).ExclusiveSum(updates, s.updates, s.total_updates);
+  return s;
+}
+
+// Group g's layout, its list of `count` blocks starting at start.blocks: its block offset and
+// first update row, and each row's score offset, entry count and block offset (a one-row group's
+// row also its update row). start.scores and start.updates move past the group.
+__device__ void WriteGroupLayout(const SelectParams& p, const Workspace& w, int g, int64_t count,
+                                 LayoutStarts& start) {
+  void* base = p.workspace;
+  const int first = p.group_first_row[g], end = p.group_first_row[g + 1];
+  p.group_block_offset[g] = start.blocks;
+  At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(start.updates);
+  for (int r = first; r < end; ++r) {
+    p.row_score_offset[r] = start.scores;
+    At<int64_t>(base, w.row_num_entries)[r] = count * kBlockSize;
+    At<int64_t>(base, w.row_block_offset)[r] = start.blocks;
+    if (p.update && end - first == 1) {
+      At<int64_t>(base, w.update_position)[start.updates] = p.row_position[r];
+      At<int64_t>(base, w.update_score_offset)[start.updates] = start.scores;
+      ++start.updates;
+    }
+    start.scores += count * kBlockSize;
+  }
+}
+
+// The totals, once (one thread): the offsets' end, the update rows' end, the device total.
+__device__ void WriteLayoutTotals(const SelectParams& p, const Workspace& w,
+                                  const LayoutStarts& start) {
+  p.group_block_offset[p.num_groups] = start.total_blocks;
+  At<int32_t>(p.workspace, w.update_first_row)[p.num_groups] =
+      static_cast<int32_t>(start.total_updates);
+  *At<int64_t>(p.workspace, w.device_total) = start.total_blocks;
+}
+
 // One CTA: the compacted block lists' offsets, the device total, every row's score offset and
 // entry count, and the one-row groups' update rows. Each thread takes a run of groups; three block
 // prefix sums (cub) give each run its starting block, score entry and update row.
-constexpr int kLayoutThreads = 1024;
 __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, Workspace w) {
   BeginDependentKernel();
-  using BlockScan = cub::BlockScan<int64_t, kLayoutThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ LayoutScan::TempStorage scan_storage;
   void* base = p.workspace;
   const int32_t* union_count = At<int32_t>(base, w.union_count);
   const int per_thread = (p.num_groups + kLayoutThreads - 1) / kLayoutThreads;
@@ -222,35 +272,12 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
     scores += rows * union_count[g] * kBlockSize;
     updates += p.update && rows == 1 ? 1 : 0;
   }
-  int64_t total_blocks = 0, total_updates = 0, unused = 0;
-  BlockScan(scan_storage).ExclusiveSum(blocks, blocks, total_blocks);
-  __syncthreads();
-  BlockScan(scan_storage).ExclusiveSum(scores, scores, unused);
-  __syncthreads();
-  BlockScan(scan_storage).ExclusiveSum(updates, updates, total_updates);
+  LayoutStarts start = ScanLayout(blocks, scores, updates, scan_storage);
   for (int g = first_group; g < end_group; ++g) {
-    const int64_t count = union_count[g];
-    const int first = p.group_first_row[g], end = p.group_first_row[g + 1];
-    p.group_block_offset[g] = blocks;
-    At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(updates);
-    for (int r = first; r < end; ++r) {
-      p.row_score_offset[r] = scores;
-      At<int64_t>(base, w.row_num_entries)[r] = count * kBlockSize;
-      At<int64_t>(base, w.row_block_offset)[r] = blocks;
-      if (p.update && end - first == 1) {
-        At<int64_t>(base, w.update_position)[updates] = p.row_position[r];
-        At<int64_t>(base, w.update_score_offset)[updates] = scores;
-        ++updates;
-      }
-      scores += count * kBlockSize;
-    }
-    blocks += count;
+    WriteGroupLayout(p, w, g, union_count[g], start);
+    start.blocks += union_count[g];
   }
-  if (threadIdx.x == 0) {
-    p.group_block_offset[p.num_groups] = total_blocks;
-    At<int32_t>(base, w.update_first_row)[p.num_groups] = static_cast<int32_t>(total_updates);
-    *At<int64_t>(base, w.device_total) = total_blocks;
-  }
+  if (threadIdx.x == 0) WriteLayoutTotals(p, w, start);
 }
 
 // Every group keeps all its visible blocks (host_all_blocks, at most kLayoutThreads groups): what
@@ -261,10 +288,8 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
 // LayoutKernel does, and all CTAs write the lists, one grid-stride pass over the flat entries.
 __global__ void __launch_bounds__(kLayoutThreads) KeepAllLayoutKernel(SelectParams p, Workspace w) {
   BeginDependentKernel();
-  using BlockScan = cub::BlockScan<int64_t, kLayoutThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ LayoutScan::TempStorage scan_storage;
   __shared__ int64_t group_start[kLayoutThreads + 1];  // block offsets; [num_groups] the total
-  void* base = p.workspace;
   const int g = static_cast<int>(threadIdx.x);
   const bool has_group = g < p.num_groups;
   const int first = has_group ? p.group_first_row[g] : 0;
@@ -274,37 +299,14 @@ __global__ void __launch_bounds__(kLayoutThreads) KeepAllLayoutKernel(SelectPara
     count = max(count, (p.row_position[r] + kBlockSize) / kBlockSize);  // ceil((t + 1) / 64)
   }
   const int64_t rows = end - first;
-  int64_t blocks = count, scores = rows * count * kBlockSize;
-  int64_t updates = p.update && rows == 1 ? 1 : 0;
-  int64_t total_blocks = 0, total_updates = 0, unused = 0;
-  BlockScan(scan_storage).ExclusiveSum(blocks, blocks, total_blocks);
-  __syncthreads();
-  BlockScan(scan_storage).ExclusiveSum(scores, scores, unused);
-  __syncthreads();
-  BlockScan(scan_storage).ExclusiveSum(updates, updates, total_updates);
-  if (has_group) group_start[g] = blocks;
+  LayoutStarts start =
+      ScanLayout(count, rows * count * kBlockSize, p.update && rows == 1 ? 1 : 0, scan_storage);
+  const int64_t total_blocks = start.total_blocks;
+  if (has_group) group_start[g] = start.blocks;
   if (threadIdx.x == 0) group_start[p.num_groups] = total_blocks;
   __syncthreads();
-  if (blockIdx.x == 0 && has_group) {
-    p.group_block_offset[g] = blocks;
-    At<int32_t>(base, w.update_first_row)[g] = static_cast<int32_t>(updates);
-    for (int r = first; r < end; ++r) {
-      p.row_score_offset[r] = scores;
-      At<int64_t>(base, w.row_num_entries)[r] = count * kBlockSize;
-      At<int64_t>(base, w.row_block_offset)[r] = blocks;
-      if (p.update && rows == 1) {
-        At<int64_t>(base, w.update_position)[updates] = p.row_position[r];
-        At<int64_t>(base, w.update_score_offset)[updates] = scores;
-        ++updates;
-      }
-      scores += count * kBlockSize;
-    }
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    p.group_block_offset[p.num_groups] = total_blocks;
-    At<int32_t>(base, w.update_first_row)[p.num_groups] = static_cast<int32_t>(total_updates);
-    *At<int64_t>(base, w.device_total) = total_blocks;
-  }
+  if (blockIdx.x == 0 && has_group) WriteGroupLayout(p, w, g, count, start);
+  if (blockIdx.x == 0 && threadIdx.x == 0) WriteLayoutTotals(p, w, start);
   // Entry e of the flat lists belongs to the last group that starts at or before it.
   int group = 0;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total_blocks;

@@ -4,11 +4,15 @@
 // One thread-block cluster of C CTAs per row (C in 1..16, chosen per launch so that the rows'
 // clusters fill the GPU in one wave): CTA c owns a contiguous chunk of the row. A chunk of at
 // most 32K entries is copied once into the CTA's shared memory (cp.async, the whole chunk in
-// flight) and held there as 32-bit keys; a longer one is streamed from global memory each pass.
+// flight) and held there as 32-bit keys. A longer one is streamed from global memory: a strided
+// sample of it picks a threshold, one read gathers the ranks above it into the CTA's shared
+// memory, and the select below runs over those (SampledGather); a sample that misjudges the row
+// sends it to the same select streamed from global memory each pass.
 // An exact radix select runs over the whole row, 11 bits a pass from the top: each CTA
 // histograms its chunk into its own shared memory, each CTA sums one slice of the bins over the
 // cluster through distributed shared memory, and every thread reads its bins' sums from their
-// slice's owner (all CTAs reach the same decisions, so no broadcast is needed). The passes stop
+// slice's owner (all CTAs reach the same decisions, so no broadcast is needed). Bits that every
+// selectable rank shares (found in the first pass) are skipped. The passes stop
 // once the ranks at or above the chosen bin are exactly the K best (the bin is taken whole) or
 // few enough to hold in CTA 0's candidate buffer: every CTA then gathers them there, and CTA 0
 // orders them by one counting pass (a histogram of 2,048 bins over the candidates' range, a
@@ -89,6 +93,12 @@ struct RowSource {
   __device__ int64_t SlotOf(int64_t e, int32_t block) const {
     return blocks == nullptr ? e : int64_t{block} * 64 + (e & 63);
   }
+  // The rank of entry begin + i (i < size).
+  __device__ uint64_t RankAt(int64_t i) const {
+    const int64_t e = begin + i;
+    const int64_t slot = SlotOf(e, blocks != nullptr ? blocks[e >> 6] : 0);
+    return RankOfKey(KeyOf(scores[e], slot, max_slot), slot);
+  }
   // ranks[j] = rank of entry begin + base + j * kThreads + threadIdx.x (0 past the end).
   __device__ void LoadTile(int64_t base, uint64_t (&ranks)[kUnroll]) const {
     float score[kUnroll];
@@ -168,11 +178,21 @@ __device__ void IssueChunkCopy(const RowSource& row, uint32_t* keys, int32_t* bl
   }
 }
 
+// The AND and the OR of the selectable ranks a thread has seen: the bits where they agree are
+// common to all of them.
+struct BitsSeen {
+  uint64_t all = ~uint64_t{0}, any = 0;
+  __device__ void Add(uint64_t rank) {
+    all &= rank;
+    any |= rank;
+  }
+};
+
 // The first pass over a cached chunk: as each group lands, its scores become keys in place and
 // their top 11 bits (the rank's bits 63..53) are counted. Each thread converts the entries it
 // copied itself, so only the block ids (copied by others) need a barrier.
 __device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t* block_ids,
-                             uint32_t* hist) {
+                             uint32_t* hist, BitsSeen& seen) {
 #pragma unroll
   for (int g = 0; g < kCopyGroups; ++g) {
     if (g == 0) WaitCopies<kCopyGroups - 1>();
@@ -189,7 +209,10 @@ __device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t
             row.blocks == nullptr ? row.begin + i : int64_t{block_ids[i >> 6]} * 64 + (i & 63);
         const uint32_t key = KeyOf(__uint_as_float(keys[i]), slot, row.max_slot);
         keys[i] = key;
-        if (key != 0) atomicAdd(&hist[key >> (32 - kRadixBits)], 1u);
+        if (key != 0) {
+          atomicAdd(&hist[key >> (32 - kRadixBits)], 1u);
+          seen.Add(RankOfKey(key, slot));
+        }
       }
     }
   }
@@ -211,6 +234,10 @@ struct BufferSource {
 struct Shared {
   cub::BlockScan<uint32_t, kThreads>::TempStorage scan;
   uint32_t digit, above, in_bin, total, count, work;
+  uint64_t all, any;          // RadixSelect's first pass: this CTA's BitsSeen
+  uint64_t row_all, row_any;  // and the cluster's
+  uint32_t gathered;  // the sampled select: this CTA's ranks at or above the sample's threshold
+  bool sampled_ok;    // the sampled select holds the row's K best
   uint64_t low[kThreads / 32], high[kThreads / 32];
 };
 
@@ -257,9 +284,12 @@ struct Selection {
 template <typename Source>
 struct CountTopDigits {
   const Source& source;
-  __device__ void operator()(uint32_t* hist) const {
+  __device__ void operator()(uint32_t* hist, BitsSeen& seen) const {
     ForEachRank(source, [&](uint64_t rank) {
-      if (rank != 0) atomicAdd(&hist[static_cast<uint32_t>(rank >> (64 - kRadixBits))], 1u);
+      if (rank != 0) {
+        atomicAdd(&hist[static_cast<uint32_t>(rank >> (64 - kRadixBits))], 1u);
+        seen.Add(rank);
+      }
     });
   }
 };
@@ -292,9 +322,25 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
       hist[i] = 0;
       if constexpr (kCluster) sum[i] = 0;
     }
+    if (pass == 0 && threadIdx.x == 0) {
+      shared.all = ~uint64_t{0};
+      shared.any = 0;
+    }
     __syncthreads();
     if (pass == 0) {
-      first_pass(hist);
+      BitsSeen seen;
+      first_pass(hist, seen);
+      // The warp's bits (32-bit reductions: no 64-bit one exists), then the CTA's.
+      const auto lo = [](uint64_t x) { return static_cast<uint32_t>(x); };
+      const auto hi = [](uint64_t x) { return static_cast<uint32_t>(x >> 32); };
+      const uint64_t warp_all = uint64_t{__reduce_and_sync(0xffffffffu, hi(seen.all))} << 32 |
+                                __reduce_and_sync(0xffffffffu, lo(seen.all));
+      const uint64_t warp_any = uint64_t{__reduce_or_sync(0xffffffffu, hi(seen.any))} << 32 |
+                                __reduce_or_sync(0xffffffffu, lo(seen.any));
+      if (threadIdx.x % 32 == 0) {
+        atomicAnd(reinterpret_cast<unsigned long long*>(&shared.all), warp_all);
+        atomicOr(reinterpret_cast<unsigned long long*>(&shared.any), warp_any);
+      }
     } else {
       ForEachRank(source, [&](uint64_t rank) {
         if (rank != 0 && (rank >> high) == prefix) {
@@ -305,6 +351,7 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
     // Suffix sums: thread t holds bins 2047 - 2t and 2046 - 2t (descending digits).
     const int bin_high = kBins - 1 - 2 * threadIdx.x, bin_low = bin_high - 1;
     uint32_t count_high = 0, count_low = 0;
+    uint64_t all = 0, any = 0;  // pass 0: the BitsSeen of the whole row's selectable ranks
     if constexpr (kCluster) {
       // Each CTA sums a slice of the bins over the cluster (one 16-byte remote load a thread),
       // then each thread reads its two bins' sums from their slice's owner: ~1.5K remote
@@ -321,16 +368,35 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
         if (v.y != 0) atomicAdd(&sum[bin + 1], v.y);
         if (v.z != 0) atomicAdd(&sum[bin + 2], v.z);
         if (v.w != 0) atomicAdd(&sum[bin + 3], v.w);
+      } else if (pass == 0 && threadIdx.x < kBins / 4 + 32) {  // one warp: the cluster's bits
+        const unsigned from = threadIdx.x % 32;
+        uint64_t row_all = ~uint64_t{0}, row_any = 0;
+        if (from < num_ctas) {
+          row_all = *cluster.map_shared_rank(&shared.all, from);
+          row_any = *cluster.map_shared_rank(&shared.any, from);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+          row_all &= __shfl_xor_sync(0xffffffffu, row_all, o);
+          row_any |= __shfl_xor_sync(0xffffffffu, row_any, o);
+        }
+        if (from == 0) {
+          shared.row_all = row_all;
+          shared.row_any = row_any;
+        }
       }
       cluster.sync();  // every slice is summed
       const uint2 pair = *reinterpret_cast<const uint2*>(
           cluster.map_shared_rank(sum, static_cast<unsigned>(bin_low) / slice) + bin_low);
       count_low = pair.x;
       count_high = pair.y;
+      all = shared.row_all;
+      any = shared.row_any;
     } else {
       __syncthreads();
       count_high = hist[bin_high];
       count_low = hist[bin_low];
+      all = shared.all;
+      any = shared.any;
     }
     uint32_t above, total;
     cub::BlockScan<uint32_t, kThreads>(shared.scan)
@@ -353,6 +419,16 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
     // The shared values are rewritten in the next pass only after its first barrier.
     if (in_bin == need) return {prefix << shift, true};  // the whole bin is taken
     if (k - need + in_bin <= capacity) return {prefix << shift, false};
+    if (pass == 0) {
+      // Bits [common, 64) are the same in every selectable rank (more than k >= 1 of them, so
+      // some bit differs): the passes over them would find one bin each time (all-equal scores:
+      // the score's 32 bits and the slots' high bits). They are taken as fixed.
+      const int common = 64 - __clzll(static_cast<long long>(all ^ any));
+      if (common < shift) {
+        prefix = all >> common;
+        shift = common;
+      }
+    }
   }
   return {1, true};  // unreachable: at shift 0 the bin holds one rank (ranks are distinct)
 }
@@ -517,6 +593,72 @@ __device__ void FinishRow(const uint64_t* candidates, uint32_t m, uint32_t k, ui
   for (uint32_t i = min(m, k) + t; i < k; i += kThreads) out[i] = -1;
 }
 
+// The sampled select of a streamed row. A chunk of a sample: runs of kSampleRun consecutive
+// entries (a 32-byte sector of fp32 scores) every `stride` entries, at most kSampleRuns runs a
+// CTA, the same stride in every CTA of the cluster so that the row is sampled evenly.
+constexpr int kSampleRun = 8;
+constexpr int kSampleRuns = 512;
+constexpr int kSampleEntries = kSampleRun * kSampleRuns;
+constexpr int kMinSampleStride = 16 * kSampleRun;  // at most 1 entry in 16 sampled
+// A CTA's gathered ranks live in its cache (unused when the chunk is streamed).
+constexpr uint32_t kGatherCapacity = kCacheBytes / sizeof(uint64_t);  // 16,384
+static_assert(kSampleEntries <= kGatherCapacity, "the sample fits the gather buffer");
+static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number of samples");
+
+// One read of a streamed row where the exact select reads it once a radix pass, then once more
+// to gather. Every CTA of the cluster calls it; all get the same answer.
+//  1. Each CTA samples its chunk (above; stride = chunk / min(512, chunk / 128) entries, so a
+//     sampling rate r = 8 / stride between 1/16 and 1/64 for chunks up to 2^21 entries).
+//  2. The threshold T is the cluster's exact s-th largest sample rank, s = K r + 6 sqrt(K r) + 16,
+//     found by RadixSelect over the samples in shared memory. About s / r ranks of the row reach
+//     it, many standard deviations above K when the samples are representative.
+//  3. One pass over the chunk appends its ranks >= T to `buffer` (this CTA's cache, up to
+//     kGatherCapacity ranks), counting them exactly (GatherAtLeast).
+// It succeeds, and the K best of the row are all in the CTAs' buffers, when no CTA's count passed
+// its buffer and the row's count reaches K (or T took every selectable rank: the sample held at
+// most s). A sample that misjudges the row (scores periodic in the stride, or too many masked)
+// costs one read: the caller then runs the exact streamed select, so nothing is ever lost.
+// shared.gathered must be 0 on entry (set before a barrier); it receives this CTA's count.
+__device__ bool SampledGather(const RowSource& source, int64_t chunk, uint32_t k, uint64_t* buffer,
+                              uint32_t* hists, Shared& shared, cg::cluster_group& cluster) {
+  const int64_t runs = min(int64_t{kSampleRuns}, chunk / kMinSampleStride);
+  const int64_t stride = chunk / runs;
+  uint64_t sample[kSampleEntries / kThreads];
+#pragma unroll
+  for (int j = 0; j < kSampleEntries / kThreads; ++j) {  // all loads in flight at once
+    const int64_t i = j * kThreads + threadIdx.x;
+    const int64_t e = i / kSampleRun * stride + i % kSampleRun;
+    sample[j] = (i < runs * kSampleRun && e < source.size) ? source.RankAt(e) : 0;
+  }
+#pragma unroll
+  for (int j = 0; j < kSampleEntries / kThreads; ++j)
+    buffer[j * kThreads + threadIdx.x] = sample[j];
+  const BufferSource samples{buffer, kSampleEntries};  // RadixSelect's first barrier orders these
+  const float expected = static_cast<float>(k) * kSampleRun / static_cast<float>(stride);
+  const uint32_t s = static_cast<uint32_t>(expected + 6.0f * sqrtf(expected)) + 16;
+  const uint64_t threshold =
+      RadixSelect<true>(samples, s, 0, hists, shared, CountTopDigits<BufferSource>{samples})
+          .threshold;
+  // RadixSelect's last barrier follows its last read of the samples: the buffer is free.
+  GatherAtLeast(source, threshold, buffer, kGatherCapacity, &shared.gathered);
+  cluster.sync();  // every CTA's count is final
+  if (threadIdx.x < 32) {
+    const unsigned from = threadIdx.x;
+    uint64_t count =
+        from < cluster.num_blocks() ? *cluster.map_shared_rank(&shared.gathered, from) : 0;
+    uint64_t most = count;
+    for (int o = 16; o > 0; o >>= 1) {
+      count += __shfl_xor_sync(0xffffffffu, count, o);
+      most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
+    }
+    if (threadIdx.x == 0) {
+      shared.sampled_ok = most <= kGatherCapacity && (threshold == 1 || count >= k);
+    }
+  }
+  __syncthreads();
+  return shared.sampled_ok;
+}
+
 // -DDSA_TOPK_TRACE: CTA 0 of row 0 prints the time of each phase (globaltimer, us) at every
 // launch: how docs/gpu_kernels.md steps 9-11 split the time. Off in every normal build.
 #ifdef DSA_TOPK_TRACE
@@ -560,7 +702,10 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
   source.begin = min(n, chunk * cta);
   source.size = min(n, source.begin + chunk) - source.begin;
   const uint32_t k = static_cast<uint32_t>(p.k);
-  if (threadIdx.x == 0) shared.count = 0;      // CTA 0's is the cluster's gather counter
+  if (threadIdx.x == 0) {
+    shared.count = 0;  // CTA 0's is the cluster's gather counter
+    shared.gathered = 0;
+  }
   const bool cached = chunk <= kCacheEntries;  // the same in every CTA of the cluster
 
   // Over the whole row (the cluster's chunks): the exact threshold or one that a few K reach;
@@ -573,11 +718,23 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
                                  source.size};
     candidates = cached_candidates;
     capacity = kCachedCandidates;
-    const Selection selection =
-        RadixSelect<true>(chunk_keys, k, capacity, hists, shared,
-                          [&](uint32_t* hist) { ConvertChunk(source, cache, block_ids, hist); });
+    const Selection selection = RadixSelect<true>(
+        chunk_keys, k, capacity, hists, shared, [&](uint32_t* hist, BitsSeen& seen) {
+          ConvertChunk(source, cache, block_ids, hist, seen);
+        });
     TRACE(1);
     GatherAtLeast(chunk_keys, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
+                  cluster.map_shared_rank(&shared.count, 0));
+  } else if (uint64_t* buffer = reinterpret_cast<uint64_t*>(cache);
+             SampledGather(source, chunk, k, buffer, hists, shared, cluster)) {
+    // The row's K best are among the gathered ranks: the exact select runs over them.
+    const BufferSource gathered{buffer, shared.gathered};
+    candidates = cached_candidates;
+    capacity = kCachedCandidates;
+    const Selection selection = RadixSelect<true>(gathered, k, capacity, hists, shared,
+                                                  CountTopDigits<BufferSource>{gathered});
+    TRACE(1);
+    GatherAtLeast(gathered, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
                   cluster.map_shared_rank(&shared.count, 0));
   } else {
     candidates = reinterpret_cast<uint64_t*>(cache);

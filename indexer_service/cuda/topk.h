@@ -46,8 +46,11 @@ inline size_t TopKScratchBytes(const TopKParams&) { return 0; }
 
 /// One thread-block cluster per row (1 to 16 CTAs, the most with which all rows' clusters are
 /// resident at once), each CTA over a chunk of the row (held in shared memory when it has at most
-/// 32K entries, else streamed): an exact radix select on 64-bit ranks (order-preserving score
-/// bits << 32 | ~slot, distinct, so ties go to the lower slot) by 11-bit histograms from the top,
+/// 32K entries; else streamed, and first narrowed to the ranks above a threshold taken from a
+/// strided sample, in one read, falling back to the streamed select when the sample misjudges the
+/// row): an exact radix select on 64-bit ranks (order-preserving score
+/// bits << 32 | ~slot, distinct, so ties go to the lower slot) by 11-bit histograms from the top
+/// (bits shared by every selectable rank skipped),
 /// summed over the cluster in distributed shared memory, stopping when the K-th rank's bin is
 /// taken whole or the ranks at or above it fit CTA 0's candidate buffer (exact counts: nothing
 /// can overflow or be dropped, however many scores are equal); CTA 0 then places each candidate

@@ -24,7 +24,9 @@ namespace {
 using testing::DeviceBuffer;
 using testing::NoUsableGpu;
 
-enum class Fill { kRandom, kAllEqual, kFewValues, kSpecials, kOneBin };
+// kSampledLow / kSampledHigh: the first 8 entries of every 128 far below / above the rest, so that
+// a sample of runs at a stride that is a multiple of 128 sees only them.
+enum class Fill { kRandom, kAllEqual, kFewValues, kSpecials, kOneBin, kSampledLow, kSampledHigh };
 
 struct RowSpec {
   int64_t num_entries;
@@ -76,6 +78,12 @@ Rows MakeRows(const std::vector<RowSpec>& specs, uint32_t seed) {
         }
         case Fill::kOneBin:  // distinct scores whose top 24 bits are equal
           v = std::bit_cast<float>(0x3f800000u | static_cast<uint32_t>(rng() % 256));
+          break;
+        case Fill::kSampledLow:
+          if (e % 128 < 8) v -= 100.0f;
+          break;
+        case Fill::kSampledHigh:
+          if (e % 128 < 8) v += 100.0f;
           break;
       }
       rows.scores.push_back(v);
@@ -190,6 +198,21 @@ TEST(TopK, SeparatesManyEqualScoresInOneBin) {
                                       {1 << 20, (1 << 20) - 1, false, Fill::kAllEqual},
                                       {1 << 20, (1 << 20) - 1, false, Fill::kRandom}};
   CheckTopK(MakeRows(specs, 5), 2048);
+}
+
+// Rows streamed from global memory are first selected from a strided sample of runs of 8 entries
+// (topk.cu, SampledGather). Rows whose sampled runs are unlike the rest make the sample's threshold
+// take far too many ranks (low runs) or fewer than K (high runs): the exact select must take over.
+TEST(TopK, SelectsExactlyWhereTheSampleMisjudgesTheRow) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  for (const Fill fill : {Fill::kSampledLow, Fill::kSampledHigh}) {
+    CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, false, fill}}, 11), 2048);
+    std::vector<RowSpec> specs(64, {131072, 131071, false, fill});
+    CheckTopK(MakeRows(specs, 12), 2048);
+    CheckTopK(MakeRows(specs, 13), 7);
+  }
+  // Rows whose selectable entries are few (the position masks all but the first 40,000).
+  CheckTopK(MakeRows({{1 << 20, 40000, false, Fill::kRandom}}, 14), 2048);
 }
 
 TEST(TopK, HandlesZeroLengthRowsAndMoreRowsThanSms) {
