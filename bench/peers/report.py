@@ -151,19 +151,21 @@ def main() -> int:
                  "results": []}
         out += [f"## {extra['scores']} scores, K {extra['k']} ({extra['device']})", ""]
         out += table(empty, [extra]) + [""]
-    header = [
-        "# Top-K against FlashInfer 0.7.4, in one process",
-        "",
-        f"`bench_topk_peers` (bench/peers/) on binaries of commit {args.commit}: medians of 30 "
-        "CUDA-event timings after 5 warm-ups, the L2 flushed before each. `peer / dsa` above 1 "
-        "means ours is faster. \"same set\": the slots equal ours (DSA's rule: ties to the lower "
-        "slot); \"top-K\": K distinct slots all scoring at least the K-th score (right up to how "
-        "ties are broken). Ours returns the K best in order; the FlashInfer modes were run "
-        "unsorted, their faster output.",
-        "",
-        "Methods: " + "; ".join(f"`{m}`: {d}" for m, d in METHODS) + ".",
-        "",
-    ]
+    peers = (["FlashInfer 0.7.4"] if reports else []) + sorted(
+        {"DeepSelect" if "deepselect" in extra else _extra_label(extra) for extra in extras})
+    header = [f"# Top-K against {' and '.join(peers)}, in one process", ""]
+    if reports:
+        header += [
+            f"`bench_topk_peers` (bench/peers/) on binaries of commit {args.commit}: medians of 30 "
+            "CUDA-event timings after 5 warm-ups, the L2 flushed before each. `peer / dsa` above 1 "
+            "means ours is faster. \"same set\": the slots equal ours (DSA's rule: ties to the "
+            "lower slot); \"top-K\": K distinct slots all scoring at least the K-th score (right "
+            "up to how ties are broken). Ours returns the K best in order; the FlashInfer modes "
+            "were run unsorted, their faster output.",
+            "",
+            "Methods: " + "; ".join(f"`{m}`: {d}" for m, d in METHODS) + ".",
+            "",
+        ]
     for extra in extras:
         label = _extra_label(extra)
         header += [
