@@ -616,8 +616,8 @@ static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number
 //     it: 6 standard deviations above K if the samples were independent; runs of 8 neighbours
 //     at a stride that may be a multiple of 64 (the same offsets in every block) are not, so the
 //     margin is smaller on smooth scores. A miss costs a fallback, never a wrong result. Since
-//     s / r >= 2 stride, chunks past 2^21 entries (C = 1, rows of 2M+) overflow the buffer and
-//     always fall back.
+//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) fills the
+//     buffer about half the time, and longer ones always: they fall back.
 //  3. One pass over the chunk appends its ranks >= T to `buffer` (this CTA's cache, up to
 //     kGatherCapacity ranks), counting them exactly (GatherAtLeast).
 // It succeeds, and the K best of the row are all in the CTAs' buffers, when no CTA's count passed
