@@ -45,18 +45,20 @@ bool CanImplementTopK(const TopKParams& params, const char** why = nullptr);
 inline size_t TopKScratchBytes(const TopKParams&) { return 0; }
 
 /// One thread-block cluster per row (1 to 16 CTAs, the most with which all rows' clusters are
-/// resident at once), each CTA over a chunk of the row (held in shared memory when it has at most
-/// 32K entries; else streamed, and first narrowed to the ranks above a threshold taken from a
-/// strided sample, in one read, falling back to the streamed select when the sample misjudges the
-/// row): an exact radix select on 64-bit ranks (order-preserving score
-/// bits << 32 | ~slot, distinct, so ties go to the lower slot) by 11-bit histograms from the top
-/// (bits shared by every selectable rank skipped),
-/// summed over the cluster in distributed shared memory, stopping when the K-th rank's bin is
-/// taken whole or the ranks at or above it fit CTA 0's candidate buffer (exact counts: nothing
-/// can overflow or be dropped, however many scores are equal); CTA 0 then places each candidate
-/// by one counting pass (2,048 bins over the candidates' range, then the larger ranks in its bin
-/// counted) and writes the K best in order (a radix select and a bitonic sort when the bins are
-/// too crowded). Asynchronous on `stream`. cudaErrorInvalidValue when CanImplementTopK fails.
+/// resident at once), each CTA over a chunk of the row: held in shared memory when it has at most
+/// 32K entries; else streamed, and first narrowed in one read to the ranks above a threshold
+/// taken from a strided sample (the streamed select below runs instead when the sample misjudges
+/// the row). An exact radix select on 64-bit ranks (order-preserving score bits << 32 | ~slot,
+/// distinct, so ties go to the lower slot) by 11-bit histograms from the top, the bits every
+/// selectable rank shares skipped, summed over the cluster in distributed shared memory, stops
+/// when the K-th rank's bin is taken whole or the ranks at or above it fit CTA 0's candidate
+/// buffer (exact counts: nothing can overflow or be dropped, however many scores are equal); CTA 0
+/// then places each candidate by one counting pass (2,048 bins over the candidates' range, then
+/// the larger ranks in its bin counted) and writes the K best in order (a radix select and a
+/// bitonic sort when the bins are too crowded). DESIGN.md 4.1's order; docs/gpu_kernels.md,
+/// "Top-K", has the figures. Asynchronous on `stream`. cudaErrorInvalidValue when CanImplementTopK
+/// fails; cudaErrorInvalidDevice for a device index past 63; cudaErrorInvalidConfiguration when
+/// no cluster fits the device; else the runtime's launch error.
 cudaError_t LaunchTopK(const TopKParams& params, cudaStream_t stream);
 
 }  // namespace dsa::cuda
