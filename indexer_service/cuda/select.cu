@@ -206,7 +206,7 @@ constexpr int kLayoutThreads = 1024;
 using LayoutScan = cub::BlockScan<int64_t, kLayoutThreads>;
 
 // Where a thread's groups start in the flat layout, and the totals: three block prefix sums of
-// each thread's blocks, score entries and update rows (exclusive, in place).
+// each thread's blocks, score entries and update rows (exclusive).
 struct LayoutStarts {
   int64_t blocks, scores, updates;
   int64_t total_blocks, total_updates;

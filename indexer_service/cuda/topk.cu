@@ -42,8 +42,10 @@ static_assert(kBins == 2 * kThreads, "the bin scan gives each thread two bins");
 static_assert(kMaxTopK == 2 * kThreads, "the winners' sort gives each thread one pair");
 
 // A chunk of at most kCacheEntries entries is held in shared memory as 32-bit keys (0: not
-// selectable), its block ids beside it. Longer chunks are streamed from global memory each pass;
-// their candidates then live in the (unused) cache, up to kStreamCandidates of them.
+// selectable), its block ids beside it. Longer chunks are streamed from global memory: the cache
+// then holds the chunk's sample and the ranks it gathers (SampledGather), or, when the sample
+// misjudged the row and the select streams each pass, CTA 0's candidates (up to
+// kStreamCandidates).
 constexpr int kCacheEntries = 32768;
 constexpr int kCacheBlocks = kCacheEntries / 64;
 constexpr int kCachedCandidates = 4096;  // CTA 0's buffer when the chunks are cached
@@ -52,7 +54,7 @@ constexpr size_t kCacheBytes = sizeof(uint32_t) * kCacheEntries;
 constexpr size_t kBlockCacheBytes = sizeof(int32_t) * kCacheBlocks;
 constexpr size_t kHistBytes = sizeof(uint32_t) * 4 * kBins;
 // The second half of the cache: CTA 0's scratch once the gather is over (the finish's scatter,
-// or the fallback's winners); candidates of streamed chunks take the first half.
+// or the fallback's winners); the streamed select's candidates take the first half.
 constexpr size_t kScratchOffset = kCacheBytes / 2;
 static_assert(sizeof(uint64_t) * kStreamCandidates <= kScratchOffset, "candidates fit the cache");
 static_assert(sizeof(uint64_t) * kStreamCandidates <= kCacheBytes - kScratchOffset,
@@ -222,7 +224,7 @@ __device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t
   }
 }
 
-// Ranks already gathered into shared memory (all selectable).
+// Ranks in shared memory (0: not selectable, skipped by every pass).
 struct BufferSource {
   const uint64_t* ranks;
   int64_t size;
@@ -664,14 +666,14 @@ __device__ void FinishRow(const uint64_t* candidates, uint32_t m, uint32_t k, ui
   for (uint32_t i = min(m, k) + t; i < k; i += kThreads) out[i] = -1;
 }
 
-// The sampled select of a streamed row. A chunk of a sample: runs of kSampleRun consecutive
-// entries (a 32-byte sector of fp32 scores) every `stride` entries, at most kSampleRuns runs a
-// CTA, the same stride in every CTA of the cluster so that the row is sampled evenly.
+// The sampled select of a streamed row. A chunk's sample: runs of kSampleRun consecutive entries
+// every `stride` entries, at most kSampleRuns runs a CTA, the same stride in every CTA of the
+// cluster so that the row is sampled evenly.
 constexpr int kSampleRun = 8;
 constexpr int kSampleRuns = 512;
 constexpr int kSampleEntries = kSampleRun * kSampleRuns;
 constexpr int kMinSampleStride = 16 * kSampleRun;  // at most 1 entry in 16 sampled
-// A CTA's gathered ranks live in its cache (unused when the chunk is streamed).
+// A CTA's gathered ranks live in its cache, which a streamed chunk does not otherwise use.
 constexpr uint32_t kGatherCapacity = kCacheBytes / sizeof(uint64_t);  // 16,384
 static_assert(kSampleEntries <= kGatherCapacity, "the sample fits the gather buffer");
 static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number of samples");
@@ -679,10 +681,14 @@ static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number
 // One read of a streamed row where the exact select reads it once a radix pass, then once more
 // to gather. Every CTA of the cluster calls it; all get the same answer.
 //  1. Each CTA samples its chunk (above; stride = chunk / min(512, chunk / 128) entries, so a
-//     sampling rate r = 8 / stride between 1/16 and 1/64 for chunks up to 2^21 entries).
+//     sampling rate r = 8 / stride: 1/16 up to 2^16 entries a chunk, 4096 / chunk past it).
 //  2. The threshold T is the cluster's exact s-th largest sample rank, s = K r + 6 sqrt(K r) + 16,
 //     found by RadixSelect over the samples in shared memory. About s / r ranks of the row reach
-//     it, many standard deviations above K when the samples are representative.
+//     it: 6 standard deviations above K if the samples were independent; runs of 8 neighbours
+//     at a stride that may be a multiple of 64 (the same offsets in every block) are not, so the
+//     margin is smaller on smooth scores. A miss costs a fallback, never a wrong result. Since
+//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) fills the
+//     buffer about half the time, and longer ones always: they fall back.
 //  3. One pass over the chunk appends its ranks >= T to `buffer` (this CTA's cache, up to
 //     kGatherCapacity ranks), counting them exactly (GatherAtLeast).
 // It succeeds, and the K best of the row are all in the CTAs' buffers, when no CTA's count passed
