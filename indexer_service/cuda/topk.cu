@@ -687,8 +687,9 @@ static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number
 //     it: 6 standard deviations above K if the samples were independent; runs of 8 neighbours
 //     at a stride that may be a multiple of 64 (the same offsets in every block) are not, so the
 //     margin is smaller on smooth scores. A miss costs a fallback, never a wrong result. Since
-//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) fills the
-//     buffer about half the time, and longer ones always: they fall back.
+//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) would fill the
+//     buffer about half the time, and longer ones always: where the expected count passes 3/4
+//     of the buffers, the sample is skipped.
 //  3. One pass over the chunk appends its ranks >= T to `buffer` (this CTA's cache, up to
 //     kGatherCapacity ranks), counting them exactly (GatherAtLeast).
 // It succeeds, and the K best of the row are all in the CTAs' buffers, when no CTA's count passed
@@ -700,6 +701,16 @@ __device__ bool SampledGather(const RowSource& source, int64_t chunk, uint32_t k
                               uint32_t* hists, Shared& shared, cg::cluster_group& cluster) {
   const int64_t runs = min(int64_t{kSampleRuns}, chunk / kMinSampleStride);
   const int64_t stride = chunk / runs;
+  const float expected = static_cast<float>(k) * kSampleRun / static_cast<float>(stride);
+  const uint32_t s = static_cast<uint32_t>(expected + 6.0f * sqrtf(expected)) + 16;
+  // About s * stride / 8 ranks reach the threshold, chunk / 256 at least: past 3/4 of what the
+  // CTAs can hold, the sample would overflow too often (chunks of 2^21 entries and more at
+  // K 2048), and the read it costs would be lost. The same decision in every CTA, before any
+  // barrier.
+  if (static_cast<float>(s) * static_cast<float>(stride) / kSampleRun >
+      0.75f * kGatherCapacity * cluster.num_blocks()) {
+    return false;
+  }
   uint64_t sample[kSampleEntries / kThreads];
 #pragma unroll
   for (int j = 0; j < kSampleEntries / kThreads; ++j) {  // all loads in flight at once
@@ -711,8 +722,6 @@ __device__ bool SampledGather(const RowSource& source, int64_t chunk, uint32_t k
   for (int j = 0; j < kSampleEntries / kThreads; ++j)
     buffer[j * kThreads + threadIdx.x] = sample[j];
   const BufferSource samples{buffer, kSampleEntries};  // RadixSelect's first barrier orders these
-  const float expected = static_cast<float>(k) * kSampleRun / static_cast<float>(stride);
-  const uint32_t s = static_cast<uint32_t>(expected + 6.0f * sqrtf(expected)) + 16;
   const uint64_t threshold =
       RadixSelect<true>(samples, s, 0, hists, shared, CountTopDigits<BufferSource>{samples})
           .threshold;
@@ -813,6 +822,9 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
     GatherAtLeast(gathered, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
                   cluster.map_shared_rank(&shared.count, 0));
   } else {
+    if (p.sampled_fallbacks != nullptr && cta == 0 && threadIdx.x == 0) {
+      atomicAdd(p.sampled_fallbacks, 1);
+    }
     candidates = reinterpret_cast<uint64_t*>(cache);
     capacity = kStreamCandidates;
     const Selection selection =
