@@ -70,12 +70,18 @@ constexpr size_t kSmemBytes =
 constexpr int kUnroll = 4;  // measured on the H200: 4 beat 8 and 16 at every shape (fewer stalls)
 constexpr int64_t kTile = int64_t{kThreads} * kUnroll;
 
-// The order-preserving 32-bit key of a selectable score (never 0), or 0 when it is not
-// selectable (NaN, -inf, or a slot past the row's position).
-__device__ inline uint32_t KeyOf(float score, int64_t slot, int64_t max_slot) {
-  if (!(score > -INFINITY) || slot > max_slot) return 0;
+// The order-preserving 32-bit key of a score (never 0), or 0 for NaN and -inf; before the
+// position's mask, so at least the key of the entry's rank.
+__device__ inline uint32_t UnmaskedKeyOf(float score) {
+  if (!(score > -INFINITY)) return 0;
   const uint32_t bits = __float_as_uint(score + 0.0f);  // -0 becomes +0
   return bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u);
+}
+
+// The key of a selectable score, or 0 when it is not selectable (NaN, -inf, or a slot past the
+// row's position).
+__device__ inline uint32_t KeyOf(float score, int64_t slot, int64_t max_slot) {
+  return slot > max_slot ? 0 : UnmaskedKeyOf(score);
 }
 
 __device__ inline uint64_t RankOfKey(uint32_t key, int64_t slot) {
@@ -95,12 +101,13 @@ struct RowSource {
   __device__ int64_t SlotOf(int64_t e, int32_t block) const {
     return blocks == nullptr ? e : int64_t{block} * 64 + (e & 63);
   }
-  // The rank of entry begin + i (i < size).
-  __device__ uint64_t RankAt(int64_t i) const {
+  // The rank of entry begin + i (i < size), whose score is `score`.
+  __device__ uint64_t RankOf(int64_t i, float score) const {
     const int64_t e = begin + i;
     const int64_t slot = SlotOf(e, blocks != nullptr ? blocks[e >> 6] : 0);
-    return RankOfKey(KeyOf(scores[e], slot, max_slot), slot);
+    return RankOfKey(KeyOf(score, slot, max_slot), slot);
   }
+  __device__ uint64_t RankAt(int64_t i) const { return RankOf(i, scores[begin + i]); }
   // ranks[j] = rank of entry begin + base + j * kThreads + threadIdx.x (0 past the end).
   __device__ void LoadTile(int64_t base, uint64_t (&ranks)[kUnroll]) const {
     float score[kUnroll];
@@ -194,7 +201,7 @@ struct BitsSeen {
 // their top 11 bits (the rank's bits 63..53) are counted. Each thread converts the entries it
 // copied itself, so only the block ids (copied by others) need a barrier.
 __device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t* block_ids,
-                             uint32_t* hist, BitsSeen& seen) {
+                             uint32_t* hist) {
 #pragma unroll
   for (int g = 0; g < kCopyGroups; ++g) {
     if (g == 0) WaitCopies<kCopyGroups - 1>();
@@ -211,10 +218,7 @@ __device__ void ConvertChunk(const RowSource& row, uint32_t* keys, const int32_t
             row.blocks == nullptr ? row.begin + i : int64_t{block_ids[i >> 6]} * 64 + (i & 63);
         const uint32_t key = KeyOf(__uint_as_float(keys[i]), slot, row.max_slot);
         keys[i] = key;
-        if (key != 0) {
-          atomicAdd(&hist[key >> (32 - kRadixBits)], 1u);
-          seen.Add(RankOfKey(key, slot));
-        }
+        if (key != 0) atomicAdd(&hist[key >> (32 - kRadixBits)], 1u);
       }
     }
   }
@@ -236,7 +240,7 @@ struct BufferSource {
 struct Shared {
   cub::BlockScan<uint32_t, kThreads>::TempStorage scan;
   uint32_t digit, above, in_bin, total, count, work;
-  uint64_t all, any;          // RadixSelect's first pass: this CTA's BitsSeen
+  uint64_t all, any;          // RadixSelect, a pass after a one-bin pass: this CTA's BitsSeen
   uint64_t row_all, row_any;  // and the cluster's
   uint32_t gathered;  // the sampled select: this CTA's ranks at or above the sample's threshold
   bool sampled_ok;    // the sampled select holds the row's K best
@@ -277,6 +281,68 @@ __device__ inline void GatherAtLeast(const Source& source, uint64_t threshold, u
   });
 }
 
+// GatherAtLeast over a row in global memory, where nearly every entry falls below the threshold:
+// a rank >= threshold needs a score key >= threshold >> 32, so an entry is first tested on its
+// score alone (a conversion and a compare), and only a warp with a lane past that test reads
+// block ids and builds ranks. Scores aligned to 16 bytes are read 4 at a time (kUnroll float4 a
+// thread in flight), the rest one at a time.
+constexpr int kVectorUnroll = 4;  // float4 loads a thread in flight (4 spilled registers)
+__device__ void GatherRowAtLeast(const RowSource& row, uint64_t threshold, uint64_t* out,
+                                 uint32_t capacity, uint32_t* count) {
+  const uint32_t key_floor = static_cast<uint32_t>(threshold >> 32);
+  const int lane = threadIdx.x % 32;
+  // Entry i (score `score`, `valid` false past the end): all 32 lanes of the warp call it together.
+  const auto consider = [&](int64_t i, float score, bool valid) {
+    const bool maybe = valid && UnmaskedKeyOf(score) >= key_floor;
+    if (!__any_sync(0xffffffffu, maybe)) return;
+    const uint64_t rank = maybe ? row.RankOf(i, score) : 0;
+    const bool take = rank >= threshold;
+    const uint32_t mask = __ballot_sync(0xffffffffu, take);
+    if (mask == 0) return;
+    uint32_t base = 0;
+    if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
+    if (take && position < capacity) out[position] = rank;
+  };
+  const float* scores = row.scores + row.begin;
+  int64_t done = 0;
+  if ((reinterpret_cast<uintptr_t>(scores) & 15) == 0) {  // the same in every thread
+    constexpr int64_t kVectorTile = int64_t{kThreads} * 4 * kVectorUnroll;
+    const int64_t whole = row.size / kVectorTile * kVectorTile;
+    for (int64_t base = 0; base < whole; base += kVectorTile) {
+      float4 v[kVectorUnroll];
+#pragma unroll
+      for (int j = 0; j < kVectorUnroll; ++j) {
+        v[j] = reinterpret_cast<const float4*>(scores + base)[j * kThreads + threadIdx.x];
+      }
+#pragma unroll
+      for (int j = 0; j < kVectorUnroll; ++j) {
+        const int64_t i = base + 4 * (j * kThreads + threadIdx.x);
+        consider(i, v[j].x, true);
+        consider(i + 1, v[j].y, true);
+        consider(i + 2, v[j].z, true);
+        consider(i + 3, v[j].w, true);
+      }
+    }
+    done = whole;
+  }
+  for (int64_t base = done; base < row.size; base += kTile) {
+    float score[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t i = base + j * kThreads + threadIdx.x;
+      score[j] = i < row.size ? scores[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (base + j * kThreads >= row.size) break;  // uniform across the CTA
+      const int64_t i = base + j * kThreads + threadIdx.x;
+      consider(i, score[j], i < row.size);
+    }
+  }
+}
+
 struct Selection {
   uint64_t threshold;  // the ranks at or above it are kept
   bool exact;          // they are exactly the min(k, selectable) best (else: candidates)
@@ -286,12 +352,9 @@ struct Selection {
 template <typename Source>
 struct CountTopDigits {
   const Source& source;
-  __device__ void operator()(uint32_t* hist, BitsSeen& seen) const {
+  __device__ void operator()(uint32_t* hist) const {
     ForEachRank(source, [&](uint64_t rank) {
-      if (rank != 0) {
-        atomicAdd(&hist[static_cast<uint32_t>(rank >> (64 - kRadixBits))], 1u);
-        seen.Add(rank);
-      }
+      if (rank != 0) atomicAdd(&hist[static_cast<uint32_t>(rank >> (64 - kRadixBits))], 1u);
     });
   }
 };
@@ -314,6 +377,10 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
                                  uint32_t* hists, Shared& shared, FirstPass first_pass) {
   uint64_t prefix = 0;  // the fixed bits above `high`
   uint32_t need = k;    // ranks still to take among those that share the prefix
+  // Set after a pass that found every rank under the prefix in one bin (all-equal scores): the
+  // next pass also takes their AND and OR, and the bits they share are then skipped. A pass that
+  // splits the ranks, as the first does on distinct scores, costs nothing more.
+  bool track_bits = false;
   for (int pass = 0, shift = 64; shift > 0; ++pass) {
     const int high = shift;
     const int width = shift >= kRadixBits ? kRadixBits : shift;
@@ -324,36 +391,39 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
       hist[i] = 0;
       if constexpr (kCluster) sum[i] = 0;
     }
-    if (pass == 0 && threadIdx.x == 0) {
+    if (track_bits && threadIdx.x == 0) {
       shared.all = ~uint64_t{0};
       shared.any = 0;
     }
     __syncthreads();
     if (pass == 0) {
-      BitsSeen seen;
-      first_pass(hist, seen);
-      // The warp's bits (32-bit reductions: no 64-bit one exists), then the CTA's.
-      const auto lo = [](uint64_t x) { return static_cast<uint32_t>(x); };
-      const auto hi = [](uint64_t x) { return static_cast<uint32_t>(x >> 32); };
-      const uint64_t warp_all = uint64_t{__reduce_and_sync(0xffffffffu, hi(seen.all))} << 32 |
-                                __reduce_and_sync(0xffffffffu, lo(seen.all));
-      const uint64_t warp_any = uint64_t{__reduce_or_sync(0xffffffffu, hi(seen.any))} << 32 |
-                                __reduce_or_sync(0xffffffffu, lo(seen.any));
-      if (threadIdx.x % 32 == 0) {
-        atomicAnd(reinterpret_cast<unsigned long long*>(&shared.all), warp_all);
-        atomicOr(reinterpret_cast<unsigned long long*>(&shared.any), warp_any);
-      }
+      first_pass(hist);
     } else {
+      BitsSeen seen;
       ForEachRank(source, [&](uint64_t rank) {
         if (rank != 0 && (rank >> high) == prefix) {
           atomicAdd(&hist[static_cast<uint32_t>(rank >> shift) & ((1u << width) - 1)], 1u);
+          if (track_bits) seen.Add(rank);
         }
       });
+      if (track_bits) {
+        // The warp's bits (32-bit reductions: no 64-bit one exists), then the CTA's.
+        const auto lo = [](uint64_t x) { return static_cast<uint32_t>(x); };
+        const auto hi = [](uint64_t x) { return static_cast<uint32_t>(x >> 32); };
+        const uint64_t warp_all = uint64_t{__reduce_and_sync(0xffffffffu, hi(seen.all))} << 32 |
+                                  __reduce_and_sync(0xffffffffu, lo(seen.all));
+        const uint64_t warp_any = uint64_t{__reduce_or_sync(0xffffffffu, hi(seen.any))} << 32 |
+                                  __reduce_or_sync(0xffffffffu, lo(seen.any));
+        if (threadIdx.x % 32 == 0) {
+          atomicAnd(reinterpret_cast<unsigned long long*>(&shared.all), warp_all);
+          atomicOr(reinterpret_cast<unsigned long long*>(&shared.any), warp_any);
+        }
+      }
     }
     // Suffix sums: thread t holds bins 2047 - 2t and 2046 - 2t (descending digits).
     const int bin_high = kBins - 1 - 2 * threadIdx.x, bin_low = bin_high - 1;
     uint32_t count_high = 0, count_low = 0;
-    uint64_t all = 0, any = 0;  // pass 0: the BitsSeen of the whole row's selectable ranks
+    uint64_t all = 0, any = 0;  // track_bits: the BitsSeen of the ranks under the prefix
     if constexpr (kCluster) {
       // Each CTA sums a slice of the bins over the cluster (one 16-byte remote load a thread),
       // then each thread reads its two bins' sums from their slice's owner: ~1.5K remote
@@ -370,7 +440,7 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
         if (v.y != 0) atomicAdd(&sum[bin + 1], v.y);
         if (v.z != 0) atomicAdd(&sum[bin + 2], v.z);
         if (v.w != 0) atomicAdd(&sum[bin + 3], v.w);
-      } else if (pass == 0 && threadIdx.x < kBins / 4 + 32) {  // one warp: the cluster's bits
+      } else if (track_bits && threadIdx.x < kBins / 4 + 32) {  // one warp: the cluster's bits
         const unsigned from = threadIdx.x % 32;
         uint64_t row_all = ~uint64_t{0}, row_any = 0;
         if (from < num_ctas) {
@@ -421,16 +491,17 @@ __device__ Selection RadixSelect(const Source& source, uint32_t k, uint32_t capa
     // The shared values are rewritten in the next pass only after its first barrier.
     if (in_bin == need) return {prefix << shift, true};  // the whole bin is taken
     if (k - need + in_bin <= capacity) return {prefix << shift, false};
-    if (pass == 0) {
-      // Bits [common, 64) are the same in every selectable rank (more than k >= 1 of them, so
-      // some bit differs): the passes over them would find one bin each time (all-equal scores:
-      // the score's 32 bits and the slots' high bits). They are taken as fixed.
+    if (track_bits) {
+      // Bits [common, 64) are the same in every rank under the prefix (more than `need` >= 1 of
+      // them, so some bit differs): the passes over them would find one bin each time (all-equal
+      // scores: the score's 32 bits and the slots' high bits). They are taken as fixed.
       const int common = 64 - __clzll(static_cast<long long>(all ^ any));
       if (common < shift) {
         prefix = all >> common;
         shift = common;
       }
     }
+    track_bits = !track_bits && in_bin == shared.total;  // this pass found one bin
   }
   return {1, true};  // unreachable: at shift 0 the bin holds one rank (ranks are distinct)
 }
@@ -616,8 +687,9 @@ static_assert(kSampleEntries % kThreads == 0, "each thread takes the same number
 //     it: 6 standard deviations above K if the samples were independent; runs of 8 neighbours
 //     at a stride that may be a multiple of 64 (the same offsets in every block) are not, so the
 //     margin is smaller on smooth scores. A miss costs a fallback, never a wrong result. Since
-//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) fills the
-//     buffer about half the time, and longer ones always: they fall back.
+//     s / r >= 2 stride = chunk / 256, a chunk of 2^21 entries (C = 1, rows of 2M) would fill the
+//     buffer about half the time, and longer ones always: where the expected count passes 3/4
+//     of the buffers, the sample is skipped.
 //  3. One pass over the chunk appends its ranks >= T to `buffer` (this CTA's cache, up to
 //     kGatherCapacity ranks), counting them exactly (GatherAtLeast).
 // It succeeds, and the K best of the row are all in the CTAs' buffers, when no CTA's count passed
@@ -629,6 +701,16 @@ __device__ bool SampledGather(const RowSource& source, int64_t chunk, uint32_t k
                               uint32_t* hists, Shared& shared, cg::cluster_group& cluster) {
   const int64_t runs = min(int64_t{kSampleRuns}, chunk / kMinSampleStride);
   const int64_t stride = chunk / runs;
+  const float expected = static_cast<float>(k) * kSampleRun / static_cast<float>(stride);
+  const uint32_t s = static_cast<uint32_t>(expected + 6.0f * sqrtf(expected)) + 16;
+  // About s * stride / 8 ranks reach the threshold, chunk / 256 at least: past 3/4 of what the
+  // CTAs can hold, the sample would overflow too often (chunks of 2^21 entries and more at
+  // K 2048), and the read it costs would be lost. The same decision in every CTA, before any
+  // barrier.
+  if (static_cast<float>(s) * static_cast<float>(stride) / kSampleRun >
+      0.75f * kGatherCapacity * cluster.num_blocks()) {
+    return false;
+  }
   uint64_t sample[kSampleEntries / kThreads];
 #pragma unroll
   for (int j = 0; j < kSampleEntries / kThreads; ++j) {  // all loads in flight at once
@@ -640,13 +722,11 @@ __device__ bool SampledGather(const RowSource& source, int64_t chunk, uint32_t k
   for (int j = 0; j < kSampleEntries / kThreads; ++j)
     buffer[j * kThreads + threadIdx.x] = sample[j];
   const BufferSource samples{buffer, kSampleEntries};  // RadixSelect's first barrier orders these
-  const float expected = static_cast<float>(k) * kSampleRun / static_cast<float>(stride);
-  const uint32_t s = static_cast<uint32_t>(expected + 6.0f * sqrtf(expected)) + 16;
   const uint64_t threshold =
       RadixSelect<true>(samples, s, 0, hists, shared, CountTopDigits<BufferSource>{samples})
           .threshold;
   // RadixSelect's last barrier follows its last read of the samples: the buffer is free.
-  GatherAtLeast(source, threshold, buffer, kGatherCapacity, &shared.gathered);
+  GatherRowAtLeast(source, threshold, buffer, kGatherCapacity, &shared.gathered);
   cluster.sync();  // every CTA's count is final
   if (threadIdx.x < 32) {
     const unsigned from = threadIdx.x;
@@ -724,10 +804,9 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
                                  source.size};
     candidates = cached_candidates;
     capacity = kCachedCandidates;
-    const Selection selection = RadixSelect<true>(
-        chunk_keys, k, capacity, hists, shared, [&](uint32_t* hist, BitsSeen& seen) {
-          ConvertChunk(source, cache, block_ids, hist, seen);
-        });
+    const Selection selection =
+        RadixSelect<true>(chunk_keys, k, capacity, hists, shared,
+                          [&](uint32_t* hist) { ConvertChunk(source, cache, block_ids, hist); });
     TRACE(1);
     GatherAtLeast(chunk_keys, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
                   cluster.map_shared_rank(&shared.count, 0));
@@ -743,6 +822,9 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
     GatherAtLeast(gathered, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
                   cluster.map_shared_rank(&shared.count, 0));
   } else {
+    if (p.sampled_fallbacks != nullptr && cta == 0 && threadIdx.x == 0) {
+      atomicAdd(p.sampled_fallbacks, 1);
+    }
     candidates = reinterpret_cast<uint64_t*>(cache);
     capacity = kStreamCandidates;
     const Selection selection =

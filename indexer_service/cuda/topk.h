@@ -35,6 +35,10 @@ struct TopKParams {
   int k = 0;
   /// int32 out [num_rows, k]: slots best first, -1 past the selectable ones.
   int32_t* selection = nullptr;
+  /// Optional int32 [1] device counter (null: not counted): each row streamed from global memory
+  /// (past 32K entries a CTA) whose sample did not hold its K best, or that skipped the sample,
+  /// adds 1 (the row then took the select that reads it once a pass). For tests and profiles.
+  int32_t* sampled_fallbacks = nullptr;
 };
 
 /// Whether TopKParams describe a launch this kernel supports; on false, *why (when not null) names

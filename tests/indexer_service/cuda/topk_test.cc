@@ -93,8 +93,10 @@ Rows MakeRows(const std::vector<RowSpec>& specs, uint32_t seed) {
 }
 
 // Runs the GPU top-K over `rows` (scores at `base_offset` entries into a device buffer) and checks
-// each row against SelectTopK and, for rows up to `full_sort_limit` entries, FullSortTopK.
-void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0) {
+// each row against SelectTopK and, for rows up to 20,000 entries, FullSortTopK. *fallbacks (when
+// not null) receives TopKParams::sampled_fallbacks: the streamed rows that did not keep the
+// sample's gather.
+void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0, int* fallbacks = nullptr) {
   const int num_rows = static_cast<int>(rows.offset.size());
   std::vector<int64_t> offset = rows.offset;
   for (int64_t& o : offset) o += base_offset;
@@ -123,11 +125,14 @@ void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0) {
   p.row_max_slot = d_max_slot.as<int64_t>();
   p.k = k;
   p.selection = d_selection.as<int32_t>();
+  DeviceBuffer d_fallbacks = DeviceBuffer::From(std::vector<int32_t>{0});
+  p.sampled_fallbacks = d_fallbacks.as<int32_t>();
   const char* why = nullptr;
   ASSERT_TRUE(CanImplementTopK(p, &why)) << why;
   DSA_CUDA_OK(LaunchTopK(p, nullptr));
   DSA_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<int32_t> got = d_selection.ToHost<int32_t>();
+  if (fallbacks != nullptr) *fallbacks = d_fallbacks.ToHost<int32_t>()[0];
   for (int r = 0; r < num_rows; ++r) {
     const std::span<const float> row_scores(rows.scores.data() + rows.offset[r], rows.entries[r]);
     std::span<const int32_t> row_blocks;
@@ -213,6 +218,27 @@ TEST(TopK, SelectsExactlyWhereTheSampleMisjudgesTheRow) {
   }
   // Rows whose selectable entries are few (the position masks all but the first 40,000).
   CheckTopK(MakeRows({{1 << 20, 40000, false, Fill::kRandom}}, 14), 2048);
+}
+
+// A row of 2^20 entries is split over at most 16 CTAs: chunks past 32K entries, read from global
+// memory. On representative scores the sample's gather holds the K best (no fallback), also when
+// every score is equal and when fewer than K entries are selectable (the threshold then takes
+// them all); on the row whose sampled runs lie far below the rest it does not, and the row falls
+// back. Without the sampled path every streamed row would count as a fallback.
+TEST(TopK, KeepsTheSampledGatherOfRepresentativeStreamedRows) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  int fallbacks = -1;
+  for (const Fill fill : {Fill::kRandom, Fill::kAllEqual, Fill::kFewValues}) {
+    CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, false, fill}}, 15), 2048, 0, &fallbacks);
+    EXPECT_EQ(fallbacks, 0) << static_cast<int>(fill);
+  }
+  CheckTopK(MakeRows({{1 << 20, 999, false, Fill::kRandom}}, 16), 2048, 0, &fallbacks);
+  EXPECT_EQ(fallbacks, 0) << "fewer selectable entries than K";
+  CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, true, Fill::kRandom}}, 17), 2048, 0, &fallbacks);
+  EXPECT_EQ(fallbacks, 0) << "through a block list";
+  CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, false, Fill::kSampledLow}}, 18), 2048, 0,
+            &fallbacks);
+  EXPECT_EQ(fallbacks, 1) << "sampled runs far below the rest";
 }
 
 TEST(TopK, HandlesZeroLengthRowsAndMoreRowsThanSms) {
