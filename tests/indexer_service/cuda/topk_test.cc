@@ -249,9 +249,10 @@ TEST(TopK, KeepsTheSampledGatherOfRepresentativeStreamedRows) {
 }
 
 // With a host bound that says every chunk is cached, the kernel without the sampled gather runs:
-// the same selections on cached rows of every cluster size; and where the bound is wrong (below a
-// streamed row's entries), that row is still exact, through the streamed select, and counts as a
-// fallback (the kernel with the sampled gather keeps the gather on such a row: the test above).
+// the same selections on cached rows (one row on the largest cluster, 67 rows on the smallest);
+// and where the bound is wrong (below a streamed row's entries), that row is still exact, through
+// the streamed select, and counts as a fallback (the kernel with the sampled gather keeps the
+// gather on such a row: the test above).
 TEST(TopK, TakesTheKernelWithoutTheSampleWhereAHostBoundCachesEveryChunk) {
   if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
   int fallbacks = -1;
