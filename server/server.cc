@@ -192,9 +192,12 @@ class Readiness {
  private:
   void ApplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool serving = ready_ && !draining_;
+    // The unnamed service first: a client that reads readiness's new status then finds the same
+    // on "" (the two cannot change at once, and the other order let a drain show readiness
+    // NOT_SERVING beside "" still SERVING).
     for (grpc::HealthCheckServiceInterface* health : health_) {
-      health->SetServingStatus(kReadinessService, serving);
       health->SetServingStatus("", serving);
+      health->SetServingStatus(kReadinessService, serving);
     }
   }
 
