@@ -262,23 +262,30 @@ __device__ inline void ForEachRank(const Source& source, Visit visit) {
   }
 }
 
-// Appends every rank >= threshold (threshold > 0) of `source` to out[] (warp-aggregated: one
-// shared atomic per warp and step); *count receives the number of such ranks even past
-// `capacity`, which is never written beyond. *count must be 0 on entry (set before a barrier).
+// Appends `rank` to out[] when it is >= threshold, for the 32 lanes of a warp at once (all must
+// call it together): one atomic on *count a warp, which counts every taken rank even past
+// `capacity`; out[] is never written at or beyond `capacity`.
+__device__ inline void AppendIfAtLeast(uint64_t rank, uint64_t threshold, uint64_t* out,
+                                       uint32_t capacity, uint32_t* count) {
+  const int lane = threadIdx.x % 32;
+  const bool take = rank >= threshold;
+  const uint32_t mask = __ballot_sync(0xffffffffu, take);
+  if (mask == 0) return;
+  uint32_t base = 0;
+  if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
+  base = __shfl_sync(0xffffffffu, base, 0);
+  const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
+  if (take && position < capacity) out[position] = rank;
+}
+
+// Appends every rank >= threshold (threshold > 0) of `source` to out[] (AppendIfAtLeast);
+// *count receives the number of such ranks even past `capacity`, which is never written beyond.
+// *count must be 0 on entry (set before a barrier).
 template <typename Source>
 __device__ inline void GatherAtLeast(const Source& source, uint64_t threshold, uint64_t* out,
                                      uint32_t capacity, uint32_t* count) {
-  const int lane = threadIdx.x % 32;
-  ForEachRank(source, [&](uint64_t rank) {
-    const bool take = rank >= threshold;
-    const uint32_t mask = __ballot_sync(0xffffffffu, take);
-    if (mask == 0) return;
-    uint32_t base = 0;
-    if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
-    base = __shfl_sync(0xffffffffu, base, 0);
-    const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
-    if (take && position < capacity) out[position] = rank;
-  });
+  ForEachRank(source,
+              [&](uint64_t rank) { AppendIfAtLeast(rank, threshold, out, capacity, count); });
 }
 
 // GatherAtLeast over a row in global memory, where nearly every entry falls below the threshold:
@@ -290,20 +297,11 @@ constexpr int kVectorUnroll = 4;  // float4 loads a thread in flight (4 spilled 
 __device__ void GatherRowAtLeast(const RowSource& row, uint64_t threshold, uint64_t* out,
                                  uint32_t capacity, uint32_t* count) {
   const uint32_t key_floor = static_cast<uint32_t>(threshold >> 32);
-  const int lane = threadIdx.x % 32;
   // Entry i (score `score`, `valid` false past the end): all 32 lanes of the warp call it together.
   const auto consider = [&](int64_t i, float score, bool valid) {
     const bool maybe = valid && UnmaskedKeyOf(score) >= key_floor;
     if (!__any_sync(0xffffffffu, maybe)) return;
-    const uint64_t rank = maybe ? row.RankOf(i, score) : 0;
-    const bool take = rank >= threshold;
-    const uint32_t mask = __ballot_sync(0xffffffffu, take);
-    if (mask == 0) return;
-    uint32_t base = 0;
-    if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
-    base = __shfl_sync(0xffffffffu, base, 0);
-    const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
-    if (take && position < capacity) out[position] = rank;
+    AppendIfAtLeast(maybe ? row.RankOf(i, score) : 0, threshold, out, capacity, count);
   };
   const float* scores = row.scores + row.begin;
   int64_t done = 0;
