@@ -98,6 +98,7 @@ struct Problem {
     topk.logical_blocks = scan.logical_blocks;
     topk.row_block_offset = scan.group_block_offset;
     topk.row_max_slot = scan.row_position;
+    topk.max_row_entries = blocks_per_row * 64;  // a caller's host bound: every row, all blocks
     topk.k = kTopK;
     topk.selection = selection;
     // Real scores for top-K, whichever launch is timed first (all-zero scores are its slowest

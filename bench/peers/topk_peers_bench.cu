@@ -160,6 +160,7 @@ int main(int argc, char** argv) {
     p.row_score_offset = DeviceCopy(offset);
     p.row_num_entries = DeviceCopy(entries);
     p.row_max_slot = DeviceCopy(max_slot);
+    p.max_row_entries = slots;  // the host knows every row's length, as each peer is told
     p.k = kTopK;
     p.selection = dsa_out;
     const int clusters = FlashInferClusters(rows, slots);

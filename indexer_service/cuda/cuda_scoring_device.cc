@@ -279,6 +279,8 @@ absl::Status CudaScoringDevice::ScoreAndSelect(std::span<const DeviceScoreJob> j
     topk.logical_blocks = batch_.as<int32_t>(at.logical_blocks);
     topk.row_block_offset = batch_.as<int64_t>(at.row_block_offset) + first_row;
     topk.row_max_slot = batch_.as<int64_t>(at.row_position) + first_row;
+    const int64_t* entries = upload_.as<int64_t>(at.row_num_entries) + first_row;
+    topk.max_row_entries = rows == 0 ? 0 : *std::max_element(entries, entries + rows);
     topk.k = jobs[g].top_k;
     topk.selection = selections_.as<int32_t>() + selection_offset;
     if (!CanImplementTopK(topk, &why)) {

@@ -437,12 +437,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   }
 
   // The loaded row: its query in flight (v, raw_weight) between FetchQuery and StoreQuery, its
-  // position, first score entry and weights (n * 8 + 2 quad + {0, 1}, scaled by 2^-e) after.
+  // position and first score entry after (its weights, scaled by 2^-e, in s_weights: read there
+  // by the epilogue, where 16 registers a thread held them at the price of spills at 4 CTAs a SM).
   const tc::QueryWorkspace workspace = tc::SplitWorkspace(p.workspace, p);
   uint4 v[kVectors];
   float raw_weight = 0.0f;
   int64_t row_position = 0, row_score_offset = 0;
-  float2 wt[kTiles];
   int loaded_row = -1;
   // Starts the loads of row r's query (bf16 from p.query, or f16 from the workspace) and its
   // head weights, position and first score entry.
@@ -521,10 +521,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // The tensor cores read s_query through the async proxy: order the generic writes first.
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      wt[n] = *reinterpret_cast<const float2*>(s_weights + n * 8 + 2 * quad);
-    }
     loaded_row = r;
   };
   // The chunk's first row is fetched before anything waits: its query travels with the block
@@ -624,7 +620,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       FenceOperands(acc[part]);
 #pragma unroll
       for (int n = 0; n < kPartTiles; ++n) {
-        const float2 w = wt[part * kPartTiles + n];
+        const float2 w =
+            *reinterpret_cast<const float2*>(s_weights + (part * kPartTiles + n) * 8 + 2 * quad);
         low0 = fmaf(w.x, tc::ReluKeepNaN(acc[part][4 * n + 0]), low0);
         low1 = fmaf(w.y, tc::ReluKeepNaN(acc[part][4 * n + 1]), low1);
         high0 = fmaf(w.x, tc::ReluKeepNaN(acc[part][4 * n + 2]), high0);

@@ -355,6 +355,7 @@ cudaError_t LaunchScanTopKAndUpdate(const SelectParams& p, const Workspace& w,
   topk.logical_blocks = p.group_blocks;
   topk.row_block_offset = At<int64_t>(base, w.row_block_offset);
   topk.row_max_slot = p.row_position;
+  topk.max_row_entries = p.max_visible_blocks * kBlockSize;  // a group scores at most those
   topk.k = p.top_k;
   topk.selection = p.selection;
   if (cudaError_t e = LaunchTopK(topk, stream); e != cudaSuccess) return e;

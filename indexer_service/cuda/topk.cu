@@ -262,23 +262,30 @@ __device__ inline void ForEachRank(const Source& source, Visit visit) {
   }
 }
 
-// Appends every rank >= threshold (threshold > 0) of `source` to out[] (warp-aggregated: one
-// shared atomic per warp and step); *count receives the number of such ranks even past
-// `capacity`, which is never written beyond. *count must be 0 on entry (set before a barrier).
+// Appends `rank` to out[] when it is >= threshold, for the 32 lanes of a warp at once (all must
+// call it together): one atomic on *count a warp, which counts every taken rank even past
+// `capacity`; out[] is never written at or beyond `capacity`.
+__device__ inline void AppendIfAtLeast(uint64_t rank, uint64_t threshold, uint64_t* out,
+                                       uint32_t capacity, uint32_t* count) {
+  const int lane = threadIdx.x % 32;
+  const bool take = rank >= threshold;
+  const uint32_t mask = __ballot_sync(0xffffffffu, take);
+  if (mask == 0) return;
+  uint32_t base = 0;
+  if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
+  base = __shfl_sync(0xffffffffu, base, 0);
+  const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
+  if (take && position < capacity) out[position] = rank;
+}
+
+// Appends every rank >= threshold (threshold > 0) of `source` to out[] (AppendIfAtLeast);
+// *count receives the number of such ranks even past `capacity`, which is never written beyond.
+// *count must be 0 on entry (set before a barrier).
 template <typename Source>
 __device__ inline void GatherAtLeast(const Source& source, uint64_t threshold, uint64_t* out,
                                      uint32_t capacity, uint32_t* count) {
-  const int lane = threadIdx.x % 32;
-  ForEachRank(source, [&](uint64_t rank) {
-    const bool take = rank >= threshold;
-    const uint32_t mask = __ballot_sync(0xffffffffu, take);
-    if (mask == 0) return;
-    uint32_t base = 0;
-    if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
-    base = __shfl_sync(0xffffffffu, base, 0);
-    const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
-    if (take && position < capacity) out[position] = rank;
-  });
+  ForEachRank(source,
+              [&](uint64_t rank) { AppendIfAtLeast(rank, threshold, out, capacity, count); });
 }
 
 // GatherAtLeast over a row in global memory, where nearly every entry falls below the threshold:
@@ -290,20 +297,11 @@ constexpr int kVectorUnroll = 4;  // float4 loads a thread in flight (4 spilled 
 __device__ void GatherRowAtLeast(const RowSource& row, uint64_t threshold, uint64_t* out,
                                  uint32_t capacity, uint32_t* count) {
   const uint32_t key_floor = static_cast<uint32_t>(threshold >> 32);
-  const int lane = threadIdx.x % 32;
   // Entry i (score `score`, `valid` false past the end): all 32 lanes of the warp call it together.
   const auto consider = [&](int64_t i, float score, bool valid) {
     const bool maybe = valid && UnmaskedKeyOf(score) >= key_floor;
     if (!__any_sync(0xffffffffu, maybe)) return;
-    const uint64_t rank = maybe ? row.RankOf(i, score) : 0;
-    const bool take = rank >= threshold;
-    const uint32_t mask = __ballot_sync(0xffffffffu, take);
-    if (mask == 0) return;
-    uint32_t base = 0;
-    if (lane == 0) base = atomicAdd(count, static_cast<uint32_t>(__popc(mask)));
-    base = __shfl_sync(0xffffffffu, base, 0);
-    const uint32_t position = base + __popc(mask & ((1u << lane) - 1));
-    if (take && position < capacity) out[position] = rank;
+    AppendIfAtLeast(maybe ? row.RankOf(i, score) : 0, threshold, out, capacity, count);
   };
   const float* scores = row.scores + row.begin;
   int64_t done = 0;
@@ -759,6 +757,12 @@ __device__ inline uint64_t Now() {
 #define TRACE(i)
 #endif
 
+// kSampled: a streamed chunk first tries SampledGather. The kernel without it, launched only where
+// a host bound on the rows' entries says every chunk is held in shared memory, is ~55 KB of code
+// smaller, and a one-row select, which fetches its kernels' code after a cold L2, was ~9 us faster
+// with it on an H100 (docs/gpu_kernels.md, "Current figures (H100, 8c2ca96)"). A streamed chunk
+// there (a bound below a row's entries) takes the streamed select: slower, still exact.
+template <bool kSampled>
 __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
 #ifdef DSA_TOPK_TRACE
   uint64_t trace[4] = {};
@@ -811,7 +815,7 @@ __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {
     GatherAtLeast(chunk_keys, selection.threshold, cluster.map_shared_rank(candidates, 0), capacity,
                   cluster.map_shared_rank(&shared.count, 0));
   } else if (uint64_t* buffer = reinterpret_cast<uint64_t*>(cache);
-             SampledGather(source, chunk, k, buffer, hists, shared, cluster)) {
+             kSampled && SampledGather(source, chunk, k, buffer, hists, shared, cluster)) {
     // The row's K best are among the gathered ranks: the exact select runs over them.
     const BufferSource gathered{buffer, shared.gathered};
     candidates = cached_candidates;
@@ -857,6 +861,8 @@ bool CanImplementTopK(const TopKParams& p, const char** why) {
     reason = "k outside [1, 2048]";
   } else if (p.num_rows < 0) {
     reason = "num_rows < 0";
+  } else if (p.max_row_entries < 0) {
+    reason = "max_row_entries < 0";
   } else if (p.num_rows > 0 &&
              (p.scores == nullptr || p.row_score_offset == nullptr ||
               p.row_num_entries == nullptr || p.row_max_slot == nullptr || p.selection == nullptr ||
@@ -875,14 +881,16 @@ struct ClusterLimits {
   int max_active[kLogMaxCluster + 1] = {};
 };
 
+template <bool kSampled>
 ClusterLimits QueryClusterLimits() {
+  const auto kernel = TopKKernel<kSampled>;
   ClusterLimits limits;
   cudaError_t& e = limits.error;
-  e = cudaFuncSetAttribute(TopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kSmemBytes));
   if (e != cudaSuccess) return limits;
   // 16 is past the portable cluster size (8); where the device cannot hold it, it is not used.
-  if (cudaFuncSetAttribute(TopKKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
       cudaSuccess) {
     (void)cudaGetLastError();
   }
@@ -899,7 +907,7 @@ ClusterLimits QueryClusterLimits() {
     config.attrs = &attribute;
     config.numAttrs = 1;
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, TopKKernel, &config) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
       (void)cudaGetLastError();
       clusters = 0;
     }
@@ -911,6 +919,23 @@ ClusterLimits QueryClusterLimits() {
 
 constexpr int kMaxDevices = 64;
 
+// The kernel's cluster limits on `device` (in [0, kMaxDevices)), queried once.
+template <bool kSampled>
+const ClusterLimits& LimitsOn(int device) {
+  static std::once_flag once[kMaxDevices];
+  static ClusterLimits limits[kMaxDevices];
+  std::call_once(once[device], [&] { limits[device] = QueryClusterLimits<kSampled>(); });
+  return limits[device];
+}
+
+// The largest cluster (log2) with which every row's cluster is resident at once (one wave).
+int LogCluster(const ClusterLimits& limits, int num_rows) {
+  for (int i = kLogMaxCluster; i > 0; --i) {
+    if (num_rows <= limits.max_active[i]) return i;
+  }
+  return 0;
+}
+
 }  // namespace
 
 cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t stream) {
@@ -919,17 +944,21 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t stream) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  static std::once_flag once[kMaxDevices];
-  static ClusterLimits limits[kMaxDevices];
-  std::call_once(once[device], [&] { limits[device] = QueryClusterLimits(); });
-  if (limits[device].error != cudaSuccess) return limits[device].error;
-  // The largest cluster with which every row's cluster is resident at once (one wave).
-  int log_cluster = 0;
-  for (int i = kLogMaxCluster; i > 0; --i) {
-    if (p.num_rows <= limits[device].max_active[i]) {
-      log_cluster = i;
-      break;
-    }
+  // The kernel without the sampled gather where the host's bound says every chunk is cached (the
+  // kernel's own chunk rule: ceil(n / C) rounded up to 64 entries).
+  const ClusterLimits& lean = LimitsOn<false>(device);
+  if (lean.error != cudaSuccess) return lean.error;
+  int log_cluster = LogCluster(lean, p.num_rows);
+  const int64_t ctas = int64_t{1} << log_cluster;
+  const bool every_chunk_cached =
+      p.max_row_entries > 0 && p.max_row_entries <= ctas * kCacheEntries &&
+      ((p.max_row_entries + ctas - 1) / ctas + 63) / 64 * 64 <= kCacheEntries;
+  auto kernel = TopKKernel<false>;
+  if (!every_chunk_cached) {
+    const ClusterLimits& sampled = LimitsOn<true>(device);
+    if (sampled.error != cudaSuccess) return sampled.error;
+    log_cluster = LogCluster(sampled, p.num_rows);
+    kernel = TopKKernel<true>;
   }
   const unsigned cluster = 1u << log_cluster;
   // Launched without the PDL attribute (dependent_launch.cuh): launched early, while the scan
@@ -947,7 +976,7 @@ cudaError_t LaunchTopK(const TopKParams& p, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, TopKKernel, p); e != cudaSuccess) {
+  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, p); e != cudaSuccess) {
     (void)cudaGetLastError();  // returned here: not reported again by a later launch
     return e;
   }

@@ -39,6 +39,12 @@ struct TopKParams {
   /// (past 32K entries a CTA) whose sample did not hold its K best, or that skipped the sample,
   /// adds 1 (the row then took the select that reads it once a pass). For tests and profiles.
   int32_t* sampled_fallbacks = nullptr;
+  /// Optional host bound on every row's entries (row_num_entries lives on the device); 0 = none,
+  /// negative is refused. Where it says every CTA's chunk is held in shared memory, a kernel
+  /// without the streamed rows' sampled gather runs: ~55 KB less code to fetch after a cold L2,
+  /// ~9 us at one row (docs/gpu_kernels.md, "Current figures (H100, 8c2ca96)"). A row past the
+  /// bound is still selected exactly, by the slower streamed select.
+  int64_t max_row_entries = 0;
 };
 
 /// Whether TopKParams describe a launch this kernel supports; on false, *why (when not null) names

@@ -95,8 +95,9 @@ Rows MakeRows(const std::vector<RowSpec>& specs, uint32_t seed) {
 // Runs the GPU top-K over `rows` (scores at `base_offset` entries into a device buffer) and checks
 // each row against SelectTopK and, for rows up to 20,000 entries, FullSortTopK. *fallbacks (when
 // not null) receives TopKParams::sampled_fallbacks: the streamed rows that did not keep the
-// sample's gather.
-void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0, int* fallbacks = nullptr) {
+// sample's gather. max_row_entries is TopKParams' host bound (0: none).
+void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0, int* fallbacks = nullptr,
+               int64_t max_row_entries = 0) {
   const int num_rows = static_cast<int>(rows.offset.size());
   std::vector<int64_t> offset = rows.offset;
   for (int64_t& o : offset) o += base_offset;
@@ -127,6 +128,7 @@ void CheckTopK(const Rows& rows, int k, int64_t base_offset = 0, int* fallbacks 
   p.selection = d_selection.as<int32_t>();
   DeviceBuffer d_fallbacks = DeviceBuffer::From(std::vector<int32_t>{0});
   p.sampled_fallbacks = d_fallbacks.as<int32_t>();
+  p.max_row_entries = max_row_entries;
   const char* why = nullptr;
   ASSERT_TRUE(CanImplementTopK(p, &why)) << why;
   DSA_CUDA_OK(LaunchTopK(p, nullptr));
@@ -169,6 +171,11 @@ TEST(TopK, RefusesBadShapes) {
   EXPECT_TRUE(CanImplementTopK(p, &why));  // no rows
   p.num_rows = 1;
   EXPECT_FALSE(CanImplementTopK(p, &why));
+  EXPECT_EQ(LaunchTopK(p, nullptr), cudaErrorInvalidValue);
+  p.num_rows = 0;
+  p.max_row_entries = -1;
+  EXPECT_FALSE(CanImplementTopK(p, &why));
+  EXPECT_STREQ(why, "max_row_entries < 0");
   EXPECT_EQ(LaunchTopK(p, nullptr), cudaErrorInvalidValue);
 }
 
@@ -239,6 +246,34 @@ TEST(TopK, KeepsTheSampledGatherOfRepresentativeStreamedRows) {
   CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, false, Fill::kSampledLow}}, 18), 2048, 0,
             &fallbacks);
   EXPECT_EQ(fallbacks, 1) << "sampled runs far below the rest";
+}
+
+// With a host bound that says every chunk is cached, the kernel without the sampled gather runs:
+// the same selections on cached rows (one row on the largest cluster, 67 rows on the smallest);
+// and where the bound is wrong (below a streamed row's entries), that row is still exact, through
+// the streamed select, and counts as a fallback (the kernel with the sampled gather keeps the
+// gather on such a row: the test above).
+TEST(TopK, TakesTheKernelWithoutTheSampleWhereAHostBoundCachesEveryChunk) {
+  if (NoUsableGpu()) GTEST_SKIP() << "no sm_90 GPU";
+  int fallbacks = -1;
+  for (const int64_t n : {1LL, 2049LL, 16384LL, 131072LL}) {
+    CheckTopK(MakeRows({{n, n - 1, false, Fill::kRandom}}, 20), 2048, 0, &fallbacks, n);
+    EXPECT_EQ(fallbacks, 0) << n;
+    CheckTopK(MakeRows({{n, n - 1, true, Fill::kAllEqual}}, 21), 2048, 0, &fallbacks, n);
+    EXPECT_EQ(fallbacks, 0) << n;
+  }
+  std::vector<RowSpec> specs;
+  int64_t longest = 0;
+  for (int r = 0; r < 67; ++r) {
+    const int64_t n = (r % 4 == 0) ? 0 : 3000 + 300 * r;  // every chunk cached at any cluster
+    longest = std::max(longest, n);
+    specs.push_back({n, n - 1 - r, true, r % 3 == 0 ? Fill::kFewValues : Fill::kSpecials});
+  }
+  CheckTopK(MakeRows(specs, 22), 2048, 0, &fallbacks, longest);
+  EXPECT_EQ(fallbacks, 0);
+  CheckTopK(MakeRows({{1 << 20, (1 << 20) - 1, false, Fill::kRandom}}, 23), 2048, 0, &fallbacks,
+            1000);
+  EXPECT_EQ(fallbacks, 1) << "a bound below the row's entries";
 }
 
 TEST(TopK, HandlesZeroLengthRowsAndMoreRowsThanSms) {
