@@ -37,7 +37,7 @@ __device__ inline void BeginDependentKernel() {
 
 /// The kernels launched through LaunchDependent, by the names DSA_CUDA_NO_PDL takes.
 inline constexpr const char* kDependentKernelNames[] = {
-    "setup", "fill",  "layout",  "compact", "keep_all_layout", "predict",
+    "setup", "fill",  "layout",  "compact", "keep_all_layout", "layout_lists", "predict",
     "plan",  "union", "prepare", "scan",    "update"};
 
 /// Whether launches of the kernel named `name` carry the PDL attribute: yes unless the environment

@@ -280,23 +280,31 @@ __global__ void __launch_bounds__(kLayoutThreads) LayoutKernel(SelectParams p, W
   if (threadIdx.x == 0) WriteLayoutTotals(p, w, start);
 }
 
-// Every group keeps all its visible blocks (host_all_blocks, at most kLayoutThreads groups): what
-// setup, fill, union, layout and compact do in five launches, in one. A group's union of its
-// rows' prefixes 0 .. ceil((t + 1) / 64) - 1 is the longest, so each group's list is 0 .. count - 1
-// with count its rows' most visible blocks. Every CTA sums the counts itself (a thread a group,
-// one block scan); CTA 0 writes the offsets, score offsets, entry counts and update rows as
-// LayoutKernel does, and all CTAs write the lists, one grid-stride pass over the flat entries.
-__global__ void __launch_bounds__(kLayoutThreads) KeepAllLayoutKernel(SelectParams p, Workspace w) {
+// LayoutKernel and CompactKernel in one launch, for at most kLayoutThreads groups. kKeepAll: every
+// group keeps all its visible blocks (host_all_blocks), which also stands for setup, fill and
+// union: a group's union of its rows' prefixes 0 .. ceil((t + 1) / 64) - 1 is the longest, so its
+// list is 0 .. count - 1 with count its rows' most visible blocks. Else a group's list is its
+// union (or its one row's plan), union_count[g] blocks at g x max_visible_blocks. Every CTA sums
+// the counts itself (a thread a group, one block scan); CTA 0 writes the offsets, score offsets,
+// entry counts and update rows as LayoutKernel does, and all CTAs write the lists, one
+// grid-stride pass over the flat entries.
+template <bool kKeepAll>
+__global__ void __launch_bounds__(kLayoutThreads) LayoutListsKernel(SelectParams p, Workspace w) {
   BeginDependentKernel();
   __shared__ LayoutScan::TempStorage scan_storage;
   __shared__ int64_t group_start[kLayoutThreads + 1];  // block offsets; [num_groups] the total
+  void* base = p.workspace;
   const int g = static_cast<int>(threadIdx.x);
   const bool has_group = g < p.num_groups;
   const int first = has_group ? p.group_first_row[g] : 0;
   const int end = has_group ? p.group_first_row[g + 1] : 0;
   int64_t count = 0;
-  for (int r = first; r < end; ++r) {
-    count = max(count, (p.row_position[r] + kBlockSize) / kBlockSize);  // ceil((t + 1) / 64)
+  if constexpr (kKeepAll) {
+    for (int r = first; r < end; ++r) {
+      count = max(count, (p.row_position[r] + kBlockSize) / kBlockSize);  // ceil((t + 1) / 64)
+    }
+  } else {
+    if (has_group) count = At<int32_t>(base, w.union_count)[g];
   }
   const int64_t rows = end - first;
   LayoutStarts start =
@@ -307,13 +315,23 @@ __global__ void __launch_bounds__(kLayoutThreads) KeepAllLayoutKernel(SelectPara
   __syncthreads();
   if (blockIdx.x == 0 && has_group) WriteGroupLayout(p, w, g, count, start);
   if (blockIdx.x == 0 && threadIdx.x == 0) WriteLayoutTotals(p, w, start);
+  const int32_t* unions = At<int32_t>(base, w.union_blocks);
   // Entry e of the flat lists belongs to the last group that starts at or before it.
   int group = 0;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total_blocks;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     while (group_start[group + 1] <= e) ++group;  // e only grows: a forward walk
-    p.group_blocks[e] = static_cast<int32_t>(e - group_start[group]);
+    const int64_t i = e - group_start[group];
+    p.group_blocks[e] = kKeepAll ? static_cast<int32_t>(i)
+                                 : unions[static_cast<int64_t>(group) * p.max_visible_blocks + i];
   }
+}
+
+// CTAs of LayoutListsKernel: one a kLayoutThreads entries of the largest total, at most 64.
+unsigned LayoutListsCtas(const SelectParams& p) {
+  const int64_t most = static_cast<int64_t>(p.num_groups) * p.max_visible_blocks;
+  return static_cast<unsigned>(
+      std::min<int64_t>(64, std::max<int64_t>(1, (most + kLayoutThreads - 1) / kLayoutThreads)));
 }
 
 // Copies each group's union into the compacted list (grid: block chunks x groups).
@@ -431,13 +449,9 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   const Workspace w = Layout(p);
   void* base = p.workspace;
   if (p.host_all_blocks && p.num_groups <= kLayoutThreads) {
-    // Lists of 0 .. count - 1 at most max_visible_blocks a group: one CTA a kLayoutThreads
-    // entries of the largest total, at most 64 CTAs.
-    const int64_t most = static_cast<int64_t>(p.num_groups) * p.max_visible_blocks;
-    const unsigned ctas = static_cast<unsigned>(
-        std::min<int64_t>(64, std::max<int64_t>(1, (most + kLayoutThreads - 1) / kLayoutThreads)));
-    if (cudaError_t e = LaunchDependent("keep_all_layout", KeepAllLayoutKernel, dim3(ctas),
-                                        dim3(kLayoutThreads), 0, stream, p, w);
+    if (cudaError_t e =
+            LaunchDependent("keep_all_layout", LayoutListsKernel<true>, dim3(LayoutListsCtas(p)),
+                            dim3(kLayoutThreads), 0, stream, p, w);
         e != cudaSuccess) {
       return e;
     }
@@ -487,6 +501,15 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   unite.union_count = At<int32_t>(base, w.union_count);
   if (p.num_rows != p.num_groups) {  // else the plans are the unions (Layout)
     if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
+  }
+  if (p.num_groups <= kLayoutThreads) {
+    if (cudaError_t e =
+            LaunchDependent("layout_lists", LayoutListsKernel<false>, dim3(LayoutListsCtas(p)),
+                            dim3(kLayoutThreads), 0, stream, p, w);
+        e != cudaSuccess) {
+      return e;
+    }
+    return LaunchScanTopKAndUpdate(p, w, stream);
   }
   if (cudaError_t e =
           LaunchDependent("layout", LayoutKernel, dim3(1), dim3(kLayoutThreads), 0, stream, p, w);

@@ -329,14 +329,6 @@ constexpr int kPlanItems = 4;                 // consecutive blocks a thread in 
 
 __host__ __device__ __forceinline__ int64_t RoundUp4(int64_t x) { return (x + 3) / 4 * 4; }
 
-// The latest draw i < k of picks[0 .. k) that picked position `target`, or -1.
-__device__ __forceinline__ int LatestPick(const int32_t* picks, int k, int32_t target) {
-  for (int i = k - 1; i >= 0; --i) {
-    if (picks[i] == target) return i;
-  }
-  return -1;
-}
-
 __global__ void __launch_bounds__(kSelectThreads)
     PlanSharedKernel(const int64_t* __restrict__ positions, RowOffsets row_block_offset,
                      const float* __restrict__ scores, int top_k, double rho, double gamma,
@@ -347,12 +339,14 @@ __global__ void __launch_bounds__(kSelectThreads)
   using Scan = cub::BlockScan<uint32_t, kSelectThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int32_t picks[kParallelExplore];
+  __shared__ int32_t before[kParallelExplore];
   __shared__ int32_t latest[kParallelExplore];
   __shared__ int histogram[256];
   __shared__ uint32_t select_prefix;
   __shared__ int select_need;
   __shared__ int select_bin;
-  // RoundUp4(max_blocks) keys, then (exploration past kParallelExplore draws) the free list.
+  // RoundUp4(max_blocks) keys, then (exploration) the free list past kParallelExplore draws, or
+  // each position's latest draw up to it.
   extern __shared__ __align__(16) uint32_t plan_keys[];
   const int row = blockIdx.x;
   const int64_t t = positions[row];
@@ -397,8 +391,8 @@ __global__ void __launch_bounds__(kSelectThreads)
     // Position k is final after draw k and holds what position q_k held before it: the value
     // that the latest earlier draw m with q_m = q_k moved there (what position m held before
     // draw m), or q_k + 1 if none. What position m held before draw m is likewise the latest
-    // earlier draw with q = m, recursively, or m + 1. Both are found by scanning the draws, so
-    // n <= kParallelExplore draws resolve in parallel; more take the swap chain in order.
+    // earlier draw with q = m, recursively, or m + 1. So n <= kParallelExplore draws resolve from
+    // the draws alone; more take the swap chain in order.
     const uint64_t row_key = row_seed != nullptr ? row_seed[row] : seed;
     const PhiloxKey key{{static_cast<uint32_t>(row_key), static_cast<uint32_t>(row_key >> 32)}};
     const int free_count = b - 2;
@@ -410,12 +404,38 @@ __global__ void __launch_bounds__(kSelectThreads)
       return i + static_cast<int32_t>(UniformBelow(word, static_cast<uint32_t>(free_count - i)));
     };
     if (n <= kParallelExplore) {
+      // last_draw[q]: the latest draw so far that picked position q. One warp walks the draws 32
+      // at a time: a draw's latest earlier draw of the same q is the next lower lane of its
+      // __match_any_sync group, or, for the group's lowest lane, last_draw[q] of the chunks
+      // before; the group's highest lane then records itself. That is O(n / 32) steps where a
+      // scan of the earlier draws a thread was O(n) (~4 us at 61 draws, 1 x 128K).
+      int32_t* last_draw = reinterpret_cast<int32_t*>(plan_keys + RoundUp4(max_blocks));
       for (int i = threadIdx.x; i < n; i += kSelectThreads) picks[i] = pick(i);
+      for (int q = threadIdx.x; q < free_count; q += kSelectThreads) last_draw[q] = -1;
       __syncthreads();  // also orders the staged keys before the marks below
-      for (int p = threadIdx.x; p < n; p += kSelectThreads) latest[p] = LatestPick(picks, p, p);
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        for (int first = 0; first < n; first += 32) {
+          const int k = first + lane;
+          const int32_t q = k < n ? picks[k] : -1 - lane;  // past n: a group of its own
+          const uint32_t same = __match_any_sync(0xffffffffu, q);
+          const uint32_t lower = same & ((1u << lane) - 1u);
+          if (k < n) before[k] = lower != 0 ? first + 31 - __clz(lower) : last_draw[q];
+          __syncwarp();  // every lane has read last_draw before the chunk's writes
+          if (k < n && (same >> lane) == 1u) last_draw[q] = k;
+          __syncwarp();
+        }
+      }
+      __syncthreads();
+      // The latest draw m < p that picked p: every draw that picks p is <= p (q_m >= m), so it is
+      // last_draw[p] unless that is draw p itself, whose own predecessor is then the one.
+      for (int p = threadIdx.x; p < n; p += kSelectThreads) {
+        const int32_t m = last_draw[p];
+        latest[p] = m == p ? before[p] : m;
+      }
       __syncthreads();
       for (int k = threadIdx.x; k < n; k += kSelectThreads) {
-        int m = LatestPick(picks, k, picks[k]);
+        int m = before[k];
         int block = picks[k] + 1;
         if (m >= 0) {
           while (latest[m] >= 0) m = latest[m];
@@ -732,14 +752,11 @@ cudaError_t LaunchSpinPredict(const SpinPredictParams& p, cudaStream_t stream) {
   if (p.selected == nullptr) return cudaSuccess;
   const bool explores = Explores(p);
   if (p.max_visible_blocks >= 1 && p.max_visible_blocks <= kSpinSharedPlanBlocks) {
-    // S staged in shared memory: 4 bytes a block, and the free list (4 more) when more than
-    // kParallelExplore draws are possible.
+    // S staged in shared memory: 4 bytes a block, and with exploration 4 more (the free list or
+    // each position's latest draw).
     size_t shared_bytes = 4 * static_cast<size_t>(RoundUp4(p.max_visible_blocks));
-    if (explores && p.exploration_fraction * static_cast<double>(p.max_visible_blocks) + 1.0 >
-                        static_cast<double>(kParallelExplore)) {
-      shared_bytes += 4 * static_cast<size_t>(p.max_visible_blocks);
-    }
-    if (shared_bytes > 32 * 1024) {  // past 48 KiB with the ~11 KiB of static shared memory
+    if (explores) shared_bytes += 4 * static_cast<size_t>(p.max_visible_blocks);
+    if (shared_bytes > 24 * 1024) {  // past 48 KiB with the ~19 KiB of static shared memory
       if (cudaError_t e =
               cudaFuncSetAttribute(PlanSharedKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    static_cast<int>(shared_bytes));

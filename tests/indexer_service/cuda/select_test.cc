@@ -283,6 +283,18 @@ TEST_F(SelectTest, SixtyFourGroupsThroughACudaGraph) {
   Run(lengths, std::vector<int>(64, 1), Config(0.4, 0.2), 256, 3, true);
 }
 
+TEST_F(SelectTest, LaysOutMoreGroupsThanOneLayoutCtaHolds) {
+  // Past kLayoutThreads (1,024) groups the layout and the lists take two launches (LayoutKernel,
+  // CompactKernel) instead of one; one- and two-row groups, the warm-up and then SPIN.
+  std::vector<int64_t> lengths(1100);
+  std::vector<int> rows(1100);
+  for (int g = 0; g < 1100; ++g) {
+    lengths[g] = 200 + 37 * (g % 40);
+    rows[g] = 1 + g % 2;
+  }
+  Run(lengths, rows, Config(0.4, 0.1), 64, 3, false);
+}
+
 TEST(SelectCheckTest, RefusesWhatItCannotRun) {
   SelectParams p;
   p.num_groups = 1;
