@@ -508,16 +508,16 @@ __global__ void __launch_bounds__(kSelectThreads)
           const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
           if (lane >= offset) inclusive += other;
         }
-        int before = inclusive - lane_sum;
-        if (before < need && need <= inclusive) {
+        int taken_before = inclusive - lane_sum;
+        if (taken_before < need && need <= inclusive) {
           for (int k = 0; k < 8; ++k) {
-            if (before + counts[k] >= need) {
+            if (taken_before + counts[k] >= need) {
               select_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - k) << shift);
-              select_need = need - before;
+              select_need = need - taken_before;
               select_bin = counts[k];
               break;
             }
-            before += counts[k];
+            taken_before += counts[k];
           }
         }
       }

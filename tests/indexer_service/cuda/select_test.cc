@@ -47,18 +47,20 @@ class SelectTest : public ::testing::Test {
     if (NoUsableGpu()) GTEST_SKIP() << "no usable GPU";
   }
 
-  // Builds `lengths.size()` groups, prefills each, then runs `steps` selects (the first is every
-  // group's warm-up), appending `rows` keys per group before each later step, and compares each
-  // step's GPU results with the CPU's.
+  // Builds `lengths.size()` groups, prefills each, then runs `steps` selects (a group's first is
+  // its warm-up), appending `rows` keys per group before each later step, and compares each
+  // step's GPU results with the CPU's. Group g joins the batch at step join_step[g] (all at step 0
+  // when empty), so a step can mix groups in their warm-up with groups planned by SPIN.
   void Run(const std::vector<int64_t>& lengths, const std::vector<int>& rows_per_group,
-           const SpinConfig& config, int top_k, int steps, bool through_graph) {
+           const SpinConfig& config, int top_k, int steps, bool through_graph,
+           const std::vector<int>& join_step = {}) {
     std::mt19937 rng(17);
     int64_t capacity_blocks = 0;
     for (int64_t n : lengths) capacity_blocks += CeilDiv(n + steps * 4 + 64, kBlockSize) + 1;
     auto cache = IndexKeyCache::Create(capacity_blocks, kDim);
     ASSERT_TRUE(cache.ok());
     std::vector<Group> groups;
-    for (size_t g = 0; g < lengths.size(); ++g) {
+    auto join = [&](size_t g) {
       SpinConfig c = config;
       c.seed = 1000 + g;  // as if mixed with the sequence id
       Group group{g + 1, rows_per_group[g], SpinState(c, top_k, 3), {}, {}, 0};
@@ -70,13 +72,17 @@ class SelectTest : public ::testing::Test {
       const std::vector<float> keys = ExactKeys(rng, lengths[g], kDim);
       ASSERT_TRUE(cache->Append(group.id, 0, keys, lengths[g]).ok());
       groups.push_back(std::move(group));
-    }
+    };
     for (int step = 0; step < steps; ++step) {
       if (step > 0) {
         for (Group& group : groups) {
           const std::vector<float> keys = ExactKeys(rng, group.rows, kDim);
           ASSERT_TRUE(cache->Append(group.id, 0, keys, group.rows).ok());
         }
+      }
+      for (size_t g = 0; g < lengths.size(); ++g) {
+        if ((join_step.empty() ? 0 : join_step[g]) == step) join(g);
+        if (HasFatalFailure()) return;
       }
       RunStep(*cache, groups, config, top_k, rng, through_graph, step);
       if (HasFatalFailure()) return;
@@ -293,6 +299,15 @@ TEST_F(SelectTest, LaysOutMoreGroupsThanOneLayoutCtaHolds) {
     rows[g] = 1 + g % 2;
   }
   Run(lengths, rows, Config(0.4, 0.1), 64, 3, false);
+}
+
+TEST_F(SelectTest, MixesGroupsInTheirWarmUpWithSpinGroups) {
+  // Groups that join at step 1 or 2 take every block (their warm-up) in the same batch as groups
+  // planned by SPIN: the fill beside the plan, then the layout of both. With verifier rows (the
+  // union) and with one row a group (the plans are the unions).
+  Run({3000, 5000, 7000, 900, 2100}, {1, 2, 1, 3, 1}, Config(0.4, 0.05), 256, 4, false,
+      {0, 0, 1, 1, 2});
+  Run({3000, 5000, 7000, 900}, {1, 1, 1, 1}, Config(0.4, 0.05), 256, 3, true, {0, 1, 1, 2});
 }
 
 TEST(SelectCheckTest, RefusesWhatItCannotRun) {
