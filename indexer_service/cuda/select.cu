@@ -397,6 +397,19 @@ cudaError_t LaunchScanTopKAndUpdate(const SelectParams& p, const Workspace& w,
   return cudaGetLastError();
 }
 
+// LayoutListsKernel<kKeepAll> (at most kLayoutThreads groups), then the scan, top-K and update.
+template <bool kKeepAll>
+cudaError_t LaunchLayoutListsAndTheRest(const SelectParams& p, const Workspace& w,
+                                        cudaStream_t stream) {
+  if (cudaError_t e = LaunchDependent(kKeepAll ? "keep_all_layout" : "layout_lists",
+                                      LayoutListsKernel<kKeepAll>, dim3(LayoutListsCtas(p)),
+                                      dim3(kLayoutThreads), 0, stream, p, w);
+      e != cudaSuccess) {
+    return e;
+  }
+  return LaunchScanTopKAndUpdate(p, w, stream);
+}
+
 }  // namespace
 
 bool CanImplementSelect(const SelectParams& p, const char** why) {
@@ -449,13 +462,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   const Workspace w = Layout(p);
   void* base = p.workspace;
   if (p.host_all_blocks && p.num_groups <= kLayoutThreads) {
-    if (cudaError_t e =
-            LaunchDependent("keep_all_layout", LayoutListsKernel<true>, dim3(LayoutListsCtas(p)),
-                            dim3(kLayoutThreads), 0, stream, p, w);
-        e != cudaSuccess) {
-      return e;
-    }
-    return LaunchScanTopKAndUpdate(p, w, stream);
+    return LaunchLayoutListsAndTheRest<true>(p, w, stream);
   }
   // Every group one row, every one planned by SPIN: the plan reads the groups' arrays as the rows'
   // (a row's plan at row x max_visible_blocks), and nothing needs the setup's per-row arrays.
@@ -502,15 +509,7 @@ cudaError_t LaunchSelect(const SelectParams& p, cudaStream_t stream) {
   if (p.num_rows != p.num_groups) {  // else the plans are the unions (Layout)
     if (cudaError_t e = LaunchSpinUnion(unite, stream); e != cudaSuccess) return e;
   }
-  if (p.num_groups <= kLayoutThreads) {
-    if (cudaError_t e =
-            LaunchDependent("layout_lists", LayoutListsKernel<false>, dim3(LayoutListsCtas(p)),
-                            dim3(kLayoutThreads), 0, stream, p, w);
-        e != cudaSuccess) {
-      return e;
-    }
-    return LaunchScanTopKAndUpdate(p, w, stream);
-  }
+  if (p.num_groups <= kLayoutThreads) return LaunchLayoutListsAndTheRest<false>(p, w, stream);
   if (cudaError_t e =
           LaunchDependent("layout", LayoutKernel, dim3(1), dim3(kLayoutThreads), 0, stream, p, w);
       e != cudaSuccess) {

@@ -760,7 +760,7 @@ __device__ inline uint64_t Now() {
 // kSampled: a streamed chunk first tries SampledGather. The kernel without it, launched only where
 // a host bound on the rows' entries says every chunk is held in shared memory, is ~55 KB of code
 // smaller, and a one-row select, which fetches its kernels' code after a cold L2, was ~9 us faster
-// with it on an H100 (docs/gpu_kernels.md, "Current figures (H100, 8c2ca96)"). A streamed chunk
+// with it on an H100 (docs/history/gpu_kernels_steps.md, steps 18 and 19). A streamed chunk
 // there (a bound below a row's entries) takes the streamed select: slower, still exact.
 template <bool kSampled>
 __global__ void __launch_bounds__(kThreads) TopKKernel(TopKParams p) {

@@ -42,7 +42,7 @@ struct TopKParams {
   /// Optional host bound on every row's entries (row_num_entries lives on the device); 0 = none,
   /// negative is refused. Where it says every CTA's chunk is held in shared memory, a kernel
   /// without the streamed rows' sampled gather runs: ~55 KB less code to fetch after a cold L2,
-  /// ~9 us at one row (docs/gpu_kernels.md, "Current figures (H100, 8c2ca96)"). A row past the
+  /// ~9 us at one row (docs/history/gpu_kernels_steps.md, steps 18 and 19). A row past the
   /// bound is still selected exactly, by the slower streamed select.
   int64_t max_row_entries = 0;
 };
