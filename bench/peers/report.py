@@ -43,6 +43,15 @@ def _checks(r: dict) -> str:
     return f"{same}, {top}"
 
 
+def _extra_versions(extra: dict) -> str:
+    """The peers' versions an extra JSON names: DeepSelect's, or each peer group's origin."""
+    if "deepselect" in extra:
+        return f", DeepSelect {extra.get('deepselect') or '?'}"
+    origins = [f"{name}: {peer['origin']}" for name, peer in (extra.get("peers") or {}).items()
+               if isinstance(peer, dict) and peer.get("origin")]
+    return "; " + "; ".join(origins) if origins else ""
+
+
 def _extra_label(extra: dict) -> str:
     return os.path.basename(extra.get("source", "extra")).replace(".py", "")
 
@@ -170,7 +179,7 @@ def main() -> int:
         label = _extra_label(extra)
         header += [
             f"Columns from `{extra.get('source', label)}` ({extra.get('device', '?')}, "
-            f"{extra['scores']} scores, DeepSelect {extra.get('deepselect') or '?'}): "
+            f"{extra['scores']} scores{_extra_versions(extra)}): "
             f"{extra.get('timing', 'its own timing')}; their `/ dsa` is to our top-K timed in "
             f"that same process (column \"dsa ({label})\") where it ran. \"top-K\" there also "
             "requires the K scores to equal torch.topk's as a multiset; \"n/a\": not comparable "
