@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Times DeepGEMM's paged fp8 indexer logits (deepseek-ai/DeepGEMM `fp8_paged_mqa_logits`, the DSA
 scan that SGLang and vLLM call at decode; a PyTorch extension, not part of this repo) beside our scan
-(dsa_kernels, python/) in one Python process, on one paged fp8 key cache, and writes JSON.
+(dsa_kernels, python/), both in one child process a shape, on one paged fp8 key cache, and writes
+JSON.
 
 What it does, per shape (rows x slots; H 64 heads and D 128 by default, DeepSeek V3.2's indexer):
   - inputs: one key cache of rows * slots / 64 blocks of 64 x (D + 4) bytes, 64 x D fp8 e4m3 codes
@@ -39,7 +40,8 @@ What it does, per shape (rows x slots; H 64 heads and D 128 by default, DeepSeek
 
 Neither library is built here: --deepgemm-dir names a DeepGEMM tree whose deep_gemm package holds
 its built _C extension and deep_gemm/include with cute/ and cutlass/ beside deep_gemm/ (the JIT
-compiles with -I deep_gemm/include; carry-p/deepgemm.sh builds one in place), and --dsa-dir the
+compiles with -I deep_gemm/include; bench/peers/deepgemm.sh builds one in place from the tarball
+bench/peers/fetch_deepgemm.sh assembles), and --dsa-dir the
 python/ folder built in place (setup.py build_ext --inplace).
 
 usage: python3 bench/peers/deepgemm_bench.py --deepgemm-dir DEEPGEMM_DIR --out results.json

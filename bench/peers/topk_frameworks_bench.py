@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Times the top-K kernels that vLLM and SGLang (sgl-kernel, JIT) run for DeepSeek V3.2's
-sparse-attention indexer beside our top-K (dsa_kernels, python/) in one Python process, on the
-scores bench_topk_peers uses, and writes JSON in bench_topk_peers' schema so
+sparse-attention indexer beside our top-K (dsa_kernels, python/), each peer group in a child
+process with ours timed in it too, on the scores bench_topk_peers uses, and writes JSON in bench_topk_peers' schema so
 bench/peers/report.py --extra merges it into the same table. The pattern (scores, timing,
 checks, JSON) is deepselect_bench.py's, whose helpers this script imports.
 
-The peers are not part of this repo: their sources (each with its license and a small binding, see
-the README beside them) sit in a folder given by --peers-dir, and each peer group is compiled
+The peers are not part of this repo: their sources (each with its license and our small binding,
+see bench/peers/frameworks/README.md; bench/peers/fetch_frameworks.sh assembles them, by default
+into build/peers/frameworks) sit in a folder given by --peers-dir, and each peer group is compiled
 there with torch.utils.cpp_extension.load (sm_90a), its build under --build-dir:
   - group `vllm` (vLLM's csrc: sampler.cu, topk.cu, cooperative_topk.cu, registered as
     torch.ops.vllm_peer.* with vLLM's own schemas), methods
@@ -46,11 +47,12 @@ ended; the method it was in gets a null with the reason, and a new child goes on
 shape (a method that stalled is not run again). The `dsa` rows are those of the first child that
 timed each shape; every peer row also carries "dsa_us_same_process", ours timed in its child.
 
-usage: python3 bench/peers/topk_frameworks_bench.py --peers-dir carry-t --out results.json
+usage: python3 bench/peers/topk_frameworks_bench.py --peers-dir build/peers/frameworks --out r.json
            [--build-dir /tmp/topk_peers_build] [--shapes 1x16384,...] [--scores bell|equal]
            [--k 2048] [--methods vllm_cooperative,...] [--reps 30] [--warmup 5]
            [--stall-s 60] [--budget-s 0] [--build-only]
-carry-t/topk_peers.sh runs it on the GPU host (builds first, then bell and all-equal scores).
+bench/peers/frameworks/topk_peers.sh runs it on the GPU host (builds, then bell and all-equal
+scores).
 """
 from __future__ import annotations
 
