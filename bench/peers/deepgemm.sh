@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds DeepGEMM (a source tarball: deepseek-ai/DeepGEMM 54e2261 with its cutlass and fmt
 # headers, as bench/peers/fetch_deepgemm.sh assembles it) and our python/ module on the GPU host,
-# then runs bench/peers/deepgemm_bench.py (DeepGEMM's fp8_paged_mqa_logits beside our scan, one
-# process a shape). Writes $OUT/deepgemm_results.tar.gz: the bench JSON, this run's log and both
-# build logs.
+# calls DeepGEMM's metadata alone in a process (its native stack printed on a crash, through
+# segv_backtrace.c), then runs bench/peers/deepgemm_bench.py (DeepGEMM's fp8_paged_mqa_logits
+# beside our scan, one process a shape). Writes $OUT/deepgemm_results.tar.gz: the bench JSON, this
+# run's log, both build logs and the lone call's log.
 #
 # usage (GPU host, repo root):
 #   bash bench/peers/deepgemm.sh [TARBALL] [extra deepgemm_bench.py args]
@@ -98,6 +99,19 @@ PYEOF
   ( cd "$DG" && timeout 60 "$PY" -c 'import deep_gemm; print("deep_gemm", deep_gemm.__version__, deep_gemm.__file__, "sms", deep_gemm.get_num_sms(), "pdl", deep_gemm.get_pdl())' ) || log "deep_gemm import failed (rc=$?)"
   ( cd "$REPO/python" && timeout 30 "$PY" -c 'import dsa_kernels as dk; print("dsa_kernels", dk.__file__)' ) || log "dsa_kernels import failed (rc=$?)"
 
+  # DeepGEMM alone in a process (no dsa_kernels loaded), its metadata call at one 64K context,
+  # with the native stack printed if it crashes (segv_backtrace.c: the host has no gdb).
+  log "DeepGEMM alone: get_paged_mqa_logits_metadata, native stack on a crash"
+  gcc -shared -fPIC -O1 -o "$W/libsegv_backtrace.so" "$REPO/bench/peers/segv_backtrace.c" ||
+    log "segv_backtrace build failed"
+  ( cd "$DG" && LD_PRELOAD="$W/libsegv_backtrace.so" timeout 120 "$PY" -X faulthandler -c '
+import torch, deep_gemm
+ctx = torch.full((1, 1), 65536, dtype=torch.int32, device="cuda")
+meta = deep_gemm.get_paged_mqa_logits_metadata(ctx, 64, deep_gemm.get_num_sms())
+torch.cuda.synchronize()
+print("metadata ok", tuple(meta.shape))' ) > "$W/deepgemm_alone.log" 2>&1
+  log "DeepGEMM alone rc=$?"; tail -40 "$W/deepgemm_alone.log"
+
   local left=$(( DEADLINE_S - ($(date +%s) - T0) - 20 ))
   local budget=$(( left < BENCH_BUDGET_S ? left : BENCH_BUDGET_S ))
   if [ "$budget" -lt 30 ]; then budget=30; fi
@@ -113,6 +127,7 @@ rm -rf "$W"; mkdir -p "$W" "$OUT"
 main "$@" 2>&1 | tee "$W/deepgemm_run.log"
 log "pack results" | tee -a "$W/deepgemm_run.log"
 ( cd "$W" && tar -czf "$OUT/deepgemm_results.tar.gz" \
-    $(ls deepgemm_bench.json deepgemm_run.log deepgemm_build.log dsa_build.log 2>/dev/null) )
+    $(ls deepgemm_bench.json deepgemm_run.log deepgemm_build.log dsa_build.log \
+         deepgemm_alone.log 2>/dev/null) )
 ls -l "$OUT"
 log "done"
