@@ -270,6 +270,23 @@ def _poisoned() -> Optional[str]:
         return _reason(e)
 
 
+def first_call(fn: Callable[[], object], what: str, refuse: Callable[[str], None]):
+    """Calls fn once and waits for the GPU (its first call: a refusal shows here). Returns
+    (True, its result); on an exception, refuse(reason) and (False, None), or BenchError naming
+    `what` when the failure left a CUDA error, which poisons this process's context."""
+    import torch
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return True, out
+    except Exception as e:  # noqa: BLE001 - the library refused the shape
+        sticky = _poisoned()
+        refuse(_reason(e))
+        if sticky:
+            raise BenchError(f"{what} left a CUDA error: {sticky}") from None
+        return False, None
+
+
 def run_dsa(inp: Inputs, args, timer: Timer, report: ChildReport, floor_us: float,
             outputs: Dict[str, "torch.Tensor"]) -> None:
     import torch
@@ -303,16 +320,12 @@ def run_dsa(inp: Inputs, args, timer: Timer, report: ChildReport, floor_us: floa
         if kind != 0:
             raise (ValueError if kind == 1 else RuntimeError)(message)
 
-    report.stage("dsa: first call")
-    try:
-        launch()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - the kernel refused the shape
-        entry["refused"] = _reason(e)
-        sticky = _poisoned()
+    def refuse(reason: str) -> None:
+        entry["refused"] = reason
         report.write()
-        if sticky:
-            raise BenchError(f"dsa left a CUDA error: {sticky}")
+
+    report.stage("dsa: first call")
+    if not first_call(launch, "dsa", refuse)[0]:
         return
     report.stage("dsa: check")
     out = scores.view(rows, slots)
@@ -383,14 +396,9 @@ def run_deepgemm(inp: Inputs, args, timer: Timer, report: ChildReport, floor_us:
         return deep_gemm.get_paged_mqa_logits_metadata(context_lens, BLOCK_SLOTS, num_sms)
 
     report.stage("deepgemm: metadata, first call (JIT)")
-    try:
-        schedule = metadata()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        sticky = _poisoned()
-        refuse(f"get_paged_mqa_logits_metadata: {_reason(e)}")
-        if sticky:
-            raise BenchError(f"deepgemm metadata left a CUDA error: {sticky}")
+    ran, schedule = first_call(metadata, "deepgemm metadata",
+                               lambda r: refuse(f"get_paged_mqa_logits_metadata: {r}"))
+    if not ran:
         return
     report.stage("deepgemm: metadata timing")
     meta_entry["us"], meta_entry["host_us"] = (round(x, 2) for x in timer.median_us(metadata))
@@ -404,14 +412,9 @@ def run_deepgemm(inp: Inputs, args, timer: Timer, report: ChildReport, floor_us:
             clean_logits=False)
 
     report.stage("deepgemm: logits, first call (JIT)")
-    try:
-        logits = launch()
-        torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001
-        sticky = _poisoned()
-        refuse(f"fp8_paged_mqa_logits: {_reason(e)}")
-        if sticky:
-            raise BenchError(f"deepgemm logits left a CUDA error: {sticky}")
+    ran, logits = first_call(launch, "deepgemm logits",
+                             lambda r: refuse(f"fp8_paged_mqa_logits: {r}"))
+    if not ran:
         return
     report.stage("deepgemm: check")
     entry["logits_shape"] = list(logits.shape)

@@ -272,6 +272,28 @@ def ours_method(dk, scores, k: int) -> Method:
     return Method("dsa", prepare, lambda: state["sel"], "fp32")
 
 
+def first_launch(method: Method, slots: int, k: int):
+    """Prepares `method` for rows of `slots` entries and runs it once (K above slots is refused).
+    Returns (launch, None, None) when it ran; (None, reason, None) when it refused the shape;
+    (None, reason, sticky) when the refusal also left a CUDA error, which poisons this process's
+    context: the caller must stop."""
+    import torch
+    try:
+        if slots < k:
+            raise ValueError(f"slots {slots} < K {k}")
+        launch = method.prepare()
+        launch()
+        torch.cuda.synchronize()
+        return launch, None, None
+    except Exception as e:  # the method refused the shape
+        reason = f"{type(e).__name__}: {e}".strip()[:400]
+        try:
+            torch.cuda.synchronize()
+        except Exception as sticky:  # a device error poisons the context
+            return None, reason, str(sticky)
+        return None, reason, None
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 def parse_shapes(text: str):
@@ -361,18 +383,11 @@ def run(args) -> dict:
                 results.append(entry)
                 print(f"{shape:<10} {name:<16} {'not run':>9}")
                 continue
-            try:
-                if slots < k:
-                    raise ValueError(f"slots {slots} < K {k}")
-                launch = method.prepare()
-                launch()
-                torch.cuda.synchronize()
-            except Exception as e:  # the method refused the shape
-                entry["refused"] = f"{type(e).__name__}: {e}".strip()[:400]
-                try:
-                    torch.cuda.synchronize()
-                except Exception as sticky:  # a device error poisons the context: stop here
-                    raise BenchError(f"{name} on {shape} left a CUDA error: {sticky}") from None
+            launch, refused, sticky = first_launch(method, slots, k)
+            if refused is not None:
+                entry["refused"] = refused
+                if sticky is not None:  # the context is poisoned: stop here
+                    raise BenchError(f"{name} on {shape} left a CUDA error: {sticky}")
                 results.append(entry)
                 print(f"{shape:<10} {name:<16} {'refused':>9} ({entry['refused'][:80]})")
                 continue

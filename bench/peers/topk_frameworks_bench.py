@@ -387,21 +387,14 @@ def run_child(args) -> int:
                 events.put(event="result", entry=entry)
                 continue
             events.put(event="start", shape=shape, method=name)
-            try:
-                if slots < k:
-                    raise ValueError(f"slots {slots} < K {k}")
-                launch = method.prepare()
-                launch()
-                torch.cuda.synchronize()
-            except Exception as e:  # the method refused the shape
-                entry["refused"] = f"{type(e).__name__}: {e}".strip()[:400]
-                try:
-                    torch.cuda.synchronize()
-                except Exception as sticky:  # a device error poisons the context: stop here
-                    entry["refused"] = (f"CUDA error left by the launch: {sticky}"[:400])
+            launch, refused, sticky = ds.first_launch(method, slots, k)
+            if refused is not None:
+                if sticky is not None:  # the context is poisoned: stop here
+                    entry["refused"] = f"CUDA error left by the launch: {sticky}"[:400]
                     events.put(event="result", entry=entry)
                     events.put(event="poisoned", shape=shape, method=name)
                     return 3
+                entry["refused"] = refused
                 events.put(event="result", entry=entry)
                 print(f"{shape:<10} {name:<18} {'refused':>9} ({entry['refused'][:80]})",
                       flush=True)

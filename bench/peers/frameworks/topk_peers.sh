@@ -61,18 +61,13 @@ pack() {
      echo "build dsa_kernels rc=$? ${SECONDS}s") &
     pids+=($!)
   fi
-  (timeout 240 python3 $BENCH --build-only --methods vllm_cooperative --peers-dir "$PEERS" \
-     --build-dir "$B" --out "$W/unused.json" > "$W/build_vllm.log" 2>&1;
-   echo "build vllm peer rc=$? ${SECONDS}s") &
-  pids+=($!)
-  (timeout 240 python3 $BENCH --build-only --methods sgl_fast_topk_v2 --peers-dir "$PEERS" \
-     --build-dir "$B" --out "$W/unused.json" > "$W/build_sgl.log" 2>&1;
-   echo "build sgl-kernel peer rc=$? ${SECONDS}s") &
-  pids+=($!)
-  (timeout 240 python3 $BENCH --build-only --methods sglang_topk_v2 --peers-dir "$PEERS" \
-     --build-dir "$B" --out "$W/unused.json" > "$W/build_sglang.log" 2>&1;
-   echo "build sglang JIT peer rc=$? ${SECONDS}s") &
-  pids+=($!)
+  for peer in "vllm vllm_cooperative" "sgl sgl_fast_topk_v2" "sglang sglang_topk_v2"; do
+    read -r group method <<< "$peer"  # building one method of a group builds the group
+    (timeout 240 python3 $BENCH --build-only --methods "$method" --peers-dir "$PEERS" \
+       --build-dir "$B" --out "$W/unused.json" > "$W/build_$group.log" 2>&1;
+     echo "build $group peer rc=$? ${SECONDS}s") &
+    pids+=($!)
+  done
   wait "${pids[@]}"
   echo "builds done ${SECONDS}s"
   grep -hiE "error|failed" "$W"/build_*.log | head -20
