@@ -1,8 +1,10 @@
 // bench_gpu_topk: times the GPU top-K (K = 2048) alone on synthetic scores (normal-like, from a
 // hash; the scan's layout: entries through a logical block list), L2 flushed before each run,
 // median of 30 after 5 warm-up runs. A shape ending in 'e' (64x65536e) has every score equal (1.0:
-// the histograms' worst case for same-address atomics). usage: bench_gpu_topk [--shapes
-// 1x16384,...]
+// the histograms' worst case for same-address atomics). --host-bound passes the rows' length as
+// TopKParams::max_row_entries, as the select and the scoring device do, so that the kernel without
+// the sampled gather runs where every chunk is cached; without it the sampled kernel runs.
+// usage: bench_gpu_topk [--shapes 1x16384,...] [--host-bound]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,8 +26,16 @@ using dsa::bench::DeviceCopy;
 
 int main(int argc, char** argv) {
   std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--shapes") == 0) shapes = argv[i + 1];
+  bool host_bound = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
+      shapes = argv[++i];
+    } else if (std::strcmp(argv[i], "--host-bound") == 0) {
+      host_bound = true;
+    } else {
+      std::fprintf(stderr, "bench_gpu_topk: unknown argument %s\n", argv[i]);
+      return 2;
+    }
   }
   const dsa::bench::L2Flush flush;
   std::printf("%5s %8s %5s %10s\n", "rows", "slots", "equal", "topk_us");
@@ -58,6 +68,7 @@ int main(int argc, char** argv) {
     p.row_max_slot = DeviceCopy(max_slot);
     p.k = 2048;
     p.selection = selection;
+    if (host_bound) p.max_row_entries = blocks_per_row * 64;
     const double us =
         dsa::bench::MedianUs([&] { return dsa::cuda::LaunchTopK(p, nullptr); }, flush);
     std::printf("%5d %8lld %5s %10.1f\n", rows, static_cast<long long>(slots), equal ? "yes" : "no",
