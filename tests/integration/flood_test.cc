@@ -144,10 +144,12 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
       for (int n = 0; !stop.load(); ++n) {
         grpc::ClientContext context;
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-        // A retrying client's behaviour: a connection that fails to open (one was seen under a
-        // CI machine's load, the flood's threads spinning on its fast UNAVAILABLE) holds the call
-        // until the channel reconnects instead of failing it. Nothing was sent then; a status
-        // the coordinator returns, or a stream it drops, still fails the call.
+        // A retrying client's behaviour: a connection that fails to open holds the call until the
+        // channel reconnects instead of failing it. gRPC 1.51's TCP connect can fail spuriously
+        // under load: it reads errno after other calls have overwritten it (a CI run saw
+        // "ipv4:...: No such file or directory"; addressed upstream in grpc/grpc pull request
+        // 35064). Nothing was sent then; a status the coordinator returns, or a stream it drops,
+        // still fails the call.
         context.set_wait_for_ready(true);
         {
           absl::MutexLock lock(&mu);
