@@ -10,8 +10,15 @@ table of the same score kind and K (a table of their own if there is none). Thei
 `dsa` row of the same extra file, ours timed in that same process, where it has one; its `dsa` row
 itself is shown as a column "dsa (<source>)". A check that does not apply (null) reads "n/a".
 
+--scan adds the scan's peer (bench/peers/deepgemm_bench.py: DeepGEMM's fp8_paged_mqa_logits beside
+our scan, each shape in one child process): a table of its own, each method's median, its share of
+the HBM floor, DeepGEMM's time over ours, and each method's largest relative error against the
+float64 reference; a method that did not run reads "refused" with the first reason under the
+table.
+
 usage: python3 bench/peers/report.py OUT/topk_peers_bell.json [OUT/topk_peers_equal.json ...]
-           [--extra OUT/deepselect_bell.json ...] --commit SHA --markdown docs/results/topk_peers_h200.md
+           [--extra OUT/deepselect_bell.json ...] [--scan OUT/deepgemm_bench.json]
+           --commit SHA --markdown docs/results/topk_peers_h200.md
 """
 from __future__ import annotations
 
@@ -128,6 +135,75 @@ def table(report: dict, extras: Optional[List[dict]] = None) -> List[str]:
     return lines
 
 
+def _short_reason(reason: str) -> str:
+    """A refusal's reason up to its captured output (the Python stack a crash printed)."""
+    return reason.split("; last output:")[0].strip()
+
+
+def scan_table(scan: dict) -> List[str]:
+    """The scan's peer as markdown: a row a shape, ours and each peer method."""
+    by_shape: Dict[str, Dict[str, dict]] = {}
+    floors: Dict[str, float] = {}
+    for r in scan["results"]:
+        by_shape.setdefault(r["shape"], {})[r["method"]] = r
+        if r.get("floor_us") is not None:
+            floors[r["shape"]] = r["floor_us"]
+    methods_seen = [m for m in (scan.get("methods") or {}) if m != "dsa"] or sorted(
+        {r["method"] for r in scan["results"]} - {"dsa"})
+    # A method that produces no scores (DeepGEMM's schedule, "query" null) gets its time only.
+    side = {m for m in methods_seen
+            if all(r.get("query") is None for r in scan["results"] if r["method"] == m)}
+    peers = [m for m in methods_seen if m not in side]
+    head = "| rows x slots | floor (us) | dsa (us) | dsa % of floor | dsa max rel err |"
+    for m in peers:
+        head += f" {m} (us) | {m} % of floor | {m} / dsa | {m} max rel err |"
+    for m in methods_seen:
+        if m in side:
+            head += f" {m} (us) |"
+    lines = [head, "|" + "---|" * (5 + 4 * len(peers) + len(side))]
+    reasons: Dict[str, str] = {}
+
+    def err(r: dict) -> str:
+        e = r.get("max_rel_err")
+        return "%.1e" % e if e is not None else "n/a"
+
+    for shape, methods in by_shape.items():
+        floor = floors.get(shape)
+        ours = methods.get("dsa", {})
+        ours_us = ours.get("us")
+        cells = [shape.replace("x", " x "), "%.2f" % floor if floor else "?"]
+        if ours_us:
+            cells += ["%.1f" % ours_us, "%.0f %%" % (100 * floor / ours_us) if floor else "?",
+                      err(ours)]
+        else:
+            cells += ["refused", "", ""]
+            if ours.get("refused"):
+                reasons.setdefault("dsa", _short_reason(ours["refused"]))
+        for m in peers:
+            r = methods.get(m, {})
+            us = r.get("us")
+            if us is None:
+                cells += ["refused" if r else "not run", "", "", ""]
+                if r.get("refused"):
+                    reasons.setdefault(m, _short_reason(r["refused"]))
+                continue
+            cells += ["%.1f" % us, "%.0f %%" % (100 * floor / us) if floor else "?",
+                      "%.2fx" % (us / ours_us) if ours_us else "", err(r)]
+        for m in methods_seen:
+            if m not in side:
+                continue
+            r = methods.get(m, {})
+            cells.append("%.1f" % r["us"] if r.get("us") is not None else
+                         ("refused" if r else "not run"))
+            if r and r.get("us") is None and r.get("refused"):
+                reasons.setdefault(m, _short_reason(r["refused"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    if reasons:
+        lines.append("")
+        lines += [f"- `{m}` refused (first reason): {why}" for m, why in reasons.items()]
+    return lines
+
+
 def _load(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
@@ -139,11 +215,13 @@ def main() -> int:
     parser.add_argument("--extra", action="append", default=[], metavar="PATH",
                         help="JSON of the same schema from another harness "
                              "(bench/peers/deepselect_bench.py); repeatable")
+    parser.add_argument("--scan", metavar="PATH",
+                        help="bench/peers/deepgemm_bench.py's JSON: the scan against DeepGEMM")
     parser.add_argument("--commit", required=True)
     parser.add_argument("--markdown", required=True)
     args = parser.parse_args()
-    if not args.reports and not args.extra:
-        parser.error("give at least one report (positional) or --extra")
+    if not args.reports and not args.extra and not args.scan:
+        parser.error("give at least one report (positional), --extra or --scan")
     reports = [_load(p) for p in args.reports]
     extras = [_load(p) for p in args.extra]
     # An extra joins the table of the same score kind and K; the rest get a table of their own.
@@ -171,7 +249,8 @@ def main() -> int:
 
     peers = (["FlashInfer 0.7.4"] if reports else []) + sorted(
         {peer_names(extra) for extra in extras})
-    header = [f"# Top-K against {' and '.join(peers)}, in the same run", ""]
+    named = ", ".join(peers[:-1]) + " and " + peers[-1] if len(peers) > 1 else "".join(peers)
+    header = [f"# Top-K against {named}, in the same run", ""]
     if reports:
         header += [
             f"`bench_topk_peers` (bench/peers/) on binaries of commit {args.commit}: medians of 30 "
@@ -198,6 +277,20 @@ def main() -> int:
             "Methods: " + "; ".join(f"`{m}`: {d}" for m, d in _extra_methods(extra)) + ".",
             "",
         ]
+    if args.scan:
+        scan = _load(args.scan)
+        dg = scan.get("deepgemm") or {}
+        version = " ".join(str(v) for v in (dg.get("version"), (dg.get("commit") or "")[:7]) if v)
+        out += [f"## The scan against DeepGEMM's paged fp8 logits ({scan.get('device', '?')})", "",
+                f"`{scan.get('source', 'deepgemm_bench.py')}` (DeepGEMM {version or '?'}; H "
+                f"{scan.get('heads', '?')}, D {scan.get('head_dim', '?')}): "
+                f"{scan.get('timing', 'its own timing')}. Queries: {scan.get('queries', '?')}. "
+                f"Floor: {scan.get('floor', '?')}. Methods: "
+                + "; ".join(f"`{m}`: {d}" for m, d in (scan.get("methods") or {}).items()) + ".",
+                ""]
+        out += scan_table(scan) + [""]
+        if not reports and not extras:
+            header = ["# The scan against DeepGEMM, in the same run", ""]
     with open(args.markdown, "w", encoding="utf-8") as f:
         f.write("\n".join(header + out))
     return 0
