@@ -265,7 +265,10 @@ def ours_method(dk, scores, k: int) -> Method:
         state["sel"] = sel
 
         def launch():
-            kind, message = dk._C.topk_into(scores, offsets, entries, max_slot, k, None, None, sel)
+            # The host bound on the rows' entries, as bench_topk_peers passes it and as every
+            # peer is told the rows' length.
+            kind, message = dk._C.topk_into(scores, offsets, entries, max_slot, k, None, None, sel,
+                                            slots)
             if kind != 0:
                 raise RuntimeError(message)
         return launch

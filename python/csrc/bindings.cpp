@@ -286,7 +286,8 @@ Result ScanInto(const at::Tensor& pool, const at::Tensor& group_first_row,
 Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
                 const at::Tensor& row_num_entries, const at::Tensor& row_max_slot, int64_t k,
                 const std::optional<at::Tensor>& logical_blocks,
-                const std::optional<at::Tensor>& row_block_offset, const at::Tensor& selection) {
+                const std::optional<at::Tensor>& row_block_offset, const at::Tensor& selection,
+                int64_t max_row_entries) {
   constexpr const char* op = "topk";
   at::Device device(at::kCUDA);
   DSA_RETURN_IF_ERROR(MainDevice(op, "scores", scores, "(float32)", &device));
@@ -323,7 +324,10 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
     a.logical_blocks = blocks_or_stub.data_ptr<int32_t>();
     a.row_block_offset = row_block_offset->data_ptr<int64_t>();
   }
-  if (num_rows == 0) return Ok();
+  a.k = k;
+  a.max_row_entries = max_row_entries;
+  // CallTopK checks the bound and returns before any launch.
+  if (num_rows == 0) return CallTopK(a, CurrentStream(device));
   // Rows of 0 entries read no score, but the kernel wants a pointer: an empty `scores` gets a
   // one-entry stand-in.
   at::Tensor scores_or_stub = scores.numel() > 0 ? scores : at::empty({1}, scores.options());
@@ -332,7 +336,6 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
   a.row_score_offset = row_score_offset.data_ptr<int64_t>();
   a.row_num_entries = row_num_entries.data_ptr<int64_t>();
   a.row_max_slot = row_max_slot.data_ptr<int64_t>();
-  a.k = k;
   a.selection = selection.data_ptr<int32_t>();
   const c10::cuda::CUDAGuard guard(device);
   return CallTopK(a, CurrentStream(device));
@@ -466,7 +469,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("head_dim"), py::arg("kernel"), py::arg("query_prep"));
   m.def("topk_into", &TopKInto, py::arg("scores"), py::arg("row_offsets"),
         py::arg("row_num_entries"), py::arg("row_max_slot"), py::arg("k"),
-        py::arg("logical_blocks"), py::arg("row_block_offset"), py::arg("selection"));
+        py::arg("logical_blocks"), py::arg("row_block_offset"), py::arg("selection"),
+        py::arg("max_row_entries") = 0);
   m.def("spin_predict", &SpinPredict, py::arg("positions"), py::arg("vertical"),
         py::arg("diagonal"), py::arg("row_block_offset"), py::arg("block_scores"),
         py::arg("selected"), py::arg("selected_count"), py::arg("top_k"),

@@ -155,6 +155,10 @@ Result CheckTopKK(int64_t k) {
 
 Result CallTopK(const TopKArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(CheckTopKK(a.k));
+  if (a.max_row_entries < 0) {
+    return ArgumentError(
+        Cat("topk: argument 'max_row_entries' must be >= 0 (0: no bound), got ", a.max_row_entries));
+  }
   if (a.num_rows == 0) return Ok();
   cuda::TopKParams p;
   p.scores = a.scores;
@@ -166,6 +170,7 @@ Result CallTopK(const TopKArgs& a, cudaStream_t stream) {
   p.row_max_slot = a.row_max_slot;
   p.k = static_cast<int>(a.k);
   p.selection = a.selection;
+  p.max_row_entries = a.max_row_entries;
   const char* why = nullptr;
   if (!cuda::CanImplementTopK(p, &why)) return Refused("CanImplementTopK", why);
   return LaunchResult(cuda::LaunchTopK(p, stream), "LaunchTopK");

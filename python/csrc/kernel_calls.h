@@ -125,8 +125,13 @@ struct TopKArgs {
   const int32_t* logical_blocks = nullptr;
   const int64_t* row_block_offset = nullptr;
   int32_t* selection = nullptr;
+  /// A host bound on every row's entries (TopKParams::max_row_entries), 0 for none: where it says
+  /// every chunk is held in shared memory, the kernel without the sampled gather runs (~55 KB less
+  /// code to fetch after a cold L2). A row past it is still selected exactly, more slowly.
+  int64_t max_row_entries = 0;
 };
-/// ValueError for a bad k or a CanImplementTopK refusal. Nothing runs for 0 rows.
+/// ValueError for a bad k, a negative max_row_entries or a CanImplementTopK refusal. Nothing runs
+/// for 0 rows.
 Result CallTopK(const TopKArgs& a, cudaStream_t stream);
 
 /// SPIN's prediction and plan (spin_predict.h SpinPredictParams). The per-row tables (V and D

@@ -304,7 +304,8 @@ def _check_scan_indices(pool, blocks, block_offset, tables, table_offset, num_sl
 def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
          row_num_entries: Optional[IndexLike] = None, row_max_slot: Optional[IndexLike] = None,
          k: int = 2048, logical_blocks: Optional[IndexLike] = None,
-         row_block_offset: Optional[IndexLike] = None) -> torch.Tensor:
+         row_block_offset: Optional[IndexLike] = None,
+         max_row_entries: Optional[int] = None) -> torch.Tensor:
     """The K best slots of each row, best first, with DSA's rules.
 
     scores: float32, CUDA, contiguous: [num_rows, width] (then row_offsets and row_num_entries
@@ -316,6 +317,11 @@ def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
     k: K in [1, 2048].
     logical_blocks, row_block_offset: the scan layout (both or neither): entry e of row r is slot
         logical_blocks[row_block_offset[r] + e // 64] * 64 + e % 64; without them entry e is slot e.
+    max_row_entries: a host bound on every row's entries (int >= 0, 0: none; None: the width of a
+        2-D `scores` whose row_num_entries is None, else none). Where it says every row fits the
+        kernel's shared-memory chunks, the kernel without the sampled gather runs (less code to
+        fetch after a cold L2; topk.h TopKParams::max_row_entries). A row past it is still
+        selected exactly, more slowly. ValueError when negative.
 
     Returns int32 [num_rows, k]: slots by score descending, ties to the lower slot; -inf, NaN and
     slots past row_max_slot are never selected; -1 pads past the selectable entries.
@@ -330,6 +336,8 @@ def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
             row_offsets = torch.arange(rows, dtype=torch.int64, device=device) * width
         if row_num_entries is None:
             row_num_entries = torch.full((rows,), width, dtype=torch.int64, device=device)
+            if max_row_entries is None:
+                max_row_entries = width
     offsets = _index(row_offsets, "row_offsets", torch.int64, device)
     if row_max_slot is None:
         row_max_slot = torch.full((offsets.numel(),), 2**62, dtype=torch.int64, device=device)
@@ -338,17 +346,22 @@ def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
     return _topk(scores, offsets, _index(row_num_entries, "row_num_entries", torch.int64, device),
                  _index(row_max_slot, "row_max_slot", torch.int64, device), k,
                  None if logical_blocks is None else _index(logical_blocks, "logical_blocks", torch.int32, device),
-                 None if row_block_offset is None else _index(row_block_offset, "row_block_offset", torch.int64, device))
+                 None if row_block_offset is None else _index(row_block_offset, "row_block_offset", torch.int64, device),
+                 max_row_entries)
 
 
-def _topk(scores, offsets, num_entries, max_slot, k, logical_blocks, row_block_offset) -> torch.Tensor:
+def _topk(scores, offsets, num_entries, max_slot, k, logical_blocks, row_block_offset,
+          max_row_entries=None) -> torch.Tensor:
     """topk over arguments already of the kernel's dtypes, on the scores' device."""
     k = int(k)
     if not 1 <= k <= MAX_TOPK:
         raise ValueError(f"topk: argument 'k' must be in [1, {MAX_TOPK}], got {k}")
+    bound = 0 if max_row_entries is None else int(max_row_entries)
+    if bound < 0:
+        raise ValueError(f"topk: argument 'max_row_entries' must be >= 0 (0: no bound), got {bound}")
     selection = torch.empty(offsets.numel(), k, dtype=torch.int32, device=scores.device)
     _raise_if_error(_C.topk_into(scores, offsets, num_entries, max_slot, k, logical_blocks,
-                                 row_block_offset, selection))
+                                 row_block_offset, selection, bound))
     return selection
 
 
@@ -478,8 +491,11 @@ def select(pool: torch.Tensor, block_tables, group_num_slots: IndexLike, query: 
     scores = scan(pool, group_first_row, group_block_offset, blocks, block_tables, group_num_slots,
                   query, head_weights, position, group_table_offset=group_table_offset,
                   kernel=kernel, query_prep=query_prep, layout=layout, check_indices=check_indices)
+    # The host bound on a row's entries: its group's blocks, all 64 slots each.
+    block_offsets = _host(group_block_offset)
+    widest = int((block_offsets[1:] - block_offsets[:-1]).max()) if block_offsets.numel() > 1 else 0
     return _topk(scores, layout.row_offsets, layout.row_num_entries, position, k, blocks,
-                 layout.row_block_offset)
+                 layout.row_block_offset, widest * BLOCK_SLOTS)
 
 
 def device_info(ordinal: int = 0) -> dict:

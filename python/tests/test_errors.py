@@ -105,6 +105,13 @@ def test_topk_errors():
         dk.topk(s.view(-1), [0, 100], [100], [5, 5], 5)
     with pytest.raises(ValueError, match="'row_offsets' and 'row_num_entries' are required"):
         dk.topk(s.view(-1), k=5)
+    with pytest.raises(ValueError, match="'max_row_entries' must be >= 0"):
+        dk.topk(s, k=5, max_row_entries=-1)
+    # The binding's own check (what CallTopK refuses), with no row to select as well.
+    sel = torch.empty(0, 5, dtype=torch.int32, device="cuda")
+    none = torch.empty(0, dtype=torch.int64, device="cuda")
+    kind, message = dk._C.topk_into(s.view(-1), none, none, none, 5, None, None, sel, -3)
+    assert kind == 1 and "'max_row_entries' must be >= 0" in message, message
 
 
 def test_spin_errors():

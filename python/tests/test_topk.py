@@ -110,3 +110,18 @@ def test_scan_layout_block_lists_with_ties():
 def test_no_rows():
     got = dk.topk(torch.zeros(0, 10, device="cuda"), k=5)
     assert got.shape == (0, 5)
+
+
+@pytest.mark.parametrize("bound", [None, 0, 1, 4096, 1 << 20])
+def test_host_bound_never_changes_the_selection(bound):
+    # The bound picks a kernel, never a result: a bound below a row's entries (1, 4096) still
+    # selects it exactly (the streamed select), 0 is no bound, a generous one the lean kernel.
+    gen = torch.Generator().manual_seed(7)
+    for rows, n in ((1, 16385), (3, 131072), (9, 2049)):
+        scores = distinct_scores(rows, n, gen).cuda()
+        got = dk.topk(scores, k=2048, max_row_entries=bound)
+        take = min(2048, n)
+        expected = torch.full((rows, 2048), -1, dtype=torch.int32, device="cuda")
+        expected[:, :take] = torch.topk(scores, take, dim=1).indices.to(torch.int32)
+        assert torch.equal(got, expected), f"bound={bound} rows={rows} n={n}"
+
