@@ -326,8 +326,8 @@ Result TopKInto(const at::Tensor& scores, const at::Tensor& row_score_offset,
   }
   a.k = k;
   a.max_row_entries = max_row_entries;
-  // CallTopK checks the bound and returns before any launch.
-  if (num_rows == 0) return CallTopK(a, CurrentStream(device));
+  // No row: CallTopK checks k and the bound and returns before any launch (no stream used).
+  if (num_rows == 0) return CallTopK(a, nullptr);
   // Rows of 0 entries read no score, but the kernel wants a pointer: an empty `scores` gets a
   // one-entry stand-in.
   at::Tensor scores_or_stub = scores.numel() > 0 ? scores : at::empty({1}, scores.options());
