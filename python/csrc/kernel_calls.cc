@@ -156,8 +156,8 @@ Result CheckTopKK(int64_t k) {
 Result CallTopK(const TopKArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(CheckTopKK(a.k));
   if (a.max_row_entries < 0) {
-    return ArgumentError(
-        Cat("topk: argument 'max_row_entries' must be >= 0 (0: no bound), got ", a.max_row_entries));
+    return ArgumentError(Cat("topk: argument 'max_row_entries' must be >= 0 (0: no bound), got ",
+                             a.max_row_entries));
   }
   if (a.num_rows == 0) return Ok();
   cuda::TopKParams p;
