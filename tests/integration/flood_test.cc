@@ -17,6 +17,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -130,7 +131,16 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
   for (int c = 0; c < kFloodChannels; ++c) {
     flood_channels.push_back(Dial(coordinator.address, pki.ca(), "token-of-flood", c));
   }
+  // Every flood connection open before the flood starts: with the calls waiting for a channel
+  // that failed to connect (below), one that never connected would shrink the flood unseen.
+  for (const auto& channel : flood_channels) {
+    ASSERT_TRUE(
+        channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30)))
+        << "a flood channel did not connect within 30 s";
+  }
   std::atomic<bool> stop{false};
+  // Calls that ended, a flood channel each: every channel must carry its share to the end.
+  std::array<std::atomic<int>, kFloodChannels> channel_calls{};
   std::atomic<int> flood_admitted{0};  // the flood's requests admitted (its running share used)
   absl::Mutex mu;
   std::map<std::string, int> flood_outcomes;  // status code name -> count, guarded by mu
@@ -145,11 +155,10 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
         grpc::ClientContext context;
         context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
         // A retrying client's behaviour: a connection that fails to open holds the call until the
-        // channel reconnects instead of failing it. gRPC 1.51's TCP connect can fail spuriously
-        // under load: it reads errno after other calls have overwritten it (a CI run saw
-        // "ipv4:...: No such file or directory"; addressed upstream in grpc/grpc pull request
-        // 35064). Nothing was sent then; a status the coordinator returns, or a stream it drops,
-        // still fails the call.
+        // channel reconnects instead of failing it. gRPC 1.51's TCP connect can fail spuriously:
+        // it reads errno after other calls may have overwritten it (grpc/grpc pull request 35064,
+        // after 1.51), likely the "ipv4:...: No such file or directory" a CI run saw. Nothing was
+        // sent then; a status the coordinator returns, or a stream it drops, still fails the call.
         context.set_wait_for_ready(true);
         {
           absl::MutexLock lock(&mu);
@@ -168,6 +177,7 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
           absl::MutexLock lock(&mu);
           open_calls[i] = nullptr;
           if (stop.load() && status.error_code() == grpc::StatusCode::CANCELLED) break;
+          ++channel_calls[i % kFloodChannels];
           ++flood_outcomes[status.ok() ? "OK" : absl::StrCat("code ", status.error_code())];
           // Refusals must name the caller's own limit (with limits on); nothing else may fail.
           const bool expected =
@@ -254,6 +264,9 @@ TEST_F(FloodTest, AnotherCallersRequestIsAdmittedWithinTheBoundUnderAFlood) {
   ASSERT_FALSE(waits_ms.empty());
   EXPECT_LE(sorted.back(), Ms(kAdmissionBound));
   EXPECT_TRUE(unexpected.empty());
+  for (int c = 0; c < kFloodChannels; ++c) {
+    EXPECT_GT(channel_calls[c].load(), 0) << "flood channel " << c << " ended no call";
+  }
   // The flood was one: it was refused its share at some point and still had requests admitted
   // (whether any of its slow readers finished inside the window depends on the machine's speed).
   EXPECT_GT(flood_admitted.load(), 0);
