@@ -28,7 +28,11 @@ int main(int argc, char** argv) {
   std::string shapes = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536";
   bool host_bound = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--shapes") == 0 && i + 1 < argc) {
+    if (std::strcmp(argv[i], "--shapes") == 0) {
+      if (i + 1 == argc) {
+        std::fprintf(stderr, "bench_gpu_topk: --shapes needs a value (1x16384,...)\n");
+        return 2;
+      }
       shapes = argv[++i];
     } else if (std::strcmp(argv[i], "--host-bound") == 0) {
       host_bound = true;

@@ -78,7 +78,8 @@ def run(rows, slots, flush):
 
     def topk_kernel():
         dk._raise_if_error(dk._C.topk_into(scores, layout.row_offsets, layout.row_num_entries,
-                                           position, K, None, None, selection))
+                                           position, K, None, None, selection,
+                                           layout.max_row_entries))
         return selection
 
     def scan_call():
@@ -93,7 +94,8 @@ def run(rows, slots, flush):
     scan_kernel("tensor_cores")()
     res["topk_us"] = time_us(topk_kernel, flush)
     res["topk_call_us"] = time_us(lambda: dk.topk(scores, layout.row_offsets,
-                                                  layout.row_num_entries, position, K), flush)
+                                                  layout.row_num_entries, position, K,
+                                                  max_row_entries=layout.max_row_entries), flush)
     # select, end to end through the Python layer (layout and checks included: host reads)
     res["select_call_us"] = time_us(
         lambda: dk.select(pool, table.view(rows, blocks_per_row), num_slots, q, w, position, K,

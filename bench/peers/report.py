@@ -140,19 +140,23 @@ def _short_reason(reason: str) -> str:
     return reason.split("; last output:")[0].strip()
 
 
+# deepgemm_bench.py's methods that time a step beside the scan, not a scan: no floor, no ratio.
+SCAN_SIDE_METHODS = {"deepgemm_metadata"}
+
+
 def scan_table(scan: dict) -> List[str]:
     """The scan's peer as markdown: a row a shape, ours and each peer method."""
     by_shape: Dict[str, Dict[str, dict]] = {}
     floors: Dict[str, float] = {}
-    for r in scan["results"]:
+    results = scan.get("results") or []
+    for r in results:
         by_shape.setdefault(r["shape"], {})[r["method"]] = r
         if r.get("floor_us") is not None:
             floors[r["shape"]] = r["floor_us"]
     methods_seen = [m for m in (scan.get("methods") or {}) if m != "dsa"] or sorted(
-        {r["method"] for r in scan["results"]} - {"dsa"})
-    # A method that produces no scores (DeepGEMM's schedule, "query" null) gets its time only.
-    side = {m for m in methods_seen
-            if all(r.get("query") is None for r in scan["results"] if r["method"] == m)}
+        {r["method"] for r in results} - {"dsa"})
+    # A method that produces no scores (DeepGEMM's schedule) gets its time only.
+    side = {m for m in methods_seen if m in SCAN_SIDE_METHODS}
     peers = [m for m in methods_seen if m not in side]
     head = "| rows x slots | floor (us) | dsa (us) | dsa % of floor | dsa max rel err |"
     for m in peers:
@@ -176,7 +180,7 @@ def scan_table(scan: dict) -> List[str]:
             cells += ["%.1f" % ours_us, "%.0f %%" % (100 * floor / ours_us) if floor else "?",
                       err(ours)]
         else:
-            cells += ["refused", "", ""]
+            cells += ["refused" if ours else "not run", "", ""]
             if ours.get("refused"):
                 reasons.setdefault("dsa", _short_reason(ours["refused"]))
         for m in peers:
@@ -242,13 +246,13 @@ def main() -> int:
                  "results": []}
         out += [f"## {extra['scores']} scores, K {extra['k']} ({extra['device']})", ""]
         out += table(empty, [extra]) + [""]
-    def peer_names(extra: dict) -> str:
+    def peer_names(extra: dict) -> List[str]:
         if "deepselect" in extra:
-            return "DeepSelect"
-        return ", ".join(extra.get("peers") or {}) or _extra_label(extra)
+            return ["DeepSelect"]
+        return list(extra.get("peers") or {}) or [_extra_label(extra)]
 
-    peers = (["FlashInfer 0.7.4"] if reports else []) + sorted(
-        {peer_names(extra) for extra in extras})
+    peers = (["FlashInfer 0.7.4"] if reports else []) + list(
+        dict.fromkeys(name for extra in extras for name in peer_names(extra)))
     named = ", ".join(peers[:-1]) + " and " + peers[-1] if len(peers) > 1 else "".join(peers)
     header = [f"# Top-K against {named}, in the same run", ""]
     if reports:

@@ -33,6 +33,7 @@ synchronization) and checked for range; pass False on hot paths once the inputs 
 """
 from __future__ import annotations
 
+import operator
 from typing import List, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -155,12 +156,14 @@ class ScanLayout(NamedTuple):
     row_block_offset: [num_rows] where row r's blocks start in logical_blocks (its group's).
     total_blocks: blocks of all groups (an int).
     total_entries: entries of all rows, the length of the scores (an int).
+    max_row_entries: the most entries of one row (an int; topk's host bound).
     """
     row_offsets: torch.Tensor
     row_num_entries: torch.Tensor
     row_block_offset: torch.Tensor
     total_blocks: int
     total_entries: int
+    max_row_entries: int = 0
 
 
 def scan_layout(group_first_row: IndexLike, group_block_offset: IndexLike,
@@ -186,7 +189,8 @@ def scan_layout(group_first_row: IndexLike, group_block_offset: IndexLike,
     row_block_offset = torch.repeat_interleave(blocks[:-1], rows_per_group)
     device = torch.device(device)
     return ScanLayout(row_offsets.to(device), row_num_entries.to(device),
-                      row_block_offset.to(device), int(blocks[-1]), int(row_num_entries.sum()))
+                      row_block_offset.to(device), int(blocks[-1]), int(row_num_entries.sum()),
+                      int(row_num_entries.max()) if row_num_entries.numel() > 0 else 0)
 
 
 def _block_tables(block_tables, group_table_offset, num_groups: int, device: torch.device):
@@ -317,8 +321,9 @@ def topk(scores: torch.Tensor, row_offsets: Optional[IndexLike] = None,
     k: K in [1, 2048].
     logical_blocks, row_block_offset: the scan layout (both or neither): entry e of row r is slot
         logical_blocks[row_block_offset[r] + e // 64] * 64 + e % 64; without them entry e is slot e.
-    max_row_entries: a host bound on every row's entries (int >= 0, 0: none; None: the width of a
-        2-D `scores` whose row_num_entries is None, else none). Where it says every row fits the
+    max_row_entries: a host bound on every row's entries (an int >= 0, 0: none; None: the width
+        of a 2-D `scores` whose row_num_entries is None, else none; scan_layout's
+        max_row_entries for the scan's scores). Where it says every row fits the
         kernel's shared-memory chunks, the kernel without the sampled gather runs (less code to
         fetch after a cold L2; topk.h TopKParams::max_row_entries). A row past it is still
         selected exactly, more slowly. ValueError when negative.
@@ -356,7 +361,7 @@ def _topk(scores, offsets, num_entries, max_slot, k, logical_blocks, row_block_o
     k = int(k)
     if not 1 <= k <= MAX_TOPK:
         raise ValueError(f"topk: argument 'k' must be in [1, {MAX_TOPK}], got {k}")
-    bound = 0 if max_row_entries is None else int(max_row_entries)
+    bound = 0 if max_row_entries is None else operator.index(max_row_entries)
     if bound < 0:
         raise ValueError(f"topk: argument 'max_row_entries' must be >= 0 (0: no bound), got {bound}")
     selection = torch.empty(offsets.numel(), k, dtype=torch.int32, device=scores.device)
@@ -491,11 +496,8 @@ def select(pool: torch.Tensor, block_tables, group_num_slots: IndexLike, query: 
     scores = scan(pool, group_first_row, group_block_offset, blocks, block_tables, group_num_slots,
                   query, head_weights, position, group_table_offset=group_table_offset,
                   kernel=kernel, query_prep=query_prep, layout=layout, check_indices=check_indices)
-    # The host bound on a row's entries: its group's blocks, all 64 slots each.
-    block_offsets = _host(group_block_offset)
-    widest = int((block_offsets[1:] - block_offsets[:-1]).max()) if block_offsets.numel() > 1 else 0
     return _topk(scores, layout.row_offsets, layout.row_num_entries, position, k, blocks,
-                 layout.row_block_offset, widest * BLOCK_SLOTS)
+                 layout.row_block_offset, layout.max_row_entries)
 
 
 def device_info(ordinal: int = 0) -> dict:

@@ -114,10 +114,13 @@ def test_no_rows():
 
 @pytest.mark.parametrize("bound", [None, 0, 1, 4096, 1 << 20])
 def test_host_bound_never_changes_the_selection(bound):
-    # The bound picks a kernel, never a result: a bound below a row's entries (1, 4096) still
-    # selects it exactly (the streamed select), 0 is no bound, a generous one the lean kernel.
+    # The bound picks a kernel, never a result (which kernel ran is topk_test.cc's to check,
+    # through sampled_fallbacks). 1 and 4096 take the kernel without the sampled gather for every
+    # batch, so the 2^20-entry row (64K entries a CTA, past what a CTA holds) goes through that
+    # kernel's streamed select; None (each batch's width) takes it up to 512K entries a row; 0
+    # (no bound) and 2^20 (past what 16 CTAs hold) take the sampled kernel.
     gen = torch.Generator().manual_seed(7)
-    for rows, n in ((1, 16385), (3, 131072), (9, 2049)):
+    for rows, n in ((1, 16385), (3, 131072), (9, 2049), (1, 1 << 20)):
         scores = distinct_scores(rows, n, gen).cuda()
         got = dk.topk(scores, k=2048, max_row_entries=bound)
         take = min(2048, n)
