@@ -67,6 +67,9 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 if TYPE_CHECKING:  # torch is imported where it is used, so --help and the parent work without it
     import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deepselect_bench as ds  # noqa: E402  (shapes, the torch check; torch imported lazily)
+
 DEFAULT_SHAPES = "1x16384,1x65536,1x131072,1x1048576,8x65536,64x65536,64x131072"
 BLOCK_SLOTS = 64
 SCALE_BYTES = 4
@@ -83,25 +86,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
-class BenchError(RuntimeError):
-    """A setup problem this script reports as one line and exit code 2."""
+BenchError = ds.BenchError  # one class: the shared helpers below raise it
 
 
 def parse_shapes(text: str) -> List[Tuple[str, int, int]]:
-    shapes = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        try:
-            rows, slots = (int(x) for x in item.lower().split("x"))
-        except ValueError:
-            raise BenchError(f"--shapes: '{item}' is not ROWSxSLOTS") from None
-        if rows < 1 or slots < BLOCK_SLOTS or slots % BLOCK_SLOTS:
-            raise BenchError(f"--shapes: '{item}': rows must be >= 1 and slots a positive multiple "
-                             f"of {BLOCK_SLOTS}")
-        shapes.append((item, rows, slots))
-    return shapes
+    """deepselect_bench's, the slots a multiple of a cache block (the paged cache's unit)."""
+    return ds.parse_shapes(text, multiple_of=BLOCK_SLOTS)
 
 
 # ==== child: one shape, both methods, in one process ===========================================
@@ -453,12 +443,7 @@ def child_main(args) -> int:
     (shape, rows, slots), = parse_shapes(args.single)
     report = ChildReport(args.child_out, {"shape": shape, "rows": rows, "slots": slots,
                                           "stage": "start"})
-    try:
-        import torch
-    except ImportError:
-        raise BenchError("PyTorch is not importable here; run this on the GPU host") from None
-    if not torch.cuda.is_available():
-        raise BenchError("torch sees no CUDA device")
+    torch = ds.cuda_torch()
     device = torch.device("cuda", torch.cuda.current_device())
     prop = torch.cuda.get_device_properties(device)
     report.data.update({"device": prop.name, "sms": prop.multi_processor_count,

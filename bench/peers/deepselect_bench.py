@@ -299,7 +299,9 @@ def first_launch(method: Method, slots: int, k: int):
 
 # ---- main -----------------------------------------------------------------------------------
 
-def parse_shapes(text: str):
+def parse_shapes(text: str, multiple_of: int = 1):
+    """(item, rows, slots) of each ROWSxSLOTS in a comma list; BenchError for a bad item, a
+    non-positive count, or slots that are not a multiple of `multiple_of`."""
     shapes = []
     for item in text.split(","):
         item = item.strip()
@@ -309,19 +311,28 @@ def parse_shapes(text: str):
             rows, slots = (int(x) for x in item.lower().split("x"))
         except ValueError:
             raise BenchError(f"--shapes: '{item}' is not ROWSxSLOTS") from None
+        if multiple_of > 1 and (rows < 1 or slots < multiple_of or slots % multiple_of):
+            raise BenchError(f"--shapes: '{item}': rows must be >= 1 and slots a positive multiple "
+                             f"of {multiple_of}")
         if rows < 1 or slots < 1:
             raise BenchError(f"--shapes: '{item}' must be positive")
         shapes.append((item, rows, slots))
     return shapes
 
 
-def run(args) -> dict:
+def cuda_torch():
+    """torch, after checking that it imports and sees a CUDA device (BenchError otherwise)."""
     try:
         import torch
     except ImportError:
         raise BenchError("PyTorch is not importable here; run this on the GPU host") from None
     if not torch.cuda.is_available():
         raise BenchError("torch sees no CUDA device")
+    return torch
+
+
+def run(args) -> dict:
+    torch = cuda_torch()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHOD_DOCS]
     if unknown:

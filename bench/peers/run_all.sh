@@ -92,22 +92,13 @@ run_part() {
 }
 
 # dsa_kernels (python/), which every part but flashinfer imports: built once here when absent or
-# older than its sources, so that the parts' own build checks find it up to date.
+# older than its sources (build_ours.sh), so that the parts' own checks find it up to date.
 build_ours() {
-  local so newer
-  so=$(ls python/dsa_kernels/_C*.so 2>/dev/null | head -1)
-  newer=""
-  [ -n "$so" ] && newer=$(find indexer_service/cuda python/csrc python/setup.py -newer "$so" \
-                          -type f | head -1)
-  if [ -n "$so" ] && [ -z "$newer" ]; then return 0; fi
   if [ "$DRY_RUN" = 1 ]; then
-    echo "[ours] (cd python && python3 setup.py build_ext --inplace --force)"
+    echo "[ours] bash bench/peers/build_ours.sh $OUT/dsa_build.log"
     return 0
   fi
-  log "building dsa_kernels"
-  (cd python && timeout -k 10 "$(limit)" python3 setup.py build_ext --inplace --force) \
-    > "$OUT/dsa_build.log" 2>&1
-  log "dsa_kernels build rc=$?"
+  bash bench/peers/build_ours.sh "$OUT/dsa_build.log" "$(limit)" | while read -r line; do log "$line"; done
 }
 
 # DeepSelect built in a copy of $1, then its bench into $2 (bell, then all-equal); the status is

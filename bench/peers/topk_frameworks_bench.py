@@ -330,12 +330,7 @@ class Events:
 
 
 def run_child(args) -> int:
-    try:
-        import torch
-    except ImportError:
-        raise BenchError("PyTorch is not importable here; run this on the GPU host") from None
-    if not torch.cuda.is_available():
-        raise BenchError("torch sees no CUDA device")
+    torch = ds.cuda_torch()
     events = Events(args.events)
     group = args.child
     methods = [m for m in args.methods.split(",") if m in METHOD_DOCS and m != "dsa"

@@ -43,24 +43,12 @@ pack() {
   echo "peers: $PEERS"
   head -qn1 "$PEERS"/*/ORIGIN
 
-  # 1. builds, in parallel: ours (unless up to date), the vllm, sgl and sglang peer groups.
-  # ours is built from this working tree (uncommitted edits included): rebuilt when absent or
-  # older than any of its sources (DSA_REBUILD=1 forces it).
+  # 1. builds, in parallel: ours (bench/peers/build_ours.sh: unless up to date), the vllm, sgl
+  # and sglang peer groups.
   git status --short -- indexer_service python | head -20
   pids=()
-  so=$(ls python/dsa_kernels/_C*.so 2>/dev/null | head -1)
-  newer=""
-  [ -n "$so" ] && newer=$(find indexer_service/cuda python/csrc python/setup.py -newer "$so" \
-                          -type f | head -3)
-  if [ -n "$so" ] && [ -z "$newer" ] && [ "${DSA_REBUILD:-0}" != 1 ]; then
-    echo "dsa_kernels already built and up to date: $so"
-  else
-    echo "building dsa_kernels (${so:+sources newer than $so: $newer})"
-    (cd python && timeout 240 python3 setup.py build_ext --inplace --force \
-       > "$W/build_dsa.log" 2>&1;
-     echo "build dsa_kernels rc=$? ${SECONDS}s") &
-    pids+=($!)
-  fi
+  bash bench/peers/build_ours.sh "$W/build_dsa.log" 240 &
+  pids+=($!)
   for peer in "vllm vllm_cooperative" "sgl sgl_fast_topk_v2" "sglang sglang_topk_v2"; do
     read -r group method <<< "$peer"  # building one method of a group builds the group
     (timeout 240 python3 $BENCH --build-only --methods "$method" --peers-dir "$PEERS" \
