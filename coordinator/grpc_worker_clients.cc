@@ -32,6 +32,7 @@ void Prepare(const WorkerCall& call, grpc::ClientContext& context) {
                          absl::ToChronoMilliseconds(call.timeout));
   }
   if (!call.traceparent.empty()) context.AddMetadata(kTraceparentKey, call.traceparent);
+  context.set_wait_for_ready(call.wait_for_ready);
 }
 
 // Waits for `done`; while it waits, polls `cancelled` (may be empty: no polling) and calls
@@ -208,8 +209,11 @@ class GrpcFactory final : public WorkerClientFactory {
  private:
   std::shared_ptr<grpc::Channel> Channel(const std::string& address) const {
     grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms_, 100));
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(max_backoff_ms_, 100));
+    const int initial_backoff_ms =
+        std::min(max_backoff_ms_,
+                 static_cast<int>(absl::ToInt64Milliseconds(kWorkerInitialReconnectBackoff)));
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, initial_backoff_ms);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, initial_backoff_ms);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, max_backoff_ms_);
     return NewChannel(address, security_, args);
   }

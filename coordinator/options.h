@@ -31,9 +31,10 @@ struct CoordinatorOptions {
   /// A ready worker leaves placements once this many consecutive checks got no answer within
   /// worker_check_timeout_ms (>= 1; 1 = the first): one slow answer from a worker that is busy
   /// (the coordinator's own host loaded, say) does not take it out of placements. A check that
-  /// finds nothing listening (UNAVAILABLE), a worker that answers it is not ready, or a check
-  /// that times out after a call to the worker failed (a step, a Prefill) takes it out at once.
-  /// Its running calls are cut by hung_worker_checks, separately.
+  /// finds nothing listening (UNAVAILABLE, on a second try too: WorkerPool::ProbeWorker), a
+  /// worker that answers it is not ready, or a check that times out after a call to the worker
+  /// failed (a step, a Prefill) takes it out at once. Its running calls are cut by
+  /// hung_worker_checks, separately.
   int unready_after_timed_out_checks = 2;
   /// GetLoad reuses the indexers' loads it last asked for while they are younger than this
   /// (milliseconds, >= 0; 0 = ask on every call), and one GetLoad asks at a time: however often

@@ -26,7 +26,14 @@ struct WorkerCall {
   /// Polled while the call runs; true cancels it (a Prefill ends with its Generate call). May be
   /// empty (never cancelled).
   std::function<bool()> cancelled;
+  /// true: a call whose connection is not open waits, up to `timeout`, for the channel to
+  /// (re)connect instead of failing UNAVAILABLE at once (gRPC's wait_for_ready).
+  bool wait_for_ready = false;
 };
+
+/// The first reconnection backoff of the gRPC worker channels (GrpcWorkerClients, at most its
+/// `max_reconnect_backoff_ms`): how soon a channel tries again after a connection failed.
+inline constexpr absl::Duration kWorkerInitialReconnectBackoff = absl::Milliseconds(100);
 
 /// What a readiness check of a worker saw.
 struct WorkerReadiness {

@@ -23,6 +23,10 @@ absl::Status WorkerStatus(const absl::Status& status, const std::string& address
       absl::StrCat("attention worker ", address, " cancelled the call: ", status.message()));
 }
 
+// How long a check waits, after a connection failed, for the worker's channel to reconnect
+// before the failure counts: a few of the channels' first backoffs (gRPC adds up to 20 % jitter).
+const absl::Duration kConnectConfirmWindow = 5 * kWorkerInitialReconnectBackoff;
+
 }  // namespace
 
 absl::StatusOr<ServedModel> ModelOfAttentionWorker(const av1::GetInfoResponse& info) {
@@ -139,13 +143,25 @@ WorkerPool::Probe WorkerPool::ProbeWorker(
   if (attention) {
     probe.attention_client =
         attention_client != nullptr ? std::move(attention_client) : workers_->Attention(address);
-    probe.status = probe.attention_client->GetInfo({timeout, "", {}}, &probe.info);
     client = probe.attention_client.get();
   } else {
     probe.indexer_client =
         indexer_client != nullptr ? std::move(indexer_client) : workers_->Indexer(address);
-    probe.status = probe.indexer_client->GetLoad({timeout, "", {}}, &probe.load);
     client = probe.indexer_client.get();
+  }
+  auto ask = [&](const WorkerCall& call) {
+    return attention ? probe.attention_client->GetInfo(call, &probe.info)
+                     : probe.indexer_client->GetLoad(call, &probe.load);
+  };
+  probe.status = ask({timeout, "", {}});
+  if (probe.status.code() == absl::StatusCode::kUnavailable) {
+    // Nothing listening counts only once a second try, waiting for the channel's reconnect,
+    // agrees: gRPC 1.51 can fail a connect still in progress with another call's errno (gRPC
+    // pull request 35064), and one such check would keep a healthy worker out of placements for
+    // a whole check interval. A worker that is down costs its check at most the window more;
+    // the checks run at once, so a refresh does too.
+    const absl::Status again = ask({std::min(timeout, kConnectConfirmWindow), "", {}, true});
+    if (again.ok()) probe.status = again;
   }
   if (!probe.status.ok()) {
     probe.reason =

@@ -327,7 +327,9 @@ class WorkerPool {
                                            const std::vector<std::string>& names)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
   // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness,
-  // through the client of a known worker, else a new one from the factory.
+  // through the client of a known worker, else a new one from the factory. A GetInfo / GetLoad
+  // that answers UNAVAILABLE is asked once more with wait_for_ready (at most 500 ms) before the
+  // probe says so.
   Probe ProbeWorker(const std::string& address, bool attention,
                     std::shared_ptr<AttentionWorkerClient> attention_client,
                     std::shared_ptr<IndexerWorkerClient> indexer_client) const;

@@ -129,8 +129,9 @@ class FakeAttentionClient final : public AttentionWorkerClient {
     return {true, ""};
   }
 
-  absl::Status GetInfo(const WorkerCall& /*call*/, av1::GetInfoResponse* response) override {
+  absl::Status GetInfo(const WorkerCall& call, av1::GetInfoResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
+    if (absl::Status failed = fakes_->ConnectLocked(address_, call); !failed.ok()) return failed;
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     response->set_num_full_layers(w->shape.num_full_layers);
@@ -377,11 +378,12 @@ class FakeIndexerClient final : public IndexerWorkerClient {
     return {true, ""};
   }
 
-  absl::Status GetLoad(const WorkerCall& /*call*/, iv1::GetLoadResponse* response) override {
+  absl::Status GetLoad(const WorkerCall& call, iv1::GetLoadResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
+    if (w != nullptr) ++w->get_loads;
+    if (absl::Status failed = fakes_->ConnectLocked(address_, call); !failed.ok()) return failed;
     if (w != nullptr) {
-      ++w->get_loads;
       ++w->held_get_loads;
       fakes_->mu_.Await(absl::Condition(
           +[](FakeWorkers::Worker* held) { return !held->hold_get_loads; }, w));
@@ -454,6 +456,27 @@ void FakeWorkers::SetDown(const std::string& address, bool down) {
   for (bool kind : {true, false}) {
     if (Worker* w = Find(address, kind)) w->down = down;
   }
+}
+
+void FakeWorkers::FailConnects(const std::string& address, int count) {
+  absl::MutexLock lock(&mu_);
+  connect_failures_[address] = count;
+}
+
+int FakeWorkers::ChecksWaitingForReady(const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  auto it = checks_waiting_for_ready_.find(address);
+  return it == checks_waiting_for_ready_.end() ? 0 : it->second;
+}
+
+absl::Status FakeWorkers::ConnectLocked(const std::string& address, const WorkerCall& call) {
+  if (call.wait_for_ready) ++checks_waiting_for_ready_[address];
+  auto it = connect_failures_.find(address);
+  if (it == connect_failures_.end() || it->second == 0) return absl::OkStatus();
+  --it->second;
+  return absl::UnavailableError(
+      absl::StrCat("failed to connect to all addresses; last error: ", "UNKNOWN: ipv4:", address,
+                   ": No such file or directory (fake)"));
 }
 
 void FakeWorkers::SetHung(const std::string& address, bool hung) {

@@ -86,6 +86,12 @@ class FakeWorkers final : public WorkerClientFactory,
   /// Its health check alone gets no answer in time (timed_out readiness); every other call
   /// answers. `indexer_only`: only the indexer at `address` (a co-located pair's indexer half).
   void SetHealthHung(const std::string& address, bool hung, bool indexer_only = false);
+  /// The next `count` checks (GetInfo / GetLoad) of the worker(s) at `address` answer UNAVAILABLE
+  /// as a connection that failed to open, each first or second try alike (gRPC 1.51 can report a
+  /// connect still in progress as failed); the worker, set up or not yet, is otherwise unchanged.
+  void FailConnects(const std::string& address, int count);
+  /// The checks (GetInfo / GetLoad) of the worker(s) at `address` made with wait_for_ready.
+  int ChecksWaitingForReady(const std::string& address);
   /// Held: the indexer's GetLoad calls wait (as a slow check does) until it is let go.
   void HoldGetLoads(const std::string& address, bool hold);
   /// Waits until `count` GetLoad calls of the indexer at `address` are held; false after
@@ -186,6 +192,10 @@ class FakeWorkers final : public WorkerClientFactory,
   // sequences of its leases that expired by the clock (the worker's sweep).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Gone(const Worker* w, const std::string& address);
+  // What a check (GetInfo / GetLoad) of `address` meets before the worker: a connect failure
+  // FailConnects left, else OK. Counts the checks made with wait_for_ready.
+  absl::Status ConnectLocked(const std::string& address, const WorkerCall& call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLocked(Worker* w, const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RenewLocked(const std::string& address, bool attention,
                            const dsa::common::v1::Lease& lease, dsa::common::v1::LeaseState* state)
@@ -201,6 +211,9 @@ class FakeWorkers final : public WorkerClientFactory,
   absl::CondVar stall_changed_;  // a worker let go
   std::map<std::string, Worker> attention_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Worker> indexers_ ABSL_GUARDED_BY(mu_);
+  // By address, whether a worker is there yet or not (FailConnects).
+  std::map<std::string, int> connect_failures_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> checks_waiting_for_ready_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace dsa::testing

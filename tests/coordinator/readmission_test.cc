@@ -200,6 +200,32 @@ TEST_F(EngineTest, AWorkerThatIsDownOrNotReadyLeavesPlacementsAtTheFirstCheck) {
   EXPECT_EQ(Metric(kReadyIndexers), 1);
 }
 
+// A check that finds nothing listening asks once more, waiting for the channel to reconnect,
+// before it counts (gRPC 1.51 can report a connect still in progress as failed): one failed
+// connect neither keeps a new worker out nor takes a ready one out of placements; two do.
+TEST_F(EngineTest, AFailedConnectCountsOnlyWhenTheSecondTryThatWaitsForReadyFailsToo) {
+  fakes_->FailConnects(kI2, 1);  // its first check at Create
+  Start({kA1}, {kI1, kI2});
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
+  EXPECT_EQ(fakes_->GetLoads(kI2), 2);
+  EXPECT_EQ(fakes_->ChecksWaitingForReady(kI2), 1);
+  EXPECT_EQ(fakes_->ChecksWaitingForReady(kI1), 0);  // answered at once: asked once
+
+  fakes_->FailConnects(kA1, 1);
+  fakes_->FailConnects(kI1, 1);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
+  EXPECT_EQ(Metric(kReadyAttention), 1);
+  EXPECT_EQ(fakes_->ChecksWaitingForReady(kA1), 1);
+
+  fakes_->FailConnects(kI1, 2);
+  engine_->RefreshWorkers();
+  EXPECT_EQ(Metric(kReadyIndexers), 1);
+  EXPECT_EQ(fakes_->ChecksWaitingForReady(kI1), 2);
+  engine_->RefreshWorkers();  // connects again
+  EXPECT_EQ(Metric(kReadyIndexers), 2);
+}
+
 TEST_F(EngineTest, WithTheThresholdAtOneTheFirstTimedOutCheckTakesAWorkerOut) {
   options_.unready_after_timed_out_checks = 1;
   Start({kA1}, {kI1, kI2});
