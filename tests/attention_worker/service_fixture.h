@@ -28,6 +28,7 @@
 #include "indexer_service/grpc_service.h"
 #include "indexer_service/indexer.h"
 #include "prometheus/registry.h"
+#include "tests/testing/loopback_server.h"
 #include "transport/grpc_indexer_client.h"
 
 namespace dsa::attention_service_testing {
@@ -96,8 +97,8 @@ inline std::unique_ptr<IndexerServer> StartIndexer(int64_t capacity_blocks, int 
   server->server = builder.BuildAndStart();
   EXPECT_GT(port, 0);
   server->address = absl::StrCat("127.0.0.1:", port);
-  server->stub = iv1::IndexerService::NewStub(
-      grpc::CreateChannel(server->address, grpc::InsecureChannelCredentials()));
+  server->stub =
+      iv1::IndexerService::NewStub(::dsa::testing::ConnectedLoopbackChannel(server->address));
   return server;
 }
 
@@ -281,7 +282,7 @@ class AttentionServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_GT(port, 0);
     stub_ = av1::AttentionService::NewStub(
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+        ::dsa::testing::ConnectedLoopbackChannel(absl::StrCat("127.0.0.1:", port)));
     auto twin = Indexer::Create({1 << 16, kH, kD, audit_fraction_});
     ASSERT_TRUE(twin.ok());
     twin_ = std::move(*twin);

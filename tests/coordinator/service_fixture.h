@@ -98,7 +98,7 @@ class Cluster {
     coordinator_ = *std::move(service);
     coordinator_server_ = Serve(coordinator_.get(), &coordinator_address_);
     stub_ = cv1::CoordinatorService::NewStub(
-        grpc::CreateChannel(coordinator_address_, grpc::InsecureChannelCredentials()));
+        ::dsa::testing::ConnectedLoopbackChannel(coordinator_address_));
   }
   ~Cluster() {
     coordinator_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));

@@ -20,6 +20,7 @@
 #include "prometheus/registry.h"
 #include "proto/tensor_codec.h"
 #include "server/parse_errors.h"
+#include "tests/testing/loopback_server.h"
 
 namespace dsa::grpc_service_testing {
 
@@ -189,8 +190,7 @@ class GrpcServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
-    channel_ =
-        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    channel_ = ::dsa::testing::ConnectedLoopbackChannel(absl::StrCat("127.0.0.1:", port));
     stub_ = v1::IndexerService::NewStub(channel_);
   }
   void TearDown() override {

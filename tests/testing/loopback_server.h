@@ -2,6 +2,7 @@
 // receive limit and interceptors (server/parse_errors.h), as RunServer sets them.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -27,6 +28,18 @@ inline std::unique_ptr<grpc::Server> ServeOnLoopback(
   auto server = builder.BuildAndStart();
   *address = absl::StrCat("127.0.0.1:", port);
   return server;
+}
+
+/// A plaintext channel to `address` (a server of this test), connected before it is returned, so
+/// that the first connect happens here: gRPC 1.51 can report a connect still in progress as failed
+/// with another call's errno ("UNKNOWN: ipv4:...: No such file or directory", gRPC pull request
+/// 35064), and the channel's reconnect then retries it instead of the test's first call failing
+/// UNAVAILABLE. Waits at most 30 s; a channel that never connects comes back unconnected (its
+/// first call then fails, saying why).
+inline std::shared_ptr<grpc::Channel> ConnectedLoopbackChannel(const std::string& address) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  (void)channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  return channel;
 }
 
 }  // namespace dsa::testing
