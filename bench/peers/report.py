@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Turns bench_topk_peers' JSON (bench/peers/run_peers.sh) into the markdown report of
-docs/results/: one table a score kind, a row a shape, each peer's median and its ratio to ours
-(peer / dsa: above 1 means ours is faster), and whether its selection was the same set as ours
-and a top-K. Standard library only.
+docs/results/: a section a score kind and K, with a table of ours and FlashInfer's modes, a row a
+shape, each method's median and its ratio to ours (peer / dsa: above 1 means ours is faster), and
+whether its selection was the same set as ours and a top-K. Standard library only.
 
---extra adds JSON in the same schema from another harness (bench/peers/deepselect_bench.py:
-DeepSelect, timed in a Python process beside our top-K): its methods become more columns of the
-table of the same score kind and K (a table of their own if there is none). Their ratio is to the
-`dsa` row of the same extra file, ours timed in that same process, where it has one; its `dsa` row
-itself is shown as a column "dsa (<source>)". A check that does not apply (null) reads "n/a".
+--extra adds JSON in the same schema from another harness (bench/peers/deepselect_bench.py,
+topk_frameworks_bench.py: peers timed in Python processes beside our top-K): a table for each of
+its peers (a method belongs to the peer whose name prefixes it) in the section of the same score
+kind and K. A peer's ratio is to ours timed in that peer's own process (the harness's
+dsa_us_same_process), else to the extra's `dsa` row, else to bench_topk_peers'; that time is the
+table's "dsa, same process" column. A check that does not apply (null) reads "n/a".
 
 --scan adds the scan's peer (bench/peers/deepgemm_bench.py: DeepGEMM's fp8_paged_mqa_logits beside
 our scan, each shape in one child process): a table of its own, each method's median, its share of
@@ -70,68 +71,66 @@ def _extra_methods(extra: dict) -> List[Tuple[str, str]]:
     return [(m, described.get(m, m)) for m in names if m != "dsa"]
 
 
-def table(report: dict, extras: Optional[List[dict]] = None) -> List[str]:
-    extras = extras or []
+def _peer_groups(extra: dict) -> List[Tuple[str, List[Tuple[str, str]]]]:
+    """An extra report's methods other than ours by peer, in its order: a method belongs to the
+    peer whose name prefixes it ("vllm_cooperative": vllm), else to the harness's one peer."""
+    peers = list(extra.get("peers") or {})
+    whole = "DeepSelect" if "deepselect" in extra else _extra_label(extra)
+    groups: Dict[str, List[Tuple[str, str]]] = {}
+    for m, d in _extra_methods(extra):
+        group = next((p for p in peers if m.startswith(p + "_")), whole)
+        groups.setdefault(group, []).append((m, d))
+    return list(groups.items())
+
+
+def _by_shape(results: List[dict]) -> Dict[str, Dict[str, dict]]:
     by_shape: Dict[str, Dict[str, dict]] = {}
-    for r in report["results"]:
+    for r in results:
         by_shape.setdefault(r["shape"], {})[r["method"]] = r
-    main_shapes = set(by_shape)
-    extra_by_shape: List[Dict[str, Dict[str, dict]]] = []
-    for extra in extras:
-        shapes: Dict[str, Dict[str, dict]] = {}
-        for r in extra["results"]:
-            shapes.setdefault(r["shape"], {})[r["method"]] = r
-            by_shape.setdefault(r["shape"], {})
-        extra_by_shape.append(shapes)
-    if main_shapes:
-        head = "| rows x slots | dsa (us) | " + " | ".join(
-            f"{m} (us) | {m} / dsa | {m} checks" for m, _ in METHODS) + " |"
-        num_cols = 2 + 3 * len(METHODS)
-    else:  # only extras: no bench_topk_peers columns
-        head = "| rows x slots |"
-        num_cols = 1
-    for extra in extras:
-        if any(r["method"] == "dsa" for r in extra["results"]):
-            head += f" dsa ({_extra_label(extra)}) (us) |"
-            num_cols += 1
-        for m, _ in _extra_methods(extra):
-            head += f" {m} (us) | {m} / dsa | {m} checks |"
-            num_cols += 3
-    lines = [head, "|" + "---|" * num_cols]
-    for shape, methods in by_shape.items():
+    return by_shape
+
+
+def table(report: dict) -> List[str]:
+    """bench_topk_peers' table: a row a shape, ours and each FlashInfer mode."""
+    head = "| rows x slots | dsa (us) | " + " | ".join(
+        f"{m} (us) | {m} / dsa | {m} checks" for m, _ in METHODS) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(METHODS))]
+    for shape, methods in _by_shape(report["results"]).items():
         ours = methods.get("dsa", {}).get("us")
-        cells = [shape.replace("x", " x ")]
-        if main_shapes and shape not in main_shapes:  # a shape only an extra ran
-            cells += ["not run"] + ["not run", "", ""] * len(METHODS)
-        elif main_shapes:
-            cells.append("%.1f" % ours if ours else "refused")
-            for m, _ in METHODS:
-                r = methods.get(m)
-                if r is None or r["us"] is None:
-                    cells += ["refused", "", ""]
-                    continue
-                cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / ours) if ours else "", _checks(r)]
-        for extra, shapes in zip(extras, extra_by_shape):
-            mine = shapes.get(shape, {})
-            has_ours = any(r["method"] == "dsa" for r in extra["results"])
-            own = mine.get("dsa", {}).get("us") if has_ours else None
-            if has_ours:
-                cells.append("%.1f" % own if own else "not run")
-            base = own if has_ours else ours
-            for m, _ in _extra_methods(extra):
-                r = mine.get(m)
-                if r is None:
-                    cells += ["not run", "", ""]
-                    continue
-                if r["us"] is None:
-                    cells += ["refused", "", ""]
-                    continue
-                # Ours timed in the peer's own process where the harness recorded it (one child a
-                # peer group), else the extra's dsa row.
-                mine_base = r.get("dsa_us_same_process") or base
-                cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / mine_base) if mine_base else "",
-                          _checks(r)]
+        cells = [shape.replace("x", " x "), "%.1f" % ours if ours else "refused"]
+        for m, _ in METHODS:
+            r = methods.get(m)
+            if r is None or r["us"] is None:
+                cells += ["refused", "", ""]
+                continue
+            cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / ours) if ours else "", _checks(r)]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def extra_table(extra: dict, methods: List[Tuple[str, str]],
+                main_ours: Dict[str, float]) -> List[str]:
+    """One peer's table from an extra report: a row a shape the harness ran, ours as timed in
+    that peer's own process (the harness's `dsa_us_same_process`; else the extra's dsa row, else
+    bench_topk_peers' `main_ours`), and each of the peer's `methods` with its ratio to it."""
+    head = "| rows x slots | dsa, same process (us) | " + " | ".join(
+        f"{m} (us) | {m} / dsa | {m} checks" for m, _ in methods) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(methods))]
+    for shape, mine in _by_shape(extra["results"]).items():
+        own = mine.get("dsa", {}).get("us") or main_ours.get(shape)
+        same = [mine[m]["dsa_us_same_process"] for m, _ in methods
+                if m in mine and mine[m].get("dsa_us_same_process")]
+        ours = same[0] if same else own
+        cells = [shape.replace("x", " x "), "%.1f" % ours if ours else "not run"]
+        for m, _ in methods:
+            r = mine.get(m)
+            if r is None or r["us"] is None:
+                cells += ["refused" if r is not None else "not run", "", ""]
+                continue
+            base = r.get("dsa_us_same_process") or own
+            cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / base) if base else "", _checks(r)]
+        if any(m in mine for m, _ in methods):
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -228,24 +227,30 @@ def main() -> int:
         parser.error("give at least one report (positional), --extra or --scan")
     reports = [_load(p) for p in args.reports]
     extras = [_load(p) for p in args.extra]
-    # An extra joins the table of the same score kind and K; the rest get a table of their own.
-    claimed = [False] * len(extras)
-    out = []
+    # A section a score kind and K: bench_topk_peers' table, then a table for each peer of the
+    # extras of the same kind and K.
+    sections: Dict[Tuple[str, int], dict] = {}
     for report in reports:
-        mine = []
-        for i, extra in enumerate(extras):
-            if not claimed[i] and (extra["scores"], extra["k"]) == (report["scores"], report["k"]):
-                claimed[i] = True
-                mine.append(extra)
-        out += [f"## {report['scores']} scores, K {report['k']} ({report['device']})", ""]
-        out += table(report, mine) + [""]
-    for i, extra in enumerate(extras):
-        if claimed[i]:
-            continue
-        empty = {"scores": extra["scores"], "k": extra["k"], "device": extra["device"],
-                 "results": []}
-        out += [f"## {extra['scores']} scores, K {extra['k']} ({extra['device']})", ""]
-        out += table(empty, [extra]) + [""]
+        key = (report["scores"], report["k"])
+        sections.setdefault(key, {"device": report["device"], "reports": [], "extras": []})
+        sections[key]["reports"].append(report)
+    for extra in extras:
+        key = (extra["scores"], extra["k"])
+        sections.setdefault(key, {"device": extra["device"], "reports": [], "extras": []})
+        sections[key]["extras"].append(extra)
+    out = []
+    for (scores, k), section in sections.items():
+        out += [f"## {scores} scores, K {k} ({section['device']})", ""]
+        main_ours: Dict[str, float] = {}
+        for report in section["reports"]:
+            out += ["### FlashInfer 0.7.4 (`bench_topk_peers`)", ""] + table(report) + [""]
+            for r in report["results"]:
+                if r["method"] == "dsa" and r["us"]:
+                    main_ours.setdefault(r["shape"], r["us"])
+        for extra in section["extras"]:
+            for group, methods in _peer_groups(extra):
+                out += [f"### {group} (`{_extra_label(extra)}`)", ""]
+                out += extra_table(extra, methods, main_ours) + [""]
     def peer_names(extra: dict) -> List[str]:
         if "deepselect" in extra:
             return ["DeepSelect"]
@@ -270,11 +275,11 @@ def main() -> int:
     for extra in extras:
         label = _extra_label(extra)
         header += [
-            f"Columns from `{extra.get('source', label)}` ({extra.get('device', '?')}, "
+            f"Tables from `{extra.get('source', label)}` ({extra.get('device', '?')}, "
             f"{extra['scores']} scores{_extra_versions(extra)}): "
-            f"{extra.get('timing', 'its own timing')}; their `/ dsa` is to our top-K timed in "
-            f"that same process (column \"dsa ({label})\": ours in the first such process) where "
-            "it ran. \"top-K\" there also "
+            f"{extra.get('timing', 'its own timing')}; each peer's `/ dsa` is to our top-K timed "
+            "in that peer's own process (its table's \"dsa, same process\" column) where it ran. "
+            "\"top-K\" there also "
             "requires the K scores to equal torch.topk's as a multiset; \"n/a\": not comparable "
             "(another input).",
             "",

@@ -9,8 +9,8 @@
 #               bell scores at every shape and all-equal scores at 64 x 64K and 64 x 1M;
 #   deepgemm    DeepGEMM's fp8_paged_mqa_logits beside our scan: deepgemm.sh;
 #   report      report.py over whatever the parts wrote into OUT (this run's or a kept OUT's):
-#               OUT/peers_report.md, the top-K tables (FlashInfer's columns, the other harnesses'
-#               beside them, each ratio to ours timed in the peer's own process) and the scan's.
+#               OUT/peers_report.md, the top-K tables (one for FlashInfer's modes, one for each
+#               other peer, each ratio to ours timed in the peer's own process) and the scan's.
 # Each part runs in its own processes under its own time limit: what is left of DEADLINE_S (the
 # whole run, default 580 s: a device call's 600 less the packing), at most PART_LIMIT_S (default
 # 540 s). A peer that fails, crashes or runs out of time costs only its own columns; whatever it
