@@ -32,7 +32,8 @@ void Prepare(const WorkerCall& call, grpc::ClientContext& context) {
                          absl::ToChronoMilliseconds(call.timeout));
   }
   if (!call.traceparent.empty()) context.AddMetadata(kTraceparentKey, call.traceparent);
-  context.set_wait_for_ready(call.wait_for_ready);
+  // Only when asked: an explicit false would override a service config's waitForReady.
+  if (call.wait_for_ready) context.set_wait_for_ready(true);
 }
 
 // Waits for `done`; while it waits, polls `cancelled` (may be empty: no polling) and calls

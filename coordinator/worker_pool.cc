@@ -132,10 +132,10 @@ std::vector<std::string> WorkerPool::WantedAddresses(const std::vector<std::stri
   return unique;
 }
 
-WorkerPool::Probe WorkerPool::ProbeWorker(
-    const std::string& address, bool attention,
-    std::shared_ptr<AttentionWorkerClient> attention_client,
-    std::shared_ptr<IndexerWorkerClient> indexer_client) const {
+WorkerPool::Probe WorkerPool::ProbeWorker(const std::string& address, bool attention,
+                                          std::shared_ptr<AttentionWorkerClient> attention_client,
+                                          std::shared_ptr<IndexerWorkerClient> indexer_client,
+                                          bool call_failed) const {
   const absl::Duration timeout = absl::Milliseconds(core_->options.worker_check_timeout_ms);
   Probe probe;
   probe.address = address;
@@ -154,12 +154,13 @@ WorkerPool::Probe WorkerPool::ProbeWorker(
                      : probe.indexer_client->GetLoad(call, &probe.load);
   };
   probe.status = ask({timeout, "", {}});
-  if (probe.status.code() == absl::StatusCode::kUnavailable) {
+  if (probe.status.code() == absl::StatusCode::kUnavailable && !call_failed) {
     // Nothing listening counts only once a second try, waiting for the channel's reconnect,
     // agrees: gRPC 1.51 can fail a connect still in progress with another call's errno (gRPC
     // pull request 35064), and one such check would keep a healthy worker out of placements for
     // a whole check interval. A worker that is down costs its check at most the window more;
-    // the checks run at once, so a refresh does too.
+    // the checks run at once, so a refresh does too. Not after a call to it failed: that failure
+    // agrees already, and the migrations waiting on this refresh should not wait longer.
     const absl::Status again = ask({std::min(timeout, kConnectConfirmWindow), "", {}, true});
     if (again.ok()) probe.status = again;
   }
@@ -320,6 +321,7 @@ void WorkerPool::RefreshWorkers() {
     // The worker's count of failed calls when its check began: a check that answers clears
     // call_failed only if no call failed while it ran.
     uint64_t call_failures_before;
+    bool call_failed;  // a call to it failed since its last answered check, when this one began
     std::shared_ptr<AttentionWorkerClient> attention_client;
     std::shared_ptr<IndexerWorkerClient> indexer_client;
   };
@@ -331,14 +333,16 @@ void WorkerPool::RefreshWorkers() {
       const std::vector<std::string>& wanted = attention ? attention_wanted : indexer_wanted;
       const auto& by_address = attention ? attention_by_address_ : indexer_by_address_;
       auto target_of = [&](const std::string& address, bool is_wanted, int slot) {
-        Target target{address, attention, is_wanted, slot, 0, nullptr, nullptr};
+        Target target{address, attention, is_wanted, slot, 0, false, nullptr, nullptr};
         if (slot >= 0 && attention) {
           target.attention_client = attention_[slot]->client;
           target.call_failures_before = attention_[slot]->call_failures;
+          target.call_failed = attention_[slot]->call_failed;
         }
         if (slot >= 0 && !attention) {
           target.indexer_client = indexers_[slot]->client;
           target.call_failures_before = indexers_[slot]->call_failures;
+          target.call_failed = indexers_[slot]->call_failed;
         }
         return target;
       };
@@ -360,8 +364,9 @@ void WorkerPool::RefreshWorkers() {
     checks.reserve(targets.size());
     for (size_t t = 0; t < targets.size(); ++t) {
       checks.emplace_back([&, t] {
-        probes[t] = ProbeWorker(targets[t].address, targets[t].attention,
-                                targets[t].attention_client, targets[t].indexer_client);
+        probes[t] =
+            ProbeWorker(targets[t].address, targets[t].attention, targets[t].attention_client,
+                        targets[t].indexer_client, targets[t].call_failed);
       });
     }
     for (std::thread& check : checks) check.join();

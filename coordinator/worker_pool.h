@@ -329,10 +329,11 @@ class WorkerPool {
   // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness,
   // through the client of a known worker, else a new one from the factory. A GetInfo / GetLoad
   // that answers UNAVAILABLE is asked once more with wait_for_ready (at most 500 ms) before the
-  // probe says so.
+  // probe says so, unless `call_failed` (a call to the worker failed since its last answered
+  // check: that failure confirms it).
   Probe ProbeWorker(const std::string& address, bool attention,
                     std::shared_ptr<AttentionWorkerClient> attention_client,
-                    std::shared_ptr<IndexerWorkerClient> indexer_client) const;
+                    std::shared_ptr<IndexerWorkerClient> indexer_client, bool call_failed) const;
   // Renews the core's lease on `probe`'s worker through `client` after its GetInfo / GetLoad
   // answered, setting the probe's lease fields (and its status, when the renewal did not reach
   // the worker).

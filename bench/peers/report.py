@@ -78,7 +78,7 @@ def _peer_groups(extra: dict) -> List[Tuple[str, List[Tuple[str, str]]]]:
     whole = "DeepSelect" if "deepselect" in extra else _extra_label(extra)
     groups: Dict[str, List[Tuple[str, str]]] = {}
     for m, d in _extra_methods(extra):
-        group = next((p for p in peers if m.startswith(p + "_")), whole)
+        group = max((p for p in peers if m.startswith(p + "_")), key=len, default=whole)
         groups.setdefault(group, []).append((m, d))
     return list(groups.items())
 
@@ -111,17 +111,25 @@ def table(report: dict) -> List[str]:
 def extra_table(extra: dict, methods: List[Tuple[str, str]],
                 main_ours: Dict[str, float]) -> List[str]:
     """One peer's table from an extra report: a row a shape the harness ran, ours as timed in
-    that peer's own process (the harness's `dsa_us_same_process`; else the extra's dsa row, else
-    bench_topk_peers' `main_ours`), and each of the peer's `methods` with its ratio to it."""
+    that peer's own process (the harness's `dsa_us_same_process`; else the extra's dsa row; else,
+    for a harness that times no dsa row at all, bench_topk_peers' `main_ours`, marked "(other
+    process)"), and each of the peer's `methods` with its ratio to it. Methods of one peer timed
+    beside different runs of ours show each of those times, in the methods' order."""
     head = "| rows x slots | dsa, same process (us) | " + " | ".join(
         f"{m} (us) | {m} / dsa | {m} checks" for m, _ in methods) + " |"
     lines = [head, "|" + "---|" * (2 + 3 * len(methods))]
+    times_ours = any(r["method"] == "dsa" for r in extra["results"])
     for shape, mine in _by_shape(extra["results"]).items():
-        own = mine.get("dsa", {}).get("us") or main_ours.get(shape)
-        same = [mine[m]["dsa_us_same_process"] for m, _ in methods
-                if m in mine and mine[m].get("dsa_us_same_process")]
-        ours = same[0] if same else own
-        cells = [shape.replace("x", " x "), "%.1f" % ours if ours else "not run"]
+        own = mine.get("dsa", {}).get("us") if times_ours else main_ours.get(shape)
+        same = list(dict.fromkeys(mine[m]["dsa_us_same_process"] for m, _ in methods
+                                  if m in mine and mine[m].get("dsa_us_same_process")))
+        if same:
+            ours_cell = " / ".join("%.1f" % us for us in same)
+        elif own:
+            ours_cell = "%.1f" % own + ("" if times_ours else " (other process)")
+        else:
+            ours_cell = "refused" if "dsa" in mine else "not run"
+        cells = [shape.replace("x", " x "), ours_cell]
         for m, _ in methods:
             r = mine.get(m)
             if r is None or r["us"] is None:
@@ -251,13 +259,8 @@ def main() -> int:
             for group, methods in _peer_groups(extra):
                 out += [f"### {group} (`{_extra_label(extra)}`)", ""]
                 out += extra_table(extra, methods, main_ours) + [""]
-    def peer_names(extra: dict) -> List[str]:
-        if "deepselect" in extra:
-            return ["DeepSelect"]
-        return list(extra.get("peers") or {}) or [_extra_label(extra)]
-
     peers = (["FlashInfer 0.7.4"] if reports else []) + list(
-        dict.fromkeys(name for extra in extras for name in peer_names(extra)))
+        dict.fromkeys(group for extra in extras for group, _ in _peer_groups(extra)))
     named = ", ".join(peers[:-1]) + " and " + peers[-1] if len(peers) > 1 else "".join(peers)
     header = [f"# Top-K against {named}, in the same run", ""]
     if reports:

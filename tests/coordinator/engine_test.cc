@@ -38,6 +38,9 @@ TEST_F(EngineTest, AKilledAttentionWorkersRequestMovesAtTheFailedStepAndLosesNoT
   // Re-prefilled on the survivor with its context plus the 3 tokens generated.
   ASSERT_EQ(fakes_->Prefills(second).size(), 1u);
   EXPECT_EQ(fakes_->Prefills(second)[0].context_length(), 103);
+  // The failed step confirmed the loss: the check before the migration did not ask again and
+  // wait for a reconnect.
+  EXPECT_EQ(fakes_->ChecksWaitingForReady(first), 0);
   StepUntilFinished(second, *call);
   call->Join();
 

@@ -131,8 +131,10 @@ class FakeAttentionClient final : public AttentionWorkerClient {
 
   absl::Status GetInfo(const WorkerCall& call, av1::GetInfoResponse* response) override {
     absl::MutexLock lock(&fakes_->mu_);
-    if (absl::Status failed = fakes_->ConnectLocked(address_, call); !failed.ok()) return failed;
     FakeWorkers::Worker* w = fakes_->Find(address_, true);
+    if (absl::Status failed = fakes_->ConnectLocked(w, address_, call); !failed.ok()) {
+      return failed;
+    }
     if (absl::Status gone = FakeWorkers::Gone(w, address_); !gone.ok()) return gone;
     response->set_num_full_layers(w->shape.num_full_layers);
     response->set_num_heads(w->shape.num_heads);
@@ -382,7 +384,9 @@ class FakeIndexerClient final : public IndexerWorkerClient {
     absl::MutexLock lock(&fakes_->mu_);
     FakeWorkers::Worker* w = fakes_->Find(address_, false);
     if (w != nullptr) ++w->get_loads;
-    if (absl::Status failed = fakes_->ConnectLocked(address_, call); !failed.ok()) return failed;
+    if (absl::Status failed = fakes_->ConnectLocked(w, address_, call); !failed.ok()) {
+      return failed;
+    }
     if (w != nullptr) {
       ++w->held_get_loads;
       fakes_->mu_.Await(absl::Condition(
@@ -469,11 +473,16 @@ int FakeWorkers::ChecksWaitingForReady(const std::string& address) {
   return it == checks_waiting_for_ready_.end() ? 0 : it->second;
 }
 
-absl::Status FakeWorkers::ConnectLocked(const std::string& address, const WorkerCall& call) {
+absl::Status FakeWorkers::ConnectLocked(const Worker* w, const std::string& address,
+                                        const WorkerCall& call) {
   if (call.wait_for_ready) ++checks_waiting_for_ready_[address];
   auto it = connect_failures_.find(address);
-  if (it == connect_failures_.end() || it->second == 0) return absl::OkStatus();
-  --it->second;
+  const bool fails = it != connect_failures_.end() && it->second > 0;
+  if (fails) --it->second;
+  if (call.wait_for_ready && (fails || w == nullptr || w->down)) {
+    return absl::DeadlineExceededError("Deadline Exceeded (fake: waited for a connection)");
+  }
+  if (!fails) return absl::OkStatus();
   return absl::UnavailableError(
       absl::StrCat("failed to connect to all addresses; last error: ", "UNKNOWN: ipv4:", address,
                    ": No such file or directory (fake)"));

@@ -86,9 +86,11 @@ class FakeWorkers final : public WorkerClientFactory,
   /// Its health check alone gets no answer in time (timed_out readiness); every other call
   /// answers. `indexer_only`: only the indexer at `address` (a co-located pair's indexer half).
   void SetHealthHung(const std::string& address, bool hung, bool indexer_only = false);
-  /// The next `count` checks (GetInfo / GetLoad) of the worker(s) at `address` answer UNAVAILABLE
-  /// as a connection that failed to open, each first or second try alike (gRPC 1.51 can report a
-  /// connect still in progress as failed); the worker, set up or not yet, is otherwise unchanged.
+  /// The next `count` checks (GetInfo / GetLoad) of the worker(s) at `address` fail as a
+  /// connection that failed to open (gRPC 1.51 can report a connect still in progress as failed):
+  /// UNAVAILABLE, or DEADLINE_EXCEEDED for a call made with wait_for_ready (it waited out its
+  /// deadline for a connection), as a down worker's checks answer too; the worker, set up or not
+  /// yet, is otherwise unchanged.
   void FailConnects(const std::string& address, int count);
   /// The checks (GetInfo / GetLoad) of the worker(s) at `address` made with wait_for_ready.
   int ChecksWaitingForReady(const std::string& address);
@@ -192,9 +194,11 @@ class FakeWorkers final : public WorkerClientFactory,
   // sequences of its leases that expired by the clock (the worker's sweep).
   Worker* Find(const std::string& address, bool attention) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static absl::Status Gone(const Worker* w, const std::string& address);
-  // What a check (GetInfo / GetLoad) of `address` meets before the worker: a connect failure
-  // FailConnects left, else OK. Counts the checks made with wait_for_ready.
-  absl::Status ConnectLocked(const std::string& address, const WorkerCall& call)
+  // What a check (GetInfo / GetLoad) of the worker `w` at `address` meets before the worker: a
+  // connect failure FailConnects left, or, made with wait_for_ready, DEADLINE_EXCEEDED for a
+  // worker that is down or absent (the real client waits out its deadline); else OK. Counts the
+  // checks made with wait_for_ready.
+  absl::Status ConnectLocked(const Worker* w, const std::string& address, const WorkerCall& call)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropLocked(Worker* w, const std::vector<uint64_t>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status RenewLocked(const std::string& address, bool attention,

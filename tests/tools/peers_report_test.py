@@ -108,7 +108,39 @@ class PeersReportTest(unittest.TestCase):
         self.assertEqual(flashinfer[2], "| 1 x 65536 | 19.0 | 38.0 | 2.00x | same set, top-K | "
                                         "refused |  |  | refused |  |  |")
         deepselect = section(text, "### DeepSelect (`deepselect_bench`)")
-        self.assertEqual(deepselect[2], "| 1 x 65536 | 19.0 | 57.0 | 3.00x | same set, top-K |")
+        self.assertEqual(deepselect[2], "| 1 x 65536 | 19.0 (other process) | 57.0 | 3.00x | "
+                                        "same set, top-K |")
+
+    def test_ours_refused_in_the_harness_gives_no_ratio_and_each_base_is_shown(self):
+        main = {"device": "H100", "k": 2048, "scores": "bell",
+                "results": [result("1x16384", "dsa", 10.0), result("8x16384", "dsa", 10.0)]}
+        extra = {
+            "device": "H200", "k": 2048, "scores": "bell", "source": "bench/peers/fw_bench.py",
+            "peers": {"vllm": {"origin": "a"}, "vllm_v1": {"origin": "b"}},
+            "methods": {"dsa": "ours", "vllm_a": "a", "vllm_b": "b", "vllm_v1_c": "c"},
+            "results": [
+                result("1x16384", "dsa", None),
+                result("1x16384", "vllm_a", 30.0),
+                result("8x16384", "dsa", 20.0),
+                result("8x16384", "vllm_a", 30.0, same_process=15.0),
+                result("8x16384", "vllm_b", 30.0, same_process=10.0),
+                result("8x16384", "vllm_v1_c", 40.0),
+            ],
+        }
+        for name, data in (("main.json", main), ("fw.json", extra)):
+            with open(self.path(name), "w", encoding="utf-8") as f:
+                json.dump(data, f)
+        text = run_report([self.path("main.json"), "--extra", self.path("fw.json"),
+                           "--commit", "x"], self.path("out.md"))
+        vllm = section(text, "### vllm (`fw_bench`)")
+        # Ours refused in the harness's process: no ratio against another process's (device's).
+        self.assertEqual(vllm[2], "| 1 x 16384 | refused | 30.0 |  | same set, top-K | not run "
+                                  "|  |  |")
+        self.assertEqual(vllm[3], "| 8 x 16384 | 15.0 / 10.0 | 30.0 | 2.00x | same set, top-K | "
+                                  "30.0 | 3.00x | same set, top-K |")
+        # The longest peer name that prefixes a method is its peer.
+        self.assertEqual(section(text, "### vllm_v1 (`fw_bench`)")[2:],
+                         ["| 8 x 16384 | 20.0 | 40.0 | 2.00x | same set, top-K |"])
 
 
 if __name__ == "__main__":
