@@ -99,7 +99,7 @@ class MigrationTest : public ::testing::Test {
     coordinator_ = std::move(*coordinator);
     coordinator_server_ = Serve(coordinator_.get(), &coordinator_address_);
     stub_ = cv1::CoordinatorService::NewStub(
-        grpc::CreateChannel(coordinator_address_, grpc::InsecureChannelCredentials()));
+        ::dsa::testing::ConnectedLoopbackChannel(coordinator_address_));
   }
 
   void TearDown() override {
@@ -261,7 +261,7 @@ TEST_F(MigrationTest, WithoutMigrationsLeftAWorkersFailureEndsItsRequestsOnly) {
   coordinator_ = std::move(*coordinator);
   coordinator_server_ = Serve(coordinator_.get(), &coordinator_address_);
   stub_ = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(coordinator_address_, grpc::InsecureChannelCredentials()));
+      ::dsa::testing::ConnectedLoopbackChannel(coordinator_address_));
   StartRequests(/*tokens=*/5);
   attention_servers_[0]->Shutdown(std::chrono::system_clock::now());
   attention_servers_[0].reset();

@@ -207,8 +207,7 @@ TEST(CoordinatorServiceTest, StartsNotReadyAndRefusesWorkersThatDoNotFit) {
   EXPECT_EQ(told, std::vector<bool>{false});
   std::string address;
   auto server = Serve(unreachable->get(), &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = cv1::CoordinatorService::NewStub(::dsa::testing::ConnectedLoopbackChannel(address));
   const Stream refused = Generate(*stub, Request("early", 100, 4));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(refused.status.error_message(),
@@ -228,8 +227,8 @@ TEST(CoordinatorServiceTest, StartsNotReadyAndRefusesWorkersThatDoNotFit) {
   EXPECT_TRUE(ready);  // the first attention worker fits; the other is refused
   std::string disagree_address;
   auto disagree_server = Serve(disagree->get(), &disagree_address);
-  auto disagree_stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(disagree_address, grpc::InsecureChannelCredentials()));
+  auto disagree_stub =
+      cv1::CoordinatorService::NewStub(::dsa::testing::ConnectedLoopbackChannel(disagree_address));
   const cv1::GetLoadResponse load = Load(*disagree_stub);
   ASSERT_EQ(load.attention_workers_size(), 1);
   EXPECT_EQ(load.attention_workers(0).address(), cluster.attention_address());
@@ -307,8 +306,7 @@ TEST(CoordinatorServiceTest, FollowsWorkersThatComeAndGoInTheDnsAnswer) {
   coordinator.SetReadinessListener([&told](bool ready) { told.push_back(ready); });
   std::string address;
   auto server = Serve(&coordinator, &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = cv1::CoordinatorService::NewStub(::dsa::testing::ConnectedLoopbackChannel(address));
   EXPECT_EQ(told, std::vector<bool>{false});
 
   {
@@ -431,8 +429,7 @@ TEST(CoordinatorServiceTest, QueuedRequestsFailWhenTheirWorkersLeaveAndUnreachab
   ASSERT_TRUE(created.ok()) << created.status();
   std::string address;
   auto server = Serve(created->get(), &address);
-  auto stub = cv1::CoordinatorService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = cv1::CoordinatorService::NewStub(::dsa::testing::ConnectedLoopbackChannel(address));
   cluster.fake().SetStepDelayMs(2);
   Stream running, queued;
   std::thread a([&] { running = Generate(*stub, Request("running", 100, 100000)); });

@@ -78,7 +78,7 @@ class CoordinatorWithAttentionTest : public ::testing::Test {
     coordinator_ = std::move(*coordinator);
     coordinator_server_ = Serve(coordinator_.get(), &coordinator_address_);
     stub_ = cv1::CoordinatorService::NewStub(
-        grpc::CreateChannel(coordinator_address_, grpc::InsecureChannelCredentials()));
+        ::dsa::testing::ConnectedLoopbackChannel(coordinator_address_));
   }
 
   void TearDown() override {
