@@ -110,33 +110,40 @@ def table(report: dict) -> List[str]:
 
 def extra_table(extra: dict, methods: List[Tuple[str, str]],
                 main_ours: Dict[str, float]) -> List[str]:
-    """One peer's table from an extra report: a row a shape the harness ran, ours as timed in
-    that peer's own process (the harness's `dsa_us_same_process`; else the extra's dsa row; else,
-    for a harness that times no dsa row at all, bench_topk_peers' `main_ours`, marked "(other
-    process)"), and each of the peer's `methods` with its ratio to it. Methods of one peer timed
-    beside different runs of ours show each of those times, in the methods' order."""
+    """One peer's table from an extra report: a row a shape the harness ran, and each of the
+    peer's `methods` with its ratio to ours. A method's base is ours as timed in its own process
+    (the harness's `dsa_us_same_process`), else the extra's dsa row, else, for a harness that
+    times no dsa row at all, bench_topk_peers' time on the same device (`main_ours`, by shape),
+    marked "(other process)". The "dsa, same process" column shows each distinct base a ratio of
+    that row used, in the methods' order."""
     head = "| rows x slots | dsa, same process (us) | " + " | ".join(
         f"{m} (us) | {m} / dsa | {m} checks" for m, _ in methods) + " |"
     lines = [head, "|" + "---|" * (2 + 3 * len(methods))]
     times_ours = any(r["method"] == "dsa" for r in extra["results"])
     for shape, mine in _by_shape(extra["results"]).items():
-        own = mine.get("dsa", {}).get("us") if times_ours else main_ours.get(shape)
-        same = list(dict.fromkeys(mine[m]["dsa_us_same_process"] for m, _ in methods
-                                  if m in mine and mine[m].get("dsa_us_same_process")))
-        if same:
-            ours_cell = " / ".join("%.1f" % us for us in same)
-        elif own:
-            ours_cell = "%.1f" % own + ("" if times_ours else " (other process)")
-        else:
-            ours_cell = "refused" if "dsa" in mine else "not run"
-        cells = [shape.replace("x", " x "), ours_cell]
+        own = mine.get("dsa", {}).get("us") if times_ours else None
+        borrowed = None if times_ours else main_ours.get(shape)
+        fallback = ("%.1f" % own) if own else (
+            "%.1f (other process)" % borrowed if borrowed else None)
+        cells = [shape.replace("x", " x "), ""]
+        bases_shown: List[str] = []
         for m, _ in methods:
             r = mine.get(m)
             if r is None or r["us"] is None:
                 cells += ["refused" if r is not None else "not run", "", ""]
                 continue
-            base = r.get("dsa_us_same_process") or own
+            same = r.get("dsa_us_same_process")
+            base = same or own or borrowed
+            shown = ("%.1f" % same) if same else fallback
+            if shown and shown not in bases_shown:
+                bases_shown.append(shown)
             cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / base) if base else "", _checks(r)]
+        if bases_shown:
+            cells[1] = " / ".join(bases_shown)
+        elif fallback:
+            cells[1] = fallback
+        else:
+            cells[1] = "refused" if "dsa" in mine else "not run"
         if any(m in mine for m, _ in methods):
             lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -249,18 +256,21 @@ def main() -> int:
     out = []
     for (scores, k), section in sections.items():
         out += [f"## {scores} scores, K {k} ({section['device']})", ""]
-        main_ours: Dict[str, float] = {}
+        main_ours: Dict[Tuple[str, str], float] = {}  # by (device, shape)
         for report in section["reports"]:
             out += ["### FlashInfer 0.7.4 (`bench_topk_peers`)", ""] + table(report) + [""]
             for r in report["results"]:
                 if r["method"] == "dsa" and r["us"]:
-                    main_ours.setdefault(r["shape"], r["us"])
+                    main_ours.setdefault((report["device"], r["shape"]), r["us"])
         for extra in section["extras"]:
+            same_device = {shape: us for (device, shape), us in main_ours.items()
+                           if device == extra["device"]}
             for group, methods in _peer_groups(extra):
                 out += [f"### {group} (`{_extra_label(extra)}`)", ""]
-                out += extra_table(extra, methods, main_ours) + [""]
+                out += extra_table(extra, methods, same_device) + [""]
     peers = (["FlashInfer 0.7.4"] if reports else []) + list(
-        dict.fromkeys(group for extra in extras for group, _ in _peer_groups(extra)))
+        dict.fromkeys(group for extra in extras
+                      for group in ([g for g, _ in _peer_groups(extra)] or [_extra_label(extra)])))
     named = ", ".join(peers[:-1]) + " and " + peers[-1] if len(peers) > 1 else "".join(peers)
     header = [f"# Top-K against {named}, in the same run", ""]
     if reports:

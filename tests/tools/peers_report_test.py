@@ -142,6 +142,42 @@ class PeersReportTest(unittest.TestCase):
         self.assertEqual(section(text, "### vllm_v1 (`fw_bench`)")[2:],
                          ["| 8 x 16384 | 20.0 | 40.0 | 2.00x | same set, top-K |"])
 
+    def test_every_base_a_ratio_used_is_shown_and_none_is_borrowed_across_devices(self):
+        def run(main_device):
+            main = {"device": main_device, "k": 2048, "scores": "bell",
+                    "results": [result("1x16384", "dsa", 10.0)]}
+            extra = {
+                "device": "H200", "k": 2048, "scores": "bell",
+                "source": "bench/peers/fw_bench.py", "peers": {"vllm": {"origin": "a"}},
+                "methods": {"vllm_a": "a", "vllm_b": "b", "vllm_c": "c"},
+                "results": [
+                    result("1x16384", "vllm_a", 30.0, same_process=15.0),
+                    result("1x16384", "vllm_b", 40.0),
+                    # Refused: its process's time of ours is no base of any ratio.
+                    result("1x16384", "vllm_c", None, same_process=12.0),
+                ],
+            }
+            for name, data in (("main.json", main), ("fw.json", extra)):
+                with open(self.path(name), "w", encoding="utf-8") as f:
+                    json.dump(data, f)
+            text = run_report([self.path("main.json"), "--extra", self.path("fw.json"),
+                               "--commit", "x"], self.path("out.md"))
+            return section(text, "### vllm (`fw_bench`)")[2]
+
+        self.assertEqual(run("H200"), "| 1 x 16384 | 15.0 / 10.0 (other process) | 30.0 | 2.00x "
+                                      "| same set, top-K | 40.0 | 4.00x | same set, top-K | "
+                                      "refused |  |  |")
+        self.assertEqual(run("H100"), "| 1 x 16384 | 15.0 | 30.0 | 2.00x | same set, top-K | "
+                                      "40.0 |  | same set, top-K | refused |  |  |")
+
+    def test_an_extra_that_ran_nothing_is_still_named_in_the_title(self):
+        extra = {"device": "H200", "k": 2048, "scores": "bell",
+                 "source": "bench/peers/deepselect_bench.py", "results": []}
+        with open(self.path("ds.json"), "w", encoding="utf-8") as f:
+            json.dump(extra, f)
+        text = run_report(["--extra", self.path("ds.json"), "--commit", "x"], self.path("o.md"))
+        self.assertTrue(text.startswith("# Top-K against deepselect_bench, in the same run"))
+
 
 if __name__ == "__main__":
     unittest.main()
