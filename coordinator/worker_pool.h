@@ -328,9 +328,9 @@ class WorkerPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(refresh_mu_);
   // Checks one worker of a kind (`attention` true: GetInfo; false: GetLoad), then its readiness,
   // through the client of a known worker, else a new one from the factory. A GetInfo / GetLoad
-  // that answers UNAVAILABLE is asked once more with wait_for_ready (at most 500 ms) before the
-  // probe says so, unless `call_failed` (a call to the worker failed since its last answered
-  // check: that failure confirms it).
+  // that answers UNAVAILABLE is asked once more with wait_for_ready (for at most five
+  // kWorkerInitialReconnectBackoff, 500 ms) before the probe says so, unless `call_failed` (a call
+  // to the worker failed since its last answered check: that failure confirms it).
   Probe ProbeWorker(const std::string& address, bool attention,
                     std::shared_ptr<AttentionWorkerClient> attention_client,
                     std::shared_ptr<IndexerWorkerClient> indexer_client, bool call_failed) const;

@@ -90,20 +90,29 @@ def _by_shape(results: List[dict]) -> Dict[str, Dict[str, dict]]:
     return by_shape
 
 
+def _head(ours_column: str, methods: List[Tuple[str, str]]) -> List[str]:
+    """A top-K table's header and rule: the shape, ours, then each method's three columns."""
+    head = f"| rows x slots | {ours_column} | " + " | ".join(
+        f"{m} (us) | {m} / dsa | {m} checks" for m, _ in methods) + " |"
+    return [head, "|" + "---|" * (2 + 3 * len(methods))]
+
+
+def _method_cells(r: Optional[dict], base: Optional[float], absent: str) -> List[str]:
+    """A method's time, its ratio to `base` (ours; none without it) and its checks; "refused"
+    for a result without a time, `absent` for no result."""
+    if r is None or r["us"] is None:
+        return ["refused" if r is not None else absent, "", ""]
+    return ["%.1f" % r["us"], "%.2fx" % (r["us"] / base) if base else "", _checks(r)]
+
+
 def table(report: dict) -> List[str]:
     """bench_topk_peers' table: a row a shape, ours and each FlashInfer mode."""
-    head = "| rows x slots | dsa (us) | " + " | ".join(
-        f"{m} (us) | {m} / dsa | {m} checks" for m, _ in METHODS) + " |"
-    lines = [head, "|" + "---|" * (2 + 3 * len(METHODS))]
+    lines = _head("dsa (us)", METHODS)
     for shape, methods in _by_shape(report["results"]).items():
         ours = methods.get("dsa", {}).get("us")
         cells = [shape.replace("x", " x "), "%.1f" % ours if ours else "refused"]
         for m, _ in METHODS:
-            r = methods.get(m)
-            if r is None or r["us"] is None:
-                cells += ["refused", "", ""]
-                continue
-            cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / ours) if ours else "", _checks(r)]
+            cells += _method_cells(methods.get(m), ours, absent="refused")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -116,36 +125,30 @@ def extra_table(extra: dict, methods: List[Tuple[str, str]],
     times no dsa row at all, bench_topk_peers' time on the same device (`main_ours`, by shape),
     marked "(other process)". The "dsa, same process" column shows each distinct base a ratio of
     that row used, in the methods' order."""
-    head = "| rows x slots | dsa, same process (us) | " + " | ".join(
-        f"{m} (us) | {m} / dsa | {m} checks" for m, _ in methods) + " |"
-    lines = [head, "|" + "---|" * (2 + 3 * len(methods))]
+    lines = _head("dsa, same process (us)", methods)
     times_ours = any(r["method"] == "dsa" for r in extra["results"])
     for shape, mine in _by_shape(extra["results"]).items():
         own = mine.get("dsa", {}).get("us") if times_ours else None
         borrowed = None if times_ours else main_ours.get(shape)
         fallback = ("%.1f" % own) if own else (
             "%.1f (other process)" % borrowed if borrowed else None)
-        cells = [shape.replace("x", " x "), ""]
+        method_cells: List[str] = []
         bases_shown: List[str] = []
         for m, _ in methods:
             r = mine.get(m)
-            if r is None or r["us"] is None:
-                cells += ["refused" if r is not None else "not run", "", ""]
-                continue
-            same = r.get("dsa_us_same_process")
-            base = same or own or borrowed
-            shown = ("%.1f" % same) if same else fallback
-            if shown and shown not in bases_shown:
-                bases_shown.append(shown)
-            cells += ["%.1f" % r["us"], "%.2fx" % (r["us"] / base) if base else "", _checks(r)]
-        if bases_shown:
-            cells[1] = " / ".join(bases_shown)
-        elif fallback:
-            cells[1] = fallback
-        else:
-            cells[1] = "refused" if "dsa" in mine else "not run"
+            base = None
+            if r is not None and r["us"] is not None:
+                same = r.get("dsa_us_same_process")
+                base = same or own or borrowed
+                shown = ("%.1f" % same) if same else fallback
+                if shown and shown not in bases_shown:
+                    bases_shown.append(shown)
+            method_cells += _method_cells(r, base, absent="not run")
+        ours_cell = (" / ".join(bases_shown) if bases_shown else fallback) or (
+            "refused" if "dsa" in mine else "not run")
         if any(m in mine for m, _ in methods):
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join([shape.replace("x", " x "), ours_cell] + method_cells)
+                         + " |")
     return lines
 
 
@@ -245,14 +248,11 @@ def main() -> int:
     # A section a score kind and K: bench_topk_peers' table, then a table for each peer of the
     # extras of the same kind and K.
     sections: Dict[Tuple[str, int], dict] = {}
-    for report in reports:
-        key = (report["scores"], report["k"])
-        sections.setdefault(key, {"device": report["device"], "reports": [], "extras": []})
-        sections[key]["reports"].append(report)
-    for extra in extras:
-        key = (extra["scores"], extra["k"])
-        sections.setdefault(key, {"device": extra["device"], "reports": [], "extras": []})
-        sections[key]["extras"].append(extra)
+    for kind, inputs in (("reports", reports), ("extras", extras)):
+        for data in inputs:
+            section = sections.setdefault((data["scores"], data["k"]),
+                                          {"device": data["device"], "reports": [], "extras": []})
+            section[kind].append(data)
     out = []
     for (scores, k), section in sections.items():
         out += [f"## {scores} scores, K {k} ({section['device']})", ""]

@@ -484,8 +484,9 @@ absl::Status FakeWorkers::ConnectLocked(const Worker* w, const std::string& addr
   }
   if (!fails) return absl::OkStatus();
   return absl::UnavailableError(
-      absl::StrCat("failed to connect to all addresses; last error: ", "UNKNOWN: ipv4:", address,
-                   ": No such file or directory (fake)"));
+      absl::StrCat("failed to connect to all addresses; last error: "
+                   "UNKNOWN: ipv4:",
+                   address, ": No such file or directory (fake)"));
 }
 
 void FakeWorkers::SetHung(const std::string& address, bool hung) {

@@ -43,6 +43,16 @@ class RefusingPort {
   int port_ = 0;
 };
 
+// What `ask` (a GetInfo or GetLoad of a worker at an address where nothing listens) answers
+// without wait_for_ready, and with it under a 300 ms deadline.
+template <typename Ask>
+void ExpectWaitsOnlyWithWaitForReady(Ask ask) {
+  // A deadline far beyond the test: without wait_for_ready the refusal ends the call at once.
+  EXPECT_EQ(ask(WorkerCall{absl::Seconds(60), "", {}}).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ask(WorkerCall{absl::Milliseconds(300), "", {}, /*wait_for_ready=*/true}).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST(GrpcWorkerClientsTest, ACallWaitsForAConnectionOnlyWithWaitForReady) {
   RefusingPort refusing;
   ASSERT_GT(refusing.port(), 0);
@@ -51,19 +61,12 @@ TEST(GrpcWorkerClientsTest, ACallWaitsForAConnectionOnlyWithWaitForReady) {
       GrpcWorkerClients(ClientSecurity{}, /*max_reconnect_backoff_ms=*/2000);
   std::shared_ptr<IndexerWorkerClient> indexer = clients->Indexer(address);
   dsa::indexer::v1::GetLoadResponse load;
-  // A deadline far beyond the test: without wait_for_ready the refusal ends the call at once.
-  EXPECT_EQ(indexer->GetLoad({absl::Seconds(60), "", {}}, &load).code(),
-            absl::StatusCode::kUnavailable);
-  EXPECT_EQ(
-      indexer->GetLoad({absl::Milliseconds(300), "", {}, /*wait_for_ready=*/true}, &load).code(),
-      absl::StatusCode::kDeadlineExceeded);
+  ExpectWaitsOnlyWithWaitForReady(
+      [&](const WorkerCall& call) { return indexer->GetLoad(call, &load); });
   std::shared_ptr<AttentionWorkerClient> attention = clients->Attention(address);
   dsa::attention::v1::GetInfoResponse info;
-  EXPECT_EQ(attention->GetInfo({absl::Seconds(60), "", {}}, &info).code(),
-            absl::StatusCode::kUnavailable);
-  EXPECT_EQ(
-      attention->GetInfo({absl::Milliseconds(300), "", {}, /*wait_for_ready=*/true}, &info).code(),
-      absl::StatusCode::kDeadlineExceeded);
+  ExpectWaitsOnlyWithWaitForReady(
+      [&](const WorkerCall& call) { return attention->GetInfo(call, &info); });
 }
 
 }  // namespace

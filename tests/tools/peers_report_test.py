@@ -49,6 +49,16 @@ class PeersReportTest(unittest.TestCase):
     def path(self, name):
         return os.path.join(self.tmp.name, name)
 
+    def report(self, main=None, extra=None):
+        """report.py's markdown for a made-up bench_topk_peers JSON and/or extra JSON."""
+        args = []
+        for name, data, flag in (("main.json", main, []), ("extra.json", extra, ["--extra"])):
+            if data is not None:
+                with open(self.path(name), "w", encoding="utf-8") as f:
+                    json.dump(data, f)
+                args += flag + [self.path(name)]
+        return run_report(args + ["--commit", "x"], self.path("out.md"))
+
     def test_the_committed_reports_are_what_report_py_makes_of_their_json(self):
         cases = [
             ("topk_peers_h100.md", ["topk_peers_h100_bell.json", "topk_peers_h100_equal.json"],
@@ -78,10 +88,7 @@ class PeersReportTest(unittest.TestCase):
                 result("8x16384", "sgl_fast", None),
             ],
         }
-        with open(self.path("extra.json"), "w", encoding="utf-8") as f:
-            json.dump(extra, f)
-        text = run_report(["--extra", self.path("extra.json"), "--commit", "x"],
-                          self.path("out.md"))
+        text = self.report(extra=extra)
         self.assertIn("# Top-K against sgl and sglang, in the same run", text)
         sgl = section(text, "### sgl (`fw_bench`)")
         self.assertEqual(sgl[0], "| rows x slots | dsa, same process (us) | sgl_fast (us) | "
@@ -99,11 +106,7 @@ class PeersReportTest(unittest.TestCase):
                  "source": "bench/peers/deepselect_bench.py",
                  "methods": {"ds_fp32": "DeepSelect fp32"},
                  "results": [result("1x65536", "ds_fp32", 57.0)]}
-        for name, data in (("main.json", main), ("ds.json", extra)):
-            with open(self.path(name), "w", encoding="utf-8") as f:
-                json.dump(data, f)
-        text = run_report([self.path("main.json"), "--extra", self.path("ds.json"),
-                           "--commit", "x"], self.path("out.md"))
+        text = self.report(main, extra)
         flashinfer = section(text, "### FlashInfer 0.7.4 (`bench_topk_peers`)")
         self.assertEqual(flashinfer[2], "| 1 x 65536 | 19.0 | 38.0 | 2.00x | same set, top-K | "
                                         "refused |  |  | refused |  |  |")
@@ -127,11 +130,7 @@ class PeersReportTest(unittest.TestCase):
                 result("8x16384", "vllm_v1_c", 40.0),
             ],
         }
-        for name, data in (("main.json", main), ("fw.json", extra)):
-            with open(self.path(name), "w", encoding="utf-8") as f:
-                json.dump(data, f)
-        text = run_report([self.path("main.json"), "--extra", self.path("fw.json"),
-                           "--commit", "x"], self.path("out.md"))
+        text = self.report(main, extra)
         vllm = section(text, "### vllm (`fw_bench`)")
         # Ours refused in the harness's process: no ratio against another process's (device's).
         self.assertEqual(vllm[2], "| 1 x 16384 | refused | 30.0 |  | same set, top-K | not run "
@@ -157,11 +156,7 @@ class PeersReportTest(unittest.TestCase):
                     result("1x16384", "vllm_c", None, same_process=12.0),
                 ],
             }
-            for name, data in (("main.json", main), ("fw.json", extra)):
-                with open(self.path(name), "w", encoding="utf-8") as f:
-                    json.dump(data, f)
-            text = run_report([self.path("main.json"), "--extra", self.path("fw.json"),
-                               "--commit", "x"], self.path("out.md"))
+            text = self.report(main, extra)
             return section(text, "### vllm (`fw_bench`)")[2]
 
         self.assertEqual(run("H200"), "| 1 x 16384 | 15.0 / 10.0 (other process) | 30.0 | 2.00x "
@@ -173,9 +168,7 @@ class PeersReportTest(unittest.TestCase):
     def test_an_extra_that_ran_nothing_is_still_named_in_the_title(self):
         extra = {"device": "H200", "k": 2048, "scores": "bell",
                  "source": "bench/peers/deepselect_bench.py", "results": []}
-        with open(self.path("ds.json"), "w", encoding="utf-8") as f:
-            json.dump(extra, f)
-        text = run_report(["--extra", self.path("ds.json"), "--commit", "x"], self.path("o.md"))
+        text = self.report(extra=extra)
         self.assertTrue(text.startswith("# Top-K against deepselect_bench, in the same run"))
 
 
